@@ -1,0 +1,8 @@
+//! agentrun: a Kubernetes operator that runs LLM agent tasks as durable
+//! executions recorded in an append-only step log, pausing for human approval
+//! of risky steps. See DESIGN.md for the contract.
+
+pub mod api;
+pub mod controller;
+pub mod store;
+pub mod telemetry;

@@ -1,0 +1,1 @@
+//! The step log (DESIGN.md section 3).
