@@ -1,1 +1,36 @@
-fn main() {}
+//! `agentrun`: the operator binary (controller, step runner, CRD generator, store tools).
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "agentrun", version, about = "Durable LLM agent runs on Kubernetes")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controller (reconciles AgentRuns, creates step Jobs and Approvals).
+    Controller(agentrun::controller::Options),
+    /// Execute the next step(s) of a run; this is what each step Job runs.
+    Step,
+    /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
+    Crds,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Crds => {
+            print!("{}", agentrun::api::crds_yaml()?);
+            Ok(())
+        }
+        Command::Controller(opts) => {
+            agentrun::telemetry::init();
+            agentrun::controller::run(opts).await
+        }
+        Command::Step => anyhow::bail!("`agentrun step` is not implemented yet"),
+    }
+}

@@ -1,1 +1,172 @@
+//! The controller (`agentrun controller`): a kube-runtime `Controller` on
+//! AgentRun, owning Jobs and Approvals, active on one replica at a time.
 
+pub mod decide;
+mod error;
+mod http;
+mod leader;
+mod metrics;
+mod reconcile;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::wait::{await_condition, conditions};
+use kube::runtime::{Controller, watcher};
+use kube::{Api, Client, ResourceExt};
+use prometheus_client::registry::Registry;
+
+pub use error::Error;
+pub use reconcile::FIELD_MANAGER;
+
+use crate::api::{Agent, AgentRun, Approval};
+
+/// Flags of `agentrun controller`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Options {
+    /// Watch only this namespace (all namespaces when omitted).
+    #[arg(long, env = "AGENTRUN_WATCH_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "AGENTRUN_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+    /// Elect one active replica through a coordination.k8s.io Lease.
+    #[arg(long, env = "AGENTRUN_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "agentrun-controller")]
+    pub lease_name: String,
+    /// Namespace of the Lease (the watched namespace, else the pod's, else `default`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+    /// Identity of this replica in the Lease and in Events.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Seconds a leader holds the Lease without renewing it.
+    #[arg(long, default_value_t = 15)]
+    pub lease_seconds: u64,
+}
+
+/// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    // reqwest and kube share rustls; pick ring once for the whole process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = Client::try_default().await?;
+    let identity = opts.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+
+    let mut registry = Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let ready = Arc::new(AtomicBool::new(false));
+    let health = http::Health { registry: Arc::new(registry), ready: ready.clone() };
+    let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
+    tokio::spawn(async move { axum::serve(listener, http::router(health)).await });
+
+    wait_for_crds(&client).await?;
+    ready.store(true, Ordering::Relaxed);
+
+    let mut shutdown = Box::pin(shutdown_signal());
+    let leadership = if opts.leader_elect {
+        let ns = opts
+            .namespace
+            .clone()
+            .or_else(|| opts.lease_namespace.clone())
+            .unwrap_or_else(|| "default".into());
+        tracing::info!(%identity, lease = %opts.lease_name, namespace = %ns, "waiting for leadership");
+        let lead = tokio::select! {
+            l = leader::acquire(client.clone(), &ns, &opts.lease_name, &identity, opts.lease_seconds) => l?,
+            _ = &mut shutdown => return Ok(()),
+        };
+        tracing::info!(%identity, "became leader");
+        Some(lead)
+    } else {
+        None
+    };
+
+    let ctx = Arc::new(reconcile::Context {
+        client: client.clone(),
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter { controller: FIELD_MANAGER.into(), instance: Some(identity.clone()) },
+        ),
+        metrics,
+    });
+    let (runs, jobs, approvals, agents) = match &opts.namespace {
+        Some(ns) => (
+            Api::<AgentRun>::namespaced(client.clone(), ns),
+            Api::<Job>::namespaced(client.clone(), ns),
+            Api::<Approval>::namespaced(client.clone(), ns),
+            Api::<Agent>::namespaced(client.clone(), ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
+    };
+    let controller = Controller::new(runs, watcher::Config::default());
+    let cache = controller.store();
+    // When an Agent appears or changes, the runs naming it are reconciled at once.
+    let runs_of_agent = move |agent: Agent| {
+        let ns = agent.namespace();
+        cache
+            .state()
+            .into_iter()
+            .filter(|run| run.namespace() == ns && run.spec.agent_ref.as_ref().is_some_and(|r| r.name == agent.name_any()))
+            .map(|run| ObjectRef::from_obj(&*run))
+            .collect::<Vec<_>>()
+    };
+    let lost = leadership.as_ref().map(|l| l.lost());
+    let lost = async move {
+        match lost {
+            Some(lost) => lost.await,
+            None => std::future::pending().await,
+        }
+    };
+    controller
+        .owns(jobs, watcher::Config::default())
+        .owns(approvals, watcher::Config::default())
+        .watches(agents, watcher::Config::default(), runs_of_agent)
+        .graceful_shutdown_on(async move {
+            tokio::select! {
+                _ = shutdown => tracing::info!("shutting down"),
+                _ = lost => tracing::error!("leadership lost; stopping"),
+            }
+        })
+        .run(reconcile::reconcile, reconcile::error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+    if let Some(l) = leadership {
+        l.release().await;
+    }
+    tracing::info!("controller stopped");
+    Ok(())
+}
+
+/// Waits until the agentrun CRDs are installed and established.
+async fn wait_for_crds(client: &Client) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in crate::api::crds() {
+        let name = crd.name_any();
+        tracing::info!(crd = %name, "waiting for CRD to be established");
+        await_condition(crds.clone(), &name, conditions::is_crd_established()).await?;
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term.recv() => {},
+    }
+    // Give in-flight reconciles a moment; kube-runtime waits for them too.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}

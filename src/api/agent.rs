@@ -1,0 +1,348 @@
+//! `Agent`: a reusable template for runs (prompt, model, tools, policy, budgets).
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::common::{Approvers, DURATION_RULE, SecretKeyRef};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+/// An Agent is a reusable template an AgentRun names in `spec.agentRef`:
+/// system prompt, model, tools, approval policy, budgets and context settings.
+/// A run snapshots it when it starts; later edits never change a running run
+/// unless the run follows the latest version (`spec.versionPolicy: FollowLatest`).
+///
+/// The same template is what an AgentRun carries inline in `spec.agent`.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "agentrun.dev",
+    version = "v1alpha1",
+    kind = "Agent",
+    namespaced,
+    status = "AgentStatus",
+    shortname = "agent",
+    category = "agentrun",
+    printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model.name"}"#,
+    printcolumn = r#"{"name":"Prompt","type":"string","jsonPath":".spec.prompt.version"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentTemplate {
+    /// The system prompt and its version label.
+    pub prompt: Prompt,
+    /// The model that drives the agent.
+    pub model: ModelSpec,
+    /// Tools the agent may call. A built-in `finish` tool is always available.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub tools: Vec<ToolSpec>,
+    /// Which tool calls need a human decision before they run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<ApprovalPolicy>,
+    /// Limits summed over the whole run, across every resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<Budgets>,
+    /// How the model's context is built from the log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<ContextSettings>,
+}
+
+/// The system prompt.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Prompt {
+    /// Version label of the prompt (e.g. `v3`); recorded with every step so a
+    /// run's behaviour can be traced to the prompt that produced it.
+    #[schemars(length(min = 1, max = 63))]
+    pub version: String,
+    /// The system prompt text.
+    #[schemars(length(min = 1))]
+    pub system: String,
+}
+
+/// The model API a run talks to.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Provider {
+    /// OpenAI-compatible chat completions (OpenAI, vLLM, Ollama, LiteLLM...).
+    #[default]
+    OpenAI,
+    /// The Anthropic Messages API.
+    Anthropic,
+}
+
+/// Model configuration.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// API flavour: `OpenAI` (chat completions) or `Anthropic` (Messages).
+    pub provider: Provider,
+    /// Model name sent to the provider (e.g. `gpt-4o-mini`, `claude-sonnet-4-5`).
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// Base URL of the API; the provider's public endpoint when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.startsWith('http://') || self.startsWith('https://')",
+        "message": "spec.model.endpoint must be an http:// or https:// URL"
+    }]))]
+    pub endpoint: Option<String>,
+    /// Secret key holding the API key. Never logged, never given to tools.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretKeyRef>,
+    /// Prices used to compute each step's cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prices: Option<Prices>,
+    /// Upper bound on output tokens per model call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_output_tokens: Option<u32>,
+}
+
+/// Prices in US dollars per million tokens.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Prices {
+    /// Dollars per million input tokens.
+    #[schemars(range(min = 0.0))]
+    pub input_per_million: f64,
+    /// Dollars per million output tokens.
+    #[schemars(range(min = 0.0))]
+    pub output_per_million: f64,
+}
+
+/// A tool the agent may call: an HTTP endpoint or an MCP server's tool.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.http) != has(self.mcp)", "message": "spec.tools[]: exactly one of http and mcp must be set"},
+    {"rule": "self.name != 'finish'", "message": "spec.tools[].name: 'finish' is reserved for the built-in tool that ends the run"}
+]))]
+pub struct ToolSpec {
+    /// Name the model calls the tool by.
+    #[schemars(length(min = 1, max = 64), regex(pattern = r"^[a-zA-Z0-9_-]+$"))]
+    pub name: String,
+    /// What the tool does, as the model sees it.
+    #[serde(default)]
+    pub description: String,
+    /// JSON Schema of the arguments; calls are validated against it before they run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "crate::api::common::any_json")]
+    pub input_schema: Option<serde_json::Value>,
+    /// An HTTP tool: arguments are POSTed as JSON with an `Idempotency-Key` header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpTool>,
+    /// A tool served by an MCP server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mcp: Option<McpTool>,
+}
+
+/// An HTTP tool endpoint.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpTool {
+    /// URL the arguments are POSTed to.
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.startsWith('http://') || self.startsWith('https://')",
+        "message": "spec.tools[].http.url must be an http:// or https:// URL"
+    }]))]
+    pub url: String,
+    /// The endpoint honours `Idempotency-Key`: repeating a call with the same
+    /// key has no further effect, so a crashed call may simply be repeated.
+    #[serde(default)]
+    pub idempotent: bool,
+    /// For a tool that is not idempotent: a URL that answers whether the call
+    /// with a given key already happened (GET with `Idempotency-Key`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup: Option<String>,
+    /// The call modifies nothing (classification default for the approval policy).
+    #[serde(default)]
+    pub read_only: bool,
+    /// Per-call timeout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": DURATION_RULE,
+        "message": "spec.tools[].http.timeout must be a positive duration such as 30s or 2m"
+    }]))]
+    pub timeout: Option<String>,
+}
+
+/// A tool of an MCP server (streamable HTTP transport).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct McpTool {
+    /// URL of the MCP server.
+    #[schemars(length(min = 1))]
+    pub url: String,
+    /// Tool name on that server, when it differs from `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+}
+
+/// What happens to a risky call that nobody decides in time. There is no
+/// approve-on-timeout: an absent reviewer is never consent.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum OnExpiry {
+    /// Raise a new Approval to `escalateTo`, with a new expiry.
+    Escalate,
+    /// Stop the run with its partial result.
+    #[default]
+    Fail,
+    /// Execute the safe alternative the agent proposed.
+    Alternative,
+    /// Tell the model the request expired and let it choose again.
+    ReturnToAgent,
+}
+
+/// What a tool call that matches no rule does.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum DefaultAction {
+    /// Run it without asking.
+    #[default]
+    Allow,
+    /// Ask for approval for every call that is not declared read-only.
+    RequireApprovalForMutating,
+}
+
+/// Which tool calls are risky and who decides them.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalPolicy {
+    /// Rules, first match wins.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub rules: Vec<ApprovalRule>,
+    /// What calls that match no rule do.
+    #[serde(default)]
+    pub default_action: DefaultAction,
+    /// Approvers for calls caught by `defaultAction`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_approvers: Option<Approvers>,
+    /// The user who created a run may not approve its calls.
+    #[serde(default)]
+    pub separation_of_duties: bool,
+    /// URL that receives a JSON message when an Approval is raised, escalated,
+    /// decided or expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify_webhook: Option<String>,
+}
+
+/// A rule making matching tool calls wait for a human decision.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.onExpiry != 'Escalate' || has(self.escalateTo)",
+     "message": "spec.approval.rules[].escalateTo is required when onExpiry is Escalate"}
+]))]
+pub struct ApprovalRule {
+    /// Rule name, shown on the Approvals it raises.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// Tool name the rule applies to (`*` for every tool).
+    #[schemars(length(min = 1))]
+    pub tool: String,
+    /// Optional CEL condition over the call's arguments, e.g. `args.amount > 100`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when: Option<String>,
+    /// Who may decide.
+    pub approvers: Approvers,
+    /// Distinct approvals needed (N of M); any reject rejects.
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 10))]
+    pub required_approvals: u32,
+    /// How long an Approval waits for its decision.
+    #[serde(default = "one_hour")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": DURATION_RULE,
+        "message": "spec.approval.rules[].expiresAfter must be a positive duration such as 30m or 2h"
+    }]))]
+    pub expires_after: String,
+    /// What happens when nobody decides in time.
+    #[serde(default)]
+    pub on_expiry: OnExpiry,
+    /// Approvers of the escalated Approval (required for `onExpiry: Escalate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalate_to: Option<Approvers>,
+    /// How many times a request may be escalated before it fails.
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 10))]
+    pub max_escalations: u32,
+    /// Read-only lookups whose answers the call depends on; re-read before an
+    /// approved call runs, and a changed answer voids the approval.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub dependencies: Vec<Dependency>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn one_hour() -> String {
+    "1h".into()
+}
+
+/// A record the approved call depends on, read through a read-only lookup.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Dependency {
+    /// Name of the dependency, shown to the approver.
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// URL answering with the record's current version (GET; the call's arguments as query).
+    #[schemars(length(min = 1))]
+    pub lookup: String,
+}
+
+/// Budgets, summed from the log over the whole run.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Budgets {
+    /// Maximum input plus output tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_tokens: Option<u64>,
+    /// Maximum cost in US dollars.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "maxCostUSD")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self > 0.0", "message": "spec.budgets.maxCostUSD must be greater than 0"
+    }]))]
+    pub max_cost_usd: Option<f64>,
+    /// Maximum number of steps (records in the log).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_steps: Option<u64>,
+}
+
+/// How the model's context is built: system prompt + task + latest summary +
+/// recent steps. The full log is always kept.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContextSettings {
+    /// Token budget of one model call's context; passing it triggers compaction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 256))]
+    pub max_tokens: Option<u64>,
+    /// Number of most recent steps always sent verbatim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub recent_steps: Option<u32>,
+}
+
+/// Observed state of an Agent.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentStatus {
+    /// Generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// sha256 of the canonical prompt; what runs pin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_hash: Option<String>,
+    /// Number of tools, built-in `finish` excluded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_count: Option<u32>,
+    /// Conditions (`Ready`).
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}

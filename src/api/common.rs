@@ -1,0 +1,87 @@
+//! Types shared by several resources.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A reference to a key of a Secret in the same namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1))]
+    pub name: String,
+    /// Key inside the Secret whose value is used.
+    #[schemars(length(min = 1))]
+    pub key: String,
+}
+
+/// A reference to an object in the same namespace, by name.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocalRef {
+    /// Name of the object.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// Who may decide an approval: users by name and members of groups.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "(has(self.users) ? size(self.users) : 0) + (has(self.groups) ? size(self.groups) : 0) > 0",
+    "message": "approvers must name at least one user or group"
+}]))]
+pub struct Approvers {
+    /// User names (as the API server authenticates them) allowed to decide.
+    #[serde(default)]
+    pub users: Vec<String>,
+    /// Groups whose members are allowed to decide.
+    #[serde(default)]
+    pub groups: Vec<String>,
+}
+
+/// Token and cost figures, summed from the step log.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    /// Model input tokens used so far.
+    #[serde(default)]
+    pub input_tokens: u64,
+    /// Model output tokens used so far.
+    #[serde(default)]
+    pub output_tokens: u64,
+    /// Cost so far in US dollars, from the model's configured prices.
+    #[serde(default, rename = "costUSD")]
+    pub cost_usd: f64,
+    /// Number of steps recorded in the log.
+    #[serde(default)]
+    pub steps: u64,
+}
+
+/// CEL rule for a Go-style duration (`90s`, `30m`, `1h30m`) that must be positive.
+/// Each duration field carries it with a message naming that field.
+pub const DURATION_RULE: &str =
+    "self.matches('^([0-9]+(\\\\.[0-9]+)?(ms|s|m|h))+$') && duration(self) > duration('0s')";
+
+/// Parses a Go-style duration such as `90s`, `30m` or `1h30m`.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, humantime::DurationError> {
+    humantime::parse_duration(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_style_durations_parse() {
+        assert_eq!(parse_duration("90s").unwrap().as_secs(), 90);
+        assert_eq!(parse_duration("1h30m").unwrap().as_secs(), 5400);
+        assert_eq!(parse_duration("250ms").unwrap().as_millis(), 250);
+        assert!(parse_duration("soon").is_err());
+    }
+}
+
+/// Schema of a free-form JSON value (tool arguments, JSON Schemas).
+pub fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
+}

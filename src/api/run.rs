@@ -1,0 +1,233 @@
+//! `AgentRun`: one durable execution of an agent on a task.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::agent::AgentTemplate;
+use super::common::{DURATION_RULE, LocalRef, Usage};
+
+/// An AgentRun is one durable execution of an agent on a task. Its steps are
+/// recorded in an external append-only log; the controller drives it with one
+/// short-lived Job per step and pauses it for a human when a tool call is risky.
+/// The controller never writes `spec`.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "agentrun.dev",
+    version = "v1alpha1",
+    kind = "AgentRun",
+    namespaced,
+    status = "AgentRunStatus",
+    shortname = "ar",
+    category = "agentrun",
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Step","type":"integer","jsonPath":".status.log.length"}"#,
+    printcolumn = r#"{"name":"Waiting-On","type":"string","jsonPath":".status.waitingOn"}"#,
+    printcolumn = r#"{"name":"Agent","type":"string","priority":1,"jsonPath":".spec.agentRef.name"}"#,
+    printcolumn = r#"{"name":"Cost","type":"number","priority":1,"jsonPath":".status.usage.costUSD"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.agentRef) != has(self.agent)",
+     "message": "exactly one of spec.agentRef and spec.agent must be set"},
+    {"rule": "self.input == oldSelf.input",
+     "message": "spec.input is immutable: start a new AgentRun for a new task"}
+]))]
+pub struct AgentRunSpec {
+    /// The Agent (same namespace) this run executes. Exactly one of
+    /// `agentRef` and `agent` is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_ref: Option<LocalRef>,
+    /// An inline agent definition, instead of `agentRef`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentTemplate>,
+    /// The task, given to the model as the first user message.
+    #[schemars(length(min = 1))]
+    pub input: String,
+    /// Wall-clock limit of the whole run, waiting for approvals included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": DURATION_RULE,
+        "message": "spec.deadline must be a positive duration such as 30m or 2h"
+    }]))]
+    pub deadline: Option<String>,
+    /// Limit of one step's Job (its `activeDeadlineSeconds`).
+    #[serde(default = "default_step_timeout")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": DURATION_RULE,
+        "message": "spec.stepTimeout must be a positive duration such as 90s or 10m"
+    }]))]
+    pub step_timeout: String,
+    /// Whether a run keeps the agent version it started with (`Pinned`) or
+    /// moves to the Agent's current version at the next step (`FollowLatest`).
+    #[serde(default)]
+    pub version_policy: VersionPolicy,
+    /// Name of the step-log store to use; the controller's default when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
+    /// Set to true to cancel the run; it stops at the next step boundary.
+    #[serde(default)]
+    pub cancel: bool,
+}
+
+fn default_step_timeout() -> String {
+    "10m".into()
+}
+
+/// Version pinning of a run.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum VersionPolicy {
+    /// Resume on the prompt, model and tools the run started with.
+    #[default]
+    Pinned,
+    /// Move to the Agent's current version at the next step boundary,
+    /// recorded in the log as `VersionChanged`.
+    FollowLatest,
+}
+
+/// Where a run is in its lifecycle.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Phase {
+    /// Accepted, not yet started.
+    #[default]
+    Pending,
+    /// A step is being worked on.
+    Running,
+    /// A risky call waits for a human decision; no pod is held.
+    AwaitingApproval,
+    /// The agent finished with a result.
+    Succeeded,
+    /// The run stopped with an error.
+    Failed,
+    /// Cancelled through `spec.cancel`.
+    Cancelled,
+    /// A token, cost or step budget was used up.
+    BudgetExceeded,
+    /// `spec.deadline` passed.
+    DeadlineExceeded,
+}
+
+impl Phase {
+    /// A final phase: the run never moves again.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            Phase::Succeeded
+                | Phase::Failed
+                | Phase::Cancelled
+                | Phase::BudgetExceeded
+                | Phase::DeadlineExceeded
+        )
+    }
+}
+
+/// Observed state of an AgentRun: only what `kubectl get` and a controller
+/// restart need. The log itself lives in the external store.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentRunStatus {
+    /// Lifecycle phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// What the run waits on, for `kubectl get`: `job/NAME`, `approval/NAME`, ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_on: Option<String>,
+    /// Generation of the spec last acted on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Conditions: `AgentResolved`, `Ready`, `Succeeded`, ...
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Reference to the run's step log in the external store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<LogRef>,
+    /// The step in progress.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<CurrentStep>,
+    /// The Approval the run waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<PendingApproval>,
+    /// Versions pinned when the run started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned: Option<PinnedVersions>,
+    /// Tokens, cost and steps so far, summed from the log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// When the run started and, once final, when it finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
+    /// When `spec.deadline` passes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_at: Option<Time>,
+    /// The agent's final answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// Why the run failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Where a run's log is.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LogRef {
+    /// Store name.
+    pub store: String,
+    /// Key of the run in the store (the run's uid).
+    pub run_key: String,
+    /// Number of records.
+    pub length: u64,
+    /// Hash of the last record; `kubectl agentrun verify` checks the chain ends here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_hash: Option<String>,
+}
+
+/// The step being worked on.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CurrentStep {
+    /// Sequence number the step will append at.
+    pub seq: u64,
+    /// Job running it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    /// Attempt number of this step (1 for the first).
+    #[serde(default)]
+    pub attempt: u32,
+    /// When the Job was created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+}
+
+/// The Approval a run waits for.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingApproval {
+    /// Approval name.
+    pub name: String,
+    /// When it expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<Time>,
+}
+
+/// Versions a run started with.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PinnedVersions {
+    /// Prompt version label.
+    pub prompt_version: String,
+    /// sha256 of the prompt text.
+    pub prompt_hash: String,
+    /// Model name as configured.
+    pub model: String,
+    /// sha256 of the tool schemas.
+    pub tool_schema_hash: String,
+    /// Generation of the Agent snapshotted, for `agentRef` runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_generation: Option<i64>,
+}

@@ -1,0 +1,23 @@
+//! Reconcile errors; each maps to a metric label.
+
+/// What can go wrong while reconciling a run.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading {what}: {source}")]
+    Read { what: &'static str, source: kube::Error },
+    #[error("writing status: {0}")]
+    Status(#[source] kube::Error),
+    #[error("encoding status: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+impl Error {
+    /// Label for `agentrun_reconcile_errors_total{reason=...}`.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Read { .. } => "read",
+            Error::Status(_) => "status",
+            Error::Encode(_) => "encode",
+        }
+    }
+}
