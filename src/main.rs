@@ -3,7 +3,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "agentrun", version, about = "Durable LLM agent runs on Kubernetes")]
+#[command(
+    name = "agentrun",
+    version,
+    about = "Durable LLM agent runs on Kubernetes"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -9,8 +9,12 @@ pub fn init() {
     let json = std::env::var("AGENTRUN_LOG_FORMAT").is_ok_and(|f| f == "json");
     let registry = tracing_subscriber::registry().with(filter);
     if json {
-        registry.with(fmt::layer().json().with_current_span(true)).init();
+        registry
+            .with(fmt::layer().json().with_current_span(true))
+            .init();
     } else {
-        registry.with(fmt::layer().with_writer(std::io::stderr)).init();
+        registry
+            .with(fmt::layer().with_writer(std::io::stderr))
+            .init();
     }
 }

@@ -17,9 +17,33 @@ fn every_crd_has_status_printer_columns_short_names_and_category() {
     for crd in agentrun::api::crds() {
         let name = crd.metadata.name.clone().unwrap_or_default();
         let version = &crd.spec.versions[0];
-        assert!(version.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some(), "{name}: status subresource");
-        assert!(version.additional_printer_columns.as_ref().is_some_and(|c| c.len() >= 3), "{name}: printer columns");
-        assert!(crd.spec.names.short_names.as_ref().is_some_and(|s| !s.is_empty()), "{name}: short names");
-        assert_eq!(crd.spec.names.categories.as_deref(), Some(&["agentrun".to_string()][..]), "{name}: category");
+        assert!(
+            version
+                .subresources
+                .as_ref()
+                .and_then(|s| s.status.as_ref())
+                .is_some(),
+            "{name}: status subresource"
+        );
+        assert!(
+            version
+                .additional_printer_columns
+                .as_ref()
+                .is_some_and(|c| c.len() >= 3),
+            "{name}: printer columns"
+        );
+        assert!(
+            crd.spec
+                .names
+                .short_names
+                .as_ref()
+                .is_some_and(|s| !s.is_empty()),
+            "{name}: short names"
+        );
+        assert_eq!(
+            crd.spec.names.categories.as_deref(),
+            Some(&["agentrun".to_string()][..]),
+            "{name}: category"
+        );
     }
 }

@@ -34,7 +34,7 @@ pub struct AgentTemplate {
     pub model: ModelSpec,
     /// Tools the agent may call. A built-in `finish` tool is always available.
     #[serde(default)]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[schemars(length(max = 64), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub tools: Vec<ToolSpec>,
     /// Which tool calls need a human decision before they run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -81,7 +81,7 @@ pub struct ModelSpec {
     pub name: String,
     /// Base URL of the API; the provider's public endpoint when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("x-kubernetes-validations" = [{
+    #[schemars(length(max = 2048), extend("x-kubernetes-validations" = [{
         "rule": "self.startsWith('http://') || self.startsWith('https://')",
         "message": "spec.model.endpoint must be an http:// or https:// URL"
     }]))]
@@ -141,7 +141,7 @@ pub struct ToolSpec {
 #[serde(rename_all = "camelCase")]
 pub struct HttpTool {
     /// URL the arguments are POSTed to.
-    #[schemars(extend("x-kubernetes-validations" = [{
+    #[schemars(length(max = 2048), extend("x-kubernetes-validations" = [{
         "rule": "self.startsWith('http://') || self.startsWith('https://')",
         "message": "spec.tools[].http.url must be an http:// or https:// URL"
     }]))]
@@ -159,7 +159,7 @@ pub struct HttpTool {
     pub read_only: bool,
     /// Per-call timeout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("x-kubernetes-validations" = [{
+    #[schemars(length(max = 32), extend("x-kubernetes-validations" = [{
         "rule": DURATION_RULE,
         "message": "spec.tools[].http.timeout must be a positive duration such as 30s or 2m"
     }]))]
@@ -209,7 +209,7 @@ pub enum DefaultAction {
 pub struct ApprovalPolicy {
     /// Rules, first match wins.
     #[serde(default)]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[schemars(length(max = 32), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub rules: Vec<ApprovalRule>,
     /// What calls that match no rule do.
     #[serde(default)]
@@ -251,7 +251,7 @@ pub struct ApprovalRule {
     pub required_approvals: u32,
     /// How long an Approval waits for its decision.
     #[serde(default = "one_hour")]
-    #[schemars(extend("x-kubernetes-validations" = [{
+    #[schemars(length(max = 32), extend("x-kubernetes-validations" = [{
         "rule": DURATION_RULE,
         "message": "spec.approval.rules[].expiresAfter must be a positive duration such as 30m or 2h"
     }]))]
@@ -269,7 +269,7 @@ pub struct ApprovalRule {
     /// Read-only lookups whose answers the call depends on; re-read before an
     /// approved call runs, and a changed answer voids the approval.
     #[serde(default)]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub dependencies: Vec<Dependency>,
 }
 
@@ -302,7 +302,11 @@ pub struct Budgets {
     #[schemars(range(min = 1))]
     pub max_tokens: Option<u64>,
     /// Maximum cost in US dollars.
-    #[serde(default, skip_serializing_if = "Option::is_none", rename = "maxCostUSD")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "maxCostUSD"
+    )]
     #[schemars(extend("x-kubernetes-validations" = [{
         "rule": "self > 0.0", "message": "spec.budgets.maxCostUSD must be greater than 0"
     }]))]

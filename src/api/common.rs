@@ -34,9 +34,11 @@ pub struct LocalRef {
 pub struct Approvers {
     /// User names (as the API server authenticates them) allowed to decide.
     #[serde(default)]
+    #[schemars(length(max = 50))]
     pub users: Vec<String>,
     /// Groups whose members are allowed to decide.
     #[serde(default)]
+    #[schemars(length(max = 50))]
     pub groups: Vec<String>,
 }
 
@@ -81,7 +83,8 @@ mod tests {
     }
 }
 
-/// Schema of a free-form JSON value (tool arguments, JSON Schemas).
+/// Schema of a free-form JSON object (tool arguments, JSON Schemas). Typed as
+/// an object so CEL rules can test for its presence.
 pub fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
+    schemars::json_schema!({ "type": "object", "x-kubernetes-preserve-unknown-fields": true })
 }

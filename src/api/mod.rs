@@ -12,8 +12,8 @@ pub use approval::*;
 pub use common::*;
 pub use run::*;
 
-use kube::CustomResourceExt;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
 
 /// API group of every agentrun resource.
 pub const GROUP: &str = "agentrun.dev";

@@ -48,14 +48,14 @@ pub struct AgentRunSpec {
     pub input: String,
     /// Wall-clock limit of the whole run, waiting for approvals included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(extend("x-kubernetes-validations" = [{
+    #[schemars(length(max = 32), extend("x-kubernetes-validations" = [{
         "rule": DURATION_RULE,
         "message": "spec.deadline must be a positive duration such as 30m or 2h"
     }]))]
     pub deadline: Option<String>,
     /// Limit of one step's Job (its `activeDeadlineSeconds`).
     #[serde(default = "default_step_timeout")]
-    #[schemars(extend("x-kubernetes-validations" = [{
+    #[schemars(length(max = 32), extend("x-kubernetes-validations" = [{
         "rule": DURATION_RULE,
         "message": "spec.stepTimeout must be a positive duration such as 90s or 10m"
     }]))]

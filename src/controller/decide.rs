@@ -44,10 +44,29 @@ pub fn decide(run: &AgentRun, agent: &AgentLookup, now: Timestamp) -> Plan {
     let generation = run.metadata.generation;
 
     let resolved = match agent {
-        AgentLookup::Inline => condition(AGENT_RESOLVED, true, "Inline", "the run defines its agent inline in spec.agent", generation, now),
+        AgentLookup::Inline => condition(
+            AGENT_RESOLVED,
+            true,
+            "Inline",
+            "the run defines its agent inline in spec.agent",
+            generation,
+            now,
+        ),
         AgentLookup::Found { .. } => {
-            let name = run.spec.agent_ref.as_ref().map(|r| r.name.as_str()).unwrap_or_default();
-            condition(AGENT_RESOLVED, true, "Found", &format!("Agent {name:?} resolved"), generation, now)
+            let name = run
+                .spec
+                .agent_ref
+                .as_ref()
+                .map(|r| r.name.as_str())
+                .unwrap_or_default();
+            condition(
+                AGENT_RESOLVED,
+                true,
+                "Found",
+                &format!("Agent {name:?} resolved"),
+                generation,
+                now,
+            )
         }
         AgentLookup::NotFound { name } => condition(
             AGENT_RESOLVED,
@@ -65,7 +84,11 @@ pub fn decide(run: &AgentRun, agent: &AgentLookup, now: Timestamp) -> Plan {
     if was.is_none_or(|c| c.status != resolved.status || c.reason != resolved.reason) {
         notices.push(Notice {
             warning: resolved.status != "True",
-            reason: if resolved.status == "True" { "AgentResolved" } else { "AgentNotFound" },
+            reason: if resolved.status == "True" {
+                "AgentResolved"
+            } else {
+                "AgentNotFound"
+            },
             message: resolved.message.clone(),
         });
     }
@@ -90,7 +113,14 @@ pub fn inline_agent(run: &AgentRun) -> Option<&AgentTemplate> {
 }
 
 /// Builds a condition stamped `now`.
-pub fn condition(type_: &str, ok: bool, reason: &str, message: &str, generation: Option<i64>, now: Timestamp) -> Condition {
+pub fn condition(
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Condition {
     Condition {
         type_: type_.to_string(),
         status: if ok { "True" } else { "False" }.to_string(),
@@ -141,10 +171,25 @@ mod tests {
 
     #[test]
     fn missing_agent_is_reported_with_field_and_namespace() {
-        let plan = decide(&run(Some("refunds")), &AgentLookup::NotFound { name: "refunds".into() }, t(10));
+        let plan = decide(
+            &run(Some("refunds")),
+            &AgentLookup::NotFound {
+                name: "refunds".into(),
+            },
+            t(10),
+        );
         let c = &plan.status.conditions[0];
-        assert_eq!((c.type_.as_str(), c.status.as_str(), c.reason.as_str()), (AGENT_RESOLVED, "False", "AgentNotFound"));
-        assert!(c.message.contains("spec.agentRef.name") && c.message.contains("\"refunds\"") && c.message.contains("\"shop\""), "{}", c.message);
+        assert_eq!(
+            (c.type_.as_str(), c.status.as_str(), c.reason.as_str()),
+            (AGENT_RESOLVED, "False", "AgentNotFound")
+        );
+        assert!(
+            c.message.contains("spec.agentRef.name")
+                && c.message.contains("\"refunds\"")
+                && c.message.contains("\"shop\""),
+            "{}",
+            c.message
+        );
         assert_eq!(plan.status.phase, Some(Phase::Pending));
         assert_eq!(plan.status.waiting_on.as_deref(), Some("agent/refunds"));
         assert_eq!(plan.status.observed_generation, Some(3));
@@ -155,13 +200,35 @@ mod tests {
     #[test]
     fn found_agent_resolves_and_clears_waiting() {
         let mut r = run(Some("refunds"));
-        r.status = Some(decide(&r, &AgentLookup::NotFound { name: "refunds".into() }, t(10)).status);
-        let plan = decide(&r, &AgentLookup::Found { generation: Some(1) }, t(20));
+        r.status = Some(
+            decide(
+                &r,
+                &AgentLookup::NotFound {
+                    name: "refunds".into(),
+                },
+                t(10),
+            )
+            .status,
+        );
+        let plan = decide(
+            &r,
+            &AgentLookup::Found {
+                generation: Some(1),
+            },
+            t(20),
+        );
         let c = &plan.status.conditions[0];
         assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "Found"));
         assert_eq!(c.last_transition_time, Time(t(20)));
         assert_eq!(plan.status.waiting_on, None);
-        assert_eq!(plan.notices, vec![Notice { warning: false, reason: "AgentResolved", message: "Agent \"refunds\" resolved".into() }]);
+        assert_eq!(
+            plan.notices,
+            vec![Notice {
+                warning: false,
+                reason: "AgentResolved",
+                message: "Agent \"refunds\" resolved".into()
+            }]
+        );
     }
 
     #[test]
@@ -177,14 +244,21 @@ mod tests {
         let first = decide(&r, &AgentLookup::Found { generation: None }, t(10));
         r.status = Some(first.status.clone());
         let second = decide(&r, &AgentLookup::Found { generation: None }, t(99));
-        assert_eq!(second.status, first.status, "a repeat reconcile must not move lastTransitionTime");
+        assert_eq!(
+            second.status, first.status,
+            "a repeat reconcile must not move lastTransitionTime"
+        );
         assert!(second.notices.is_empty());
     }
 
     #[test]
     fn a_later_phase_is_kept() {
         let mut r = run(None);
-        r.status = Some(AgentRunStatus { phase: Some(Phase::Running), waiting_on: Some("job/x".into()), ..Default::default() });
+        r.status = Some(AgentRunStatus {
+            phase: Some(Phase::Running),
+            waiting_on: Some("job/x".into()),
+            ..Default::default()
+        });
         let plan = decide(&r, &AgentLookup::Inline, t(1));
         assert_eq!(plan.status.phase, Some(Phase::Running));
         assert_eq!(plan.status.waiting_on.as_deref(), Some("job/x"));
@@ -196,6 +270,9 @@ mod tests {
         set_condition(&mut cs, condition("B", true, "R", "m", None, t(2)));
         set_condition(&mut cs, condition("A", false, "X", "n", None, t(3)));
         assert_eq!(cs.len(), 2);
-        assert_eq!((cs[0].status.as_str(), cs[0].last_transition_time.clone()), ("False", Time(t(3))));
+        assert_eq!(
+            (cs[0].status.as_str(), cs[0].last_transition_time.clone()),
+            ("False", Time(t(3)))
+        );
     }
 }

@@ -23,11 +23,24 @@ pub fn router(health: Health) -> Router {
         .with_state(health)
 }
 
-async fn metrics(State(h): State<Health>) -> (StatusCode, [(&'static str, &'static str); 1], String) {
+async fn metrics(
+    State(h): State<Health>,
+) -> (StatusCode, [(&'static str, &'static str); 1], String) {
     let mut body = String::new();
     match prometheus_client::encoding::text::encode(&mut body, &h.registry) {
-        Ok(()) => (StatusCode::OK, [("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")], body),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, [("content-type", "text/plain")], e.to_string()),
+        Ok(()) => (
+            StatusCode::OK,
+            [(
+                "content-type",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        ),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [("content-type", "text/plain")],
+            e.to_string(),
+        ),
     }
 }
 

@@ -26,7 +26,11 @@ impl Metrics {
             reconcile_errors: Family::default(),
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
         };
-        registry.register("agentrun_reconciliations", "AgentRun reconciliations", m.reconciliations.clone());
+        registry.register(
+            "agentrun_reconciliations",
+            "AgentRun reconciliations",
+            m.reconciliations.clone(),
+        );
         registry.register(
             "agentrun_reconcile_errors",
             "Failed AgentRun reconciliations by reason",

@@ -67,7 +67,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
-    let health = http::Health { registry: Arc::new(registry), ready: ready.clone() };
+    let health = http::Health {
+        registry: Arc::new(registry),
+        ready: ready.clone(),
+    };
     let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
     tokio::spawn(async move { axum::serve(listener, http::router(health)).await });
@@ -97,7 +100,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         client: client.clone(),
         recorder: Recorder::new(
             client.clone(),
-            Reporter { controller: FIELD_MANAGER.into(), instance: Some(identity.clone()) },
+            Reporter {
+                controller: FIELD_MANAGER.into(),
+                instance: Some(identity.clone()),
+            },
         ),
         metrics,
     });
@@ -108,7 +114,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             Api::<Approval>::namespaced(client.clone(), ns),
             Api::<Agent>::namespaced(client.clone(), ns),
         ),
-        None => (Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone()), Api::all(client.clone())),
+        None => (
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+        ),
     };
     let controller = Controller::new(runs, watcher::Config::default());
     let cache = controller.store();
@@ -118,7 +129,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         cache
             .state()
             .into_iter()
-            .filter(|run| run.namespace() == ns && run.spec.agent_ref.as_ref().is_some_and(|r| r.name == agent.name_any()))
+            .filter(|run| {
+                run.namespace() == ns
+                    && run
+                        .spec
+                        .agent_ref
+                        .as_ref()
+                        .is_some_and(|r| r.name == agent.name_any())
+            })
             .map(|run| ObjectRef::from_obj(&*run))
             .collect::<Vec<_>>()
     };

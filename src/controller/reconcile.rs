@@ -36,9 +36,19 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
         None => AgentLookup::Inline,
         Some(r) => {
             let agents: Api<Agent> = Api::namespaced(ctx.client.clone(), &ns);
-            match agents.get_opt(&r.name).await.map_err(|source| Error::Read { what: "agent", source })? {
-                Some(a) => AgentLookup::Found { generation: a.metadata.generation },
-                None => AgentLookup::NotFound { name: r.name.clone() },
+            match agents
+                .get_opt(&r.name)
+                .await
+                .map_err(|source| Error::Read {
+                    what: "agent",
+                    source,
+                })? {
+                Some(a) => AgentLookup::Found {
+                    generation: a.metadata.generation,
+                },
+                None => AgentLookup::NotFound {
+                    name: r.name.clone(),
+                },
             }
         }
     };
@@ -54,14 +64,22 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
             "kind": AgentRun::kind(&()),
             "status": serde_json::to_value(&plan.status)?,
         });
-        runs.patch_status(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body))
-            .await
-            .map_err(Error::Status)?;
+        runs.patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(Error::Status)?;
     }
     let reference = run.object_ref(&());
     for notice in plan.notices {
         let event = Event {
-            type_: if notice.warning { EventType::Warning } else { EventType::Normal },
+            type_: if notice.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
             reason: notice.reason.into(),
             note: Some(notice.message),
             action: "Reconcile".into(),
@@ -72,7 +90,9 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
             tracing::warn!(run = %name, namespace = %ns, error = %e, "publishing event failed");
         }
     }
-    ctx.metrics.reconcile_duration.observe(started.elapsed().as_secs_f64());
+    ctx.metrics
+        .reconcile_duration
+        .observe(started.elapsed().as_secs_f64());
     Ok(Action::requeue(Duration::from_secs(300)))
 }
 
@@ -80,7 +100,9 @@ pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Act
     tracing::warn!(run = %run.name_any(), namespace = ?run.namespace(), %error, "reconcile failed");
     ctx.metrics
         .reconcile_errors
-        .get_or_create(&ReasonLabel { reason: error.metric_label().into() })
+        .get_or_create(&ReasonLabel {
+            reason: error.metric_label().into(),
+        })
         .inc();
     Action::requeue(Duration::from_secs(5))
 }

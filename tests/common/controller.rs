@@ -20,14 +20,27 @@ impl ControllerProcess {
         let out = std::fs::File::create(&log).expect("log file");
         let metrics_port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
-            .args(["controller", "--namespace", namespace, "--identity", identity, "--lease-seconds", "6"])
+            .args([
+                "controller",
+                "--namespace",
+                namespace,
+                "--identity",
+                identity,
+                "--lease-seconds",
+                "6",
+            ])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .env("RUST_LOG", "info,agentrun=debug")
             .stdout(Stdio::null())
             .stderr(out)
             .spawn()
             .expect("starting agentrun controller");
-        ControllerProcess { child: Some(child), log, _dir: dir, metrics_port }
+        ControllerProcess {
+            child: Some(child),
+            log,
+            _dir: dir,
+            metrics_port,
+        }
     }
 
     /// Everything the replica logged so far.
@@ -48,7 +61,10 @@ impl ControllerProcess {
             }
             let _ = child.kill();
             let _ = child.wait();
-            panic!("controller did not stop within 10 s of SIGTERM:\n{}", self.log());
+            panic!(
+                "controller did not stop within 10 s of SIGTERM:\n{}",
+                self.log()
+            );
         }
     }
 }
@@ -63,5 +79,9 @@ impl Drop for ControllerProcess {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
