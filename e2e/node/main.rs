@@ -1,1 +1,192 @@
-fn main() {}
+//! agentrun-process-node: the kubelet of one Node for the e2e control plane.
+//!
+//! There is no container engine on the machines that run the e2e tests, so
+//! this node runs every pod bound to it as plain local processes: one process
+//! group per container, logs in the state dir, status reported honestly
+//! through `pods/status`. It is a test fixture, not a sandbox: processes run
+//! on the host, but they start from a clean environment and only get
+//! Kubernetes credentials when the pod asks for a service-account token.
+
+mod container;
+mod env;
+mod identity;
+mod lifecycle;
+mod node;
+mod pods;
+mod process;
+mod status;
+
+use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
+
+use anyhow::Context as _;
+use base64::Engine as _;
+use clap::Parser;
+use tracing::info;
+
+#[derive(Parser, Debug)]
+#[command(about = "Runs the pods bound to one Node as local processes (e2e only)")]
+struct Args {
+    /// Name of the Node object this process registers and serves.
+    #[arg(long, default_value = "agentrun-node")]
+    node_name: String,
+    /// Pod working dirs (`pods/`) and container logs (`logs/`).
+    #[arg(long)]
+    state_dir: PathBuf,
+    /// `NAME=DIR`: containers whose image repository ends in NAME run with DIR
+    /// first in PATH, and with DIR/NAME as entrypoint when they set no command.
+    #[arg(long = "image-bin", value_parser = parse_image_bin)]
+    image_bins: Vec<(String, PathBuf)>,
+    /// The cluster CA, written into the kubeconfigs handed to pods.
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+    /// Also bind pending pods that have no node (when no scheduler runs).
+    #[arg(long)]
+    bind_unscheduled: bool,
+}
+
+fn parse_image_bin(s: &str) -> Result<(String, PathBuf), String> {
+    let (name, dir) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=DIR, got {s:?}"))?;
+    if name.is_empty() || dir.is_empty() {
+        return Err(format!("expected NAME=DIR, got {s:?}"));
+    }
+    Ok((name.to_string(), PathBuf::from(dir)))
+}
+
+/// What every part of the node needs; shared read-only.
+pub struct NodeCtx {
+    pub client: kube::Client,
+    pub node_name: String,
+    pub state_dir: PathBuf,
+    pub image_bins: BTreeMap<String, PathBuf>,
+    /// API server URL written into pod kubeconfigs.
+    pub server_url: String,
+    /// PEM of the cluster CA, base64-encoded for `certificate-authority-data`.
+    pub ca_data: Option<String>,
+    /// The node's own PATH, inherited by pods after the image-bin dirs.
+    pub host_path: String,
+}
+
+impl NodeCtx {
+    pub fn logs_dir(&self) -> PathBuf {
+        self.state_dir.join("logs")
+    }
+    pub fn pods_dir(&self) -> PathBuf {
+        self.state_dir.join("pods")
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into()),
+        )
+        .init();
+    let args = Args::parse();
+
+    let config = kube::Config::infer()
+        .await
+        .context("loading the admin kubeconfig (KUBECONFIG)")?;
+    let ca_data = match &args.ca_file {
+        Some(path) => {
+            let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            Some(base64::engine::general_purpose::STANDARD.encode(pem))
+        }
+        // Fall back to the CA the admin kubeconfig trusts, re-encoded as PEM.
+        None => config.root_cert.as_ref().map(|ders| {
+            let b64 = base64::engine::general_purpose::STANDARD;
+            let pem: String = ders
+                .iter()
+                .map(|der| {
+                    let body = b64.encode(der);
+                    let lines: Vec<&str> = body
+                        .as_bytes()
+                        .chunks(64)
+                        .filter_map(|c| std::str::from_utf8(c).ok())
+                        .collect();
+                    format!(
+                        "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+                        lines.join("\n")
+                    )
+                })
+                .collect();
+            b64.encode(pem)
+        }),
+    };
+    let server_url = config
+        .cluster_url
+        .to_string()
+        .trim_end_matches('/')
+        .to_string();
+    let client = kube::Client::try_from(config).context("building the API client")?;
+
+    for dir in ["logs", "pods"] {
+        std::fs::create_dir_all(args.state_dir.join(dir))
+            .with_context(|| format!("creating {}/{dir}", args.state_dir.display()))?;
+    }
+    // Absolute, so that process working dirs can be compared against it.
+    let state_dir = std::fs::canonicalize(&args.state_dir)?;
+    let ctx = Arc::new(NodeCtx {
+        client,
+        node_name: args.node_name,
+        state_dir,
+        image_bins: args.image_bins.into_iter().collect(),
+        server_url,
+        ca_data,
+        host_path: std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+    });
+
+    let leftovers = process::kill_leftovers(&ctx.pods_dir());
+    if leftovers > 0 {
+        tracing::warn!(leftovers, "killed processes left behind by a previous run");
+    }
+    node::register(&ctx).await?;
+    info!(node = %ctx.node_name, "node registered and Ready");
+
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let heartbeat = tokio::spawn(node::heartbeat(ctx.clone()));
+    let binder = args
+        .bind_unscheduled
+        .then(|| tokio::spawn(pods::bind_unscheduled(ctx.clone())));
+    let mut manager = tokio::spawn(pods::run(ctx.clone(), shutdown_rx));
+
+    let outcome = tokio::select! {
+        signal = wait_for_signal() => {
+            signal?;
+            info!("shutting down: stopping every pod process");
+            let _ = shutdown_tx.send(true);
+            // e2e/cluster SIGKILLs the node 5 s after SIGTERM; pods get ~2 s of grace.
+            match tokio::time::timeout(std::time::Duration::from_secs(4), &mut manager).await {
+                Ok(joined) => joined,
+                Err(_) => {
+                    tracing::warn!("pods did not stop in time");
+                    Ok(Ok(()))
+                }
+            }
+        }
+        joined = &mut manager => joined,
+    };
+    heartbeat.abort();
+    if let Some(b) = binder {
+        b.abort();
+    }
+    match outcome {
+        Ok(result) => result,
+        Err(e) => Err(anyhow::anyhow!("pod manager panicked: {e}")),
+    }
+}
+
+async fn wait_for_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = int.recv() => {},
+    }
+    Ok(())
+}

@@ -1,0 +1,258 @@
+//! Supervises one container: resolve its environment, start its process,
+//! wait for it (or for the pod to stop), restart it per restartPolicy.
+
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::{
+    NodeCtx,
+    env::{self, Env},
+    process::{self, Launch},
+    status::{State, Terminated, now},
+};
+
+/// Why and by when a pod's processes must stop.
+#[derive(Debug, Clone)]
+pub struct Stop {
+    pub reason: StopReason,
+    /// SIGKILL after this instant.
+    pub deadline: Instant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The pod has a deletionTimestamp: kill, then confirm the deletion.
+    Deleted,
+    /// The pod object is gone already.
+    Gone,
+    /// The pod ran past `activeDeadlineSeconds`.
+    DeadlineExceeded,
+    /// The node itself is stopping.
+    NodeShutdown,
+}
+
+pub type StopRx = watch::Receiver<Option<Stop>>;
+
+/// Which container of the pod an event is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub init: bool,
+    pub index: usize,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    State(Slot, State),
+    /// The container exited; `restarting` if it will be started again.
+    Exited(Slot, Terminated, bool),
+    /// The supervisor is done: the container will not run again.
+    Done(Slot),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restart {
+    Never,
+    OnFailure,
+    Always,
+}
+
+impl Restart {
+    fn wants(self, exit_code: i32) -> bool {
+        match self {
+            Self::Never => false,
+            Self::OnFailure => exit_code != 0,
+            Self::Always => true,
+        }
+    }
+}
+
+/// What does not change between restarts of one container.
+pub struct Spec {
+    pub ctx: Arc<NodeCtx>,
+    pub pod: Arc<Pod>,
+    pub container: Container,
+    pub slot: Slot,
+    pub restart: Restart,
+    /// PATH, HOME and (if the container mounts a token) KUBECONFIG.
+    pub base_env: Env,
+    pub entrypoint: Option<PathBuf>,
+    pub cwd: PathBuf,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub log: PathBuf,
+}
+
+/// Waits until the pod is told to stop; a dropped sender means "gone".
+pub async fn next_stop(stop: &mut StopRx) -> Stop {
+    match stop.wait_for(Option::is_some).await {
+        Ok(s) => s.clone(),
+        Err(_) => None,
+    }
+    .unwrap_or_else(|| Stop {
+        reason: StopReason::Gone,
+        deadline: Instant::now(),
+    })
+}
+
+fn is_stopping(stop: &StopRx) -> bool {
+    stop.borrow().is_some()
+}
+
+/// The command line, `$(VAR)`-expanded against the final environment.
+fn command_line(spec: &Spec, env: &Env) -> Result<(String, Vec<String>), String> {
+    let c = &spec.container;
+    let command: Vec<String> = c
+        .command
+        .iter()
+        .flatten()
+        .map(|s| env::expand(s, env))
+        .collect();
+    let args = c.args.iter().flatten().map(|s| env::expand(s, env));
+    match command.split_first() {
+        Some((program, rest)) => Ok((program.clone(), rest.iter().cloned().chain(args).collect())),
+        None => match &spec.entrypoint {
+            Some(entry) => Ok((entry.display().to_string(), args.collect())),
+            None => Err(format!(
+                "image {:?} has no entrypoint known to the process node: set command",
+                c.image.as_deref().unwrap_or("")
+            )),
+        },
+    }
+}
+
+/// Runs the container until it should not run again or the pod stops.
+pub async fn supervise(spec: Spec, events: mpsc::UnboundedSender<Event>, mut stop: StopRx) {
+    let slot = spec.slot;
+    let send = |e: Event| {
+        let _ = events.send(e);
+    };
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        if is_stopping(&stop) {
+            break;
+        }
+        let env = match env::resolve(
+            &spec.ctx.client,
+            &spec.pod,
+            &spec.container,
+            spec.base_env.clone(),
+        )
+        .await
+        {
+            Ok(env) => env,
+            Err(e) => {
+                // As the kubelet: report and retry until the config exists.
+                send(Event::State(
+                    slot,
+                    State::waiting("CreateContainerConfigError", Some(e.0)),
+                ));
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => continue,
+                    _ = next_stop(&mut stop) => break,
+                }
+            }
+        };
+        let launch = match command_line(&spec, &env) {
+            Ok((program, args)) => Launch {
+                program,
+                args,
+                env,
+                cwd: spec.cwd.clone(),
+                uid: spec.uid,
+                gid: spec.gid,
+                log: spec.log.clone(),
+            },
+            Err(message) => {
+                let t = start_failure(127, message);
+                send(Event::Exited(slot, t, false));
+                break;
+            }
+        };
+
+        let started = Instant::now();
+        let term = match process::spawn(&launch) {
+            Err(e) => {
+                warn!(container = %spec.container.name, error = %e.message, "container failed to start");
+                start_failure(e.exit_code, e.message)
+            }
+            Ok(child) => run(&spec, child, &mut stop, &send).await,
+        };
+        let restarting = spec.restart.wants(term.exit_code) && !is_stopping(&stop);
+        send(Event::Exited(slot, term, restarting));
+        if !restarting {
+            break;
+        }
+        // Crash-loop backoff, shorter than the kubelet's: tests wait on it.
+        if started.elapsed() > Duration::from_secs(10) {
+            backoff = Duration::from_secs(1);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = next_stop(&mut stop) => break,
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+    send(Event::Done(slot));
+}
+
+fn start_failure(exit_code: i32, message: String) -> Terminated {
+    Terminated {
+        exit_code,
+        reason: "StartError".into(),
+        message: Some(message),
+        started_at: None,
+        finished_at: now(),
+        pid: None,
+    }
+}
+
+/// Waits for a started process; on stop, SIGTERM its group, SIGKILL at the deadline.
+async fn run(
+    spec: &Spec,
+    mut child: tokio::process::Child,
+    stop: &mut StopRx,
+    send: &impl Fn(Event),
+) -> Terminated {
+    let pid = child.id().unwrap_or(0);
+    let started_at = now();
+    info!(
+        pod = ?spec.pod.metadata.name, container = %spec.container.name, pid,
+        "container started"
+    );
+    send(Event::State(
+        spec.slot,
+        State::Running {
+            started_at: started_at.clone(),
+            pid,
+        },
+    ));
+    let status = tokio::select! {
+        status = child.wait() => status,
+        s = next_stop(stop) => {
+            info!(container = %spec.container.name, pid, reason = ?s.reason, "stopping container");
+            process::signal_group(pid, libc::SIGTERM);
+            match tokio::time::timeout_at(s.deadline, child.wait()).await {
+                Ok(status) => status,
+                Err(_) => {
+                    process::signal_group(pid, libc::SIGKILL);
+                    child.wait().await
+                }
+            }
+        }
+    };
+    // Whatever the leader left behind in its group dies with it.
+    process::signal_group(pid, libc::SIGKILL);
+    let code = match status {
+        Ok(status) => process::exit_code(status),
+        Err(e) => {
+            warn!(pid, error = %e, "waiting for container process failed");
+            255
+        }
+    };
+    info!(pod = ?spec.pod.metadata.name, container = %spec.container.name, pid, exit_code = code, "container exited");
+    Terminated::exited(code, started_at, pid)
+}

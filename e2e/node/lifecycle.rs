@@ -1,0 +1,472 @@
+//! One pod from start to deletion: pod dir, identity, init containers in
+//! order, app containers together, status after every change, and the final
+//! confirmation of a graceful deletion.
+
+use std::{
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::{
+    NodeCtx,
+    container::{self, Event, Restart, Slot, Stop, StopReason, StopRx, next_stop},
+    env::Env,
+    identity::{self, Identity},
+    status::{ContainerStatus, Phase, PodStatus, State, now},
+};
+
+/// The image repository's last path component: `ghcr.io/x/agentrun:0.1` → `agentrun`.
+pub fn image_name(image: &str) -> &str {
+    let image = image.split('@').next().unwrap_or(image);
+    let last = image.rsplit('/').next().unwrap_or(image);
+    last.split(':').next().unwrap_or(last)
+}
+
+struct PodRun {
+    ctx: Arc<NodeCtx>,
+    pod: Arc<Pod>,
+    api: Api<Pod>,
+    name: String,
+    status: PodStatus,
+    dir: PathBuf,
+    identity: Option<Identity>,
+    token: Option<identity::TokenVolume>,
+    owner: Option<(u32, u32)>,
+    events_tx: mpsc::UnboundedSender<Event>,
+    stop_tx: watch::Sender<Option<Stop>>,
+    tasks: JoinSet<()>,
+    /// Set when the pod object no longer exists: nothing left to report.
+    gone: bool,
+}
+
+fn run_as(pod: &Pod, c: &Container) -> (Option<u32>, Option<u32>) {
+    let pod_sc = pod.spec.as_ref().and_then(|s| s.security_context.as_ref());
+    let c_sc = c.security_context.as_ref();
+    let to_u32 = |v: Option<i64>| v.and_then(|v| u32::try_from(v).ok());
+    let uid = c_sc
+        .and_then(|s| s.run_as_user)
+        .or_else(|| pod_sc.and_then(|s| s.run_as_user));
+    let gid = c_sc
+        .and_then(|s| s.run_as_group)
+        .or_else(|| pod_sc.and_then(|s| s.run_as_group));
+    (to_u32(uid), to_u32(gid))
+}
+
+fn restart_policy(pod: &Pod) -> Restart {
+    match pod.spec.as_ref().and_then(|s| s.restart_policy.as_deref()) {
+        Some("Never") => Restart::Never,
+        Some("OnFailure") => Restart::OnFailure,
+        _ => Restart::Always,
+    }
+}
+
+/// Grace period of a deletion, capped: the e2e tests should not wait 30 s.
+pub fn grace(pod: &Pod) -> Duration {
+    let secs = pod
+        .metadata
+        .deletion_grace_period_seconds
+        .or_else(|| {
+            pod.spec
+                .as_ref()
+                .and_then(|s| s.termination_grace_period_seconds)
+        })
+        .unwrap_or(30)
+        .clamp(0, 10);
+    Duration::from_secs(u64::try_from(secs).unwrap_or(0))
+}
+
+/// Runs `pod` until it is deleted, gone, or the node stops.
+pub async fn run(ctx: Arc<NodeCtx>, pod: Pod, stop: StopRx) {
+    let namespace = pod
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let spec = pod.spec.clone().unwrap_or_default();
+    let image = |c: &Container| c.image.clone().unwrap_or_default();
+    let init_reason = if spec.init_containers.as_ref().is_some_and(|v| !v.is_empty()) {
+        "PodInitializing"
+    } else {
+        "ContainerCreating"
+    };
+    let status = PodStatus::new(
+        spec.init_containers
+            .iter()
+            .flatten()
+            .map(|c| ContainerStatus::new(&c.name, &image(c), "PodInitializing"))
+            .collect(),
+        spec.containers
+            .iter()
+            .map(|c| ContainerStatus::new(&c.name, &image(c), init_reason))
+            .collect(),
+    );
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let (stop_tx, _) = watch::channel(None);
+    let owner = std::iter::once(run_as(&pod, &Container::default()))
+        .chain(spec.containers.iter().map(|c| run_as(&pod, c)))
+        .find_map(|(uid, gid)| uid.map(|u| (u, gid.unwrap_or(0))));
+    let mut run = PodRun {
+        api: Api::namespaced(ctx.client.clone(), &namespace),
+        dir: ctx.pods_dir().join(format!("{namespace}_{name}_{uid}")),
+        token: identity::token_volume(&pod),
+        pod: Arc::new(pod),
+        ctx,
+        name,
+        status,
+        identity: None,
+        owner,
+        events_tx,
+        stop_tx,
+        tasks: JoinSet::new(),
+        gone: false,
+    };
+    run.lifecycle(events_rx, stop).await;
+}
+
+impl PodRun {
+    async fn lifecycle(&mut self, mut events: mpsc::UnboundedReceiver<Event>, mut stop: StopRx) {
+        info!(pod = %self.name, namespace = ?self.pod.metadata.namespace, "starting pod");
+        self.report().await;
+
+        let setup_failed = match self.prepare(&mut stop).await {
+            Ok(()) => false,
+            Err(e) => {
+                warn!(pod = %self.name, error = %format!("{e:#}"), "pod could not be set up");
+                self.status.reason = Some("PodSetupError".into());
+                self.status.message = Some(format!("{e:#}"));
+                true
+            }
+        };
+        let deadline = self
+            .pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.active_deadline_seconds)
+            .and_then(|s| u64::try_from(s).ok())
+            .map(|s| Instant::now() + Duration::from_secs(s));
+
+        // Init containers one after another, then app containers together.
+        let init_count = self.status.init.len();
+        let mut next_init = 0;
+        let mut active = 0;
+        if !self.is_stopping() && !setup_failed {
+            if init_count > 0 {
+                active += usize::from(self.start(Slot {
+                    init: true,
+                    index: 0,
+                }));
+                next_init = 1;
+            } else {
+                active += self.start_main();
+            }
+        }
+        self.report().await;
+
+        while active > 0 {
+            tokio::select! {
+                Some(event) = events.recv() => {
+                    let mut batch = vec![event];
+                    while let Ok(e) = events.try_recv() {
+                        batch.push(e);
+                    }
+                    for event in batch {
+                        let Event::Done(slot) = event else {
+                            self.apply(event);
+                            continue;
+                        };
+                        active -= 1;
+                        // An init container that succeeded lets the next step start.
+                        let ok = self.status.init.get(slot.index).is_some_and(ContainerStatus::succeeded);
+                        if slot.init && ok && !self.is_stopping() {
+                            if next_init < init_count {
+                                active += usize::from(self.start(Slot { init: true, index: next_init }));
+                                next_init += 1;
+                            } else {
+                                active += self.start_main();
+                            }
+                        }
+                    }
+                    self.report().await;
+                }
+                s = next_stop(&mut stop), if !self.is_stopping() => self.stop(s),
+                () = sleep_until(deadline), if !self.is_stopping() => {
+                    let deadline = Instant::now() + grace(&self.pod);
+                    self.stop(Stop { reason: StopReason::DeadlineExceeded, deadline });
+                }
+            }
+        }
+        while self.tasks.join_next().await.is_some() {}
+
+        let reason = self.stop_tx.borrow().as_ref().map(|s| s.reason);
+        self.status.phase = self.status.final_phase();
+        match reason {
+            Some(StopReason::DeadlineExceeded) => {
+                self.status.phase = Phase::Failed;
+                self.status.reason = Some("DeadlineExceeded".into());
+                self.status.message =
+                    Some("Pod was active on the node longer than the specified deadline".into());
+            }
+            Some(StopReason::NodeShutdown) if self.status.phase == Phase::Failed => {
+                self.status.reason = Some("NodeShutdown".into());
+                self.status.message =
+                    Some("Pod was terminated because the process node stopped".into());
+            }
+            _ => {}
+        }
+        info!(pod = %self.name, phase = self.status.phase.as_str(), "pod finished");
+        self.report().await;
+        self.identity = None; // stop renewing the token
+
+        // A completed pod stays until it is deleted; then confirm the deletion.
+        let reason = match reason {
+            Some(r) => r,
+            None => next_stop(&mut stop).await.reason,
+        };
+        if reason == StopReason::Deleted && !self.gone {
+            self.confirm_deletion().await;
+        }
+    }
+
+    fn is_stopping(&self) -> bool {
+        self.stop_tx.borrow().is_some()
+    }
+
+    fn stop(&mut self, stop: Stop) {
+        info!(pod = %self.name, reason = ?stop.reason, "stopping pod");
+        if stop.reason == StopReason::Gone {
+            self.gone = true;
+        }
+        self.stop_tx.send_replace(Some(stop));
+    }
+
+    /// Pod dir and identity; retried like the kubelet until they work or the pod stops.
+    async fn prepare(&mut self, stop: &mut StopRx) -> anyhow::Result<()> {
+        std::fs::create_dir_all(&self.dir)?;
+        if let Some((uid, gid)) = self.owner {
+            std::os::unix::fs::chown(&self.dir, Some(uid), Some(gid))?;
+        } else {
+            std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o755))?;
+        }
+        if let Some(token) = self.token.clone() {
+            loop {
+                match identity::provision(
+                    self.ctx.clone(),
+                    &self.pod,
+                    token.clone(),
+                    &self.dir,
+                    self.owner,
+                )
+                .await
+                {
+                    Ok(id) => {
+                        self.identity = Some(id);
+                        break;
+                    }
+                    Err(e) => {
+                        let message = format!("service-account token: {e:#}");
+                        warn!(pod = %self.name, error = %message, "retrying");
+                        for c in self
+                            .status
+                            .init
+                            .iter_mut()
+                            .chain(self.status.main.iter_mut())
+                        {
+                            c.state =
+                                State::waiting("CreateContainerConfigError", Some(message.clone()));
+                        }
+                        self.report().await;
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                            s = next_stop(stop) => {
+                                self.stop(s);
+                                return Ok(());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.status.sandbox_ready = true;
+        self.status.start_time = Some(now());
+        Ok(())
+    }
+
+    /// Starts every app container; returns how many were started.
+    fn start_main(&mut self) -> usize {
+        self.status.phase = Phase::Running;
+        (0..self.status.main.len())
+            .filter(|&index| self.start(Slot { init: false, index }))
+            .count()
+    }
+
+    fn container(&self, slot: Slot) -> Option<&Container> {
+        let spec = self.pod.spec.as_ref()?;
+        if slot.init {
+            spec.init_containers.as_ref()?.get(slot.index)
+        } else {
+            spec.containers.get(slot.index)
+        }
+    }
+
+    /// Spawns the container's supervisor; false if the pod has no such container.
+    fn start(&mut self, slot: Slot) -> bool {
+        let Some(container) = self.container(slot).cloned() else {
+            return false;
+        };
+        let namespace = self.pod.metadata.namespace.as_deref().unwrap_or("default");
+        let image = container.image.clone().unwrap_or_default();
+        let image_dir = self.ctx.image_bins.get(image_name(&image)).cloned();
+
+        let mut base = Env::default();
+        let path = match &image_dir {
+            Some(dir) => format!("{}:{}", dir.display(), self.ctx.host_path),
+            None => self.ctx.host_path.clone(),
+        };
+        base.set("PATH", path);
+        base.set("HOME", self.dir.display().to_string());
+        let mounts_token = self
+            .token
+            .as_ref()
+            .is_some_and(|t| identity::mounts(&container, t));
+        if let (true, Some(id)) = (mounts_token, &self.identity) {
+            base.set("KUBECONFIG", id.kubeconfig.display().to_string());
+        }
+        let cwd = container
+            .working_dir
+            .as_deref()
+            .map(Path::new)
+            .filter(|d| d.is_dir())
+            .map_or_else(|| self.dir.clone(), Path::to_path_buf);
+        let (uid, gid) = run_as(&self.pod, &container);
+        let restart = match (slot.init, restart_policy(&self.pod)) {
+            // Init containers must succeed once; they are retried unless Never.
+            (true, Restart::Always) => Restart::OnFailure,
+            (_, r) => r,
+        };
+        let spec = container::Spec {
+            entrypoint: image_dir.map(|d| d.join(image_name(&image))),
+            log: self
+                .ctx
+                .logs_dir()
+                .join(format!("{namespace}_{}_{}.log", self.name, container.name)),
+            ctx: self.ctx.clone(),
+            pod: self.pod.clone(),
+            container,
+            slot,
+            restart,
+            base_env: base,
+            cwd,
+            uid,
+            gid,
+        };
+        self.tasks.spawn(container::supervise(
+            spec,
+            self.events_tx.clone(),
+            self.stop_tx.subscribe(),
+        ));
+        true
+    }
+
+    fn apply(&mut self, event: Event) {
+        let slot = match &event {
+            Event::State(s, _) | Event::Exited(s, _, _) | Event::Done(s) => *s,
+        };
+        let list = if slot.init {
+            &mut self.status.init
+        } else {
+            &mut self.status.main
+        };
+        let Some(c) = list.get_mut(slot.index) else {
+            return;
+        };
+        match event {
+            Event::State(_, state) => c.state = state,
+            Event::Exited(_, t, true) => {
+                c.restart_count += 1;
+                c.state = State::waiting(
+                    "CrashLoopBackOff",
+                    Some(format!("back-off restarting container {}", c.name)),
+                );
+                c.last = Some(t);
+            }
+            Event::Exited(_, t, false) => c.state = State::Terminated(t),
+            Event::Done(_) => {}
+        }
+    }
+
+    /// Patches `pods/status`; a 404 means the pod is gone and must stop.
+    async fn report(&mut self) {
+        if self.gone {
+            return;
+        }
+        let patch = self.status.patch();
+        match self
+            .api
+            .patch_status(
+                &self.name,
+                &PatchParams::default(),
+                &Patch::Strategic(patch),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                self.stop(Stop {
+                    reason: StopReason::Gone,
+                    deadline: Instant::now() + Duration::from_secs(1),
+                });
+            }
+            Err(e) => warn!(pod = %self.name, error = %e, "status update failed"),
+        }
+    }
+
+    /// Processes are dead: let the API server remove the object (finalizers
+    /// of other controllers still hold it until they are done).
+    async fn confirm_deletion(&self) {
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: self.pod.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.api.delete(&self.name, &params).await {
+            Ok(_) => info!(pod = %self.name, "pod deletion confirmed"),
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => warn!(pod = %self.name, error = %e, "confirming pod deletion failed"),
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::image_name;
+
+    #[test]
+    fn image_names_ignore_registry_and_tag() {
+        assert_eq!(image_name("agentrun"), "agentrun");
+        assert_eq!(image_name("ghcr.io/x/agentrun:0.1"), "agentrun");
+        assert_eq!(image_name("localhost:5000/agentrun"), "agentrun");
+        assert_eq!(image_name("busybox:1.36"), "busybox");
+        assert_eq!(image_name("x/agentrun@sha256:abc"), "agentrun");
+    }
+}
