@@ -1,0 +1,340 @@
+//! Helpers shared by the e2e tests. They run against the local control plane
+//! (`e2e/cluster up`, then `eval "$(e2e/cluster env)"`) or, with
+//! `AGENTRUN_E2E_CLUSTER=existing`, against whatever cluster KUBECONFIG names.
+//! Without a reachable cluster they panic with instructions: never skip.
+#![allow(dead_code)] // each test binary uses a different subset
+
+pub mod controller;
+
+use std::{
+    fmt::Display,
+    future::Future,
+    path::PathBuf,
+    sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::{
+    Client, Config,
+    api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
+    config::{KubeConfigOptions, Kubeconfig},
+    discovery::ApiResource,
+};
+use serde::Deserialize as _;
+
+const HOW_TO_START: &str = "start the local cluster with `e2e/cluster up` and then run \
+     `eval \"$(e2e/cluster env)\"` (or set KUBECONFIG and AGENTRUN_E2E_CLUSTER=existing for another cluster)";
+
+/// True when the tests run against a cluster the project did not start (kind…).
+pub fn existing_cluster() -> bool {
+    std::env::var("AGENTRUN_E2E_CLUSTER").is_ok_and(|v| v == "existing")
+}
+
+/// The process node's state dir (logs in `logs/`), on the local cluster only.
+pub fn node_state_dir() -> Option<PathBuf> {
+    if existing_cluster() {
+        return None;
+    }
+    std::env::var_os("AGENTRUN_NODE_STATE_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+fn kubeconfig() -> Kubeconfig {
+    match std::env::var("KUBECONFIG") {
+        Ok(path) if !path.is_empty() => {}
+        _ => panic!("KUBECONFIG is not set: {HOW_TO_START}"),
+    }
+    Kubeconfig::read().unwrap_or_else(|e| panic!("cannot read KUBECONFIG: {e}; {HOW_TO_START}"))
+}
+
+fn has_context(kc: &Kubeconfig, name: &str) -> bool {
+    kc.contexts.iter().any(|c| c.name == name)
+}
+
+async fn config_for(kc: Kubeconfig, context: Option<&str>) -> Config {
+    let options = KubeConfigOptions {
+        context: context.map(str::to_string),
+        ..KubeConfigOptions::default()
+    };
+    Config::from_custom_kubeconfig(kc, &options)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("kubeconfig context {context:?} is unusable: {e}; {HOW_TO_START}")
+        })
+}
+
+async fn connect(config: Config, who: &str) -> Client {
+    let url = config.cluster_url.clone();
+    let client =
+        Client::try_from(config).unwrap_or_else(|e| panic!("building a client for {who}: {e}"));
+    match tokio::time::timeout(Duration::from_secs(15), client.apiserver_version()).await {
+        Ok(Ok(_)) => client,
+        Ok(Err(e)) => panic!("the API server at {url} does not answer ({e}): {HOW_TO_START}"),
+        Err(_) => panic!("the API server at {url} did not answer within 15 s: {HOW_TO_START}"),
+    }
+}
+
+/// A cluster-admin client: context `admin` if the kubeconfig has one, else
+/// the current context.
+pub async fn admin() -> Client {
+    let kc = kubeconfig();
+    let context = has_context(&kc, "admin").then_some("admin");
+    connect(config_for(kc, context).await, "admin").await
+}
+
+/// A client acting as `user` (alice, bob: group finance-approvers; carol: no
+/// group). The local cluster has a client-certificate context per user; on an
+/// existing cluster the admin impersonates them.
+pub async fn client_as(user: &str) -> Client {
+    let kc = kubeconfig();
+    if has_context(&kc, user) {
+        return connect(config_for(kc, Some(user)).await, user).await;
+    }
+    if !existing_cluster() {
+        panic!(
+            "the kubeconfig has no context {user:?}: the local cluster's kubeconfig has one per test user; {HOW_TO_START}"
+        );
+    }
+    let context = has_context(&kc, "admin").then_some("admin");
+    let mut config = config_for(kc, context).await;
+    config.auth_info.impersonate = Some(user.to_string());
+    let groups = match user {
+        "alice" | "bob" => vec!["finance-approvers".to_string()],
+        _ => vec![],
+    };
+    config.auth_info.impersonate_groups = (!groups.is_empty()).then_some(groups);
+    connect(config, user).await
+}
+
+/// What a `wait_for` probe returns: `Some`/`Ok` when done; `None`/`Err`
+/// (with what it saw) to keep waiting.
+pub trait Observation {
+    type Value;
+    fn into_result(self) -> Result<Self::Value, String>;
+}
+
+impl<T> Observation for Option<T> {
+    type Value = T;
+    fn into_result(self) -> Result<T, String> {
+        self.ok_or_else(|| "not yet (the probe returned None)".to_string())
+    }
+}
+
+impl<T, E: Display> Observation for Result<T, E> {
+    type Value = T;
+    fn into_result(self) -> Result<T, String> {
+        self.map_err(|e| e.to_string())
+    }
+}
+
+/// Polls `probe` every 500 ms until it succeeds; panics after `timeout`
+/// with `what` and the last thing the probe reported.
+pub async fn wait_for<F, Fut, O>(what: &str, timeout: Duration, mut probe: F) -> O::Value
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = O>,
+    O: Observation,
+{
+    let start = Instant::now();
+    loop {
+        let last = match probe().await.into_result() {
+            Ok(value) => return value,
+            Err(seen) => seen,
+        };
+        if start.elapsed() >= timeout {
+            panic!("timed out after {timeout:?} waiting for {what}; last saw: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// A namespace of its own for one test; deleted (best effort) when dropped.
+/// Set AGENTRUN_E2E_KEEP_NAMESPACES=1 to keep them for debugging.
+pub struct TestNamespace {
+    name: String,
+}
+
+impl TestNamespace {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for TestNamespace {
+    fn drop(&mut self) {
+        if std::env::var_os("AGENTRUN_E2E_KEEP_NAMESPACES").is_some() {
+            eprintln!("keeping namespace {}", self.name);
+            return;
+        }
+        let name = self.name.clone();
+        // The test's runtime may be single-threaded and is blocked in this
+        // drop: delete from a fresh runtime on another thread.
+        run_detached(async move {
+            let api: Api<Namespace> = Api::all(admin().await);
+            let _ = api.delete(&name, &DeleteParams::background()).await;
+        });
+    }
+}
+
+/// Runs a cleanup future to completion on its own thread and runtime.
+fn run_detached(cleanup: impl Future<Output = ()> + Send + 'static) {
+    let thread = std::thread::spawn(move || {
+        if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            rt.block_on(async {
+                let _ = tokio::time::timeout(Duration::from_secs(20), cleanup).await;
+            });
+        }
+    });
+    let _ = thread.join();
+}
+
+fn unique_suffix() -> String {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let n = u64::from(nanos)
+        ^ (u64::from(std::process::id()) << 32)
+        ^ u64::from(COUNTER.fetch_add(1, Ordering::Relaxed)).wrapping_mul(0x9e37_79b9);
+    let alphabet = b"0123456789abcdefghijklmnopqrstuvwxyz";
+    (0..6)
+        .map(|i| char::from(alphabet[((n >> (i * 6)) % 36) as usize]))
+        .collect()
+}
+
+/// A unique name: `prefix-xxxxxx`, lowercase, at most 63 characters.
+pub fn unique_name(prefix: &str) -> String {
+    let prefix: String = prefix
+        .to_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .take(40)
+        .collect();
+    format!("{}-{}", prefix.trim_matches('-'), unique_suffix())
+}
+
+/// Creates `e2e-<prefix>-<random>` and waits for its default ServiceAccount
+/// (pods are refused until the ServiceAccount controller has created it).
+pub async fn test_namespace(client: &Client, prefix: &str) -> TestNamespace {
+    let name = unique_name(&format!("e2e-{prefix}"));
+    let ns: Namespace = serde_json::from_value(serde_json::json!({
+        "metadata": { "name": name, "labels": { "agentrun.dev/e2e": "true" } },
+    }))
+    .expect("namespace object");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+    let guard = TestNamespace { name };
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), guard.name());
+    wait_for(
+        &format!("the default ServiceAccount in {}", guard.name()),
+        Duration::from_secs(60),
+        || async {
+            match sas.get_opt("default").await {
+                Ok(Some(sa)) => Ok(sa),
+                Ok(None) => Err("not created yet".to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await;
+    guard
+}
+
+/// Deletes a cluster-scoped object when dropped (CRDs, ClusterRoles…).
+pub struct DeleteOnDrop {
+    pub resource: ApiResource,
+    pub name: String,
+}
+
+impl Drop for DeleteOnDrop {
+    fn drop(&mut self) {
+        let (resource, name) = (self.resource.clone(), self.name.clone());
+        run_detached(async move {
+            let api: Api<DynamicObject> = Api::all_with(admin().await, &resource);
+            let _ = api.delete(&name, &DeleteParams::background()).await;
+        });
+    }
+}
+
+/// Waits until a CRD is Established (its API is served).
+pub async fn wait_established(client: &Client, crd_name: &str) {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    wait_for(
+        &format!("CRD {crd_name} Established"),
+        Duration::from_secs(60),
+        || async {
+            let crd = crds.get(crd_name).await.map_err(|e| e.to_string())?;
+            let conditions = crd.status.and_then(|s| s.conditions).unwrap_or_default();
+            match conditions.iter().find(|c| c.type_ == "Established") {
+                Some(c) if c.status == "True" => Ok(()),
+                other => Err(format!("Established condition: {other:?}")),
+            }
+        },
+    )
+    .await;
+}
+
+/// Installs (server-side applies) the project's CRDs from `crds/crds.yaml`
+/// and waits until they are served. Safe to call from tests in parallel.
+pub async fn install_crds(client: &Client) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/crds.yaml");
+    let yaml = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let params = PatchParams::apply("agentrun-e2e").force();
+    let mut names = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&yaml) {
+        let value = serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{path}: {e}"));
+        if value.is_null() {
+            continue;
+        }
+        let crd: CustomResourceDefinition =
+            serde_yaml::from_value(value).unwrap_or_else(|e| panic!("{path}: not a CRD: {e}"));
+        let name = crd
+            .metadata
+            .name
+            .clone()
+            .unwrap_or_else(|| panic!("{path}: CRD without a name"));
+        crds.patch(&name, &params, &Patch::Apply(&crd))
+            .await
+            .unwrap_or_else(|e| panic!("applying CRD {name}: {e}"));
+        names.push(name);
+    }
+    for name in names {
+        wait_established(client, &name).await;
+    }
+}
+
+/// Runs kubectl (first on PATH, ambient KUBECONFIG); panics with its stderr
+/// if it fails, returns its stdout.
+pub fn kubectl(args: &[&str]) -> String {
+    let out = std::process::Command::new("kubectl")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running kubectl {args:?}: {e}; {HOW_TO_START}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        panic!(
+            "kubectl {args:?} failed ({}):\n{}{stdout}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    stdout
+}
+
+/// The status of an API error, if `result` is one (403, 404, 422…).
+pub fn api_error_code<T>(result: &Result<T, kube::Error>) -> Option<u16> {
+    match result {
+        Err(kube::Error::Api(e)) => Some(e.code),
+        _ => None,
+    }
+}
