@@ -220,7 +220,7 @@ async fn run(
     let pid = child.id().unwrap_or(0);
     let started_at = now();
     info!(
-        pod = ?spec.pod.metadata.name, container = %spec.container.name, pid,
+        pod = spec.pod.metadata.name.as_deref().unwrap_or(""), container = %spec.container.name, pid,
         "container started"
     );
     send(Event::State(
@@ -253,6 +253,6 @@ async fn run(
             255
         }
     };
-    info!(pod = ?spec.pod.metadata.name, container = %spec.container.name, pid, exit_code = code, "container exited");
+    info!(pod = spec.pod.metadata.name.as_deref().unwrap_or(""), container = %spec.container.name, pid, exit_code = code, "container exited");
     Terminated::exited(code, started_at, pid)
 }

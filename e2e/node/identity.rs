@@ -181,7 +181,7 @@ pub async fn provision(
         &kubeconfig_yaml(&ctx, &namespace, &first.token)?,
         owner,
     )?;
-    info!(pod = ?pod.metadata.name, %namespace, "service-account kubeconfig written");
+    info!(pod = pod.metadata.name.as_deref().unwrap_or(""), %namespace, "service-account kubeconfig written");
 
     let (pod, file) = (pod.clone(), path.clone());
     let refresher = tokio::spawn(async move {

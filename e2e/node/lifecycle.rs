@@ -136,7 +136,19 @@ pub async fn run(ctx: Arc<NodeCtx>, pod: Pod, stop: StopRx) {
 
 impl PodRun {
     async fn lifecycle(&mut self, mut events: mpsc::UnboundedReceiver<Event>, mut stop: StopRx) {
-        info!(pod = %self.name, namespace = ?self.pod.metadata.namespace, "starting pod");
+        let namespace = self.pod.metadata.namespace.as_deref().unwrap_or("");
+        info!(pod = %self.name, namespace, "starting pod");
+        // Processes share the host filesystem: only the token volume means something.
+        for v in self
+            .pod
+            .spec
+            .iter()
+            .flat_map(|s| s.volumes.iter().flatten())
+        {
+            if self.token.as_ref().is_none_or(|t| t.volume != v.name) {
+                warn!(pod = %self.name, volume = %v.name, "volume ignored by the process node");
+            }
+        }
         self.report().await;
 
         let setup_failed = match self.prepare(&mut stop).await {
@@ -235,6 +247,13 @@ impl PodRun {
         };
         if reason == StopReason::Deleted && !self.gone {
             self.confirm_deletion().await;
+        }
+        // Logs stay in the logs dir; the pod's own dir goes with the pod.
+        if matches!(reason, StopReason::Deleted | StopReason::Gone)
+            && let Err(e) = std::fs::remove_dir_all(&self.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(pod = %self.name, error = %e, "removing the pod dir failed");
         }
     }
 
