@@ -31,7 +31,11 @@ fn yaml_files(dir: &str) -> Vec<PathBuf> {
 }
 
 /// Creates one manifest in `ns` through the dynamic API, as `kubectl create` would.
-async fn create_manifest(client: &kube::Client, ns: &str, yaml: &str) -> Result<DynamicObject, kube::Error> {
+async fn create_manifest(
+    client: &kube::Client,
+    ns: &str,
+    yaml: &str,
+) -> Result<DynamicObject, kube::Error> {
     let obj: DynamicObject = serde_yaml::from_str(yaml).expect("manifest parses as YAML");
     let types = obj.types.clone().expect("manifest has apiVersion and kind");
     let gvk = GroupVersionKind::try_from(&types).expect("valid apiVersion");
@@ -41,7 +45,11 @@ async fn create_manifest(client: &kube::Client, ns: &str, yaml: &str) -> Result<
         "Approval" => "approvals",
         other => panic!("unexpected kind {other}"),
     };
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ApiResource::from_gvk_with_plural(&gvk, plural));
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns,
+        &ApiResource::from_gvk_with_plural(&gvk, plural),
+    );
     api.create(&PostParams::default(), &obj).await
 }
 
@@ -51,7 +59,10 @@ async fn crds_are_established_with_printer_columns() {
     common::install_crds(&client).await;
     let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
         Api::all(client.clone());
-    let ar = crds.get("agentruns.agentrun.dev").await.expect("agentruns CRD installed");
+    let ar = crds
+        .get("agentruns.agentrun.dev")
+        .await
+        .expect("agentruns CRD installed");
     let cols: Vec<_> = ar.spec.versions[0]
         .additional_printer_columns
         .clone()
@@ -60,9 +71,15 @@ async fn crds_are_established_with_printer_columns() {
         .map(|c| c.name)
         .collect();
     for want in ["Phase", "Step", "Waiting-On", "Age"] {
-        assert!(cols.iter().any(|c| c == want), "printer column {want} missing from {cols:?}");
+        assert!(
+            cols.iter().any(|c| c == want),
+            "printer column {want} missing from {cols:?}"
+        );
     }
-    assert_eq!(ar.spec.names.short_names.as_deref(), Some(&["ar".to_string()][..]));
+    assert_eq!(
+        ar.spec.names.short_names.as_deref(),
+        Some(&["ar".to_string()][..])
+    );
 }
 
 #[tokio::test]
@@ -71,7 +88,10 @@ async fn every_sample_applies() {
     common::install_crds(&client).await;
     let ns = common::test_namespace(&client, "samples").await;
     let samples = yaml_files("config/samples");
-    assert!(samples.len() >= 3, "expected at least three samples, found {samples:?}");
+    assert!(
+        samples.len() >= 3,
+        "expected at least three samples, found {samples:?}"
+    );
     for path in samples {
         let yaml = std::fs::read_to_string(&path).unwrap();
         create_manifest(&client, ns.name(), &yaml)
@@ -86,7 +106,11 @@ async fn bad_manifests_are_refused_with_their_message() {
     common::install_crds(&client).await;
     let ns = common::test_namespace(&client, "bad").await;
     let files = yaml_files("e2e/bad-manifests");
-    assert!(files.len() >= 12, "the corpus must hold at least 12 bad manifests, found {}", files.len());
+    assert!(
+        files.len() >= 12,
+        "the corpus must hold at least 12 bad manifests, found {}",
+        files.len()
+    );
     let mut failures = Vec::new();
     for path in files {
         let yaml = std::fs::read_to_string(&path).unwrap();
@@ -96,12 +120,22 @@ async fn bad_manifests_are_refused_with_their_message() {
             .and_then(|l| l.strip_prefix("# expect: "))
             .unwrap_or_else(|| panic!("{} must start with '# expect: <message>'", path.display()));
         match create_manifest(&client, ns.name(), &yaml).await {
-            Ok(_) => failures.push(format!("{}: accepted, expected refusal with {expect:?}", path.display())),
+            Ok(_) => failures.push(format!(
+                "{}: accepted, expected refusal with {expect:?}",
+                path.display()
+            )),
             Err(kube::Error::Api(e)) if e.code == 422 && e.message.contains(expect) => {}
-            Err(e) => failures.push(format!("{}: refused with {e}, expected {expect:?}", path.display())),
+            Err(e) => failures.push(format!(
+                "{}: refused with {e}, expected {expect:?}",
+                path.display()
+            )),
         }
     }
-    assert!(failures.is_empty(), "bad manifests not refused as expected:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "bad manifests not refused as expected:\n{}",
+        failures.join("\n")
+    );
 }
 
 #[tokio::test]
@@ -109,23 +143,44 @@ async fn controller_resolves_agents_writes_status_and_events() {
     let client = common::admin().await;
     common::install_crds(&client).await;
     let ns = common::test_namespace(&client, "ctrl").await;
-    let _controller = ControllerProcess::start(ns.name(), "solo");
+    let controller = ControllerProcess::start(ns.name(), "solo");
 
     let runs: Api<AgentRun> = Api::namespaced(client.clone(), ns.name());
-    let run_yaml = std::fs::read_to_string(repo().join("config/samples/agentrun-refund.yaml")).unwrap();
-    create_manifest(&client, ns.name(), &run_yaml).await.expect("sample run created");
+    let run_yaml =
+        std::fs::read_to_string(repo().join("config/samples/agentrun-refund.yaml")).unwrap();
+    create_manifest(&client, ns.name(), &run_yaml)
+        .await
+        .expect("sample run created");
 
     // No Agent yet: the run says so, names the field, and a Warning event is published.
-    let run = common::wait_for("AgentResolved=False on the run", Duration::from_secs(60), || async {
-        let run = runs.get("refund-order-1042").await.ok()?;
-        let c = run.status.as_ref()?.conditions.iter().find(|c| c.type_ == "AgentResolved")?.clone();
-        (c.status == "False").then_some(run)
-    })
+    let run = common::wait_for(
+        "AgentResolved=False on the run",
+        Duration::from_secs(60),
+        || async {
+            let run = runs.get("refund-order-1042").await.ok()?;
+            let c = run
+                .status
+                .as_ref()?
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "AgentResolved")?
+                .clone();
+            (c.status == "False").then_some(run)
+        },
+    )
     .await;
     let status = run.status.unwrap();
-    let cond = status.conditions.iter().find(|c| c.type_ == "AgentResolved").unwrap();
+    let cond = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "AgentResolved")
+        .unwrap();
     assert_eq!(cond.reason, "AgentNotFound");
-    assert!(cond.message.contains("spec.agentRef.name") && cond.message.contains("refund-assistant"), "{}", cond.message);
+    assert!(
+        cond.message.contains("spec.agentRef.name") && cond.message.contains("refund-assistant"),
+        "{}",
+        cond.message
+    );
     assert_eq!(status.phase, Some(Phase::Pending));
     assert_eq!(status.waiting_on.as_deref(), Some("agent/refund-assistant"));
     assert_eq!(status.observed_generation, run.metadata.generation);
@@ -133,9 +188,9 @@ async fn controller_resolves_agents_writes_status_and_events() {
     let events: Api<Event> = Api::namespaced(client.clone(), ns.name());
     common::wait_for("AgentNotFound event", Duration::from_secs(30), || async {
         let list = events.list(&ListParams::default()).await.ok()?;
-        list.items
-            .into_iter()
-            .find(|e| e.reason.as_deref() == Some("AgentNotFound") && e.type_.as_deref() == Some("Warning"))
+        list.items.into_iter().find(|e| {
+            e.reason.as_deref() == Some("AgentNotFound") && e.type_.as_deref() == Some("Warning")
+        })
     })
     .await;
 
@@ -143,16 +198,30 @@ async fn controller_resolves_agents_writes_status_and_events() {
     let table = common::kubectl(&["get", "ar", "-n", ns.name()]);
     let header = table.lines().next().unwrap_or_default();
     for col in ["NAME", "PHASE", "STEP", "WAITING-ON", "AGE"] {
-        assert!(header.contains(col), "kubectl get ar header {header:?} lacks {col}");
+        assert!(
+            header.contains(col),
+            "kubectl get ar header {header:?} lacks {col}"
+        );
     }
-    assert!(table.contains("Pending") && table.contains("agent/refund-assistant"), "{table}");
+    assert!(
+        table.contains("Pending") && table.contains("agent/refund-assistant"),
+        "{table}"
+    );
 
     // Creating the Agent resolves the run without any change to the run.
-    let agent_yaml = std::fs::read_to_string(repo().join("config/samples/agent-refund-assistant.yaml")).unwrap();
-    create_manifest(&client, ns.name(), &agent_yaml).await.expect("sample agent created");
+    let agent_yaml =
+        std::fs::read_to_string(repo().join("config/samples/agent-refund-assistant.yaml")).unwrap();
+    create_manifest(&client, ns.name(), &agent_yaml)
+        .await
+        .expect("sample agent created");
     let run = common::wait_for("AgentResolved=True", Duration::from_secs(60), || async {
         let run = runs.get("refund-order-1042").await.ok()?;
-        let ok = run.status.as_ref()?.conditions.iter().any(|c| c.type_ == "AgentResolved" && c.status == "True");
+        let ok = run
+            .status
+            .as_ref()?
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "AgentResolved" && c.status == "True");
         ok.then_some(run)
     })
     .await;
@@ -167,9 +236,28 @@ async fn controller_resolves_agents_writes_status_and_events() {
         .filter(|m| m.subresource.as_deref() == Some("status"))
         .map(|m| m.manager.unwrap_or_default())
         .collect();
-    assert_eq!(managers, vec![agentrun::controller::FIELD_MANAGER.to_string()]);
+    assert_eq!(
+        managers,
+        vec![agentrun::controller::FIELD_MANAGER.to_string()]
+    );
     let agents: Api<Agent> = Api::namespaced(client.clone(), ns.name());
     assert!(agents.get("refund-assistant").await.is_ok());
+
+    // Probes and metrics are served.
+    let port = controller.metrics_port;
+    assert_eq!(common::controller::http_get(port, "/healthz").await.0, 200);
+    assert_eq!(common::controller::http_get(port, "/readyz").await.0, 200);
+    let (code, body) = common::controller::http_get(port, "/metrics").await;
+    assert_eq!(code, 200);
+    let reconciles = body
+        .lines()
+        .find_map(|l| l.strip_prefix("agentrun_reconciliations_total "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no agentrun_reconciliations_total in:\n{body}"));
+    assert!(
+        reconciles >= 2.0,
+        "expected at least two reconciliations, metrics say {reconciles}"
+    );
 }
 
 #[tokio::test]
@@ -179,17 +267,34 @@ async fn two_replicas_elect_one_leader_and_fail_over() {
     let ns = common::test_namespace(&client, "leader").await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns.name());
     let holder = || async {
-        leases.get_opt("agentrun-controller").await.ok().flatten()?.spec?.holder_identity
+        leases
+            .get_opt("agentrun-controller")
+            .await
+            .ok()
+            .flatten()?
+            .spec?
+            .holder_identity
     };
 
     let mut a = ControllerProcess::start(ns.name(), "replica-a");
-    let first = common::wait_for("a lease holder", Duration::from_secs(60), || async { holder().await }).await;
+    let first = common::wait_for("a lease holder", Duration::from_secs(60), || async {
+        holder().await
+    })
+    .await;
     assert_eq!(first, "replica-a");
     let b = ControllerProcess::start(ns.name(), "replica-b");
     // b stays standby while a renews: the holder does not change.
     tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(holder().await.as_deref(), Some("replica-a"), "the standby must not take a held lease");
-    assert!(!b.log().contains("became leader"), "replica-b led while replica-a held the lease:\n{}", b.log());
+    assert_eq!(
+        holder().await.as_deref(),
+        Some("replica-a"),
+        "the standby must not take a held lease"
+    );
+    assert!(
+        !b.log().contains("became leader"),
+        "replica-b led while replica-a held the lease:\n{}",
+        b.log()
+    );
 
     // The leader stops gracefully: the standby takes over and reconciles.
     a.stop();
@@ -198,11 +303,22 @@ async fn two_replicas_elect_one_leader_and_fail_over() {
     })
     .await;
     let runs: Api<AgentRun> = Api::namespaced(client.clone(), ns.name());
-    let run_yaml = std::fs::read_to_string(repo().join("config/samples/agentrun-inline.yaml")).unwrap();
-    create_manifest(&client, ns.name(), &run_yaml).await.expect("run created");
-    common::wait_for("the new leader to reconcile", Duration::from_secs(60), || async {
-        let run = runs.get("summarize-incident").await.ok()?;
-        run.status?.conditions.iter().any(|c| c.type_ == "AgentResolved" && c.status == "True").then_some(())
-    })
+    let run_yaml =
+        std::fs::read_to_string(repo().join("config/samples/agentrun-inline.yaml")).unwrap();
+    create_manifest(&client, ns.name(), &run_yaml)
+        .await
+        .expect("run created");
+    common::wait_for(
+        "the new leader to reconcile",
+        Duration::from_secs(60),
+        || async {
+            let run = runs.get("summarize-incident").await.ok()?;
+            run.status?
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "AgentResolved" && c.status == "True")
+                .then_some(())
+        },
+    )
     .await;
 }

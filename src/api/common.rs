@@ -70,6 +70,12 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, humantime::Duratio
     humantime::parse_duration(s)
 }
 
+/// Schema of a free-form JSON object (tool arguments, JSON Schemas). Typed as
+/// an object so CEL rules can test for its presence.
+pub fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({ "type": "object", "x-kubernetes-preserve-unknown-fields": true })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,10 +87,4 @@ mod tests {
         assert_eq!(parse_duration("250ms").unwrap().as_millis(), 250);
         assert!(parse_duration("soon").is_err());
     }
-}
-
-/// Schema of a free-form JSON object (tool arguments, JSON Schemas). Typed as
-/// an object so CEL rules can test for its presence.
-pub fn any_json(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({ "type": "object", "x-kubernetes-preserve-unknown-fields": true })
 }

@@ -5,7 +5,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "kubectl-agentrun", version, about = "Work with agentrun runs and approvals")]
+#[command(
+    name = "kubectl-agentrun",
+    version,
+    about = "Work with agentrun runs and approvals"
+)]
 struct Cli {}
 
 fn main() {
