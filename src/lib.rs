@@ -4,5 +4,7 @@
 
 pub mod api;
 pub mod controller;
+pub mod model;
 pub mod store;
 pub mod telemetry;
+pub mod tools;

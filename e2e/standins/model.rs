@@ -1,0 +1,4 @@
+//! placeholder
+pub fn router() -> axum::Router {
+    axum::Router::new()
+}

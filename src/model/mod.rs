@@ -1,0 +1,1 @@
+//! Model providers (DESIGN.md section 7).

@@ -1,0 +1,1 @@
+//! Tools the agent calls (DESIGN.md sections 4 and 7).
