@@ -1,0 +1,355 @@
+//! MCP tools over the streamable HTTP transport, through the official SDK (`rmcp`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, ContentBlock,
+    Implementation, RequestMetaObject,
+};
+use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::transport::StreamableHttpClientTransport;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::{
+    CallContext, MCP_META_KEY, MCP_META_RUN, MCP_META_STEP, McpKind, RetryPolicy, ToolError,
+    ToolOutcome, ToolSpec, excerpt,
+};
+
+/// Time allowed to connect to an MCP server and list its tools.
+const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How much text of an error result an observation quotes.
+const QUOTED_TEXT: usize = 2000;
+
+/// What an MCP server says about a tool. Hints only: a server may lie.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct McpAnnotations {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only_hint: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destructive_hint: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotent_hint: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open_world_hint: Option<bool>,
+}
+
+/// A tool an MCP server lists (`tools/list`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct McpToolInfo {
+    /// The tool's name on the server.
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub input_schema: Value,
+    #[serde(default)]
+    pub annotations: McpAnnotations,
+}
+
+/// What discovery found for an agent's MCP tools, keyed by the agent's tool
+/// name. Serializable, to be pinned in `RunStarted`.
+pub type McpCatalog = BTreeMap<String, McpToolInfo>;
+
+type Session = Arc<RunningService<RoleClient, ClientConfig>>;
+
+fn client_config() -> ClientConfig {
+    ClientConfig::new(
+        ClientCapabilities::default(),
+        Implementation::new("agentrun", env!("CARGO_PKG_VERSION")),
+    )
+}
+
+async fn connect(client: &reqwest::Client, url: &str) -> Result<Session, String> {
+    let transport = StreamableHttpClientTransport::with_client(
+        client.clone(),
+        StreamableHttpClientTransportConfig::with_uri(url.to_string()),
+    );
+    client_config()
+        .serve(transport)
+        .await
+        .map(Arc::new)
+        .map_err(|e| format!("initialize failed: {e}"))
+}
+
+/// Lists the tools of the MCP server at `url` (`initialize` + `tools/list`).
+pub async fn discover_mcp(url: &str) -> Result<Vec<McpToolInfo>, ToolError> {
+    let client = super::build_client()?;
+    discover_with(&client, url).await
+}
+
+async fn discover_with(client: &reqwest::Client, url: &str) -> Result<Vec<McpToolInfo>, ToolError> {
+    let err = |reason: String| ToolError::Mcp {
+        url: url.to_string(),
+        reason,
+    };
+    let work = async {
+        let session = connect(client, url).await.map_err(err)?;
+        let tools = session
+            .list_all_tools()
+            .await
+            .map_err(|e| err(format!("tools/list failed: {e}")))?;
+        if let Ok(session) = Arc::try_unwrap(session) {
+            let _ = session.cancel().await;
+        }
+        Ok::<_, ToolError>(tools)
+    };
+    let tools = tokio::time::timeout(DISCOVERY_TIMEOUT, work)
+        .await
+        .map_err(|_| err(format!("no answer within {DISCOVERY_TIMEOUT:?}")))??;
+    Ok(tools
+        .into_iter()
+        .map(|tool| {
+            let annotations = tool
+                .annotations
+                .as_ref()
+                .map(|a| McpAnnotations {
+                    read_only_hint: a.read_only_hint,
+                    destructive_hint: a.destructive_hint,
+                    idempotent_hint: a.idempotent_hint,
+                    open_world_hint: a.open_world_hint,
+                })
+                .unwrap_or_default();
+            McpToolInfo {
+                name: tool.name.to_string(),
+                description: tool.description.as_deref().unwrap_or_default().to_string(),
+                input_schema: Value::Object((*tool.input_schema).clone()),
+                annotations,
+            }
+        })
+        .collect())
+}
+
+/// Discovers every MCP tool an agent names (one `tools/list` per server) and
+/// returns them keyed by the agent's tool name. A tool missing from its server
+/// is an error.
+pub async fn discover_catalog(specs: &[ToolSpec]) -> Result<McpCatalog, ToolError> {
+    let client = super::build_client()?;
+    let mut servers: HashMap<&str, Vec<McpToolInfo>> = HashMap::new();
+    let mut catalog = McpCatalog::new();
+    for spec in specs {
+        let Some(mcp) = &spec.mcp else { continue };
+        if !servers.contains_key(mcp.url.as_str()) {
+            let tools = discover_with(&client, &mcp.url).await?;
+            servers.insert(mcp.url.as_str(), tools);
+        }
+        let remote = mcp.tool.as_deref().unwrap_or(&spec.name);
+        let info = servers[mcp.url.as_str()]
+            .iter()
+            .find(|t| t.name == remote)
+            .ok_or_else(|| ToolError::McpToolMissing {
+                url: mcp.url.clone(),
+                tool: remote.to_string(),
+            })?;
+        catalog.insert(spec.name.clone(), info.clone());
+    }
+    Ok(catalog)
+}
+
+/// Open MCP sessions, one per server URL, reused across calls.
+#[derive(Default)]
+pub(crate) struct Sessions {
+    open: tokio::sync::Mutex<HashMap<String, Session>>,
+}
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sessions")
+    }
+}
+
+impl Sessions {
+    async fn get(&self, client: &reqwest::Client, url: &str, timeout: Duration) -> Result<Session, String> {
+        let mut open = self.open.lock().await;
+        if let Some(session) = open.get(url)
+            && !session.is_transport_closed()
+        {
+            return Ok(session.clone());
+        }
+        let session = tokio::time::timeout(timeout, connect(client, url))
+            .await
+            .map_err(|_| format!("no answer to initialize within {timeout:?}"))??;
+        open.insert(url.to_string(), session.clone());
+        Ok(session)
+    }
+
+    async fn forget(&self, url: &str) {
+        self.open.lock().await.remove(url);
+    }
+}
+
+fn request(tool: &McpKind, args: &Value, ctx: &CallContext) -> CallToolRequestParams {
+    let mut meta = RequestMetaObject::new();
+    meta.0.0.insert(MCP_META_KEY.into(), Value::String(ctx.key.clone()));
+    meta.0.0.insert(MCP_META_RUN.into(), Value::String(ctx.run_uid.clone()));
+    meta.0.0.insert(MCP_META_STEP.into(), Value::from(ctx.seq));
+    let mut params = CallToolRequestParams::new(tool.remote.clone())
+        .with_arguments(args.as_object().cloned().unwrap_or_default());
+    params.meta = Some(meta);
+    params
+}
+
+/// Makes an MCP `tools/call` with the key in `_meta`.
+///
+/// Failing to open a session is retried (nothing was called yet). A failure
+/// after `tools/call` was sent is not: MCP tools declare no idempotency that
+/// could be trusted, so the observation says the outcome is unknown.
+pub(crate) async fn call(
+    sessions: &Sessions,
+    client: &reqwest::Client,
+    retry: &RetryPolicy,
+    name: &str,
+    tool: &McpKind,
+    args: &Value,
+    ctx: &CallContext,
+) -> ToolOutcome {
+    let mut attempt_no = 0u32;
+    let session = loop {
+        attempt_no += 1;
+        match sessions.get(client, &tool.url, tool.timeout).await {
+            Ok(session) => break session,
+            Err(reason) => {
+                tracing::debug!(tool = name, attempt = attempt_no, %reason, "MCP session failed");
+                if attempt_no >= retry.attempts() {
+                    return ToolOutcome::failed(format!(
+                        "{name}: the MCP server could not be reached after {attempt_no} attempts: \
+                         {reason}. The tool was not called."
+                    ));
+                }
+                tokio::time::sleep(retry.backoff(attempt_no)).await;
+            }
+        }
+    };
+    match tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await {
+        Ok(Ok(result)) => outcome(name, result),
+        Ok(Err(ServiceError::McpError(e))) => ToolOutcome::failed(format!(
+            "{name}: the MCP server refused the call: {} (code {})",
+            excerpt(&e.message, QUOTED_TEXT),
+            e.code.0
+        )),
+        Ok(Err(e)) => {
+            sessions.forget(&tool.url).await;
+            ToolOutcome::failed(format!(
+                "{name}: the MCP call failed: {}. Whether it took effect is unknown.",
+                excerpt(&e.to_string(), QUOTED_TEXT)
+            ))
+        }
+        Err(_) => {
+            sessions.forget(&tool.url).await;
+            ToolOutcome::failed(format!(
+                "{name}: no answer from the MCP server within {:?}. Whether it took effect is unknown.",
+                tool.timeout
+            ))
+        }
+    }
+}
+
+/// Maps a `tools/call` result: `isError` becomes `Failed` with its text;
+/// otherwise `structuredContent`, or the text content (parsed when it is JSON).
+pub(crate) fn outcome(name: &str, result: CallToolResult) -> ToolOutcome {
+    let text = content_text(&result.content);
+    if result.is_error == Some(true) {
+        let detail = if text.trim().is_empty() {
+            result
+                .structured_content
+                .as_ref()
+                .map(Value::to_string)
+                .unwrap_or_else(|| "no details".into())
+        } else {
+            text
+        };
+        return ToolOutcome::failed(format!("{name}: {}", excerpt(&detail, QUOTED_TEXT)));
+    }
+    if let Some(structured) = result.structured_content {
+        return ToolOutcome::Ok(structured);
+    }
+    match (result.content.as_slice(), serde_json::from_str::<Value>(&text)) {
+        ([ContentBlock::Text(_)], Ok(value)) => ToolOutcome::Ok(value),
+        ([], _) => ToolOutcome::Ok(Value::Null),
+        _ => ToolOutcome::Ok(Value::String(text)),
+    }
+}
+
+fn content_text(content: &[ContentBlock]) -> String {
+    content
+        .iter()
+        .map(|block| match block {
+            ContentBlock::Text(t) => t.text.clone(),
+            ContentBlock::Image(_) => "[image omitted]".into(),
+            ContentBlock::Audio(_) => "[audio omitted]".into(),
+            ContentBlock::Resource(_) => "[embedded resource omitted]".into(),
+            ContentBlock::ResourceLink(r) => format!("[resource {}]", r.uri),
+            _ => "[content omitted]".into(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn result(value: Value) -> CallToolResult {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn error_results_become_failed_with_their_text() {
+        let out = outcome(
+            "get_weather",
+            result(json!({"content": [{"type": "text", "text": "unknown city: Atlantis"}], "isError": true})),
+        );
+        assert_eq!(
+            out,
+            ToolOutcome::Failed {
+                observation: "get_weather: unknown city: Atlantis".into()
+            }
+        );
+    }
+
+    #[test]
+    fn structured_content_wins_over_text() {
+        let out = outcome(
+            "t",
+            result(json!({"content": [{"type": "text", "text": "sunny"}], "structuredContent": {"sky": "sunny"}})),
+        );
+        assert_eq!(out, ToolOutcome::Ok(json!({"sky": "sunny"})));
+    }
+
+    #[test]
+    fn text_content_is_parsed_when_it_is_json() {
+        let out = outcome("t", result(json!({"content": [{"type": "text", "text": "{\"id\": 7}"}]})));
+        assert_eq!(out, ToolOutcome::Ok(json!({"id": 7})));
+        let out = outcome("t", result(json!({"content": [{"type": "text", "text": "done"}]})));
+        assert_eq!(out, ToolOutcome::Ok(json!("done")));
+        let out = outcome(
+            "t",
+            result(json!({"content": [{"type": "text", "text": "1"}, {"type": "text", "text": "2"}]})),
+        );
+        assert_eq!(out, ToolOutcome::Ok(json!("1\n2")));
+        let out = outcome("t", result(json!({"content": []})));
+        assert_eq!(out, ToolOutcome::Ok(Value::Null));
+    }
+
+    #[test]
+    fn calls_carry_the_key_run_and_step_in_meta() {
+        let tool = McpKind {
+            url: "http://127.0.0.1:9/mcp".into(),
+            remote: "create_ticket".into(),
+            hints: None,
+            timeout: Duration::from_secs(1),
+        };
+        let ctx = CallContext::new("run-9", 12, "k".repeat(64));
+        let params = serde_json::to_value(request(&tool, &json!({"title": "x"}), &ctx)).unwrap();
+        assert_eq!(params["name"], "create_ticket");
+        assert_eq!(params["arguments"], json!({"title": "x"}));
+        assert_eq!(params["_meta"][MCP_META_KEY], json!("k".repeat(64)));
+        assert_eq!(params["_meta"][MCP_META_RUN], "run-9");
+        assert_eq!(params["_meta"][MCP_META_STEP], 12);
+    }
+}
