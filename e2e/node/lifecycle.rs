@@ -24,11 +24,47 @@ use crate::{
     status::{ContainerStatus, Phase, PodStatus, State, now},
 };
 
-/// The image repository's last path component: `ghcr.io/x/agentrun:0.1` → `agentrun`.
+/// The image repository's last path component: `registry.example/x/agentrun:0.1` → `agentrun`.
 pub fn image_name(image: &str) -> &str {
     let image = image.split('@').next().unwrap_or(image);
     let last = image.rsplit('/').next().unwrap_or(image);
     last.split(':').next().unwrap_or(last)
+}
+
+/// Copies an image's binary into a world-readable dir of the node, keyed by
+/// its modification time, so a non-root pod can run what was just built even
+/// when the build dir is not readable by other users (e.g. under /root).
+/// Falls back to the original dir if the copy fails.
+fn stage_binary(state_dir: &Path, dir: &Path, name: &str) -> PathBuf {
+    let src = dir.join(name);
+    let stamp = std::fs::metadata(&src)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let staged_dir = state_dir.join("bin").join(format!("{name}-{stamp}"));
+    let staged = staged_dir.join(name);
+    if staged.exists() {
+        return staged_dir;
+    }
+    let copy = || -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(&staged_dir)?;
+        for d in [state_dir, &state_dir.join("bin"), &staged_dir] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
+        }
+        let tmp = staged_dir.join(format!(".{name}.{}", std::process::id()));
+        std::fs::copy(&src, &tmp)?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+        std::fs::rename(&tmp, &staged)
+    };
+    match copy() {
+        Ok(()) => staged_dir,
+        Err(e) => {
+            tracing::warn!(binary = %src.display(), error = %e, "staging the image binary failed; using it in place");
+            dir.to_path_buf()
+        }
+    }
 }
 
 struct PodRun {
@@ -345,7 +381,11 @@ impl PodRun {
         };
         let namespace = self.pod.metadata.namespace.as_deref().unwrap_or("default");
         let image = container.image.clone().unwrap_or_default();
-        let image_dir = self.ctx.image_bins.get(image_name(&image)).cloned();
+        let image_dir = self
+            .ctx
+            .image_bins
+            .get(image_name(&image))
+            .map(|dir| stage_binary(&self.ctx.state_dir, dir, image_name(&image)));
 
         let mut base = Env::default();
         let path = match &image_dir {
@@ -483,7 +523,7 @@ mod tests {
     #[test]
     fn image_names_ignore_registry_and_tag() {
         assert_eq!(image_name("agentrun"), "agentrun");
-        assert_eq!(image_name("ghcr.io/x/agentrun:0.1"), "agentrun");
+        assert_eq!(image_name("registry.example/x/agentrun:0.1"), "agentrun");
         assert_eq!(image_name("localhost:5000/agentrun"), "agentrun");
         assert_eq!(image_name("busybox:1.36"), "busybox");
         assert_eq!(image_name("x/agentrun@sha256:abc"), "agentrun");
