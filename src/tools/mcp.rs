@@ -150,38 +150,6 @@ pub async fn discover_catalog(specs: &[ToolSpec]) -> Result<McpCatalog, ToolErro
     Ok(catalog)
 }
 
-/// Open MCP sessions, one per server URL, reused across calls.
-#[derive(Default)]
-pub(crate) struct Sessions {
-    open: tokio::sync::Mutex<HashMap<String, Session>>,
-}
-
-impl std::fmt::Debug for Sessions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Sessions")
-    }
-}
-
-impl Sessions {
-    async fn get(&self, client: &reqwest::Client, url: &str, timeout: Duration) -> Result<Session, String> {
-        let mut open = self.open.lock().await;
-        if let Some(session) = open.get(url)
-            && !session.is_transport_closed()
-        {
-            return Ok(session.clone());
-        }
-        let session = tokio::time::timeout(timeout, connect(client, url))
-            .await
-            .map_err(|_| format!("no answer to initialize within {timeout:?}"))??;
-        open.insert(url.to_string(), session.clone());
-        Ok(session)
-    }
-
-    async fn forget(&self, url: &str) {
-        self.open.lock().await.remove(url);
-    }
-}
-
 fn request(tool: &McpKind, args: &Value, ctx: &CallContext) -> CallToolRequestParams {
     let mut meta = RequestMetaObject::new();
     meta.0.0.insert(MCP_META_KEY.into(), Value::String(ctx.key.clone()));
@@ -195,11 +163,11 @@ fn request(tool: &McpKind, args: &Value, ctx: &CallContext) -> CallToolRequestPa
 
 /// Makes an MCP `tools/call` with the key in `_meta`.
 ///
-/// Failing to open a session is retried (nothing was called yet). A failure
-/// after `tools/call` was sent is not: MCP tools declare no idempotency that
-/// could be trusted, so the observation says the outcome is unknown.
+/// Every call opens its own session (`initialize`, then `tools/call`): a
+/// failure to open it is retried, as nothing was called yet. A failure after
+/// `tools/call` was sent is not: MCP tools declare no idempotency that could
+/// be trusted, so the observation says the outcome is unknown.
 pub(crate) async fn call(
-    sessions: &Sessions,
     client: &reqwest::Client,
     retry: &RetryPolicy,
     name: &str,
@@ -210,7 +178,10 @@ pub(crate) async fn call(
     let mut attempt_no = 0u32;
     let session = loop {
         attempt_no += 1;
-        match sessions.get(client, &tool.url, tool.timeout).await {
+        let opened = tokio::time::timeout(tool.timeout, connect(client, &tool.url))
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer to initialize within {:?}", tool.timeout)));
+        match opened {
             Ok(session) => break session,
             Err(reason) => {
                 tracing::debug!(tool = name, attempt = attempt_no, %reason, "MCP session failed");
@@ -224,27 +195,25 @@ pub(crate) async fn call(
             }
         }
     };
-    match tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await {
+    let answer = tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await;
+    if let Ok(session) = Arc::try_unwrap(session) {
+        let _ = session.cancel().await;
+    }
+    match answer {
         Ok(Ok(result)) => outcome(name, result),
         Ok(Err(ServiceError::McpError(e))) => ToolOutcome::failed(format!(
             "{name}: the MCP server refused the call: {} (code {})",
             excerpt(&e.message, QUOTED_TEXT),
             e.code.0
         )),
-        Ok(Err(e)) => {
-            sessions.forget(&tool.url).await;
-            ToolOutcome::failed(format!(
-                "{name}: the MCP call failed: {}. Whether it took effect is unknown.",
-                excerpt(&e.to_string(), QUOTED_TEXT)
-            ))
-        }
-        Err(_) => {
-            sessions.forget(&tool.url).await;
-            ToolOutcome::failed(format!(
-                "{name}: no answer from the MCP server within {:?}. Whether it took effect is unknown.",
-                tool.timeout
-            ))
-        }
+        Ok(Err(e)) => ToolOutcome::failed(format!(
+            "{name}: the MCP call failed: {}. Whether it took effect is unknown.",
+            excerpt(&e.to_string(), QUOTED_TEXT)
+        )),
+        Err(_) => ToolOutcome::failed(format!(
+            "{name}: no answer from the MCP server within {:?}. Whether it took effect is unknown.",
+            tool.timeout
+        )),
     }
 }
 

@@ -209,7 +209,6 @@ pub struct Toolbox {
     by_name: HashMap<String, usize>,
     client: reqwest::Client,
     retry: RetryPolicy,
-    mcp: mcp::Sessions,
 }
 
 /// The schema of the built-in `finish` tool.
@@ -345,7 +344,6 @@ impl Toolbox {
             by_name,
             client: build_client()?,
             retry: RetryPolicy::default(),
-            mcp: mcp::Sessions::default(),
         })
     }
 
@@ -435,7 +433,7 @@ impl Toolbox {
         tracing::debug!(tool = name, run = %ctx.run_uid, step = ctx.seq, "calling tool");
         let outcome = match &tool.kind {
             Kind::Http(h) => http::call(&self.client, &self.retry, name, h, args, ctx).await,
-            Kind::Mcp(m) => mcp::call(&self.mcp, &self.client, &self.retry, name, m, args, ctx).await,
+            Kind::Mcp(m) => mcp::call(&self.client, &self.retry, name, m, args, ctx).await,
             Kind::Finish => ToolOutcome::Ok(args.clone()),
         };
         tracing::debug!(tool = name, run = %ctx.run_uid, step = ctx.seq, ok = outcome.is_ok(), "tool call done");
