@@ -26,6 +26,12 @@ pub(crate) fn request_body(
     for m in &req.messages {
         messages.push(match m {
             Message::User { text } => json!({"role": "user", "content": text}),
+            Message::Assistant { text, tool_calls }
+                if tool_calls.is_empty() && text.as_deref().is_none_or(str::is_empty) =>
+            {
+                // Content is required without tool calls; an empty turn says nothing.
+                continue;
+            }
             Message::Assistant { text, tool_calls } => {
                 let mut msg = json!({
                     "role": "assistant",
@@ -256,8 +262,7 @@ mod tests {
                         {"id": "call_b", "type": "function", "function": {"name": "lookup", "arguments": "{\"order\": 4"}}
                     ]},
                     {"role": "tool", "tool_call_id": "call_a", "content": "{\"total\": 10}"},
-                    {"role": "tool", "tool_call_id": "call_b", "content": "ERROR: arguments are not valid JSON"},
-                    {"role": "assistant", "content": null}
+                    {"role": "tool", "tool_call_id": "call_b", "content": "ERROR: arguments are not valid JSON"}
                 ],
                 "tools": [{"type": "function", "function": {
                     "name": "lookup", "description": "Find an order",
