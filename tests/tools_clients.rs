@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use agentrun::api::{HttpTool, McpTool, ToolSpec};
 use agentrun::tools::{
-    CallContext, LookupOutcome, McpCatalog, RetryPolicy, ToolError, ToolOutcome, Toolbox, discover_catalog,
-    discover_mcp, idempotency_key,
+    CallContext, LookupOutcome, McpCatalog, RetryPolicy, ToolError, ToolOutcome, Toolbox,
+    discover_catalog, discover_mcp, idempotency_key,
 };
 use serde_json::{Value, json};
 
@@ -57,7 +57,11 @@ impl Standins {
 
     async fn get(&self, path: &str) -> Value {
         let response = self.http.get(self.url(path)).send().await.unwrap();
-        assert!(response.status().is_success(), "GET {path}: {}", response.status());
+        assert!(
+            response.status().is_success(),
+            "GET {path}: {}",
+            response.status()
+        );
         response.json().await.unwrap()
     }
 
@@ -73,11 +77,19 @@ impl Standins {
     }
 
     async fn effects(&self, tenant: &str) -> Vec<Value> {
-        self.get(&format!("/tools/{tenant}/_effects")).await.as_array().unwrap().clone()
+        self.get(&format!("/tools/{tenant}/_effects"))
+            .await
+            .as_array()
+            .unwrap()
+            .clone()
     }
 
     async fn requests(&self, tenant: &str) -> Vec<Value> {
-        self.get(&format!("/tools/{tenant}/_requests")).await.as_array().unwrap().clone()
+        self.get(&format!("/tools/{tenant}/_requests"))
+            .await
+            .as_array()
+            .unwrap()
+            .clone()
     }
 
     async fn mcp_effects(&self, tenant: &str) -> Value {
@@ -86,7 +98,12 @@ impl Standins {
 
     /// A keyed (idempotent) tool of the tool server.
     fn keyed_tool(&self, tenant: &str, name: &str) -> ToolSpec {
-        http_tool(name, self.url(&format!("/tools/{tenant}/{name}")), true, None)
+        http_tool(
+            name,
+            self.url(&format!("/tools/{tenant}/{name}")),
+            true,
+            None,
+        )
     }
 
     /// A tool without idempotency, with its lookup.
@@ -136,11 +153,17 @@ fn fast_retry() -> RetryPolicy {
 }
 
 fn toolbox(specs: &[ToolSpec]) -> Toolbox {
-    Toolbox::new(specs, &McpCatalog::new()).unwrap().with_retry(fast_retry())
+    Toolbox::new(specs, &McpCatalog::new())
+        .unwrap()
+        .with_retry(fast_retry())
 }
 
 fn ctx(seq: u64, index: usize) -> CallContext {
-    CallContext::new("run-uid-1", seq + 1, idempotency_key("run-uid-1", seq, index))
+    CallContext::new(
+        "run-uid-1",
+        seq + 1,
+        idempotency_key("run-uid-1", seq, index),
+    )
 }
 
 fn failed(outcome: &ToolOutcome) -> &str {
@@ -163,7 +186,10 @@ async fn same_key_twice_makes_one_effect() {
     let tb = toolbox(&[s.keyed_tool("t", "refund")]);
     let first = ok(tb.call("refund", &json!({"amount": 5}), &ctx(3, 0)).await);
     let again = ok(tb.call("refund", &json!({"amount": 5}), &ctx(3, 0)).await);
-    assert_eq!(first, json!({"ok": true, "tool": "refund", "echo": {"amount": 5}, "effect": 1}));
+    assert_eq!(
+        first,
+        json!({"ok": true, "tool": "refund", "echo": {"amount": 5}, "effect": 1})
+    );
     assert_eq!(again, first);
     assert_eq!(s.effects("t").await.len(), 1);
     // Another call (another index) is another effect.
@@ -173,9 +199,15 @@ async fn same_key_twice_makes_one_effect() {
     // Every request carried the key, the run and the step.
     let requests = s.requests("t").await;
     assert_eq!(requests.len(), 3);
-    assert_eq!(requests[0]["key"], json!(idempotency_key("run-uid-1", 3, 0)));
+    assert_eq!(
+        requests[0]["key"],
+        json!(idempotency_key("run-uid-1", 3, 0))
+    );
     assert_eq!(requests[1]["key"], requests[0]["key"]);
-    assert_eq!(requests[2]["key"], json!(idempotency_key("run-uid-1", 3, 1)));
+    assert_eq!(
+        requests[2]["key"],
+        json!(idempotency_key("run-uid-1", 3, 1))
+    );
     assert_eq!(requests[0]["run"], "run-uid-1");
     assert_eq!(requests[0]["step"], "4");
 }
@@ -183,15 +215,22 @@ async fn same_key_twice_makes_one_effect() {
 #[tokio::test]
 async fn server_errors_are_retried_with_the_same_key() {
     let s = standins();
-    s.configure("t", json!({"failNext": {"tool": "refund", "times": 2, "status": 503}}))
-        .await;
+    s.configure(
+        "t",
+        json!({"failNext": {"tool": "refund", "times": 2, "status": 503}}),
+    )
+    .await;
     let tb = toolbox(&[s.keyed_tool("t", "refund")]);
     let result = ok(tb.call("refund", &json!({"amount": 1}), &ctx(7, 0)).await);
     assert_eq!(result["effect"], 1);
     let effects = s.effects("t").await;
     assert_eq!(effects.len(), 1);
     let requests = s.requests("t").await;
-    assert_eq!(requests.len(), 3, "two failures and one success: {requests:?}");
+    assert_eq!(
+        requests.len(),
+        3,
+        "two failures and one success: {requests:?}"
+    );
     let key = json!(idempotency_key("run-uid-1", 7, 0));
     assert!(requests.iter().all(|r| r["key"] == key), "{requests:?}");
     assert_eq!(effects[0]["key"], key);
@@ -200,12 +239,18 @@ async fn server_errors_are_retried_with_the_same_key() {
 #[tokio::test]
 async fn retries_are_bounded() {
     let s = standins();
-    s.configure("t", json!({"failNext": {"tool": "refund", "times": 100, "status": 500}}))
-        .await;
+    s.configure(
+        "t",
+        json!({"failNext": {"tool": "refund", "times": 100, "status": 500}}),
+    )
+    .await;
     let tb = toolbox(&[s.keyed_tool("t", "refund")]);
     let out = tb.call("refund", &json!({}), &ctx(1, 0)).await;
     let observation = failed(&out);
-    assert!(observation.starts_with("refund: failed after 4 attempts: HTTP 500"), "{observation}");
+    assert!(
+        observation.starts_with("refund: failed after 4 attempts: HTTP 500"),
+        "{observation}"
+    );
     assert_eq!(s.requests("t").await.len(), 4);
     assert!(s.effects("t").await.is_empty());
 }
@@ -224,7 +269,10 @@ async fn timeouts_are_retried_with_the_same_key() {
         });
     let out = tb.call("slow", &json!({}), &ctx(2, 0)).await;
     let observation = failed(&out);
-    assert!(observation.contains("failed after 3 attempts: timed out"), "{observation}");
+    assert!(
+        observation.contains("failed after 3 attempts: timed out"),
+        "{observation}"
+    );
     assert!(observation.contains("unknown"), "{observation}");
     let requests = s.requests("t").await;
     assert_eq!(requests.len(), 3);
@@ -234,12 +282,27 @@ async fn timeouts_are_retried_with_the_same_key() {
 #[tokio::test]
 async fn unreachable_tools_fail_after_retries() {
     // A port nothing listens on: bind, note it, close.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let tb = toolbox(&[http_tool("gone", format!("http://127.0.0.1:{port}/x"), false, None)]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tb = toolbox(&[http_tool(
+        "gone",
+        format!("http://127.0.0.1:{port}/x"),
+        false,
+        None,
+    )]);
     let out = tb.call("gone", &json!({}), &ctx(0, 0)).await;
     let observation = failed(&out);
-    assert!(observation.starts_with("gone: failed after 4 attempts: could not connect"), "{observation}");
-    assert!(observation.contains("did not reach the tool"), "{observation}");
+    assert!(
+        observation.starts_with("gone: failed after 4 attempts: could not connect"),
+        "{observation}"
+    );
+    assert!(
+        observation.contains("did not reach the tool"),
+        "{observation}"
+    );
 }
 
 #[tokio::test]
@@ -252,17 +315,49 @@ async fn invalid_arguments_fail_without_a_request() {
         "required": ["order", "amount"]
     }));
     let tb = toolbox(&[spec]);
-    let out = tb.call("issue_refund", &json!({"order": "A-1", "amount": -5}), &ctx(0, 0)).await;
-    assert_eq!(failed(&out), "issue_refund: arguments invalid: amount: -5 is less than the minimum of 0");
-    let out = tb.call("issue_refund", &json!({"amount": 5}), &ctx(0, 0)).await;
-    assert!(failed(&out).contains("\"order\" is a required property"), "{out:?}");
+    let out = tb
+        .call(
+            "issue_refund",
+            &json!({"order": "A-1", "amount": -5}),
+            &ctx(0, 0),
+        )
+        .await;
+    assert_eq!(
+        failed(&out),
+        "issue_refund: arguments invalid: amount: -5 is less than the minimum of 0"
+    );
+    let out = tb
+        .call("issue_refund", &json!({"amount": 5}), &ctx(0, 0))
+        .await;
+    assert!(
+        failed(&out).contains("\"order\" is a required property"),
+        "{out:?}"
+    );
     // A malformed model reply arrives as the raw string.
-    let out = tb.call("issue_refund", &Value::String("{\"order\": ".into()), &ctx(0, 0)).await;
-    assert!(failed(&out).contains("expected a JSON object, got a string"), "{out:?}");
-    assert!(s.requests("t").await.is_empty(), "nothing may be sent for invalid arguments");
+    let out = tb
+        .call(
+            "issue_refund",
+            &Value::String("{\"order\": ".into()),
+            &ctx(0, 0),
+        )
+        .await;
+    assert!(
+        failed(&out).contains("expected a JSON object, got a string"),
+        "{out:?}"
+    );
+    assert!(
+        s.requests("t").await.is_empty(),
+        "nothing may be sent for invalid arguments"
+    );
     assert!(s.effects("t").await.is_empty());
     // The same tool with valid arguments does reach the server.
-    ok(tb.call("issue_refund", &json!({"order": "A-1", "amount": 5}), &ctx(0, 0)).await);
+    ok(tb
+        .call(
+            "issue_refund",
+            &json!({"order": "A-1", "amount": 5}),
+            &ctx(0, 0),
+        )
+        .await);
     assert_eq!(s.effects("t").await.len(), 1);
 }
 
@@ -271,7 +366,10 @@ async fn unknown_tools_fail() {
     let s = standins();
     let tb = toolbox(&[s.keyed_tool("t", "refund")]);
     let out = tb.call("refund_all", &json!({}), &ctx(0, 0)).await;
-    assert_eq!(failed(&out), "refund_all: no such tool; available tools: refund, finish");
+    assert_eq!(
+        failed(&out),
+        "refund_all: no such tool; available tools: refund, finish"
+    );
     assert!(s.requests("t").await.is_empty());
 }
 
@@ -282,19 +380,28 @@ async fn non_json_answers_fail() {
     let tb = toolbox(&[s.keyed_tool("t", "refund")]);
     let out = tb.call("refund", &json!({}), &ctx(0, 0)).await;
     let observation = failed(&out);
-    assert!(observation.starts_with("refund: the tool answered with a body that is not JSON"), "{observation}");
+    assert!(
+        observation.starts_with("refund: the tool answered with a body that is not JSON"),
+        "{observation}"
+    );
     assert!(observation.contains("this is not JSON"), "{observation}");
 }
 
 #[tokio::test]
 async fn client_errors_fail_without_retry() {
     let s = standins();
-    s.configure("t", json!({"failNext": {"tool": "refund", "times": 1, "status": 422}}))
-        .await;
+    s.configure(
+        "t",
+        json!({"failNext": {"tool": "refund", "times": 1, "status": 422}}),
+    )
+    .await;
     let tb = toolbox(&[s.keyed_tool("t", "refund")]);
     let out = tb.call("refund", &json!({}), &ctx(0, 0)).await;
     let observation = failed(&out);
-    assert!(observation.starts_with("refund: the tool refused the call: HTTP 422"), "{observation}");
+    assert!(
+        observation.starts_with("refund: the tool refused the call: HTTP 422"),
+        "{observation}"
+    );
     assert!(observation.contains("injected failure"), "{observation}");
     assert_eq!(s.requests("t").await.len(), 1);
 }
@@ -305,47 +412,68 @@ async fn lookups_answer_done_not_done_and_unknown() {
     let tb = toolbox(&[s.nokey_tool("t", "charge"), s.keyed_tool("t", "refund")]);
     let result = ok(tb.call("charge", &json!({"cents": 100}), &ctx(5, 0)).await);
     assert_eq!(
-        tb.lookup("charge", &json!({"cents": 100}), &ctx(5, 0)).await,
+        tb.lookup("charge", &json!({"cents": 100}), &ctx(5, 0))
+            .await,
         LookupOutcome::Done(result)
     );
-    assert_eq!(tb.lookup("charge", &json!({}), &ctx(5, 1)).await, LookupOutcome::NotDone);
+    assert_eq!(
+        tb.lookup("charge", &json!({}), &ctx(5, 1)).await,
+        LookupOutcome::NotDone
+    );
     assert!(matches!(
         tb.lookup("refund", &json!({}), &ctx(5, 0)).await,
         LookupOutcome::Unknown { reason } if reason == "refund declares no lookup"
     ));
     // A lookup whose server is gone is unknown, not "not done".
     drop(s);
-    assert!(matches!(tb.lookup("charge", &json!({}), &ctx(5, 0)).await, LookupOutcome::Unknown { .. }));
+    assert!(matches!(
+        tb.lookup("charge", &json!({}), &ctx(5, 0)).await,
+        LookupOutcome::Unknown { .. }
+    ));
 }
 
 #[tokio::test]
 async fn non_idempotent_tools_are_repeated_only_when_the_lookup_says_not_done() {
     let s = standins();
     // Failures before the effect: the lookup says "not done", so the call is repeated.
-    s.configure("t", json!({"failNext": {"tool": "charge", "times": 2, "status": 503}}))
-        .await;
+    s.configure(
+        "t",
+        json!({"failNext": {"tool": "charge", "times": 2, "status": 503}}),
+    )
+    .await;
     let tb = toolbox(&[s.nokey_tool("t", "charge")]);
     let result = ok(tb.call("charge", &json!({"cents": 1}), &ctx(1, 0)).await);
     assert_eq!(result["effect"], 1);
     assert_eq!(s.effects("t").await.len(), 1);
 
     // The answer is lost after the effect: the lookup finds it; no second effect.
-    s.configure("t", json!({"failAfterEffect": {"tool": "charge", "times": 1, "status": 502}}))
-        .await;
+    s.configure(
+        "t",
+        json!({"failAfterEffect": {"tool": "charge", "times": 1, "status": 502}}),
+    )
+    .await;
     let result = ok(tb.call("charge", &json!({"cents": 2}), &ctx(2, 0)).await);
     assert_eq!(result["effect"], 2);
     assert_eq!(result["echo"], json!({"cents": 2}));
     let effects = s.effects("t").await;
     assert_eq!(effects.len(), 2, "{effects:?}");
-    let attempts = s.requests("t").await.iter().filter(|r| r["args"] == json!({"cents": 2})).count();
+    let attempts = s
+        .requests("t")
+        .await
+        .iter()
+        .filter(|r| r["args"] == json!({"cents": 2}))
+        .count();
     assert_eq!(attempts, 1);
 }
 
 #[tokio::test]
 async fn non_idempotent_tools_without_lookup_are_not_repeated() {
     let s = standins();
-    s.configure("t", json!({"failNext": {"tool": "charge", "times": 1, "status": 503}}))
-        .await;
+    s.configure(
+        "t",
+        json!({"failNext": {"tool": "charge", "times": 1, "status": 503}}),
+    )
+    .await;
     let mut spec = s.nokey_tool("t", "charge");
     spec.http.as_mut().unwrap().lookup = None;
     let tb = toolbox(&[spec]);
@@ -367,12 +495,18 @@ async fn mcp_discovery_lists_tools_with_schemas_and_annotations() {
     assert_eq!(weather.annotations.read_only_hint, Some(true));
     assert!(!weather.description.is_empty());
     let ticket = &tools[1];
-    assert_eq!(ticket.input_schema["properties"]["priority"]["enum"], json!(["low", "medium", "high"]));
+    assert_eq!(
+        ticket.input_schema["properties"]["priority"]["enum"],
+        json!(["low", "medium", "high"])
+    );
     assert_eq!(ticket.annotations.destructive_hint, Some(true));
     assert_eq!(ticket.annotations.read_only_hint, Some(false));
 
     // The catalog maps the agent's names (and renamed tools) to what was found.
-    let specs = [s.mcp_tool("m", "weather", Some("get_weather")), s.mcp_tool("m", "create_ticket", None)];
+    let specs = [
+        s.mcp_tool("m", "weather", Some("get_weather")),
+        s.mcp_tool("m", "create_ticket", None),
+    ];
     let catalog = discover_catalog(&specs).await.unwrap();
     assert_eq!(catalog["weather"], *weather);
     assert_eq!(catalog["create_ticket"], *ticket);
@@ -381,16 +515,29 @@ async fn mcp_discovery_lists_tools_with_schemas_and_annotations() {
     assert_eq!(defs[0].name, "weather");
     assert_eq!(defs[0].input_schema, weather.input_schema);
     assert_eq!(tb.mcp_hints("weather").unwrap().read_only_hint, Some(true));
-    assert!(!tb.is_read_only("weather"), "annotations are hints, not declarations");
+    assert!(
+        !tb.is_read_only("weather"),
+        "annotations are hints, not declarations"
+    );
 
-    let missing = discover_catalog(&[s.mcp_tool("m", "nope", None)]).await.unwrap_err();
-    assert!(matches!(missing, ToolError::McpToolMissing { ref tool, .. } if tool == "nope"), "{missing}");
+    let missing = discover_catalog(&[s.mcp_tool("m", "nope", None)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(missing, ToolError::McpToolMissing { ref tool, .. } if tool == "nope"),
+        "{missing}"
+    );
 }
 
 async fn mcp_toolbox(s: &Standins, tenant: &str) -> Toolbox {
-    let specs = [s.mcp_tool(tenant, "get_weather", None), s.mcp_tool(tenant, "create_ticket", None)];
+    let specs = [
+        s.mcp_tool(tenant, "get_weather", None),
+        s.mcp_tool(tenant, "create_ticket", None),
+    ];
     let catalog = discover_catalog(&specs).await.unwrap();
-    Toolbox::new(&specs, &catalog).unwrap().with_retry(fast_retry())
+    Toolbox::new(&specs, &catalog)
+        .unwrap()
+        .with_retry(fast_retry())
 }
 
 #[tokio::test]
@@ -400,7 +547,10 @@ async fn mcp_create_ticket_with_the_same_key_twice_makes_one_ticket() {
     let args = json!({"title": "printer on fire", "priority": "high"});
     let first = ok(tb.call("create_ticket", &args, &ctx(9, 0)).await);
     let again = ok(tb.call("create_ticket", &args, &ctx(9, 0)).await);
-    assert_eq!(first, json!({"id": "T-1", "title": "printer on fire", "priority": "high"}));
+    assert_eq!(
+        first,
+        json!({"id": "T-1", "title": "printer on fire", "priority": "high"})
+    );
     assert_eq!(again, first);
     let effects = s.mcp_effects("m").await;
     assert_eq!(effects["tickets"].as_array().unwrap().len(), 1, "{effects}");
@@ -412,21 +562,46 @@ async fn mcp_create_ticket_with_the_same_key_twice_makes_one_ticket() {
     // Another key is another ticket.
     let other = ok(tb.call("create_ticket", &args, &ctx(9, 1)).await);
     assert_eq!(other["id"], "T-2");
-    assert_eq!(s.mcp_effects("m").await["tickets"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        s.mcp_effects("m").await["tickets"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
 }
 
 #[tokio::test]
 async fn mcp_results_and_errors() {
     let s = standins();
     let tb = mcp_toolbox(&s, "m").await;
-    let weather = ok(tb.call("get_weather", &json!({"city": "Lyon"}), &ctx(0, 0)).await);
-    assert_eq!(weather, json!({"city": "Lyon", "forecast": "sunny", "temperatureC": 21}));
-    let out = tb.call("get_weather", &json!({"city": "Atlantis"}), &ctx(0, 1)).await;
+    let weather = ok(tb
+        .call("get_weather", &json!({"city": "Lyon"}), &ctx(0, 0))
+        .await);
+    assert_eq!(
+        weather,
+        json!({"city": "Lyon", "forecast": "sunny", "temperatureC": 21})
+    );
+    let out = tb
+        .call("get_weather", &json!({"city": "Atlantis"}), &ctx(0, 1))
+        .await;
     assert_eq!(failed(&out), "get_weather: unknown city: Atlantis");
     // Arguments are validated against the discovered schema before anything is sent.
-    let out = tb.call("create_ticket", &json!({"title": "x", "priority": "urgent"}), &ctx(0, 2)).await;
-    assert!(failed(&out).starts_with("create_ticket: arguments invalid: priority: "), "{out:?}");
-    assert_eq!(s.mcp_effects("m").await["calls"].as_array().unwrap().len(), 2);
+    let out = tb
+        .call(
+            "create_ticket",
+            &json!({"title": "x", "priority": "urgent"}),
+            &ctx(0, 2),
+        )
+        .await;
+    assert!(
+        failed(&out).starts_with("create_ticket: arguments invalid: priority: "),
+        "{out:?}"
+    );
+    assert_eq!(
+        s.mcp_effects("m").await["calls"].as_array().unwrap().len(),
+        2
+    );
 }
 
 #[tokio::test]
@@ -434,12 +609,21 @@ async fn mcp_refusals_and_unreachable_servers_fail() {
     let s = standins();
     // The agent names a tool the server does not have (no discovery): the server refuses.
     let specs = [s.mcp_tool("m", "delete_everything", None)];
-    let tb = Toolbox::new(&specs, &McpCatalog::new()).unwrap().with_retry(fast_retry());
+    let tb = Toolbox::new(&specs, &McpCatalog::new())
+        .unwrap()
+        .with_retry(fast_retry());
     let out = tb.call("delete_everything", &json!({}), &ctx(0, 0)).await;
-    assert!(failed(&out).starts_with("delete_everything: the MCP server refused the call: unknown tool"), "{out:?}");
+    assert!(
+        failed(&out)
+            .starts_with("delete_everything: the MCP server refused the call: unknown tool"),
+        "{out:?}"
+    );
     drop(s);
     let out = tb.call("delete_everything", &json!({}), &ctx(0, 0)).await;
     let observation = failed(&out);
-    assert!(observation.contains("could not be reached after 4 attempts"), "{observation}");
+    assert!(
+        observation.contains("could not be reached after 4 attempts"),
+        "{observation}"
+    );
     assert!(observation.contains("not called"), "{observation}");
 }

@@ -20,8 +20,8 @@ use axum::Json;
 use axum::extract::{Path, State};
 use axum::routing::get;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult, PaginatedRequestParams,
-    ServerCapabilities, ServerConfig,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
@@ -102,7 +102,8 @@ impl ServerHandler for Standin {
         _request: Option<PaginatedRequestParams>,
         _ctx: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        serde_json::from_value(json!({"tools": tools()})).map_err(|e| ErrorData::internal_error(e.to_string(), None))
+        serde_json::from_value(json!({"tools": tools()}))
+            .map_err(|e| ErrorData::internal_error(e.to_string(), None))
     }
 
     async fn call_tool(
@@ -128,7 +129,12 @@ impl ServerHandler for Standin {
                 "tool": request.name, "args": args, "key": key, "run": meta(META_RUN), "step": meta(META_STEP)
             }))
         });
-        let text = |field: &str| args.get(field).and_then(Value::as_str).unwrap_or_default().to_string();
+        let text = |field: &str| {
+            args.get(field)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string()
+        };
         match request.name.as_ref() {
             "get_weather" => {
                 let city = text("city");
@@ -147,7 +153,9 @@ impl ServerHandler for Standin {
                     return Ok(text_error("title is required".into()));
                 }
                 if !["low", "medium", "high"].contains(&priority.as_str()) {
-                    return Ok(text_error(format!("priority must be low, medium or high, not {priority:?}")));
+                    return Ok(text_error(format!(
+                        "priority must be low, medium or high, not {priority:?}"
+                    )));
                 }
                 let ticket = with_tenant(&self.tenants, &tenant, |t| {
                     if let Some(existing) = key.as_ref().and_then(|k| t.by_key.get(k)) {
@@ -165,13 +173,20 @@ impl ServerHandler for Standin {
                 let shown = json!({"id": ticket["id"], "title": ticket["title"], "priority": ticket["priority"]});
                 Ok(CallToolResult::success(vec![ContentBlock::text(shown.to_string())]).into())
             }
-            other => Err(ErrorData::invalid_params(format!("unknown tool: {other}"), None)),
+            other => Err(ErrorData::invalid_params(
+                format!("unknown tool: {other}"),
+                None,
+            )),
         }
     }
 }
 
 async fn effects(State(tenants): State<Tenants>, Path(tenant): Path<String>) -> Json<Value> {
-    Json(with_tenant(&tenants, &tenant, |t| json!({"tickets": t.tickets, "calls": t.calls})))
+    Json(with_tenant(
+        &tenants,
+        &tenant,
+        |t| json!({"tickets": t.tickets, "calls": t.calls}),
+    ))
 }
 
 /// The MCP server's routes.

@@ -152,7 +152,10 @@ fn with_tenant<R>(tenants: &Tenants, tenant: &str, f: impl FnOnce(&mut Tenant) -
 }
 
 fn header(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string)
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }
 
 /// The tool server's routes.
@@ -165,11 +168,18 @@ pub fn router() -> axum::Router {
         .route("/tools/{tenant}/{tool}", post(keyed_tool))
         .route("/tools/{tenant}/nokey/{tool}", post(nokey_tool))
         .route("/tools/{tenant}/lookup/{tool}", get(lookup))
-        .route("/tools/{tenant}/records/{id}", get(get_record).put(put_record))
+        .route(
+            "/tools/{tenant}/records/{id}",
+            get(get_record).put(put_record),
+        )
         .with_state(tenants)
 }
 
-async fn put_config(State(tenants): State<Tenants>, Path(tenant): Path<String>, Json(config): Json<Config>) -> StatusCode {
+async fn put_config(
+    State(tenants): State<Tenants>,
+    Path(tenant): Path<String>,
+    Json(config): Json<Config>,
+) -> StatusCode {
     with_tenant(&tenants, &tenant, |t| t.config = config);
     StatusCode::NO_CONTENT
 }
@@ -204,18 +214,33 @@ async fn nokey_tool(
     run_tool(&tenants, &tenant, &tool, &headers, &body, false).await
 }
 
-async fn run_tool(tenants: &Tenants, tenant: &str, tool: &str, headers: &HeaderMap, body: &[u8], idempotent: bool) -> Response {
+async fn run_tool(
+    tenants: &Tenants,
+    tenant: &str,
+    tool: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+    idempotent: bool,
+) -> Response {
     let key = header(headers, "idempotency-key");
     let args: Value = match serde_json::from_slice(body) {
         Ok(args) => args,
         Err(e) => {
-            return (StatusCode::BAD_REQUEST, Json(json!({"error": format!("body is not JSON: {e}")}))).into_response();
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": format!("body is not JSON: {e}")})),
+            )
+                .into_response();
         }
     };
     let delay = with_tenant(tenants, tenant, |t| {
         t.requests.push(RequestSeen {
             tool: tool.to_string(),
-            path: if idempotent { tool.to_string() } else { format!("nokey/{tool}") },
+            path: if idempotent {
+                tool.to_string()
+            } else {
+                format!("nokey/{tool}")
+            },
             key: key.clone(),
             run: header(headers, "x-agentrun-run"),
             step: header(headers, "x-agentrun-step"),
@@ -231,7 +256,8 @@ async fn run_tool(tenants: &Tenants, tenant: &str, tool: &str, headers: &HeaderM
             return (status, json!({"error": "injected failure"}), false);
         }
         let replay = if idempotent {
-            key.as_ref().and_then(|k| t.keyed.get(&(tool.to_string(), k.clone())).cloned())
+            key.as_ref()
+                .and_then(|k| t.keyed.get(&(tool.to_string(), k.clone())).cloned())
         } else {
             None
         };
@@ -250,14 +276,22 @@ async fn run_tool(tenants: &Tenants, tenant: &str, tool: &str, headers: &HeaderM
                     idempotent,
                 });
                 if let Some(k) = &key {
-                    let map = if idempotent { &mut t.keyed } else { &mut t.nokey };
+                    let map = if idempotent {
+                        &mut t.keyed
+                    } else {
+                        &mut t.nokey
+                    };
                     map.insert((tool.to_string(), k.clone()), result.clone());
                 }
                 result
             }
         };
         if let Some(status) = take_failure(&mut t.config.fail_after_effect, tool) {
-            return (status, json!({"error": "injected failure after the effect"}), false);
+            return (
+                status,
+                json!({"error": "injected failure after the effect"}),
+                false,
+            );
         }
         (200, result, t.config.non_json.iter().any(|n| n == tool))
     });
@@ -268,26 +302,51 @@ async fn run_tool(tenants: &Tenants, tenant: &str, tool: &str, headers: &HeaderM
     (status, Json(result)).into_response()
 }
 
-async fn lookup(State(tenants): State<Tenants>, Path((tenant, tool)): Path<(String, String)>, headers: HeaderMap) -> Response {
+async fn lookup(
+    State(tenants): State<Tenants>,
+    Path((tenant, tool)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
     let Some(key) = header(&headers, "idempotency-key") else {
-        return (StatusCode::BAD_REQUEST, Json(json!({"error": "Idempotency-Key header required"}))).into_response();
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": "Idempotency-Key header required"})),
+        )
+            .into_response();
     };
     match with_tenant(&tenants, &tenant, |t| t.nokey.get(&(tool, key)).cloned()) {
         Some(result) => Json(result).into_response(),
-        None => (StatusCode::NOT_FOUND, Json(json!({"error": "no call with this key"}))).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no call with this key"})),
+        )
+            .into_response(),
     }
 }
 
-async fn get_record(State(tenants): State<Tenants>, Path((tenant, id)): Path<(String, String)>) -> Response {
+async fn get_record(
+    State(tenants): State<Tenants>,
+    Path((tenant, id)): Path<(String, String)>,
+) -> Response {
     match with_tenant(&tenants, &tenant, |t| t.records.get(&id).cloned()) {
         Some(record) => Json(record).into_response(),
-        None => (StatusCode::NOT_FOUND, Json(json!({"error": "no such record"}))).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": "no such record"})),
+        )
+            .into_response(),
     }
 }
 
-async fn put_record(State(tenants): State<Tenants>, Path((tenant, id)): Path<(String, String)>, Json(body): Json<Value>) -> Json<Record> {
+async fn put_record(
+    State(tenants): State<Tenants>,
+    Path((tenant, id)): Path<(String, String)>,
+    Json(body): Json<Value>,
+) -> Json<Record> {
     let data = match body {
-        Value::Object(mut map) if map.len() == 1 && map.contains_key("data") => map.remove("data").unwrap_or_default(),
+        Value::Object(mut map) if map.len() == 1 && map.contains_key("data") => {
+            map.remove("data").unwrap_or_default()
+        }
         other => other,
     };
     Json(with_tenant(&tenants, &tenant, |t| {

@@ -114,7 +114,11 @@ fn describe(e: &reqwest::Error) -> String {
     }
 }
 
-fn with_headers(request: reqwest::RequestBuilder, ctx: &CallContext, timeout: Duration) -> reqwest::RequestBuilder {
+fn with_headers(
+    request: reqwest::RequestBuilder,
+    ctx: &CallContext,
+    timeout: Duration,
+) -> reqwest::RequestBuilder {
     request
         .timeout(timeout)
         .header(HEADER_KEY, &ctx.key)
@@ -226,7 +230,10 @@ pub(crate) async fn lookup(
             Attempt::Refused(StatusCode::NOT_FOUND, _) => return LookupOutcome::NotDone,
             Attempt::Refused(status, body) => {
                 return LookupOutcome::Unknown {
-                    reason: format!("{name}: the lookup answered HTTP {status}{}", quoted(body.as_bytes())),
+                    reason: format!(
+                        "{name}: the lookup answered HTTP {status}{}",
+                        quoted(body.as_bytes())
+                    ),
                 };
             }
             Attempt::Transient { reason, .. } => reason,

@@ -52,7 +52,10 @@ mod tests {
         assert_eq!(key.len(), 64);
         assert_eq!(key, idempotency_key("7f0c2a5e-run", 3, 1));
         assert_eq!(key, expected_key_for_test());
-        assert_eq!(key, "c27e6144f0fcef67e2d7331ba7190956270ef477e7c3f9d70b7c629bc5424d79");
+        assert_eq!(
+            key,
+            "c27e6144f0fcef67e2d7331ba7190956270ef477e7c3f9d70b7c629bc5424d79"
+        );
     }
 
     /// The derivation written out independently of `idempotency_key`.
@@ -73,7 +76,10 @@ mod tests {
         assert_ne!(base, idempotency_key("run-a", 6, 0));
         assert_ne!(base, idempotency_key("run-a", 5, 1));
         // No ambiguity between the uid and the numbers.
-        assert_ne!(idempotency_key("run-1", 2, 0), idempotency_key("run-12", 0, 0));
+        assert_ne!(
+            idempotency_key("run-1", 2, 0),
+            idempotency_key("run-12", 0, 0)
+        );
         assert_ne!(idempotency_key("a", 1, 2), idempotency_key("a", 2, 1));
     }
 
@@ -85,9 +91,15 @@ mod tests {
             input_schema: schema,
         };
         let a = schema_hash(&[def("find", json!({"type": "object", "required": ["id"]}))]);
-        let same = schema_hash(&[def("find", serde_json::from_str(r#"{"required": ["id"], "type": "object"}"#).unwrap())]);
+        let same = schema_hash(&[def(
+            "find",
+            serde_json::from_str(r#"{"required": ["id"], "type": "object"}"#).unwrap(),
+        )]);
         assert_eq!(a, same);
-        assert_ne!(a, schema_hash(&[def("find!", json!({"type": "object", "required": ["id"]}))]));
+        assert_ne!(
+            a,
+            schema_hash(&[def("find!", json!({"type": "object", "required": ["id"]}))])
+        );
         assert_ne!(a, schema_hash(&[def("find", json!({"type": "object"}))]));
         assert_eq!(a.len(), 64);
     }

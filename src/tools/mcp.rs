@@ -152,8 +152,12 @@ pub async fn discover_catalog(specs: &[ToolSpec]) -> Result<McpCatalog, ToolErro
 
 fn request(tool: &McpKind, args: &Value, ctx: &CallContext) -> CallToolRequestParams {
     let mut meta = RequestMetaObject::new();
-    meta.0.0.insert(MCP_META_KEY.into(), Value::String(ctx.key.clone()));
-    meta.0.0.insert(MCP_META_RUN.into(), Value::String(ctx.run_uid.clone()));
+    meta.0
+        .0
+        .insert(MCP_META_KEY.into(), Value::String(ctx.key.clone()));
+    meta.0
+        .0
+        .insert(MCP_META_RUN.into(), Value::String(ctx.run_uid.clone()));
     meta.0.0.insert(MCP_META_STEP.into(), Value::from(ctx.seq));
     let mut params = CallToolRequestParams::new(tool.remote.clone())
         .with_arguments(args.as_object().cloned().unwrap_or_default());
@@ -195,7 +199,8 @@ pub(crate) async fn call(
             }
         }
     };
-    let answer = tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await;
+    let answer =
+        tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await;
     if let Ok(session) = Arc::try_unwrap(session) {
         let _ = session.cancel().await;
     }
@@ -236,7 +241,10 @@ pub(crate) fn outcome(name: &str, result: CallToolResult) -> ToolOutcome {
     if let Some(structured) = result.structured_content {
         return ToolOutcome::Ok(structured);
     }
-    match (result.content.as_slice(), serde_json::from_str::<Value>(&text)) {
+    match (
+        result.content.as_slice(),
+        serde_json::from_str::<Value>(&text),
+    ) {
         ([ContentBlock::Text(_)], Ok(value)) => ToolOutcome::Ok(value),
         ([], _) => ToolOutcome::Ok(Value::Null),
         _ => ToolOutcome::Ok(Value::String(text)),
@@ -271,7 +279,9 @@ mod tests {
     fn error_results_become_failed_with_their_text() {
         let out = outcome(
             "get_weather",
-            result(json!({"content": [{"type": "text", "text": "unknown city: Atlantis"}], "isError": true})),
+            result(
+                json!({"content": [{"type": "text", "text": "unknown city: Atlantis"}], "isError": true}),
+            ),
         );
         assert_eq!(
             out,
@@ -285,20 +295,30 @@ mod tests {
     fn structured_content_wins_over_text() {
         let out = outcome(
             "t",
-            result(json!({"content": [{"type": "text", "text": "sunny"}], "structuredContent": {"sky": "sunny"}})),
+            result(
+                json!({"content": [{"type": "text", "text": "sunny"}], "structuredContent": {"sky": "sunny"}}),
+            ),
         );
         assert_eq!(out, ToolOutcome::Ok(json!({"sky": "sunny"})));
     }
 
     #[test]
     fn text_content_is_parsed_when_it_is_json() {
-        let out = outcome("t", result(json!({"content": [{"type": "text", "text": "{\"id\": 7}"}]})));
+        let out = outcome(
+            "t",
+            result(json!({"content": [{"type": "text", "text": "{\"id\": 7}"}]})),
+        );
         assert_eq!(out, ToolOutcome::Ok(json!({"id": 7})));
-        let out = outcome("t", result(json!({"content": [{"type": "text", "text": "done"}]})));
+        let out = outcome(
+            "t",
+            result(json!({"content": [{"type": "text", "text": "done"}]})),
+        );
         assert_eq!(out, ToolOutcome::Ok(json!("done")));
         let out = outcome(
             "t",
-            result(json!({"content": [{"type": "text", "text": "1"}, {"type": "text", "text": "2"}]})),
+            result(
+                json!({"content": [{"type": "text", "text": "1"}, {"type": "text", "text": "2"}]}),
+            ),
         );
         assert_eq!(out, ToolOutcome::Ok(json!("1\n2")));
         let out = outcome("t", result(json!({"content": []})));

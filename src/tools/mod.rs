@@ -158,7 +158,9 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// The wait after failed attempt number `attempt` (1-based).
     pub(crate) fn backoff(&self, attempt: u32) -> Duration {
-        let factor = 1u32.checked_shl(attempt.saturating_sub(1)).unwrap_or(u32::MAX);
+        let factor = 1u32
+            .checked_shl(attempt.saturating_sub(1))
+            .unwrap_or(u32::MAX);
         self.initial_backoff
             .saturating_mul(factor)
             .min(self.max_backoff)
@@ -231,7 +233,8 @@ pub fn finish_result(args: &Value) -> Result<String, String> {
 
 fn finish_checker() -> &'static ArgSchema {
     static CHECKER: std::sync::OnceLock<ArgSchema> = std::sync::OnceLock::new();
-    CHECKER.get_or_init(|| ArgSchema::compile(&finish_schema()).expect("the finish schema is valid"))
+    CHECKER
+        .get_or_init(|| ArgSchema::compile(&finish_schema()).expect("the finish schema is valid"))
 }
 
 /// Installs the ring rustls provider when the process has none, so that a
@@ -269,7 +272,10 @@ impl Toolbox {
         for spec in specs {
             let name = spec.name.as_str();
             if name == FINISH_TOOL {
-                return Err(invalid(name, "the name 'finish' is reserved for the built-in tool"));
+                return Err(invalid(
+                    name,
+                    "the name 'finish' is reserved for the built-in tool",
+                ));
             }
             if by_name.insert(name.to_string(), tools.len()).is_some() {
                 return Err(invalid(name, "defined twice"));
@@ -310,10 +316,13 @@ impl Toolbox {
                 .clone()
                 .or_else(|| discovered.map(|d| d.input_schema.clone()))
                 .unwrap_or_else(|| json!({"type": "object"}));
-            let schema = ArgSchema::compile(&input_schema)
-                .map_err(|e| invalid(name, format!("inputSchema is not a valid JSON Schema: {e}")))?;
+            let schema = ArgSchema::compile(&input_schema).map_err(|e| {
+                invalid(name, format!("inputSchema is not a valid JSON Schema: {e}"))
+            })?;
             let description = if spec.description.is_empty() {
-                discovered.map(|d| d.description.clone()).unwrap_or_default()
+                discovered
+                    .map(|d| d.description.clone())
+                    .unwrap_or_default()
             } else {
                 spec.description.clone()
             };
@@ -417,7 +426,10 @@ impl Toolbox {
 
     fn unknown_tool(&self, name: &str) -> String {
         let known: Vec<&str> = self.tools.iter().map(|t| t.def.name.as_str()).collect();
-        format!("{name}: no such tool; available tools: {}", known.join(", "))
+        format!(
+            "{name}: no such tool; available tools: {}",
+            known.join(", ")
+        )
     }
 
     /// Makes a call. Arguments are validated first: nothing is sent for an
@@ -449,7 +461,9 @@ impl Toolbox {
                 reason: format!("{name}: no such tool"),
             },
             Some(Kind::Http(h)) => match &h.lookup {
-                Some(url) => http::lookup(&self.client, &self.retry, name, url, h.timeout, ctx).await,
+                Some(url) => {
+                    http::lookup(&self.client, &self.retry, name, url, h.timeout, ctx).await
+                }
                 None => LookupOutcome::Unknown {
                     reason: format!("{name} declares no lookup"),
                 },
@@ -508,7 +522,10 @@ mod tests {
     fn defs_list_tools_in_order_then_finish() {
         let tb = toolbox(&[
             http_spec("b_tool", None),
-            http_spec("a_tool", Some(json!({"type": "object", "properties": {"x": {"type": "integer"}}}))),
+            http_spec(
+                "a_tool",
+                Some(json!({"type": "object", "properties": {"x": {"type": "integer"}}})),
+            ),
         ]);
         let defs = tb.defs();
         let names: Vec<&str> = defs.iter().map(|d| d.name.as_str()).collect();
@@ -524,7 +541,8 @@ mod tests {
         let catalog = McpCatalog::new();
         let err = Toolbox::new(&[http_spec("finish", None)], &catalog).unwrap_err();
         assert!(err.to_string().contains("reserved"), "{err}");
-        let err = Toolbox::new(&[http_spec("a", None), http_spec("a", None)], &catalog).unwrap_err();
+        let err =
+            Toolbox::new(&[http_spec("a", None), http_spec("a", None)], &catalog).unwrap_err();
         assert!(err.to_string().contains("defined twice"), "{err}");
         let mut both = http_spec("a", None);
         both.mcp = Some(McpTool {
@@ -544,20 +562,30 @@ mod tests {
         // The URL is unreachable: an attempted request would produce another message.
         let tb = toolbox(&[http_spec(
             "issue_refund",
-            Some(json!({"type": "object", "properties": {"amount": {"type": "number", "minimum": 0}}, "required": ["amount"]})),
+            Some(
+                json!({"type": "object", "properties": {"amount": {"type": "number", "minimum": 0}}, "required": ["amount"]}),
+            ),
         )]);
         let out = tb.call("issue_refnd", &json!({}), &ctx()).await;
         assert_eq!(
             out,
             ToolOutcome::failed("issue_refnd: no such tool; available tools: issue_refund, finish")
         );
-        let out = tb.call("issue_refund", &json!({"amount": -5}), &ctx()).await;
+        let out = tb
+            .call("issue_refund", &json!({"amount": -5}), &ctx())
+            .await;
         assert_eq!(
             out,
-            ToolOutcome::failed("issue_refund: arguments invalid: amount: -5 is less than the minimum of 0")
+            ToolOutcome::failed(
+                "issue_refund: arguments invalid: amount: -5 is less than the minimum of 0"
+            )
         );
         let out = tb.call("issue_refund", &json!("{amount: 5"), &ctx()).await;
-        assert!(out.observation().contains("expected a JSON object, got a string"), "{out:?}");
+        assert!(
+            out.observation()
+                .contains("expected a JSON object, got a string"),
+            "{out:?}"
+        );
     }
 
     #[tokio::test]
@@ -568,9 +596,19 @@ mod tests {
             ToolOutcome::Ok(json!({"result": "done"}))
         );
         let out = tb.call("finish", &json!({"answer": "done"}), &ctx()).await;
-        assert!(out.observation().starts_with("finish: arguments invalid: "), "{out:?}");
-        assert_eq!(finish_result(&json!({"result": "42"})), Ok("42".to_string()));
-        assert!(finish_result(&json!({"result": 42})).unwrap_err().contains("result: 42 is not of type"));
+        assert!(
+            out.observation().starts_with("finish: arguments invalid: "),
+            "{out:?}"
+        );
+        assert_eq!(
+            finish_result(&json!({"result": "42"})),
+            Ok("42".to_string())
+        );
+        assert!(
+            finish_result(&json!({"result": 42}))
+                .unwrap_err()
+                .contains("result: 42 is not of type")
+        );
     }
 
     #[test]
@@ -610,7 +648,11 @@ mod tests {
         let weather = &tb.defs()[2];
         assert_eq!(weather.description, "Weather of a city");
         assert_eq!(weather.input_schema["required"], json!(["city"]));
-        assert!(tb.validate("weather", &json!({})).unwrap_err().contains("\"city\" is a required property"));
+        assert!(
+            tb.validate("weather", &json!({}))
+                .unwrap_err()
+                .contains("\"city\" is a required property")
+        );
         assert!(!tb.is_idempotent("nope") && !tb.is_read_only("nope"));
     }
 
@@ -621,7 +663,10 @@ mod tests {
             tb.lookup("write", &json!({}), &ctx()).await,
             LookupOutcome::Unknown { reason } if reason.contains("declares no lookup")
         ));
-        assert!(matches!(tb.lookup("nope", &json!({}), &ctx()).await, LookupOutcome::Unknown { .. }));
+        assert!(matches!(
+            tb.lookup("nope", &json!({}), &ctx()).await,
+            LookupOutcome::Unknown { .. }
+        ));
     }
 
     #[test]
@@ -634,12 +679,16 @@ mod tests {
             json!({"Failed": {"observation": "x: HTTP 400"}})
         );
         for outcome in [ok, failed] {
-            let back: ToolOutcome = serde_json::from_value(serde_json::to_value(&outcome).unwrap()).unwrap();
+            let back: ToolOutcome =
+                serde_json::from_value(serde_json::to_value(&outcome).unwrap()).unwrap();
             assert_eq!(back, outcome);
         }
         let done = LookupOutcome::Done(json!(3));
         assert_eq!(serde_json::to_value(&done).unwrap(), json!({"Done": 3}));
-        assert_eq!(serde_json::to_value(LookupOutcome::NotDone).unwrap(), json!("NotDone"));
+        assert_eq!(
+            serde_json::to_value(LookupOutcome::NotDone).unwrap(),
+            json!("NotDone")
+        );
     }
 
     #[test]

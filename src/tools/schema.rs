@@ -127,7 +127,10 @@ mod tests {
         let err = refund_schema()
             .check("issue_refund", &json!({"amount": 1}))
             .unwrap_err();
-        assert!(err.starts_with("issue_refund: arguments invalid: "), "{err}");
+        assert!(
+            err.starts_with("issue_refund: arguments invalid: "),
+            "{err}"
+        );
         assert!(err.contains("\"order\" is a required property"), "{err}");
         let err = refund_schema()
             .check(
@@ -135,13 +138,19 @@ mod tests {
                 &json!({"order": "A", "amount": 1, "lines": [{"sku": 7}]}),
             )
             .unwrap_err();
-        assert!(err.contains("lines.0.sku: 7 is not of type \"string\""), "{err}");
+        assert!(
+            err.contains("lines.0.sku: 7 is not of type \"string\""),
+            "{err}"
+        );
     }
 
     #[test]
     fn several_problems_are_all_reported() {
         let err = refund_schema()
-            .check("issue_refund", &json!({"order": 1, "amount": "x", "extra": true}))
+            .check(
+                "issue_refund",
+                &json!({"order": 1, "amount": "x", "extra": true}),
+            )
             .unwrap_err();
         assert!(err.contains("order:"), "{err}");
         assert!(err.contains("amount:"), "{err}");
@@ -155,11 +164,23 @@ mod tests {
             .check("issue_refund", &json!("{\"order\": \"A-1\", amount: }"))
             .unwrap_err();
         assert!(
-            err.starts_with("issue_refund: arguments invalid: expected a JSON object, got a string"),
+            err.starts_with(
+                "issue_refund: arguments invalid: expected a JSON object, got a string"
+            ),
             "{err}"
         );
-        assert!(schema.check("issue_refund", &json!([1])).unwrap_err().contains("an array"));
-        assert!(schema.check("issue_refund", &Value::Null).unwrap_err().contains("null"));
+        assert!(
+            schema
+                .check("issue_refund", &json!([1]))
+                .unwrap_err()
+                .contains("an array")
+        );
+        assert!(
+            schema
+                .check("issue_refund", &Value::Null)
+                .unwrap_err()
+                .contains("null")
+        );
     }
 
     #[test]
