@@ -1,1 +1,286 @@
-//! The step log (DESIGN.md section 3).
+//! The step log (DESIGN.md section 3): an external, append-only, hash-chained
+//! log of every step of a run, with first-writer-wins appends and fenced run
+//! leases.
+//!
+//! Backends, selected by URL ([`open`]):
+//! - `postgres://…` / `postgresql://…`: [`PgStore`] (production). The schema
+//!   and roles are created by [`StepStore::migrate`] (`agentrun store migrate`).
+//! - `sqlite://path`, `sqlite:path`, `file://path`: [`SqliteStore`], embedded,
+//!   WAL mode, safe for several local processes; migrated on open.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), agentrun::store::StoreError> {
+//! use agentrun::store::{self, RecordDraft, StepKind};
+//! let store = store::open("sqlite:///tmp/agentrun.db").await?;
+//! let lease = store.acquire("run-uid", "pod-a", std::time::Duration::from_secs(30)).await?;
+//! let head = store.head("run-uid").await?;
+//! let record = RecordDraft::new(StepKind::RunStarted, serde_json::json!({"agent": {}})).seal(&head)?;
+//! match store.append("run-uid", lease.epoch, &record).await {
+//!     Ok(stored) => assert_eq!(stored.hash, record.hash),
+//!     // Someone else recorded this seq first: adopt their record.
+//!     Err(store::StoreError::Conflict { recorded, .. }) => drop(recorded),
+//!     Err(e) => return Err(e),
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+pub mod cli;
+mod error;
+mod postgres;
+mod record;
+mod sqlite;
+
+pub use error::StoreError;
+pub use postgres::PgStore;
+pub use record::{
+    FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft, StepKind, Usage,
+    Versions, Worker, canonical_json, chain_hash, sha256_hex, verify_chain,
+};
+pub use sqlite::SqliteStore;
+
+/// Environment variable holding the store URL (`--store-url` overrides it).
+pub const STORE_URL_ENV: &str = "AGENTRUN_STORE_URL";
+
+/// PostgreSQL role with INSERT + SELECT on the step table (and the lease table).
+pub const WRITER_ROLE: &str = "agentrun_writer";
+/// PostgreSQL role allowed (by the append-only trigger) to delete steps.
+pub const RETENTION_ROLE: &str = "agentrun_retention";
+
+/// A run lease: whoever holds the current epoch may append. Epochs only grow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lease {
+    pub run: String,
+    pub holder: String,
+    pub epoch: u64,
+    /// Store-clock expiry (PostgreSQL server time; local time for SQLite).
+    pub expires_at: DateTime<Utc>,
+}
+
+/// The step log contract (DESIGN.md section 3). Held as `Arc<dyn StepStore>`.
+///
+/// Every method is atomic: on error nothing was written.
+#[async_trait]
+pub trait StepStore: Send + Sync + fmt::Debug {
+    /// `"postgres"` or `"sqlite"` (for metrics and logs).
+    fn backend(&self) -> &'static str;
+
+    /// The store URL with any password elided.
+    fn url(&self) -> &str;
+
+    /// Create or upgrade the schema (and, on PostgreSQL, the roles). Idempotent.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// Append `record` (seq `record.seq`) to `run`, carrying the lease `epoch`.
+    ///
+    /// First-writer-wins: if that seq is already recorded, returns the
+    /// recorded record when it is byte-identical (an identical retry
+    /// succeeds) and [`StoreError::Conflict`] carrying the recorded record
+    /// otherwise. A stale or expired epoch gives [`StoreError::StaleEpoch`];
+    /// `seq` must be the log's length ([`StoreError::Gap`]) and `prev_hash`
+    /// the hash of seq - 1 ([`StoreError::PrevHashMismatch`]); the record's
+    /// own hash must be right ([`StoreError::InvalidRecord`]). Returns the
+    /// stored record (with `created_at`).
+    async fn append(&self, run: &str, epoch: u64, record: &Record) -> Result<Record, StoreError>;
+
+    /// Records with `from <= seq < to` (`to = None`: to the end), in seq order.
+    async fn read_range(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+    ) -> Result<Vec<Record>, StoreError>;
+
+    /// The whole log of `run` (empty if the run has none).
+    async fn read_all(&self, run: &str) -> Result<Vec<Record>, StoreError> {
+        self.read_range(run, 0, None).await
+    }
+
+    /// Length and head hash of the log ([`Head::EMPTY`] for none).
+    async fn head(&self, run: &str) -> Result<Head, StoreError>;
+
+    /// Take the run's lease for `ttl`: succeeds when there is none, it
+    /// expired, or `holder` already holds it; always returns a new, higher
+    /// epoch (so a previous incarnation of the same holder is fenced too).
+    /// Otherwise [`StoreError::LeaseHeld`].
+    async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError>;
+
+    /// Extend a live lease to now + `ttl` (same epoch). A lease that expired
+    /// or was taken over gives [`StoreError::StaleEpoch`].
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError>;
+
+    /// Give the lease up (it expires now; the epoch is kept, so the next
+    /// holder gets a higher one). Releasing a lease that is no longer current
+    /// does nothing.
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError>;
+
+    /// Recompute the whole chain of `run`; with `expected_head` (the run's
+    /// recorded head hash) also check that the log ends exactly there.
+    /// Returns the head, or [`StoreError::ChainBroken`] naming the first bad seq.
+    async fn verify(&self, run: &str, expected_head: Option<&Hash>) -> Result<Head, StoreError> {
+        let records = match self.read_all(run).await {
+            Ok(r) => r,
+            Err(StoreError::Corrupt { run, seq, reason }) => {
+                return Err(StoreError::ChainBroken { run, seq, reason });
+            }
+            Err(e) => return Err(e),
+        };
+        verify_chain(run, &records, expected_head)
+    }
+
+    /// Close the connections (pending operations finish first).
+    async fn close(&self);
+}
+
+/// Connection settings for [`open_with`].
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// Pool size (PostgreSQL; SQLite uses it for readers, writes go through one connection).
+    pub max_connections: u32,
+    /// How long an operation waits for a connection before failing with
+    /// [`StoreError::Unavailable`].
+    pub acquire_timeout: Duration,
+    /// Connect at open (and fail now when unreachable) rather than at first use.
+    pub connect_eagerly: bool,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(10),
+            connect_eagerly: true,
+        }
+    }
+}
+
+/// Open the store named by `url` with default options.
+pub async fn open(url: &str) -> Result<Arc<dyn StepStore>, StoreError> {
+    open_with(url, &OpenOptions::default()).await
+}
+
+/// Open the store named by `url`: `postgres://` / `postgresql://` (not
+/// migrated: run [`StepStore::migrate`] once, with an owner's credentials),
+/// or `sqlite://path`, `sqlite:path`, `file://path` (migrated on open).
+pub async fn open_with(url: &str, opts: &OpenOptions) -> Result<Arc<dyn StepStore>, StoreError> {
+    let scheme = url.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("postgres" | "postgresql") => Ok(Arc::new(PgStore::connect(url, opts).await?)),
+        Some("sqlite" | "file") => Ok(Arc::new(SqliteStore::open(url, opts).await?)),
+        _ => Err(StoreError::InvalidUrl {
+            url: redact_url(url),
+            reason: "expected postgres://, postgresql://, sqlite:// or file://".into(),
+        }),
+    }
+}
+
+/// The URL with its password (in the userinfo or a `password=` query
+/// parameter) replaced by `***`, for errors and logs.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            if u.query_pairs().any(|(k, _)| k.eq_ignore_ascii_case("password")) {
+                let pairs: Vec<(String, String)> = u
+                    .query_pairs()
+                    .map(|(k, v)| {
+                        let v = if k.eq_ignore_ascii_case("password") {
+                            "***".to_string()
+                        } else {
+                            v.into_owned()
+                        };
+                        (k.into_owned(), v)
+                    })
+                    .collect();
+                u.query_pairs_mut().clear().extend_pairs(pairs);
+            }
+            u.to_string()
+        }
+        // Unparseable: keep the scheme only, never risk printing a secret.
+        Err(_) => match url.split_once("://") {
+            Some((scheme, _)) => format!("{scheme}://***"),
+            None => "***".to_string(),
+        },
+    }
+}
+
+pub(crate) fn to_i64(what: &str, v: u64) -> Result<i64, StoreError> {
+    i64::try_from(v).map_err(|_| StoreError::InvalidRecord {
+        reason: format!("{what} {v} is out of range"),
+    })
+}
+
+pub(crate) fn ttl_micros(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX / 2)
+}
+
+/// Check what the store can check without the database: the record's hash.
+pub(crate) fn check_record(record: &Record) -> Result<Vec<u8>, StoreError> {
+    if record.format == 0 || record.format > FORMAT {
+        return Err(StoreError::InvalidRecord {
+            reason: format!("record format {} is not one this code writes", record.format),
+        });
+    }
+    let body = record.canonical_bytes();
+    let computed = chain_hash(&record.prev_hash, &body);
+    if computed != record.hash {
+        return Err(StoreError::InvalidRecord {
+            reason: format!(
+                "record seq {} carries hash {} but hashes to {computed}",
+                record.seq, record.hash
+            ),
+        });
+    }
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_redact_url_elides_passwords() {
+        assert_eq!(
+            redact_url("postgres://writer:s3cret@db.local:5432/agentrun?sslmode=require"),
+            "postgres://writer:***@db.local:5432/agentrun?sslmode=require"
+        );
+        let r = redact_url("postgres://db.local/agentrun?user=w&password=s3cret");
+        assert!(!r.contains("s3cret") && r.contains("password=***"), "{r}");
+        assert_eq!(redact_url("postgres://db.local/x"), "postgres://db.local/x");
+        assert!(!redact_url("postgres://a:s3cret@[bad").contains("s3cret"));
+    }
+
+    #[test]
+    fn store_error_labels_and_retryability() {
+        let e = StoreError::Unavailable {
+            url: "postgres://u:***@h/db".into(),
+            reason: "connection refused".into(),
+        };
+        assert!(e.is_retryable());
+        assert_eq!(e.metric_label(), "unavailable");
+        let e = StoreError::Gap {
+            run: "r".into(),
+            seq: 3,
+            len: 1,
+        };
+        assert!(!e.is_retryable());
+        assert_eq!(e.metric_label(), "gap");
+    }
+
+    #[tokio::test]
+    async fn store_open_refuses_unknown_scheme() {
+        let e = open("mysql://u:pw@h/db").await.unwrap_err();
+        assert_eq!(e.metric_label(), "invalid_url");
+        assert!(!e.to_string().contains("pw@"), "{e}");
+    }
+}

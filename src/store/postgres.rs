@@ -1,0 +1,454 @@
+//! PostgreSQL backend.
+//!
+//! An append is one round trip: a single statement (a CTE) share-locks the
+//! run's lease row at the given epoch, checks the previous hash, inserts with
+//! `ON CONFLICT DO NOTHING`, and in the same result returns what is needed to
+//! explain a refusal (current epoch, recorded row, length). Only when a
+//! concurrent writer committed the same seq after the statement's snapshot is
+//! a second (read-only) statement needed to fetch the winner.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
+use sqlx::Row;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+use super::record::{Hash, Head, Record};
+use super::{
+    Lease, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64, ttl_micros,
+};
+
+const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
+
+fn migrator() -> Migrator {
+    let mut m = Migrator::with_migrations(vec![Migration::new(
+        1,
+        "step log".into(),
+        MigrationType::Simple,
+        sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/postgres/0001_step_log.sql")),
+        false,
+    )]);
+    m.dangerous_set_table_name(MIGRATIONS_TABLE);
+    m
+}
+
+const APPEND_SQL: &str = r#"
+WITH lease AS (
+    SELECT epoch FROM agentrun_leases
+     WHERE run = $1 AND epoch = $2 AND expires_at > now()
+     FOR SHARE
+), ins AS (
+    INSERT INTO agentrun_steps (run, seq, format, kind, prev_hash, hash, body, epoch)
+    SELECT $1, $3, $4, $5, $6, $7, $8, $2
+      FROM lease
+     WHERE CASE WHEN $3 = 0 THEN $6 = $9
+                ELSE EXISTS (SELECT 1 FROM agentrun_steps p
+                              WHERE p.run = $1 AND p.seq = $3 - 1 AND p.hash = $6)
+           END
+    ON CONFLICT (run, seq) DO NOTHING
+    RETURNING created_at
+)
+SELECT i.created_at AS inserted_at,
+       l.ok AS lease_ok,
+       CASE WHEN i.created_at IS NULL THEN
+           (SELECT epoch FROM agentrun_leases WHERE run = $1) END AS current_epoch,
+       CASE WHEN i.created_at IS NULL THEN
+           (SELECT expires_at <= now() FROM agentrun_leases WHERE run = $1) END AS current_expired,
+       CASE WHEN i.created_at IS NULL THEN
+           (SELECT body FROM agentrun_steps WHERE run = $1 AND seq = $3) END AS rec_body,
+       CASE WHEN i.created_at IS NULL THEN
+           (SELECT hash FROM agentrun_steps WHERE run = $1 AND seq = $3) END AS rec_hash,
+       CASE WHEN i.created_at IS NULL THEN
+           (SELECT created_at FROM agentrun_steps WHERE run = $1 AND seq = $3) END AS rec_created_at,
+       CASE WHEN i.created_at IS NULL AND $3 > 0 THEN
+           (SELECT hash FROM agentrun_steps WHERE run = $1 AND seq = $3 - 1) END AS prev_hash,
+       CASE WHEN i.created_at IS NULL THEN
+           (SELECT coalesce(max(seq) + 1, 0) FROM agentrun_steps WHERE run = $1) END AS len
+  FROM (SELECT EXISTS (SELECT 1 FROM lease) AS ok) l
+  LEFT JOIN ins i ON true
+"#;
+
+const RECORDED_SQL: &str =
+    "SELECT body, hash, created_at FROM agentrun_steps WHERE run = $1 AND seq = $2";
+
+const READ_SQL: &str = "SELECT seq, body, hash, created_at FROM agentrun_steps \
+     WHERE run = $1 AND seq >= $2 AND seq < $3 ORDER BY seq";
+
+const HEAD_SQL: &str =
+    "SELECT seq, hash FROM agentrun_steps WHERE run = $1 ORDER BY seq DESC LIMIT 1";
+
+const ACQUIRE_SQL: &str = r#"
+INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at)
+VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now())
+ON CONFLICT (run) DO UPDATE
+   SET holder = excluded.holder,
+       epoch = l.epoch + 1,
+       expires_at = excluded.expires_at,
+       acquired_at = now(),
+       renewed_at = now()
+ WHERE l.expires_at <= now() OR l.holder = excluded.holder
+RETURNING epoch, expires_at
+"#;
+
+const LEASE_SQL: &str =
+    "SELECT holder, epoch, expires_at, expires_at <= now() AS expired FROM agentrun_leases WHERE run = $1";
+
+const RENEW_SQL: &str = r#"
+UPDATE agentrun_leases
+   SET expires_at = now() + $4 * interval '1 microsecond', renewed_at = now()
+ WHERE run = $1 AND epoch = $2 AND holder = $3 AND expires_at > now()
+RETURNING expires_at
+"#;
+
+const RELEASE_SQL: &str = r#"
+UPDATE agentrun_leases SET expires_at = now()
+ WHERE run = $1 AND epoch = $2 AND holder = $3 AND expires_at > now()
+"#;
+
+/// The PostgreSQL step store.
+pub struct PgStore {
+    pool: PgPool,
+    url: String,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore").field("url", &self.url).finish()
+    }
+}
+
+impl PgStore {
+    /// Connect (see [`super::open_with`]). Does not migrate.
+    pub async fn connect(url: &str, opts: &OpenOptions) -> Result<PgStore, StoreError> {
+        let redacted = redact_url(url);
+        let connect = PgConnectOptions::from_str(url)
+            .map_err(|e| StoreError::InvalidUrl {
+                url: redacted.clone(),
+                reason: e.to_string(),
+            })?
+            .application_name("agentrun");
+        let pool = PgPoolOptions::new()
+            .max_connections(opts.max_connections.max(1))
+            .min_connections(0)
+            .acquire_timeout(opts.acquire_timeout)
+            // A ping per acquire would double the round trips of an append;
+            // a dead connection surfaces as a retryable error instead.
+            .test_before_acquire(false)
+            .idle_timeout(Some(Duration::from_secs(300)))
+            .connect_lazy_with(connect);
+        let store = PgStore {
+            pool,
+            url: redacted,
+        };
+        if opts.connect_eagerly {
+            sqlx::query("SELECT 1")
+                .execute(&store.pool)
+                .await
+                .map_err(|e| store.err(e))?;
+        }
+        Ok(store)
+    }
+
+    /// The connection pool (for administration and tests).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn err(&self, e: sqlx::Error) -> StoreError {
+        StoreError::from_sqlx(&self.url, e)
+    }
+
+    fn decode(&self, run: &str, seq: u64, body: &str, hash: &[u8], created_at: DateTime<Utc>) -> Result<Record, StoreError> {
+        let corrupt = |reason: String| StoreError::Corrupt {
+            run: run.to_string(),
+            seq,
+            reason,
+        };
+        let hash = Hash::from_slice(hash).ok_or_else(|| corrupt("hash is not 32 bytes".into()))?;
+        Record::from_canonical(body.as_bytes(), hash, Some(created_at)).map_err(corrupt)
+    }
+
+    async fn fetch_recorded(&self, run: &str, seq: u64) -> Result<Option<Record>, StoreError> {
+        let row = sqlx::query(RECORDED_SQL)
+            .bind(run)
+            .bind(to_i64("seq", seq)?)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        match row {
+            None => Ok(None),
+            Some(row) => {
+                let body: String = row.try_get("body").map_err(|e| self.err(e))?;
+                let hash: Vec<u8> = row.try_get("hash").map_err(|e| self.err(e))?;
+                let at: DateTime<Utc> = row.try_get("created_at").map_err(|e| self.err(e))?;
+                Ok(Some(self.decode(run, seq, &body, &hash, at)?))
+            }
+        }
+    }
+}
+
+/// Decide between "identical retry" and "conflict" for a recorded seq.
+pub(crate) fn adopt_or_conflict(run: &str, record: &Record, body: &[u8], recorded: Record, recorded_body: &[u8]) -> Result<Record, StoreError> {
+    if recorded.hash == record.hash && recorded_body == body {
+        Ok(recorded)
+    } else {
+        Err(StoreError::Conflict {
+            run: run.to_string(),
+            seq: record.seq,
+            recorded: Box::new(recorded),
+        })
+    }
+}
+
+#[async_trait]
+impl StepStore for PgStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        migrator().run(&self.pool).await.map_err(|e| match e {
+            sqlx::migrate::MigrateError::Execute(inner) => self.err(inner),
+            other => StoreError::Schema {
+                url: self.url.clone(),
+                reason: other.to_string(),
+            },
+        })
+    }
+
+    async fn append(&self, run: &str, epoch: u64, record: &Record) -> Result<Record, StoreError> {
+        let body = check_record(record)?;
+        let body_str = std::str::from_utf8(&body).expect("canonical JSON is UTF-8");
+        let seq = to_i64("seq", record.seq)?;
+        let row = sqlx::query(APPEND_SQL)
+            .bind(run)
+            .bind(to_i64("epoch", epoch)?)
+            .bind(seq)
+            .bind(record.format as i32)
+            .bind(record.kind.as_str())
+            .bind(&record.prev_hash.0[..])
+            .bind(&record.hash.0[..])
+            .bind(body_str)
+            .bind(&Hash::ZERO.0[..])
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        let get_err = |e| StoreError::from_sqlx(&self.url, e);
+
+        if let Some(at) = row.try_get::<Option<DateTime<Utc>>, _>("inserted_at").map_err(get_err)? {
+            let mut stored = record.clone();
+            stored.created_at = Some(at);
+            return Ok(stored);
+        }
+        let lease_ok: bool = row.try_get("lease_ok").map_err(get_err)?;
+        if !lease_ok {
+            let current: Option<i64> = row.try_get("current_epoch").map_err(get_err)?;
+            let expired: Option<bool> = row.try_get("current_expired").map_err(get_err)?;
+            return Err(StoreError::StaleEpoch {
+                run: run.to_string(),
+                epoch,
+                current: current.map(|e| e as u64),
+                expired: current == Some(epoch as i64) && expired.unwrap_or(true),
+            });
+        }
+        if let Some(rec_body) = row.try_get::<Option<String>, _>("rec_body").map_err(get_err)? {
+            let rec_hash: Vec<u8> = row.try_get("rec_hash").map_err(get_err)?;
+            let at: DateTime<Utc> = row.try_get("rec_created_at").map_err(get_err)?;
+            let recorded = self.decode(run, record.seq, &rec_body, &rec_hash, at)?;
+            return adopt_or_conflict(run, record, &body, recorded, rec_body.as_bytes());
+        }
+        let len: i64 = row.try_get::<Option<i64>, _>("len").map_err(get_err)?.unwrap_or(0);
+        if len != seq {
+            // A concurrent writer may have committed this very seq after our
+            // snapshot (ON CONFLICT saw it, our snapshot did not): look again.
+            if len < seq {
+                return Err(StoreError::Gap {
+                    run: run.to_string(),
+                    seq: record.seq,
+                    len: len as u64,
+                });
+            }
+        }
+        if record.seq > 0 {
+            let prev: Option<Vec<u8>> = row.try_get("prev_hash").map_err(get_err)?;
+            let expected = prev.as_deref().and_then(Hash::from_slice).unwrap_or(Hash::ZERO);
+            if expected != record.prev_hash {
+                return Err(StoreError::PrevHashMismatch {
+                    run: run.to_string(),
+                    seq: record.seq,
+                    expected,
+                    got: record.prev_hash,
+                });
+            }
+        } else if !record.prev_hash.is_zero() {
+            return Err(StoreError::PrevHashMismatch {
+                run: run.to_string(),
+                seq: 0,
+                expected: Hash::ZERO,
+                got: record.prev_hash,
+            });
+        }
+        // Lease fine, predecessor fine, nothing visible at seq, yet nothing
+        // inserted: the seq was taken by a writer that committed concurrently.
+        match self.fetch_recorded(run, record.seq).await? {
+            Some(recorded) => {
+                let recorded_body = recorded.canonical_bytes();
+                adopt_or_conflict(run, record, &body, recorded, &recorded_body)
+            }
+            None => Err(StoreError::Database {
+                url: self.url.clone(),
+                reason: format!("append of run {run} seq {} inserted nothing and no record is there", record.seq),
+            }),
+        }
+    }
+
+    async fn read_range(&self, run: &str, from: u64, to: Option<u64>) -> Result<Vec<Record>, StoreError> {
+        let from_i = to_i64("seq", from)?;
+        let to_i = match to {
+            Some(t) => to_i64("seq", t)?,
+            None => i64::MAX,
+        };
+        let mut rows = sqlx::query(READ_SQL)
+            .bind(run)
+            .bind(from_i)
+            .bind(to_i)
+            .fetch(&self.pool);
+        let mut out = Vec::new();
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
+            out.push(self.decode(run, seq as u64, body, hash, at)?);
+        }
+        Ok(out)
+    }
+
+    async fn head(&self, run: &str) -> Result<Head, StoreError> {
+        let row = sqlx::query(HEAD_SQL)
+            .bind(run)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        match row {
+            None => Ok(Head::EMPTY),
+            Some(row) => {
+                let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+                let hash: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
+                let hash = Hash::from_slice(&hash).ok_or_else(|| StoreError::Corrupt {
+                    run: run.to_string(),
+                    seq: seq as u64,
+                    reason: "hash is not 32 bytes".into(),
+                })?;
+                Ok(Head {
+                    len: seq as u64 + 1,
+                    hash,
+                })
+            }
+        }
+    }
+
+    async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
+        // Retried once: the lease may be released between the refused
+        // upsert and the look-up that explains the refusal.
+        for _ in 0..3 {
+            let row = sqlx::query(ACQUIRE_SQL)
+                .bind(run)
+                .bind(holder)
+                .bind(ttl_micros(ttl) as f64)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?;
+            if let Some(row) = row {
+                let epoch: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+                let expires_at: DateTime<Utc> = row.try_get(1).map_err(|e| self.err(e))?;
+                return Ok(Lease {
+                    run: run.to_string(),
+                    holder: holder.to_string(),
+                    epoch: epoch as u64,
+                    expires_at,
+                });
+            }
+            let cur = sqlx::query(LEASE_SQL)
+                .bind(run)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?;
+            if let Some(cur) = cur {
+                let expired: bool = cur.try_get(3).map_err(|e| self.err(e))?;
+                if !expired {
+                    return Err(StoreError::LeaseHeld {
+                        run: run.to_string(),
+                        holder: cur.try_get(0).map_err(|e| self.err(e))?,
+                        epoch: cur.try_get::<i64, _>(1).map_err(|e| self.err(e))? as u64,
+                        expires_at: cur.try_get(2).map_err(|e| self.err(e))?,
+                    });
+                }
+            }
+        }
+        Err(StoreError::Database {
+            url: self.url.clone(),
+            reason: format!("could not acquire the lease of run {run}: it keeps changing hands"),
+        })
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError> {
+        let epoch = to_i64("epoch", lease.epoch)?;
+        let row = sqlx::query(RENEW_SQL)
+            .bind(&lease.run)
+            .bind(epoch)
+            .bind(&lease.holder)
+            .bind(ttl_micros(ttl) as f64)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        if let Some(row) = row {
+            let expires_at: DateTime<Utc> = row.try_get(0).map_err(|e| self.err(e))?;
+            return Ok(Lease {
+                expires_at,
+                ..lease.clone()
+            });
+        }
+        let cur = sqlx::query(LEASE_SQL)
+            .bind(&lease.run)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        let (current, expired) = match cur {
+            Some(cur) => (
+                Some(cur.try_get::<i64, _>(1).map_err(|e| self.err(e))? as u64),
+                cur.try_get::<bool, _>(3).map_err(|e| self.err(e))?,
+            ),
+            None => (None, false),
+        };
+        Err(StoreError::StaleEpoch {
+            run: lease.run.clone(),
+            epoch: lease.epoch,
+            current,
+            expired: current == Some(lease.epoch) && expired,
+        })
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        sqlx::query(RELEASE_SQL)
+            .bind(&lease.run)
+            .bind(to_i64("epoch", lease.epoch)?)
+            .bind(&lease.holder)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn close(&self) {
+        self.pool.close().await;
+    }
+}

@@ -1,0 +1,668 @@
+//! Step records, their one canonical encoding and the hash chain
+//! (DESIGN.md section 3).
+//!
+//! A record's canonical form is the RFC 8785 (JCS) encoding of the record
+//! *without* `hash` and `createdAt`: object keys sorted, no whitespace,
+//! numbers in their ECMAScript shortest form. `createdAt` is server time
+//! metadata, so an identical retry encodes to identical bytes.
+//!
+//! `hash = sha256(prev_hash ‖ canonical record)`, where `prev_hash` is the 32
+//! raw bytes of the previous record's hash (all zero for seq 0). Hashes are
+//! written as 64 lowercase hex digits.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::StoreError;
+
+/// The record format this code writes. Records of an older format stay readable.
+pub const FORMAT: u32 = 1;
+
+/// Largest integer magnitude a payload may hold (2^53 - 1): the canonical
+/// encoding writes every number as an IEEE double (RFC 8785), so a larger
+/// integer would not survive the round trip.
+pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
+/// The canonical JSON encoding (RFC 8785 / JCS) of a JSON value.
+///
+/// Key order in the input does not matter; numbers are written as IEEE
+/// doubles in their shortest form (integers beyond 2^53 lose precision, which
+/// [`RecordDraft::seal`] refuses for payloads).
+pub fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
+    // A serde_json::Value always has string keys and finite numbers, the only
+    // things the canonicalizer refuses.
+    serde_json_canonicalizer::to_vec(value).expect("a serde_json::Value is always canonicalizable")
+}
+
+/// Lowercase hex sha256 of some bytes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// A sha256 hash (a record hash, or the head of a log).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Hash(pub [u8; 32]);
+
+impl Hash {
+    /// The `prev_hash` of seq 0 and the head of an empty log.
+    pub const ZERO: Hash = Hash([0; 32]);
+
+    pub fn is_zero(&self) -> bool {
+        *self == Self::ZERO
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    pub fn from_slice(bytes: &[u8]) -> Option<Hash> {
+        <[u8; 32]>::try_from(bytes).ok().map(Hash)
+    }
+}
+
+impl fmt::Display for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Hash({})", self.to_hex())
+    }
+}
+
+/// Parse error of a hex hash.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("not a sha256 hash (expected 64 hex digits): {0:?}")]
+pub struct ParseHashError(pub String);
+
+impl FromStr for Hash {
+    type Err = ParseHashError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s.trim(), &mut out).map_err(|_| ParseHashError(s.to_string()))?;
+        Ok(Hash(out))
+    }
+}
+
+impl Serialize for Hash {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for Hash {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// What a step record is (DESIGN.md section 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum StepKind {
+    RunStarted,
+    ModelCall,
+    ToolIntent,
+    ToolResult,
+    ApprovalRequested,
+    ApprovalDecided,
+    ApprovalVoided,
+    Observation,
+    Summary,
+    VersionChanged,
+    RunFinished,
+}
+
+impl StepKind {
+    pub const ALL: [StepKind; 11] = [
+        StepKind::RunStarted,
+        StepKind::ModelCall,
+        StepKind::ToolIntent,
+        StepKind::ToolResult,
+        StepKind::ApprovalRequested,
+        StepKind::ApprovalDecided,
+        StepKind::ApprovalVoided,
+        StepKind::Observation,
+        StepKind::Summary,
+        StepKind::VersionChanged,
+        StepKind::RunFinished,
+    ];
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            StepKind::RunStarted => "RunStarted",
+            StepKind::ModelCall => "ModelCall",
+            StepKind::ToolIntent => "ToolIntent",
+            StepKind::ToolResult => "ToolResult",
+            StepKind::ApprovalRequested => "ApprovalRequested",
+            StepKind::ApprovalDecided => "ApprovalDecided",
+            StepKind::ApprovalVoided => "ApprovalVoided",
+            StepKind::Observation => "Observation",
+            StepKind::Summary => "Summary",
+            StepKind::VersionChanged => "VersionChanged",
+            StepKind::RunFinished => "RunFinished",
+        }
+    }
+}
+
+impl fmt::Display for StepKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Versions in force when the step was made (all optional).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Versions {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_hash: Option<String>,
+    /// The model id as the provider reported it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_schema_hash: Option<String>,
+}
+
+/// Usage of this step (zero for steps that call no model).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
+    /// Cost in millionths of the price currency.
+    #[serde(default)]
+    pub cost_micros: u64,
+}
+
+/// The worker that wrote the step.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Worker {
+    pub pod: String,
+    pub attempt: u32,
+}
+
+/// One step of a run's log, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Record {
+    /// Record format version ([`FORMAT`] for what this code writes).
+    pub format: u32,
+    pub seq: u64,
+    pub kind: StepKind,
+    pub payload: serde_json::Value,
+    #[serde(default)]
+    pub versions: Versions,
+    #[serde(default)]
+    pub usage: Usage,
+    #[serde(default)]
+    pub worker: Worker,
+    pub prev_hash: Hash,
+    /// `sha256(prev_hash ‖ canonical record)`; not part of the canonical form.
+    #[serde(default)]
+    pub hash: Hash,
+    /// Server time of the first successful append; not part of the canonical
+    /// form. `None` until stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<DateTime<Utc>>,
+}
+
+/// The hashed part of a record, borrowed (field names as in [`Record`]).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct CanonicalView<'a> {
+    format: u32,
+    seq: u64,
+    kind: StepKind,
+    payload: &'a serde_json::Value,
+    versions: &'a Versions,
+    usage: &'a Usage,
+    worker: &'a Worker,
+    prev_hash: &'a Hash,
+}
+
+impl Record {
+    /// The one canonical encoding of this record (excludes `hash` and `createdAt`).
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        let view = CanonicalView {
+            format: self.format,
+            seq: self.seq,
+            kind: self.kind,
+            payload: &self.payload,
+            versions: &self.versions,
+            usage: &self.usage,
+            worker: &self.worker,
+            prev_hash: &self.prev_hash,
+        };
+        serde_json_canonicalizer::to_vec(&view).expect("a record is always canonicalizable")
+    }
+
+    /// The hash this record must carry: `sha256(prev_hash ‖ canonical record)`.
+    pub fn compute_hash(&self) -> Hash {
+        chain_hash(&self.prev_hash, &self.canonical_bytes())
+    }
+
+    /// Decode a stored canonical body (the canonical form, without hash and
+    /// createdAt), refusing formats this code cannot read.
+    pub fn from_canonical(
+        body: &[u8],
+        hash: Hash,
+        created_at: Option<DateTime<Utc>>,
+    ) -> Result<Record, String> {
+        #[derive(Deserialize)]
+        struct FormatOnly {
+            format: u32,
+        }
+        let mut record: Record = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => {
+                return Err(match serde_json::from_slice::<FormatOnly>(body) {
+                    Ok(f) if f.format > FORMAT => format!(
+                        "record format {} is newer than this code reads (≤ {FORMAT})",
+                        f.format
+                    ),
+                    _ => format!("undecodable record: {e}"),
+                });
+            }
+        };
+        if record.format == 0 || record.format > FORMAT {
+            return Err(format!(
+                "record format {} is not one this code reads (1..={FORMAT})",
+                record.format
+            ));
+        }
+        record.hash = hash;
+        record.created_at = created_at;
+        Ok(record)
+    }
+
+    /// The head of the log that ends with this record.
+    pub fn head(&self) -> Head {
+        Head {
+            len: self.seq + 1,
+            hash: self.hash,
+        }
+    }
+
+    /// Whether `other` is the same record (same canonical bytes and hash),
+    /// ignoring `createdAt`.
+    pub fn same_as(&self, other: &Record) -> bool {
+        self.hash == other.hash && self.canonical_bytes() == other.canonical_bytes()
+    }
+}
+
+/// `sha256(prev ‖ canonical)`.
+pub fn chain_hash(prev: &Hash, canonical: &[u8]) -> Hash {
+    let mut h = Sha256::new();
+    h.update(prev.0);
+    h.update(canonical);
+    Hash(h.finalize().into())
+}
+
+/// Length and head hash of a run's log ([`Hash::ZERO`] when empty).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Head {
+    pub len: u64,
+    pub hash: Hash,
+}
+
+impl Head {
+    pub const EMPTY: Head = Head {
+        len: 0,
+        hash: Hash::ZERO,
+    };
+}
+
+/// What a caller writes; [`RecordDraft::seal`] turns it into the next record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordDraft {
+    pub kind: StepKind,
+    pub payload: serde_json::Value,
+    pub versions: Versions,
+    pub usage: Usage,
+    pub worker: Worker,
+}
+
+impl RecordDraft {
+    pub fn new(kind: StepKind, payload: serde_json::Value) -> Self {
+        RecordDraft {
+            kind,
+            payload,
+            versions: Versions::default(),
+            usage: Usage::default(),
+            worker: Worker::default(),
+        }
+    }
+
+    /// The record that follows `head`: `seq = head.len`, `prev_hash =
+    /// head.hash`, hash computed. Refuses payload integers beyond ±(2^53-1),
+    /// which the canonical encoding cannot carry exactly.
+    pub fn seal(self, head: &Head) -> Result<Record, StoreError> {
+        check_safe_numbers(&self.payload, &mut String::from("payload"))?;
+        let mut record = Record {
+            format: FORMAT,
+            seq: head.len,
+            kind: self.kind,
+            payload: self.payload,
+            versions: self.versions,
+            usage: self.usage,
+            worker: self.worker,
+            prev_hash: head.hash,
+            hash: Hash::ZERO,
+            created_at: None,
+        };
+        record.hash = record.compute_hash();
+        Ok(record)
+    }
+}
+
+fn check_safe_numbers(v: &serde_json::Value, path: &mut String) -> Result<(), StoreError> {
+    match v {
+        serde_json::Value::Number(n) => {
+            let ok = if let Some(u) = n.as_u64() {
+                u <= MAX_SAFE_INTEGER
+            } else if let Some(i) = n.as_i64() {
+                i.unsigned_abs() <= MAX_SAFE_INTEGER
+            } else {
+                true
+            };
+            if ok {
+                Ok(())
+            } else {
+                Err(StoreError::InvalidRecord {
+                    reason: format!(
+                        "{path}: integer {n} is beyond ±(2^53-1) and cannot be encoded canonically; send it as a string"
+                    ),
+                })
+            }
+        }
+        serde_json::Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                let len = path.len();
+                path.push_str(&format!("[{i}]"));
+                check_safe_numbers(item, path)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        serde_json::Value::Object(map) => {
+            for (k, item) in map {
+                let len = path.len();
+                path.push('.');
+                path.push_str(k);
+                check_safe_numbers(item, path)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Check a whole log (records in seq order, starting at 0): every seq in
+/// place, every `prev_hash` linking to the previous hash, every hash
+/// recomputed. With `expected_head` (the run's recorded head hash), also check
+/// that the log ends exactly there. Returns the head, or
+/// [`StoreError::ChainBroken`] naming the first bad seq.
+pub fn verify_chain(
+    run: &str,
+    records: &[Record],
+    expected_head: Option<&Hash>,
+) -> Result<Head, StoreError> {
+    let mut head = Head::EMPTY;
+    for (i, r) in records.iter().enumerate() {
+        let seq = i as u64;
+        let broken = |reason: String| StoreError::ChainBroken {
+            run: run.to_string(),
+            seq,
+            reason,
+        };
+        if r.seq != seq {
+            return Err(broken(format!("record at position {seq} says seq {}", r.seq)));
+        }
+        if r.prev_hash != head.hash {
+            return Err(broken(format!(
+                "prev_hash {} does not link to the hash of seq {} ({})",
+                r.prev_hash,
+                seq as i64 - 1,
+                head.hash
+            )));
+        }
+        let computed = r.compute_hash();
+        if computed != r.hash {
+            return Err(broken(format!(
+                "stored hash {} but the record hashes to {computed}: the record was altered",
+                r.hash
+            )));
+        }
+        head = r.head();
+    }
+    check_expected_head(run, records, &head, expected_head)?;
+    Ok(head)
+}
+
+pub(crate) fn check_expected_head(
+    run: &str,
+    records: &[Record],
+    head: &Head,
+    expected: Option<&Hash>,
+) -> Result<(), StoreError> {
+    let Some(expected) = expected else {
+        return Ok(());
+    };
+    if *expected == head.hash {
+        return Ok(());
+    }
+    if expected.is_zero() {
+        return Err(StoreError::ChainBroken {
+            run: run.to_string(),
+            seq: 0,
+            reason: "the recorded head is the empty log but the log has records".into(),
+        });
+    }
+    // Where does the recorded head appear, if at all?
+    match records.iter().position(|r| r.hash == *expected) {
+        Some(pos) => Err(StoreError::ChainBroken {
+            run: run.to_string(),
+            seq: pos as u64 + 1,
+            reason: format!(
+                "the recorded head {expected} is seq {pos}, but the log continues to seq {}",
+                head.len - 1
+            ),
+        }),
+        None => Err(StoreError::ChainBroken {
+            run: run.to_string(),
+            seq: head.len,
+            reason: format!(
+                "the log ends at {} (length {}) and never reaches the recorded head {expected}: records are missing",
+                head.hash, head.len
+            ),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample() -> RecordDraft {
+        RecordDraft {
+            kind: StepKind::ModelCall,
+            payload: json!({"response": {"text": "hello", "toolCalls": [{"name": "lookup", "arguments": {"id": 7}}]}}),
+            versions: Versions {
+                prompt_version: Some("v3".into()),
+                prompt_hash: Some("abc".into()),
+                model_id: Some("gpt-test-2025".into()),
+                tool_schema_hash: None,
+            },
+            usage: Usage {
+                input_tokens: 120,
+                output_tokens: 30,
+                cost_micros: 450,
+            },
+            worker: Worker {
+                pod: "run-a-step-0".into(),
+                attempt: 1,
+            },
+        }
+    }
+
+    #[test]
+    fn store_canonical_json_is_key_order_independent() {
+        let a: serde_json::Value = serde_json::from_str(r#"{"b":1,"a":{"y":[1,2,{"q":true,"p":null}],"x":"s"}}"#).unwrap();
+        let b: serde_json::Value = serde_json::from_str(r#"{ "a" : {"x":"s","y":[1,2,{"p":null,"q":true}]}, "b":1.0 }"#).unwrap();
+        assert_eq!(canonical_json(&a), canonical_json(&b));
+        assert_eq!(
+            String::from_utf8(canonical_json(&a)).unwrap(),
+            r#"{"a":{"x":"s","y":[1,2,{"p":null,"q":true}]},"b":1}"#
+        );
+        // Array order does matter.
+        let c = json!({"a": {"x": "s", "y": [2, 1, {"p": null, "q": true}]}, "b": 1});
+        assert_ne!(canonical_json(&a), canonical_json(&c));
+    }
+
+    #[test]
+    fn store_canonical_json_rfc8785_numbers_and_strings() {
+        let v = json!({"n": [0.1, 1e21, -0.0, 100, 1.5e-7], "s": "é\u{1}\"\\/"});
+        assert_eq!(
+            String::from_utf8(canonical_json(&v)).unwrap(),
+            "{\"n\":[0.1,1e+21,0,100,1.5e-7],\"s\":\"é\\u0001\\\"\\\\/\"}"
+        );
+    }
+
+    #[test]
+    fn store_sha256_hex_known_vector() {
+        assert_eq!(
+            sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn store_record_hash_is_stable() {
+        let r = sample().seal(&Head::EMPTY).unwrap();
+        let canonical = String::from_utf8(r.canonical_bytes()).unwrap();
+        assert_eq!(
+            canonical,
+            r#"{"format":1,"kind":"ModelCall","payload":{"response":{"text":"hello","toolCalls":[{"arguments":{"id":7},"name":"lookup"}]}},"prevHash":"0000000000000000000000000000000000000000000000000000000000000000","seq":0,"usage":{"costMicros":450,"inputTokens":120,"outputTokens":30},"versions":{"modelId":"gpt-test-2025","promptHash":"abc","promptVersion":"v3"},"worker":{"attempt":1,"pod":"run-a-step-0"}}"#
+        );
+        // hash = sha256(32 zero bytes ‖ canonical)
+        let mut input = vec![0u8; 32];
+        input.extend_from_slice(canonical.as_bytes());
+        assert_eq!(r.hash.to_hex(), sha256_hex(&input));
+        // Pinned: a change of the encoding breaks every stored log.
+        assert_eq!(
+            r.hash.to_hex(),
+            "4b7ef1d2b09f0c3bc20d79d71f26e9a2cf7ea8ca1f7de87bb1c4e8df5d1fc3a8"
+        );
+    }
+
+    #[test]
+    fn store_hash_excludes_created_at_and_chains() {
+        let r0 = sample().seal(&Head::EMPTY).unwrap();
+        let mut r0b = r0.clone();
+        r0b.created_at = Some(Utc::now());
+        assert_eq!(r0b.compute_hash(), r0.hash);
+        assert!(r0.same_as(&r0b));
+
+        let r1 = RecordDraft::new(StepKind::ToolIntent, json!({"tool": "lookup"}))
+            .seal(&r0.head())
+            .unwrap();
+        assert_eq!(r1.seq, 1);
+        assert_eq!(r1.prev_hash, r0.hash);
+        let head = verify_chain("r", &[r0.clone(), r1.clone()], Some(&r1.hash)).unwrap();
+        assert_eq!(head, r1.head());
+
+        // The same content after a different predecessor hashes differently.
+        let other = RecordDraft::new(StepKind::ToolIntent, json!({"tool": "lookup"}))
+            .seal(&Head {
+                len: 1,
+                hash: Hash([1; 32]),
+            })
+            .unwrap();
+        assert_ne!(other.hash, r1.hash);
+    }
+
+    #[test]
+    fn store_verify_chain_names_first_bad_seq() {
+        let mut head = Head::EMPTY;
+        let mut log = Vec::new();
+        for i in 0..5 {
+            let r = RecordDraft::new(StepKind::Observation, json!({"i": i}))
+                .seal(&head)
+                .unwrap();
+            head = r.head();
+            log.push(r);
+        }
+        assert_eq!(verify_chain("r", &log, None).unwrap(), head);
+
+        let mut tampered = log.clone();
+        tampered[2].payload = json!({"i": 99});
+        match verify_chain("r", &tampered, None) {
+            Err(StoreError::ChainBroken { seq, .. }) => assert_eq!(seq, 2),
+            other => panic!("expected ChainBroken at 2, got {other:?}"),
+        }
+
+        // Altered and re-hashed: the next record no longer links.
+        tampered[2].hash = tampered[2].compute_hash();
+        match verify_chain("r", &tampered, None) {
+            Err(StoreError::ChainBroken { seq, .. }) => assert_eq!(seq, 3),
+            other => panic!("expected ChainBroken at 3, got {other:?}"),
+        }
+
+        // Truncated: the recorded head is never reached.
+        match verify_chain("r", &log[..3], Some(&head.hash)) {
+            Err(StoreError::ChainBroken { seq, .. }) => assert_eq!(seq, 3),
+            other => panic!("expected ChainBroken at 3, got {other:?}"),
+        }
+        // Longer than recorded: names the first record past the recorded head.
+        match verify_chain("r", &log, Some(&log[1].hash)) {
+            Err(StoreError::ChainBroken { seq, .. }) => assert_eq!(seq, 2),
+            other => panic!("expected ChainBroken at 2, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn store_record_roundtrips_through_canonical_form() {
+        let r = sample().seal(&Head::EMPTY).unwrap();
+        let back = Record::from_canonical(&r.canonical_bytes(), r.hash, None).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(back.canonical_bytes(), r.canonical_bytes());
+
+        let newer = br#"{"format":2,"seq":0}"#;
+        let err = Record::from_canonical(newer, Hash::ZERO, None).unwrap_err();
+        assert!(err.contains("format 2"), "{err}");
+    }
+
+    #[test]
+    fn store_seal_refuses_unsafe_integers() {
+        let d = RecordDraft::new(StepKind::ToolResult, json!({"a": [1, {"big": 9007199254740993u64}]}));
+        match d.seal(&Head::EMPTY) {
+            Err(StoreError::InvalidRecord { reason }) => assert!(reason.contains("payload.a[1].big"), "{reason}"),
+            other => panic!("expected InvalidRecord, got {other:?}"),
+        }
+        let ok = RecordDraft::new(StepKind::ToolResult, json!({"a": 9007199254740991u64, "b": -9007199254740991i64}));
+        assert!(ok.seal(&Head::EMPTY).is_ok());
+    }
+
+    #[test]
+    fn store_hash_hex_roundtrip() {
+        let h = Hash([0xab; 32]);
+        assert_eq!(h.to_string().parse::<Hash>().unwrap(), h);
+        assert!("xyz".parse::<Hash>().is_err());
+        assert_eq!(serde_json::to_string(&h).unwrap(), format!("\"{}\"", "ab".repeat(32)));
+    }
+}

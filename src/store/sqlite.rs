@@ -1,0 +1,465 @@
+//! Embedded backend: one SQLite file in WAL mode, safe for several local
+//! processes. Writes run in `BEGIN IMMEDIATE` transactions (the database's
+//! write lock, waited for up to the busy timeout) through one writer
+//! connection per process; reads use a pool. Same semantics as PostgreSQL;
+//! times are the local clock.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use futures::TryStreamExt;
+use sqlx::Row;
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use super::postgres::adopt_or_conflict;
+use super::record::{Hash, Head, Record};
+use super::{
+    Lease, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64, ttl_micros,
+};
+
+const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
+const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn migrator() -> Migrator {
+    let mut m = Migrator::with_migrations(vec![Migration::new(
+        1,
+        "step log".into(),
+        MigrationType::Simple,
+        sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/sqlite/0001_step_log.sql")),
+        false,
+    )]);
+    m.dangerous_set_table_name(MIGRATIONS_TABLE);
+    m
+}
+
+/// The file path of a `sqlite://path`, `sqlite:path`, `file://path` or `file:path` URL.
+pub(crate) fn sqlite_path(url: &str) -> Result<PathBuf, StoreError> {
+    let rest = ["sqlite://", "sqlite:", "file://", "file:"]
+        .iter()
+        .find_map(|p| {
+            url.get(..p.len())
+                .filter(|s| s.eq_ignore_ascii_case(p))
+                .map(|_| &url[p.len()..])
+        })
+        .ok_or_else(|| StoreError::InvalidUrl {
+            url: redact_url(url),
+            reason: "expected sqlite://path or file://path".into(),
+        })?;
+    let path = rest.split(['?', '#']).next().unwrap_or("");
+    if path.is_empty() {
+        return Err(StoreError::InvalidUrl {
+            url: redact_url(url),
+            reason: "no file path".into(),
+        });
+    }
+    Ok(PathBuf::from(path))
+}
+
+fn micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+fn from_micros(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or_default()
+}
+
+/// The embedded (SQLite) step store.
+pub struct SqliteStore {
+    writer: SqlitePool,
+    reader: SqlitePool,
+    url: String,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore").field("url", &self.url).finish()
+    }
+}
+
+impl SqliteStore {
+    /// Open (creating the file if missing) and migrate.
+    pub async fn open(url: &str, opts: &OpenOptions) -> Result<SqliteStore, StoreError> {
+        let path = sqlite_path(url)?;
+        let redacted = redact_url(url);
+        let connect = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(BUSY_TIMEOUT)
+            .foreign_keys(false);
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(opts.acquire_timeout.max(BUSY_TIMEOUT))
+            .connect_lazy_with(connect.clone());
+        let reader = SqlitePoolOptions::new()
+            .max_connections(opts.max_connections.clamp(1, 8))
+            .acquire_timeout(opts.acquire_timeout)
+            .connect_lazy_with(connect);
+        let store = SqliteStore {
+            writer,
+            reader,
+            url: redacted,
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    fn err(&self, e: sqlx::Error) -> StoreError {
+        StoreError::from_sqlx(&self.url, e)
+    }
+
+    /// The writer pool (one connection; for administration and tests).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.writer
+    }
+}
+
+fn decode_row(run: &str, seq: i64, body: &str, hash: &[u8], created_at: i64) -> Result<Record, StoreError> {
+    let corrupt = |reason: String| StoreError::Corrupt {
+        run: run.to_string(),
+        seq: seq as u64,
+        reason,
+    };
+    let hash = Hash::from_slice(hash).ok_or_else(|| corrupt("hash is not 32 bytes".into()))?;
+    Record::from_canonical(body.as_bytes(), hash, Some(from_micros(created_at))).map_err(corrupt)
+}
+
+#[async_trait]
+impl StepStore for SqliteStore {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        // Several processes may open a new file at once; SQLite has no
+        // advisory lock for the migrator, so a loser simply tries again and
+        // then finds the migration applied.
+        let mut last = None;
+        for attempt in 0..10u64 {
+            match migrator().run(&self.writer).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(20 * (attempt + 1))).await;
+                }
+            }
+        }
+        let e = last.expect("at least one attempt");
+        Err(match e {
+            sqlx::migrate::MigrateError::Execute(inner) => self.err(inner),
+            other => StoreError::Schema {
+                url: self.url.clone(),
+                reason: other.to_string(),
+            },
+        })
+    }
+
+    async fn append(&self, run: &str, epoch: u64, record: &Record) -> Result<Record, StoreError> {
+        let body = check_record(record)?;
+        let body_str = std::str::from_utf8(&body).expect("canonical JSON is UTF-8");
+        let seq = to_i64("seq", record.seq)?;
+        let epoch_i = to_i64("epoch", epoch)?;
+        let mut tx = self
+            .writer
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| self.err(e))?;
+        let now = Utc::now();
+
+        let lease = sqlx::query("SELECT epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+            .bind(run)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        let (current, expires): (Option<i64>, i64) = match &lease {
+            Some(row) => (
+                Some(row.try_get(0).map_err(|e| self.err(e))?),
+                row.try_get(1).map_err(|e| self.err(e))?,
+            ),
+            None => (None, 0),
+        };
+        if current != Some(epoch_i) || expires <= micros(now) {
+            return Err(StoreError::StaleEpoch {
+                run: run.to_string(),
+                epoch,
+                current: current.map(|e| e as u64),
+                expired: current == Some(epoch_i),
+            });
+        }
+
+        let existing = sqlx::query(
+            "SELECT body, hash, created_at FROM agentrun_steps WHERE run = ?1 AND seq = ?2",
+        )
+        .bind(run)
+        .bind(seq)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        if let Some(row) = existing {
+            let rec_body: String = row.try_get(0).map_err(|e| self.err(e))?;
+            let rec_hash: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
+            let at: i64 = row.try_get(2).map_err(|e| self.err(e))?;
+            let recorded = decode_row(run, seq, &rec_body, &rec_hash, at)?;
+            return adopt_or_conflict(run, record, &body, recorded, rec_body.as_bytes());
+        }
+
+        let last = sqlx::query(
+            "SELECT seq, hash FROM agentrun_steps WHERE run = ?1 ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(run)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        let head = match last {
+            Some(row) => {
+                let s: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+                let h: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
+                Head {
+                    len: s as u64 + 1,
+                    hash: Hash::from_slice(&h).unwrap_or(Hash::ZERO),
+                }
+            }
+            None => Head::EMPTY,
+        };
+        if head.len != record.seq {
+            return Err(StoreError::Gap {
+                run: run.to_string(),
+                seq: record.seq,
+                len: head.len,
+            });
+        }
+        if head.hash != record.prev_hash {
+            return Err(StoreError::PrevHashMismatch {
+                run: run.to_string(),
+                seq: record.seq,
+                expected: head.hash,
+                got: record.prev_hash,
+            });
+        }
+        sqlx::query(
+            "INSERT INTO agentrun_steps (run, seq, format, kind, prev_hash, hash, body, epoch, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )
+        .bind(run)
+        .bind(seq)
+        .bind(record.format as i64)
+        .bind(record.kind.as_str())
+        .bind(&record.prev_hash.0[..])
+        .bind(&record.hash.0[..])
+        .bind(body_str)
+        .bind(epoch_i)
+        .bind(micros(now))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        tx.commit().await.map_err(|e| self.err(e))?;
+        let mut stored = record.clone();
+        stored.created_at = Some(from_micros(micros(now)));
+        Ok(stored)
+    }
+
+    async fn read_range(&self, run: &str, from: u64, to: Option<u64>) -> Result<Vec<Record>, StoreError> {
+        let from_i = to_i64("seq", from)?;
+        let to_i = match to {
+            Some(t) => to_i64("seq", t)?,
+            None => i64::MAX,
+        };
+        let mut rows = sqlx::query(
+            "SELECT seq, body, hash, created_at FROM agentrun_steps \
+             WHERE run = ?1 AND seq >= ?2 AND seq < ?3 ORDER BY seq",
+        )
+        .bind(run)
+        .bind(from_i)
+        .bind(to_i)
+        .fetch(&self.reader);
+        let mut out = Vec::new();
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
+            out.push(decode_row(run, seq, body, hash, at)?);
+        }
+        Ok(out)
+    }
+
+    async fn head(&self, run: &str) -> Result<Head, StoreError> {
+        let row = sqlx::query(
+            "SELECT seq, hash FROM agentrun_steps WHERE run = ?1 ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(run)
+        .fetch_optional(&self.reader)
+        .await
+        .map_err(|e| self.err(e))?;
+        match row {
+            None => Ok(Head::EMPTY),
+            Some(row) => {
+                let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+                let hash: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
+                let hash = Hash::from_slice(&hash).ok_or_else(|| StoreError::Corrupt {
+                    run: run.to_string(),
+                    seq: seq as u64,
+                    reason: "hash is not 32 bytes".into(),
+                })?;
+                Ok(Head {
+                    len: seq as u64 + 1,
+                    hash,
+                })
+            }
+        }
+    }
+
+    async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
+        let mut tx = self
+            .writer
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| self.err(e))?;
+        let now = micros(Utc::now());
+        let expires = now.saturating_add(ttl_micros(ttl));
+        let cur = sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+            .bind(run)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        let epoch = match cur {
+            None => {
+                sqlx::query(
+                    "INSERT INTO agentrun_leases (run, holder, epoch, expires_at, acquired_at, renewed_at) \
+                     VALUES (?1, ?2, 1, ?3, ?4, ?4)",
+                )
+                .bind(run)
+                .bind(holder)
+                .bind(expires)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+                1
+            }
+            Some(row) => {
+                let cur_holder: String = row.try_get(0).map_err(|e| self.err(e))?;
+                let cur_epoch: i64 = row.try_get(1).map_err(|e| self.err(e))?;
+                let cur_expires: i64 = row.try_get(2).map_err(|e| self.err(e))?;
+                if cur_expires > now && cur_holder != holder {
+                    return Err(StoreError::LeaseHeld {
+                        run: run.to_string(),
+                        holder: cur_holder,
+                        epoch: cur_epoch as u64,
+                        expires_at: from_micros(cur_expires),
+                    });
+                }
+                sqlx::query(
+                    "UPDATE agentrun_leases SET holder = ?2, epoch = ?3, expires_at = ?4, \
+                     acquired_at = ?5, renewed_at = ?5 WHERE run = ?1",
+                )
+                .bind(run)
+                .bind(holder)
+                .bind(cur_epoch + 1)
+                .bind(expires)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+                cur_epoch + 1
+            }
+        };
+        tx.commit().await.map_err(|e| self.err(e))?;
+        Ok(Lease {
+            run: run.to_string(),
+            holder: holder.to_string(),
+            epoch: epoch as u64,
+            expires_at: from_micros(expires),
+        })
+    }
+
+    async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError> {
+        let mut tx = self
+            .writer
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| self.err(e))?;
+        let now = micros(Utc::now());
+        let expires = now.saturating_add(ttl_micros(ttl));
+        let epoch = to_i64("epoch", lease.epoch)?;
+        let cur = sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+            .bind(&lease.run)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        let (holder, current, cur_expires): (Option<String>, Option<i64>, i64) = match cur {
+            Some(row) => (
+                Some(row.try_get(0).map_err(|e| self.err(e))?),
+                Some(row.try_get(1).map_err(|e| self.err(e))?),
+                row.try_get(2).map_err(|e| self.err(e))?,
+            ),
+            None => (None, None, 0),
+        };
+        if current != Some(epoch) || holder.as_deref() != Some(&lease.holder) || cur_expires <= now {
+            return Err(StoreError::StaleEpoch {
+                run: lease.run.clone(),
+                epoch: lease.epoch,
+                current: current.map(|e| e as u64),
+                expired: current == Some(epoch),
+            });
+        }
+        sqlx::query("UPDATE agentrun_leases SET expires_at = ?2, renewed_at = ?3 WHERE run = ?1")
+            .bind(&lease.run)
+            .bind(expires)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        tx.commit().await.map_err(|e| self.err(e))?;
+        Ok(Lease {
+            expires_at: from_micros(expires),
+            ..lease.clone()
+        })
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let now = micros(Utc::now());
+        sqlx::query(
+            "UPDATE agentrun_leases SET expires_at = ?4 \
+             WHERE run = ?1 AND epoch = ?2 AND holder = ?3 AND expires_at > ?4",
+        )
+        .bind(&lease.run)
+        .bind(to_i64("epoch", lease.epoch)?)
+        .bind(&lease.holder)
+        .bind(now)
+        .execute(&self.writer)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
+    async fn close(&self) {
+        self.writer.close().await;
+        self.reader.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_sqlite_url_forms() {
+        assert_eq!(sqlite_path("sqlite:///tmp/a.db").unwrap(), PathBuf::from("/tmp/a.db"));
+        assert_eq!(sqlite_path("sqlite://rel/a.db").unwrap(), PathBuf::from("rel/a.db"));
+        assert_eq!(sqlite_path("sqlite:a.db?mode=rwc").unwrap(), PathBuf::from("a.db"));
+        assert_eq!(sqlite_path("file:///var/x.db").unwrap(), PathBuf::from("/var/x.db"));
+        assert!(sqlite_path("sqlite://").is_err());
+        assert!(sqlite_path("postgres://x").is_err());
+    }
+}
