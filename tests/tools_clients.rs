@@ -627,3 +627,50 @@ async fn mcp_refusals_and_unreachable_servers_fail() {
     );
     assert!(observation.contains("not called"), "{observation}");
 }
+
+#[tokio::test]
+async fn standin_contract_no_key_mode_and_record_versions() {
+    let s = standins();
+    // No-key mode: the same key twice is two effects (the lookup remembers the key).
+    let tb = toolbox(&[s.nokey_tool("t", "charge")]);
+    ok(tb.call("charge", &json!({}), &ctx(0, 0)).await);
+    let second = ok(tb.call("charge", &json!({}), &ctx(0, 0)).await);
+    assert_eq!(second["effect"], 2);
+    assert_eq!(s.effects("t").await.len(), 2);
+    // A lookup without a key is a client error.
+    let response = s
+        .http
+        .get(s.url("/tools/t/lookup/charge"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+
+    // Records: 404 until set, then every PUT bumps the version.
+    let record = s.url("/tools/t/records/order-1");
+    assert_eq!(s.http.get(&record).send().await.unwrap().status(), 404);
+    let put = |data: Value| {
+        let request = s.http.put(&record).json(&json!({ "data": data }));
+        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    assert_eq!(
+        put(json!({"total": 10})).await,
+        json!({"id": "order-1", "version": 1, "data": {"total": 10}})
+    );
+    assert_eq!(put(json!({"total": 12})).await["version"], 2);
+    assert_eq!(
+        s.get("/tools/t/records/order-1").await,
+        json!({"id": "order-1", "version": 2, "data": {"total": 12}})
+    );
+    // Tenants are separate.
+    assert_eq!(
+        s.http
+            .get(s.url("/tools/u/records/order-1"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    assert!(s.effects("u").await.is_empty());
+}

@@ -249,6 +249,8 @@ pub(crate) fn build_client() -> Result<reqwest::Client, ToolError> {
     ensure_crypto_provider();
     reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
+        // A redirected POST would silently become another request; a 3xx is refused instead.
+        .redirect(reqwest::redirect::Policy::none())
         .user_agent(concat!("agentrun/", env!("CARGO_PKG_VERSION")))
         .build()
         .map_err(|e| ToolError::Client(e.to_string()))
@@ -689,6 +691,19 @@ mod tests {
             serde_json::to_value(LookupOutcome::NotDone).unwrap(),
             json!("NotDone")
         );
+    }
+
+    #[test]
+    fn toolbox_is_shareable_and_its_futures_are_send() {
+        fn send_sync<T: Send + Sync>(_: &T) {}
+        fn send<T: Send>(_: T) {}
+        let tb = toolbox(&[]);
+        send_sync(&tb);
+        let (args, c) = (json!({}), ctx());
+        send(tb.call("finish", &args, &c));
+        send(tb.lookup("finish", &args, &c));
+        send(discover_mcp("http://127.0.0.1:9/mcp"));
+        send(discover_catalog(&[]));
     }
 
     #[test]
