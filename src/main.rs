@@ -18,7 +18,9 @@ enum Command {
     /// Run the controller (reconciles AgentRuns, creates step Jobs and Approvals).
     Controller(agentrun::controller::Options),
     /// Execute the next step(s) of a run; this is what each step Job runs.
-    Step,
+    Step(agentrun::step::runner::StepArgs),
+    /// Step-log store tools: migrate the schema, verify a run's hash chain.
+    Store(agentrun::store::cli::StoreArgs),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
     Crds,
 }
@@ -35,6 +37,10 @@ async fn main() -> anyhow::Result<()> {
             agentrun::telemetry::init();
             agentrun::controller::run(opts).await
         }
-        Command::Step => anyhow::bail!("`agentrun step` is not implemented yet"),
+        Command::Step(args) => {
+            agentrun::telemetry::init();
+            agentrun::step::runner::run(args).await
+        }
+        Command::Store(args) => agentrun::store::cli::main(args).await,
     }
 }

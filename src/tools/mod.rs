@@ -124,14 +124,8 @@ pub enum LookupOutcome {
     Unknown { reason: String },
 }
 
-/// A tool as the model is shown it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ToolDef {
-    pub name: String,
-    pub description: String,
-    pub input_schema: Value,
-}
+/// A tool as the model is shown it (one type for the model and the tools).
+pub use crate::model::ToolDef;
 
 /// Retries of calls that failed for a reason that may pass (5xx, 408, 429,
 /// connection errors, timeouts). Every attempt carries the same key.

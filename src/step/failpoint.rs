@@ -1,0 +1,48 @@
+//! Failpoints: the step runner can be made to die at every boundary between
+//! acting and recording, to prove that resuming loses nothing and repeats no
+//! side effect. Switched on by `AGENTRUN_FAILPOINT=<name>`; the process
+//! aborts (no cleanup, lease left to expire) the first time it reaches it.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The record kinds the runner appends, for the append failpoints.
+pub const APPENDED_KINDS: &[&str] = &["ModelCall", "ToolIntent", "ToolResult", "Observation", "Summary", "RunFinished"];
+
+/// Every failpoint name, in the order a step meets them.
+pub fn all() -> Vec<String> {
+    let mut names = vec!["after-lease".to_string(), "before-model-call".into(), "after-model-call".into()];
+    for kind in APPENDED_KINDS {
+        names.push(format!("before-append:{kind}"));
+        names.push(format!("after-append:{kind}"));
+    }
+    names.push("before-tool-call".into());
+    names.push("after-tool-call".into());
+    names
+}
+
+fn armed() -> Option<&'static str> {
+    static ARMED: OnceLock<Option<String>> = OnceLock::new();
+    ARMED.get_or_init(|| std::env::var("AGENTRUN_FAILPOINT").ok().filter(|s| !s.is_empty())).as_deref()
+}
+
+/// Dies here if this failpoint is armed (once per process).
+pub fn hit(name: &str) {
+    static FIRED: AtomicBool = AtomicBool::new(false);
+    if armed() == Some(name) && !FIRED.swap(true, Ordering::SeqCst) {
+        eprintln!("agentrun step: failpoint {name} reached: aborting");
+        std::process::abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn names_are_unique_and_cover_every_append() {
+        let all = super::all();
+        let unique: std::collections::HashSet<_> = all.iter().collect();
+        assert_eq!(unique.len(), all.len());
+        assert!(all.contains(&"after-tool-call".to_string()));
+        assert!(all.contains(&"before-append:ToolResult".to_string()));
+    }
+}

@@ -1,0 +1,148 @@
+//! Typed payloads of the step log's records (DESIGN.md section 3). The store
+//! keeps them as JSON; these types are how the runner and the controller read
+//! and write them. Field names are camelCase and stable: old logs must replay.
+
+use serde::{Deserialize, Serialize};
+
+use crate::api::AgentTemplate;
+use crate::model::{ModelResponse, ToolDef};
+use crate::tools::{McpCatalog, ToolOutcome};
+
+/// Versions a run executes with; pinned in `RunStarted`, moved by `VersionChanged`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Versions {
+    pub prompt_version: String,
+    pub prompt_hash: String,
+    pub model: String,
+    pub tool_schema_hash: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_generation: Option<i64>,
+}
+
+/// seq 0: the whole resolved agent, so replay never depends on today's Agent.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RunStarted {
+    pub run_name: String,
+    pub namespace: String,
+    pub input: String,
+    pub agent: AgentTemplate,
+    /// Tool definitions as the model sees them (MCP schemas as discovered).
+    pub tools: Vec<ToolDef>,
+    /// MCP tools as discovered at start: their schemas are pinned with the run.
+    #[serde(default)]
+    pub mcp: McpCatalog,
+    pub versions: Versions,
+}
+
+/// A later snapshot, for `versionPolicy: FollowLatest`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct VersionChanged {
+    pub agent: AgentTemplate,
+    pub tools: Vec<ToolDef>,
+    #[serde(default)]
+    pub mcp: McpCatalog,
+    pub from: Versions,
+    pub to: Versions,
+}
+
+/// What a model call was built from, so an auditor can tell what the model saw.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ContextInfo {
+    /// seq of the `Summary` the context started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary_seq: Option<u64>,
+    /// Records from this seq on were sent verbatim.
+    pub from_seq: u64,
+    pub estimated_tokens: u64,
+}
+
+/// The model's answer, recorded before anything acts on it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelCall {
+    pub response: ModelResponse,
+    pub cost_usd: f64,
+    pub context: ContextInfo,
+}
+
+/// A tool call about to be made, with the key that makes repeating it safe.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolIntent {
+    pub model_call_seq: u64,
+    pub call_index: usize,
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: serde_json::Value,
+    pub key: String,
+}
+
+/// How an intent found without a result was settled.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recovery {
+    /// An idempotent tool was called again with the same key.
+    RetriedWithSameKey,
+    /// A non-idempotent tool's lookup said the call had happened.
+    LookupFoundResult,
+    /// A non-idempotent tool's lookup said it had not happened; it was made now.
+    LookupFoundNothing,
+}
+
+/// The outcome of a tool call.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolResult {
+    pub intent_seq: u64,
+    pub call_id: String,
+    pub tool: String,
+    pub outcome: ToolOutcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<Recovery>,
+}
+
+/// A compaction: the text replaces every record up to `through_seq` in later contexts.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Summary {
+    pub text: String,
+    pub through_seq: u64,
+    pub response: ModelResponse,
+    pub cost_usd: f64,
+}
+
+/// Something the model must be told (a malformed reply, a refused call...).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Observation {
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub about_seq: Option<u64>,
+}
+
+/// How a run ended.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Succeeded,
+    Failed,
+    BudgetExceeded,
+    DeadlineExceeded,
+    Cancelled,
+    /// A tool call's outcome cannot be known; a human must reconcile it.
+    NeedsHuman,
+}
+
+/// The last record of a run.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RunFinished {
+    pub outcome: Outcome,
+    /// The final answer, or the partial result when stopped early.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}

@@ -1,0 +1,298 @@
+//! Rebuilding a run's state from its log, and deciding the next step. Pure:
+//! no model, no tool and no store is touched here, which is what makes
+//! resuming after a crash the same code path as any other step.
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use super::records::*;
+use crate::api::Budgets;
+use crate::model::ToolCall;
+
+/// Name of the built-in tool that ends the run with its `result`.
+pub const FINISH_TOOL: &str = "finish";
+
+/// One decoded record.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    RunStarted(RunStarted),
+    ModelCall(ModelCall),
+    ToolIntent(ToolIntent),
+    ToolResult(ToolResult),
+    ApprovalRequested(Value),
+    ApprovalDecided(Value),
+    ApprovalVoided(Value),
+    Observation(Observation),
+    Summary(Summary),
+    VersionChanged(VersionChanged),
+    RunFinished(RunFinished),
+}
+
+/// A record whose payload does not decode: the log is from an unknown format
+/// or was written by a bug. Replay stops rather than guess.
+#[derive(Debug, thiserror::Error)]
+#[error("record {seq} ({kind}) does not decode: {reason}")]
+pub struct DecodeError {
+    pub seq: u64,
+    pub kind: String,
+    pub reason: String,
+}
+
+impl Step {
+    /// Decodes a record's payload by its kind name.
+    pub fn decode(seq: u64, kind: &str, payload: &Value) -> Result<Step, DecodeError> {
+        fn de<T: DeserializeOwned>(seq: u64, kind: &str, v: &Value) -> Result<T, DecodeError> {
+            T::deserialize(v).map_err(|e| DecodeError { seq, kind: kind.into(), reason: e.to_string() })
+        }
+        Ok(match kind {
+            "RunStarted" => Step::RunStarted(de(seq, kind, payload)?),
+            "ModelCall" => Step::ModelCall(de(seq, kind, payload)?),
+            "ToolIntent" => Step::ToolIntent(de(seq, kind, payload)?),
+            "ToolResult" => Step::ToolResult(de(seq, kind, payload)?),
+            "ApprovalRequested" => Step::ApprovalRequested(payload.clone()),
+            "ApprovalDecided" => Step::ApprovalDecided(payload.clone()),
+            "ApprovalVoided" => Step::ApprovalVoided(payload.clone()),
+            "Observation" => Step::Observation(de(seq, kind, payload)?),
+            "Summary" => Step::Summary(de(seq, kind, payload)?),
+            "VersionChanged" => Step::VersionChanged(de(seq, kind, payload)?),
+            "RunFinished" => Step::RunFinished(de(seq, kind, payload)?),
+            other => {
+                return Err(DecodeError { seq, kind: other.into(), reason: "unknown record kind".into() });
+            }
+        })
+    }
+
+    /// The record kind name, as the store keeps it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Step::RunStarted(_) => "RunStarted",
+            Step::ModelCall(_) => "ModelCall",
+            Step::ToolIntent(_) => "ToolIntent",
+            Step::ToolResult(_) => "ToolResult",
+            Step::ApprovalRequested(_) => "ApprovalRequested",
+            Step::ApprovalDecided(_) => "ApprovalDecided",
+            Step::ApprovalVoided(_) => "ApprovalVoided",
+            Step::Observation(_) => "Observation",
+            Step::Summary(_) => "Summary",
+            Step::VersionChanged(_) => "VersionChanged",
+            Step::RunFinished(_) => "RunFinished",
+        }
+    }
+
+    /// The payload as JSON.
+    pub fn payload(&self) -> Value {
+        let v = match self {
+            Step::RunStarted(p) => serde_json::to_value(p),
+            Step::ModelCall(p) => serde_json::to_value(p),
+            Step::ToolIntent(p) => serde_json::to_value(p),
+            Step::ToolResult(p) => serde_json::to_value(p),
+            Step::ApprovalRequested(p) | Step::ApprovalDecided(p) | Step::ApprovalVoided(p) => Ok(p.clone()),
+            Step::Observation(p) => serde_json::to_value(p),
+            Step::Summary(p) => serde_json::to_value(p),
+            Step::VersionChanged(p) => serde_json::to_value(p),
+            Step::RunFinished(p) => serde_json::to_value(p),
+        };
+        v.expect("record payloads are plain data and always serialize")
+    }
+}
+
+/// Totals summed from the log: every resume sees the same budget spent.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Spent {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cost_usd: f64,
+}
+
+/// The agent a run executes now: `RunStarted`, or the latest `VersionChanged`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub run_name: String,
+    pub input: String,
+    pub agent: crate::api::AgentTemplate,
+    pub tools: Vec<crate::model::ToolDef>,
+    pub mcp: crate::tools::McpCatalog,
+    pub versions: Versions,
+}
+
+/// A run rebuilt from its log.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunState {
+    /// Every record, in order; `steps[i]` has seq `i`.
+    pub steps: Vec<Step>,
+    pub snapshot: Option<Snapshot>,
+    pub spent: Spent,
+    pub finished: Option<RunFinished>,
+    /// The latest summary and its seq.
+    pub summary: Option<(u64, Summary)>,
+}
+
+/// What the runner should do next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Next {
+    /// The log has no `RunStarted`: the controller has not started the run.
+    NotStarted,
+    /// Ask the model (after the budget and compaction checks).
+    CallModel,
+    /// Record the intent to make call `call_index` of the ModelCall at `model_call_seq`.
+    RecordIntent { model_call_seq: u64, call_index: usize, call: ToolCall },
+    /// Execute the tool call recorded at `intent_seq`, which has no result yet.
+    ExecuteTool { intent_seq: u64, intent: ToolIntent },
+    /// The agent is done: append `RunFinished`.
+    Finish { outcome: Outcome, result: Option<String> },
+    /// `RunFinished` is recorded.
+    Done,
+}
+
+impl RunState {
+    /// Rebuilds the state from decoded records, in seq order.
+    pub fn replay(steps: Vec<Step>) -> RunState {
+        let mut state = RunState::default();
+        for step in steps {
+            state.apply(step);
+        }
+        state
+    }
+
+    /// Folds one more record into the state (used after each append, too).
+    pub fn apply(&mut self, step: Step) {
+        let seq = self.steps.len() as u64;
+        match &step {
+            Step::RunStarted(s) => {
+                self.snapshot = Some(Snapshot {
+                    run_name: s.run_name.clone(),
+                    input: s.input.clone(),
+                    agent: s.agent.clone(),
+                    tools: s.tools.clone(),
+                    mcp: s.mcp.clone(),
+                    versions: s.versions.clone(),
+                })
+            }
+            Step::VersionChanged(v) => {
+                if let Some(snap) = &mut self.snapshot {
+                    snap.agent = v.agent.clone();
+                    snap.tools = v.tools.clone();
+                    snap.mcp = v.mcp.clone();
+                    snap.versions = v.to.clone();
+                }
+            }
+            Step::ModelCall(m) => self.spend(&m.response.usage, m.cost_usd),
+            Step::Summary(s) => {
+                self.spend(&s.response.usage, s.cost_usd);
+                self.summary = Some((seq, s.clone()));
+            }
+            Step::RunFinished(f) => self.finished = Some(f.clone()),
+            _ => {}
+        }
+        self.steps.push(step);
+    }
+
+    fn spend(&mut self, usage: &crate::model::TokenUsage, cost: f64) {
+        self.spent.input_tokens += usage.input_tokens;
+        self.spent.output_tokens += usage.output_tokens;
+        self.spent.cost_usd += cost;
+    }
+
+    /// Number of records.
+    pub fn len(&self) -> u64 {
+        self.steps.len() as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+
+    /// The next thing to do, from the log alone.
+    pub fn next(&self) -> Next {
+        if self.finished.is_some() {
+            return Next::Done;
+        }
+        if self.snapshot.is_none() {
+            return Next::NotStarted;
+        }
+        // An intent without a result comes first: it may already have acted.
+        if let Some((intent_seq, intent)) = self.open_intent() {
+            return Next::ExecuteTool { intent_seq, intent: intent.clone() };
+        }
+        let Some((model_call_seq, call)) = self.last_model_call() else {
+            return Next::CallModel;
+        };
+        let calls = &call.response.tool_calls;
+        if calls.is_empty() {
+            // A plain answer with no tool call is the agent's final answer.
+            return Next::Finish { outcome: Outcome::Succeeded, result: call.response.text.clone() };
+        }
+        for (index, tc) in calls.iter().enumerate() {
+            if self.intent_for(model_call_seq, index).is_some() {
+                continue;
+            }
+            if tc.name == FINISH_TOOL {
+                return Next::Finish { outcome: Outcome::Succeeded, result: Some(finish_result(&tc.arguments)) };
+            }
+            return Next::RecordIntent { model_call_seq, call_index: index, call: tc.clone() };
+        }
+        Next::CallModel
+    }
+
+    fn open_intent(&self) -> Option<(u64, &ToolIntent)> {
+        let answered: std::collections::HashSet<u64> = self
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::ToolResult(r) => Some(r.intent_seq),
+                _ => None,
+            })
+            .collect();
+        self.steps.iter().enumerate().find_map(|(seq, s)| match s {
+            Step::ToolIntent(i) if !answered.contains(&(seq as u64)) => Some((seq as u64, i)),
+            _ => None,
+        })
+    }
+
+    fn last_model_call(&self) -> Option<(u64, &ModelCall)> {
+        self.steps.iter().enumerate().rev().find_map(|(seq, s)| match s {
+            Step::ModelCall(m) => Some((seq as u64, m)),
+            _ => None,
+        })
+    }
+
+    fn intent_for(&self, model_call_seq: u64, index: usize) -> Option<&ToolIntent> {
+        self.steps.iter().skip(model_call_seq as usize).find_map(|s| match s {
+            Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => Some(i),
+            _ => None,
+        })
+    }
+
+    /// Why the budget forbids another model call, if it does.
+    pub fn budget_exceeded(&self, budgets: Option<&Budgets>) -> Option<String> {
+        let b = budgets?;
+        let tokens = self.spent.input_tokens + self.spent.output_tokens;
+        if let Some(max) = b.max_tokens.filter(|max| tokens >= *max) {
+            return Some(format!("token budget used up: {tokens} of {max} tokens"));
+        }
+        if let Some(max) = b.max_cost_usd.filter(|max| self.spent.cost_usd >= *max) {
+            return Some(format!("cost budget used up: ${:.4} of ${max}", self.spent.cost_usd));
+        }
+        if let Some(max) = b.max_steps.filter(|max| self.len() >= *max) {
+            return Some(format!("step budget used up: {} of {max} steps", self.len()));
+        }
+        None
+    }
+
+    /// The latest thing the agent said: the partial result of a run stopped early.
+    pub fn last_text(&self) -> Option<String> {
+        self.steps.iter().rev().find_map(|s| match s {
+            Step::ModelCall(m) => m.response.text.clone().filter(|t| !t.is_empty()),
+            _ => None,
+        })
+    }
+}
+
+/// The `result` argument of a `finish` call (the whole arguments if malformed).
+fn finish_result(args: &Value) -> String {
+    match args.get("result") {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+        None => args.to_string(),
+    }
+}

@@ -1,0 +1,345 @@
+//! `agentrun step`: what one step Job runs. Takes the run's lease, replays
+//! the log, and executes steps, recording each before acting on it, until
+//! its time slice ends or the run needs the controller.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+use super::context::{ContextPlan, plan};
+use super::failpoint;
+use super::records::*;
+use super::replay::{Next, RunState, Snapshot, Step};
+use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
+use crate::store::{self, Head, Lease, RecordDraft, StepKind, StepStore, StoreError};
+use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
+
+/// How long a lease lives without a heartbeat; the controller notices a lost
+/// worker once it expires.
+pub const LEASE_TTL: Duration = Duration::from_secs(8);
+const HEARTBEAT: Duration = Duration::from_secs(2);
+
+/// What the step Job passes in (environment variables set by the controller).
+#[derive(clap::Args, Debug, Clone)]
+pub struct StepArgs {
+    /// The run's uid: its key in the store.
+    #[arg(long, env = "AGENTRUN_RUN_UID")]
+    pub run_uid: String,
+    #[arg(long, env = "AGENTRUN_RUN_NAME", default_value = "")]
+    pub run_name: String,
+    #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
+    pub store_url: String,
+    #[arg(long, env = "AGENTRUN_MODEL_API_KEY", hide_env_values = true)]
+    pub model_api_key: Option<String>,
+    /// Worker identity (the pod's name).
+    #[arg(long, env = "POD_NAME", default_value = "local")]
+    pub worker: String,
+    #[arg(long, env = "AGENTRUN_ATTEMPT", default_value_t = 1)]
+    pub attempt: u32,
+    /// Keep taking further steps for this long, then exit.
+    #[arg(long, env = "AGENTRUN_TIME_SLICE_SECONDS", default_value_t = 60)]
+    pub time_slice_seconds: u64,
+}
+
+/// Runs steps until the slice ends or the run is done.
+pub async fn run(args: StepArgs) -> anyhow::Result<()> {
+    let store = store::open(&args.store_url).await.context("opening the step store")?;
+    let lease = acquire(&*store, &args).await?;
+    failpoint::hit("after-lease");
+    let heartbeat = tokio::spawn(heartbeat(store.clone(), lease.clone()));
+
+    let result = Runner::load(store.clone(), &args, lease.clone()).await;
+    let result = match result {
+        Ok(mut runner) => runner.drive(Duration::from_secs(args.time_slice_seconds)).await,
+        Err(e) => Err(e),
+    };
+    heartbeat.abort();
+    if let Err(e) = store.release(&lease).await {
+        tracing::warn!(error = %e, "releasing the run lease failed; it will expire");
+    }
+    result
+}
+
+/// Takes the lease, waiting out a previous worker's lease if it is still live.
+async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease> {
+    let deadline = Instant::now() + LEASE_TTL * 3;
+    loop {
+        match store.acquire(&args.run_uid, &args.worker, LEASE_TTL).await {
+            Ok(lease) => {
+                tracing::info!(run = %args.run_uid, epoch = lease.epoch, "took the run lease");
+                return Ok(lease);
+            }
+            Err(e @ (StoreError::LeaseHeld { .. } | StoreError::Unavailable { .. })) if Instant::now() < deadline => {
+                tracing::info!(error = %e, "waiting for the run lease");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e) => return Err(e).context("taking the run lease"),
+        }
+    }
+}
+
+async fn heartbeat(store: Arc<dyn StepStore>, mut lease: Lease) {
+    loop {
+        tokio::time::sleep(HEARTBEAT).await;
+        match store.renew(&lease, LEASE_TTL).await {
+            Ok(l) => lease = l,
+            Err(StoreError::StaleEpoch { .. }) => {
+                // Someone else owns the run now; our appends would be refused anyway.
+                tracing::error!("lost the run lease; stopping");
+                std::process::exit(3);
+            }
+            Err(e) => tracing::warn!(error = %e, "renewing the run lease failed; retrying"),
+        }
+    }
+}
+
+struct Runner {
+    store: Arc<dyn StepStore>,
+    args: StepArgs,
+    lease: Lease,
+    head: Head,
+    state: RunState,
+    /// Intents this process recorded itself (so executing them is not a recovery).
+    own_intents: HashSet<u64>,
+    tools: Option<(String, Toolbox)>,
+}
+
+impl Runner {
+    async fn load(store: Arc<dyn StepStore>, args: &StepArgs, lease: Lease) -> anyhow::Result<Runner> {
+        let records = with_store_retry(|| store.read_all(&args.run_uid)).await?;
+        let mut steps = Vec::with_capacity(records.len());
+        for r in &records {
+            steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload)?);
+        }
+        let head = records.last().map(|r| r.head()).unwrap_or(Head::EMPTY);
+        let state = RunState::replay(steps);
+        tracing::info!(run = %args.run_uid, records = head.len, "replayed the log");
+        Ok(Runner {
+            store,
+            args: args.clone(),
+            lease,
+            head,
+            state,
+            own_intents: HashSet::new(),
+            tools: None,
+        })
+    }
+
+    async fn drive(&mut self, slice: Duration) -> anyhow::Result<()> {
+        let until = Instant::now() + slice;
+        loop {
+            let next = self.state.next();
+            match next {
+                Next::Done => return Ok(()),
+                Next::NotStarted => bail!("the log of run {} has no RunStarted record", self.args.run_uid),
+                Next::CallModel => self.model_step().await?,
+                Next::RecordIntent { model_call_seq, call_index, call } => {
+                    // The approval policy decides here (the approvals work); every call is allowed for now.
+                    let key = idempotency_key(&self.args.run_uid, model_call_seq, call_index);
+                    let intent = ToolIntent {
+                        model_call_seq,
+                        call_index,
+                        call_id: call.id.clone(),
+                        tool: call.name.clone(),
+                        arguments: call.arguments.clone(),
+                        key,
+                    };
+                    let seq = self.append(Step::ToolIntent(intent), None).await?;
+                    self.own_intents.insert(seq);
+                }
+                Next::ExecuteTool { intent_seq, intent } => self.tool_step(intent_seq, intent).await?,
+                Next::Finish { outcome, result } => {
+                    self.append(Step::RunFinished(RunFinished { outcome, result, error: None }), None).await?;
+                }
+            }
+            if Instant::now() >= until && !matches!(self.state.next(), Next::ExecuteTool { .. }) {
+                tracing::info!(records = self.state.len(), "time slice over; exiting for the next Job");
+                return Ok(());
+            }
+        }
+    }
+
+    fn snapshot(&self) -> anyhow::Result<Snapshot> {
+        self.state.snapshot.clone().context("run has no snapshot")
+    }
+
+    async fn model_step(&mut self) -> anyhow::Result<()> {
+        let snap = self.snapshot()?;
+        if let Some(reason) = self.state.budget_exceeded(snap.agent.budgets.as_ref()) {
+            let finished = RunFinished {
+                outcome: Outcome::BudgetExceeded,
+                result: self.state.last_text(),
+                error: Some(reason),
+            };
+            self.append(Step::RunFinished(finished), None).await?;
+            return Ok(());
+        }
+        let client = ModelClient::new(&snap.agent.model, self.args.model_api_key.clone())?;
+        match plan(&self.state, &snap) {
+            ContextPlan::Compact { request, through_seq } => {
+                let Some(response) = self.ask(&client, &request).await? else { return Ok(()) };
+                let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
+                let text = response.text.clone().unwrap_or_default();
+                let summary = Summary { text, through_seq, response, cost_usd: cost };
+                self.append(Step::Summary(summary), None).await?;
+            }
+            ContextPlan::Call(request, context) => {
+                let Some(response) = self.ask(&client, &request).await? else { return Ok(()) };
+                let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
+                let model_id = response.model_id.clone();
+                self.append(Step::ModelCall(ModelCall { response, cost_usd: cost, context }), Some(model_id))
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Calls the model. A reply the model could not give (bad request, bad
+    /// key) ends the run; an outage ends this attempt so the controller retries.
+    async fn ask(&mut self, client: &ModelClient, request: &crate::model::ModelRequest) -> anyhow::Result<Option<ModelResponse>> {
+        failpoint::hit("before-model-call");
+        match client.complete(request).await {
+            Ok(response) => {
+                failpoint::hit("after-model-call");
+                Ok(Some(response))
+            }
+            Err(e @ ModelError::Malformed { .. }) => {
+                // Recorded and fed back: the model sees what went wrong on its next turn.
+                let text = format!("Your previous reply could not be read ({e}). Reply again, with valid tool calls.");
+                self.append(Step::Observation(Observation { text, about_seq: None }), None).await?;
+                Ok(None)
+            }
+            Err(e) if e.is_retryable() => Err(e).context("the model is unavailable"),
+            Err(e) => {
+                let finished = RunFinished {
+                    outcome: Outcome::Failed,
+                    result: self.state.last_text(),
+                    error: Some(format!("the model refused the request: {e}")),
+                };
+                self.append(Step::RunFinished(finished), None).await?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// The toolbox of the current snapshot, taken out of `self` while in use
+    /// (put it back with `self.tools = Some(..)`); rebuilt when versions change.
+    fn take_toolbox(&mut self) -> anyhow::Result<(String, Toolbox)> {
+        let snap = self.snapshot()?;
+        let stamp = snap.versions.tool_schema_hash.clone();
+        match self.tools.take() {
+            Some((s, tools)) if s == stamp => Ok((s, tools)),
+            _ => Ok((stamp, Toolbox::new(&snap.agent.tools, &snap.mcp)?)),
+        }
+    }
+
+    async fn tool_step(&mut self, intent_seq: u64, intent: ToolIntent) -> anyhow::Result<()> {
+        let recovering = !self.own_intents.contains(&intent_seq);
+        let ctx = CallContext::new(self.args.run_uid.clone(), intent_seq, intent.key.clone());
+        let (stamp, tools) = self.take_toolbox()?;
+        let repeat_safe = tools.is_idempotent(&intent.tool) || tools.is_read_only(&intent.tool) || !tools.contains(&intent.tool);
+        let (outcome, recovery) = if !recovering || repeat_safe {
+            failpoint::hit("before-tool-call");
+            let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
+            failpoint::hit("after-tool-call");
+            (outcome, recovering.then_some(Recovery::RetriedWithSameKey))
+        } else {
+            // The call may have happened: never assume it did not. Ask the tool.
+            match tools.lookup(&intent.tool, &intent.arguments, &ctx).await {
+                LookupOutcome::Done(value) => (ToolOutcome::Ok(value), Some(Recovery::LookupFoundResult)),
+                LookupOutcome::NotDone => {
+                    failpoint::hit("before-tool-call");
+                    let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
+                    failpoint::hit("after-tool-call");
+                    (outcome, Some(Recovery::LookupFoundNothing))
+                }
+                LookupOutcome::Unknown { reason } => {
+                    self.tools = Some((stamp, tools));
+                    let finished = RunFinished {
+                        outcome: Outcome::NeedsHuman,
+                        result: self.state.last_text(),
+                        error: Some(format!(
+                            "call {intent_seq} of {} (idempotency key {}) may or may not have happened and \
+                             cannot be checked: {reason}; a human must reconcile it",
+                            intent.tool, intent.key
+                        )),
+                    };
+                    self.append(Step::RunFinished(finished), None).await?;
+                    return Ok(());
+                }
+            }
+        };
+        self.tools = Some((stamp, tools));
+        let result = ToolResult { intent_seq, call_id: intent.call_id, tool: intent.tool, outcome, recovery };
+        self.append(Step::ToolResult(result), None).await?;
+        Ok(())
+    }
+
+    /// Appends a record at the head, adopting the recorded one if another
+    /// worker won that seq. Returns the seq. Store outages are waited out.
+    async fn append(&mut self, step: Step, model_id: Option<String>) -> anyhow::Result<u64> {
+        let kind = step.kind();
+        failpoint::hit(&format!("before-append:{kind}"));
+        let mut draft = RecordDraft::new(step_kind(kind), step.payload());
+        if let Some(snap) = &self.state.snapshot {
+            draft.versions = store::Versions {
+                prompt_version: Some(snap.versions.prompt_version.clone()),
+                prompt_hash: Some(snap.versions.prompt_hash.clone()),
+                model_id: model_id.or(Some(snap.versions.model.clone())),
+                tool_schema_hash: Some(snap.versions.tool_schema_hash.clone()),
+            };
+        }
+        if let Step::ModelCall(ModelCall { response, cost_usd, .. }) | Step::Summary(Summary { response, cost_usd, .. }) = &step {
+            draft.usage = store::Usage {
+                input_tokens: response.usage.input_tokens,
+                output_tokens: response.usage.output_tokens,
+                cost_micros: (cost_usd * 1e6).round() as u64,
+            };
+        }
+        draft.worker = store::Worker { pod: self.args.worker.clone(), attempt: self.args.attempt };
+        let record = draft.seal(&self.head)?;
+        let seq = record.seq;
+        let outcome = with_store_retry(|| self.store.append(&self.args.run_uid, self.lease.epoch, &record)).await;
+        match outcome {
+            Ok(stored) => {
+                self.head = stored.head();
+                self.state.apply(step);
+            }
+            Err(StoreError::Conflict { recorded, .. }) => {
+                tracing::warn!(seq, "another worker recorded this step first; adopting its record");
+                self.head = recorded.head();
+                self.state.apply(Step::decode(recorded.seq, recorded.kind.as_str(), &recorded.payload)?);
+            }
+            Err(e) => return Err(e).context("appending to the step log"),
+        }
+        failpoint::hit(&format!("after-append:{kind}"));
+        Ok(seq)
+    }
+}
+
+fn step_kind(name: &str) -> StepKind {
+    StepKind::ALL.into_iter().find(|k| k.as_str() == name).expect("every Step kind is a StepKind")
+}
+
+/// Retries an operation while the store is unreachable (a store outage stalls
+/// the run; it resumes when the store is back). Gives up after two minutes.
+async fn with_store_retry<T, F, Fut>(mut op: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, StoreError>>,
+{
+    let give_up = Instant::now() + Duration::from_secs(120);
+    let mut wait = Duration::from_millis(200);
+    loop {
+        match op().await {
+            Err(e) if e.is_retryable() && Instant::now() < give_up => {
+                tracing::warn!(error = %e, "step store unavailable; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(5));
+            }
+            other => return other,
+        }
+    }
+}
