@@ -566,7 +566,7 @@ mod tests {
         // Pinned: a change of the encoding breaks every stored log.
         assert_eq!(
             r.hash.to_hex(),
-            "4b7ef1d2b09f0c3bc20d79d71f26e9a2cf7ea8ca1f7de87bb1c4e8df5d1fc3a8"
+            "85187fa1b9e4ad3a03ef8059d455529a70c718da2fb8016fd6d66e56daa770c1"
         );
     }
 
