@@ -4,14 +4,17 @@
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("reading {what}: {source}")]
-    Read {
-        what: &'static str,
-        source: kube::Error,
-    },
+    Read { what: &'static str, source: kube::Error },
+    #[error("writing {what}: {source}")]
+    Write { what: &'static str, source: kube::Error },
     #[error("writing status: {0}")]
     Status(#[source] kube::Error),
     #[error("encoding status: {0}")]
     Encode(#[from] serde_json::Error),
+    #[error("step store: {0}")]
+    Store(#[source] crate::store::StoreError),
+    #[error("step log: {0}")]
+    Decode(#[source] crate::step::replay::DecodeError),
 }
 
 impl Error {
@@ -19,8 +22,11 @@ impl Error {
     pub fn metric_label(&self) -> &'static str {
         match self {
             Error::Read { .. } => "read",
+            Error::Write { .. } => "write",
             Error::Status(_) => "status",
             Error::Encode(_) => "encode",
+            Error::Store(e) => e.metric_label(),
+            Error::Decode(_) => "decode",
         }
     }
 }

@@ -4,9 +4,12 @@
 pub mod decide;
 mod error;
 mod http;
+pub mod job;
 mod leader;
 mod metrics;
+pub mod phase;
 mod reconcile;
+pub mod status;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -52,6 +55,21 @@ pub struct Options {
     /// Seconds a leader holds the Lease without renewing it.
     #[arg(long, default_value_t = 15)]
     pub lease_seconds: u64,
+    /// Step-log store the controller reads and appends to.
+    #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
+    pub store_url: String,
+    /// Store URL handed to step pods (e.g. the writer role's); `--store-url` when omitted.
+    #[arg(long, env = "AGENTRUN_STEP_STORE_URL", hide_env_values = true)]
+    pub step_store_url: Option<String>,
+    /// Image of the step Jobs (the operator's own image).
+    #[arg(long, env = "AGENTRUN_STEP_IMAGE", default_value = "agentrun:dev")]
+    pub step_image: String,
+    /// Service account of step pods (its token is never mounted).
+    #[arg(long, default_value = "default")]
+    pub step_service_account: String,
+    /// How long one step Job keeps taking further steps before it exits.
+    #[arg(long, default_value_t = 60)]
+    pub time_slice_seconds: u64,
 }
 
 /// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
@@ -75,6 +93,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
     tokio::spawn(async move { axum::serve(listener, http::router(health)).await });
 
+    let store = crate::store::open(&opts.store_url).await?;
+    tracing::info!(store = %store.url(), "step store opened");
     wait_for_crds(&client).await?;
     ready.store(true, Ordering::Relaxed);
 
@@ -106,6 +126,15 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             },
         ),
         metrics,
+        store_name: "default".into(),
+        step_store_url: opts.step_store_url.clone().unwrap_or_else(|| opts.store_url.clone()),
+        store,
+        jobs: job::JobSettings {
+            image: opts.step_image.clone(),
+            service_account: opts.step_service_account.clone(),
+            time_slice_seconds: opts.time_slice_seconds,
+        },
+        identity: format!("controller/{identity}"),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (

@@ -1,10 +1,14 @@
-//! Reconcile one AgentRun: read → decide (pure, in `decide`) → apply.
+//! Reconcile one AgentRun: read (run, agent, log, Job, lease) → decide (pure,
+//! in `decide` and `phase`) → act → write status.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
@@ -12,10 +16,17 @@ use serde_json::json;
 
 use super::decide::{AgentLookup, decide};
 use super::error::Error;
+use super::job::{self, JobSettings};
 use super::metrics::{Metrics, ReasonLabel};
-use crate::api::{Agent, AgentRun};
+use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
+use super::status;
+use crate::api::{Agent, AgentRun, AgentTemplate};
+use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
+use crate::step::replay::{RunState, Step};
+use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError, sha256_hex};
+use crate::tools::{Toolbox, discover_catalog};
 
-/// The one field manager every status write uses.
+/// The one field manager every write of the controller uses.
 pub const FIELD_MANAGER: &str = "agentrun-controller";
 
 /// Shared state of the reconciler.
@@ -23,86 +34,356 @@ pub struct Context {
     pub client: kube::Client,
     pub recorder: Recorder,
     pub metrics: Metrics,
+    pub store: Arc<dyn StepStore>,
+    /// Name of the store in `status.log.store`.
+    pub store_name: String,
+    /// Store URL handed to step pods (through a Secret in the run's namespace).
+    pub step_store_url: String,
+    pub jobs: JobSettings,
+    /// Identity used for the controller's own appends.
+    pub identity: String,
+}
+
+/// What the controller read about a run's agent.
+struct Resolved {
+    lookup: AgentLookup,
+    template: Option<AgentTemplate>,
 }
 
 pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
-    let ns = run.namespace().unwrap_or_default();
-    let name = run.name_any();
+    let result = reconcile_inner(&run, &ctx).await;
+    ctx.metrics.reconcile_duration.observe(started.elapsed().as_secs_f64());
+    result
+}
 
-    // Read.
-    let lookup = match &run.spec.agent_ref {
-        None => AgentLookup::Inline,
-        Some(r) => {
-            let agents: Api<Agent> = Api::namespaced(ctx.client.clone(), &ns);
-            match agents
-                .get_opt(&r.name)
-                .await
-                .map_err(|source| Error::Read {
-                    what: "agent",
-                    source,
-                })? {
-                Some(a) => AgentLookup::Found {
-                    generation: a.metadata.generation,
-                },
-                None => AgentLookup::NotFound {
-                    name: r.name.clone(),
-                },
-            }
-        }
+async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error> {
+    let ns = run.namespace().unwrap_or_default();
+    let uid = run.uid().unwrap_or_default();
+
+    // Read: the agent.
+    let resolved = resolve_agent(run, ctx, &ns).await?;
+    let mut plan = decide(run, &resolved.lookup, Timestamp::now());
+    let Some(template) = resolved.template else {
+        write_status(run, ctx, &plan.status, plan.notices).await?;
+        return Ok(Action::requeue(Duration::from_secs(300)));
+    };
+    let agent_generation = match &resolved.lookup {
+        AgentLookup::Found { generation } => *generation,
+        _ => None,
+    };
+
+    // Read: the log (the run's truth), the step Job and, if needed, the lease.
+    let records = ctx.store.read_all(&uid).await.map_err(Error::Store)?;
+    let head = records.last().map(|r| r.head()).unwrap_or(Head::EMPTY);
+    let mut steps = Vec::with_capacity(records.len());
+    for r in &records {
+        steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
+    }
+    let log = RunState::replay(steps);
+    let job = read_job(run, ctx, &ns).await?;
+    let lease = match &job {
+        Some(j) if j.state == JobState::Active => Some(probe_lease(ctx, &uid).await?),
+        _ => None,
     };
 
     // Decide.
-    let plan = decide(&run, &lookup, Timestamp::now());
+    let now = Timestamp::now();
+    let act = phase::decide(&Observed { run, log: &log, agent_generation, job: job.clone(), lease, now });
+    tracing::debug!(run = %run.name_any(), namespace = %ns, ?act, "decided");
 
-    // Apply.
-    if run.status.as_ref() != Some(&plan.status) {
+    // Act.
+    let mut notices = std::mem::take(&mut plan.notices);
+    let mut step = run.status.as_ref().and_then(|s| s.step.clone());
+    let mut concluded = None;
+    let requeue = match act {
+        Act::StartRun => match snapshot(run, &template, agent_generation).await {
+            Ok(started) => {
+                append(ctx, &uid, &head, Step::RunStarted(started)).await?;
+                notices.push(notice(false, "RunStarted", "the run's agent is pinned in the log; starting".into()));
+                Duration::ZERO
+            }
+            Err(reason) => {
+                let finished = RunFinished {
+                    outcome: crate::step::records::Outcome::Failed,
+                    result: None,
+                    error: Some(reason),
+                };
+                notices.push(notice(true, "InvalidAgent", finished.error.clone().unwrap_or_default()));
+                concluded = Some(finished);
+                Duration::MAX
+            }
+        },
+        Act::FollowAgent => {
+            let from = log.snapshot.as_ref().map(|s| s.versions.clone()).unwrap_or_default();
+            match snapshot(run, &template, agent_generation).await {
+                Ok(now_agent) => {
+                    let msg = format!(
+                        "following the Agent from generation {:?} to {:?}",
+                        from.agent_generation, now_agent.versions.agent_generation
+                    );
+                    let changed = VersionChanged {
+                        agent: now_agent.agent,
+                        tools: now_agent.tools,
+                        mcp: now_agent.mcp,
+                        from,
+                        to: now_agent.versions,
+                    };
+                    append(ctx, &uid, &head, Step::VersionChanged(changed)).await?;
+                    notices.push(notice(false, "VersionChanged", msg));
+                }
+                Err(reason) => notices.push(notice(true, "InvalidAgent", reason)),
+            }
+            Duration::ZERO
+        }
+        Act::CreateJob { seq, attempt } => {
+            ensure_store_secret(ctx, &ns).await?;
+            let timeout = crate::api::parse_duration(&run.spec.step_timeout).map_or(600, |d| d.as_secs().max(1) as i64);
+            let job = job::build(run, &template, seq, attempt, timeout, &ctx.jobs);
+            let name = job.name_any();
+            let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
+            match jobs.create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &job).await {
+                Ok(_) => {}
+                // Deterministic names make a repeated create harmless.
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => return Err(Error::Write { what: "step Job", source: e }),
+            }
+            let (reason, warn) = if attempt > 1 { ("StepRetried", true) } else { ("StepStarted", false) };
+            notices.push(notice(warn, reason, format!("step {seq} attempt {attempt}: Job {name}")));
+            step = Some(crate::api::CurrentStep { seq, job: Some(name), attempt, started_at: Some(Time(now)) });
+            phase::RUNNING_REQUEUE
+        }
+        Act::DeleteJob { name } => {
+            let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
+            match jobs.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(Error::Write { what: "step Job", source: e }),
+            }
+            notices.push(notice(true, "StepStopped", format!("deleted Job {name}")));
+            Duration::from_secs(1)
+        }
+        Act::Finish(finished) => {
+            append(ctx, &uid, &head, Step::RunFinished(finished)).await?;
+            Duration::ZERO
+        }
+        Act::Conclude(finished) => {
+            concluded = Some(finished);
+            Duration::MAX
+        }
+        Act::Wait(d) => d,
+    };
+
+    // Status: from the log as it is now.
+    let log = if matches!(concluded, None) && requeue == Duration::ZERO {
+        let records = ctx.store.read_all(&uid).await.map_err(Error::Store)?;
+        let mut steps = Vec::with_capacity(records.len());
+        for r in &records {
+            steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
+        }
+        (RunState::replay(steps), records.last().map(|r| r.head()).unwrap_or(Head::EMPTY))
+    } else {
+        (log, head)
+    };
+    let new_status =
+        status::compose(run, plan.status, &log.0, &log.1, &ctx.store_name, step, concluded.as_ref(), job.as_ref(), now);
+    if let Some(outcome) = new_status.phase.filter(|p| p.is_terminal())
+        && run.status.as_ref().and_then(|s| s.phase) != Some(outcome)
+    {
+        let warn = outcome != crate::api::Phase::Succeeded;
+        let msg = new_status.error.clone().or(new_status.result.clone()).unwrap_or_default();
+        notices.push(notice(warn, phase_reason(outcome), truncate(&msg, 900)));
+    }
+    write_status(run, ctx, &new_status, notices).await?;
+    Ok(match requeue {
+        Duration::MAX => Action::await_change(),
+        d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
+        d => Action::requeue(d),
+    })
+}
+
+pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(run = %run.name_any(), namespace = ?run.namespace(), %error, "reconcile failed");
+    ctx.metrics.reconcile_errors.get_or_create(&ReasonLabel { reason: error.metric_label().into() }).inc();
+    Action::requeue(Duration::from_secs(3))
+}
+
+async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolved, Error> {
+    Ok(match (&run.spec.agent_ref, &run.spec.agent) {
+        (_, Some(inline)) => Resolved { lookup: AgentLookup::Inline, template: Some(inline.clone()) },
+        (Some(r), None) => {
+            let agents: Api<Agent> = Api::namespaced(ctx.client.clone(), ns);
+            match agents.get_opt(&r.name).await.map_err(|source| Error::Read { what: "agent", source })? {
+                Some(a) => Resolved {
+                    lookup: AgentLookup::Found { generation: a.metadata.generation },
+                    template: Some(a.spec),
+                },
+                None => Resolved { lookup: AgentLookup::NotFound { name: r.name.clone() }, template: None },
+            }
+        }
+        (None, None) => Resolved { lookup: AgentLookup::NotFound { name: String::new() }, template: None },
+    })
+}
+
+async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobView>, Error> {
+    let Some(step) = run.status.as_ref().and_then(|s| s.step.clone()) else { return Ok(None) };
+    let Some(name) = step.job.clone() else { return Ok(None) };
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let job = jobs.get_opt(&name).await.map_err(|source| Error::Read { what: "step Job", source })?;
+    let ended_at = job.as_ref().and_then(|j| j.status.as_ref()).and_then(|s| {
+        let failed = s.conditions.iter().flatten().find(|c| c.type_ == "Failed" && c.status == "True");
+        s.completion_time.clone().or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
+    });
+    let state = match job {
+        None => JobState::Missing,
+        // A Job being deleted is gone as far as the run is concerned.
+        Some(j) if j.metadata.deletion_timestamp.is_some() => JobState::Missing,
+        Some(j) => {
+            let conds = j.status.and_then(|s| s.conditions).unwrap_or_default();
+            let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
+            if is("Complete").is_some() {
+                JobState::Succeeded
+            } else if let Some(c) = is("Failed") {
+                JobState::Failed {
+                    reason: format!(
+                        "{}: {}",
+                        c.reason.clone().unwrap_or_default(),
+                        c.message.clone().unwrap_or_default()
+                    ),
+                }
+            } else {
+                JobState::Active
+            }
+        }
+    };
+    Ok(Some(JobView { name, seq: step.seq, attempt: step.attempt, state, ended_at: ended_at.map(|t| t.0) }))
+}
+
+/// Is a worker holding the run's lease? Taking it when free also fences any
+/// zombie worker (the epoch moves on); it is released at once.
+async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
+    match ctx.store.acquire(uid, &ctx.identity, Duration::from_secs(2)).await {
+        Ok(lease) => {
+            let _ = ctx.store.release(&lease).await;
+            Ok(LeaseView { live: false })
+        }
+        Err(StoreError::LeaseHeld { .. }) => Ok(LeaseView { live: true }),
+        Err(e) => Err(Error::Store(e)),
+    }
+}
+
+/// Appends one record as the controller (RunStarted, VersionChanged, its own
+/// RunFinished), under the run's lease like any worker.
+async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
+    let lease = ctx.store.acquire(uid, &ctx.identity, Duration::from_secs(10)).await.map_err(Error::Store)?;
+    let kind = StepKind::ALL.into_iter().find(|k| k.as_str() == step.kind()).expect("known kind");
+    let mut draft = RecordDraft::new(kind, step.payload());
+    draft.worker = crate::store::Worker { pod: ctx.identity.clone(), attempt: 0 };
+    let result = match draft.seal(head) {
+        Ok(record) => ctx.store.append(uid, lease.epoch, &record).await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    let _ = ctx.store.release(&lease).await;
+    match result {
+        // Someone recorded that seq first: reconcile again from the new head.
+        Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),
+        Err(e) => Err(Error::Store(e)),
+    }
+}
+
+/// Resolves everything the run will execute with, for `RunStarted`.
+async fn snapshot(run: &AgentRun, template: &AgentTemplate, generation: Option<i64>) -> Result<RunStarted, String> {
+    let mcp = discover_catalog(&template.tools).await.map_err(|e| format!("discovering MCP tools: {e}"))?;
+    let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
+    let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
+    Ok(RunStarted {
+        run_name: run.name_any(),
+        namespace: run.namespace().unwrap_or_default(),
+        input: run.spec.input.clone(),
+        agent: template.clone(),
+        tools: toolbox.defs(),
+        mcp,
+        versions: Versions {
+            prompt_version: template.prompt.version.clone(),
+            prompt_hash: sha256_hex(&crate::store::canonical_json(&prompt)),
+            model: template.model.name.clone(),
+            tool_schema_hash: toolbox.schema_hash(),
+            agent_generation: generation,
+        },
+    })
+}
+
+/// The Secret step pods read their store URL from, in the run's namespace.
+async fn ensure_store_secret(ctx: &Context, ns: &str) -> Result<(), Error> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let body = json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": { "name": job::STORE_SECRET, "labels": { "app.kubernetes.io/managed-by": "agentrun" } },
+        "stringData": { "url": ctx.step_store_url },
+    });
+    secrets
+        .patch(job::STORE_SECRET, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body))
+        .await
+        .map_err(|source| Error::Write { what: "store Secret", source })?;
+    Ok(())
+}
+
+async fn write_status(
+    run: &AgentRun,
+    ctx: &Context,
+    status: &crate::api::AgentRunStatus,
+    notices: Vec<super::decide::Notice>,
+) -> Result<(), Error> {
+    let ns = run.namespace().unwrap_or_default();
+    if run.status.as_ref() != Some(status) {
         let runs: Api<AgentRun> = Api::namespaced(ctx.client.clone(), &ns);
         let body = json!({
             "apiVersion": AgentRun::api_version(&()),
             "kind": AgentRun::kind(&()),
-            "status": serde_json::to_value(&plan.status)?,
+            "status": serde_json::to_value(status)?,
         });
-        runs.patch_status(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(Error::Status)?;
+        runs.patch_status(&run.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body))
+            .await
+            .map_err(Error::Status)?;
     }
     let reference = run.object_ref(&());
-    for notice in plan.notices {
+    for n in notices {
         let event = Event {
-            type_: if notice.warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: notice.reason.into(),
-            note: Some(notice.message),
+            type_: if n.warning { EventType::Warning } else { EventType::Normal },
+            reason: n.reason.into(),
+            note: Some(n.message),
             action: "Reconcile".into(),
             secondary: None,
         };
         // An event is for people; failing to publish one must not stall the run.
         if let Err(e) = ctx.recorder.publish(&event, &reference).await {
-            tracing::warn!(run = %name, namespace = %ns, error = %e, "publishing event failed");
+            tracing::warn!(run = %run.name_any(), namespace = %ns, error = %e, "publishing event failed");
         }
     }
-    ctx.metrics
-        .reconcile_duration
-        .observe(started.elapsed().as_secs_f64());
-    Ok(Action::requeue(Duration::from_secs(300)))
+    Ok(())
 }
 
-pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Action {
-    tracing::warn!(run = %run.name_any(), namespace = ?run.namespace(), %error, "reconcile failed");
-    ctx.metrics
-        .reconcile_errors
-        .get_or_create(&ReasonLabel {
-            reason: error.metric_label().into(),
-        })
-        .inc();
-    Action::requeue(Duration::from_secs(5))
+fn notice(warning: bool, reason: &'static str, message: String) -> super::decide::Notice {
+    super::decide::Notice { warning, reason, message }
+}
+
+fn phase_reason(phase: crate::api::Phase) -> &'static str {
+    use crate::api::Phase::*;
+    match phase {
+        Succeeded => "RunSucceeded",
+        Failed => "RunFailed",
+        Cancelled => "RunCancelled",
+        BudgetExceeded => "BudgetExceeded",
+        DeadlineExceeded => "DeadlineExceeded",
+        Pending | Running | AwaitingApproval => "RunProgressing",
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
 }

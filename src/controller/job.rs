@@ -1,0 +1,225 @@
+//! The Job that runs one step of a run (DESIGN.md section 4). Pure: built
+//! from the run and the controller's settings, applied by the reconciler.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext, PodSpec,
+    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::{Resource, ResourceExt};
+use sha2::{Digest, Sha256};
+
+use crate::api::{AgentRun, AgentTemplate};
+
+/// Label carrying the run's name on every Job and pod of the run.
+pub const RUN_LABEL: &str = "agentrun.dev/run";
+/// Annotation switching a failpoint on for a run's first attempt (tests only).
+pub const FAILPOINT_ANNOTATION: &str = "agentrun.dev/failpoint";
+/// Secret (in the run's namespace) holding the step runner's store URL under `url`.
+pub const STORE_SECRET: &str = "agentrun-step-store";
+
+/// Controller settings that shape step Jobs.
+#[derive(Clone, Debug)]
+pub struct JobSettings {
+    pub image: String,
+    pub service_account: String,
+    /// How long one Job may keep taking further steps before it exits.
+    pub time_slice_seconds: u64,
+}
+
+/// Deterministic Job name: creating it twice is harmless, and a retry of the
+/// same step is a different attempt.
+pub fn job_name(run: &AgentRun, seq: u64, attempt: u32) -> String {
+    let suffix = format!("-s{seq}-a{attempt}");
+    let name = run.name_any();
+    if name.len() + suffix.len() <= 63 {
+        return format!("{name}{suffix}");
+    }
+    let hash = hex::encode(&Sha256::digest(name.as_bytes())[..4]);
+    let keep = 63 - suffix.len() - hash.len() - 1;
+    format!("{}-{hash}{suffix}", name[..keep].trim_end_matches('-'))
+}
+
+/// Builds the Job for step `seq`, attempt `attempt`.
+pub fn build(
+    run: &AgentRun,
+    agent: &AgentTemplate,
+    seq: u64,
+    attempt: u32,
+    step_timeout_seconds: i64,
+    settings: &JobSettings,
+) -> Job {
+    let name = job_name(run, seq, attempt);
+    let labels = BTreeMap::from([
+        (RUN_LABEL.to_string(), run.name_any()),
+        ("agentrun.dev/seq".to_string(), seq.to_string()),
+        ("agentrun.dev/attempt".to_string(), attempt.to_string()),
+        ("app.kubernetes.io/managed-by".to_string(), "agentrun".to_string()),
+    ]);
+    let mut env = vec![
+        plain("AGENTRUN_RUN_UID", run.uid().unwrap_or_default()),
+        plain("AGENTRUN_RUN_NAME", run.name_any()),
+        plain("AGENTRUN_NAMESPACE", run.namespace().unwrap_or_default()),
+        plain("AGENTRUN_ATTEMPT", attempt.to_string()),
+        plain("AGENTRUN_TIME_SLICE_SECONDS", settings.time_slice_seconds.to_string()),
+        secret("AGENTRUN_STORE_URL", STORE_SECRET, "url"),
+        EnvVar {
+            name: "POD_NAME".into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector { field_path: "metadata.name".into(), ..Default::default() }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ];
+    if let Some(key) = &agent.model.secret_ref {
+        env.push(secret("AGENTRUN_MODEL_API_KEY", &key.name, &key.key));
+    }
+    // A failpoint kills only the first attempt, so the retry shows the resume.
+    if attempt == 1
+        && let Some(fp) = run.annotations().get(FAILPOINT_ANNOTATION)
+    {
+        env.push(plain("AGENTRUN_FAILPOINT", fp.clone()));
+    }
+    Job {
+        metadata: ObjectMeta {
+            name: Some(name),
+            namespace: run.namespace(),
+            labels: Some(labels.clone()),
+            owner_references: run.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(0), // the controller retries, with a new attempt and the same log
+            active_deadline_seconds: Some(step_timeout_seconds),
+            ttl_seconds_after_finished: Some(600),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta { labels: Some(labels), ..Default::default() }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    service_account_name: Some(settings.service_account.clone()),
+                    // Step pods never talk to the Kubernetes API.
+                    automount_service_account_token: Some(false),
+                    enable_service_links: Some(false),
+                    security_context: Some(PodSecurityContext {
+                        run_as_non_root: Some(true),
+                        run_as_user: Some(65532),
+                        run_as_group: Some(65532),
+                        seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), ..Default::default() }),
+                        ..Default::default()
+                    }),
+                    containers: vec![Container {
+                        name: "step".into(),
+                        image: Some(settings.image.clone()),
+                        command: Some(vec!["agentrun".into(), "step".into()]),
+                        env: Some(env),
+                        security_context: Some(SecurityContext {
+                            read_only_root_filesystem: Some(true),
+                            allow_privilege_escalation: Some(false),
+                            capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), ..Default::default() }),
+                            ..Default::default()
+                        }),
+                        resources: Some(ResourceRequirements {
+                            requests: Some(BTreeMap::from([
+                                ("cpu".into(), Quantity("50m".into())),
+                                ("memory".into(), Quantity("64Mi".into())),
+                            ])),
+                            limits: Some(BTreeMap::from([("memory".into(), Quantity("256Mi".into()))])),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn plain(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar { name: name.into(), value: Some(value.into()), ..Default::default() }
+}
+
+fn secret(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector { name: secret.into(), key: key.into(), optional: Some(false) }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{AgentRunSpec, SecretKeyRef};
+
+    fn run(name: &str) -> AgentRun {
+        let mut r = AgentRun::new(name, AgentRunSpec { input: "x".into(), ..Default::default() });
+        r.metadata.namespace = Some("ns".into());
+        r.metadata.uid = Some("uid-1".into());
+        r
+    }
+
+    fn settings() -> JobSettings {
+        JobSettings { image: "agentrun:dev".into(), service_account: "default".into(), time_slice_seconds: 30 }
+    }
+
+    #[test]
+    fn names_are_deterministic_short_and_distinct_per_attempt() {
+        let r = run("refund-order-1042");
+        assert_eq!(job_name(&r, 7, 1), "refund-order-1042-s7-a1");
+        assert_ne!(job_name(&r, 7, 1), job_name(&r, 7, 2));
+        let long = run(&"x".repeat(200));
+        let n = job_name(&long, 123456, 3);
+        assert!(n.len() <= 63 && n.ends_with("-s123456-a3"), "{n}");
+        assert_eq!(n, job_name(&long, 123456, 3));
+    }
+
+    #[test]
+    fn step_pods_are_locked_down() {
+        let mut agent = AgentTemplate::default();
+        agent.model.secret_ref = Some(SecretKeyRef { name: "k".into(), key: "apiKey".into() });
+        let job = build(&run("r"), &agent, 3, 1, 300, &settings());
+        let spec = job.spec.as_ref().unwrap();
+        assert_eq!(spec.active_deadline_seconds, Some(300));
+        assert_eq!(spec.backoff_limit, Some(0));
+        let pod = spec.template.spec.as_ref().unwrap();
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        assert_eq!(pod.security_context.as_ref().unwrap().run_as_non_root, Some(true));
+        let c = &pod.containers[0];
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!((sc.read_only_root_filesystem, sc.allow_privilege_escalation), (Some(true), Some(false)));
+        let env = c.env.as_ref().unwrap();
+        let key = env.iter().find(|e| e.name == "AGENTRUN_MODEL_API_KEY").unwrap();
+        assert_eq!(key.value, None, "the key comes from the Secret, never inline");
+        assert_eq!(key.value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap().name, "k");
+        assert!(env.iter().any(|e| e.name == "AGENTRUN_STORE_URL" && e.value.is_none()));
+        let owner = &job.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!((owner.kind.as_str(), owner.controller), ("AgentRun", Some(true)));
+    }
+
+    #[test]
+    fn failpoints_apply_to_the_first_attempt_only() {
+        let mut r = run("r");
+        r.metadata.annotations = Some(BTreeMap::from([(FAILPOINT_ANNOTATION.into(), "after-model-call".into())]));
+        let has_fp = |job: &Job| {
+            job.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0]
+                .env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|e| e.name == "AGENTRUN_FAILPOINT")
+        };
+        assert!(has_fp(&build(&r, &AgentTemplate::default(), 1, 1, 60, &settings())));
+        assert!(!has_fp(&build(&r, &AgentTemplate::default(), 1, 2, 60, &settings())));
+    }
+}

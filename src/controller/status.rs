@@ -1,0 +1,103 @@
+//! Composing the run's status from its log: only what `kubectl get` and a
+//! controller restart need, the same size whatever the log's length.
+
+use jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::decide::{condition, set_condition};
+use super::phase::{JobState, JobView, deadline, phase_of};
+use crate::api::{AgentRun, AgentRunStatus, CurrentStep, LogRef, Phase, PinnedVersions, Usage};
+use crate::step::records::{Outcome, RunFinished};
+use crate::step::replay::RunState;
+use crate::store::Head;
+
+/// Condition type that is True once a run succeeded, False once it ended otherwise.
+pub const SUCCEEDED: &str = "Succeeded";
+
+/// The status a run should have now.
+#[allow(clippy::too_many_arguments)]
+pub fn compose(
+    run: &AgentRun,
+    base: AgentRunStatus,
+    log: &RunState,
+    head: &Head,
+    store: &str,
+    step: Option<CurrentStep>,
+    concluded: Option<&RunFinished>,
+    job: Option<&JobView>,
+    now: Timestamp,
+) -> AgentRunStatus {
+    let mut s = base;
+    let generation = run.metadata.generation;
+    s.log = Some(LogRef {
+        store: store.to_string(),
+        run_key: run.metadata.uid.clone().unwrap_or_default(),
+        length: head.len,
+        head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
+    });
+    s.usage = Some(Usage {
+        input_tokens: log.spent.input_tokens,
+        output_tokens: log.spent.output_tokens,
+        cost_usd: (log.spent.cost_usd * 1e6).round() / 1e6,
+        steps: head.len,
+    });
+    s.pinned = log.snapshot.as_ref().map(|snap| PinnedVersions {
+        prompt_version: snap.versions.prompt_version.clone(),
+        prompt_hash: snap.versions.prompt_hash.clone(),
+        model: snap.versions.model.clone(),
+        tool_schema_hash: snap.versions.tool_schema_hash.clone(),
+        agent_generation: snap.versions.agent_generation,
+    });
+    s.step = step;
+    if !log.is_empty() && s.started_at.is_none() {
+        s.started_at = Some(Time(now));
+    }
+    s.deadline_at = {
+        let mut probe = run.clone();
+        probe.status = Some(s.clone());
+        deadline(&probe).map(Time)
+    };
+    match log.finished.as_ref().or(concluded) {
+        Some(f) => {
+            let phase = phase_of(f.outcome);
+            s.phase = Some(phase);
+            s.result = f.result.clone();
+            s.error = f.error.clone();
+            s.waiting_on = None;
+            if s.finished_at.is_none() {
+                s.finished_at = Some(Time(now));
+            }
+            let (ok, reason, message) = match f.outcome {
+                Outcome::Succeeded => (true, "Succeeded", "the agent finished".to_string()),
+                _ => (false, phase_name(phase), f.error.clone().unwrap_or_default()),
+            };
+            set_condition(&mut s.conditions, condition(SUCCEEDED, ok, reason, &message, generation, now));
+        }
+        None if log.is_empty() => {}
+        None => {
+            s.phase = Some(Phase::Running);
+            s.waiting_on = s.step.as_ref().and_then(|st| st.job.as_ref()).map(|j| format!("job/{j}"));
+            let message = match job.map(|j| &j.state) {
+                Some(JobState::Failed { reason }) => format!("last step attempt failed: {reason}"),
+                _ => format!("{} records in the log", head.len),
+            };
+            let mut c = condition(SUCCEEDED, false, "Running", &message, generation, now);
+            c.status = "Unknown".into();
+            set_condition(&mut s.conditions, c);
+        }
+    }
+    s
+}
+
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Pending => "Pending",
+        Phase::Running => "Running",
+        Phase::AwaitingApproval => "AwaitingApproval",
+        Phase::Succeeded => "Succeeded",
+        Phase::Failed => "Failed",
+        Phase::Cancelled => "Cancelled",
+        Phase::BudgetExceeded => "BudgetExceeded",
+        Phase::DeadlineExceeded => "DeadlineExceeded",
+    }
+}
