@@ -13,8 +13,15 @@ pub struct ControllerProcess {
 }
 
 impl ControllerProcess {
-    /// Starts a replica watching `namespace`, electing through a Lease there.
-    pub fn start(namespace: &str, identity: &str) -> Self {
+    /// Starts a replica watching `namespace`, electing through a Lease there,
+    /// with the e2e step store.
+    pub async fn start(namespace: &str, identity: &str) -> Self {
+        Self::start_with(namespace, identity, &[]).await
+    }
+
+    /// Same, with extra controller flags.
+    pub async fn start_with(namespace: &str, identity: &str, extra: &[&str]) -> Self {
+        let store_url = super::store::e2e_store_url().await;
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
@@ -30,6 +37,8 @@ impl ControllerProcess {
                 "6",
             ])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(extra)
+            .env("AGENTRUN_STORE_URL", store_url)
             .env("RUST_LOG", "info,agentrun=debug")
             .stdout(Stdio::null())
             .stderr(out)

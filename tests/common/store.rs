@@ -1,0 +1,70 @@
+//! The PostgreSQL step store the e2e tests use: the instance of `e2e/postgres`
+//! (started here if it is not running), database `agentrun_e2e`, migrated once.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use sqlx::Connection;
+
+/// Runs `e2e/postgres ARG` and returns its stdout; fails loudly.
+pub fn e2e_postgres(arg: &str) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(arg)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "`e2e/postgres {arg}` failed ({}): PostgreSQL is required for these tests.\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_string()
+}
+
+/// Superuser URL of the shared test instance (started once per process).
+pub fn pg_admin_url() -> &'static str {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| {
+        e2e_postgres("up");
+        e2e_postgres("url")
+    })
+}
+
+/// URL of the migrated e2e database; the controller and step pods use it.
+pub async fn e2e_store_url() -> String {
+    static READY: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+    READY
+        .get_or_init(|| async {
+            let admin = pg_admin_url();
+            let mut conn = sqlx::PgConnection::connect(admin)
+                .await
+                .expect("connecting to PostgreSQL");
+            let exists: Option<(i32,)> =
+                sqlx::query_as("SELECT 1 FROM pg_database WHERE datname = 'agentrun_e2e'")
+                    .fetch_optional(&mut conn)
+                    .await
+                    .expect("querying databases");
+            if exists.is_none() {
+                // Another test binary may create it at the same moment: that is fine.
+                let _ = sqlx::raw_sql("CREATE DATABASE agentrun_e2e")
+                    .execute(&mut conn)
+                    .await;
+            }
+            let mut url = url::Url::parse(admin).expect("admin URL");
+            url.set_path("/agentrun_e2e");
+            let url = url.to_string();
+            let store = agentrun::store::open(&url)
+                .await
+                .expect("opening the e2e store");
+            store.migrate().await.expect("migrating the e2e store");
+            url
+        })
+        .await
+        .clone()
+}
