@@ -30,7 +30,11 @@ fn env_num<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 fn e2e_postgres(arg: &str) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
-    let out = Command::new("bash").arg(&script).arg(arg).output().expect("run e2e/postgres");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(arg)
+        .output()
+        .expect("run e2e/postgres");
     assert!(
         out.status.success(),
         "e2e/postgres {arg} failed: {}",
@@ -135,8 +139,16 @@ async fn append_figures(store: Arc<dyn StepStore>, backend: &str, seconds: f64) 
             all.len() as f64 / measure.as_secs_f64(),
             "appends/s",
         );
-        figure(&format!("store.{backend}.append.c{c}.p50"), pct(&all, 0.50), "ms");
-        figure(&format!("store.{backend}.append.c{c}.p99"), pct(&all, 0.99), "ms");
+        figure(
+            &format!("store.{backend}.append.c{c}.p50"),
+            pct(&all, 0.50),
+            "ms",
+        );
+        figure(
+            &format!("store.{backend}.append.c{c}.p99"),
+            pct(&all, 0.99),
+            "ms",
+        );
     }
 }
 
@@ -164,7 +176,11 @@ async fn replay_figures(store: &dyn StepStore, backend: &str, runs: &[(&str, Str
             rates.push(records.len() as f64 / dt);
         }
         rates.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        figure(&format!("store.{backend}.replay.{size}"), rates[1], "steps/s");
+        figure(
+            &format!("store.{backend}.replay.{size}"),
+            rates[1],
+            "steps/s",
+        );
     }
 }
 
@@ -194,7 +210,10 @@ async fn pg_load(url: &str, run: &str, records: &[Record]) {
         .await
         .unwrap();
     }
-    sqlx::query("ANALYZE agentrun_steps").execute(&mut c).await.unwrap();
+    sqlx::query("ANALYZE agentrun_steps")
+        .execute(&mut c)
+        .await
+        .unwrap();
     c.close().await.ok();
 }
 
@@ -264,17 +283,21 @@ async fn bench() {
     pg.close().await;
     {
         let mut c = sqlx::PgConnection::connect(&admin).await.unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {db} WITH (FORCE)")))
-            .execute(&mut c)
-            .await
-            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE {db} WITH (FORCE)"
+        )))
+        .execute(&mut c)
+        .await
+        .unwrap();
         c.close().await.ok();
     }
 
     // SQLite
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bench.db");
-    let sq = store::open(&format!("sqlite://{}", path.display())).await.unwrap();
+    let sq = store::open(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
     append_figures(sq.clone(), "sqlite", seconds).await;
     sqlite_load(&path, "replay-10k", &small).await;
     sqlite_load(&path, "replay-100k", &big).await;

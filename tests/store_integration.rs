@@ -28,7 +28,8 @@ fn e2e_postgres(instance: Option<(&str, &str)>, arg: &str) -> String {
     let mut cmd = Command::new("bash");
     cmd.arg(&script).arg(arg);
     if let Some((name, port)) = instance {
-        cmd.env("AGENTRUN_PG_NAME", name).env("AGENTRUN_PG_PORT", port);
+        cmd.env("AGENTRUN_PG_NAME", name)
+            .env("AGENTRUN_PG_PORT", port);
     }
     let out = cmd
         .output()
@@ -175,13 +176,17 @@ impl Ctx {
     async fn tamper(&self, sql: &str) {
         match &self.kind {
             Kind::Pg { db_admin, .. } => {
-                admin_exec(db_admin, &format!("SET session_replication_role = replica; {sql}"))
-                    .await
+                admin_exec(
+                    db_admin,
+                    &format!("SET session_replication_role = replica; {sql}"),
+                )
+                .await
             }
             Kind::Sqlite { path, .. } => {
-                let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
-                    .await
-                    .unwrap();
+                let mut c =
+                    sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+                        .await
+                        .unwrap();
                 sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                     "DROP TRIGGER agentrun_steps_no_update; DROP TRIGGER agentrun_steps_no_delete; {sql};
                      CREATE TRIGGER agentrun_steps_no_update BEFORE UPDATE ON agentrun_steps
@@ -210,9 +215,10 @@ impl Ctx {
                 r.map(|r| r.rows_affected()).map_err(|e| e.to_string())
             }
             Kind::Sqlite { path, .. } => {
-                let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
-                    .await
-                    .unwrap();
+                let mut c =
+                    sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+                        .await
+                        .unwrap();
                 let r = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_string()))
                     .execute(&mut c)
                     .await;
@@ -310,7 +316,10 @@ async fn race_tasks(ctx: Ctx) {
         // loser retrying its own record still conflicts.
         let again = store.append(&run, lease.epoch, &winner).await.unwrap();
         assert!(again.same_as(&winner));
-        assert_eq!(again.created_at, winner.created_at, "created_at is the first write's");
+        assert_eq!(
+            again.created_at, winner.created_at,
+            "created_at is the first write's"
+        );
         let e = store.append(&run, lease.epoch, &loser).await.unwrap_err();
         assert_eq!(e.metric_label(), "conflict");
         assert!(e.recorded().unwrap().same_as(&winner));
@@ -326,10 +335,19 @@ async fn race_tasks(ctx: Ctx) {
 /// winner after each conflict, and prints one line per seq.
 async fn race_child_main(url: String) {
     let run = std::env::var("AGENTRUN_STORE_RACE_RUN").unwrap();
-    let epoch: u64 = std::env::var("AGENTRUN_STORE_RACE_EPOCH").unwrap().parse().unwrap();
+    let epoch: u64 = std::env::var("AGENTRUN_STORE_RACE_EPOCH")
+        .unwrap()
+        .parse()
+        .unwrap();
     let pod = std::env::var("AGENTRUN_STORE_RACE_POD").unwrap();
-    let rounds: u64 = std::env::var("AGENTRUN_STORE_RACE_ROUNDS").unwrap().parse().unwrap();
-    let start_ms: u128 = std::env::var("AGENTRUN_STORE_RACE_START_MS").unwrap().parse().unwrap();
+    let rounds: u64 = std::env::var("AGENTRUN_STORE_RACE_ROUNDS")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let start_ms: u128 = std::env::var("AGENTRUN_STORE_RACE_START_MS")
+        .unwrap()
+        .parse()
+        .unwrap();
     let store = store::open(&url).await.expect("child open");
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -378,7 +396,13 @@ async fn race_processes(ctx: Ctx) {
         .iter()
         .map(|pod| {
             tokio::process::Command::new(&exe)
-                .args(["--exact", "store_race_child", "--ignored", "--nocapture", "--test-threads=1"])
+                .args([
+                    "--exact",
+                    "store_race_child",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
                 .env("AGENTRUN_STORE_RACE_URL", &ctx.url)
                 .env("AGENTRUN_STORE_RACE_RUN", &run)
                 .env("AGENTRUN_STORE_RACE_EPOCH", lease.epoch.to_string())
@@ -414,15 +438,28 @@ async fn race_processes(ctx: Ctx) {
     let mut wins = [0, 0];
     for i in 0..rounds as usize {
         let (a, b) = (&results[0][i], &results[1][i]);
-        assert!(a.1 ^ b.1, "seq {i}: exactly one process must win ({a:?} / {b:?})");
-        assert_eq!(a.2, b.2, "seq {i}: the loser must adopt the winner's record");
-        assert_eq!(a.2, log[i].hash.to_hex(), "seq {i}: the recorded record is the winner's");
+        assert!(
+            a.1 ^ b.1,
+            "seq {i}: exactly one process must win ({a:?} / {b:?})"
+        );
+        assert_eq!(
+            a.2, b.2,
+            "seq {i}: the loser must adopt the winner's record"
+        );
+        assert_eq!(
+            a.2,
+            log[i].hash.to_hex(),
+            "seq {i}: the recorded record is the winner's"
+        );
         let winner_pod = if a.1 { "proc-a" } else { "proc-b" };
         assert_eq!(log[i].worker.pod, winner_pod);
         wins[if a.1 { 0 } else { 1 }] += 1;
     }
     eprintln!("race_processes wins: proc-a {} proc-b {}", wins[0], wins[1]);
-    ctx.store.verify(&run, Some(&log.last().unwrap().hash)).await.unwrap();
+    ctx.store
+        .verify(&run, Some(&log.last().unwrap().hash))
+        .await
+        .unwrap();
     ctx.done().await;
 }
 
@@ -462,16 +499,33 @@ async fn fencing_and_takeover(ctx: Ctx) {
         Err(StoreError::StaleEpoch { expired, .. }) => assert!(expired),
         other => panic!("expected StaleEpoch (expired), got {other:?}"),
     }
-    assert_eq!(s.renew(&a, short).await.unwrap_err().metric_label(), "stale_epoch");
+    assert_eq!(
+        s.renew(&a, short).await.unwrap_err().metric_label(),
+        "stale_epoch"
+    );
 
     // Takeover with a higher epoch.
     let b = s.acquire(&run, "worker-b", TTL).await.unwrap();
-    assert!(b.epoch > a.epoch, "epoch must grow: {} then {}", a.epoch, b.epoch);
+    assert!(
+        b.epoch > a.epoch,
+        "epoch must grow: {} then {}",
+        a.epoch,
+        b.epoch
+    );
     let e = s.append(&run, a.epoch, &r1a).await.unwrap_err();
-    assert!(matches!(e, StoreError::StaleEpoch { current: Some(c), .. } if c == b.epoch), "{e:?}");
+    assert!(
+        matches!(e, StoreError::StaleEpoch { current: Some(c), .. } if c == b.epoch),
+        "{e:?}"
+    );
     assert!(!e.is_retryable());
     // Even an identical retry of what the zombie wrote earlier is fenced.
-    assert_eq!(s.append(&run, a.epoch, &r0).await.unwrap_err().metric_label(), "stale_epoch");
+    assert_eq!(
+        s.append(&run, a.epoch, &r0)
+            .await
+            .unwrap_err()
+            .metric_label(),
+        "stale_epoch"
+    );
     let r1b = rec(&r0.head(), 1, "worker-b");
     s.append(&run, b.epoch, &r1b).await.unwrap();
     assert_eq!(s.head(&run).await.unwrap(), r1b.head());
@@ -480,21 +534,36 @@ async fn fencing_and_takeover(ctx: Ctx) {
     let b2 = s.acquire(&run, "worker-b", TTL).await.unwrap();
     assert!(b2.epoch > b.epoch);
     let r2 = rec(&r1b.head(), 2, "worker-b");
-    assert_eq!(s.append(&run, b.epoch, &r2).await.unwrap_err().metric_label(), "stale_epoch");
+    assert_eq!(
+        s.append(&run, b.epoch, &r2)
+            .await
+            .unwrap_err()
+            .metric_label(),
+        "stale_epoch"
+    );
 
     // Release lets another holder in at once, with a higher epoch.
     s.release(&b2).await.unwrap();
     s.release(&b2).await.unwrap(); // releasing twice is harmless
     let c = s.acquire(&run, "worker-c", TTL).await.unwrap();
     assert!(c.epoch > b2.epoch);
-    assert_eq!(s.append(&run, b2.epoch, &r2).await.unwrap_err().metric_label(), "stale_epoch");
+    assert_eq!(
+        s.append(&run, b2.epoch, &r2)
+            .await
+            .unwrap_err()
+            .metric_label(),
+        "stale_epoch"
+    );
     s.append(&run, c.epoch, &r2).await.unwrap();
     // Releasing an old lease does not touch the current one.
     s.release(&b).await.unwrap();
     assert_eq!(s.renew(&c, TTL).await.unwrap().epoch, c.epoch);
 
     // Leases are per run.
-    let other = s.acquire(&unique("fence-other"), "worker-a", TTL).await.unwrap();
+    let other = s
+        .acquire(&unique("fence-other"), "worker-a", TTL)
+        .await
+        .unwrap();
     assert_eq!(other.epoch, 1);
     assert_eq!(s.read_all(&run).await.unwrap().len(), 3);
     ctx.done().await;
@@ -519,15 +588,31 @@ async fn gaps_and_prev_hash(ctx: Ctx) {
     let head = log[2].head();
 
     // A gap.
-    let ahead = rec(&Head { len: 5, hash: head.hash }, 5, "w");
+    let ahead = rec(
+        &Head {
+            len: 5,
+            hash: head.hash,
+        },
+        5,
+        "w",
+    );
     match s.append(&run, lease.epoch, &ahead).await {
         Err(StoreError::Gap { seq, len, .. }) => assert_eq!((seq, len), (5, 3)),
         other => panic!("expected Gap, got {other:?}"),
     }
     // The right seq, linked to the wrong record.
-    let misl = rec(&Head { len: 3, hash: log[0].hash }, 3, "w");
+    let misl = rec(
+        &Head {
+            len: 3,
+            hash: log[0].hash,
+        },
+        3,
+        "w",
+    );
     match s.append(&run, lease.epoch, &misl).await {
-        Err(StoreError::PrevHashMismatch { seq, expected, got, .. }) => {
+        Err(StoreError::PrevHashMismatch {
+            seq, expected, got, ..
+        }) => {
             assert_eq!(seq, 3);
             assert_eq!(expected, head.hash);
             assert_eq!(got, log[0].hash);
@@ -538,7 +623,10 @@ async fn gaps_and_prev_hash(ctx: Ctx) {
     let mut forged = rec(&head, 3, "w");
     forged.payload = json!({"forged": true});
     assert_eq!(
-        s.append(&run, lease.epoch, &forged).await.unwrap_err().metric_label(),
+        s.append(&run, lease.epoch, &forged)
+            .await
+            .unwrap_err()
+            .metric_label(),
         "invalid_record"
     );
     // Nothing was written by any of them.
@@ -567,10 +655,13 @@ async fn tamper_detection(ctx: Ctx) {
     let log = append_n(s.as_ref(), &run, lease.epoch, 6).await;
     let head = log[5].head();
     assert_eq!(s.verify(&run, Some(&head.hash)).await.unwrap(), head);
-    store::cli::run(&ctx.url, store::cli::StoreCommand::Verify {
-        run: run.clone(),
-        head: Some(head.hash.to_hex()),
-    })
+    store::cli::run(
+        &ctx.url,
+        store::cli::StoreCommand::Verify {
+            run: run.clone(),
+            head: Some(head.hash.to_hex()),
+        },
+    )
     .await
     .expect("cli verify of an intact log");
 
@@ -581,12 +672,20 @@ async fn tamper_detection(ctx: Ctx) {
         ))
         .await
         .unwrap_err();
-    assert!(e.contains("append-only") || e.contains("permission denied"), "{e}");
+    assert!(
+        e.contains("append-only") || e.contains("permission denied"),
+        "{e}"
+    );
     let e = ctx
-        .try_as_writer(&format!("DELETE FROM agentrun_steps WHERE run = '{run}' AND seq = 5"))
+        .try_as_writer(&format!(
+            "DELETE FROM agentrun_steps WHERE run = '{run}' AND seq = 5"
+        ))
         .await
         .unwrap_err();
-    assert!(e.contains("append-only") || e.contains("permission denied"), "{e}");
+    assert!(
+        e.contains("append-only") || e.contains("permission denied"),
+        "{e}"
+    );
     assert_eq!(s.verify(&run, Some(&head.hash)).await.unwrap(), head);
 
     // A superuser alters seq 3 behind the triggers: verify names seq 3.
@@ -601,10 +700,13 @@ async fn tamper_detection(ctx: Ctx) {
         }
         other => panic!("expected ChainBroken at 3, got {other:?}"),
     }
-    let cli = store::cli::run(&ctx.url, store::cli::StoreCommand::Verify {
-        run: run.clone(),
-        head: None,
-    })
+    let cli = store::cli::run(
+        &ctx.url,
+        store::cli::StoreCommand::Verify {
+            run: run.clone(),
+            head: None,
+        },
+    )
     .await
     .unwrap_err();
     assert!(cli.to_string().contains("at seq 3"), "{cli}");
@@ -630,8 +732,10 @@ async fn tamper_detection(ctx: Ctx) {
     let run2 = unique("truncate");
     let lease2 = s.acquire(&run2, "w", TTL).await.unwrap();
     let log2 = append_n(s.as_ref(), &run2, lease2.epoch, 4).await;
-    ctx.tamper(&format!("DELETE FROM agentrun_steps WHERE run = '{run2}' AND seq = 3"))
-        .await;
+    ctx.tamper(&format!(
+        "DELETE FROM agentrun_steps WHERE run = '{run2}' AND seq = 3"
+    ))
+    .await;
     assert_eq!(s.verify(&run2, None).await.unwrap(), log2[2].head());
     match s.verify(&run2, Some(&log2[3].hash)).await {
         Err(StoreError::ChainBroken { seq, .. }) => assert_eq!(seq, 3),
@@ -730,7 +834,10 @@ async fn store_postgres_roles_and_trigger() {
             .execute(&mut w)
             .await
             .unwrap_err();
-        let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.to_string());
+        let code = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .map(|c| c.to_string());
         assert_eq!(code.as_deref(), Some("42501"), "{sql}: {e}");
     }
     w.close().await.ok();
@@ -814,7 +921,9 @@ async fn store_postgres_migrate_concurrently_and_idempotently() {
     for t in tasks {
         t.await.unwrap();
     }
-    let mut c = sqlx::PgConnection::connect(&with_db(&admin, &dbs[0])).await.unwrap();
+    let mut c = sqlx::PgConnection::connect(&with_db(&admin, &dbs[0]))
+        .await
+        .unwrap();
     let (applied,): (i64,) = sqlx::query_as("SELECT count(*) FROM agentrun_store_migrations")
         .fetch_one(&mut c)
         .await
@@ -845,8 +954,14 @@ async fn store_postgres_unreachable_is_retryable_with_redacted_url() {
     assert!(e.is_retryable(), "{e:?}");
     assert_eq!(e.metric_label(), "unavailable");
     let msg = e.to_string();
-    assert!(msg.contains("postgres://writer:***@127.0.0.1:1/agentrun"), "{msg}");
-    assert!(!msg.contains("very-s3cret") && !format!("{e:?}").contains("very-s3cret"), "{msg}");
+    assert!(
+        msg.contains("postgres://writer:***@127.0.0.1:1/agentrun"),
+        "{msg}"
+    );
+    assert!(
+        !msg.contains("very-s3cret") && !format!("{e:?}").contains("very-s3cret"),
+        "{msg}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -857,7 +972,11 @@ async fn store_postgres_outage_then_exactly_once() {
     let admin = e2e_postgres(inst, "url");
     let (db_admin, _, db, user) = pg_database(&admin, "outage").await;
     let password = "outage-pa55word";
-    admin_exec(&db_admin, &format!("ALTER ROLE {user} PASSWORD '{password}'")).await;
+    admin_exec(
+        &db_admin,
+        &format!("ALTER ROLE {user} PASSWORD '{password}'"),
+    )
+    .await;
     let url = with_user(&db_admin, &user, password);
     let opts = OpenOptions {
         acquire_timeout: Duration::from_secs(2),
@@ -878,7 +997,10 @@ async fn store_postgres_outage_then_exactly_once() {
         let msg = e.to_string();
         assert!(msg.contains(&store::redact_url(&url)), "{msg}");
         assert!(msg.contains(":***@127.0.0.1:55433/"), "{msg}");
-        assert!(!msg.contains(password) && !format!("{e:?}").contains(password), "{msg}");
+        assert!(
+            !msg.contains(password) && !format!("{e:?}").contains(password),
+            "{msg}"
+        );
     }
     assert!(s.head(&run).await.unwrap_err().is_retryable());
 
@@ -914,15 +1036,22 @@ async fn store_postgres_outage_then_exactly_once() {
 async fn store_sqlite_file_url_and_reopen() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("a.db");
-    let s = store::open(&format!("file://{}", path.display())).await.unwrap();
+    let s = store::open(&format!("file://{}", path.display()))
+        .await
+        .unwrap();
     let run = unique("reopen");
     let lease = s.acquire(&run, "w", TTL).await.unwrap();
     let log = append_n(s.as_ref(), &run, lease.epoch, 3).await;
     s.close().await;
     // Reopened under the other URL form: same log, same lease, migrate again harmless.
-    let s = store::open(&format!("sqlite://{}", path.display())).await.unwrap();
+    let s = store::open(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
     s.migrate().await.unwrap();
-    assert_eq!(s.verify(&run, Some(&log[2].hash)).await.unwrap(), log[2].head());
+    assert_eq!(
+        s.verify(&run, Some(&log[2].hash)).await.unwrap(),
+        log[2].head()
+    );
     let r3 = rec(&log[2].head(), 3, "w");
     s.append(&run, lease.epoch, &r3).await.unwrap();
     assert_eq!(s.head(&run).await.unwrap(), r3.head());

@@ -10,7 +10,10 @@ mod tools;
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "agentrun-standins", about = "Scripted model, tool and MCP servers for agentrun's tests")]
+#[command(
+    name = "agentrun-standins",
+    about = "Scripted model, tool and MCP servers for agentrun's tests"
+)]
 struct Cli {
     /// Address to listen on (loopback only by default).
     #[arg(long, default_value = "127.0.0.1:18080")]
@@ -21,7 +24,10 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     agentrun::telemetry::init();
     let cli = Cli::parse();
-    let app = axum::Router::new().merge(model::router()).merge(tools::router()).merge(mcp::router());
+    let app = axum::Router::new()
+        .merge(model::router())
+        .merge(tools::router())
+        .merge(mcp::router());
     let listener = tokio::net::TcpListener::bind(cli.addr).await?;
     // Tests read this line to learn the port when started with port 0.
     println!("listening on {}", listener.local_addr()?);

@@ -4,9 +4,15 @@
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("reading {what}: {source}")]
-    Read { what: &'static str, source: kube::Error },
+    Read {
+        what: &'static str,
+        source: kube::Error,
+    },
     #[error("writing {what}: {source}")]
-    Write { what: &'static str, source: kube::Error },
+    Write {
+        what: &'static str,
+        source: kube::Error,
+    },
     #[error("writing status: {0}")]
     Status(#[source] kube::Error),
     #[error("encoding status: {0}")]

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext, PodSpec,
-    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext,
+    PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector,
+    SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -58,19 +59,28 @@ pub fn build(
         (RUN_LABEL.to_string(), run.name_any()),
         ("agentrun.dev/seq".to_string(), seq.to_string()),
         ("agentrun.dev/attempt".to_string(), attempt.to_string()),
-        ("app.kubernetes.io/managed-by".to_string(), "agentrun".to_string()),
+        (
+            "app.kubernetes.io/managed-by".to_string(),
+            "agentrun".to_string(),
+        ),
     ]);
     let mut env = vec![
         plain("AGENTRUN_RUN_UID", run.uid().unwrap_or_default()),
         plain("AGENTRUN_RUN_NAME", run.name_any()),
         plain("AGENTRUN_NAMESPACE", run.namespace().unwrap_or_default()),
         plain("AGENTRUN_ATTEMPT", attempt.to_string()),
-        plain("AGENTRUN_TIME_SLICE_SECONDS", settings.time_slice_seconds.to_string()),
+        plain(
+            "AGENTRUN_TIME_SLICE_SECONDS",
+            settings.time_slice_seconds.to_string(),
+        ),
         secret("AGENTRUN_STORE_URL", STORE_SECRET, "url"),
         EnvVar {
             name: "POD_NAME".into(),
             value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector { field_path: "metadata.name".into(), ..Default::default() }),
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.name".into(),
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             ..Default::default()
@@ -98,7 +108,10 @@ pub fn build(
             active_deadline_seconds: Some(step_timeout_seconds),
             ttl_seconds_after_finished: Some(600),
             template: PodTemplateSpec {
-                metadata: Some(ObjectMeta { labels: Some(labels), ..Default::default() }),
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..Default::default()
+                }),
                 spec: Some(PodSpec {
                     restart_policy: Some("Never".into()),
                     service_account_name: Some(settings.service_account.clone()),
@@ -109,7 +122,10 @@ pub fn build(
                         run_as_non_root: Some(true),
                         run_as_user: Some(65532),
                         run_as_group: Some(65532),
-                        seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), ..Default::default() }),
+                        seccomp_profile: Some(SeccompProfile {
+                            type_: "RuntimeDefault".into(),
+                            ..Default::default()
+                        }),
                         ..Default::default()
                     }),
                     containers: vec![Container {
@@ -120,7 +136,10 @@ pub fn build(
                         security_context: Some(SecurityContext {
                             read_only_root_filesystem: Some(true),
                             allow_privilege_escalation: Some(false),
-                            capabilities: Some(Capabilities { drop: Some(vec!["ALL".into()]), ..Default::default() }),
+                            capabilities: Some(Capabilities {
+                                drop: Some(vec!["ALL".into()]),
+                                ..Default::default()
+                            }),
                             ..Default::default()
                         }),
                         resources: Some(ResourceRequirements {
@@ -128,7 +147,10 @@ pub fn build(
                                 ("cpu".into(), Quantity("50m".into())),
                                 ("memory".into(), Quantity("64Mi".into())),
                             ])),
-                            limits: Some(BTreeMap::from([("memory".into(), Quantity("256Mi".into()))])),
+                            limits: Some(BTreeMap::from([(
+                                "memory".into(),
+                                Quantity("256Mi".into()),
+                            )])),
                             ..Default::default()
                         }),
                         ..Default::default()
@@ -143,14 +165,22 @@ pub fn build(
 }
 
 fn plain(name: &str, value: impl Into<String>) -> EnvVar {
-    EnvVar { name: name.into(), value: Some(value.into()), ..Default::default() }
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..Default::default()
+    }
 }
 
 fn secret(name: &str, secret: &str, key: &str) -> EnvVar {
     EnvVar {
         name: name.into(),
         value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector { name: secret.into(), key: key.into(), optional: Some(false) }),
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.into(),
+                key: key.into(),
+                optional: Some(false),
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -163,14 +193,24 @@ mod tests {
     use crate::api::{AgentRunSpec, SecretKeyRef};
 
     fn run(name: &str) -> AgentRun {
-        let mut r = AgentRun::new(name, AgentRunSpec { input: "x".into(), ..Default::default() });
+        let mut r = AgentRun::new(
+            name,
+            AgentRunSpec {
+                input: "x".into(),
+                ..Default::default()
+            },
+        );
         r.metadata.namespace = Some("ns".into());
         r.metadata.uid = Some("uid-1".into());
         r
     }
 
     fn settings() -> JobSettings {
-        JobSettings { image: "agentrun:dev".into(), service_account: "default".into(), time_slice_seconds: 30 }
+        JobSettings {
+            image: "agentrun:dev".into(),
+            service_account: "default".into(),
+            time_slice_seconds: 30,
+        }
     }
 
     #[test]
@@ -187,39 +227,93 @@ mod tests {
     #[test]
     fn step_pods_are_locked_down() {
         let mut agent = AgentTemplate::default();
-        agent.model.secret_ref = Some(SecretKeyRef { name: "k".into(), key: "apiKey".into() });
+        agent.model.secret_ref = Some(SecretKeyRef {
+            name: "k".into(),
+            key: "apiKey".into(),
+        });
         let job = build(&run("r"), &agent, 3, 1, 300, &settings());
         let spec = job.spec.as_ref().unwrap();
         assert_eq!(spec.active_deadline_seconds, Some(300));
         assert_eq!(spec.backoff_limit, Some(0));
         let pod = spec.template.spec.as_ref().unwrap();
         assert_eq!(pod.automount_service_account_token, Some(false));
-        assert_eq!(pod.security_context.as_ref().unwrap().run_as_non_root, Some(true));
+        assert_eq!(
+            pod.security_context.as_ref().unwrap().run_as_non_root,
+            Some(true)
+        );
         let c = &pod.containers[0];
         let sc = c.security_context.as_ref().unwrap();
-        assert_eq!((sc.read_only_root_filesystem, sc.allow_privilege_escalation), (Some(true), Some(false)));
+        assert_eq!(
+            (sc.read_only_root_filesystem, sc.allow_privilege_escalation),
+            (Some(true), Some(false))
+        );
         let env = c.env.as_ref().unwrap();
-        let key = env.iter().find(|e| e.name == "AGENTRUN_MODEL_API_KEY").unwrap();
-        assert_eq!(key.value, None, "the key comes from the Secret, never inline");
-        assert_eq!(key.value_from.as_ref().unwrap().secret_key_ref.as_ref().unwrap().name, "k");
-        assert!(env.iter().any(|e| e.name == "AGENTRUN_STORE_URL" && e.value.is_none()));
+        let key = env
+            .iter()
+            .find(|e| e.name == "AGENTRUN_MODEL_API_KEY")
+            .unwrap();
+        assert_eq!(
+            key.value, None,
+            "the key comes from the Secret, never inline"
+        );
+        assert_eq!(
+            key.value_from
+                .as_ref()
+                .unwrap()
+                .secret_key_ref
+                .as_ref()
+                .unwrap()
+                .name,
+            "k"
+        );
+        assert!(
+            env.iter()
+                .any(|e| e.name == "AGENTRUN_STORE_URL" && e.value.is_none())
+        );
         let owner = &job.metadata.owner_references.as_ref().unwrap()[0];
-        assert_eq!((owner.kind.as_str(), owner.controller), ("AgentRun", Some(true)));
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("AgentRun", Some(true))
+        );
     }
 
     #[test]
     fn failpoints_apply_to_the_first_attempt_only() {
         let mut r = run("r");
-        r.metadata.annotations = Some(BTreeMap::from([(FAILPOINT_ANNOTATION.into(), "after-model-call".into())]));
+        r.metadata.annotations = Some(BTreeMap::from([(
+            FAILPOINT_ANNOTATION.into(),
+            "after-model-call".into(),
+        )]));
         let has_fp = |job: &Job| {
-            job.spec.as_ref().unwrap().template.spec.as_ref().unwrap().containers[0]
+            job.spec
+                .as_ref()
+                .unwrap()
+                .template
+                .spec
+                .as_ref()
+                .unwrap()
+                .containers[0]
                 .env
                 .as_ref()
                 .unwrap()
                 .iter()
                 .any(|e| e.name == "AGENTRUN_FAILPOINT")
         };
-        assert!(has_fp(&build(&r, &AgentTemplate::default(), 1, 1, 60, &settings())));
-        assert!(!has_fp(&build(&r, &AgentTemplate::default(), 1, 2, 60, &settings())));
+        assert!(has_fp(&build(
+            &r,
+            &AgentTemplate::default(),
+            1,
+            1,
+            60,
+            &settings()
+        )));
+        assert!(!has_fp(&build(
+            &r,
+            &AgentTemplate::default(),
+            1,
+            2,
+            60,
+            &settings()
+        )));
     }
 }

@@ -127,7 +127,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ),
         metrics,
         store_name: "default".into(),
-        step_store_url: opts.step_store_url.clone().unwrap_or_else(|| opts.store_url.clone()),
+        step_store_url: opts
+            .step_store_url
+            .clone()
+            .unwrap_or_else(|| opts.store_url.clone()),
         store,
         jobs: job::JobSettings {
             image: opts.step_image.clone(),

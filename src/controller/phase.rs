@@ -30,7 +30,9 @@ pub struct JobView {
 pub enum JobState {
     Active,
     Succeeded,
-    Failed { reason: String },
+    Failed {
+        reason: String,
+    },
     /// Status points to a Job that does not exist (deleted, or TTL-collected).
     Missing,
 }
@@ -60,8 +62,13 @@ pub enum Act {
     StartRun,
     /// Append `VersionChanged` to the Agent's current version.
     FollowAgent,
-    CreateJob { seq: u64, attempt: u32 },
-    DeleteJob { name: String },
+    CreateJob {
+        seq: u64,
+        attempt: u32,
+    },
+    DeleteJob {
+        name: String,
+    },
     /// Append `RunFinished` (the controller's own verdicts: deadline, cancel, retries).
     Finish(RunFinished),
     /// Set the final phase from the recorded `RunFinished`.
@@ -72,7 +79,12 @@ pub enum Act {
 
 /// Decides the next act. The caller performs it and reconciles again.
 pub fn decide(o: &Observed) -> Act {
-    let phase = o.run.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+    let phase = o
+        .run
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .unwrap_or_default();
     if let Some(finished) = &o.log.finished {
         // A worker that recorded the end exits by itself: leave its Job alone.
         return Act::Conclude(finished.clone());
@@ -82,13 +94,23 @@ pub fn decide(o: &Observed) -> Act {
     }
     let partial = o.log.last_text();
     if o.run.spec.cancel {
-        return stop(o, Outcome::Cancelled, partial, "cancelled through spec.cancel".into());
+        return stop(
+            o,
+            Outcome::Cancelled,
+            partial,
+            "cancelled through spec.cancel".into(),
+        );
     }
     if let Some(deadline) = deadline(o.run)
         && o.now >= deadline
     {
         let limit = o.run.spec.deadline.clone().unwrap_or_default();
-        return stop(o, Outcome::DeadlineExceeded, partial, format!("spec.deadline of {limit} passed"));
+        return stop(
+            o,
+            Outcome::DeadlineExceeded,
+            partial,
+            format!("spec.deadline of {limit} passed"),
+        );
     }
     if o.log.is_empty() {
         return Act::StartRun;
@@ -98,7 +120,9 @@ pub fn decide(o: &Observed) -> Act {
         Some(job) if job.state == JobState::Active => {
             // A worker that stopped renewing its lease is gone: replace it.
             if o.lease.as_ref().is_some_and(|l| !l.live) && job_age_allows_judging(o, job) {
-                return Act::DeleteJob { name: job.name.clone() };
+                return Act::DeleteJob {
+                    name: job.name.clone(),
+                };
             }
             Act::Wait(RUNNING_REQUEUE)
         }
@@ -112,7 +136,10 @@ pub fn decide(o: &Observed) -> Act {
                 return Act::Finish(RunFinished {
                     outcome: Outcome::Failed,
                     result: partial,
-                    error: Some(format!("step {} failed {} times; last: {reason}", job.seq, job.attempt)),
+                    error: Some(format!(
+                        "step {} failed {} times; last: {reason}",
+                        job.seq, job.attempt
+                    )),
                 });
             }
             if let Some(wait) = backoff_left(o, job) {
@@ -121,7 +148,10 @@ pub fn decide(o: &Observed) -> Act {
             if let Some(follow) = follow_agent(o) {
                 return follow;
             }
-            Act::CreateJob { seq: job.seq, attempt: job.attempt + 1 }
+            Act::CreateJob {
+                seq: job.seq,
+                attempt: job.attempt + 1,
+            }
         }
         _ => {
             if let Some(follow) = follow_agent(o) {
@@ -136,10 +166,15 @@ pub fn decide(o: &Observed) -> Act {
                 return Act::Finish(RunFinished {
                     outcome: Outcome::Failed,
                     result: partial,
-                    error: Some(format!("step {next_seq} made no progress in {MAX_ATTEMPTS} attempts")),
+                    error: Some(format!(
+                        "step {next_seq} made no progress in {MAX_ATTEMPTS} attempts"
+                    )),
                 });
             }
-            Act::CreateJob { seq: next_seq, attempt }
+            Act::CreateJob {
+                seq: next_seq,
+                attempt,
+            }
         }
     }
 }
@@ -147,13 +182,23 @@ pub fn decide(o: &Observed) -> Act {
 /// Stops an unfinished run: first its Job, then the record.
 fn stop(o: &Observed, outcome: Outcome, result: Option<String>, error: String) -> Act {
     if let Some(job) = o.job.as_ref().filter(|j| j.state == JobState::Active) {
-        return Act::DeleteJob { name: job.name.clone() };
+        return Act::DeleteJob {
+            name: job.name.clone(),
+        };
     }
     if o.log.is_empty() {
         // Nothing was ever recorded: there is no log to close.
-        return Act::Conclude(RunFinished { outcome, result, error: Some(error) });
+        return Act::Conclude(RunFinished {
+            outcome,
+            result,
+            error: Some(error),
+        });
     }
-    Act::Finish(RunFinished { outcome, result, error: Some(error) })
+    Act::Finish(RunFinished {
+        outcome,
+        result,
+        error: Some(error),
+    })
 }
 
 /// Retries wait 1, 2, 4... seconds after the failed attempt ended.
@@ -166,7 +211,12 @@ fn backoff_left(o: &Observed, job: &JobView) -> Option<Duration> {
 
 /// A fresh Job has not taken the lease yet; give it time before judging.
 fn job_age_allows_judging(o: &Observed, job: &JobView) -> bool {
-    let started = o.run.status.as_ref().and_then(|s| s.step.as_ref()).filter(|s| s.job.as_deref() == Some(&job.name));
+    let started = o
+        .run
+        .status
+        .as_ref()
+        .and_then(|s| s.step.as_ref())
+        .filter(|s| s.job.as_deref() == Some(&job.name));
     match started.and_then(|s| s.started_at.as_ref()) {
         Some(t) => o.now.duration_since(t.0).as_secs() >= 20,
         None => true,
@@ -185,7 +235,9 @@ fn follow_agent(o: &Observed) -> Option<Act> {
 pub fn deadline(run: &AgentRun) -> Option<Timestamp> {
     let limit = crate::api::parse_duration(run.spec.deadline.as_deref()?).ok()?;
     let start = run.status.as_ref()?.started_at.as_ref()?.0;
-    start.checked_add(jiff::SignedDuration::try_from(limit).ok()?).ok()
+    start
+        .checked_add(jiff::SignedDuration::try_from(limit).ok()?)
+        .ok()
 }
 
 /// The phase a recorded outcome means.
@@ -212,8 +264,17 @@ mod tests {
     }
 
     fn run() -> AgentRun {
-        let mut r = AgentRun::new("r", AgentRunSpec { input: "task".into(), ..Default::default() });
-        r.status = Some(AgentRunStatus { started_at: Some(Time(t(0))), ..Default::default() });
+        let mut r = AgentRun::new(
+            "r",
+            AgentRunSpec {
+                input: "task".into(),
+                ..Default::default()
+            },
+        );
+        r.status = Some(AgentRunStatus {
+            started_at: Some(Time(t(0))),
+            ..Default::default()
+        });
         r
     }
 
@@ -225,15 +286,30 @@ mod tests {
             agent: AgentTemplate::default(),
             tools: vec![],
             mcp: Default::default(),
-            versions: Versions { agent_generation: generation, ..Default::default() },
+            versions: Versions {
+                agent_generation: generation,
+                ..Default::default()
+            },
         })])
     }
 
     fn job(seq: u64, attempt: u32, state: JobState, ended: Option<i64>) -> Option<JobView> {
-        Some(JobView { name: format!("r-s{seq}-a{attempt}"), seq, attempt, state, ended_at: ended.map(t) })
+        Some(JobView {
+            name: format!("r-s{seq}-a{attempt}"),
+            seq,
+            attempt,
+            state,
+            ended_at: ended.map(t),
+        })
     }
 
-    fn decide_at(run: &AgentRun, log: &RunState, job: Option<JobView>, lease: Option<bool>, now: i64) -> Act {
+    fn decide_at(
+        run: &AgentRun,
+        log: &RunState,
+        job: Option<JobView>,
+        lease: Option<bool>,
+        now: i64,
+    ) -> Act {
         decide(&Observed {
             run,
             log,
@@ -246,39 +322,88 @@ mod tests {
 
     #[test]
     fn an_empty_log_is_started_by_the_controller() {
-        assert_eq!(decide_at(&run(), &RunState::default(), None, None, 1), Act::StartRun);
+        assert_eq!(
+            decide_at(&run(), &RunState::default(), None, None, 1),
+            Act::StartRun
+        );
     }
 
     #[test]
     fn the_first_step_job_follows_run_started() {
-        assert_eq!(decide_at(&run(), &started(Some(1)), None, None, 1), Act::CreateJob { seq: 1, attempt: 1 });
+        assert_eq!(
+            decide_at(&run(), &started(Some(1)), None, None, 1),
+            Act::CreateJob { seq: 1, attempt: 1 }
+        );
     }
 
     #[test]
     fn a_recorded_end_concludes_without_touching_the_job() {
         let mut log = started(None);
-        let fin = RunFinished { outcome: Outcome::Succeeded, result: Some("done".into()), error: None };
+        let fin = RunFinished {
+            outcome: Outcome::Succeeded,
+            result: Some("done".into()),
+            error: None,
+        };
         log.apply(Step::RunFinished(fin.clone()));
-        assert_eq!(decide_at(&run(), &log, job(1, 1, JobState::Active, None), Some(true), 5), Act::Conclude(fin));
+        assert_eq!(
+            decide_at(
+                &run(),
+                &log,
+                job(1, 1, JobState::Active, None),
+                Some(true),
+                5
+            ),
+            Act::Conclude(fin)
+        );
     }
 
     #[test]
     fn progress_schedules_the_next_seq_as_a_first_attempt() {
         let mut log = started(None);
-        log.apply(Step::Observation(crate::step::records::Observation { text: "x".into(), about_seq: None }));
-        let act = decide_at(&run(), &log, job(1, 2, JobState::Succeeded, Some(3)), None, 4);
+        log.apply(Step::Observation(crate::step::records::Observation {
+            text: "x".into(),
+            about_seq: None,
+        }));
+        let act = decide_at(
+            &run(),
+            &log,
+            job(1, 2, JobState::Succeeded, Some(3)),
+            None,
+            4,
+        );
         assert_eq!(act, Act::CreateJob { seq: 2, attempt: 1 });
         // A failed Job that still recorded something also moves on.
-        let act = decide_at(&run(), &log, job(1, 1, JobState::Failed { reason: "x".into() }, Some(3)), None, 4);
+        let act = decide_at(
+            &run(),
+            &log,
+            job(1, 1, JobState::Failed { reason: "x".into() }, Some(3)),
+            None,
+            4,
+        );
         assert_eq!(act, Act::CreateJob { seq: 2, attempt: 1 });
     }
 
     #[test]
     fn a_failed_step_is_retried_with_backoff_then_fails_the_run() {
         let log = started(None);
-        let failed = |attempt| job(1, attempt, JobState::Failed { reason: "OOMKilled".into() }, Some(10));
-        assert_eq!(decide_at(&run(), &log, failed(2), None, 10), Act::Wait(Duration::from_secs(2)));
-        assert_eq!(decide_at(&run(), &log, failed(2), None, 12), Act::CreateJob { seq: 1, attempt: 3 });
+        let failed = |attempt| {
+            job(
+                1,
+                attempt,
+                JobState::Failed {
+                    reason: "OOMKilled".into(),
+                },
+                Some(10),
+            )
+        };
+        assert_eq!(
+            decide_at(&run(), &log, failed(2), None, 10),
+            Act::Wait(Duration::from_secs(2))
+        );
+        assert_eq!(
+            decide_at(&run(), &log, failed(2), None, 12),
+            Act::CreateJob { seq: 1, attempt: 3 }
+        );
         match decide_at(&run(), &log, failed(MAX_ATTEMPTS), None, 100) {
             Act::Finish(f) => {
                 assert_eq!(f.outcome, Outcome::Failed);
@@ -287,20 +412,38 @@ mod tests {
             other => panic!("expected Finish, got {other:?}"),
         }
         // A vanished Job counts as a failed attempt too.
-        assert_eq!(decide_at(&run(), &log, job(1, 1, JobState::Missing, None), None, 1), Act::CreateJob { seq: 1, attempt: 2 });
+        assert_eq!(
+            decide_at(&run(), &log, job(1, 1, JobState::Missing, None), None, 1),
+            Act::CreateJob { seq: 1, attempt: 2 }
+        );
     }
 
     #[test]
     fn a_live_worker_is_left_alone_and_a_lost_one_replaced() {
         let mut r = run();
-        r.status.as_mut().unwrap().step =
-            Some(CurrentStep { seq: 1, job: Some("r-s1-a1".into()), attempt: 1, started_at: Some(Time(t(0))) });
+        r.status.as_mut().unwrap().step = Some(CurrentStep {
+            seq: 1,
+            job: Some("r-s1-a1".into()),
+            attempt: 1,
+            started_at: Some(Time(t(0))),
+        });
         let log = started(None);
         let active = || job(1, 1, JobState::Active, None);
-        assert_eq!(decide_at(&r, &log, active(), Some(true), 60), Act::Wait(RUNNING_REQUEUE));
+        assert_eq!(
+            decide_at(&r, &log, active(), Some(true), 60),
+            Act::Wait(RUNNING_REQUEUE)
+        );
         // A young Job may not have taken the lease yet.
-        assert_eq!(decide_at(&r, &log, active(), Some(false), 5), Act::Wait(RUNNING_REQUEUE));
-        assert_eq!(decide_at(&r, &log, active(), Some(false), 60), Act::DeleteJob { name: "r-s1-a1".into() });
+        assert_eq!(
+            decide_at(&r, &log, active(), Some(false), 5),
+            Act::Wait(RUNNING_REQUEUE)
+        );
+        assert_eq!(
+            decide_at(&r, &log, active(), Some(false), 60),
+            Act::DeleteJob {
+                name: "r-s1-a1".into()
+            }
+        );
     }
 
     #[test]
@@ -308,8 +451,16 @@ mod tests {
         let mut r = run();
         r.spec.cancel = true;
         let mut log = started(None);
-        log.apply(Step::Observation(crate::step::records::Observation { text: "x".into(), about_seq: None }));
-        assert_eq!(decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 1), Act::DeleteJob { name: "r-s1-a1".into() });
+        log.apply(Step::Observation(crate::step::records::Observation {
+            text: "x".into(),
+            about_seq: None,
+        }));
+        assert_eq!(
+            decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 1),
+            Act::DeleteJob {
+                name: "r-s1-a1".into()
+            }
+        );
         match decide_at(&r, &log, job(1, 1, JobState::Missing, None), None, 2) {
             Act::Finish(f) => assert_eq!(f.outcome, Outcome::Cancelled),
             other => panic!("expected Finish, got {other:?}"),
@@ -321,10 +472,21 @@ mod tests {
         let mut r = run();
         r.spec.deadline = Some("1m".into());
         let log = started(None);
-        assert_eq!(decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 59), Act::Wait(RUNNING_REQUEUE));
-        assert_eq!(decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 61), Act::DeleteJob { name: "r-s1-a1".into() });
+        assert_eq!(
+            decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 59),
+            Act::Wait(RUNNING_REQUEUE)
+        );
+        assert_eq!(
+            decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 61),
+            Act::DeleteJob {
+                name: "r-s1-a1".into()
+            }
+        );
         match decide_at(&r, &log, None, None, 62) {
-            Act::Finish(f) => assert_eq!((f.outcome, f.error.unwrap().contains("1m")), (Outcome::DeadlineExceeded, true)),
+            Act::Finish(f) => assert_eq!(
+                (f.outcome, f.error.unwrap().contains("1m")),
+                (Outcome::DeadlineExceeded, true)
+            ),
             other => panic!("expected Finish, got {other:?}"),
         }
     }
@@ -334,13 +496,27 @@ mod tests {
         let mut r = run();
         let log = started(Some(1));
         let gen2 = |r: &AgentRun| {
-            decide(&Observed { run: r, log: &log, agent_generation: Some(2), job: job(1, 1, JobState::Succeeded, Some(0)), lease: None, now: t(1) })
+            decide(&Observed {
+                run: r,
+                log: &log,
+                agent_generation: Some(2),
+                job: job(1, 1, JobState::Succeeded, Some(0)),
+                lease: None,
+                now: t(1),
+            })
         };
         assert_eq!(gen2(&r), Act::CreateJob { seq: 1, attempt: 2 });
         r.spec.version_policy = VersionPolicy::FollowLatest;
         assert_eq!(gen2(&r), Act::FollowAgent);
         // Not while a step runs.
-        let act = decide(&Observed { run: &r, log: &log, agent_generation: Some(2), job: job(1, 1, JobState::Active, None), lease: Some(LeaseView { live: true }), now: t(1) });
+        let act = decide(&Observed {
+            run: &r,
+            log: &log,
+            agent_generation: Some(2),
+            job: job(1, 1, JobState::Active, None),
+            lease: Some(LeaseView { live: true }),
+            now: t(1),
+        });
         assert_eq!(act, Act::Wait(RUNNING_REQUEUE));
     }
 

@@ -54,7 +54,9 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
     let result = reconcile_inner(&run, &ctx).await;
-    ctx.metrics.reconcile_duration.observe(started.elapsed().as_secs_f64());
+    ctx.metrics
+        .reconcile_duration
+        .observe(started.elapsed().as_secs_f64());
     result
 }
 
@@ -90,7 +92,14 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
 
     // Decide.
     let now = Timestamp::now();
-    let act = phase::decide(&Observed { run, log: &log, agent_generation, job: job.clone(), lease, now });
+    let act = phase::decide(&Observed {
+        run,
+        log: &log,
+        agent_generation,
+        job: job.clone(),
+        lease,
+        now,
+    });
     tracing::debug!(run = %run.name_any(), namespace = %ns, ?act, "decided");
 
     // Act.
@@ -101,7 +110,11 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         Act::StartRun => match snapshot(run, &template, agent_generation).await {
             Ok(started) => {
                 append(ctx, &uid, &head, Step::RunStarted(started)).await?;
-                notices.push(notice(false, "RunStarted", "the run's agent is pinned in the log; starting".into()));
+                notices.push(notice(
+                    false,
+                    "RunStarted",
+                    "the run's agent is pinned in the log; starting".into(),
+                ));
                 Duration::ZERO
             }
             Err(reason) => {
@@ -110,13 +123,21 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
                     result: None,
                     error: Some(reason),
                 };
-                notices.push(notice(true, "InvalidAgent", finished.error.clone().unwrap_or_default()));
+                notices.push(notice(
+                    true,
+                    "InvalidAgent",
+                    finished.error.clone().unwrap_or_default(),
+                ));
                 concluded = Some(finished);
                 Duration::MAX
             }
         },
         Act::FollowAgent => {
-            let from = log.snapshot.as_ref().map(|s| s.versions.clone()).unwrap_or_default();
+            let from = log
+                .snapshot
+                .as_ref()
+                .map(|s| s.versions.clone())
+                .unwrap_or_default();
             match snapshot(run, &template, agent_generation).await {
                 Ok(now_agent) => {
                     let msg = format!(
@@ -139,19 +160,47 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         }
         Act::CreateJob { seq, attempt } => {
             ensure_store_secret(ctx, &ns).await?;
-            let timeout = crate::api::parse_duration(&run.spec.step_timeout).map_or(600, |d| d.as_secs().max(1) as i64);
+            let timeout = crate::api::parse_duration(&run.spec.step_timeout)
+                .map_or(600, |d| d.as_secs().max(1) as i64);
             let job = job::build(run, &template, seq, attempt, timeout, &ctx.jobs);
             let name = job.name_any();
             let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
-            match jobs.create(&PostParams { field_manager: Some(FIELD_MANAGER.into()), ..Default::default() }, &job).await {
+            match jobs
+                .create(
+                    &PostParams {
+                        field_manager: Some(FIELD_MANAGER.into()),
+                        ..Default::default()
+                    },
+                    &job,
+                )
+                .await
+            {
                 Ok(_) => {}
                 // Deterministic names make a repeated create harmless.
                 Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => return Err(Error::Write { what: "step Job", source: e }),
+                Err(e) => {
+                    return Err(Error::Write {
+                        what: "step Job",
+                        source: e,
+                    });
+                }
             }
-            let (reason, warn) = if attempt > 1 { ("StepRetried", true) } else { ("StepStarted", false) };
-            notices.push(notice(warn, reason, format!("step {seq} attempt {attempt}: Job {name}")));
-            step = Some(crate::api::CurrentStep { seq, job: Some(name), attempt, started_at: Some(Time(now)) });
+            let (reason, warn) = if attempt > 1 {
+                ("StepRetried", true)
+            } else {
+                ("StepStarted", false)
+            };
+            notices.push(notice(
+                warn,
+                reason,
+                format!("step {seq} attempt {attempt}: Job {name}"),
+            ));
+            step = Some(crate::api::CurrentStep {
+                seq,
+                job: Some(name),
+                attempt,
+                started_at: Some(Time(now)),
+            });
             phase::RUNNING_REQUEUE
         }
         Act::DeleteJob { name } => {
@@ -159,7 +208,12 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             match jobs.delete(&name, &DeleteParams::background()).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(e) => return Err(Error::Write { what: "step Job", source: e }),
+                Err(e) => {
+                    return Err(Error::Write {
+                        what: "step Job",
+                        source: e,
+                    });
+                }
             }
             notices.push(notice(true, "StepStopped", format!("deleted Job {name}")));
             Duration::from_secs(1)
@@ -176,23 +230,39 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     };
 
     // Status: from the log as it is now.
-    let log = if matches!(concluded, None) && requeue == Duration::ZERO {
+    let log = if concluded.is_none() && requeue == Duration::ZERO {
         let records = ctx.store.read_all(&uid).await.map_err(Error::Store)?;
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
             steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
         }
-        (RunState::replay(steps), records.last().map(|r| r.head()).unwrap_or(Head::EMPTY))
+        (
+            RunState::replay(steps),
+            records.last().map(|r| r.head()).unwrap_or(Head::EMPTY),
+        )
     } else {
         (log, head)
     };
-    let new_status =
-        status::compose(run, plan.status, &log.0, &log.1, &ctx.store_name, step, concluded.as_ref(), job.as_ref(), now);
+    let new_status = status::compose(
+        run,
+        plan.status,
+        &log.0,
+        &log.1,
+        &ctx.store_name,
+        step,
+        concluded.as_ref(),
+        job.as_ref(),
+        now,
+    );
     if let Some(outcome) = new_status.phase.filter(|p| p.is_terminal())
         && run.status.as_ref().and_then(|s| s.phase) != Some(outcome)
     {
         let warn = outcome != crate::api::Phase::Succeeded;
-        let msg = new_status.error.clone().or(new_status.result.clone()).unwrap_or_default();
+        let msg = new_status
+            .error
+            .clone()
+            .or(new_status.result.clone())
+            .unwrap_or_default();
         notices.push(notice(warn, phase_reason(outcome), truncate(&msg, 900)));
     }
     write_status(run, ctx, &new_status, notices).await?;
@@ -205,35 +275,74 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
 
 pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Action {
     tracing::warn!(run = %run.name_any(), namespace = ?run.namespace(), %error, "reconcile failed");
-    ctx.metrics.reconcile_errors.get_or_create(&ReasonLabel { reason: error.metric_label().into() }).inc();
+    ctx.metrics
+        .reconcile_errors
+        .get_or_create(&ReasonLabel {
+            reason: error.metric_label().into(),
+        })
+        .inc();
     Action::requeue(Duration::from_secs(3))
 }
 
 async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolved, Error> {
     Ok(match (&run.spec.agent_ref, &run.spec.agent) {
-        (_, Some(inline)) => Resolved { lookup: AgentLookup::Inline, template: Some(inline.clone()) },
+        (_, Some(inline)) => Resolved {
+            lookup: AgentLookup::Inline,
+            template: Some(inline.clone()),
+        },
         (Some(r), None) => {
             let agents: Api<Agent> = Api::namespaced(ctx.client.clone(), ns);
-            match agents.get_opt(&r.name).await.map_err(|source| Error::Read { what: "agent", source })? {
+            match agents
+                .get_opt(&r.name)
+                .await
+                .map_err(|source| Error::Read {
+                    what: "agent",
+                    source,
+                })? {
                 Some(a) => Resolved {
-                    lookup: AgentLookup::Found { generation: a.metadata.generation },
+                    lookup: AgentLookup::Found {
+                        generation: a.metadata.generation,
+                    },
                     template: Some(a.spec),
                 },
-                None => Resolved { lookup: AgentLookup::NotFound { name: r.name.clone() }, template: None },
+                None => Resolved {
+                    lookup: AgentLookup::NotFound {
+                        name: r.name.clone(),
+                    },
+                    template: None,
+                },
             }
         }
-        (None, None) => Resolved { lookup: AgentLookup::NotFound { name: String::new() }, template: None },
+        (None, None) => Resolved {
+            lookup: AgentLookup::NotFound {
+                name: String::new(),
+            },
+            template: None,
+        },
     })
 }
 
 async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobView>, Error> {
-    let Some(step) = run.status.as_ref().and_then(|s| s.step.clone()) else { return Ok(None) };
-    let Some(name) = step.job.clone() else { return Ok(None) };
+    let Some(step) = run.status.as_ref().and_then(|s| s.step.clone()) else {
+        return Ok(None);
+    };
+    let Some(name) = step.job.clone() else {
+        return Ok(None);
+    };
     let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-    let job = jobs.get_opt(&name).await.map_err(|source| Error::Read { what: "step Job", source })?;
+    let job = jobs.get_opt(&name).await.map_err(|source| Error::Read {
+        what: "step Job",
+        source,
+    })?;
     let ended_at = job.as_ref().and_then(|j| j.status.as_ref()).and_then(|s| {
-        let failed = s.conditions.iter().flatten().find(|c| c.type_ == "Failed" && c.status == "True");
-        s.completion_time.clone().or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
+        let failed = s
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == "Failed" && c.status == "True");
+        s.completion_time
+            .clone()
+            .or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
     });
     let state = match job {
         None => JobState::Missing,
@@ -257,13 +366,23 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
             }
         }
     };
-    Ok(Some(JobView { name, seq: step.seq, attempt: step.attempt, state, ended_at: ended_at.map(|t| t.0) }))
+    Ok(Some(JobView {
+        name,
+        seq: step.seq,
+        attempt: step.attempt,
+        state,
+        ended_at: ended_at.map(|t| t.0),
+    }))
 }
 
 /// Is a worker holding the run's lease? Taking it when free also fences any
 /// zombie worker (the epoch moves on); it is released at once.
 async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
-    match ctx.store.acquire(uid, &ctx.identity, Duration::from_secs(2)).await {
+    match ctx
+        .store
+        .acquire(uid, &ctx.identity, Duration::from_secs(2))
+        .await
+    {
         Ok(lease) => {
             let _ = ctx.store.release(&lease).await;
             Ok(LeaseView { live: false })
@@ -276,12 +395,26 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
 /// RunFinished), under the run's lease like any worker.
 async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
-    let lease = ctx.store.acquire(uid, &ctx.identity, Duration::from_secs(10)).await.map_err(Error::Store)?;
-    let kind = StepKind::ALL.into_iter().find(|k| k.as_str() == step.kind()).expect("known kind");
+    let lease = ctx
+        .store
+        .acquire(uid, &ctx.identity, Duration::from_secs(10))
+        .await
+        .map_err(Error::Store)?;
+    let kind = StepKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == step.kind())
+        .expect("known kind");
     let mut draft = RecordDraft::new(kind, step.payload());
-    draft.worker = crate::store::Worker { pod: ctx.identity.clone(), attempt: 0 };
+    draft.worker = crate::store::Worker {
+        pod: ctx.identity.clone(),
+        attempt: 0,
+    };
     let result = match draft.seal(head) {
-        Ok(record) => ctx.store.append(uid, lease.epoch, &record).await.map(|_| ()),
+        Ok(record) => ctx
+            .store
+            .append(uid, lease.epoch, &record)
+            .await
+            .map(|_| ()),
         Err(e) => Err(e),
     };
     let _ = ctx.store.release(&lease).await;
@@ -293,8 +426,14 @@ async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(),
 }
 
 /// Resolves everything the run will execute with, for `RunStarted`.
-async fn snapshot(run: &AgentRun, template: &AgentTemplate, generation: Option<i64>) -> Result<RunStarted, String> {
-    let mcp = discover_catalog(&template.tools).await.map_err(|e| format!("discovering MCP tools: {e}"))?;
+async fn snapshot(
+    run: &AgentRun,
+    template: &AgentTemplate,
+    generation: Option<i64>,
+) -> Result<RunStarted, String> {
+    let mcp = discover_catalog(&template.tools)
+        .await
+        .map_err(|e| format!("discovering MCP tools: {e}"))?;
     let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
     let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
     Ok(RunStarted {
@@ -324,9 +463,16 @@ async fn ensure_store_secret(ctx: &Context, ns: &str) -> Result<(), Error> {
         "stringData": { "url": ctx.step_store_url },
     });
     secrets
-        .patch(job::STORE_SECRET, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body))
+        .patch(
+            job::STORE_SECRET,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
         .await
-        .map_err(|source| Error::Write { what: "store Secret", source })?;
+        .map_err(|source| Error::Write {
+            what: "store Secret",
+            source,
+        })?;
     Ok(())
 }
 
@@ -344,14 +490,22 @@ async fn write_status(
             "kind": AgentRun::kind(&()),
             "status": serde_json::to_value(status)?,
         });
-        runs.patch_status(&run.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&body))
-            .await
-            .map_err(Error::Status)?;
+        runs.patch_status(
+            &run.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(Error::Status)?;
     }
     let reference = run.object_ref(&());
     for n in notices {
         let event = Event {
-            type_: if n.warning { EventType::Warning } else { EventType::Normal },
+            type_: if n.warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
             reason: n.reason.into(),
             note: Some(n.message),
             action: "Reconcile".into(),
@@ -366,7 +520,11 @@ async fn write_status(
 }
 
 fn notice(warning: bool, reason: &'static str, message: String) -> super::decide::Notice {
-    super::decide::Notice { warning, reason, message }
+    super::decide::Notice {
+        warning,
+        reason,
+        message,
+    }
 }
 
 fn phase_reason(phase: crate::api::Phase) -> &'static str {

@@ -69,14 +69,25 @@ pub fn compose(
             }
             let (ok, reason, message) = match f.outcome {
                 Outcome::Succeeded => (true, "Succeeded", "the agent finished".to_string()),
-                _ => (false, phase_name(phase), f.error.clone().unwrap_or_default()),
+                _ => (
+                    false,
+                    phase_name(phase),
+                    f.error.clone().unwrap_or_default(),
+                ),
             };
-            set_condition(&mut s.conditions, condition(SUCCEEDED, ok, reason, &message, generation, now));
+            set_condition(
+                &mut s.conditions,
+                condition(SUCCEEDED, ok, reason, &message, generation, now),
+            );
         }
         None if log.is_empty() => {}
         None => {
             s.phase = Some(Phase::Running);
-            s.waiting_on = s.step.as_ref().and_then(|st| st.job.as_ref()).map(|j| format!("job/{j}"));
+            s.waiting_on = s
+                .step
+                .as_ref()
+                .and_then(|st| st.job.as_ref())
+                .map(|j| format!("job/{j}"));
             let message = match job.map(|j| &j.state) {
                 Some(JobState::Failed { reason }) => format!("last step attempt failed: {reason}"),
                 _ => format!("{} records in the log", head.len),

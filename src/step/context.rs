@@ -15,7 +15,10 @@ pub enum ContextPlan {
     /// Send this request.
     Call(ModelRequest, ContextInfo),
     /// The context would pass its budget: summarize records up to `through_seq` first.
-    Compact { request: ModelRequest, through_seq: u64 },
+    Compact {
+        request: ModelRequest,
+        through_seq: u64,
+    },
 }
 
 /// Builds the next model request, or the summarization request that must come first.
@@ -24,16 +27,22 @@ pub fn plan(state: &RunState, snap: &Snapshot) -> ContextPlan {
     let settings = snap.agent.context.clone().unwrap_or_default();
     if let Some(max) = settings.max_tokens
         && info.estimated_tokens > max
-        && let Some(through_seq) = compaction_boundary(state, settings.recent_steps.unwrap_or(DEFAULT_RECENT_STEPS))
+        && let Some(through_seq) =
+            compaction_boundary(state, settings.recent_steps.unwrap_or(DEFAULT_RECENT_STEPS))
     {
-        return ContextPlan::Compact { request: summarization_request(state, snap, through_seq), through_seq };
+        return ContextPlan::Compact {
+            request: summarization_request(state, snap, through_seq),
+            through_seq,
+        };
     }
     ContextPlan::Call(request, info)
 }
 
 /// The request of an ordinary step: everything after the latest summary.
 pub fn request_for_step(state: &RunState, snap: &Snapshot) -> (ModelRequest, ContextInfo) {
-    let mut messages = vec![Message::User { text: snap.input.clone() }];
+    let mut messages = vec![Message::User {
+        text: snap.input.clone(),
+    }];
     let mut from_seq = 0;
     let mut summary_seq = None;
     if let Some((seq, summary)) = &state.summary {
@@ -48,7 +57,11 @@ pub fn request_for_step(state: &RunState, snap: &Snapshot) -> (ModelRequest, Con
         tools: snap.tools.clone(),
         max_output_tokens: snap.agent.model.max_output_tokens,
     };
-    let info = ContextInfo { summary_seq, from_seq, estimated_tokens: estimate_tokens(&request) };
+    let info = ContextInfo {
+        summary_seq,
+        from_seq,
+        estimated_tokens: estimate_tokens(&request),
+    };
     (request, info)
 }
 
@@ -60,7 +73,8 @@ pub fn compaction_boundary(state: &RunState, recent: u32) -> Option<u64> {
     let len = state.len();
     let keep_from = len.saturating_sub(recent as u64);
     // The first ModelCall at or after keep_from starts the kept part.
-    let cut = (keep_from..len).find(|&seq| matches!(state.steps[seq as usize], Step::ModelCall(_)))?;
+    let cut =
+        (keep_from..len).find(|&seq| matches!(state.steps[seq as usize], Step::ModelCall(_)))?;
     // Compacting only pays if something between the last summary and the cut is a step.
     let through = cut.checked_sub(1)?;
     (through > after).then_some(through)
@@ -68,7 +82,9 @@ pub fn compaction_boundary(state: &RunState, recent: u32) -> Option<u64> {
 
 /// The request that asks the model to summarize records up to `through_seq`.
 pub fn summarization_request(state: &RunState, snap: &Snapshot, through_seq: u64) -> ModelRequest {
-    let mut messages = vec![Message::User { text: snap.input.clone() }];
+    let mut messages = vec![Message::User {
+        text: snap.input.clone(),
+    }];
     let mut from = 0;
     if let Some((_, summary)) = &state.summary {
         messages.push(summary_message(summary));
@@ -122,7 +138,9 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                     is_error,
                 });
             }
-            Step::Observation(o) => messages.push(Message::User { text: o.text.clone() }),
+            Step::Observation(o) => messages.push(Message::User {
+                text: o.text.clone(),
+            }),
             _ => {}
         }
     }

@@ -7,11 +7,22 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The record kinds the runner appends, for the append failpoints.
-pub const APPENDED_KINDS: &[&str] = &["ModelCall", "ToolIntent", "ToolResult", "Observation", "Summary", "RunFinished"];
+pub const APPENDED_KINDS: &[&str] = &[
+    "ModelCall",
+    "ToolIntent",
+    "ToolResult",
+    "Observation",
+    "Summary",
+    "RunFinished",
+];
 
 /// Every failpoint name, in the order a step meets them.
 pub fn all() -> Vec<String> {
-    let mut names = vec!["after-lease".to_string(), "before-model-call".into(), "after-model-call".into()];
+    let mut names = vec![
+        "after-lease".to_string(),
+        "before-model-call".into(),
+        "after-model-call".into(),
+    ];
     for kind in APPENDED_KINDS {
         names.push(format!("before-append:{kind}"));
         names.push(format!("after-append:{kind}"));
@@ -23,7 +34,13 @@ pub fn all() -> Vec<String> {
 
 fn armed() -> Option<&'static str> {
     static ARMED: OnceLock<Option<String>> = OnceLock::new();
-    ARMED.get_or_init(|| std::env::var("AGENTRUN_FAILPOINT").ok().filter(|s| !s.is_empty())).as_deref()
+    ARMED
+        .get_or_init(|| {
+            std::env::var("AGENTRUN_FAILPOINT")
+                .ok()
+                .filter(|s| !s.is_empty())
+        })
+        .as_deref()
 }
 
 /// Dies here if this failpoint is armed (once per process).

@@ -42,7 +42,11 @@ impl Step {
     /// Decodes a record's payload by its kind name.
     pub fn decode(seq: u64, kind: &str, payload: &Value) -> Result<Step, DecodeError> {
         fn de<T: DeserializeOwned>(seq: u64, kind: &str, v: &Value) -> Result<T, DecodeError> {
-            T::deserialize(v).map_err(|e| DecodeError { seq, kind: kind.into(), reason: e.to_string() })
+            T::deserialize(v).map_err(|e| DecodeError {
+                seq,
+                kind: kind.into(),
+                reason: e.to_string(),
+            })
         }
         Ok(match kind {
             "RunStarted" => Step::RunStarted(de(seq, kind, payload)?),
@@ -57,7 +61,11 @@ impl Step {
             "VersionChanged" => Step::VersionChanged(de(seq, kind, payload)?),
             "RunFinished" => Step::RunFinished(de(seq, kind, payload)?),
             other => {
-                return Err(DecodeError { seq, kind: other.into(), reason: "unknown record kind".into() });
+                return Err(DecodeError {
+                    seq,
+                    kind: other.into(),
+                    reason: "unknown record kind".into(),
+                });
             }
         })
     }
@@ -86,7 +94,9 @@ impl Step {
             Step::ModelCall(p) => serde_json::to_value(p),
             Step::ToolIntent(p) => serde_json::to_value(p),
             Step::ToolResult(p) => serde_json::to_value(p),
-            Step::ApprovalRequested(p) | Step::ApprovalDecided(p) | Step::ApprovalVoided(p) => Ok(p.clone()),
+            Step::ApprovalRequested(p) | Step::ApprovalDecided(p) | Step::ApprovalVoided(p) => {
+                Ok(p.clone())
+            }
             Step::Observation(p) => serde_json::to_value(p),
             Step::Summary(p) => serde_json::to_value(p),
             Step::VersionChanged(p) => serde_json::to_value(p),
@@ -135,11 +145,18 @@ pub enum Next {
     /// Ask the model (after the budget and compaction checks).
     CallModel,
     /// Record the intent to make call `call_index` of the ModelCall at `model_call_seq`.
-    RecordIntent { model_call_seq: u64, call_index: usize, call: ToolCall },
+    RecordIntent {
+        model_call_seq: u64,
+        call_index: usize,
+        call: ToolCall,
+    },
     /// Execute the tool call recorded at `intent_seq`, which has no result yet.
     ExecuteTool { intent_seq: u64, intent: ToolIntent },
     /// The agent is done: append `RunFinished`.
-    Finish { outcome: Outcome, result: Option<String> },
+    Finish {
+        outcome: Outcome,
+        result: Option<String>,
+    },
     /// `RunFinished` is recorded.
     Done,
 }
@@ -212,7 +229,10 @@ impl RunState {
         }
         // An intent without a result comes first: it may already have acted.
         if let Some((intent_seq, intent)) = self.open_intent() {
-            return Next::ExecuteTool { intent_seq, intent: intent.clone() };
+            return Next::ExecuteTool {
+                intent_seq,
+                intent: intent.clone(),
+            };
         }
         let Some((model_call_seq, call)) = self.last_model_call() else {
             return Next::CallModel;
@@ -220,16 +240,26 @@ impl RunState {
         let calls = &call.response.tool_calls;
         if calls.is_empty() {
             // A plain answer with no tool call is the agent's final answer.
-            return Next::Finish { outcome: Outcome::Succeeded, result: call.response.text.clone() };
+            return Next::Finish {
+                outcome: Outcome::Succeeded,
+                result: call.response.text.clone(),
+            };
         }
         for (index, tc) in calls.iter().enumerate() {
             if self.intent_for(model_call_seq, index).is_some() {
                 continue;
             }
             if tc.name == FINISH_TOOL {
-                return Next::Finish { outcome: Outcome::Succeeded, result: Some(finish_result(&tc.arguments)) };
+                return Next::Finish {
+                    outcome: Outcome::Succeeded,
+                    result: Some(finish_result(&tc.arguments)),
+                };
             }
-            return Next::RecordIntent { model_call_seq, call_index: index, call: tc.clone() };
+            return Next::RecordIntent {
+                model_call_seq,
+                call_index: index,
+                call: tc.clone(),
+            };
         }
         Next::CallModel
     }
@@ -250,17 +280,28 @@ impl RunState {
     }
 
     fn last_model_call(&self) -> Option<(u64, &ModelCall)> {
-        self.steps.iter().enumerate().rev().find_map(|(seq, s)| match s {
-            Step::ModelCall(m) => Some((seq as u64, m)),
-            _ => None,
-        })
+        self.steps
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(seq, s)| match s {
+                Step::ModelCall(m) => Some((seq as u64, m)),
+                _ => None,
+            })
     }
 
     fn intent_for(&self, model_call_seq: u64, index: usize) -> Option<&ToolIntent> {
-        self.steps.iter().skip(model_call_seq as usize).find_map(|s| match s {
-            Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => Some(i),
-            _ => None,
-        })
+        self.steps
+            .iter()
+            .skip(model_call_seq as usize)
+            .find_map(|s| match s {
+                Step::ToolIntent(i)
+                    if i.model_call_seq == model_call_seq && i.call_index == index =>
+                {
+                    Some(i)
+                }
+                _ => None,
+            })
     }
 
     /// Why the budget forbids another model call, if it does.
@@ -271,10 +312,16 @@ impl RunState {
             return Some(format!("token budget used up: {tokens} of {max} tokens"));
         }
         if let Some(max) = b.max_cost_usd.filter(|max| self.spent.cost_usd >= *max) {
-            return Some(format!("cost budget used up: ${:.4} of ${max}", self.spent.cost_usd));
+            return Some(format!(
+                "cost budget used up: ${:.4} of ${max}",
+                self.spent.cost_usd
+            ));
         }
         if let Some(max) = b.max_steps.filter(|max| self.len() >= *max) {
-            return Some(format!("step budget used up: {} of {max} steps", self.len()));
+            return Some(format!(
+                "step budget used up: {} of {max} steps",
+                self.len()
+            ));
         }
         None
     }

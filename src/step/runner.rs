@@ -45,14 +45,20 @@ pub struct StepArgs {
 
 /// Runs steps until the slice ends or the run is done.
 pub async fn run(args: StepArgs) -> anyhow::Result<()> {
-    let store = store::open(&args.store_url).await.context("opening the step store")?;
+    let store = store::open(&args.store_url)
+        .await
+        .context("opening the step store")?;
     let lease = acquire(&*store, &args).await?;
     failpoint::hit("after-lease");
     let heartbeat = tokio::spawn(heartbeat(store.clone(), lease.clone()));
 
     let result = Runner::load(store.clone(), &args, lease.clone()).await;
     let result = match result {
-        Ok(mut runner) => runner.drive(Duration::from_secs(args.time_slice_seconds)).await,
+        Ok(mut runner) => {
+            runner
+                .drive(Duration::from_secs(args.time_slice_seconds))
+                .await
+        }
         Err(e) => Err(e),
     };
     heartbeat.abort();
@@ -71,7 +77,9 @@ async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease
                 tracing::info!(run = %args.run_uid, epoch = lease.epoch, "took the run lease");
                 return Ok(lease);
             }
-            Err(e @ (StoreError::LeaseHeld { .. } | StoreError::Unavailable { .. })) if Instant::now() < deadline => {
+            Err(e @ (StoreError::LeaseHeld { .. } | StoreError::Unavailable { .. }))
+                if Instant::now() < deadline =>
+            {
                 tracing::info!(error = %e, "waiting for the run lease");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
@@ -107,7 +115,11 @@ struct Runner {
 }
 
 impl Runner {
-    async fn load(store: Arc<dyn StepStore>, args: &StepArgs, lease: Lease) -> anyhow::Result<Runner> {
+    async fn load(
+        store: Arc<dyn StepStore>,
+        args: &StepArgs,
+        lease: Lease,
+    ) -> anyhow::Result<Runner> {
         let records = with_store_retry(|| store.read_all(&args.run_uid)).await?;
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
@@ -133,9 +145,16 @@ impl Runner {
             let next = self.state.next();
             match next {
                 Next::Done => return Ok(()),
-                Next::NotStarted => bail!("the log of run {} has no RunStarted record", self.args.run_uid),
+                Next::NotStarted => bail!(
+                    "the log of run {} has no RunStarted record",
+                    self.args.run_uid
+                ),
                 Next::CallModel => self.model_step().await?,
-                Next::RecordIntent { model_call_seq, call_index, call } => {
+                Next::RecordIntent {
+                    model_call_seq,
+                    call_index,
+                    call,
+                } => {
                     // The approval policy decides here (the approvals work); every call is allowed for now.
                     let key = idempotency_key(&self.args.run_uid, model_call_seq, call_index);
                     let intent = ToolIntent {
@@ -149,13 +168,26 @@ impl Runner {
                     let seq = self.append(Step::ToolIntent(intent), None).await?;
                     self.own_intents.insert(seq);
                 }
-                Next::ExecuteTool { intent_seq, intent } => self.tool_step(intent_seq, intent).await?,
+                Next::ExecuteTool { intent_seq, intent } => {
+                    self.tool_step(intent_seq, intent).await?
+                }
                 Next::Finish { outcome, result } => {
-                    self.append(Step::RunFinished(RunFinished { outcome, result, error: None }), None).await?;
+                    self.append(
+                        Step::RunFinished(RunFinished {
+                            outcome,
+                            result,
+                            error: None,
+                        }),
+                        None,
+                    )
+                    .await?;
                 }
             }
             if Instant::now() >= until && !matches!(self.state.next(), Next::ExecuteTool { .. }) {
-                tracing::info!(records = self.state.len(), "time slice over; exiting for the next Job");
+                tracing::info!(
+                    records = self.state.len(),
+                    "time slice over; exiting for the next Job"
+                );
                 return Ok(());
             }
         }
@@ -178,19 +210,38 @@ impl Runner {
         }
         let client = ModelClient::new(&snap.agent.model, self.args.model_api_key.clone())?;
         match plan(&self.state, &snap) {
-            ContextPlan::Compact { request, through_seq } => {
-                let Some(response) = self.ask(&client, &request).await? else { return Ok(()) };
+            ContextPlan::Compact {
+                request,
+                through_seq,
+            } => {
+                let Some(response) = self.ask(&client, &request).await? else {
+                    return Ok(());
+                };
                 let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
                 let text = response.text.clone().unwrap_or_default();
-                let summary = Summary { text, through_seq, response, cost_usd: cost };
+                let summary = Summary {
+                    text,
+                    through_seq,
+                    response,
+                    cost_usd: cost,
+                };
                 self.append(Step::Summary(summary), None).await?;
             }
             ContextPlan::Call(request, context) => {
-                let Some(response) = self.ask(&client, &request).await? else { return Ok(()) };
+                let Some(response) = self.ask(&client, &request).await? else {
+                    return Ok(());
+                };
                 let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
                 let model_id = response.model_id.clone();
-                self.append(Step::ModelCall(ModelCall { response, cost_usd: cost, context }), Some(model_id))
-                    .await?;
+                self.append(
+                    Step::ModelCall(ModelCall {
+                        response,
+                        cost_usd: cost,
+                        context,
+                    }),
+                    Some(model_id),
+                )
+                .await?;
             }
         }
         Ok(())
@@ -198,7 +249,11 @@ impl Runner {
 
     /// Calls the model. A reply the model could not give (bad request, bad
     /// key) ends the run; an outage ends this attempt so the controller retries.
-    async fn ask(&mut self, client: &ModelClient, request: &crate::model::ModelRequest) -> anyhow::Result<Option<ModelResponse>> {
+    async fn ask(
+        &mut self,
+        client: &ModelClient,
+        request: &crate::model::ModelRequest,
+    ) -> anyhow::Result<Option<ModelResponse>> {
         failpoint::hit("before-model-call");
         match client.complete(request).await {
             Ok(response) => {
@@ -207,8 +262,17 @@ impl Runner {
             }
             Err(e @ ModelError::Malformed { .. }) => {
                 // Recorded and fed back: the model sees what went wrong on its next turn.
-                let text = format!("Your previous reply could not be read ({e}). Reply again, with valid tool calls.");
-                self.append(Step::Observation(Observation { text, about_seq: None }), None).await?;
+                let text = format!(
+                    "Your previous reply could not be read ({e}). Reply again, with valid tool calls."
+                );
+                self.append(
+                    Step::Observation(Observation {
+                        text,
+                        about_seq: None,
+                    }),
+                    None,
+                )
+                .await?;
                 Ok(None)
             }
             Err(e) if e.is_retryable() => Err(e).context("the model is unavailable"),
@@ -239,7 +303,9 @@ impl Runner {
         let recovering = !self.own_intents.contains(&intent_seq);
         let ctx = CallContext::new(self.args.run_uid.clone(), intent_seq, intent.key.clone());
         let (stamp, tools) = self.take_toolbox()?;
-        let repeat_safe = tools.is_idempotent(&intent.tool) || tools.is_read_only(&intent.tool) || !tools.contains(&intent.tool);
+        let repeat_safe = tools.is_idempotent(&intent.tool)
+            || tools.is_read_only(&intent.tool)
+            || !tools.contains(&intent.tool);
         let (outcome, recovery) = if !recovering || repeat_safe {
             failpoint::hit("before-tool-call");
             let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
@@ -248,7 +314,9 @@ impl Runner {
         } else {
             // The call may have happened: never assume it did not. Ask the tool.
             match tools.lookup(&intent.tool, &intent.arguments, &ctx).await {
-                LookupOutcome::Done(value) => (ToolOutcome::Ok(value), Some(Recovery::LookupFoundResult)),
+                LookupOutcome::Done(value) => {
+                    (ToolOutcome::Ok(value), Some(Recovery::LookupFoundResult))
+                }
                 LookupOutcome::NotDone => {
                     failpoint::hit("before-tool-call");
                     let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
@@ -272,7 +340,13 @@ impl Runner {
             }
         };
         self.tools = Some((stamp, tools));
-        let result = ToolResult { intent_seq, call_id: intent.call_id, tool: intent.tool, outcome, recovery };
+        let result = ToolResult {
+            intent_seq,
+            call_id: intent.call_id,
+            tool: intent.tool,
+            outcome,
+            recovery,
+        };
         self.append(Step::ToolResult(result), None).await?;
         Ok(())
     }
@@ -291,26 +365,46 @@ impl Runner {
                 tool_schema_hash: Some(snap.versions.tool_schema_hash.clone()),
             };
         }
-        if let Step::ModelCall(ModelCall { response, cost_usd, .. }) | Step::Summary(Summary { response, cost_usd, .. }) = &step {
+        if let Step::ModelCall(ModelCall {
+            response, cost_usd, ..
+        })
+        | Step::Summary(Summary {
+            response, cost_usd, ..
+        }) = &step
+        {
             draft.usage = store::Usage {
                 input_tokens: response.usage.input_tokens,
                 output_tokens: response.usage.output_tokens,
                 cost_micros: (cost_usd * 1e6).round() as u64,
             };
         }
-        draft.worker = store::Worker { pod: self.args.worker.clone(), attempt: self.args.attempt };
+        draft.worker = store::Worker {
+            pod: self.args.worker.clone(),
+            attempt: self.args.attempt,
+        };
         let record = draft.seal(&self.head)?;
         let seq = record.seq;
-        let outcome = with_store_retry(|| self.store.append(&self.args.run_uid, self.lease.epoch, &record)).await;
+        let outcome = with_store_retry(|| {
+            self.store
+                .append(&self.args.run_uid, self.lease.epoch, &record)
+        })
+        .await;
         match outcome {
             Ok(stored) => {
                 self.head = stored.head();
                 self.state.apply(step);
             }
             Err(StoreError::Conflict { recorded, .. }) => {
-                tracing::warn!(seq, "another worker recorded this step first; adopting its record");
+                tracing::warn!(
+                    seq,
+                    "another worker recorded this step first; adopting its record"
+                );
                 self.head = recorded.head();
-                self.state.apply(Step::decode(recorded.seq, recorded.kind.as_str(), &recorded.payload)?);
+                self.state.apply(Step::decode(
+                    recorded.seq,
+                    recorded.kind.as_str(),
+                    &recorded.payload,
+                )?);
             }
             Err(e) => return Err(e).context("appending to the step log"),
         }
@@ -320,7 +414,10 @@ impl Runner {
 }
 
 fn step_kind(name: &str) -> StepKind {
-    StepKind::ALL.into_iter().find(|k| k.as_str() == name).expect("every Step kind is a StepKind")
+    StepKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == name)
+        .expect("every Step kind is a StepKind")
 }
 
 /// Retries an operation while the store is unreachable (a store outage stalls

@@ -80,7 +80,11 @@ pub async fn run(url: &str, cmd: StoreCommand) -> anyhow::Result<()> {
                         "ok: run {run}: {} records, head {}{}",
                         h.len,
                         h.hash,
-                        if expected.is_some() { " (matches the recorded head)" } else { "" }
+                        if expected.is_some() {
+                            " (matches the recorded head)"
+                        } else {
+                            ""
+                        }
                     )?,
                     Err(e @ StoreError::ChainBroken { .. }) => {
                         writeln!(out, "FAILED: {e}")?;

@@ -15,32 +15,61 @@ pub enum StoreError {
 
     /// Another record is already recorded at this seq. The loser adopts `recorded`.
     #[error("conflict appending run {run} seq {seq}: a different record (hash {}) is already recorded", .recorded.hash)]
-    Conflict { run: String, seq: u64, recorded: Box<Record> },
+    Conflict {
+        run: String,
+        seq: u64,
+        recorded: Box<Record>,
+    },
 
     /// The append (or renew) carried an epoch that is not the run's current
     /// lease, or the lease expired: this worker was fenced off.
     #[error("stale lease epoch {epoch} for run {run} (current epoch: {}, lease {})", current.map(|e| e.to_string()).unwrap_or_else(|| "none".into()), if *.expired { "expired" } else { "live" })]
-    StaleEpoch { run: String, epoch: u64, current: Option<u64>, expired: bool },
+    StaleEpoch {
+        run: String,
+        epoch: u64,
+        current: Option<u64>,
+        expired: bool,
+    },
 
     /// The run's lease is held by another holder until `expires_at`.
     #[error("run {run} is leased by {holder} (epoch {epoch}) until {expires_at}")]
-    LeaseHeld { run: String, holder: String, epoch: u64, expires_at: DateTime<Utc> },
+    LeaseHeld {
+        run: String,
+        holder: String,
+        epoch: u64,
+        expires_at: DateTime<Utc>,
+    },
 
     /// Seq is not the current length of the log (appends have no gaps).
     #[error("gap appending run {run}: seq {seq} but the log has length {len}")]
     Gap { run: String, seq: u64, len: u64 },
 
     /// The record's prev_hash is not the hash of seq - 1.
-    #[error("prev_hash mismatch appending run {run} seq {seq}: record links to {got}, the log has {expected}")]
-    PrevHashMismatch { run: String, seq: u64, expected: Hash, got: Hash },
+    #[error(
+        "prev_hash mismatch appending run {run} seq {seq}: record links to {got}, the log has {expected}"
+    )]
+    PrevHashMismatch {
+        run: String,
+        seq: u64,
+        expected: Hash,
+        got: Hash,
+    },
 
     /// The hash chain is broken: the first bad seq is named.
     #[error("hash chain of run {run} broken at seq {seq}: {reason}")]
-    ChainBroken { run: String, seq: u64, reason: String },
+    ChainBroken {
+        run: String,
+        seq: u64,
+        reason: String,
+    },
 
     /// A stored row could not be decoded (reading; `verify` reports it as ChainBroken).
     #[error("run {run} seq {seq} is unreadable: {reason}")]
-    Corrupt { run: String, seq: u64, reason: String },
+    Corrupt {
+        run: String,
+        seq: u64,
+        reason: String,
+    },
 
     /// The record given to append is malformed (wrong hash, unsafe number, ...).
     #[error("invalid record: {reason}")]
@@ -67,7 +96,10 @@ pub enum StoreError {
 impl StoreError {
     /// Whether the same operation may succeed if retried later (with backoff).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, StoreError::Unavailable { .. } | StoreError::LeaseHeld { .. })
+        matches!(
+            self,
+            StoreError::Unavailable { .. } | StoreError::LeaseHeld { .. }
+        )
     }
 
     /// A stable, low-cardinality label for metrics.

@@ -190,7 +190,9 @@ pub fn redact_url(url: &str) -> String {
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
             }
-            if u.query_pairs().any(|(k, _)| k.eq_ignore_ascii_case("password")) {
+            if u.query_pairs()
+                .any(|(k, _)| k.eq_ignore_ascii_case("password"))
+            {
                 let pairs: Vec<(String, String)> = u
                     .query_pairs()
                     .map(|(k, v)| {
@@ -228,7 +230,10 @@ pub(crate) fn ttl_micros(ttl: Duration) -> i64 {
 pub(crate) fn check_record(record: &Record) -> Result<Vec<u8>, StoreError> {
     if record.format == 0 || record.format > FORMAT {
         return Err(StoreError::InvalidRecord {
-            reason: format!("record format {} is not one this code writes", record.format),
+            reason: format!(
+                "record format {} is not one this code writes",
+                record.format
+            ),
         });
     }
     let body = record.canonical_bytes();

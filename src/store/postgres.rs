@@ -94,8 +94,7 @@ ON CONFLICT (run) DO UPDATE
 RETURNING epoch, expires_at
 "#;
 
-const LEASE_SQL: &str =
-    "SELECT holder, epoch, expires_at, expires_at <= now() AS expired FROM agentrun_leases WHERE run = $1";
+const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() AS expired FROM agentrun_leases WHERE run = $1";
 
 const RENEW_SQL: &str = r#"
 UPDATE agentrun_leases
@@ -162,7 +161,14 @@ impl PgStore {
         StoreError::from_sqlx(&self.url, e)
     }
 
-    fn decode(&self, run: &str, seq: u64, body: &str, hash: &[u8], created_at: DateTime<Utc>) -> Result<Record, StoreError> {
+    fn decode(
+        &self,
+        run: &str,
+        seq: u64,
+        body: &str,
+        hash: &[u8],
+        created_at: DateTime<Utc>,
+    ) -> Result<Record, StoreError> {
         let corrupt = |reason: String| StoreError::Corrupt {
             run: run.to_string(),
             seq,
@@ -192,7 +198,13 @@ impl PgStore {
 }
 
 /// Decide between "identical retry" and "conflict" for a recorded seq.
-pub(crate) fn adopt_or_conflict(run: &str, record: &Record, body: &[u8], recorded: Record, recorded_body: &[u8]) -> Result<Record, StoreError> {
+pub(crate) fn adopt_or_conflict(
+    run: &str,
+    record: &Record,
+    body: &[u8],
+    recorded: Record,
+    recorded_body: &[u8],
+) -> Result<Record, StoreError> {
     if recorded.hash == record.hash && recorded_body == body {
         Ok(recorded)
     } else {
@@ -243,7 +255,10 @@ impl StepStore for PgStore {
             .map_err(|e| self.err(e))?;
         let get_err = |e| StoreError::from_sqlx(&self.url, e);
 
-        if let Some(at) = row.try_get::<Option<DateTime<Utc>>, _>("inserted_at").map_err(get_err)? {
+        if let Some(at) = row
+            .try_get::<Option<DateTime<Utc>>, _>("inserted_at")
+            .map_err(get_err)?
+        {
             let mut stored = record.clone();
             stored.created_at = Some(at);
             return Ok(stored);
@@ -259,13 +274,19 @@ impl StepStore for PgStore {
                 expired: current == Some(epoch as i64) && expired.unwrap_or(true),
             });
         }
-        if let Some(rec_body) = row.try_get::<Option<String>, _>("rec_body").map_err(get_err)? {
+        if let Some(rec_body) = row
+            .try_get::<Option<String>, _>("rec_body")
+            .map_err(get_err)?
+        {
             let rec_hash: Vec<u8> = row.try_get("rec_hash").map_err(get_err)?;
             let at: DateTime<Utc> = row.try_get("rec_created_at").map_err(get_err)?;
             let recorded = self.decode(run, record.seq, &rec_body, &rec_hash, at)?;
             return adopt_or_conflict(run, record, &body, recorded, rec_body.as_bytes());
         }
-        let len: i64 = row.try_get::<Option<i64>, _>("len").map_err(get_err)?.unwrap_or(0);
+        let len: i64 = row
+            .try_get::<Option<i64>, _>("len")
+            .map_err(get_err)?
+            .unwrap_or(0);
         if len != seq {
             // A concurrent writer may have committed this very seq after our
             // snapshot (ON CONFLICT saw it, our snapshot did not): look again.
@@ -279,7 +300,10 @@ impl StepStore for PgStore {
         }
         if record.seq > 0 {
             let prev: Option<Vec<u8>> = row.try_get("prev_hash").map_err(get_err)?;
-            let expected = prev.as_deref().and_then(Hash::from_slice).unwrap_or(Hash::ZERO);
+            let expected = prev
+                .as_deref()
+                .and_then(Hash::from_slice)
+                .unwrap_or(Hash::ZERO);
             if expected != record.prev_hash {
                 return Err(StoreError::PrevHashMismatch {
                     run: run.to_string(),
@@ -305,12 +329,20 @@ impl StepStore for PgStore {
             }
             None => Err(StoreError::Database {
                 url: self.url.clone(),
-                reason: format!("append of run {run} seq {} inserted nothing and no record is there", record.seq),
+                reason: format!(
+                    "append of run {run} seq {} inserted nothing and no record is there",
+                    record.seq
+                ),
             }),
         }
     }
 
-    async fn read_range(&self, run: &str, from: u64, to: Option<u64>) -> Result<Vec<Record>, StoreError> {
+    async fn read_range(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+    ) -> Result<Vec<Record>, StoreError> {
         let from_i = to_i64("seq", from)?;
         let to_i = match to {
             Some(t) => to_i64("seq", t)?,

@@ -430,7 +430,10 @@ pub fn verify_chain(
             reason,
         };
         if r.seq != seq {
-            return Err(broken(format!("record at position {seq} says seq {}", r.seq)));
+            return Err(broken(format!(
+                "record at position {seq} says seq {}",
+                r.seq
+            )));
         }
         if r.prev_hash != head.hash {
             return Err(broken(format!(
@@ -522,8 +525,11 @@ mod tests {
 
     #[test]
     fn store_canonical_json_is_key_order_independent() {
-        let a: serde_json::Value = serde_json::from_str(r#"{"b":1,"a":{"y":[1,2,{"q":true,"p":null}],"x":"s"}}"#).unwrap();
-        let b: serde_json::Value = serde_json::from_str(r#"{ "a" : {"x":"s","y":[1,2,{"p":null,"q":true}]}, "b":1.0 }"#).unwrap();
+        let a: serde_json::Value =
+            serde_json::from_str(r#"{"b":1,"a":{"y":[1,2,{"q":true,"p":null}],"x":"s"}}"#).unwrap();
+        let b: serde_json::Value =
+            serde_json::from_str(r#"{ "a" : {"x":"s","y":[1,2,{"p":null,"q":true}]}, "b":1.0 }"#)
+                .unwrap();
         assert_eq!(canonical_json(&a), canonical_json(&b));
         assert_eq!(
             String::from_utf8(canonical_json(&a)).unwrap(),
@@ -649,12 +655,20 @@ mod tests {
 
     #[test]
     fn store_seal_refuses_unsafe_integers() {
-        let d = RecordDraft::new(StepKind::ToolResult, json!({"a": [1, {"big": 9007199254740993u64}]}));
+        let d = RecordDraft::new(
+            StepKind::ToolResult,
+            json!({"a": [1, {"big": 9007199254740993u64}]}),
+        );
         match d.seal(&Head::EMPTY) {
-            Err(StoreError::InvalidRecord { reason }) => assert!(reason.contains("payload.a[1].big"), "{reason}"),
+            Err(StoreError::InvalidRecord { reason }) => {
+                assert!(reason.contains("payload.a[1].big"), "{reason}")
+            }
             other => panic!("expected InvalidRecord, got {other:?}"),
         }
-        let ok = RecordDraft::new(StepKind::ToolResult, json!({"a": 9007199254740991u64, "b": -9007199254740991i64}));
+        let ok = RecordDraft::new(
+            StepKind::ToolResult,
+            json!({"a": 9007199254740991u64, "b": -9007199254740991i64}),
+        );
         assert!(ok.seal(&Head::EMPTY).is_ok());
     }
 
@@ -663,6 +677,9 @@ mod tests {
         let h = Hash([0xab; 32]);
         assert_eq!(h.to_string().parse::<Hash>().unwrap(), h);
         assert!("xyz".parse::<Hash>().is_err());
-        assert_eq!(serde_json::to_string(&h).unwrap(), format!("\"{}\"", "ab".repeat(32)));
+        assert_eq!(
+            serde_json::to_string(&h).unwrap(),
+            format!("\"{}\"", "ab".repeat(32))
+        );
     }
 }

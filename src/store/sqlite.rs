@@ -77,7 +77,9 @@ pub struct SqliteStore {
 
 impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteStore").field("url", &self.url).finish()
+        f.debug_struct("SqliteStore")
+            .field("url", &self.url)
+            .finish()
     }
 }
 
@@ -120,7 +122,13 @@ impl SqliteStore {
     }
 }
 
-fn decode_row(run: &str, seq: i64, body: &str, hash: &[u8], created_at: i64) -> Result<Record, StoreError> {
+fn decode_row(
+    run: &str,
+    seq: i64,
+    body: &str,
+    hash: &[u8],
+    created_at: i64,
+) -> Result<Record, StoreError> {
     let corrupt = |reason: String| StoreError::Corrupt {
         run: run.to_string(),
         seq: seq as u64,
@@ -268,7 +276,12 @@ impl StepStore for SqliteStore {
         Ok(stored)
     }
 
-    async fn read_range(&self, run: &str, from: u64, to: Option<u64>) -> Result<Vec<Record>, StoreError> {
+    async fn read_range(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+    ) -> Result<Vec<Record>, StoreError> {
         let from_i = to_i64("seq", from)?;
         let to_i = match to {
             Some(t) => to_i64("seq", t)?,
@@ -327,11 +340,12 @@ impl StepStore for SqliteStore {
             .map_err(|e| self.err(e))?;
         let now = micros(Utc::now());
         let expires = now.saturating_add(ttl_micros(ttl));
-        let cur = sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
-            .bind(run)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| self.err(e))?;
+        let cur =
+            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+                .bind(run)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
         let epoch = match cur {
             None => {
                 sqlx::query(
@@ -392,11 +406,12 @@ impl StepStore for SqliteStore {
         let now = micros(Utc::now());
         let expires = now.saturating_add(ttl_micros(ttl));
         let epoch = to_i64("epoch", lease.epoch)?;
-        let cur = sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
-            .bind(&lease.run)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| self.err(e))?;
+        let cur =
+            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+                .bind(&lease.run)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
         let (holder, current, cur_expires): (Option<String>, Option<i64>, i64) = match cur {
             Some(row) => (
                 Some(row.try_get(0).map_err(|e| self.err(e))?),
@@ -405,7 +420,8 @@ impl StepStore for SqliteStore {
             ),
             None => (None, None, 0),
         };
-        if current != Some(epoch) || holder.as_deref() != Some(&lease.holder) || cur_expires <= now {
+        if current != Some(epoch) || holder.as_deref() != Some(&lease.holder) || cur_expires <= now
+        {
             return Err(StoreError::StaleEpoch {
                 run: lease.run.clone(),
                 epoch: lease.epoch,
@@ -455,10 +471,22 @@ mod tests {
 
     #[test]
     fn store_sqlite_url_forms() {
-        assert_eq!(sqlite_path("sqlite:///tmp/a.db").unwrap(), PathBuf::from("/tmp/a.db"));
-        assert_eq!(sqlite_path("sqlite://rel/a.db").unwrap(), PathBuf::from("rel/a.db"));
-        assert_eq!(sqlite_path("sqlite:a.db?mode=rwc").unwrap(), PathBuf::from("a.db"));
-        assert_eq!(sqlite_path("file:///var/x.db").unwrap(), PathBuf::from("/var/x.db"));
+        assert_eq!(
+            sqlite_path("sqlite:///tmp/a.db").unwrap(),
+            PathBuf::from("/tmp/a.db")
+        );
+        assert_eq!(
+            sqlite_path("sqlite://rel/a.db").unwrap(),
+            PathBuf::from("rel/a.db")
+        );
+        assert_eq!(
+            sqlite_path("sqlite:a.db?mode=rwc").unwrap(),
+            PathBuf::from("a.db")
+        );
+        assert_eq!(
+            sqlite_path("file:///var/x.db").unwrap(),
+            PathBuf::from("/var/x.db")
+        );
         assert!(sqlite_path("sqlite://").is_err());
         assert!(sqlite_path("postgres://x").is_err());
     }
