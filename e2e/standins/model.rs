@@ -95,12 +95,27 @@ fn empty_object() -> Value {
 #[serde(deny_unknown_fields)]
 struct ScriptBody {
     replies: Vec<Reply>,
+    /// Replies to requests that offer no tools (the agent compacting its
+    /// history), in order; they do not use up `replies`.
+    #[serde(default)]
+    summaries: Vec<Reply>,
 }
 
 #[derive(Default)]
 struct Script {
     replies: Vec<Reply>,
+    summaries: Vec<Reply>,
     requests: Vec<Value>,
+    /// Answered requests that offered no tools.
+    toolless: usize,
+}
+
+/// A request that offers the model no tools (both wire formats).
+fn offers_no_tools(request: &Value) -> bool {
+    request
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_none_or(|t| t.is_empty())
 }
 
 type Scripts = Arc<Mutex<HashMap<String, Script>>>;
@@ -151,7 +166,8 @@ async fn put_script(
         id.clone(),
         Script {
             replies: parsed.replies,
-            requests: Vec::new(),
+            summaries: parsed.summaries,
+            ..Default::default()
         },
     );
     Json(json!({"id": id, "replies": n})).into_response()
@@ -213,9 +229,18 @@ async fn answer(
                 &format!("no script {id:?}: PUT /scripts/{id} first"),
             );
         };
-        let n = script.requests.len();
+        let toolless = !script.summaries.is_empty() && offers_no_tools(&recorded);
         script.requests.push(recorded);
-        (n, script.replies.get(n).cloned())
+        if toolless {
+            script.toolless += 1;
+            (
+                script.requests.len() - 1,
+                script.summaries.get(script.toolless - 1).cloned(),
+            )
+        } else {
+            let n = script.requests.len() - 1 - script.toolless;
+            (n, script.replies.get(n).cloned())
+        }
     };
     tracing::info!(script = %id, call = n, api = ?api, "scripted model call");
 

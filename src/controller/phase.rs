@@ -116,28 +116,38 @@ pub fn decide(o: &Observed) -> Act {
         return Act::StartRun;
     }
     let next_seq = o.log.len();
-    match &o.job {
-        Some(job) if job.state == JobState::Active => {
+    let Some(job) = &o.job else {
+        return follow_agent(o).unwrap_or(Act::CreateJob {
+            seq: next_seq,
+            attempt: 1,
+        });
+    };
+    let attempt = match &job.state {
+        JobState::Active => {
             // A worker that stopped renewing its lease is gone: replace it.
             if o.lease.as_ref().is_some_and(|l| !l.live) && job_age_allows_judging(o, job) {
                 return Act::DeleteJob {
                     name: job.name.clone(),
                 };
             }
-            Act::Wait(RUNNING_REQUEUE)
+            return Act::Wait(RUNNING_REQUEUE);
         }
-        Some(job) if job.state != JobState::Succeeded && next_seq <= job.seq => {
-            // The step failed without recording anything: retry with a new attempt.
+        // A clean exit after progress: the next step starts afresh.
+        JobState::Succeeded if next_seq > job.seq => 1,
+        // Anything else is a failed attempt, progress or not: count it, so a
+        // run that keeps crashing stops, and back off before the next one.
+        _ => {
             if job.attempt >= MAX_ATTEMPTS {
                 let reason = match &job.state {
                     JobState::Failed { reason } => reason.clone(),
-                    _ => "its Job disappeared".into(),
+                    JobState::Missing => "its Job disappeared".into(),
+                    _ => "it exited without recording anything".into(),
                 };
                 return Act::Finish(RunFinished {
                     outcome: Outcome::Failed,
                     result: partial,
                     error: Some(format!(
-                        "step {} failed {} times; last: {reason}",
+                        "step {} failed {} times in a row; last: {reason}",
                         job.seq, job.attempt
                     )),
                 });
@@ -145,38 +155,13 @@ pub fn decide(o: &Observed) -> Act {
             if let Some(wait) = backoff_left(o, job) {
                 return Act::Wait(wait);
             }
-            if let Some(follow) = follow_agent(o) {
-                return follow;
-            }
-            Act::CreateJob {
-                seq: job.seq,
-                attempt: job.attempt + 1,
-            }
+            job.attempt + 1
         }
-        _ => {
-            if let Some(follow) = follow_agent(o) {
-                return follow;
-            }
-            let attempt = match &o.job {
-                // A Job that exited cleanly without progress is a failed attempt too.
-                Some(job) if job.seq == next_seq => job.attempt + 1,
-                _ => 1,
-            };
-            if attempt > MAX_ATTEMPTS {
-                return Act::Finish(RunFinished {
-                    outcome: Outcome::Failed,
-                    result: partial,
-                    error: Some(format!(
-                        "step {next_seq} made no progress in {MAX_ATTEMPTS} attempts"
-                    )),
-                });
-            }
-            Act::CreateJob {
-                seq: next_seq,
-                attempt,
-            }
-        }
-    }
+    };
+    follow_agent(o).unwrap_or(Act::CreateJob {
+        seq: next_seq,
+        attempt,
+    })
 }
 
 /// Stops an unfinished run: first its Job, then the record.
@@ -372,7 +357,8 @@ mod tests {
             4,
         );
         assert_eq!(act, Act::CreateJob { seq: 2, attempt: 1 });
-        // A failed Job that still recorded something also moves on.
+        // A failed Job that still recorded something moves on, as a next
+        // attempt: failpoints arm first attempts only, and a crash loop ends.
         let act = decide_at(
             &run(),
             &log,
@@ -380,7 +366,7 @@ mod tests {
             None,
             4,
         );
-        assert_eq!(act, Act::CreateJob { seq: 2, attempt: 1 });
+        assert_eq!(act, Act::CreateJob { seq: 2, attempt: 2 });
     }
 
     #[test]

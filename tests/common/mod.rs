@@ -5,6 +5,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod controller;
+pub mod standins;
 pub mod store;
 
 use std::{

@@ -1,0 +1,103 @@
+//! The stand-in model, tool and MCP servers (`agentrun-standins`), one
+//! process per test, killed when dropped.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Command, Stdio};
+
+use serde_json::{Value, json};
+
+pub struct Standins {
+    child: Child,
+    _stdout: BufReader<ChildStdout>,
+    /// `http://127.0.0.1:PORT`
+    pub base: String,
+    pub http: reqwest::Client,
+}
+
+impl Standins {
+    pub fn start() -> Standins {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_agentrun-standins"))
+            .args(["--addr", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("starting agentrun-standins");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout
+            .read_line(&mut line)
+            .expect("reading the stand-in's first line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line from the stand-in: {line:?}"))
+            .to_string();
+        Standins {
+            child,
+            _stdout: stdout,
+            base: format!("http://{addr}"),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Creates model script `id`: replies answered by call count, and
+    /// `summaries` for requests that offer no tools.
+    pub async fn script(&self, id: &str, replies: Value, summaries: Value) {
+        let resp = self
+            .http
+            .put(format!("{}/scripts/{id}", self.base))
+            .json(&json!({ "replies": replies, "summaries": summaries }))
+            .send()
+            .await
+            .expect("PUT script");
+        assert!(
+            resp.status().is_success(),
+            "PUT script: {}",
+            resp.text().await.unwrap_or_default()
+        );
+    }
+
+    /// The request bodies script `id` received.
+    pub async fn model_requests(&self, id: &str) -> Vec<Value> {
+        let v: Value = self.get(&format!("/scripts/{id}/calls")).await;
+        v["requests"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Real side effects of tenant `t`'s tools.
+    pub async fn effects(&self, tenant: &str) -> Vec<Value> {
+        self.get::<Value>(&format!("/tools/{tenant}/_effects"))
+            .await
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Every request tenant `t`'s tools received, failed ones too.
+    pub async fn tool_requests(&self, tenant: &str) -> Vec<Value> {
+        self.get::<Value>(&format!("/tools/{tenant}/_requests"))
+            .await
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        self.http
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    }
+}
+
+impl Drop for Standins {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

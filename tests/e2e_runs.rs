@@ -1,0 +1,583 @@
+//! Durable execution end to end on a real cluster: the controller drives runs
+//! with step Jobs (run by the process node as local processes), the runner
+//! talks to the stand-in model and tools, and every step lands in the
+//! PostgreSQL step log before the run moves on.
+
+mod common;
+
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Phase};
+use agentrun::step::replay::Step;
+use common::controller::ControllerProcess;
+use common::standins::Standins;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A namespace with its own controller, stand-ins and model key.
+struct World {
+    client: kube::Client,
+    ns: common::TestNamespace,
+    standins: Standins,
+    _controller: ControllerProcess,
+}
+
+impl World {
+    async fn new(prefix: &str, controller_flags: &[&str]) -> World {
+        let client = common::admin().await;
+        common::install_crds(&client).await;
+        let ns = common::test_namespace(&client, prefix).await;
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), ns.name());
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": "model-key"},
+            "stringData": {"apiKey": "sk-e2e-not-a-real-key"}
+        }))
+        .unwrap();
+        secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .expect("model key Secret");
+        let controller = ControllerProcess::start_with(ns.name(), "ctrl", controller_flags).await;
+        World {
+            client,
+            ns,
+            standins: Standins::start(),
+            _controller: controller,
+        }
+    }
+
+    fn name(&self) -> &str {
+        self.ns.name()
+    }
+
+    /// The inline agent of these tests: an order lookup, an idempotent refund,
+    /// and a notification tool that is not idempotent but has a lookup.
+    fn agent(&self, script: &str) -> Value {
+        let base = &self.standins.base;
+        let t = self.name();
+        json!({
+            "prompt": {"version": "v1", "system": "You are a careful refund agent."},
+            "model": {
+                "provider": "OpenAI", "name": "gpt-e2e",
+                "endpoint": format!("{base}/scripts/{script}/v1"),
+                "secretRef": {"name": "model-key", "key": "apiKey"},
+                "prices": {"inputPerMillion": 1.0, "outputPerMillion": 4.0}
+            },
+            "tools": [
+                {"name": "lookup_order", "description": "Looks an order up.",
+                 "inputSchema": {"type": "object", "required": ["orderId"], "properties": {"orderId": {"type": "string"}}},
+                 "http": {"url": format!("{base}/tools/{t}/lookup_order"), "idempotent": true, "readOnly": true}},
+                {"name": "issue_refund", "description": "Refunds an amount.",
+                 "inputSchema": {"type": "object", "required": ["orderId", "amount"],
+                                 "properties": {"orderId": {"type": "string"}, "amount": {"type": "number"}}},
+                 "http": {"url": format!("{base}/tools/{t}/issue_refund"), "idempotent": true}},
+                {"name": "notify", "description": "Sends the customer a message.",
+                 "inputSchema": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+                 "http": {"url": format!("{base}/tools/{t}/nokey/notify"), "idempotent": false,
+                          "lookup": format!("{base}/tools/{t}/lookup/notify")}}
+            ]
+        })
+    }
+
+    async fn create_run(&self, name: &str, spec: Value, annotations: Value) -> AgentRun {
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
+        let run: AgentRun = serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": spec
+        }))
+        .expect("run manifest");
+        runs.create(&PostParams::default(), &run)
+            .await
+            .expect("creating the run")
+    }
+
+    async fn wait_phase(&self, name: &str, phase: Phase) -> AgentRun {
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
+        common::wait_for(
+            &format!("run {name} to reach {phase:?}"),
+            TIMEOUT,
+            || async {
+                let run = runs.get(name).await.map_err(|e| e.to_string())?;
+                let now = run.status.as_ref().and_then(|s| s.phase);
+                if now.is_some_and(|p| p.is_terminal()) && now != Some(phase) {
+                    panic!(
+                        "run {name} ended {now:?} instead of {phase:?}: {:?}",
+                        run.status
+                    );
+                }
+                if now == Some(phase) {
+                    Ok(run)
+                } else {
+                    Err(format!("{:?}", run.status))
+                }
+            },
+        )
+        .await
+    }
+
+    /// The run's log, decoded, after checking its hash chain ends at the
+    /// head hash recorded in the run's status.
+    async fn log(&self, run: &AgentRun) -> Vec<(agentrun::store::Record, Step)> {
+        let store = agentrun::store::open(&common::store::e2e_store_url().await)
+            .await
+            .unwrap();
+        let uid = run.metadata.uid.clone().unwrap();
+        let status_log = run
+            .status
+            .as_ref()
+            .and_then(|s| s.log.clone())
+            .expect("status.log");
+        let head: agentrun::store::Hash = status_log.head_hash.expect("head hash").parse().unwrap();
+        let verified = store
+            .verify(&uid, Some(&head))
+            .await
+            .expect("the log's chain verifies against status");
+        assert_eq!(verified.len, status_log.length);
+        store
+            .read_all(&uid)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).expect("decodes");
+                (r, step)
+            })
+            .collect()
+    }
+}
+
+fn kinds(log: &[(agentrun::store::Record, Step)]) -> Vec<&'static str> {
+    log.iter().map(|(_, s)| s.kind()).collect()
+}
+
+fn call(name: &str, args: Value) -> Value {
+    json!({"toolCalls": [{"name": name, "arguments": args}]})
+}
+
+fn finish(result: &str) -> Value {
+    call("finish", json!({"result": result}))
+}
+
+#[tokio::test]
+async fn a_twenty_step_run_succeeds_with_every_step_in_the_log() {
+    let w = World::new("twenty", &[]).await;
+    let mut replies = Vec::new();
+    for i in 0..19 {
+        replies.push(match i % 3 {
+            0 => call("lookup_order", json!({"orderId": format!("o-{i}")})),
+            1 => call(
+                "issue_refund",
+                json!({"orderId": format!("o-{i}"), "amount": i}),
+            ),
+            _ => call("notify", json!({"text": format!("update {i}")})),
+        });
+    }
+    replies.push(finish("19 tool steps done"));
+    w.standins
+        .script("twenty", Value::Array(replies), json!([]))
+        .await;
+    w.create_run(
+        "twenty",
+        json!({"input": "Handle the refund queue.", "agent": w.agent("twenty")}),
+        json!({}),
+    )
+    .await;
+
+    let run = w.wait_phase("twenty", Phase::Succeeded).await;
+    let status = run.status.clone().unwrap();
+    assert_eq!(status.result.as_deref(), Some("19 tool steps done"));
+    let log = w.log(&run).await;
+    let mut expected = vec!["RunStarted"];
+    for _ in 0..19 {
+        expected.extend(["ModelCall", "ToolIntent", "ToolResult"]);
+    }
+    expected.extend(["ModelCall", "RunFinished"]);
+    assert_eq!(kinds(&log), expected);
+    assert_eq!(status.usage.as_ref().unwrap().steps, 60);
+    assert!(status.usage.as_ref().unwrap().cost_usd > 0.0);
+    assert_eq!(
+        w.standins.model_requests("twenty").await.len(),
+        20,
+        "one model call per recorded ModelCall"
+    );
+    assert_eq!(
+        w.standins.effects(w.name()).await.len(),
+        19,
+        "one side effect per tool call"
+    );
+    let table = common::kubectl(&["get", "ar", "twenty", "-n", w.name()]);
+    assert!(
+        table.contains("Succeeded") && table.contains(" 60 "),
+        "{table}"
+    );
+}
+
+#[tokio::test]
+async fn a_step_killed_after_recording_the_model_call_resumes_without_asking_again() {
+    let w = World::new("killmodel", &[]).await;
+    let replies = json!([
+        call("lookup_order", json!({"orderId": "1042"})),
+        call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+        finish("refunded 40")
+    ]);
+    w.standins.script("km", replies, json!([])).await;
+    let fp = json!({"agentrun.dev/failpoint": "after-append:ModelCall"});
+    w.create_run(
+        "km",
+        json!({"input": "Refund order 1042.", "agent": w.agent("km")}),
+        fp,
+    )
+    .await;
+
+    let run = w.wait_phase("km", Phase::Succeeded).await;
+    let log = w.log(&run).await;
+    let model_calls = log
+        .iter()
+        .filter(|(_, s)| matches!(s, Step::ModelCall(_)))
+        .count();
+    assert_eq!(model_calls, 3);
+    assert_eq!(
+        w.standins.model_requests("km").await.len(),
+        3,
+        "a recorded model answer is never asked for again"
+    );
+    assert!(
+        log.iter().any(|(r, _)| r.worker.attempt >= 2),
+        "a retried attempt wrote part of the log"
+    );
+    assert_eq!(w.standins.effects(w.name()).await.len(), 2);
+}
+
+#[tokio::test]
+async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
+    let w = World::new("killtool", &[]).await;
+    // Idempotent tool: called again with the same key, the server does it once.
+    w.standins
+        .script(
+            "idem",
+            json!([
+                call("issue_refund", json!({"orderId": "7", "amount": 70})),
+                finish("ok")
+            ]),
+            json!([]),
+        )
+        .await;
+    // Not idempotent: the runner asks the lookup instead of calling again.
+    w.standins
+        .script(
+            "nokey",
+            json!([call("notify", json!({"text": "refund sent"})), finish("ok")]),
+            json!([]),
+        )
+        .await;
+    let fp = json!({"agentrun.dev/failpoint": "after-tool-call"});
+    w.create_run(
+        "idem",
+        json!({"input": "Refund order 7.", "agent": w.agent("idem")}),
+        fp.clone(),
+    )
+    .await;
+    w.create_run(
+        "nokey",
+        json!({"input": "Tell the customer.", "agent": w.agent("nokey")}),
+        fp,
+    )
+    .await;
+
+    let idem = w.wait_phase("idem", Phase::Succeeded).await;
+    let nokey = w.wait_phase("nokey", Phase::Succeeded).await;
+
+    let effects = w.standins.effects(w.name()).await;
+    let of = |tool: &str| effects.iter().filter(|e| e["tool"] == tool).count();
+    assert_eq!(
+        (of("issue_refund"), of("notify")),
+        (1, 1),
+        "each side effect happened exactly once: {effects:?}"
+    );
+
+    let requests = w.standins.tool_requests(w.name()).await;
+    let refund_keys: Vec<_> = requests
+        .iter()
+        .filter(|r| r["tool"] == "issue_refund")
+        .map(|r| r["key"].clone())
+        .collect();
+    assert_eq!(
+        refund_keys.len(),
+        2,
+        "the refund was sent twice (before and after the crash): {requests:?}"
+    );
+    assert_eq!(
+        refund_keys[0], refund_keys[1],
+        "with the same idempotency key"
+    );
+
+    let recovery = |log: &[(agentrun::store::Record, Step)]| {
+        log.iter().find_map(|(_, s)| match s {
+            Step::ToolResult(r) => r.recovery,
+            _ => None,
+        })
+    };
+    use agentrun::step::records::Recovery;
+    assert_eq!(
+        recovery(&w.log(&idem).await),
+        Some(Recovery::RetriedWithSameKey)
+    );
+    assert_eq!(
+        recovery(&w.log(&nokey).await),
+        Some(Recovery::LookupFoundResult)
+    );
+    assert_eq!(w.standins.model_requests("idem").await.len(), 2);
+}
+
+#[tokio::test]
+async fn budgets_deadlines_and_cancel_end_runs_with_their_partial_result() {
+    let w = World::new("limits", &[]).await;
+    let busy = |n: usize, delay: u64| {
+        Value::Array(
+            (0..n)
+                .map(|i| {
+                    json!({"text": format!("progress {i}"), "delayMs": delay,
+                           "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": format!("{i}")}}]})
+                })
+                .collect(),
+        )
+    };
+    w.standins.script("budget", busy(20, 0), json!([])).await;
+    w.standins
+        .script("deadline", busy(20, 1500), json!([]))
+        .await;
+    w.standins.script("cancel", busy(20, 1500), json!([])).await;
+
+    let mut budget_agent = w.agent("budget");
+    budget_agent["budgets"] = json!({"maxSteps": 7});
+    w.create_run(
+        "budget",
+        json!({"input": "Loop.", "agent": budget_agent}),
+        json!({}),
+    )
+    .await;
+    w.create_run(
+        "deadline",
+        json!({"input": "Loop.", "agent": w.agent("deadline"), "deadline": "5s"}),
+        json!({}),
+    )
+    .await;
+    w.create_run(
+        "cancel",
+        json!({"input": "Loop.", "agent": w.agent("cancel")}),
+        json!({}),
+    )
+    .await;
+
+    let run = w.wait_phase("budget", Phase::BudgetExceeded).await;
+    let s = run.status.unwrap();
+    assert_eq!(
+        s.result.as_deref(),
+        Some("progress 1"),
+        "the partial result is the agent's latest words"
+    );
+    assert!(s.error.unwrap().contains("step budget"));
+    assert_eq!(
+        w.standins.model_requests("budget").await.len(),
+        2,
+        "no model call past the budget"
+    );
+
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    common::wait_for("the cancel run to record a model call", TIMEOUT, || async {
+        let r = runs.get("cancel").await.ok()?;
+        (r.status?.log?.length >= 2).then_some(())
+    })
+    .await;
+    runs.patch(
+        "cancel",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"cancel": true}})),
+    )
+    .await
+    .expect("cancelling");
+    let cancelled = w.wait_phase("cancel", Phase::Cancelled).await;
+    assert!(
+        cancelled
+            .status
+            .unwrap()
+            .result
+            .unwrap_or_default()
+            .starts_with("progress")
+    );
+
+    let run = w.wait_phase("deadline", Phase::DeadlineExceeded).await;
+    let s = run.status.unwrap();
+    assert!(s.error.unwrap().contains("5s"));
+    let log = w.log(&runs.get("deadline").await.unwrap()).await;
+    assert_eq!(kinds(&log).last(), Some(&"RunFinished"));
+}
+
+#[tokio::test]
+async fn editing_the_agent_mid_run_moves_only_follow_latest_runs() {
+    // One step per Job, so every step is a boundary where versions may move.
+    let w = World::new("versions", &["--time-slice-seconds", "0"]).await;
+    let slow_then_done = |id: &str| {
+        json!([
+            {"delayMs": 4000, "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": id}}]},
+            call("lookup_order", json!({"orderId": "again"})),
+            finish("done")
+        ])
+    };
+    w.standins
+        .script("pinned", slow_then_done("p"), json!([]))
+        .await;
+    w.standins
+        .script("follow", slow_then_done("f"), json!([]))
+        .await;
+    let agents: Api<agentrun::api::Agent> = Api::namespaced(w.client.clone(), w.name());
+    for id in ["pinned", "follow"] {
+        let agent: agentrun::api::Agent = serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+            "metadata": {"name": id}, "spec": w.agent(id)
+        }))
+        .unwrap();
+        agents.create(&PostParams::default(), &agent).await.unwrap();
+    }
+    w.create_run(
+        "pinned",
+        json!({"input": "x", "agentRef": {"name": "pinned"}}),
+        json!({}),
+    )
+    .await;
+    w.create_run(
+        "follow",
+        json!({"input": "x", "agentRef": {"name": "follow"}, "versionPolicy": "FollowLatest"}),
+        json!({}),
+    )
+    .await;
+    // While the first model call is in flight, the prompt changes.
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    for id in ["pinned", "follow"] {
+        common::wait_for("the run to start", TIMEOUT, || async {
+            (runs.get(id).await.ok()?.status?.log?.length >= 1).then_some(())
+        })
+        .await;
+        let patch = json!({"spec": {"prompt": {"version": "v2", "system": "NEW PROMPT v2"}}});
+        agents
+            .patch(id, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .unwrap();
+    }
+    let pinned = w.wait_phase("pinned", Phase::Succeeded).await;
+    let follow = w.wait_phase("follow", Phase::Succeeded).await;
+
+    let system = |r: &Value| {
+        r["messages"][0]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let pinned_systems: Vec<_> = w
+        .standins
+        .model_requests("pinned")
+        .await
+        .iter()
+        .map(system)
+        .collect();
+    assert!(
+        pinned_systems
+            .iter()
+            .all(|s| s.contains("careful refund agent")),
+        "{pinned_systems:?}"
+    );
+    assert!(!kinds(&w.log(&pinned).await).contains(&"VersionChanged"));
+    assert_eq!(pinned.status.unwrap().pinned.unwrap().prompt_version, "v1");
+
+    let follow_log = w.log(&follow).await;
+    assert!(
+        kinds(&follow_log).contains(&"VersionChanged"),
+        "{:?}",
+        kinds(&follow_log)
+    );
+    let follow_systems: Vec<_> = w
+        .standins
+        .model_requests("follow")
+        .await
+        .iter()
+        .map(system)
+        .collect();
+    assert!(
+        follow_systems
+            .first()
+            .unwrap()
+            .contains("careful refund agent")
+    );
+    assert!(
+        follow_systems.last().unwrap().contains("NEW PROMPT v2"),
+        "{follow_systems:?}"
+    );
+    assert_eq!(follow.status.unwrap().pinned.unwrap().prompt_version, "v2");
+}
+
+#[tokio::test]
+async fn a_small_context_budget_compacts_into_a_summary() {
+    let w = World::new("compact", &[]).await;
+    let pad = "x".repeat(600);
+    let mut replies = vec![json!({"text": format!("FIRST-MARKER {pad}"),
+                                  "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "first"}}]})];
+    for i in 0..6 {
+        replies.push(json!({"text": format!("step {i} {pad}"),
+                            "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": format!("{i}")}}]}));
+    }
+    replies.push(finish("compacted and done"));
+    let summaries: Vec<Value> = (0..5)
+        .map(|i| json!({"text": format!("SUMMARY-{i}: orders looked up so far")}))
+        .collect();
+    w.standins
+        .script("compact", Value::Array(replies), Value::Array(summaries))
+        .await;
+    let mut agent = w.agent("compact");
+    agent["context"] = json!({"maxTokens": 900, "recentSteps": 3});
+    w.create_run(
+        "compact",
+        json!({"input": "Look orders up.", "agent": agent}),
+        json!({}),
+    )
+    .await;
+
+    let run = w.wait_phase("compact", Phase::Succeeded).await;
+    let log = w.log(&run).await;
+    assert!(kinds(&log).contains(&"Summary"), "{:?}", kinds(&log));
+    let requests = w.standins.model_requests("compact").await;
+    let toolless = |r: &Value| {
+        r.get("tools")
+            .and_then(Value::as_array)
+            .is_none_or(|t| t.is_empty())
+    };
+    let summarizing: Vec<_> = requests.iter().filter(|r| toolless(r)).collect();
+    assert!(
+        !summarizing.is_empty(),
+        "compaction asks the model without tools"
+    );
+    // After the first summary, step requests carry the summary, not the early steps.
+    let first_summary = requests.iter().position(toolless).unwrap();
+    let later = requests[first_summary + 1..]
+        .iter()
+        .filter(|r| !toolless(r))
+        .last()
+        .unwrap();
+    let body = later.to_string();
+    assert!(
+        body.contains("SUMMARY-"),
+        "a later request carries the summary"
+    );
+    assert!(
+        !body.contains("FIRST-MARKER"),
+        "a later request no longer carries the first step"
+    );
+    // The full log keeps everything.
+    assert!(
+        log.iter()
+            .any(|(r, _)| r.payload.to_string().contains("FIRST-MARKER"))
+    );
+}
