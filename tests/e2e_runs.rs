@@ -77,7 +77,11 @@ impl World {
                 {"name": "notify", "description": "Sends the customer a message.",
                  "inputSchema": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
                  "http": {"url": format!("{base}/tools/{t}/nokey/notify"), "idempotent": false,
-                          "lookup": format!("{base}/tools/{t}/lookup/notify")}}
+                          "lookup": format!("{base}/tools/{t}/lookup/notify")}},
+                {"name": "page_oncall", "description": "Pages the on-call engineer (no key, no lookup).",
+                 "http": {"url": format!("{base}/tools/{t}/nokey/page_oncall")}},
+                {"name": "create_ticket", "description": "Opens a ticket (MCP).",
+                 "mcp": {"url": format!("{base}/mcp/{t}")}}
             ]
         })
     }
@@ -173,6 +177,10 @@ async fn a_twenty_step_run_succeeds_with_every_step_in_the_log() {
                 "issue_refund",
                 json!({"orderId": format!("o-{i}"), "amount": i}),
             ),
+            _ if i % 2 == 0 => call(
+                "create_ticket",
+                json!({"title": format!("ticket {i}"), "priority": "low"}),
+            ),
             _ => call("notify", json!({"text": format!("update {i}")})),
         });
     }
@@ -204,11 +212,19 @@ async fn a_twenty_step_run_succeeds_with_every_step_in_the_log() {
         20,
         "one model call per recorded ModelCall"
     );
-    assert_eq!(
-        w.standins.effects(w.name()).await.len(),
-        19,
-        "one side effect per tool call"
-    );
+    let http_effects = w.standins.effects(w.name()).await.len();
+    let mcp: Value = w.standins.get(&format!("/mcp-effects/{}", w.name())).await;
+    let tickets = mcp["tickets"].as_array().map_or(0, Vec::len);
+    assert!(tickets > 0, "the MCP tool was called: {mcp}");
+    assert_eq!(http_effects + tickets, 19, "one side effect per tool call");
+    // The MCP tool's schema, as discovered, is pinned in RunStarted.
+    match &log[0].1 {
+        Step::RunStarted(s) => assert!(
+            s.mcp.contains_key("create_ticket")
+                && s.tools.iter().any(|t| t.name == "create_ticket")
+        ),
+        other => panic!("seq 0 is {other:?}"),
+    }
     let table = common::kubectl(&["get", "ar", "twenty", "-n", w.name()]);
     assert!(
         table.contains("Succeeded") && table.contains(" 60 "),
@@ -288,6 +304,20 @@ async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
     )
     .await;
 
+    // Neither idempotent nor readable back: a human must say whether it happened.
+    let page = json!([
+        call("page_oncall", json!({"why": "refund stuck"})),
+        finish("ok")
+    ]);
+    w.standins.script("blind", page, json!([])).await;
+    let fp = json!({"agentrun.dev/failpoint": "after-tool-call"});
+    w.create_run(
+        "blind",
+        json!({"input": "Page.", "agent": w.agent("blind")}),
+        fp,
+    )
+    .await;
+
     let idem = w.wait_phase("idem", Phase::Succeeded).await;
     let nokey = w.wait_phase("nokey", Phase::Succeeded).await;
 
@@ -331,6 +361,26 @@ async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
         Some(Recovery::LookupFoundResult)
     );
     assert_eq!(w.standins.model_requests("idem").await.len(), 2);
+
+    let blind = w.wait_phase("blind", Phase::Failed).await;
+    let error = blind.status.clone().unwrap().error.unwrap_or_default();
+    assert!(
+        error.contains("page_oncall") && error.contains("a human must reconcile"),
+        "{error}"
+    );
+    let effects = w.standins.effects(w.name()).await;
+    let pages = effects
+        .iter()
+        .filter(|e| e["tool"] == "page_oncall")
+        .count();
+    assert_eq!(
+        pages, 1,
+        "the call whose outcome is unknown was not repeated"
+    );
+    match &w.log(&blind).await.last().unwrap().1 {
+        Step::RunFinished(f) => assert_eq!(f.outcome, agentrun::step::records::Outcome::NeedsHuman),
+        other => panic!("last record is {other:?}"),
+    }
 }
 
 #[tokio::test]
@@ -580,4 +630,56 @@ async fn a_small_context_budget_compacts_into_a_summary() {
         log.iter()
             .any(|(r, _)| r.payload.to_string().contains("FIRST-MARKER"))
     );
+}
+
+#[tokio::test]
+async fn a_lost_worker_is_noticed_by_its_lease_and_replaced() {
+    let w = World::new("lost", &[]).await;
+    let replies = json!([
+        call("lookup_order", json!({"orderId": "9"})),
+        call("issue_refund", json!({"orderId": "9", "amount": 9})),
+        finish("refunded 9")
+    ]);
+    w.standins.script("lost", replies, json!([])).await;
+    // The worker freezes (alive, holding its Job, renewing nothing) after recording its first model call.
+    let fp = json!({"agentrun.dev/failpoint": "hang:after-append:ModelCall"});
+    w.create_run(
+        "lost",
+        json!({"input": "Refund order 9.", "agent": w.agent("lost")}),
+        fp,
+    )
+    .await;
+
+    let run = w.wait_phase("lost", Phase::Succeeded).await;
+    let log = w.log(&run).await;
+    let (first, _) = &log[1];
+    let (next, _) = &log[2];
+    assert_eq!(
+        (first.kind.as_str(), first.worker.attempt),
+        ("ModelCall", 1)
+    );
+    assert_eq!(next.worker.attempt, 2, "a second worker took over");
+    let gap = (next.created_at.unwrap() - first.created_at.unwrap()).num_seconds();
+    assert!(
+        gap >= 8,
+        "the takeover waited for the frozen worker's lease to expire (gap {gap} s)"
+    );
+    assert!(
+        gap <= 30,
+        "the lost worker was noticed promptly (gap {gap} s)"
+    );
+    assert_eq!(
+        w.standins.model_requests("lost").await.len(),
+        3,
+        "the recorded model call was not asked again"
+    );
+    let events = common::kubectl(&[
+        "get",
+        "events",
+        "-n",
+        w.name(),
+        "--field-selector",
+        "reason=StepStopped",
+    ]);
+    assert!(events.contains("StepStopped"), "{events}");
 }

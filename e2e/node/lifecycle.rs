@@ -53,7 +53,10 @@ fn stage_binary(state_dir: &Path, dir: &Path, name: &str) -> PathBuf {
         for d in [state_dir, &state_dir.join("bin"), &staged_dir] {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
         }
-        let tmp = staged_dir.join(format!(".{name}.{}", std::process::id()));
+        // Pods may start together: each copies to its own temporary file.
+        static COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = staged_dir.join(format!(".{name}.{}.{n}", std::process::id()));
         std::fs::copy(&src, &tmp)?;
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
         std::fs::rename(&tmp, &staged)

@@ -203,7 +203,7 @@ fn job_age_allows_judging(o: &Observed, job: &JobView) -> bool {
         .and_then(|s| s.step.as_ref())
         .filter(|s| s.job.as_deref() == Some(&job.name));
     match started.and_then(|s| s.started_at.as_ref()) {
-        Some(t) => o.now.duration_since(t.0).as_secs() >= 20,
+        Some(t) => o.now.duration_since(t.0).as_secs() >= 15,
         None => true,
     }
 }

@@ -1,7 +1,9 @@
 //! Failpoints: the step runner can be made to die at every boundary between
 //! acting and recording, to prove that resuming loses nothing and repeats no
-//! side effect. Switched on by `AGENTRUN_FAILPOINT=<name>`; the process
+//! side effect. Switched on by `AGENTRUN_FAILPOINT=<name>`: the process
 //! aborts (no cleanup, lease left to expire) the first time it reaches it.
+//! `AGENTRUN_FAILPOINT=hang:<name>` freezes the whole process there instead
+//! (SIGSTOP): a worker that is alive but lost, which only its lease tells.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,10 +45,22 @@ fn armed() -> Option<&'static str> {
         .as_deref()
 }
 
-/// Dies here if this failpoint is armed (once per process).
+/// Dies (or freezes) here if this failpoint is armed (once per process).
 pub fn hit(name: &str) {
     static FIRED: AtomicBool = AtomicBool::new(false);
-    if armed() == Some(name) && !FIRED.swap(true, Ordering::SeqCst) {
+    let Some(armed) = armed() else { return };
+    let (hang, point) = match armed.strip_prefix("hang:") {
+        Some(point) => (true, point),
+        None => (false, armed),
+    };
+    if point != name || FIRED.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    if hang {
+        eprintln!("agentrun step: failpoint {name} reached: freezing");
+        // SAFETY: raise(2) has no memory effects; the process stops until killed.
+        unsafe { libc::raise(libc::SIGSTOP) };
+    } else {
         eprintln!("agentrun step: failpoint {name} reached: aborting");
         std::process::abort();
     }

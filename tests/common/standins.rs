@@ -83,7 +83,7 @@ impl Standins {
             .unwrap_or_default()
     }
 
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+    pub async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
         self.http
             .get(format!("{}{path}", self.base))
             .send()
