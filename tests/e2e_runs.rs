@@ -613,8 +613,7 @@ async fn a_small_context_budget_compacts_into_a_summary() {
     let first_summary = requests.iter().position(toolless).unwrap();
     let later = requests[first_summary + 1..]
         .iter()
-        .filter(|r| !toolless(r))
-        .last()
+        .rfind(|r| !toolless(r))
         .unwrap();
     let body = later.to_string();
     assert!(
