@@ -5,6 +5,7 @@
 pub mod api;
 pub mod controller;
 pub mod model;
+pub mod policy;
 pub mod step;
 pub mod store;
 pub mod telemetry;

@@ -1,7 +1,7 @@
 //! Building what the model sees: system prompt + task + latest summary +
 //! recent steps. The full log is always kept; only the context is compacted.
 
-use super::records::{ContextInfo, Summary};
+use super::records::{ApprovalDecided, ApprovalRequested, ContextInfo, Summary, Verdict};
 use super::replay::{RunState, Snapshot, Step};
 use crate::model::{Message, ModelRequest, estimate_tokens};
 use crate::tools::ToolOutcome;
@@ -125,12 +125,21 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
             continue;
         }
         match step {
-            Step::ModelCall(m) => messages.push(Message::Assistant {
-                text: m.response.text.clone(),
-                tool_calls: m.response.tool_calls.clone(),
-            }),
+            Step::ModelCall(m) => {
+                // The model sees each call as it ran: edited arguments, not the proposal.
+                let mut tool_calls = m.response.tool_calls.clone();
+                for (index, call) in tool_calls.iter_mut().enumerate() {
+                    if let Some(args) = executed_arguments(state, seq, index) {
+                        call.arguments = args;
+                    }
+                }
+                messages.push(Message::Assistant { text: m.response.text.clone(), tool_calls });
+            }
             Step::ToolResult(r) => {
-                let (content, is_error) = outcome_for_model(&r.outcome);
+                let (mut content, is_error) = outcome_for_model(&r.outcome);
+                if let Some(note) = edit_note(state, r.intent_seq) {
+                    content = format!("{note}\nResult: {content}");
+                }
                 messages.push(Message::ToolResult {
                     call_id: r.call_id.clone(),
                     name: r.tool.clone(),
@@ -138,11 +147,83 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                     is_error,
                 });
             }
-            Step::Observation(o) => messages.push(Message::User {
-                text: o.text.clone(),
-            }),
+            // A call that never ran still gets its answer: why it did not.
+            Step::ApprovalDecided(d) if d.settles_without_running() => {
+                if let Some(Step::ApprovalRequested(r)) = state.steps.get(d.request_seq as usize) {
+                    messages.push(Message::ToolResult {
+                        call_id: r.call_id.clone(),
+                        name: r.tool.clone(),
+                        content: not_run_note(r, d),
+                        is_error: true,
+                    });
+                }
+            }
+            Step::Observation(o) => messages.push(Message::User { text: o.text.clone() }),
             _ => {}
         }
+    }
+}
+
+/// The arguments call `index` of the ModelCall at `model_call_seq` ran with.
+fn executed_arguments(state: &RunState, model_call_seq: u64, index: usize) -> Option<serde_json::Value> {
+    state.steps.iter().skip(model_call_seq as usize + 1).find_map(|s| match s {
+        Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => Some(i.arguments.clone()),
+        _ => None,
+    })
+}
+
+/// "bob changed amount from 500 to 300: partial refund", for an edited call.
+fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
+    let Some(Step::ToolIntent(intent)) = state.steps.get(intent_seq as usize) else { return None };
+    let (request, decided) = state.steps[..intent_seq as usize].iter().rev().find_map(|s| match s {
+        Step::ApprovalDecided(d) if d.verdict == Verdict::Edit => match state.steps.get(d.request_seq as usize) {
+            Some(Step::ApprovalRequested(r))
+                if r.model_call_seq == intent.model_call_seq && r.call_index == intent.call_index =>
+            {
+                Some((r, d))
+            }
+            _ => None,
+        },
+        _ => None,
+    })?;
+    let editor = decided.decisions.iter().find(|d| d.verdict == crate::api::Verdict::Edit)?;
+    let mut changes = Vec::new();
+    if let (Some(old), Some(new)) = (request.arguments.as_object(), intent.arguments.as_object()) {
+        for (k, v) in new {
+            match old.get(k) {
+                Some(o) if o == v => {}
+                Some(o) => changes.push(format!("{k} from {o} to {v}")),
+                None => changes.push(format!("{k} to {v}")),
+            }
+        }
+        for k in old.keys().filter(|k| !new.contains_key(*k)) {
+            changes.push(format!("removed {k}"));
+        }
+    }
+    let what = if changes.is_empty() { "nothing".to_string() } else { changes.join(", ") };
+    let why = editor.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
+    Some(format!("{} changed {what}{why}", editor.approver))
+}
+
+/// Why a call that needed approval did not run, as the model is told.
+fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
+    match decided.verdict {
+        Verdict::Reject => {
+            let who: Vec<String> = decided
+                .decisions
+                .iter()
+                .filter(|d| d.verdict == crate::api::Verdict::Reject)
+                .map(|d| match &d.reason {
+                    Some(r) => format!("{}: {r}", d.approver),
+                    None => d.approver.clone(),
+                })
+                .collect();
+            format!("{} rejected by {}. The call did not run.", request.tool, who.join("; "))
+        }
+        _ => format!(
+            "{} was not approved in time (the approval expired). The call did not run; choose another way.",
+            request.tool
+        ),
     }
 }
 

@@ -146,3 +146,104 @@ pub struct RunFinished {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
+
+/// A proposed call that a human must decide, with everything the approver sees.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalRequested {
+    pub model_call_seq: u64,
+    pub call_index: usize,
+    pub call_id: String,
+    pub tool: String,
+    /// Arguments exactly as they will execute.
+    pub arguments: serde_json::Value,
+    /// sha256 of the canonical JSON of `{"tool": ..., "arguments": ...}`.
+    pub arguments_hash: String,
+    /// The agent's stated reason (its words next to the call).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Recent tool results the call may depend on.
+    #[serde(default)]
+    pub observations: Vec<crate::api::ObservedResult>,
+    /// Versions of the declared dependencies, read now.
+    #[serde(default)]
+    pub dependencies: Vec<crate::api::DependencyVersion>,
+    pub gate: crate::policy::Gate,
+    /// 0 for the first request, n for the n-th escalation.
+    #[serde(default)]
+    pub escalation: u32,
+    /// The safe alternative the agent proposed (`_alternative` in its arguments).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alternative: Option<serde_json::Value>,
+}
+
+/// The verdict on a request.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Approve,
+    Edit,
+    Reject,
+    /// Nobody decided in time (`onExpiry` says what follows).
+    Expired,
+}
+
+/// One approver's decision, as the controller read it from the Approval.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedDecision {
+    pub approver: String,
+    pub verdict: crate::api::Verdict,
+    pub arguments_hash: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The decision on the request at `request_seq`, appended by the controller.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalDecided {
+    pub request_seq: u64,
+    /// The Approval object the decisions were read from.
+    pub approval: String,
+    pub verdict: Verdict,
+    /// Every decision that counted, with who, what and which hash.
+    pub decisions: Vec<RecordedDecision>,
+    /// Arguments to execute (Approve: as requested; Edit: as edited).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<serde_json::Value>,
+    /// Hash of the observations the approvers were shown.
+    pub observations_hash: String,
+    /// For `Expired`: what the policy said to do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_expiry: Option<crate::api::OnExpiry>,
+}
+
+impl ApprovalDecided {
+    /// The call will never run and the agent is told so: rejected, or expired
+    /// back to the agent (or to an alternative it did not give).
+    pub fn settles_without_running(&self) -> bool {
+        use crate::api::OnExpiry;
+        match self.verdict {
+            Verdict::Reject => true,
+            Verdict::Expired => match self.on_expiry {
+                Some(OnExpiry::ReturnToAgent) => true,
+                Some(OnExpiry::Alternative) => self.arguments.is_none(),
+                _ => false,
+            },
+            Verdict::Approve | Verdict::Edit => false,
+        }
+    }
+}
+
+/// An approval that no longer holds: a record it depended on changed.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalVoided {
+    pub request_seq: u64,
+    pub reason: String,
+    /// Dependency versions now (the request holds the old ones).
+    #[serde(default)]
+    pub dependencies: Vec<crate::api::DependencyVersion>,
+}

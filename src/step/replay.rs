@@ -19,9 +19,9 @@ pub enum Step {
     ModelCall(ModelCall),
     ToolIntent(ToolIntent),
     ToolResult(ToolResult),
-    ApprovalRequested(Value),
-    ApprovalDecided(Value),
-    ApprovalVoided(Value),
+    ApprovalRequested(ApprovalRequested),
+    ApprovalDecided(ApprovalDecided),
+    ApprovalVoided(ApprovalVoided),
     Observation(Observation),
     Summary(Summary),
     VersionChanged(VersionChanged),
@@ -53,9 +53,9 @@ impl Step {
             "ModelCall" => Step::ModelCall(de(seq, kind, payload)?),
             "ToolIntent" => Step::ToolIntent(de(seq, kind, payload)?),
             "ToolResult" => Step::ToolResult(de(seq, kind, payload)?),
-            "ApprovalRequested" => Step::ApprovalRequested(payload.clone()),
-            "ApprovalDecided" => Step::ApprovalDecided(payload.clone()),
-            "ApprovalVoided" => Step::ApprovalVoided(payload.clone()),
+            "ApprovalRequested" => Step::ApprovalRequested(de(seq, kind, payload)?),
+            "ApprovalDecided" => Step::ApprovalDecided(de(seq, kind, payload)?),
+            "ApprovalVoided" => Step::ApprovalVoided(de(seq, kind, payload)?),
             "Observation" => Step::Observation(de(seq, kind, payload)?),
             "Summary" => Step::Summary(de(seq, kind, payload)?),
             "VersionChanged" => Step::VersionChanged(de(seq, kind, payload)?),
@@ -94,9 +94,9 @@ impl Step {
             Step::ModelCall(p) => serde_json::to_value(p),
             Step::ToolIntent(p) => serde_json::to_value(p),
             Step::ToolResult(p) => serde_json::to_value(p),
-            Step::ApprovalRequested(p) | Step::ApprovalDecided(p) | Step::ApprovalVoided(p) => {
-                Ok(p.clone())
-            }
+            Step::ApprovalRequested(p) => serde_json::to_value(p),
+            Step::ApprovalDecided(p) => serde_json::to_value(p),
+            Step::ApprovalVoided(p) => serde_json::to_value(p),
             Step::Observation(p) => serde_json::to_value(p),
             Step::Summary(p) => serde_json::to_value(p),
             Step::VersionChanged(p) => serde_json::to_value(p),
@@ -137,6 +137,21 @@ pub struct RunState {
     pub summary: Option<(u64, Summary)>,
 }
 
+/// Where one proposed tool call stands.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CallState {
+    /// Nothing recorded yet (or its approval was voided).
+    Open,
+    /// Waiting for the decision on the request at this seq.
+    Pending(u64),
+    /// Approved (request seq, arguments to run), not yet intended.
+    Approved(u64, serde_json::Value),
+    /// An intent is recorded: the call runs (or ran).
+    Intended,
+    /// Rejected, or expired back to the agent: it never runs.
+    Settled,
+}
+
 /// What the runner should do next.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Next {
@@ -152,6 +167,15 @@ pub enum Next {
     },
     /// Execute the tool call recorded at `intent_seq`, which has no result yet.
     ExecuteTool { intent_seq: u64, intent: ToolIntent },
+    /// A request for approval waits for its decision: the controller's turn.
+    AwaitApproval { request_seq: u64 },
+    /// Approved (perhaps with edited arguments): re-check what it depends on,
+    /// then record the intent to make it with `arguments`.
+    Approved {
+        request_seq: u64,
+        request: ApprovalRequested,
+        arguments: serde_json::Value,
+    },
     /// The agent is done: append `RunFinished`.
     Finish {
         outcome: Outcome,
@@ -246,8 +270,16 @@ impl RunState {
             };
         }
         for (index, tc) in calls.iter().enumerate() {
-            if self.intent_for(model_call_seq, index).is_some() {
-                continue;
+            match self.call_state(model_call_seq, index) {
+                CallState::Intended | CallState::Settled => continue,
+                CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
+                CallState::Approved(request_seq, arguments) => {
+                    let Some(Step::ApprovalRequested(request)) = self.steps.get(request_seq as usize) else {
+                        unreachable!("call_state returns the seq of an ApprovalRequested")
+                    };
+                    return Next::Approved { request_seq, request: request.clone(), arguments };
+                }
+                CallState::Open => {}
             }
             if tc.name == FINISH_TOOL {
                 return Next::Finish {
@@ -262,6 +294,52 @@ impl RunState {
             };
         }
         Next::CallModel
+    }
+
+    /// Where call `index` of the ModelCall at `model_call_seq` stands.
+    pub fn call_state(&self, model_call_seq: u64, index: usize) -> CallState {
+        let mut state = CallState::Open;
+        for (seq, step) in self.steps.iter().enumerate().skip(model_call_seq as usize + 1) {
+            let seq = seq as u64;
+            match step {
+                Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
+                    return CallState::Intended;
+                }
+                Step::ApprovalRequested(r) if r.model_call_seq == model_call_seq && r.call_index == index => {
+                    state = CallState::Pending(seq);
+                }
+                Step::ApprovalVoided(v) if state == CallState::Pending(v.request_seq) => state = CallState::Open,
+                Step::ApprovalDecided(d) if state == CallState::Pending(d.request_seq) => {
+                    state = match (&d.arguments, d.settles_without_running()) {
+                        (_, true) => CallState::Settled,
+                        (Some(args), false) => CallState::Approved(d.request_seq, args.clone()),
+                        // Expired into escalation or failure: the controller follows up.
+                        (None, false) => CallState::Pending(d.request_seq),
+                    };
+                }
+                _ => {}
+            }
+        }
+        state
+    }
+
+    /// Where the call that the request at `request_seq` is about stands.
+    pub fn call_state_of(&self, request_seq: u64) -> Option<CallState> {
+        match self.steps.get(request_seq as usize)? {
+            Step::ApprovalRequested(r) => Some(self.call_state(r.model_call_seq, r.call_index)),
+            _ => None,
+        }
+    }
+
+    /// The request currently waiting for a decision, if any.
+    pub fn pending_approval(&self) -> Option<(u64, &ApprovalRequested)> {
+        match self.next() {
+            Next::AwaitApproval { request_seq } => match self.steps.get(request_seq as usize) {
+                Some(Step::ApprovalRequested(r)) => Some((request_seq, r)),
+                _ => None,
+            },
+            _ => None,
+        }
     }
 
     fn open_intent(&self) -> Option<(u64, &ToolIntent)> {
@@ -286,20 +364,6 @@ impl RunState {
             .rev()
             .find_map(|(seq, s)| match s {
                 Step::ModelCall(m) => Some((seq as u64, m)),
-                _ => None,
-            })
-    }
-
-    fn intent_for(&self, model_call_seq: u64, index: usize) -> Option<&ToolIntent> {
-        self.steps
-            .iter()
-            .skip(model_call_seq as usize)
-            .find_map(|s| match s {
-                Step::ToolIntent(i)
-                    if i.model_call_seq == model_call_seq && i.call_index == index =>
-                {
-                    Some(i)
-                }
                 _ => None,
             })
     }

@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 
 use super::context::{ContextPlan, plan};
+use super::approval;
 use super::failpoint;
 use super::records::*;
 use super::replay::{Next, RunState, Snapshot, Step};
+use crate::policy::{Classification, classify};
 use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::store::{self, Head, Lease, RecordDraft, StepKind, StepStore, StoreError};
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
@@ -112,6 +114,8 @@ struct Runner {
     /// Intents this process recorded itself (so executing them is not a recovery).
     own_intents: HashSet<u64>,
     tools: Option<(String, Toolbox)>,
+    /// For dependency lookups.
+    http: reqwest::Client,
 }
 
 impl Runner {
@@ -136,6 +140,7 @@ impl Runner {
             state,
             own_intents: HashSet::new(),
             tools: None,
+            http: reqwest::Client::builder().timeout(Duration::from_secs(15)).build()?,
         })
     }
 
@@ -155,18 +160,50 @@ impl Runner {
                     call_index,
                     call,
                 } => {
-                    // The approval policy decides here (the approvals work); every call is allowed for now.
-                    let key = idempotency_key(&self.args.run_uid, model_call_seq, call_index);
-                    let intent = ToolIntent {
-                        model_call_seq,
-                        call_index,
-                        call_id: call.id.clone(),
-                        tool: call.name.clone(),
-                        arguments: call.arguments.clone(),
-                        key,
-                    };
-                    let seq = self.append(Step::ToolIntent(intent), None).await?;
-                    self.own_intents.insert(seq);
+                    // Our code classifies the call from the pinned policy; the model has no say.
+                    let snap = self.snapshot()?;
+                    let (stamp, tools) = self.take_toolbox()?;
+                    let read_only = tools.is_read_only(&call.name);
+                    self.tools = Some((stamp, tools));
+                    let (arguments, alternative) = approval::split_alternative(&call.arguments);
+                    match classify(snap.agent.approval.as_ref(), &call.name, &arguments, read_only) {
+                        Classification::Allow => {
+                            self.intend(model_call_seq, call_index, &call.id, &call.name, call.arguments.clone())
+                                .await?
+                        }
+                        Classification::RequireApproval(gate) => {
+                            let request = approval::request(
+                                &self.state,
+                                model_call_seq,
+                                call_index,
+                                &call,
+                                arguments,
+                                alternative,
+                                gate,
+                                &self.http,
+                            )
+                            .await;
+                            tracing::info!(tool = %call.name, rule = %request.gate.rule, "call needs approval; stopping");
+                            self.append(Step::ApprovalRequested(request), None).await?;
+                            return Ok(());
+                        }
+                    }
+                }
+                Next::AwaitApproval { request_seq } => {
+                    tracing::info!(request_seq, "waiting for an approval decision; exiting");
+                    return Ok(());
+                }
+                Next::Approved { request_seq, request, arguments } => {
+                    // Staleness: what the approver saw must still be true.
+                    let now = approval::read_dependencies(&request.gate.dependencies, &arguments, &self.http).await;
+                    if let Some(reason) = approval::changed(&request.dependencies, &now) {
+                        tracing::info!(request_seq, %reason, "approval voided");
+                        let voided = ApprovalVoided { request_seq, reason, dependencies: now };
+                        self.append(Step::ApprovalVoided(voided), None).await?;
+                        continue;
+                    }
+                    self.intend(request.model_call_seq, request.call_index, &request.call_id, &request.tool, arguments)
+                        .await?
                 }
                 Next::ExecuteTool { intent_seq, intent } => {
                     self.tool_step(intent_seq, intent).await?
@@ -191,6 +228,28 @@ impl Runner {
                 return Ok(());
             }
         }
+    }
+
+    /// Records the intent to make a call, with its idempotency key.
+    async fn intend(
+        &mut self,
+        model_call_seq: u64,
+        call_index: usize,
+        call_id: &str,
+        tool: &str,
+        arguments: serde_json::Value,
+    ) -> anyhow::Result<()> {
+        let intent = ToolIntent {
+            model_call_seq,
+            call_index,
+            call_id: call_id.to_string(),
+            tool: tool.to_string(),
+            arguments,
+            key: idempotency_key(&self.args.run_uid, model_call_seq, call_index),
+        };
+        let seq = self.append(Step::ToolIntent(intent), None).await?;
+        self.own_intents.insert(seq);
+        Ok(())
     }
 
     fn snapshot(&self) -> anyhow::Result<Snapshot> {

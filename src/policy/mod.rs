@@ -1,0 +1,171 @@
+//! Which tool calls need a human decision (DESIGN.md section 5). Decided by
+//! agentrun's code from the policy pinned in `RunStarted`, never by the
+//! model; a condition that cannot be evaluated asks for approval (fail closed).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::api::{ApprovalPolicy, ApprovalRule, Approvers, DefaultAction, Dependency, OnExpiry};
+
+/// What a call needs before it may run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Classification {
+    Allow,
+    RequireApproval(Gate),
+}
+
+/// The approval a call needs: who, how many, for how long, and what then.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Gate {
+    /// The rule that matched (`default` for `defaultAction`).
+    pub rule: String,
+    /// Why the rule matched, for the approver.
+    pub because: String,
+    pub approvers: Approvers,
+    pub required_approvals: u32,
+    pub expires_after: String,
+    pub on_expiry: OnExpiry,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalate_to: Option<Approvers>,
+    pub max_escalations: u32,
+    #[serde(default)]
+    pub dependencies: Vec<Dependency>,
+    #[serde(default)]
+    pub separation_of_duties: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify_webhook: Option<String>,
+}
+
+/// Classifies a proposed call. `read_only` is the tool's declaration (never a hint).
+pub fn classify(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value, read_only: bool) -> Classification {
+    let Some(policy) = policy else { return Classification::Allow };
+    if tool == crate::step::replay::FINISH_TOOL {
+        return Classification::Allow;
+    }
+    for rule in &policy.rules {
+        if rule.tool != tool && rule.tool != "*" {
+            continue;
+        }
+        let because = match &rule.when {
+            None => format!("rule {} applies to every {tool} call", rule.name),
+            Some(expr) => match evaluate(expr, args) {
+                Ok(true) => format!("rule {}: {expr}", rule.name),
+                Ok(false) => continue,
+                Err(e) => format!("rule {}: condition {expr:?} could not be evaluated ({e}); asking to be safe", rule.name),
+            },
+        };
+        return Classification::RequireApproval(gate(policy, rule, because));
+    }
+    if policy.default_action == DefaultAction::RequireApprovalForMutating && !read_only {
+        let rule = ApprovalRule {
+            name: "default".into(),
+            tool: tool.into(),
+            approvers: policy.default_approvers.clone().unwrap_or_default(),
+            required_approvals: 1,
+            expires_after: "1h".into(),
+            ..Default::default()
+        };
+        let because = format!("{tool} is not declared read-only and the policy asks for approval of every such call");
+        return Classification::RequireApproval(gate(policy, &rule, because));
+    }
+    Classification::Allow
+}
+
+fn gate(policy: &ApprovalPolicy, rule: &ApprovalRule, because: String) -> Gate {
+    Gate {
+        rule: rule.name.clone(),
+        because,
+        approvers: rule.approvers.clone(),
+        required_approvals: rule.required_approvals.max(1),
+        expires_after: rule.expires_after.clone(),
+        on_expiry: rule.on_expiry,
+        escalate_to: rule.escalate_to.clone(),
+        max_escalations: rule.max_escalations,
+        dependencies: rule.dependencies.clone(),
+        separation_of_duties: policy.separation_of_duties,
+        notify_webhook: policy.notify_webhook.clone(),
+    }
+}
+
+/// `sha256` of the canonical JSON of tool name plus arguments: what every
+/// decision must quote, so a decision is about these exact arguments.
+pub fn arguments_hash(tool: &str, args: &Value) -> String {
+    let doc = serde_json::json!({"tool": tool, "arguments": args});
+    crate::store::sha256_hex(&crate::store::canonical_json(&doc))
+}
+
+/// Evaluates a rule condition with the call's arguments bound to `args`.
+pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
+    let program = cel::Program::compile(expr).map_err(|e| e.to_string())?;
+    let mut ctx = cel::Context::default();
+    let value = cel::to_value(args).map_err(|e| e.to_string())?;
+    ctx.add_variable_from_value("args", value);
+    match program.execute(&ctx).map_err(|e| e.to_string())? {
+        cel::Value::Bool(b) => Ok(b),
+        other => Err(format!("the condition gave {other:?}, not a boolean")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn policy(when: Option<&str>) -> ApprovalPolicy {
+        ApprovalPolicy {
+            rules: vec![ApprovalRule {
+                name: "large-refund".into(),
+                tool: "issue_refund".into(),
+                when: when.map(str::to_string),
+                approvers: Approvers { users: vec![], groups: vec!["finance-approvers".into()] },
+                required_approvals: 2,
+                expires_after: "30m".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_condition_over_the_arguments_decides() {
+        let p = policy(Some("args.amount > 100"));
+        assert_eq!(classify(Some(&p), "issue_refund", &json!({"amount": 40}), false), Classification::Allow);
+        match classify(Some(&p), "issue_refund", &json!({"amount": 500}), false) {
+            Classification::RequireApproval(g) => {
+                assert_eq!((g.rule.as_str(), g.required_approvals), ("large-refund", 2));
+                assert!(g.because.contains("args.amount > 100"));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Floats and ints compare alike.
+        assert!(matches!(classify(Some(&p), "issue_refund", &json!({"amount": 100.5}), false), Classification::RequireApproval(_)));
+    }
+
+    #[test]
+    fn other_tools_and_finish_pass_and_no_policy_allows() {
+        let p = policy(None);
+        assert_eq!(classify(Some(&p), "lookup_order", &json!({}), false), Classification::Allow);
+        assert_eq!(classify(Some(&p), "finish", &json!({}), false), Classification::Allow);
+        assert_eq!(classify(None, "issue_refund", &json!({"amount": 1e9}), false), Classification::Allow);
+        assert!(matches!(classify(Some(&p), "issue_refund", &json!({}), false), Classification::RequireApproval(_)));
+    }
+
+    #[test]
+    fn a_condition_that_cannot_be_evaluated_asks() {
+        let p = policy(Some("args.amount > 100"));
+        match classify(Some(&p), "issue_refund", &json!({"orderId": "1"}), false) {
+            Classification::RequireApproval(g) => assert!(g.because.contains("could not be evaluated"), "{}", g.because),
+            other => panic!("a missing field must not let the call through: {other:?}"),
+        }
+        let broken = policy(Some("args.amount >"));
+        assert!(matches!(classify(Some(&broken), "issue_refund", &json!({"amount": 1}), false), Classification::RequireApproval(_)));
+    }
+
+    #[test]
+    fn the_default_action_gates_mutating_calls_only() {
+        let p = ApprovalPolicy { default_action: DefaultAction::RequireApprovalForMutating, ..Default::default() };
+        assert_eq!(classify(Some(&p), "lookup_order", &json!({}), true), Classification::Allow);
+        assert!(matches!(classify(Some(&p), "delete_account", &json!({}), false), Classification::RequireApproval(g) if g.rule == "default"));
+    }
+}

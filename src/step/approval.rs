@@ -1,0 +1,175 @@
+//! Raising an approval request and re-checking it before the call runs
+//! (DESIGN.md section 5): what the approver sees, and staleness.
+
+use serde_json::Value;
+
+use super::records::ApprovalRequested;
+use super::replay::{RunState, Step};
+use crate::api::{Dependency, DependencyVersion, ObservedResult};
+use crate::model::ToolCall;
+use crate::policy::{Gate, arguments_hash};
+use crate::tools::ToolOutcome;
+
+/// Key under which an agent may propose a safe alternative next to a risky call.
+pub const ALTERNATIVE_KEY: &str = "_alternative";
+/// Tool results shown to the approver.
+const OBSERVED_RESULTS: usize = 3;
+/// A dependency version that could not be read.
+const UNREADABLE: &str = "unreadable";
+
+/// Splits the agent's proposed alternative off the call's arguments.
+pub fn split_alternative(args: &Value) -> (Value, Option<Value>) {
+    match args {
+        Value::Object(map) if map.contains_key(ALTERNATIVE_KEY) => {
+            let mut map = map.clone();
+            let alternative = map.remove(ALTERNATIVE_KEY);
+            (Value::Object(map), alternative)
+        }
+        other => (other.clone(), None),
+    }
+}
+
+/// Builds the request for call `call_index` of the ModelCall at `model_call_seq`.
+#[allow(clippy::too_many_arguments)]
+pub async fn request(
+    state: &RunState,
+    model_call_seq: u64,
+    call_index: usize,
+    call: &ToolCall,
+    arguments: Value,
+    alternative: Option<Value>,
+    gate: Gate,
+    http: &reqwest::Client,
+) -> ApprovalRequested {
+    let reason = match state.steps.get(model_call_seq as usize) {
+        Some(Step::ModelCall(m)) => m.response.text.clone(),
+        _ => None,
+    };
+    let dependencies = read_dependencies(&gate.dependencies, &arguments, http).await;
+    ApprovalRequested {
+        model_call_seq,
+        call_index,
+        call_id: call.id.clone(),
+        tool: call.name.clone(),
+        arguments_hash: arguments_hash(&call.name, &arguments),
+        arguments,
+        reason,
+        observations: recent_results(state),
+        dependencies,
+        gate,
+        escalation: 0,
+        alternative,
+    }
+}
+
+/// The latest tool results, abbreviated, newest last.
+fn recent_results(state: &RunState) -> Vec<ObservedResult> {
+    let mut out: Vec<ObservedResult> = state
+        .steps
+        .iter()
+        .enumerate()
+        .rev()
+        .filter_map(|(seq, s)| match s {
+            Step::ToolResult(r) => Some(ObservedResult {
+                seq: seq as u64,
+                tool: r.tool.clone(),
+                summary: abbreviate(&match &r.outcome {
+                    ToolOutcome::Ok(v) => v.to_string(),
+                    ToolOutcome::Failed { observation } => format!("failed: {observation}"),
+                }),
+            }),
+            _ => None,
+        })
+        .take(OBSERVED_RESULTS)
+        .collect();
+    out.reverse();
+    out
+}
+
+fn abbreviate(s: &str) -> String {
+    match s.char_indices().nth(500) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// Reads each dependency's current version through its read-only lookup.
+/// `{name}` in a lookup URL is replaced by the call's argument `name`.
+pub async fn read_dependencies(deps: &[Dependency], args: &Value, http: &reqwest::Client) -> Vec<DependencyVersion> {
+    let mut out = Vec::with_capacity(deps.len());
+    for dep in deps {
+        let version = match http.get(fill(&dep.lookup, args)).send().await {
+            Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
+                Ok(body) => match body.get("version") {
+                    Some(Value::String(v)) => v.clone(),
+                    Some(v) => v.to_string(),
+                    None => crate::store::sha256_hex(&crate::store::canonical_json(&body)),
+                },
+                Err(e) => format!("{UNREADABLE}: {e}"),
+            },
+            Ok(resp) => format!("{UNREADABLE}: HTTP {}", resp.status().as_u16()),
+            Err(e) => format!("{UNREADABLE}: {e}"),
+        };
+        out.push(DependencyVersion { name: dep.name.clone(), version });
+    }
+    out
+}
+
+fn fill(url: &str, args: &Value) -> String {
+    let mut out = url.to_string();
+    if let Value::Object(map) = args {
+        for (k, v) in map {
+            let text = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            out = out.replace(&format!("{{{k}}}"), &text);
+        }
+    }
+    out
+}
+
+/// Why an approval no longer holds, if it does not: a dependency changed,
+/// or cannot be read now (an unknown state never counts as unchanged).
+pub fn changed(before: &[DependencyVersion], now: &[DependencyVersion]) -> Option<String> {
+    let mut reasons = Vec::new();
+    for dep in now {
+        let was = before.iter().find(|b| b.name == dep.name).map(|b| b.version.as_str());
+        if dep.version.starts_with(UNREADABLE) {
+            reasons.push(format!("{} cannot be read now ({})", dep.name, dep.version));
+        } else if was != Some(dep.version.as_str()) {
+            reasons.push(format!("{} changed from version {} to {}", dep.name, was.unwrap_or("none"), dep.version));
+        }
+    }
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn v(name: &str, version: &str) -> DependencyVersion {
+        DependencyVersion { name: name.into(), version: version.into() }
+    }
+
+    #[test]
+    fn alternatives_are_split_off_the_arguments() {
+        let (args, alt) = split_alternative(&json!({"amount": 500, "_alternative": {"amount": 100}}));
+        assert_eq!(args, json!({"amount": 500}));
+        assert_eq!(alt, Some(json!({"amount": 100})));
+        assert_eq!(split_alternative(&json!({"a": 1})), (json!({"a": 1}), None));
+    }
+
+    #[test]
+    fn staleness_names_what_changed_and_distrusts_unreadable_records() {
+        assert_eq!(changed(&[v("order", "3")], &[v("order", "3")]), None);
+        assert_eq!(changed(&[v("order", "3")], &[v("order", "4")]).unwrap(), "order changed from version 3 to 4");
+        assert!(changed(&[v("order", "3")], &[v("order", "unreadable: HTTP 503")]).unwrap().contains("cannot be read"));
+    }
+
+    #[test]
+    fn lookup_urls_take_the_call_arguments() {
+        assert_eq!(fill("http://x/records/{orderId}", &json!({"orderId": "1042", "amount": 5})), "http://x/records/1042");
+    }
+}
