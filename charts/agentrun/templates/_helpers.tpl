@@ -1,0 +1,121 @@
+{{/* Chart name. */}}
+{{- define "agentrun.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: prefix of every object the release owns. */}}
+{{- define "agentrun.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every object. */}}
+{{- define "agentrun.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "agentrun.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: agentrun
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector of the controller pods. */}}
+{{- define "agentrun.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "agentrun.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: controller
+{{- end }}
+
+{{/* Selector of the in-chart PostgreSQL pod. */}}
+{{- define "agentrun.postgresqlSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "agentrun.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: postgresql
+{{- end }}
+
+{{- define "agentrun.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "agentrun.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "agentrun.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* Namespace of the leader-election Lease: the watched one, else the release's. */}}
+{{- define "agentrun.leaseNamespace" -}}
+{{- default .Release.Namespace .Values.watchNamespace }}
+{{- end }}
+
+{{/* Namespaces where step pods run (their ServiceAccount is created there). */}}
+{{- define "agentrun.stepNamespaces" -}}
+{{- if .Values.stepRunner.serviceAccount.namespaces }}
+{{- toJson (uniq .Values.stepRunner.serviceAccount.namespaces) }}
+{{- else }}
+{{- toJson (list (default .Release.Namespace .Values.watchNamespace)) }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret and keys the controller reads its store URLs from. */}}
+{{- define "agentrun.storeSecret" -}}
+{{- if .Values.store.existingSecret }}
+{{- .Values.store.existingSecret }}
+{{- else }}
+{{- printf "%s-store" (include "agentrun.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "agentrun.storeUrlKey" -}}
+{{- if .Values.store.existingSecret }}{{ .Values.store.urlKey }}{{ else }}url{{ end }}
+{{- end }}
+
+{{- define "agentrun.storeStepUrlKey" -}}
+{{- if .Values.store.existingSecret }}{{ .Values.store.stepUrlKey }}{{ else if .Values.store.stepUrl }}stepUrl{{ end }}
+{{- end }}
+
+{{/* Refuse contradictory store settings at render time. */}}
+{{- define "agentrun.validate" -}}
+{{- $sources := 0 }}
+{{- if .Values.store.existingSecret }}{{ $sources = add1 $sources }}{{ end }}
+{{- if .Values.store.url }}{{ $sources = add1 $sources }}{{ end }}
+{{- if .Values.postgresql.enabled }}{{ $sources = add1 $sources }}{{ end }}
+{{- if ne $sources 1 }}
+{{- fail "set exactly one step store: store.existingSecret (a Secret with the PostgreSQL URL), store.url, or postgresql.enabled=true (quick start)" }}
+{{- end }}
+{{- if and .Values.store.stepUrl (not .Values.store.url) }}
+{{- fail "store.stepUrl needs store.url (with store.existingSecret use store.stepUrlKey)" }}
+{{- end }}
+{{- end }}
+
+{{/* The in-chart PostgreSQL's password: the value, else the one already in the cluster, else a new one. */}}
+{{- define "agentrun.postgresqlPassword" -}}
+{{- if .Values.postgresql.password }}
+{{- .Values.postgresql.password }}
+{{- else }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (printf "%s-postgresql" (include "agentrun.fullname" .)) }}
+{{- if and $existing $existing.data (hasKey $existing.data "password") }}
+{{- index $existing.data "password" | b64dec }}
+{{- else }}
+{{- /* Stable within one render (the store URL and the server must agree). */}}
+{{- $cache := .Values.postgresql }}
+{{- if not (hasKey $cache "_generated") }}
+{{- $_ := set $cache "_generated" (randAlphaNum 32) }}
+{{- end }}
+{{- $cache._generated }}
+{{- end }}
+{{- end }}
+{{- end }}
