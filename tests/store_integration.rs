@@ -655,6 +655,12 @@ async fn tamper_detection(ctx: Ctx) {
     let log = append_n(s.as_ref(), &run, lease.epoch, 6).await;
     let head = log[5].head();
     assert_eq!(s.verify(&run, Some(&head.hash)).await.unwrap(), head);
+    let replayed = s.read_verified(&run, Some(&head.hash)).await.unwrap();
+    assert_eq!(replayed.len(), 6);
+    for (a, b) in replayed.iter().zip(&log) {
+        assert!(a.same_as(b));
+        assert_eq!(a.created_at, b.created_at);
+    }
     store::cli::run(
         &ctx.url,
         store::cli::StoreCommand::Verify {
@@ -700,6 +706,16 @@ async fn tamper_detection(ctx: Ctx) {
         }
         other => panic!("expected ChainBroken at 3, got {other:?}"),
     }
+    // Replay refuses it too, and re-encoding in memory agrees on the seq.
+    assert!(matches!(
+        s.read_verified(&run, None).await,
+        Err(StoreError::ChainBroken { seq: 3, .. })
+    ));
+    let all = s.read_all(&run).await.unwrap();
+    assert!(matches!(
+        store::verify_chain(&run, &all, None),
+        Err(StoreError::ChainBroken { seq: 3, .. })
+    ));
     let cli = store::cli::run(
         &ctx.url,
         store::cli::StoreCommand::Verify {

@@ -122,10 +122,16 @@ pub trait StepStore: Send + Sync + fmt::Debug {
     /// does nothing.
     async fn release(&self, lease: &Lease) -> Result<(), StoreError>;
 
-    /// Recompute the whole chain of `run`; with `expected_head` (the run's
-    /// recorded head hash) also check that the log ends exactly there.
-    /// Returns the head, or [`StoreError::ChainBroken`] naming the first bad seq.
-    async fn verify(&self, run: &str, expected_head: Option<&Hash>) -> Result<Head, StoreError> {
+    /// The whole log of `run`, verified while it is read (what replay
+    /// uses): every stored record hashes to its stored hash, sits at its seq
+    /// and links to its predecessor; with `expected_head` (the run's recorded
+    /// head hash) the log must end exactly there. Otherwise
+    /// [`StoreError::ChainBroken`] naming the first bad seq.
+    async fn read_verified(
+        &self,
+        run: &str,
+        expected_head: Option<&Hash>,
+    ) -> Result<Vec<Record>, StoreError> {
         let records = match self.read_all(run).await {
             Ok(r) => r,
             Err(StoreError::Corrupt { run, seq, reason }) => {
@@ -133,7 +139,16 @@ pub trait StepStore: Send + Sync + fmt::Debug {
             }
             Err(e) => return Err(e),
         };
-        verify_chain(run, &records, expected_head)
+        verify_chain(run, &records, expected_head)?;
+        Ok(records)
+    }
+
+    /// Recompute the whole chain of `run`; with `expected_head` (the run's
+    /// recorded head hash) also check that the log ends exactly there.
+    /// Returns the head, or [`StoreError::ChainBroken`] naming the first bad seq.
+    async fn verify(&self, run: &str, expected_head: Option<&Hash>) -> Result<Head, StoreError> {
+        let records = self.read_verified(run, expected_head).await?;
+        Ok(records.last().map(Record::head).unwrap_or(Head::EMPTY))
     }
 
     /// Close the connections (pending operations finish first).

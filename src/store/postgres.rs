@@ -17,7 +17,7 @@ use sqlx::Row;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-use super::record::{Hash, Head, Record};
+use super::record::{Hash, Head, Record, StoredChain};
 use super::{
     Lease, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64, ttl_micros,
 };
@@ -362,6 +362,22 @@ impl StepStore for PgStore {
             out.push(self.decode(run, seq as u64, body, hash, at)?);
         }
         Ok(out)
+    }
+
+    async fn read_verified(&self, run: &str, expected_head: Option<&Hash>) -> Result<Vec<Record>, StoreError> {
+        let mut rows = sqlx::query(READ_SQL)
+            .bind(run)
+            .bind(0i64)
+            .bind(i64::MAX)
+            .fetch(&self.pool);
+        let mut chain = StoredChain::new(run);
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
+            chain.push(body.as_bytes(), hash, Some(at))?;
+        }
+        chain.finish(expected_head)
     }
 
     async fn head(&self, run: &str) -> Result<Head, StoreError> {

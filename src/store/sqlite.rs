@@ -17,7 +17,7 @@ use sqlx::sqlite::{
 };
 
 use super::postgres::adopt_or_conflict;
-use super::record::{Hash, Head, Record};
+use super::record::{Hash, Head, Record, StoredChain};
 use super::{
     Lease, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64, ttl_micros,
 };
@@ -304,6 +304,22 @@ impl StepStore for SqliteStore {
             out.push(decode_row(run, seq, body, hash, at)?);
         }
         Ok(out)
+    }
+
+    async fn read_verified(&self, run: &str, expected_head: Option<&Hash>) -> Result<Vec<Record>, StoreError> {
+        let mut rows = sqlx::query(
+            "SELECT seq, body, hash, created_at FROM agentrun_steps WHERE run = ?1 ORDER BY seq",
+        )
+        .bind(run)
+        .fetch(&self.reader);
+        let mut chain = StoredChain::new(run);
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
+            chain.push(body.as_bytes(), hash, Some(from_micros(at)))?;
+        }
+        chain.finish(expected_head)
     }
 
     async fn head(&self, run: &str) -> Result<Head, StoreError> {
