@@ -170,7 +170,10 @@ async fn replay_figures(store: &dyn StepStore, backend: &str, runs: &[(&str, Str
         let mut rates = Vec::new();
         for _ in 0..3 {
             let t0 = Instant::now();
-            let records = store.read_verified(run, None).await.expect("read and verify");
+            let records = store
+                .read_verified(run, None)
+                .await
+                .expect("read and verify");
             let dt = t0.elapsed().as_secs_f64();
             assert!(records.len() >= 10_000);
             rates.push(records.len() as f64 / dt);

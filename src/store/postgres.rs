@@ -287,16 +287,12 @@ impl StepStore for PgStore {
             .try_get::<Option<i64>, _>("len")
             .map_err(get_err)?
             .unwrap_or(0);
-        if len != seq {
-            // A concurrent writer may have committed this very seq after our
-            // snapshot (ON CONFLICT saw it, our snapshot did not): look again.
-            if len < seq {
-                return Err(StoreError::Gap {
-                    run: run.to_string(),
-                    seq: record.seq,
-                    len: len as u64,
-                });
-            }
+        if len < seq {
+            return Err(StoreError::Gap {
+                run: run.to_string(),
+                seq: record.seq,
+                len: len as u64,
+            });
         }
         if record.seq > 0 {
             let prev: Option<Vec<u8>> = row.try_get("prev_hash").map_err(get_err)?;
@@ -364,7 +360,11 @@ impl StepStore for PgStore {
         Ok(out)
     }
 
-    async fn read_verified(&self, run: &str, expected_head: Option<&Hash>) -> Result<Vec<Record>, StoreError> {
+    async fn read_verified(
+        &self,
+        run: &str,
+        expected_head: Option<&Hash>,
+    ) -> Result<Vec<Record>, StoreError> {
         let mut rows = sqlx::query(READ_SQL)
             .bind(run)
             .bind(0i64)

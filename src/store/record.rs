@@ -534,11 +534,15 @@ impl<'a> StoredChain<'a> {
             seq,
             reason,
         };
-        let hash = Hash::from_slice(hash).ok_or_else(|| broken("stored hash is not 32 bytes".into()))?;
+        let hash =
+            Hash::from_slice(hash).ok_or_else(|| broken("stored hash is not 32 bytes".into()))?;
         let computed = chain_hash(&self.head.hash, body);
         let record = Record::from_canonical(body, hash, created_at).map_err(&broken)?;
         if record.seq != seq {
-            return Err(broken(format!("record at position {seq} says seq {}", record.seq)));
+            return Err(broken(format!(
+                "record at position {seq} says seq {}",
+                record.seq
+            )));
         }
         if record.prev_hash != self.head.hash {
             return Err(broken(format!(

@@ -306,7 +306,11 @@ impl StepStore for SqliteStore {
         Ok(out)
     }
 
-    async fn read_verified(&self, run: &str, expected_head: Option<&Hash>) -> Result<Vec<Record>, StoreError> {
+    async fn read_verified(
+        &self,
+        run: &str,
+        expected_head: Option<&Hash>,
+    ) -> Result<Vec<Record>, StoreError> {
         let mut rows = sqlx::query(
             "SELECT seq, body, hash, created_at FROM agentrun_steps WHERE run = ?1 ORDER BY seq",
         )
