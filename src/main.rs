@@ -28,6 +28,8 @@ enum Command {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // kube, reqwest and sqlx share rustls; pick one crypto provider for the process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     match cli.command {
         Command::Crds => {
             print!("{}", agentrun::api::crds_yaml()?);

@@ -1,20 +1,76 @@
-//! Logging setup shared by every binary: JSON logs for machines, plain for people.
+//! Logging setup shared by every binary: JSON logs for machines, plain for
+//! people, and a log level that can be changed while the process runs.
 
-use tracing_subscriber::{EnvFilter, fmt, prelude::*};
+use std::sync::{Mutex, OnceLock};
+
+use tracing_subscriber::{EnvFilter, Registry, fmt, prelude::*, reload};
+
+/// The reload handle of the installed filter, and the directives it holds.
+struct Level {
+    handle: reload::Handle<EnvFilter, Registry>,
+    directives: Mutex<String>,
+}
+
+static LEVEL: OnceLock<Level> = OnceLock::new();
 
 /// Installs the global subscriber. `RUST_LOG` sets the level (default `info`);
-/// `AGENTRUN_LOG_FORMAT=json` switches to structured JSON lines.
+/// `AGENTRUN_LOG_FORMAT=json` switches to structured JSON lines, each with
+/// the fields of its spans (`run`, `namespace`, `step`...).
 pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let directives = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|d| !d.trim().is_empty() && EnvFilter::try_new(d).is_ok())
+        .unwrap_or_else(|| "info".into());
+    let (filter, handle) = reload::Layer::new(EnvFilter::new(&directives));
     let json = std::env::var("AGENTRUN_LOG_FORMAT").is_ok_and(|f| f == "json");
     let registry = tracing_subscriber::registry().with(filter);
-    if json {
+    let installed = if json {
         registry
-            .with(fmt::layer().json().with_current_span(true))
-            .init();
+            .with(
+                fmt::layer()
+                    .json()
+                    .with_current_span(true)
+                    .with_span_list(true),
+            )
+            .try_init()
     } else {
         registry
             .with(fmt::layer().with_writer(std::io::stderr))
-            .init();
+            .try_init()
+    };
+    if installed.is_ok() {
+        let _ = LEVEL.set(Level {
+            handle,
+            directives: Mutex::new(directives),
+        });
     }
+}
+
+/// The filter directives in force (`RUST_LOG` syntax), if [`init`] ran.
+pub fn log_level() -> Option<String> {
+    let level = LEVEL.get()?;
+    Some(
+        level
+            .directives
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone(),
+    )
+}
+
+/// Replaces the filter with `directives` (`RUST_LOG` syntax, e.g. `debug` or
+/// `info,agentrun=debug`) without restarting the process.
+pub fn set_log_level(directives: &str) -> Result<(), String> {
+    let directives = directives.trim();
+    if directives.is_empty() {
+        return Err("empty log level: send e.g. `debug` or `info,agentrun=debug`".into());
+    }
+    let filter = EnvFilter::try_new(directives).map_err(|e| format!("{directives:?}: {e}"))?;
+    let level = LEVEL
+        .get()
+        .ok_or_else(|| "logging is not initialised in this process".to_string())?;
+    level.handle.reload(filter).map_err(|e| e.to_string())?;
+    *level.directives.lock().unwrap_or_else(|e| e.into_inner()) = directives.to_string();
+    tracing::info!(level = directives, "log level changed");
+    Ok(())
 }

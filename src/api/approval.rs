@@ -60,7 +60,7 @@ pub struct ApprovalSpec {
     pub observations: Observations,
     /// Versions of the records the call depends on, read when it was raised.
     #[serde(default)]
-    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    #[schemars(length(max = 16), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub dependencies: Vec<DependencyVersion>,
     /// Who may decide.
     pub approvers: Approvers,
@@ -144,6 +144,7 @@ pub struct Observations {
     pub reason: Option<String>,
     /// Recent tool results the call depends on.
     #[serde(default)]
+    #[schemars(length(max = 10))]
     pub recent_results: Vec<ObservedResult>,
 }
 

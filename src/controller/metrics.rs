@@ -1,21 +1,142 @@
-//! Prometheus metrics of the controller.
+//! Prometheus metrics of the controller (`/metrics`).
+//!
+//! | metric | type | labels | from |
+//! | --- | --- | --- | --- |
+//! | `agentrun_runs` | gauge | `phase` | the runs the leading replica's reconciler sees (its cache), at scrape time |
+//! | `agentrun_steps_total` | counter | `kind` | step-log records the controller observes appended (each once) |
+//! | `agentrun_step_duration_seconds` | histogram | `outcome` | step Jobs, start to completion or failure |
+//! | `agentrun_approval_wait_seconds` | histogram | `verdict` | approval raised to decided ([`Metrics::observe_approval_wait`]) |
+//! | `agentrun_model_tokens_total` | counter | `direction`, `model` | usage of observed `ModelCall`/`Summary` records |
+//! | `agentrun_model_cost_usd_total` | counter | `model` | same, cost |
+//! | `agentrun_store_append_duration_seconds` | histogram | `outcome` | the controller's own appends |
+//! | `agentrun_reconciliations_total`, `agentrun_reconcile_errors_total`, `agentrun_reconcile_duration_seconds` | | `reason` | the reconciler |
+//!
+//! Records and Jobs that ended before this process started are not counted:
+//! the replica that led then counted them.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::batch::v1::Job;
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::api::{AgentRun, Phase};
+use crate::store::Record;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerdictLabel {
+    pub verdict: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabel {
+    pub direction: String,
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: String,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Every phase, so that dashboards see zeros rather than missing series.
+const PHASES: [Phase; 8] = [
+    Phase::Pending,
+    Phase::Running,
+    Phase::AwaitingApproval,
+    Phase::Succeeded,
+    Phase::Failed,
+    Phase::Cancelled,
+    Phase::BudgetExceeded,
+    Phase::DeadlineExceeded,
+];
+
 /// Metrics the reconciler updates.
 pub struct Metrics {
     pub reconciliations: Counter,
     pub reconcile_errors: Family<ReasonLabel, Counter>,
     pub reconcile_duration: Histogram,
+    pub steps: Family<KindLabel, Counter>,
+    pub step_duration: HistogramFamily<OutcomeLabel>,
+    pub approval_wait: HistogramFamily<VerdictLabel>,
+    pub model_tokens: Family<TokenLabel, Counter>,
+    pub model_cost: Family<ModelLabel, Counter<f64, AtomicU64>>,
+    pub store_append: HistogramFamily<OutcomeLabel>,
+    shared: Arc<Shared>,
+    started: DateTime<Utc>,
+}
+
+/// What the scrape-time collector and the reconciler share.
+#[derive(Default)]
+struct Shared {
+    /// The reconciler's cache of runs, once this replica leads.
+    runs: RwLock<Option<Store<AgentRun>>>,
+    seen: Mutex<Seen>,
+}
+
+/// Per run: how much of its log and which Job were counted already.
+#[derive(Default)]
+struct Seen {
+    log_len: HashMap<String, usize>,
+    last_job: HashMap<String, String>,
+}
+
+impl Seen {
+    /// Forgets runs that are gone (keeps the maps as small as the cache).
+    fn prune(&mut self, runs: &Store<AgentRun>) {
+        let live: std::collections::HashSet<String> =
+            runs.state().iter().filter_map(|r| r.uid()).collect();
+        self.log_len.retain(|uid, _| live.contains(uid));
+        self.last_job.retain(|uid, _| live.contains(uid));
+    }
+}
+
+fn step_buckets() -> Histogram {
+    // 0.5 s .. about 68 min
+    Histogram::new(exponential_buckets(0.5, 2.0, 14))
+}
+
+fn approval_buckets() -> Histogram {
+    // 1 s .. about 6 days
+    Histogram::new(exponential_buckets(1.0, 3.0, 13))
+}
+
+fn append_buckets() -> Histogram {
+    // 0.5 ms .. about 8 s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 15))
 }
 
 impl Metrics {
@@ -25,6 +146,14 @@ impl Metrics {
             reconciliations: Counter::default(),
             reconcile_errors: Family::default(),
             reconcile_duration: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            steps: Family::default(),
+            step_duration: Family::new_with_constructor(step_buckets),
+            approval_wait: Family::new_with_constructor(approval_buckets),
+            model_tokens: Family::default(),
+            model_cost: Family::default(),
+            store_append: Family::new_with_constructor(append_buckets),
+            shared: Arc::new(Shared::default()),
+            started: Utc::now(),
         };
         registry.register(
             "agentrun_reconciliations",
@@ -41,6 +170,336 @@ impl Metrics {
             "Duration of one AgentRun reconciliation",
             m.reconcile_duration.clone(),
         );
+        registry.register(
+            "agentrun_steps",
+            "Step-log records the controller observed appended, by kind",
+            m.steps.clone(),
+        );
+        registry.register(
+            "agentrun_step_duration_seconds",
+            "Duration of step Jobs, from start to completion or failure",
+            m.step_duration.clone(),
+        );
+        registry.register(
+            "agentrun_approval_wait_seconds",
+            "Time from an approval being raised to its decision or expiry, by verdict",
+            m.approval_wait.clone(),
+        );
+        registry.register(
+            "agentrun_model_tokens",
+            "Model tokens recorded in step logs, by direction (input, output) and model",
+            m.model_tokens.clone(),
+        );
+        registry.register(
+            "agentrun_model_cost_usd",
+            "Model cost recorded in step logs, in the prices' currency (USD by convention)",
+            m.model_cost.clone(),
+        );
+        registry.register(
+            "agentrun_store_append_duration_seconds",
+            "Latency of the controller's own step-log appends, by outcome",
+            m.store_append.clone(),
+        );
+        registry.register_collector(Box::new(RunsByPhase(m.shared.clone())));
         m
+    }
+
+    /// Gives the scrape-time `agentrun_runs` gauge the reconciler's cache
+    /// (called once this replica leads; a standby reports no runs).
+    pub fn watch_runs(&self, runs: Store<AgentRun>) {
+        *self.shared.runs.write().unwrap_or_else(|e| e.into_inner()) = Some(runs);
+    }
+
+    /// Counts the records of a run's log not counted yet: kinds, tokens, cost.
+    pub fn observe_log(&self, uid: &str, records: &[Record]) {
+        let mut seen = self.shared.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let first_sight = !seen.log_len.contains_key(uid);
+        let from = seen.log_len.get(uid).copied().unwrap_or(0);
+        for r in records.iter().skip(from) {
+            if first_sight && r.created_at.is_some_and(|t| t < self.started) {
+                continue;
+            }
+            self.steps
+                .get_or_create(&KindLabel {
+                    kind: r.kind.as_str().into(),
+                })
+                .inc();
+            let model = r.versions.model_id.clone().unwrap_or_default();
+            for (direction, n) in [
+                ("input", r.usage.input_tokens),
+                ("output", r.usage.output_tokens),
+            ] {
+                if n > 0 {
+                    self.model_tokens
+                        .get_or_create(&TokenLabel {
+                            direction: direction.into(),
+                            model: model.clone(),
+                        })
+                        .inc_by(n);
+                }
+            }
+            if r.usage.cost_micros > 0 {
+                self.model_cost
+                    .get_or_create(&ModelLabel { model })
+                    .inc_by(r.usage.cost_micros as f64 / 1e6);
+            }
+        }
+        seen.log_len
+            .insert(uid.to_string(), records.len().max(from));
+        if seen.log_len.len().is_multiple_of(1024) {
+            let runs = self.shared.runs.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(runs) = runs.as_ref() {
+                seen.prune(runs);
+            }
+        }
+    }
+
+    /// Observes the duration of a run's step Job once it has ended.
+    pub fn observe_job(&self, uid: &str, job: Option<&Job>) {
+        let Some((name, outcome, seconds, ended)) = job.and_then(job_duration) else {
+            return;
+        };
+        let mut seen = self.shared.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.last_job.get(uid) == Some(&name) {
+            return;
+        }
+        let first_sight = !seen.last_job.contains_key(uid);
+        seen.last_job.insert(uid.to_string(), name);
+        if first_sight && ended < self.started {
+            return;
+        }
+        self.step_duration
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .observe(seconds);
+    }
+
+    /// How long an approval waited, from raised to decided (`verdict`:
+    /// `Approve`, `Reject`, `Edit`) or expired (`Expired`). For the approvals
+    /// work to call when it records `ApprovalDecided`.
+    #[allow(dead_code)]
+    pub fn observe_approval_wait(&self, wait: Duration, verdict: &str) {
+        self.approval_wait
+            .get_or_create(&VerdictLabel {
+                verdict: verdict.into(),
+            })
+            .observe(wait.as_secs_f64());
+    }
+
+    /// Latency of one of the controller's own appends (`outcome`: `ok`,
+    /// `conflict` or an error label).
+    pub fn observe_append<T>(
+        &self,
+        elapsed: Duration,
+        result: &Result<T, crate::store::StoreError>,
+    ) {
+        let outcome = match result {
+            Ok(_) => "ok",
+            Err(crate::store::StoreError::Conflict { .. }) => "conflict",
+            Err(e) => e.metric_label(),
+        };
+        self.store_append
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+}
+
+/// (name, outcome, seconds, ended at) of a Job that has ended.
+fn job_duration(job: &Job) -> Option<(String, &'static str, f64, DateTime<Utc>)> {
+    let status = job.status.as_ref()?;
+    let start = status.start_time.as_ref()?.0;
+    let failed = status
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "Failed" && c.status == "True")
+        .and_then(|c| c.last_transition_time.as_ref());
+    let (outcome, end) = match (&status.completion_time, failed) {
+        (Some(t), _) => ("succeeded", t.0),
+        (None, Some(t)) => ("failed", t.0),
+        (None, None) => return None,
+    };
+    let seconds = end.duration_since(start).as_secs_f64().max(0.0);
+    let ended = DateTime::<Utc>::from_timestamp(end.as_second(), end.subsec_nanosecond() as u32)?;
+    Some((job.name_any(), outcome, seconds, ended))
+}
+
+/// `agentrun_runs{phase}`, computed from the reconciler's cache at scrape time.
+struct RunsByPhase(Arc<Shared>);
+
+impl std::fmt::Debug for RunsByPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RunsByPhase")
+    }
+}
+
+impl Collector for RunsByPhase {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let runs = self.0.runs.read().unwrap_or_else(|e| e.into_inner());
+        let Some(runs) = runs.as_ref() else {
+            return Ok(());
+        };
+        let family = Family::<PhaseLabel, Gauge>::default();
+        for phase in PHASES {
+            let _ = family.get_or_create(&PhaseLabel {
+                phase: phase_name(phase),
+            });
+        }
+        for run in runs.state() {
+            let phase = run
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .unwrap_or_default();
+            family
+                .get_or_create(&PhaseLabel {
+                    phase: phase_name(phase),
+                })
+                .inc();
+        }
+        if let Ok(mut seen) = self.0.seen.try_lock() {
+            seen.prune(runs);
+        }
+        let metric = encoder.encode_descriptor(
+            "agentrun_runs",
+            "AgentRuns by phase, as the leading controller's reconciler sees them",
+            None,
+            family.metric_type(),
+        )?;
+        family.encode(metric)
+    }
+}
+
+fn phase_name(phase: Phase) -> String {
+    serde_json::to_value(phase)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_else(|| format!("{phase:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Hash, StepKind, Usage, Versions, Worker};
+    use serde_json::json;
+
+    fn record(
+        seq: u64,
+        kind: StepKind,
+        tokens: (u64, u64),
+        micros: u64,
+        at: DateTime<Utc>,
+    ) -> Record {
+        Record {
+            format: 1,
+            seq,
+            kind,
+            payload: json!({}),
+            versions: Versions {
+                model_id: Some("m1".into()),
+                ..Default::default()
+            },
+            usage: Usage {
+                cost_micros: micros,
+                input_tokens: tokens.0,
+                output_tokens: tokens.1,
+            },
+            worker: Worker::default(),
+            prev_hash: Hash::default(),
+            hash: Hash::default(),
+            created_at: Some(at),
+        }
+    }
+
+    fn text(registry: &Registry) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, registry).unwrap();
+        s
+    }
+
+    #[test]
+    fn counts_each_record_once_and_skips_what_was_there_before_start() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        let before = m.started - chrono::Duration::seconds(60);
+        let after = m.started + chrono::Duration::seconds(1);
+        let mut log = vec![
+            record(0, StepKind::RunStarted, (0, 0), 0, before),
+            record(1, StepKind::ModelCall, (100, 20), 1500, before),
+            record(2, StepKind::ModelCall, (10, 5), 250, after),
+        ];
+        m.observe_log("u1", &log);
+        m.observe_log("u1", &log);
+        log.push(record(3, StepKind::ToolIntent, (0, 0), 0, after));
+        log.push(record(4, StepKind::ToolResult, (0, 0), 0, after));
+        m.observe_log("u1", &log);
+        let t = text(&registry);
+        assert!(
+            t.contains(r#"agentrun_steps_total{kind="ModelCall"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"agentrun_steps_total{kind="ToolIntent"} 1"#),
+            "{t}"
+        );
+        assert!(!t.contains(r#"kind="RunStarted""#), "{t}");
+        assert!(
+            t.contains(r#"agentrun_model_tokens_total{direction="input",model="m1"} 10"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"agentrun_model_cost_usd_total{model="m1"} 0.00025"#),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn observes_a_job_once_when_it_ends() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        let start = jiff::Timestamp::now();
+        let mut job: Job = serde_json::from_value(json!({
+            "metadata": {"name": "r-s1-a1"},
+            "status": {"startTime": start.to_string()}
+        }))
+        .unwrap();
+        m.observe_job("u1", Some(&job));
+        assert!(!text(&registry).contains("agentrun_step_duration_seconds_count"));
+        let end = start + jiff::SignedDuration::from_secs(3);
+        job.status.as_mut().unwrap().completion_time =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(end));
+        m.observe_job("u1", Some(&job));
+        m.observe_job("u1", Some(&job));
+        let t = text(&registry);
+        assert!(
+            t.contains(r#"agentrun_step_duration_seconds_count{outcome="succeeded"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"agentrun_step_duration_seconds_sum{outcome="succeeded"} 3.0"#),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn approval_wait_and_append_latency_are_histograms() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        m.observe_approval_wait(Duration::from_secs(90), "Approve");
+        m.observe_append::<()>(Duration::from_millis(3), &Ok(()));
+        let t = text(&registry);
+        assert!(
+            t.contains(r#"agentrun_approval_wait_seconds_count{verdict="Approve"} 1"#),
+            "{t}"
+        );
+        assert!(
+            t.contains(r#"agentrun_store_append_duration_seconds_count{outcome="ok"} 1"#),
+            "{t}"
+        );
+        // No cache yet (a standby replica): no runs gauge.
+        assert!(!t.contains("agentrun_runs{"), "{t}");
     }
 }

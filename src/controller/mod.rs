@@ -1,6 +1,7 @@
 //! The controller (`agentrun controller`): a kube-runtime `Controller` on
 //! AgentRun, owning Jobs and Approvals, active on one replica at a time.
 
+pub mod approval;
 pub mod decide;
 mod error;
 mod http;
@@ -91,7 +92,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     };
     let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
-    tokio::spawn(async move { axum::serve(listener, http::router(health)).await });
+    tokio::spawn(http::serve(listener, health));
 
     let store = crate::store::open(&opts.store_url).await?;
     tracing::info!(store = %store.url(), "step store opened");
@@ -155,6 +156,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     };
     let controller = Controller::new(runs, watcher::Config::default());
     let cache = controller.store();
+    ctx.metrics.watch_runs(cache.clone());
     // When an Agent appears or changes, the runs naming it are reconciled at once.
     let runs_of_agent = move |agent: Agent| {
         let ns = agent.namespace();

@@ -73,6 +73,10 @@ pub enum Act {
     Finish(RunFinished),
     /// Set the final phase from the recorded `RunFinished`.
     Conclude(RunFinished),
+    /// A call waits for a human (or its expiry's follow-up): raise or read the Approval.
+    HandleApproval {
+        request_seq: u64,
+    },
     /// Nothing now; look again after this long.
     Wait(Duration),
 }
@@ -114,6 +118,10 @@ pub fn decide(o: &Observed) -> Act {
     }
     if o.log.is_empty() {
         return Act::StartRun;
+    }
+    // A run waiting for a human holds no Job: its worker exits after asking.
+    if let Some((request_seq, _)) = o.log.pending_approval() {
+        return Act::HandleApproval { request_seq };
     }
     let next_seq = o.log.len();
     let Some(job) = &o.job else {

@@ -6,7 +6,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::decide::{condition, set_condition};
 use super::phase::{JobState, JobView, deadline, phase_of};
-use crate::api::{AgentRun, AgentRunStatus, CurrentStep, LogRef, Phase, PinnedVersions, Usage};
+use crate::api::{
+    AgentRun, AgentRunStatus, CurrentStep, LogRef, PendingApproval, Phase, PinnedVersions, Usage,
+};
 use crate::step::records::{Outcome, RunFinished};
 use crate::step::replay::RunState;
 use crate::store::Head;
@@ -25,6 +27,7 @@ pub fn compose(
     step: Option<CurrentStep>,
     concluded: Option<&RunFinished>,
     job: Option<&JobView>,
+    awaiting: Option<&(String, Timestamp)>,
     now: Timestamp,
 ) -> AgentRunStatus {
     let mut s = base;
@@ -49,6 +52,9 @@ pub fn compose(
         agent_generation: snap.versions.agent_generation,
     });
     s.step = step;
+    if awaiting.is_none() {
+        s.approval = None;
+    }
     if !log.is_empty() && s.started_at.is_none() {
         s.started_at = Some(Time(now));
     }
@@ -81,6 +87,26 @@ pub fn compose(
             );
         }
         None if log.is_empty() => {}
+        None if awaiting.is_some() => {
+            let (name, expires_at) = awaiting.expect("checked");
+            s.phase = Some(Phase::AwaitingApproval);
+            s.waiting_on = Some(format!("approval/{name}"));
+            s.approval = Some(PendingApproval {
+                name: name.clone(),
+                expires_at: Some(Time(*expires_at)),
+            });
+            let message = format!("waiting for approval {name}");
+            let mut c = condition(
+                SUCCEEDED,
+                false,
+                "AwaitingApproval",
+                &message,
+                generation,
+                now,
+            );
+            c.status = "Unknown".into();
+            set_condition(&mut s.conditions, c);
+        }
         None => {
             s.phase = Some(Phase::Running);
             s.waiting_on = s

@@ -11,7 +11,7 @@ use crate::api::{ApprovalPolicy, ApprovalRule, Approvers, DefaultAction, Depende
 #[derive(Clone, Debug, PartialEq)]
 pub enum Classification {
     Allow,
-    RequireApproval(Gate),
+    RequireApproval(Box<Gate>),
 }
 
 /// The approval a call needs: who, how many, for how long, and what then.
@@ -38,8 +38,15 @@ pub struct Gate {
 }
 
 /// Classifies a proposed call. `read_only` is the tool's declaration (never a hint).
-pub fn classify(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value, read_only: bool) -> Classification {
-    let Some(policy) = policy else { return Classification::Allow };
+pub fn classify(
+    policy: Option<&ApprovalPolicy>,
+    tool: &str,
+    args: &Value,
+    read_only: bool,
+) -> Classification {
+    let Some(policy) = policy else {
+        return Classification::Allow;
+    };
     if tool == crate::step::replay::FINISH_TOOL {
         return Classification::Allow;
     }
@@ -52,10 +59,13 @@ pub fn classify(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value, read_
             Some(expr) => match evaluate(expr, args) {
                 Ok(true) => format!("rule {}: {expr}", rule.name),
                 Ok(false) => continue,
-                Err(e) => format!("rule {}: condition {expr:?} could not be evaluated ({e}); asking to be safe", rule.name),
+                Err(e) => format!(
+                    "rule {}: condition {expr:?} could not be evaluated ({e}); asking to be safe",
+                    rule.name
+                ),
             },
         };
-        return Classification::RequireApproval(gate(policy, rule, because));
+        return Classification::RequireApproval(Box::new(gate(policy, rule, because)));
     }
     if policy.default_action == DefaultAction::RequireApprovalForMutating && !read_only {
         let rule = ApprovalRule {
@@ -66,8 +76,10 @@ pub fn classify(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value, read_
             expires_after: "1h".into(),
             ..Default::default()
         };
-        let because = format!("{tool} is not declared read-only and the policy asks for approval of every such call");
-        return Classification::RequireApproval(gate(policy, &rule, because));
+        let because = format!(
+            "{tool} is not declared read-only and the policy asks for approval of every such call"
+        );
+        return Classification::RequireApproval(Box::new(gate(policy, &rule, because)));
     }
     Classification::Allow
 }
@@ -118,7 +130,10 @@ mod tests {
                 name: "large-refund".into(),
                 tool: "issue_refund".into(),
                 when: when.map(str::to_string),
-                approvers: Approvers { users: vec![], groups: vec!["finance-approvers".into()] },
+                approvers: Approvers {
+                    users: vec![],
+                    groups: vec!["finance-approvers".into()],
+                },
                 required_approvals: 2,
                 expires_after: "30m".into(),
                 ..Default::default()
@@ -130,7 +145,10 @@ mod tests {
     #[test]
     fn a_condition_over_the_arguments_decides() {
         let p = policy(Some("args.amount > 100"));
-        assert_eq!(classify(Some(&p), "issue_refund", &json!({"amount": 40}), false), Classification::Allow);
+        assert_eq!(
+            classify(Some(&p), "issue_refund", &json!({"amount": 40}), false),
+            Classification::Allow
+        );
         match classify(Some(&p), "issue_refund", &json!({"amount": 500}), false) {
             Classification::RequireApproval(g) => {
                 assert_eq!((g.rule.as_str(), g.required_approvals), ("large-refund", 2));
@@ -139,33 +157,63 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // Floats and ints compare alike.
-        assert!(matches!(classify(Some(&p), "issue_refund", &json!({"amount": 100.5}), false), Classification::RequireApproval(_)));
+        assert!(matches!(
+            classify(Some(&p), "issue_refund", &json!({"amount": 100.5}), false),
+            Classification::RequireApproval(_)
+        ));
     }
 
     #[test]
     fn other_tools_and_finish_pass_and_no_policy_allows() {
         let p = policy(None);
-        assert_eq!(classify(Some(&p), "lookup_order", &json!({}), false), Classification::Allow);
-        assert_eq!(classify(Some(&p), "finish", &json!({}), false), Classification::Allow);
-        assert_eq!(classify(None, "issue_refund", &json!({"amount": 1e9}), false), Classification::Allow);
-        assert!(matches!(classify(Some(&p), "issue_refund", &json!({}), false), Classification::RequireApproval(_)));
+        assert_eq!(
+            classify(Some(&p), "lookup_order", &json!({}), false),
+            Classification::Allow
+        );
+        assert_eq!(
+            classify(Some(&p), "finish", &json!({}), false),
+            Classification::Allow
+        );
+        assert_eq!(
+            classify(None, "issue_refund", &json!({"amount": 1e9}), false),
+            Classification::Allow
+        );
+        assert!(matches!(
+            classify(Some(&p), "issue_refund", &json!({}), false),
+            Classification::RequireApproval(_)
+        ));
     }
 
     #[test]
     fn a_condition_that_cannot_be_evaluated_asks() {
         let p = policy(Some("args.amount > 100"));
         match classify(Some(&p), "issue_refund", &json!({"orderId": "1"}), false) {
-            Classification::RequireApproval(g) => assert!(g.because.contains("could not be evaluated"), "{}", g.because),
+            Classification::RequireApproval(g) => assert!(
+                g.because.contains("could not be evaluated"),
+                "{}",
+                g.because
+            ),
             other => panic!("a missing field must not let the call through: {other:?}"),
         }
         let broken = policy(Some("args.amount >"));
-        assert!(matches!(classify(Some(&broken), "issue_refund", &json!({"amount": 1}), false), Classification::RequireApproval(_)));
+        assert!(matches!(
+            classify(Some(&broken), "issue_refund", &json!({"amount": 1}), false),
+            Classification::RequireApproval(_)
+        ));
     }
 
     #[test]
     fn the_default_action_gates_mutating_calls_only() {
-        let p = ApprovalPolicy { default_action: DefaultAction::RequireApprovalForMutating, ..Default::default() };
-        assert_eq!(classify(Some(&p), "lookup_order", &json!({}), true), Classification::Allow);
-        assert!(matches!(classify(Some(&p), "delete_account", &json!({}), false), Classification::RequireApproval(g) if g.rule == "default"));
+        let p = ApprovalPolicy {
+            default_action: DefaultAction::RequireApprovalForMutating,
+            ..Default::default()
+        };
+        assert_eq!(
+            classify(Some(&p), "lookup_order", &json!({}), true),
+            Classification::Allow
+        );
+        assert!(
+            matches!(classify(Some(&p), "delete_account", &json!({}), false), Classification::RequireApproval(g) if g.rule == "default")
+        );
     }
 }

@@ -95,7 +95,11 @@ fn abbreviate(s: &str) -> String {
 
 /// Reads each dependency's current version through its read-only lookup.
 /// `{name}` in a lookup URL is replaced by the call's argument `name`.
-pub async fn read_dependencies(deps: &[Dependency], args: &Value, http: &reqwest::Client) -> Vec<DependencyVersion> {
+pub async fn read_dependencies(
+    deps: &[Dependency],
+    args: &Value,
+    http: &reqwest::Client,
+) -> Vec<DependencyVersion> {
     let mut out = Vec::with_capacity(deps.len());
     for dep in deps {
         let version = match http.get(fill(&dep.lookup, args)).send().await {
@@ -110,7 +114,10 @@ pub async fn read_dependencies(deps: &[Dependency], args: &Value, http: &reqwest
             Ok(resp) => format!("{UNREADABLE}: HTTP {}", resp.status().as_u16()),
             Err(e) => format!("{UNREADABLE}: {e}"),
         };
-        out.push(DependencyVersion { name: dep.name.clone(), version });
+        out.push(DependencyVersion {
+            name: dep.name.clone(),
+            version,
+        });
     }
     out
 }
@@ -134,11 +141,19 @@ fn fill(url: &str, args: &Value) -> String {
 pub fn changed(before: &[DependencyVersion], now: &[DependencyVersion]) -> Option<String> {
     let mut reasons = Vec::new();
     for dep in now {
-        let was = before.iter().find(|b| b.name == dep.name).map(|b| b.version.as_str());
+        let was = before
+            .iter()
+            .find(|b| b.name == dep.name)
+            .map(|b| b.version.as_str());
         if dep.version.starts_with(UNREADABLE) {
             reasons.push(format!("{} cannot be read now ({})", dep.name, dep.version));
         } else if was != Some(dep.version.as_str()) {
-            reasons.push(format!("{} changed from version {} to {}", dep.name, was.unwrap_or("none"), dep.version));
+            reasons.push(format!(
+                "{} changed from version {} to {}",
+                dep.name,
+                was.unwrap_or("none"),
+                dep.version
+            ));
         }
     }
     (!reasons.is_empty()).then(|| reasons.join("; "))
@@ -150,12 +165,16 @@ mod tests {
     use serde_json::json;
 
     fn v(name: &str, version: &str) -> DependencyVersion {
-        DependencyVersion { name: name.into(), version: version.into() }
+        DependencyVersion {
+            name: name.into(),
+            version: version.into(),
+        }
     }
 
     #[test]
     fn alternatives_are_split_off_the_arguments() {
-        let (args, alt) = split_alternative(&json!({"amount": 500, "_alternative": {"amount": 100}}));
+        let (args, alt) =
+            split_alternative(&json!({"amount": 500, "_alternative": {"amount": 100}}));
         assert_eq!(args, json!({"amount": 500}));
         assert_eq!(alt, Some(json!({"amount": 100})));
         assert_eq!(split_alternative(&json!({"a": 1})), (json!({"a": 1}), None));
@@ -164,12 +183,25 @@ mod tests {
     #[test]
     fn staleness_names_what_changed_and_distrusts_unreadable_records() {
         assert_eq!(changed(&[v("order", "3")], &[v("order", "3")]), None);
-        assert_eq!(changed(&[v("order", "3")], &[v("order", "4")]).unwrap(), "order changed from version 3 to 4");
-        assert!(changed(&[v("order", "3")], &[v("order", "unreadable: HTTP 503")]).unwrap().contains("cannot be read"));
+        assert_eq!(
+            changed(&[v("order", "3")], &[v("order", "4")]).unwrap(),
+            "order changed from version 3 to 4"
+        );
+        assert!(
+            changed(&[v("order", "3")], &[v("order", "unreadable: HTTP 503")])
+                .unwrap()
+                .contains("cannot be read")
+        );
     }
 
     #[test]
     fn lookup_urls_take_the_call_arguments() {
-        assert_eq!(fill("http://x/records/{orderId}", &json!({"orderId": "1042", "amount": 5})), "http://x/records/1042");
+        assert_eq!(
+            fill(
+                "http://x/records/{orderId}",
+                &json!({"orderId": "1042", "amount": 5})
+            ),
+            "http://x/records/1042"
+        );
     }
 }

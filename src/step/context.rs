@@ -133,7 +133,10 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                         call.arguments = args;
                     }
                 }
-                messages.push(Message::Assistant { text: m.response.text.clone(), tool_calls });
+                messages.push(Message::Assistant {
+                    text: m.response.text.clone(),
+                    tool_calls,
+                });
             }
             Step::ToolResult(r) => {
                 let (mut content, is_error) = outcome_for_model(&r.outcome);
@@ -158,35 +161,59 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                     });
                 }
             }
-            Step::Observation(o) => messages.push(Message::User { text: o.text.clone() }),
+            Step::Observation(o) => messages.push(Message::User {
+                text: o.text.clone(),
+            }),
             _ => {}
         }
     }
 }
 
 /// The arguments call `index` of the ModelCall at `model_call_seq` ran with.
-fn executed_arguments(state: &RunState, model_call_seq: u64, index: usize) -> Option<serde_json::Value> {
-    state.steps.iter().skip(model_call_seq as usize + 1).find_map(|s| match s {
-        Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => Some(i.arguments.clone()),
-        _ => None,
-    })
+fn executed_arguments(
+    state: &RunState,
+    model_call_seq: u64,
+    index: usize,
+) -> Option<serde_json::Value> {
+    state
+        .steps
+        .iter()
+        .skip(model_call_seq as usize + 1)
+        .find_map(|s| match s {
+            Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
+                Some(i.arguments.clone())
+            }
+            _ => None,
+        })
 }
 
 /// "bob changed amount from 500 to 300: partial refund", for an edited call.
 fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
-    let Some(Step::ToolIntent(intent)) = state.steps.get(intent_seq as usize) else { return None };
-    let (request, decided) = state.steps[..intent_seq as usize].iter().rev().find_map(|s| match s {
-        Step::ApprovalDecided(d) if d.verdict == Verdict::Edit => match state.steps.get(d.request_seq as usize) {
-            Some(Step::ApprovalRequested(r))
-                if r.model_call_seq == intent.model_call_seq && r.call_index == intent.call_index =>
-            {
-                Some((r, d))
-            }
-            _ => None,
-        },
-        _ => None,
-    })?;
-    let editor = decided.decisions.iter().find(|d| d.verdict == crate::api::Verdict::Edit)?;
+    let Some(Step::ToolIntent(intent)) = state.steps.get(intent_seq as usize) else {
+        return None;
+    };
+    let (request, decided) =
+        state.steps[..intent_seq as usize]
+            .iter()
+            .rev()
+            .find_map(|s| match s {
+                Step::ApprovalDecided(d) if d.verdict == Verdict::Edit => {
+                    match state.steps.get(d.request_seq as usize) {
+                        Some(Step::ApprovalRequested(r))
+                            if r.model_call_seq == intent.model_call_seq
+                                && r.call_index == intent.call_index =>
+                        {
+                            Some((r, d))
+                        }
+                        _ => None,
+                    }
+                }
+                _ => None,
+            })?;
+    let editor = decided
+        .decisions
+        .iter()
+        .find(|d| d.verdict == crate::api::Verdict::Edit)?;
     let mut changes = Vec::new();
     if let (Some(old), Some(new)) = (request.arguments.as_object(), intent.arguments.as_object()) {
         for (k, v) in new {
@@ -200,8 +227,16 @@ fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
             changes.push(format!("removed {k}"));
         }
     }
-    let what = if changes.is_empty() { "nothing".to_string() } else { changes.join(", ") };
-    let why = editor.reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default();
+    let what = if changes.is_empty() {
+        "nothing".to_string()
+    } else {
+        changes.join(", ")
+    };
+    let why = editor
+        .reason
+        .as_deref()
+        .map(|r| format!(": {r}"))
+        .unwrap_or_default();
     Some(format!("{} changed {what}{why}", editor.approver))
 }
 
@@ -218,7 +253,11 @@ fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> Strin
                     None => d.approver.clone(),
                 })
                 .collect();
-            format!("{} rejected by {}. The call did not run.", request.tool, who.join("; "))
+            format!(
+                "{} rejected by {}. The call did not run.",
+                request.tool,
+                who.join("; ")
+            )
         }
         _ => format!(
             "{} was not approved in time (the approval expired). The call did not run; choose another way.",

@@ -173,7 +173,7 @@ pub enum Next {
     /// then record the intent to make it with `arguments`.
     Approved {
         request_seq: u64,
-        request: ApprovalRequested,
+        request: Box<ApprovalRequested>,
         arguments: serde_json::Value,
     },
     /// The agent is done: append `RunFinished`.
@@ -274,10 +274,16 @@ impl RunState {
                 CallState::Intended | CallState::Settled => continue,
                 CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
                 CallState::Approved(request_seq, arguments) => {
-                    let Some(Step::ApprovalRequested(request)) = self.steps.get(request_seq as usize) else {
+                    let Some(Step::ApprovalRequested(request)) =
+                        self.steps.get(request_seq as usize)
+                    else {
                         unreachable!("call_state returns the seq of an ApprovalRequested")
                     };
-                    return Next::Approved { request_seq, request: request.clone(), arguments };
+                    return Next::Approved {
+                        request_seq,
+                        request: Box::new(request.clone()),
+                        arguments,
+                    };
                 }
                 CallState::Open => {}
             }
@@ -299,16 +305,27 @@ impl RunState {
     /// Where call `index` of the ModelCall at `model_call_seq` stands.
     pub fn call_state(&self, model_call_seq: u64, index: usize) -> CallState {
         let mut state = CallState::Open;
-        for (seq, step) in self.steps.iter().enumerate().skip(model_call_seq as usize + 1) {
+        for (seq, step) in self
+            .steps
+            .iter()
+            .enumerate()
+            .skip(model_call_seq as usize + 1)
+        {
             let seq = seq as u64;
             match step {
-                Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
+                Step::ToolIntent(i)
+                    if i.model_call_seq == model_call_seq && i.call_index == index =>
+                {
                     return CallState::Intended;
                 }
-                Step::ApprovalRequested(r) if r.model_call_seq == model_call_seq && r.call_index == index => {
+                Step::ApprovalRequested(r)
+                    if r.model_call_seq == model_call_seq && r.call_index == index =>
+                {
                     state = CallState::Pending(seq);
                 }
-                Step::ApprovalVoided(v) if state == CallState::Pending(v.request_seq) => state = CallState::Open,
+                Step::ApprovalVoided(v) if state == CallState::Pending(v.request_seq) => {
+                    state = CallState::Open
+                }
                 Step::ApprovalDecided(d) if state == CallState::Pending(d.request_seq) => {
                     state = match (&d.arguments, d.settles_without_running()) {
                         (_, true) => CallState::Settled,

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 
-use super::context::{ContextPlan, plan};
 use super::approval;
+use super::context::{ContextPlan, plan};
 use super::failpoint;
 use super::records::*;
 use super::replay::{Next, RunState, Snapshot, Step};
-use crate::policy::{Classification, classify};
 use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
+use crate::policy::{Classification, classify};
 use crate::store::{self, Head, Lease, RecordDraft, StepKind, StepStore, StoreError};
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
 
@@ -46,6 +46,7 @@ pub struct StepArgs {
 }
 
 /// Runs steps until the slice ends or the run is done.
+#[tracing::instrument(name = "step_job", skip_all, fields(run = %args.run_name, run_uid = %args.run_uid, attempt = args.attempt, pod = %args.worker))]
 pub async fn run(args: StepArgs) -> anyhow::Result<()> {
     let store = store::open(&args.store_url)
         .await
@@ -140,7 +141,9 @@ impl Runner {
             state,
             own_intents: HashSet::new(),
             tools: None,
-            http: reqwest::Client::builder().timeout(Duration::from_secs(15)).build()?,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(15))
+                .build()?,
         })
     }
 
@@ -166,10 +169,21 @@ impl Runner {
                     let read_only = tools.is_read_only(&call.name);
                     self.tools = Some((stamp, tools));
                     let (arguments, alternative) = approval::split_alternative(&call.arguments);
-                    match classify(snap.agent.approval.as_ref(), &call.name, &arguments, read_only) {
+                    match classify(
+                        snap.agent.approval.as_ref(),
+                        &call.name,
+                        &arguments,
+                        read_only,
+                    ) {
                         Classification::Allow => {
-                            self.intend(model_call_seq, call_index, &call.id, &call.name, call.arguments.clone())
-                                .await?
+                            self.intend(
+                                model_call_seq,
+                                call_index,
+                                &call.id,
+                                &call.name,
+                                call.arguments.clone(),
+                            )
+                            .await?
                         }
                         Classification::RequireApproval(gate) => {
                             let request = approval::request(
@@ -179,7 +193,7 @@ impl Runner {
                                 &call,
                                 arguments,
                                 alternative,
-                                gate,
+                                *gate,
                                 &self.http,
                             )
                             .await;
@@ -193,17 +207,36 @@ impl Runner {
                     tracing::info!(request_seq, "waiting for an approval decision; exiting");
                     return Ok(());
                 }
-                Next::Approved { request_seq, request, arguments } => {
+                Next::Approved {
+                    request_seq,
+                    request,
+                    arguments,
+                } => {
                     // Staleness: what the approver saw must still be true.
-                    let now = approval::read_dependencies(&request.gate.dependencies, &arguments, &self.http).await;
+                    let now = approval::read_dependencies(
+                        &request.gate.dependencies,
+                        &arguments,
+                        &self.http,
+                    )
+                    .await;
                     if let Some(reason) = approval::changed(&request.dependencies, &now) {
                         tracing::info!(request_seq, %reason, "approval voided");
-                        let voided = ApprovalVoided { request_seq, reason, dependencies: now };
+                        let voided = ApprovalVoided {
+                            request_seq,
+                            reason,
+                            dependencies: now,
+                        };
                         self.append(Step::ApprovalVoided(voided), None).await?;
                         continue;
                     }
-                    self.intend(request.model_call_seq, request.call_index, &request.call_id, &request.tool, arguments)
-                        .await?
+                    self.intend(
+                        request.model_call_seq,
+                        request.call_index,
+                        &request.call_id,
+                        &request.tool,
+                        arguments,
+                    )
+                    .await?
                 }
                 Next::ExecuteTool { intent_seq, intent } => {
                     self.tool_step(intent_seq, intent).await?
@@ -256,6 +289,7 @@ impl Runner {
         self.state.snapshot.clone().context("run has no snapshot")
     }
 
+    #[tracing::instrument(name = "model_step", skip_all, fields(step = self.head.len))]
     async fn model_step(&mut self) -> anyhow::Result<()> {
         let snap = self.snapshot()?;
         if let Some(reason) = self.state.budget_exceeded(snap.agent.budgets.as_ref()) {
@@ -358,6 +392,7 @@ impl Runner {
         }
     }
 
+    #[tracing::instrument(name = "tool_step", skip_all, fields(step = self.head.len, intent = intent_seq, tool = %intent.tool))]
     async fn tool_step(&mut self, intent_seq: u64, intent: ToolIntent) -> anyhow::Result<()> {
         let recovering = !self.own_intents.contains(&intent_seq);
         let ctx = CallContext::new(self.args.run_uid.clone(), intent_seq, intent.key.clone());
@@ -412,6 +447,7 @@ impl Runner {
 
     /// Appends a record at the head, adopting the recorded one if another
     /// worker won that seq. Returns the seq. Store outages are waited out.
+    #[tracing::instrument(name = "append", skip_all, fields(step = self.head.len, kind = step.kind()))]
     async fn append(&mut self, step: Step, model_id: Option<String>) -> anyhow::Result<u64> {
         let kind = step.kind();
         failpoint::hit(&format!("before-append:{kind}"));

@@ -7,6 +7,7 @@
 pub mod controller;
 pub mod standins;
 pub mod store;
+pub mod world;
 
 use std::{
     fmt::Display,
@@ -312,6 +313,41 @@ pub async fn install_crds(client: &Client) {
     }
     for name in names {
         wait_established(client, &name).await;
+    }
+    apply_admission_policies(client).await;
+}
+
+/// Applies `crds/admission.yaml`: the ValidatingAdmissionPolicies that
+/// guard approvals and run requesters, and the approver ClusterRole.
+pub async fn apply_admission_policies(client: &Client) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/admission.yaml");
+    let yaml = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+    for doc in serde_yaml::Deserializer::from_str(&yaml) {
+        let value = serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{path}: {e}"));
+        if value.is_null() {
+            continue;
+        }
+        let obj: DynamicObject =
+            serde_yaml::from_value(value).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let types = obj.types.clone().expect("apiVersion and kind");
+        let gvk = kube::core::GroupVersionKind::try_from(&types).expect("apiVersion");
+        let lower = gvk.kind.to_lowercase();
+        let plural = match lower.strip_suffix('y') {
+            Some(stem) => format!("{stem}ies"),
+            None => format!("{lower}s"),
+        };
+        let api: Api<DynamicObject> = Api::all_with(
+            client.clone(),
+            &ApiResource::from_gvk_with_plural(&gvk, &plural),
+        );
+        let name = obj.metadata.name.clone().expect("name");
+        api.patch(
+            &name,
+            &PatchParams::apply("agentrun-e2e").force(),
+            &Patch::Apply(&obj),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying {} {name}: {e}", gvk.kind));
     }
 }
 

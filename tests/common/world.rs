@@ -1,0 +1,164 @@
+//! A test world for runs: a namespace with its own controller, stand-ins
+//! and model key, plus helpers to script, create and await runs.
+
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Phase};
+use agentrun::step::replay::Step;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
+use serde_json::{Value, json};
+
+use super::controller::ControllerProcess;
+use super::standins::Standins;
+
+pub const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A namespace with its own controller, stand-ins and model key.
+pub struct World {
+    pub client: kube::Client,
+    pub ns: super::TestNamespace,
+    pub standins: Standins,
+    _controller: ControllerProcess,
+}
+
+impl World {
+    pub async fn new(prefix: &str, controller_flags: &[&str]) -> World {
+        let client = super::admin().await;
+        super::install_crds(&client).await;
+        let ns = super::test_namespace(&client, prefix).await;
+        let secrets: Api<Secret> = Api::namespaced(client.clone(), ns.name());
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": "model-key"},
+            "stringData": {"apiKey": "sk-e2e-not-a-real-key"}
+        }))
+        .unwrap();
+        secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .expect("model key Secret");
+        let controller = ControllerProcess::start_with(ns.name(), "ctrl", controller_flags).await;
+        World {
+            client,
+            ns,
+            standins: Standins::start(),
+            _controller: controller,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        self.ns.name()
+    }
+
+    /// The inline agent of these tests: an order lookup, an idempotent refund,
+    /// and a notification tool that is not idempotent but has a lookup.
+    pub fn agent(&self, script: &str) -> Value {
+        let base = &self.standins.base;
+        let t = self.name();
+        json!({
+            "prompt": {"version": "v1", "system": "You are a careful refund agent."},
+            "model": {
+                "provider": "OpenAI", "name": "gpt-e2e",
+                "endpoint": format!("{base}/scripts/{script}/v1"),
+                "secretRef": {"name": "model-key", "key": "apiKey"},
+                "prices": {"inputPerMillion": 1.0, "outputPerMillion": 4.0}
+            },
+            "tools": [
+                {"name": "lookup_order", "description": "Looks an order up.",
+                 "inputSchema": {"type": "object", "required": ["orderId"], "properties": {"orderId": {"type": "string"}}},
+                 "http": {"url": format!("{base}/tools/{t}/lookup_order"), "idempotent": true, "readOnly": true}},
+                {"name": "issue_refund", "description": "Refunds an amount.",
+                 "inputSchema": {"type": "object", "required": ["orderId", "amount"],
+                                 "properties": {"orderId": {"type": "string"}, "amount": {"type": "number"}}},
+                 "http": {"url": format!("{base}/tools/{t}/issue_refund"), "idempotent": true}},
+                {"name": "notify", "description": "Sends the customer a message.",
+                 "inputSchema": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}},
+                 "http": {"url": format!("{base}/tools/{t}/nokey/notify"), "idempotent": false,
+                          "lookup": format!("{base}/tools/{t}/lookup/notify")}},
+                {"name": "page_oncall", "description": "Pages the on-call engineer (no key, no lookup).",
+                 "http": {"url": format!("{base}/tools/{t}/nokey/page_oncall")}},
+                {"name": "create_ticket", "description": "Opens a ticket (MCP).",
+                 "mcp": {"url": format!("{base}/mcp/{t}")}}
+            ]
+        })
+    }
+
+    pub async fn create_run(&self, name: &str, spec: Value, annotations: Value) -> AgentRun {
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
+        let run: AgentRun = serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": name, "annotations": annotations},
+            "spec": spec
+        }))
+        .expect("run manifest");
+        runs.create(&PostParams::default(), &run)
+            .await
+            .expect("creating the run")
+    }
+
+    pub async fn wait_phase(&self, name: &str, phase: Phase) -> AgentRun {
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
+        super::wait_for(
+            &format!("run {name} to reach {phase:?}"),
+            TIMEOUT,
+            || async {
+                let run = runs.get(name).await.map_err(|e| e.to_string())?;
+                let now = run.status.as_ref().and_then(|s| s.phase);
+                if now.is_some_and(|p| p.is_terminal()) && now != Some(phase) {
+                    panic!(
+                        "run {name} ended {now:?} instead of {phase:?}: {:?}",
+                        run.status
+                    );
+                }
+                if now == Some(phase) {
+                    Ok(run)
+                } else {
+                    Err(format!("{:?}", run.status))
+                }
+            },
+        )
+        .await
+    }
+
+    /// The run's log, decoded, after checking its hash chain ends at the
+    /// head hash recorded in the run's status.
+    pub async fn log(&self, run: &AgentRun) -> Vec<(agentrun::store::Record, Step)> {
+        let store = agentrun::store::open(&super::store::e2e_store_url().await)
+            .await
+            .unwrap();
+        let uid = run.metadata.uid.clone().unwrap();
+        let status_log = run
+            .status
+            .as_ref()
+            .and_then(|s| s.log.clone())
+            .expect("status.log");
+        let head: agentrun::store::Hash = status_log.head_hash.expect("head hash").parse().unwrap();
+        let verified = store
+            .verify(&uid, Some(&head))
+            .await
+            .expect("the log's chain verifies against status");
+        assert_eq!(verified.len, status_log.length);
+        store
+            .read_all(&uid)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).expect("decodes");
+                (r, step)
+            })
+            .collect()
+    }
+}
+
+pub fn kinds(log: &[(agentrun::store::Record, Step)]) -> Vec<&'static str> {
+    log.iter().map(|(_, s)| s.kind()).collect()
+}
+
+pub fn call(name: &str, args: Value) -> Value {
+    json!({"toolCalls": [{"name": name, "arguments": args}]})
+}
+
+pub fn finish(result: &str) -> Value {
+    call("finish", json!({"result": result}))
+}

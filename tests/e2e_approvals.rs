@@ -1,0 +1,397 @@
+//! Human approval end to end, acting as alice, bob and carol on a real API
+//! server: approve, reject, edit, quorum, expiry policies, and every spoof
+//! refused by the API server itself.
+
+mod common;
+
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Approval, Phase};
+use agentrun::step::replay::Step;
+use common::world::{TIMEOUT, World, finish, kinds};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use serde_json::{Value, json};
+
+/// The agent of these tests: refunds over 100 need a finance approver.
+fn gated_agent(w: &World, script: &str, rule: Value) -> Value {
+    let mut agent = w.agent(script);
+    let mut r = json!({
+        "name": "large-refund", "tool": "issue_refund", "when": "args.amount > 100",
+        "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "10m", "onExpiry": "Fail"
+    });
+    if let (Some(base), Some(extra)) = (r.as_object_mut(), rule.as_object()) {
+        base.extend(extra.clone());
+    }
+    agent["approval"] = json!({"rules": [r]});
+    agent
+}
+
+fn refund(amount: u64) -> Value {
+    json!({"text": format!("The customer was charged twice; refunding {amount}."),
+           "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": amount}}]})
+}
+
+/// Waits for the run to wait on an Approval and returns it.
+async fn pending_approval(w: &World, run: &str) -> Approval {
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let name = common::wait_for(&format!("{run} to await approval"), TIMEOUT, || async {
+        let r = runs.get(run).await.map_err(|e| e.to_string())?;
+        let s = r.status.clone().unwrap_or_default();
+        match (s.phase, s.approval) {
+            (Some(Phase::AwaitingApproval), Some(a)) => Ok(a.name),
+            _ => Err(format!("{:?}", r.status)),
+        }
+    })
+    .await;
+    approvals.get(&name).await.expect("the Approval exists")
+}
+
+/// Adds a decision to an Approval as `user` (what `kubectl agentrun approve` does).
+async fn decide(
+    w: &World,
+    user: &str,
+    approval: &str,
+    entry: Value,
+) -> Result<Approval, kube::Error> {
+    let api: Api<Approval> = Api::namespaced(common::client_as(user).await, w.name());
+    let patch: json_patch::Patch =
+        serde_json::from_value(json!([{"op": "add", "path": "/spec/decisions/-", "value": entry}]))
+            .unwrap();
+    api.patch(approval, &PatchParams::default(), &Patch::<()>::Json(patch))
+        .await
+}
+
+fn entry(approver: &str, verdict: &str, hash: &str, reason: &str) -> Value {
+    json!({"approver": approver, "verdict": verdict, "argumentsHash": hash, "reason": reason})
+}
+
+/// Lets alice, bob and carol read and decide approvals in the test namespace.
+async fn grant_approver_role(w: &World) {
+    let rb = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "approvers", "namespace": w.name()},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "agentrun-approver"},
+        "subjects": [
+            {"kind": "Group", "name": "finance-approvers", "apiGroup": "rbac.authorization.k8s.io"},
+            {"kind": "User", "name": "carol", "apiGroup": "rbac.authorization.k8s.io"}
+        ]
+    });
+    let api: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+        Api::namespaced(w.client.clone(), w.name());
+    api.create(&Default::default(), &serde_json::from_value(rb).unwrap())
+        .await
+        .expect("RoleBinding");
+}
+
+async fn step_pods(w: &World, run: &str) -> usize {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
+    let list = pods
+        .list(&ListParams::default().labels(&format!("agentrun.dev/run={run}")))
+        .await
+        .unwrap();
+    list.items
+        .iter()
+        .filter(|p| {
+            !matches!(
+                p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            )
+        })
+        .count()
+}
+
+fn refusal(result: Result<Approval, kube::Error>) -> String {
+    match result {
+        Ok(_) => panic!("the API server accepted a decision it must refuse"),
+        Err(kube::Error::Api(e)) => e.message,
+        Err(e) => panic!("unexpected error: {e}"),
+    }
+}
+
+#[tokio::test]
+async fn an_approved_call_runs_once_with_exactly_the_approved_arguments() {
+    let w = World::new("approve", &[]).await;
+    grant_approver_role(&w).await;
+    w.standins
+        .script(
+            "ok",
+            json!([refund(500), finish("refunded 500")]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "ok",
+        json!({"input": "Refund order 1042.", "agent": gated_agent(&w, "ok", json!({}))}),
+        json!({}),
+    )
+    .await;
+
+    let approval = pending_approval(&w, "ok").await;
+    assert_eq!(approval.spec.tool, "issue_refund");
+    assert_eq!(
+        approval.spec.arguments,
+        json!({"orderId": "1042", "amount": 500})
+    );
+    assert_eq!(
+        approval.spec.arguments_hash,
+        agentrun::policy::arguments_hash("issue_refund", &approval.spec.arguments)
+    );
+    assert!(
+        approval
+            .spec
+            .observations
+            .reason
+            .as_deref()
+            .unwrap_or_default()
+            .contains("charged twice")
+    );
+    // Waiting holds no pod and the call has not happened.
+    common::wait_for("the step pod to exit", TIMEOUT, || async {
+        (step_pods(&w, "ok").await == 0).then_some(())
+    })
+    .await;
+    assert!(w.standins.effects(w.name()).await.is_empty());
+
+    // carol is not an approver; alice may not speak for bob; a decision must quote the hash.
+    let name = approval.metadata.name.clone().unwrap();
+    let hash = approval.spec.arguments_hash.clone();
+    let msg = refusal(decide(&w, "carol", &name, entry("carol", "Approve", &hash, "")).await);
+    assert!(msg.contains("carol is not an approver"), "{msg}");
+    let msg = refusal(decide(&w, "alice", &name, entry("bob", "Approve", &hash, "")).await);
+    assert!(
+        msg.contains("may only add a decision for themselves"),
+        "{msg}"
+    );
+    let wrong = "0".repeat(64);
+    let msg = refusal(decide(&w, "alice", &name, entry("alice", "Approve", &wrong, "")).await);
+    assert!(
+        msg.contains("argumentsHash must equal spec.argumentsHash"),
+        "{msg}"
+    );
+    // Nobody but the controller changes what is approved.
+    let api: Api<Approval> = Api::namespaced(common::client_as("alice").await, w.name());
+    let tamper = json!({"spec": {"arguments": {"orderId": "1042", "amount": 5000}}});
+    let msg = refusal(
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&tamper))
+            .await,
+    );
+    assert!(msg.contains("only spec.decisions may be changed"), "{msg}");
+
+    decide(
+        &w,
+        "alice",
+        &name,
+        entry("alice", "Approve", &hash, "duplicate charge confirmed"),
+    )
+    .await
+    .expect("alice approves");
+    let run = w.wait_phase("ok", Phase::Succeeded).await;
+    let effects = w.standins.effects(w.name()).await;
+    assert_eq!(effects.len(), 1, "{effects:?}");
+    assert_eq!(
+        effects[0]["args"],
+        json!({"orderId": "1042", "amount": 500})
+    );
+    let log = w.log(&run).await;
+    let decided = log.iter().find_map(|(_, s)| match s {
+        Step::ApprovalDecided(d) => Some(d.clone()),
+        _ => None,
+    });
+    let decided = decided.expect("ApprovalDecided in the log");
+    assert_eq!(decided.decisions[0].approver, "alice");
+    assert_eq!(decided.decisions[0].arguments_hash, hash);
+
+    // Decided: no more decisions, not even from an approver.
+    let msg = refusal(decide(&w, "bob", &name, entry("bob", "Reject", &hash, "too late")).await);
+    assert!(msg.contains("already Approved"), "{msg}");
+    assert!(kinds(&log).contains(&"ApprovalRequested"));
+}
+
+#[tokio::test]
+async fn a_rejection_goes_back_to_the_agent_and_an_edit_runs_the_edited_call() {
+    let w = World::new("rejedit", &[]).await;
+    grant_approver_role(&w).await;
+    w.standins
+        .script(
+            "rej",
+            json!([refund(500), finish("told the customer no")]),
+            json!([]),
+        )
+        .await;
+    w.standins
+        .script(
+            "edit",
+            json!([refund(500), finish("refunded 300")]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "rej",
+        json!({"input": "Refund.", "agent": gated_agent(&w, "rej", json!({}))}),
+        json!({}),
+    )
+    .await;
+    w.create_run(
+        "edit",
+        json!({"input": "Refund.", "agent": gated_agent(&w, "edit", json!({}))}),
+        json!({}),
+    )
+    .await;
+
+    let a = pending_approval(&w, "rej").await;
+    let hash = a.spec.arguments_hash.clone();
+    decide(
+        &w,
+        "alice",
+        &a.metadata.name.clone().unwrap(),
+        entry("alice", "Reject", &hash, "amount exceeds policy"),
+    )
+    .await
+    .unwrap();
+    w.wait_phase("rej", Phase::Succeeded).await;
+    let last = w
+        .standins
+        .model_requests("rej")
+        .await
+        .pop()
+        .unwrap()
+        .to_string();
+    assert!(
+        last.contains("issue_refund rejected by alice: amount exceeds policy"),
+        "{last}"
+    );
+
+    let a = pending_approval(&w, "edit").await;
+    let mut e = entry("bob", "Edit", &a.spec.arguments_hash, "partial refund");
+    e["arguments"] = json!({"orderId": "1042", "amount": 300});
+    decide(&w, "bob", &a.metadata.name.clone().unwrap(), e)
+        .await
+        .expect("bob edits");
+    w.wait_phase("edit", Phase::Succeeded).await;
+
+    let effects = w.standins.effects(w.name()).await;
+    let refunds: Vec<_> = effects
+        .iter()
+        .filter(|e| e["tool"] == "issue_refund")
+        .collect();
+    assert_eq!(
+        refunds.len(),
+        1,
+        "only the edited call ran, once: {effects:?}"
+    );
+    assert_eq!(refunds[0]["args"]["amount"], 300);
+    let last = w
+        .standins
+        .model_requests("edit")
+        .await
+        .pop()
+        .unwrap()
+        .to_string();
+    assert!(
+        last.contains("bob changed amount from 500 to 300: partial refund"),
+        "{last}"
+    );
+    assert!(
+        !last.contains("\\\"amount\\\":500"),
+        "the model sees the edited call, not the proposal: {last}"
+    );
+}
+
+#[tokio::test]
+async fn a_quorum_needs_two_distinct_approvers_and_the_requester_is_not_one() {
+    let w = World::new("quorum", &[]).await;
+    grant_approver_role(&w).await;
+    // alice may create runs here; as the requester she may not approve her own.
+    let cr_name = format!("{}-runs", w.name());
+    let cr = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": cr_name},
+        "rules": [{"apiGroups": ["agentrun.dev"], "resources": ["agentruns"], "verbs": ["create", "get"]}]});
+    let crs: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(w.client.clone());
+    crs.patch(
+        &cr_name,
+        &PatchParams::apply("e2e").force(),
+        &Patch::Apply(&cr),
+    )
+    .await
+    .unwrap();
+    let rb = json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "alice-runs", "namespace": w.name()},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cr_name},
+        "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]
+    });
+    let rbs: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+        Api::namespaced(w.client.clone(), w.name());
+    rbs.create(&Default::default(), &serde_json::from_value(rb).unwrap())
+        .await
+        .unwrap();
+
+    w.standins
+        .script("q", json!([refund(900), finish("refunded 900")]), json!([]))
+        .await;
+    let rule = json!({"requiredApprovals": 2, "approvers": {"users": ["alice", "bob", "carol"]}});
+    let mut agent = gated_agent(&w, "q", rule);
+    agent["approval"]["separationOfDuties"] = json!(true);
+    let run: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "q", "annotations": {"agentrun.dev/requester": "alice"}},
+        "spec": {"input": "Refund 900.", "agent": agent}
+    }))
+    .unwrap();
+    let as_alice: Api<AgentRun> = Api::namespaced(common::client_as("alice").await, w.name());
+    // Nobody can name someone else as the requester.
+    let mut forged = run.clone();
+    forged.metadata.name = Some("forged".into());
+    forged.metadata.annotations =
+        Some([("agentrun.dev/requester".to_string(), "bob".to_string())].into());
+    match as_alice.create(&Default::default(), &forged).await {
+        Err(kube::Error::Api(e)) => assert!(
+            e.message.contains("must be your own user name"),
+            "{}",
+            e.message
+        ),
+        other => panic!("a forged requester was accepted: {other:?}"),
+    }
+    as_alice
+        .create(&Default::default(), &run)
+        .await
+        .expect("alice requests the run");
+
+    let a = pending_approval(&w, "q").await;
+    assert_eq!(
+        (a.spec.required_approvals, a.spec.requester.as_deref()),
+        (2, Some("alice"))
+    );
+    let name = a.metadata.name.clone().unwrap();
+    let hash = a.spec.arguments_hash.clone();
+    let msg = refusal(decide(&w, "alice", &name, entry("alice", "Approve", &hash, "mine")).await);
+    assert!(msg.contains("separation of duties"), "{msg}");
+    decide(&w, "bob", &name, entry("bob", "Approve", &hash, "ok"))
+        .await
+        .unwrap();
+    // One of two: still waiting, nothing ran, and bob cannot count twice.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    assert_eq!(
+        runs.get("q").await.unwrap().status.unwrap().phase,
+        Some(Phase::AwaitingApproval)
+    );
+    assert!(w.standins.effects(w.name()).await.is_empty());
+    let msg = refusal(decide(&w, "bob", &name, entry("bob", "Approve", &hash, "again")).await);
+    assert!(
+        msg.contains("existing entries") || msg.contains("Duplicate"),
+        "{msg}"
+    );
+    decide(
+        &w,
+        "carol",
+        &name,
+        entry("carol", "Approve", &hash, "second pair of eyes"),
+    )
+    .await
+    .expect("carol approves");
+    w.wait_phase("q", Phase::Succeeded).await;
+    assert_eq!(w.standins.effects(w.name()).await.len(), 1);
+    crs.delete(&cr_name, &Default::default()).await.ok();
+}
