@@ -3,6 +3,7 @@
 //! of risky steps. See DESIGN.md for the contract.
 
 pub mod api;
+pub mod cli;
 pub mod controller;
 pub mod model;
 pub mod policy;

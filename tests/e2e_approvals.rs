@@ -395,3 +395,235 @@ async fn a_quorum_needs_two_distinct_approvers_and_the_requester_is_not_one() {
     assert_eq!(w.standins.effects(w.name()).await.len(), 1);
     crs.delete(&cr_name, &Default::default()).await.ok();
 }
+
+/// Runs `kubectl agentrun ARGS` as `user` in the test namespace.
+fn plugin(w: &World, user: &str, args: &[&str]) -> (bool, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
+    cmd.args(["-n", w.name()]);
+    if common::existing_cluster() {
+        cmd.args(["--as", user]);
+        if user != "carol" {
+            cmd.args(["--as-group", "finance-approvers"]);
+        }
+    } else {
+        cmd.args(["--context", user]);
+    }
+    let out = cmd.args(args).output().expect("running kubectl-agentrun");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test]
+async fn expiry_follows_on_expiry_and_never_runs_the_requested_call() {
+    let w = World::new("expiry", &[]).await;
+    grant_approver_role(&w).await;
+    let quick = |on_expiry: &str| json!({"expiresAfter": "3s", "onExpiry": on_expiry});
+    w.standins
+        .script(
+            "fail",
+            json!([refund(500), finish("unreachable")]),
+            json!([]),
+        )
+        .await;
+    w.standins
+        .script(
+            "back",
+            json!([refund(500), finish("asked the customer to wait")]),
+            json!([]),
+        )
+        .await;
+    let with_alternative = json!({"text": "Refunding in full, or 100 if nobody answers.",
+        "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": 500,
+                                                             "_alternative": {"orderId": "1042", "amount": 100}}}]});
+    w.standins
+        .script(
+            "alt",
+            json!([with_alternative, finish("refunded 100")]),
+            json!([]),
+        )
+        .await;
+    w.standins
+        .script(
+            "esc",
+            json!([refund(500), finish("refunded after escalation")]),
+            json!([]),
+        )
+        .await;
+    let esc = json!({"expiresAfter": "3s", "onExpiry": "Escalate", "escalateTo": {"users": ["bob"]}, "maxEscalations": 1,
+                     "approvers": {"users": ["alice"]}});
+    for (name, rule) in [
+        ("fail", quick("Fail")),
+        ("back", quick("ReturnToAgent")),
+        ("alt", quick("Alternative")),
+        ("esc", esc),
+    ] {
+        w.create_run(
+            name,
+            json!({"input": "Refund.", "agent": gated_agent(&w, name, rule)}),
+            json!({}),
+        )
+        .await;
+    }
+
+    let failed = w.wait_phase("fail", Phase::Failed).await;
+    assert!(
+        failed
+            .status
+            .unwrap()
+            .error
+            .unwrap()
+            .contains("expired without a decision")
+    );
+    w.wait_phase("back", Phase::Succeeded).await;
+    let last = w
+        .standins
+        .model_requests("back")
+        .await
+        .pop()
+        .unwrap()
+        .to_string();
+    assert!(last.contains("was not approved in time"), "{last}");
+    w.wait_phase("alt", Phase::Succeeded).await;
+
+    // Escalated to bob, with a fresh expiry; alice's turn is over.
+    let escalated = common::wait_for("the escalated approval", TIMEOUT, || async {
+        let api: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+        let list = api
+            .list(&ListParams::default().labels("agentrun.dev/run=esc"))
+            .await
+            .map_err(|e| e.to_string())?;
+        list.items
+            .into_iter()
+            .find(|a| a.spec.escalation == 1)
+            .ok_or_else(|| "not yet".to_string())
+    })
+    .await;
+    assert_eq!(escalated.spec.approvers.users, vec!["bob".to_string()]);
+    let name = escalated.metadata.name.clone().unwrap();
+    let (ok, text) = plugin(&w, "alice", &["approve", &name, "-m", "me too"]);
+    assert!(!ok && text.contains("alice is not an approver"), "{text}");
+    let (ok, text) = plugin(
+        &w,
+        "bob",
+        &["approve", &name, "-m", "escalated to me; fine"],
+    );
+    assert!(ok, "{text}");
+    w.wait_phase("esc", Phase::Succeeded).await;
+
+    let effects = w.standins.effects(w.name()).await;
+    let amounts: Vec<_> = effects
+        .iter()
+        .filter(|e| e["tool"] == "issue_refund")
+        .map(|e| e["args"]["amount"].clone())
+        .collect();
+    // Only the agent's safe alternative (100) and bob's approved call (500, once) ran; no expiry ran a 500 refund.
+    assert_eq!(
+        amounts.iter().filter(|a| **a == 100).count(),
+        1,
+        "{effects:?}"
+    );
+    assert_eq!(
+        amounts.iter().filter(|a| **a == 500).count(),
+        1,
+        "{effects:?}"
+    );
+    assert_eq!(amounts.len(), 2, "{effects:?}");
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let esc_run = runs.get("esc").await.unwrap();
+    let esc_log = w.log(&esc_run).await;
+    assert_eq!(
+        kinds(&esc_log)
+            .iter()
+            .filter(|k| **k == "ApprovalRequested")
+            .count(),
+        2
+    );
+}
+
+#[tokio::test]
+async fn a_changed_dependency_voids_the_approval_and_asks_again() {
+    let w = World::new("stale", &[]).await;
+    grant_approver_role(&w).await;
+    let base = w.standins.base.clone();
+    let record = format!("{base}/tools/{}/records/1042", w.name());
+    let put = |data: Value| {
+        let (http, url) = (w.standins.http.clone(), record.clone());
+        async move {
+            http.put(url)
+                .json(&json!({"data": data}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    put(json!({"balance": 500})).await;
+    w.standins
+        .script("stale", json!([refund(500), finish("refunded")]), json!([]))
+        .await;
+    let rule = json!({"dependencies": [{"name": "order-1042", "lookup": format!("{base}/tools/{}/records/{{orderId}}", w.name())}]});
+    w.create_run(
+        "stale",
+        json!({"input": "Refund.", "agent": gated_agent(&w, "stale", rule)}),
+        json!({}),
+    )
+    .await;
+
+    let first = pending_approval(&w, "stale").await;
+    assert_eq!(first.spec.dependencies[0].name, "order-1042");
+    let seen = first.spec.dependencies[0].version.clone();
+    // The order changes after the approver looked at it.
+    put(json!({"balance": 0, "refunded": true})).await;
+    let name = first.metadata.name.clone().unwrap();
+    let (ok, text) = plugin(&w, "alice", &["show", &name]);
+    assert!(
+        ok && text.contains("order-1042 at version") && text.contains("charged twice"),
+        "{text}"
+    );
+    let (ok, text) = plugin(&w, "alice", &["approve", &name, "-m", "looks right"]);
+    assert!(ok, "{text}");
+
+    // The approval is void; a fresh request shows the new version.
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let second = common::wait_for("a fresh approval", TIMEOUT, || async {
+        let r = runs.get("stale").await.map_err(|e| e.to_string())?;
+        let a = r.status.and_then(|s| s.approval).ok_or("no approval")?;
+        if a.name == name {
+            Err("still the first".to_string())
+        } else {
+            Ok(a.name)
+        }
+    })
+    .await;
+    assert!(
+        w.standins.effects(w.name()).await.is_empty(),
+        "nothing ran on the stale approval"
+    );
+    let api: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let fresh = api.get(&second).await.unwrap();
+    assert_ne!(fresh.spec.dependencies[0].version, seen);
+    let (ok, text) = plugin(
+        &w,
+        "bob",
+        &["approve", &second, "-m", "checked the new state"],
+    );
+    assert!(ok, "{text}");
+    let run = w.wait_phase("stale", Phase::Succeeded).await;
+    assert_eq!(w.standins.effects(w.name()).await.len(), 1);
+    let log = w.log(&run).await;
+    assert!(kinds(&log).contains(&"ApprovalVoided"), "{:?}", kinds(&log));
+
+    // The audit trail, readable, and the chain checked against the run's status.
+    let store = common::store::e2e_store_url().await;
+    let (ok, text) = plugin(&w, "alice", &["log", "stale", "--store-url", &store]);
+    assert!(
+        ok && text.contains("approval voided: order-1042 changed")
+            && text.contains("bob Approve (checked the new state)"),
+        "{text}"
+    );
+    let (ok, text) = plugin(&w, "alice", &["verify", "stale", "--store-url", &store]);
+    assert!(ok && text.contains("chain intact"), "{text}");
+}

@@ -323,8 +323,9 @@ impl RunState {
                 {
                     state = CallState::Pending(seq);
                 }
-                Step::ApprovalVoided(v) if state == CallState::Pending(v.request_seq) => {
-                    state = CallState::Open
+                Step::ApprovalVoided(v) if matches!(&state, CallState::Pending(r) | CallState::Approved(r, _) if *r == v.request_seq) =>
+                {
+                    state = CallState::Open;
                 }
                 Step::ApprovalDecided(d) if state == CallState::Pending(d.request_seq) => {
                     state = match (&d.arguments, d.settles_without_running()) {
@@ -422,5 +423,231 @@ fn finish_result(args: &Value) -> String {
         Some(Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
         None => args.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{AgentTemplate, OnExpiry};
+    use crate::model::{ModelResponse, TokenUsage};
+    use serde_json::json;
+
+    fn started() -> RunState {
+        RunState::replay(vec![Step::RunStarted(RunStarted {
+            run_name: "r".into(),
+            namespace: "n".into(),
+            input: "task".into(),
+            agent: AgentTemplate::default(),
+            tools: vec![],
+            mcp: Default::default(),
+            versions: Versions::default(),
+        })])
+    }
+
+    fn model_call(calls: &[(&str, serde_json::Value)]) -> Step {
+        Step::ModelCall(ModelCall {
+            response: ModelResponse {
+                text: Some("thinking".into()),
+                tool_calls: calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (n, a))| ToolCall {
+                        id: format!("c{i}"),
+                        name: n.to_string(),
+                        arguments: a.clone(),
+                    })
+                    .collect(),
+                usage: TokenUsage {
+                    input_tokens: 10,
+                    output_tokens: 5,
+                },
+                model_id: "m".into(),
+                stop_reason: None,
+            },
+            cost_usd: 0.5,
+            context: ContextInfo::default(),
+        })
+    }
+
+    fn request() -> Step {
+        Step::ApprovalRequested(ApprovalRequested {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "refund".into(),
+            arguments: json!({"amount": 500}),
+            arguments_hash: "h".into(),
+            reason: None,
+            observations: vec![],
+            dependencies: vec![],
+            gate: crate::policy::Gate {
+                rule: "r".into(),
+                because: "b".into(),
+                approvers: Default::default(),
+                required_approvals: 1,
+                expires_after: "1h".into(),
+                on_expiry: OnExpiry::Fail,
+                escalate_to: None,
+                max_escalations: 1,
+                dependencies: vec![],
+                separation_of_duties: false,
+                notify_webhook: None,
+            },
+            escalation: 0,
+            alternative: None,
+        })
+    }
+
+    fn decided(
+        verdict: Verdict,
+        on_expiry: Option<OnExpiry>,
+        args: Option<serde_json::Value>,
+    ) -> Step {
+        Step::ApprovalDecided(ApprovalDecided {
+            request_seq: 2,
+            approval: "a".into(),
+            verdict,
+            decisions: vec![],
+            arguments: args,
+            observations_hash: "o".into(),
+            on_expiry,
+        })
+    }
+
+    #[test]
+    fn a_tool_step_is_intent_then_execution_then_the_model_again() {
+        let mut s = started();
+        assert_eq!(s.next(), Next::CallModel);
+        s.apply(model_call(&[("lookup", json!({"id": 1}))]));
+        assert!(matches!(
+            s.next(),
+            Next::RecordIntent {
+                model_call_seq: 1,
+                call_index: 0,
+                ..
+            }
+        ));
+        s.apply(Step::ToolIntent(ToolIntent {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "lookup".into(),
+            arguments: json!({"id": 1}),
+            key: "k".into(),
+        }));
+        assert!(matches!(s.next(), Next::ExecuteTool { intent_seq: 2, .. }));
+        s.apply(Step::ToolResult(ToolResult {
+            intent_seq: 2,
+            call_id: "c0".into(),
+            tool: "lookup".into(),
+            outcome: crate::tools::ToolOutcome::Ok(json!({})),
+            recovery: None,
+        }));
+        assert_eq!(s.next(), Next::CallModel);
+        assert_eq!((s.spent.input_tokens, s.spent.output_tokens), (10, 5));
+    }
+
+    #[test]
+    fn finish_and_plain_answers_end_the_run() {
+        let mut s = started();
+        s.apply(model_call(&[("finish", json!({"result": "done"}))]));
+        assert_eq!(
+            s.next(),
+            Next::Finish {
+                outcome: Outcome::Succeeded,
+                result: Some("done".into())
+            }
+        );
+        let mut s = started();
+        s.apply(model_call(&[]));
+        assert_eq!(
+            s.next(),
+            Next::Finish {
+                outcome: Outcome::Succeeded,
+                result: Some("thinking".into())
+            }
+        );
+    }
+
+    #[test]
+    fn approvals_wait_then_run_void_or_settle() {
+        let base = || {
+            let mut s = started();
+            s.apply(model_call(&[("refund", json!({"amount": 500}))]));
+            s.apply(request());
+            s
+        };
+        let s = base();
+        assert_eq!(s.next(), Next::AwaitApproval { request_seq: 2 });
+        assert!(s.pending_approval().is_some());
+
+        let mut s = base();
+        s.apply(decided(Verdict::Edit, None, Some(json!({"amount": 300}))));
+        match s.next() {
+            Next::Approved {
+                request_seq: 2,
+                arguments,
+                ..
+            } => assert_eq!(arguments, json!({"amount": 300})),
+            other => panic!("{other:?}"),
+        }
+        // A voided approval asks again instead of running.
+        s.apply(Step::ApprovalVoided(ApprovalVoided {
+            request_seq: 2,
+            reason: "changed".into(),
+            dependencies: vec![],
+        }));
+        assert!(matches!(
+            s.next(),
+            Next::RecordIntent {
+                model_call_seq: 1,
+                call_index: 0,
+                ..
+            }
+        ));
+
+        let mut s = base();
+        s.apply(decided(Verdict::Reject, None, None));
+        assert_eq!(
+            s.next(),
+            Next::CallModel,
+            "a rejected call is settled; the model is told"
+        );
+
+        let mut s = base();
+        s.apply(decided(
+            Verdict::Expired,
+            Some(OnExpiry::ReturnToAgent),
+            None,
+        ));
+        assert_eq!(s.next(), Next::CallModel);
+
+        let mut s = base();
+        s.apply(decided(Verdict::Expired, Some(OnExpiry::Escalate), None));
+        assert_eq!(
+            s.next(),
+            Next::AwaitApproval { request_seq: 2 },
+            "the controller escalates"
+        );
+    }
+
+    #[test]
+    fn budgets_count_everything_recorded() {
+        let mut s = started();
+        s.apply(model_call(&[("x", json!({}))]));
+        let b = crate::api::Budgets {
+            max_tokens: Some(15),
+            ..Default::default()
+        };
+        assert!(s.budget_exceeded(Some(&b)).unwrap().contains("15"));
+        let b = crate::api::Budgets {
+            max_cost_usd: Some(1.0),
+            max_steps: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(s.budget_exceeded(Some(&b)), None);
+        s.apply(model_call(&[]));
+        assert!(s.budget_exceeded(Some(&b)).unwrap().contains("cost"));
     }
 }
