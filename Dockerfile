@@ -1,16 +1,32 @@
 # The operator image: the controller and the step runner are the same binary
-# (`agentrun controller`, `agentrun step`), plus the kubectl plugin.
+# (`agentrun controller`, `agentrun step`; step Jobs run this image too), plus
+# the kubectl plugin. Build and load into kind:
+#
+#   docker build -t agentrun:dev .
+#   kind load docker-image agentrun:dev
+#
+# tests/packaging.rs checks this file without a container engine: the build
+# context holds every file the two binaries are compiled from, the binaries
+# copied below are the ones the build stage produces, the final user is not root.
+
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
+# Cargo.toml declares every target (also the e2e node, the stand-ins and the
+# benchmark), so their sources are part of the context; only the two shipped
+# binaries are built.
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY e2e/node ./e2e/node
-COPY crds ./crds
-RUN cargo build --locked --release --bin agentrun --bin kubectl-agentrun
+COPY e2e/standins ./e2e/standins
+COPY benches ./benches
+ENV CARGO_PROFILE_RELEASE_STRIP=symbols
+RUN cargo build --release --locked --bin agentrun --bin kubectl-agentrun
 
 FROM debian:bookworm-slim
-RUN useradd --uid 65532 --no-create-home --shell /usr/sbin/nologin agentrun
+# Roots for TLS to model providers and tools (rustls reads the system bundle).
+COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 COPY --from=build /src/target/release/agentrun /usr/local/bin/agentrun
 COPY --from=build /src/target/release/kubectl-agentrun /usr/local/bin/kubectl-agentrun
+# The uid the chart and the step Jobs run as (runAsNonRoot needs a numeric user).
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/agentrun"]

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Builds helm from its Go module (helm.sh/helm/v3), once per version, into
-# ~/.cache/agentrun/helm-<version>/bin/helm. The chart tests and
-# `config/generate` use it.
+# The chart's tools, built from their Go modules once per version into
+# ~/.cache/agentrun/: helm (helm.sh/helm/v3), used by the chart tests and
+# `config/generate`; and argocd-lua-health (e2e/argocd-lua, on gopher-lua,
+# the Lua Argo CD embeds), which runs the chart's Argo CD health check.
 #
-#   e2e/build-helm.sh          build if missing, print nothing else
-#   e2e/build-helm.sh path     print the path of the helm binary (building it if missing)
+#   e2e/build-helm.sh            build both if missing
+#   e2e/build-helm.sh path       print the path of helm (building it if missing)
+#   e2e/build-helm.sh lua-path   print the path of argocd-lua-health (building it if missing)
 set -euo pipefail
 
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 CACHE="${AGENTRUN_CACHE:-$HOME/.cache/agentrun}"
 HELM_BIN="$CACHE/helm-$HELM_VERSION/bin/helm"
+# The gopher-lua version Argo CD builds with.
+GOPHER_LUA_VERSION="${GOPHER_LUA_VERSION:-v1.1.1}"
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+LUA_SRC="$HERE/argocd-lua/main.go"
+LUA_KEY=$(sha256sum "$LUA_SRC" | cut -c1-12)
+LUA_BIN="$CACHE/argocd-lua-$GOPHER_LUA_VERSION-$LUA_KEY/bin/argocd-lua-health"
 export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 
 log() { printf '[build] %s\n' "$*" >&2; }
@@ -38,8 +46,22 @@ build_helm() {
   log "built helm in $((SECONDS - start)) s"
 }
 
+build_lua() {
+  if [ -x "$LUA_BIN" ]; then return; fi
+  local mod="$CACHE/build/argocd-lua-$GOPHER_LUA_VERSION-$LUA_KEY" start=$SECONDS
+  mkdir -p "$mod" "$(dirname "$LUA_BIN")"
+  log "building argocd-lua-health on gopher-lua $GOPHER_LUA_VERSION"
+  cp "$LUA_SRC" "$mod/main.go"
+  printf 'module agentrun.dev/e2e/argocd-lua\n\ngo 1.22\n\nrequire github.com/yuin/gopher-lua %s\n' \
+    "$GOPHER_LUA_VERSION" >"$mod/go.mod"
+  (cd "$mod" && go mod tidy && go build -trimpath -ldflags "-s -w" -o "$LUA_BIN.tmp" .)
+  mv "$LUA_BIN.tmp" "$LUA_BIN"
+  log "built argocd-lua-health in $((SECONDS - start)) s"
+}
+
 case "${1:-build}" in
-  build) build_helm ;;
+  build) build_helm; build_lua ;;
   path) build_helm; echo "$HELM_BIN" ;;
-  *) echo "usage: $0 [build|path]" >&2; exit 2 ;;
+  lua-path) build_lua; echo "$LUA_BIN" ;;
+  *) echo "usage: $0 [build|path|lua-path]" >&2; exit 2 ;;
 esac

@@ -276,15 +276,26 @@ impl Metrics {
     }
 
     /// How long an approval waited, from raised to decided (`verdict`:
-    /// `Approve`, `Reject`, `Edit`) or expired (`Expired`). For the approvals
-    /// work to call when it records `ApprovalDecided`.
-    #[allow(dead_code)]
+    /// `Approve`, `Reject`, `Edit`) or expired (`Expired`).
     pub fn observe_approval_wait(&self, wait: Duration, verdict: &str) {
         self.approval_wait
             .get_or_create(&VerdictLabel {
                 verdict: verdict.into(),
             })
             .observe(wait.as_secs_f64());
+    }
+
+    /// An Approval (raised when it was created) decided or expired `now`.
+    pub fn observe_approval_decided(
+        &self,
+        raised: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+        now: jiff::Timestamp,
+        verdict: impl std::fmt::Debug,
+    ) {
+        if let Some(raised) = raised {
+            let wait = Duration::try_from(now.duration_since(raised.0)).unwrap_or_default();
+            self.observe_approval_wait(wait, &format!("{verdict:?}"));
+        }
     }
 
     /// Latency of one of the controller's own appends (`outcome`: `ok`,

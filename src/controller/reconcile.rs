@@ -474,6 +474,9 @@ async fn handle_approval(
             }
         }
     };
+    let raised = approval.metadata.creation_timestamp.as_ref();
+    ctx.metrics
+        .observe_approval_decided(raised, now, record.verdict);
     append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
     Ok(None)
 }

@@ -44,12 +44,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: postgresql
 {{- end }}
 
+{{/* Fixed: the admission policy (crds/admission.yaml) recognises the controller by this name. */}}
 {{- define "agentrun.serviceAccountName" -}}
-{{- if .Values.serviceAccount.create }}
-{{- default (include "agentrun.fullname" .) .Values.serviceAccount.name }}
-{{- else }}
-{{- default "default" .Values.serviceAccount.name }}
-{{- end }}
+agentrun-controller
 {{- end }}
 
 {{- define "agentrun.image" -}}

@@ -1,0 +1,1070 @@
+//! How agentrun is installed, checked without a cluster: the Helm chart
+//! (lint, rendering with default and non-default values, the values schema
+//! refusing wrong values), the kustomize bases generated from it, the Argo CD
+//! health check (run by gopher-lua, the Lua Argo CD embeds), and the
+//! Dockerfile's stages (no container engine here: the build context is
+//! simulated and checked against what Cargo and the compiler actually read).
+//!
+//! helm and the Lua runner are built from their Go modules by
+//! `e2e/build-helm.sh` (cached in ~/.cache/agentrun); `e2e/test` builds them
+//! first, and these tests build them if they are missing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use serde::Deserialize as _;
+use serde_json::{Value, json};
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+fn root() -> &'static Path {
+    Path::new(ROOT)
+}
+
+/// Runs `e2e/build-helm.sh ARG` and returns the tool path it prints.
+fn tool(arg: &str) -> PathBuf {
+    let out = Command::new("bash")
+        .arg(root().join("e2e/build-helm.sh"))
+        .arg(arg)
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running e2e/build-helm.sh");
+    assert!(
+        out.status.success(),
+        "e2e/build-helm.sh {arg} failed: helm and the Lua runner are built from their Go modules (Go and the module proxy are needed)"
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+fn helm() -> &'static Path {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    HELM.get_or_init(|| tool("path"))
+}
+
+/// `helm ARGS...`: (success, stdout, stderr).
+fn helm_run(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(helm())
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("running helm");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Parses a multi-document YAML stream into JSON values (empty documents dropped).
+fn docs(yaml: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(yaml)
+        .map(|d| serde_yaml::Value::deserialize(d).expect("valid YAML"))
+        .filter(|v| !v.is_null())
+        .map(|v| serde_json::to_value(v).expect("YAML as JSON"))
+        .collect()
+}
+
+/// Renders the chart with `values` (a JSON document written to a values file).
+fn render(release: &str, namespace: &str, values: &Value) -> Result<Vec<Value>, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("values.json");
+    std::fs::write(&file, values.to_string()).unwrap();
+    let (ok, stdout, stderr) = helm_run(&[
+        "template",
+        release,
+        "charts/agentrun",
+        "--namespace",
+        namespace,
+        "--values",
+        file.to_str().unwrap(),
+    ]);
+    if ok { Ok(docs(&stdout)) } else { Err(stderr) }
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| {
+            let have: Vec<String> = objs
+                .iter()
+                .map(|o| format!("{}/{}", o["kind"], o["metadata"]["name"]))
+                .collect();
+            panic!("no {kind} {name} rendered; have {have:?}")
+        })
+}
+
+fn all<'a>(objs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    objs.iter().filter(|o| o["kind"] == kind).collect()
+}
+
+fn env_of<'a>(container: &'a Value, name: &str) -> &'a Value {
+    container["env"]
+        .as_array()
+        .and_then(|e| e.iter().find(|v| v["name"] == name))
+        .unwrap_or_else(|| panic!("env {name} missing in {container}"))
+}
+
+fn has_env(container: &Value, name: &str) -> bool {
+    container["env"]
+        .as_array()
+        .is_some_and(|e| e.iter().any(|v| v["name"] == name))
+}
+
+fn numbers_as_f64(v: Value) -> Value {
+    match v {
+        Value::Number(n) => json!(n.as_f64().unwrap()),
+        Value::Array(a) => Value::Array(a.into_iter().map(numbers_as_f64).collect()),
+        Value::Object(o) => {
+            Value::Object(o.into_iter().map(|(k, v)| (k, numbers_as_f64(v))).collect())
+        }
+        other => other,
+    }
+}
+
+fn crate_version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+/// The YAML documents of every file in `crds/`, by (kind, name).
+fn source_crds() -> BTreeMap<(String, String), Value> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(root().join("crds")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            for d in docs(&std::fs::read_to_string(&path).unwrap()) {
+                let key = (
+                    d["kind"].as_str().unwrap().to_string(),
+                    d["metadata"]["name"].as_str().unwrap().to_string(),
+                );
+                out.insert(key, d);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_charts_crds_are_a_copy_of_crds() {
+    let list = |dir: &str| -> BTreeMap<String, Vec<u8>> {
+        std::fs::read_dir(root().join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+            .map(|p| {
+                (
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                    std::fs::read(&p).unwrap(),
+                )
+            })
+            .collect()
+    };
+    let source = list("crds");
+    let copy = list("charts/agentrun/files/crds");
+    assert!(!source.is_empty());
+    assert_eq!(
+        source.keys().collect::<Vec<_>>(),
+        copy.keys().collect::<Vec<_>>(),
+        "charts/agentrun/files/crds/ must hold exactly the files of crds/: run config/generate"
+    );
+    for (name, bytes) in &source {
+        assert!(
+            copy[name] == *bytes,
+            "charts/agentrun/files/crds/{name} differs from crds/{name}: run config/generate"
+        );
+    }
+}
+
+#[test]
+fn the_chart_version_follows_the_crate() {
+    let chart: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root().join("charts/agentrun/Chart.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(chart["version"].as_str(), Some(crate_version()));
+    assert_eq!(chart["appVersion"].as_str(), Some(crate_version()));
+}
+
+fn default_values() -> Value {
+    json!({"store": {"existingSecret": "agentrun-store"}})
+}
+
+/// Values that switch on everything optional.
+fn full_values() -> Value {
+    json!({
+        "watchNamespace": "runs",
+        "image": {"repository": "example/agentrun", "tag": "1.2.3"},
+        "controller": {"replicas": 3, "logFormat": "text", "extraArgs": ["--lease-name=x"],
+                        "podAnnotations": {"team": "ml"}},
+        "stepRunner": {"serviceAccount": {"name": "steps", "namespaces": ["runs", "more-runs"]}},
+        "store": {"migrate": false},
+        "postgresql": {"enabled": true, "password": "s3cret/+x", "persistence": {"size": "1Gi"}},
+        "modelSecrets": [
+            {"name": "openai", "stringData": {"apiKey": "sk-1"}},
+            {"name": "anthropic", "namespace": "more-runs", "stringData": {"apiKey": "sk-2"}}
+        ],
+        "metrics": {"port": 9090, "serviceMonitor": {"enabled": true, "labels": {"release": "prom"}}},
+        "networkPolicy": {"enabled": true,
+                          "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+                          "controllerEgress": [{"ports": [{"port": 443}, {"port": 6443}, {"port": 5432}, {"port": 53, "protocol": "UDP"}]}]},
+        "approverRole": {"name": "runs-approver"},
+        "commonLabels": {"cost-center": "42"}
+    })
+}
+
+#[test]
+fn helm_lint_passes_with_default_and_non_default_values() {
+    for (what, values) in [("default", default_values()), ("full", full_values())] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("values.json");
+        std::fs::write(&file, values.to_string()).unwrap();
+        let (ok, stdout, stderr) = helm_run(&[
+            "lint",
+            "--strict",
+            "charts/agentrun",
+            "--values",
+            file.to_str().unwrap(),
+        ]);
+        assert!(ok, "helm lint ({what} values):\n{stdout}\n{stderr}");
+        assert!(stdout.contains("0 chart(s) failed"), "{stdout}");
+    }
+}
+
+#[test]
+fn default_rendering_is_a_least_privilege_two_replica_controller() {
+    let objs = render("agentrun", "agentrun-system", &default_values()).expect("renders");
+
+    // The controller Deployment.
+    let deploy = find(&objs, "Deployment", "agentrun-controller");
+    let spec = &deploy["spec"];
+    assert_eq!(spec["replicas"], 2);
+    let pod = &spec["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "agentrun-controller");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(pod["securityContext"]["runAsUser"], 65532);
+    let c = &pod["containers"][0];
+    let image = format!("agentrun:{}", crate_version());
+    assert_eq!(c["image"], image.as_str());
+    assert_eq!(c["args"][0], "controller");
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+    assert!(c["resources"]["requests"]["cpu"].is_string());
+    assert!(c["resources"]["limits"]["memory"].is_string());
+    assert_eq!(
+        env_of(c, "POD_NAME")["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.name"
+    );
+    assert_eq!(
+        env_of(c, "POD_NAMESPACE")["valueFrom"]["fieldRef"]["fieldPath"],
+        "metadata.namespace"
+    );
+    assert_eq!(
+        env_of(c, "AGENTRUN_STORE_URL")["valueFrom"]["secretKeyRef"],
+        json!({"name": "agentrun-store", "key": "url"})
+    );
+    assert!(!has_env(c, "AGENTRUN_STEP_STORE_URL"));
+    assert!(!has_env(c, "AGENTRUN_WATCH_NAMESPACE"));
+    // Step Jobs run the controller's own image.
+    assert_eq!(env_of(c, "AGENTRUN_STEP_IMAGE")["value"], image.as_str());
+    assert_eq!(env_of(c, "AGENTRUN_METRICS_ADDR")["value"], "0.0.0.0:8080");
+    assert_eq!(env_of(c, "AGENTRUN_LOG_FORMAT")["value"], "json");
+    assert!(
+        c["args"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("--step-service-account=agentrun-step"))
+    );
+    assert_eq!(
+        c["ports"][0],
+        json!({"name": "metrics", "containerPort": 8080, "protocol": "TCP"})
+    );
+    assert_eq!(
+        c["livenessProbe"]["httpGet"],
+        json!({"path": "/healthz", "port": "metrics"})
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"],
+        json!({"path": "/readyz", "port": "metrics"})
+    );
+    let migrate = &pod["initContainers"][0];
+    assert_eq!(migrate["args"], json!(["store", "migrate"]));
+    assert_eq!(migrate["securityContext"]["readOnlyRootFilesystem"], true);
+    find(&objs, "PodDisruptionBudget", "agentrun-controller");
+
+    // ServiceAccounts: the controller's, and the step pods' without a token.
+    find(&objs, "ServiceAccount", "agentrun-controller");
+    let step_sa = find(&objs, "ServiceAccount", "agentrun-step");
+    assert_eq!(step_sa["automountServiceAccountToken"], false);
+    assert_eq!(step_sa["metadata"]["namespace"], "agentrun-system");
+    assert!(
+        all(&objs, "RoleBinding")
+            .iter()
+            .chain(all(&objs, "ClusterRoleBinding").iter())
+            .all(|b| b["subjects"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|s| s["name"] != "agentrun-step")),
+        "no role may be bound to the step pods' ServiceAccount"
+    );
+
+    // RBAC: the controller's ClusterRole, its binding, the leader-election Role.
+    let role = find(&objs, "ClusterRole", "agentrun-agentrun-system-controller");
+    let rules = role["rules"].as_array().unwrap();
+    assert!(
+        rules.iter().all(|r| !r.to_string().contains('*')),
+        "no wildcards in the controller's ClusterRole: {role}"
+    );
+    let secrets = rules
+        .iter()
+        .find(|r| r["resources"] == json!(["secrets"]))
+        .expect("a secrets rule");
+    assert_eq!(secrets["resourceNames"], json!(["agentrun-step-store"]));
+    assert!(
+        !secrets["verbs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v == "get" || v == "list"),
+        "the controller never reads Secrets"
+    );
+    let binding = find(
+        &objs,
+        "ClusterRoleBinding",
+        "agentrun-agentrun-system-controller",
+    );
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "agentrun-controller", "namespace": "agentrun-system"}])
+    );
+    let lease = find(&objs, "Role", "agentrun-leader-election");
+    assert_eq!(lease["metadata"]["namespace"], "agentrun-system");
+    assert_eq!(lease["rules"][0]["resources"], json!(["leases"]));
+
+    // The approver role, exactly once (crds/ may ship it with the admission policy).
+    let approver = all(&objs, "ClusterRole")
+        .into_iter()
+        .filter(|r| r["metadata"]["name"] == "agentrun-approver")
+        .collect::<Vec<_>>();
+    assert_eq!(approver.len(), 1, "one agentrun-approver ClusterRole");
+    let approver_rules = approver[0]["rules"].to_string();
+    assert!(approver_rules.contains("approvals") && approver_rules.contains("update"));
+
+    // CRDs and admission policies: those of crds/, unchanged but for labels
+    // and Helm's keep annotation.
+    let source = source_crds();
+    let mut rendered = BTreeMap::new();
+    for o in &objs {
+        let key = (
+            o["kind"].as_str().unwrap().to_string(),
+            o["metadata"]["name"].as_str().unwrap().to_string(),
+        );
+        if source.contains_key(&key) {
+            rendered.insert(key, o.clone());
+        }
+    }
+    assert_eq!(
+        rendered.keys().collect::<Vec<_>>(),
+        source.keys().collect::<Vec<_>>(),
+        "every object of crds/ is rendered"
+    );
+    for (key, mut obj) in rendered {
+        let meta = obj["metadata"].as_object_mut().unwrap();
+        assert_eq!(
+            meta["labels"]["app.kubernetes.io/instance"], "agentrun",
+            "{key:?}"
+        );
+        assert_eq!(
+            meta["annotations"]["helm.sh/resource-policy"], "keep",
+            "{key:?}"
+        );
+        let mut want = source[&key].clone();
+        for m in [meta, want["metadata"].as_object_mut().unwrap()] {
+            m.remove("labels");
+            m.remove("annotations");
+        }
+        // YAML `0.0` and `0` are one JSON number to the API server.
+        assert!(
+            numbers_as_f64(obj) == numbers_as_f64(want),
+            "{key:?} is rendered differently from crds/"
+        );
+    }
+
+    // Metrics Service; nothing optional by default.
+    let svc = find(&objs, "Service", "agentrun-metrics");
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], "metrics");
+    assert_eq!(
+        svc["spec"]["selector"],
+        deploy["spec"]["selector"]["matchLabels"]
+    );
+    for kind in ["ServiceMonitor", "NetworkPolicy", "StatefulSet", "Secret"] {
+        assert!(all(&objs, kind).is_empty(), "no {kind} by default");
+    }
+    // Every namespaced object names its namespace (kustomize and GitOps need it).
+    for o in &objs {
+        let cluster_scoped = matches!(
+            o["kind"].as_str().unwrap(),
+            "CustomResourceDefinition"
+                | "ClusterRole"
+                | "ClusterRoleBinding"
+                | "ValidatingAdmissionPolicy"
+                | "ValidatingAdmissionPolicyBinding"
+        );
+        assert_eq!(
+            o["metadata"]["namespace"].is_string(),
+            !cluster_scoped,
+            "{}/{}",
+            o["kind"],
+            o["metadata"]["name"]
+        );
+    }
+}
+
+#[test]
+fn non_default_rendering_switches_on_every_option() {
+    let objs = render("ops", "platform", &full_values()).expect("renders");
+    let deploy = find(&objs, "Deployment", "ops-agentrun-controller");
+    assert_eq!(deploy["spec"]["replicas"], 3);
+    let pod = &deploy["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(c["image"], "example/agentrun:1.2.3");
+    assert_eq!(
+        env_of(c, "AGENTRUN_STEP_IMAGE")["value"],
+        "example/agentrun:1.2.3"
+    );
+    assert_eq!(env_of(c, "AGENTRUN_WATCH_NAMESPACE")["value"], "runs");
+    assert_eq!(env_of(c, "AGENTRUN_METRICS_ADDR")["value"], "0.0.0.0:9090");
+    assert_eq!(env_of(c, "AGENTRUN_LOG_FORMAT")["value"], "text");
+    let args = c["args"].as_array().unwrap();
+    assert!(args.contains(&json!("--lease-name=x")));
+    assert!(args.contains(&json!("--step-service-account=steps")));
+    assert!(pod["initContainers"].is_null(), "store.migrate=false");
+    assert_eq!(
+        deploy["spec"]["template"]["metadata"]["annotations"]["team"],
+        "ml"
+    );
+    assert_eq!(deploy["metadata"]["labels"]["cost-center"], "42");
+
+    // The in-chart PostgreSQL and the URL the controller gets for it.
+    let sts = find(&objs, "StatefulSet", "ops-agentrun-postgresql");
+    let pg = &sts["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(pg["image"], "postgres:17");
+    assert_eq!(pg["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(
+        sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"],
+        "1Gi"
+    );
+    let pg_secret = find(&objs, "Secret", "ops-agentrun-postgresql");
+    assert_eq!(pg_secret["stringData"]["password"], "s3cret/+x");
+    let store = find(&objs, "Secret", "ops-agentrun-store");
+    assert_eq!(
+        store["stringData"]["url"],
+        "postgres://agentrun:s3cret%2F%2Bx@ops-agentrun-postgresql.platform.svc:5432/agentrun"
+    );
+    assert_eq!(
+        env_of(c, "AGENTRUN_STORE_URL")["valueFrom"]["secretKeyRef"],
+        json!({"name": "ops-agentrun-store", "key": "url"})
+    );
+    find(&objs, "Service", "ops-agentrun-postgresql");
+
+    // Step ServiceAccounts where runs execute; model keys where asked.
+    for ns in ["runs", "more-runs"] {
+        let sa = objs
+            .iter()
+            .find(|o| {
+                o["kind"] == "ServiceAccount"
+                    && o["metadata"]["name"] == "steps"
+                    && o["metadata"]["namespace"] == ns
+            })
+            .unwrap_or_else(|| panic!("step ServiceAccount in {ns}"));
+        assert_eq!(sa["automountServiceAccountToken"], false);
+    }
+    assert_eq!(
+        find(&objs, "Secret", "openai")["metadata"]["namespace"],
+        "runs"
+    );
+    assert_eq!(
+        find(&objs, "Secret", "anthropic")["metadata"]["namespace"],
+        "more-runs"
+    );
+    assert_eq!(
+        find(&objs, "Secret", "anthropic")["stringData"]["apiKey"],
+        "sk-2"
+    );
+
+    // Leader election happens in the watched namespace.
+    assert_eq!(
+        find(&objs, "Role", "ops-agentrun-leader-election")["metadata"]["namespace"],
+        "runs"
+    );
+
+    // ServiceMonitor scrapes the metrics Service's port.
+    let svc = find(&objs, "Service", "ops-agentrun-metrics");
+    assert_eq!(svc["spec"]["ports"][0]["port"], 9090);
+    let sm = find(&objs, "ServiceMonitor", "ops-agentrun");
+    assert_eq!(sm["metadata"]["labels"]["release"], "prom");
+    assert_eq!(
+        sm["spec"]["endpoints"][0]["port"],
+        svc["spec"]["ports"][0]["name"]
+    );
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(
+            &svc["metadata"]["labels"][k], v,
+            "ServiceMonitor selects the Service"
+        );
+    }
+
+    // NetworkPolicies: metrics ingress from the given peers, egress as given,
+    // PostgreSQL only from the controller and step pods.
+    let np = find(&objs, "NetworkPolicy", "ops-agentrun-controller");
+    assert_eq!(np["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
+    assert_eq!(
+        np["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"]["name"],
+        "monitoring"
+    );
+    assert_eq!(
+        np["spec"]["egress"][0]["ports"].as_array().unwrap().len(),
+        4
+    );
+    let pg_np = find(&objs, "NetworkPolicy", "ops-agentrun-postgresql");
+    assert_eq!(
+        pg_np["spec"]["ingress"][0]["from"][1]["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"],
+        "agentrun"
+    );
+
+    find(&objs, "ClusterRole", "ops-agentrun-platform-controller");
+    // The approver role under its own name (crds/ may ship agentrun-approver too).
+    find(&objs, "ClusterRole", "runs-approver");
+}
+
+#[test]
+fn the_values_schema_and_the_chart_refuse_wrong_values() {
+    let store = json!({"existingSecret": "s"});
+    let cases: Vec<(Value, &str)> = vec![
+        (
+            json!({"store": store, "controller": {"replicas": "two"}}),
+            "replicas",
+        ),
+        (
+            json!({"store": store, "controler": {"replicas": 1}}),
+            "controler",
+        ),
+        (json!({"store": store, "metrics": {"port": 70000}}), "port"),
+        (
+            json!({"store": store, "controller": {"logFormat": "xml"}}),
+            "logFormat",
+        ),
+        (
+            json!({"store": store, "image": {"pullPolicy": "Sometimes"}}),
+            "pullPolicy",
+        ),
+        (json!({"store": {"url": "mysql://db/x"}}), "url"),
+        (
+            json!({"store": store, "watchNamespace": "Not_A_Namespace"}),
+            "watchNamespace",
+        ),
+        (
+            json!({"store": store, "modelSecrets": [{"name": "k"}]}),
+            "stringData",
+        ),
+        (
+            json!({"store": store, "serviceAccount": {"name": "other"}}),
+            "name",
+        ),
+        (
+            json!({"store": store, "controller": {"resources": {"limits": {"memory": "lots"}}}}),
+            "memory",
+        ),
+        (json!({}), "set exactly one step store"),
+        (
+            json!({"store": {"existingSecret": "s", "url": "postgres://a@b/c"}}),
+            "set exactly one step store",
+        ),
+        (
+            json!({"store": store, "postgresql": {"enabled": true}}),
+            "set exactly one step store",
+        ),
+        (
+            json!({"store": {"existingSecret": "s", "stepUrl": "postgres://a@b/c"}}),
+            "store.stepUrl needs store.url",
+        ),
+        (
+            json!({"store": store, "metrics": {"service": {"enabled": false}, "serviceMonitor": {"enabled": true}}}),
+            "serviceMonitor",
+        ),
+    ];
+    for (values, field) in cases {
+        match render("x", "x", &values) {
+            Ok(_) => panic!("{values} was accepted"),
+            Err(e) => assert!(
+                e.contains(field),
+                "{values}: error does not name {field:?}: {e}"
+            ),
+        }
+    }
+    // ...and the right ones pass.
+    render("x", "x", &json!({"store": {"url": "postgres://a:b@db/agentrun", "stepUrl": "postgres://w:c@db/agentrun"}}))
+        .expect("store.url with stepUrl");
+    render("x", "x", &json!({"postgresql": {"enabled": true}})).expect("quick start");
+}
+
+#[test]
+fn the_kustomize_bases_are_generated_from_the_chart() {
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new("bash")
+        .arg(root().join("config/generate"))
+        .args(["--out", out.path().to_str().unwrap()])
+        .env("HELM", helm())
+        .status()
+        .expect("running config/generate");
+    assert!(status.success(), "config/generate --out failed");
+    let mut generated = BTreeSet::new();
+    for base in ["crd", "rbac", "manager", "default", "samples"] {
+        for entry in std::fs::read_dir(out.path().join(base)).unwrap() {
+            let path = entry.unwrap().path();
+            let rel = format!("{base}/{}", path.file_name().unwrap().to_string_lossy());
+            let checked_in = std::fs::read_to_string(root().join("config").join(&rel))
+                .unwrap_or_else(|_| panic!("config/{rel} is missing: run config/generate"));
+            assert!(
+                checked_in == std::fs::read_to_string(&path).unwrap(),
+                "config/{rel} is stale: run config/generate"
+            );
+            generated.insert(rel);
+        }
+    }
+    // Nothing left over from an earlier generation (samples are hand-written).
+    for base in ["crd", "rbac", "manager", "default"] {
+        for entry in std::fs::read_dir(root().join("config").join(base)).unwrap() {
+            let rel = format!("{base}/{}", entry.unwrap().file_name().to_string_lossy());
+            assert!(
+                generated.contains(&rel),
+                "config/{rel} is not generated: remove it or run config/generate"
+            );
+        }
+    }
+    // The samples base lists every sample.
+    let samples =
+        std::fs::read_to_string(root().join("config/samples/kustomization.yaml")).unwrap();
+    for entry in std::fs::read_dir(root().join("config/samples")).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name != "kustomization.yaml" && name.ends_with(".yaml") {
+            assert!(
+                samples.contains(&format!("- {name}")),
+                "config/samples/kustomization.yaml lists {name}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_argocd_health_check_maps_phases_to_health() {
+    let runner = tool("lua-path");
+    let script = root().join("charts/agentrun/files/argocd-health.lua");
+    let health = |obj: Value| -> (String, String) {
+        let mut child = Command::new(&runner)
+            .arg(&script)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("running argocd-lua-health");
+        use std::io::Write as _;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(obj.to_string().as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{obj}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            v["status"].as_str().unwrap().to_string(),
+            v["message"].as_str().unwrap_or("").to_string(),
+        )
+    };
+    let run = |status: Value| {
+        json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "r", "generation": 1}, "spec": {"input": "x"}, "status": status})
+    };
+
+    assert_eq!(health(json!({"metadata": {"name": "r"}})).0, "Progressing");
+    assert_eq!(health(run(json!({"phase": "Pending"}))).0, "Progressing");
+    let (s, m) = health(run(
+        json!({"phase": "Running", "waitingOn": "job/r-s1-a1", "observedGeneration": 1}),
+    ));
+    assert_eq!(s, "Progressing");
+    assert!(m.contains("job/r-s1-a1"), "{m}");
+    let (s, m) = health(run(
+        json!({"phase": "AwaitingApproval", "approval": {"name": "r-a3", "expiresAt": "2030-01-01T00:00:00Z"}}),
+    ));
+    assert_eq!(s, "Suspended");
+    assert!(m.contains("r-a3") && m.contains("2030-01-01"), "{m}");
+    let (s, m) = health(run(
+        json!({"phase": "Succeeded", "result": "Refunded 40.00"}),
+    ));
+    assert_eq!((s.as_str(), m.as_str()), ("Healthy", "Refunded 40.00"));
+    for phase in ["Failed", "BudgetExceeded", "DeadlineExceeded", "Cancelled"] {
+        let (s, m) = health(run(json!({"phase": phase, "error": "why"})));
+        assert_eq!(s, "Degraded", "{phase}");
+        assert!(m.starts_with(phase) && m.contains("why"), "{m}");
+    }
+    // A live run whose spec changed (spec.cancel) shows Progressing until observed.
+    let mut cancelled = run(json!({"phase": "Running", "observedGeneration": 1}));
+    cancelled["metadata"]["generation"] = json!(2);
+    assert!(health(cancelled).1.contains("generation 2"));
+    // Every phase the API defines has a mapping Argo CD accepts.
+    for phase in [
+        "Pending",
+        "Running",
+        "AwaitingApproval",
+        "Succeeded",
+        "Failed",
+        "Cancelled",
+        "BudgetExceeded",
+        "DeadlineExceeded",
+    ] {
+        let parsed: agentrun::api::Phase =
+            serde_json::from_value(json!(phase)).expect("a phase of the API");
+        let _ = parsed;
+        let (s, _) = health(run(json!({"phase": phase})));
+        assert!(
+            ["Healthy", "Progressing", "Suspended", "Degraded"].contains(&s.as_str()),
+            "{phase}: {s}"
+        );
+    }
+}
+
+// --- Dockerfile ---------------------------------------------------------------
+
+/// One instruction: keyword and arguments, continuation lines joined.
+fn dockerfile() -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(root().join("Dockerfile")).expect("Dockerfile");
+    let mut out = Vec::new();
+    let mut current = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if current.is_empty() && (t.is_empty() || t.starts_with('#')) {
+            continue;
+        }
+        if let Some(stripped) = t.strip_suffix('\\') {
+            current.push_str(stripped);
+            current.push(' ');
+            continue;
+        }
+        current.push_str(t);
+        let (kw, rest) = current
+            .split_once(char::is_whitespace)
+            .unwrap_or((&current, ""));
+        out.push((kw.to_uppercase(), rest.trim().to_string()));
+        current.clear();
+    }
+    out
+}
+
+struct Stage {
+    image: String,
+    name: Option<String>,
+    instructions: Vec<(String, String)>,
+}
+
+fn stages() -> Vec<Stage> {
+    let mut stages: Vec<Stage> = Vec::new();
+    for (kw, args) in dockerfile() {
+        if kw == "FROM" {
+            let parts: Vec<&str> = args
+                .split_whitespace()
+                .filter(|p| !p.starts_with("--"))
+                .collect();
+            let name = match parts.as_slice() {
+                [_, as_, name] if as_.eq_ignore_ascii_case("as") => Some(name.to_string()),
+                [_] => None,
+                _ => panic!("unexpected FROM {args}"),
+            };
+            stages.push(Stage {
+                image: parts[0].to_string(),
+                name,
+                instructions: Vec::new(),
+            });
+        } else {
+            stages
+                .last_mut()
+                .unwrap_or_else(|| panic!("{kw} before FROM"))
+                .instructions
+                .push((kw, args));
+        }
+    }
+    stages
+}
+
+/// The bin targets Cargo.toml declares, with their source files.
+fn cargo_bins(manifest_dir: &Path) -> Result<BTreeMap<String, String>, String> {
+    Ok(cargo_targets(manifest_dir)?
+        .into_iter()
+        .filter(|(kind, _, _)| kind == "bin")
+        .map(|(_, name, src)| (name, src))
+        .collect())
+}
+
+/// Every target of the package: (kind, name, source file).
+fn cargo_targets(manifest_dir: &Path) -> Result<Vec<(String, String, String)>, String> {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--locked",
+            "--offline",
+            "--no-deps",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(manifest_dir)
+        .output()
+        .expect("running cargo metadata");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    Ok(meta["packages"][0]["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["kind"][0].as_str().unwrap().to_string(),
+                t["name"].as_str().unwrap().to_string(),
+                t["src_path"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect())
+}
+
+/// Paths (relative, `/`-separated) excluded by .dockerignore.
+fn docker_ignored(rel: &str, patterns: &[String]) -> bool {
+    patterns.iter().any(|p| {
+        let p = p.trim_start_matches("**/");
+        rel == p
+            || rel.starts_with(&format!("{p}/"))
+            || p.strip_prefix('*')
+                .is_some_and(|suffix| rel.ends_with(suffix))
+    })
+}
+
+fn copy_tree(from: &Path, to: &Path, rel: &str, ignore: &[String]) {
+    if docker_ignored(rel, ignore) {
+        return;
+    }
+    if from.is_dir() {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let name = entry.unwrap().file_name();
+            let child_rel = format!("{rel}/{}", name.to_string_lossy());
+            copy_tree(
+                &from.join(&name),
+                &to.join(&name),
+                child_rel.trim_start_matches('/'),
+                ignore,
+            );
+        }
+    } else {
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(from, to).unwrap();
+    }
+}
+
+#[test]
+fn the_dockerfile_builds_the_shipped_binaries_from_a_complete_context_and_runs_them_as_non_root() {
+    let stages = stages();
+    assert!(stages.len() >= 2, "multi-stage");
+    for s in &stages {
+        let first = s.image.split('/').next().unwrap();
+        assert!(
+            !(s.image.contains('/')
+                && (first.contains('.') || first.contains(':') || first == "localhost")),
+            "FROM {}: no registry host names in the Dockerfile",
+            s.image
+        );
+    }
+    let build = &stages[0];
+    assert_eq!(build.name.as_deref(), Some("build"));
+    // The toolchain image satisfies Cargo.toml's rust-version.
+    let tag = build
+        .image
+        .strip_prefix("rust:")
+        .expect("the build stage uses the rust image");
+    let version: Vec<u32> = tag
+        .split('-')
+        .next()
+        .unwrap()
+        .split('.')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    let needed: Vec<u32> = env!("CARGO_PKG_RUST_VERSION")
+        .split('.')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(
+        version[..2] >= needed[..2],
+        "rust:{tag} is older than rust-version {needed:?}"
+    );
+
+    // The cargo command: --locked, --release, and which binaries.
+    let workdir = build
+        .instructions
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "WORKDIR")
+        .map(|(_, a)| a.clone())
+        .expect("WORKDIR in the build stage");
+    let cargo = build
+        .instructions
+        .iter()
+        .find(|(k, a)| k == "RUN" && a.contains("cargo build"))
+        .map(|(_, a)| a.clone())
+        .expect("RUN cargo build");
+    let words: Vec<&str> = cargo.split_whitespace().collect();
+    assert!(words.contains(&"--locked"), "{cargo}");
+    assert!(words.contains(&"--release"), "{cargo}");
+    let built: BTreeSet<String> = words
+        .windows(2)
+        .filter(|w| w[0] == "--bin")
+        .map(|w| w[1].to_string())
+        .collect();
+    assert_eq!(
+        built,
+        BTreeSet::from(["agentrun".to_string(), "kubectl-agentrun".to_string()]),
+        "the image holds the operator and the kubectl plugin, nothing else"
+    );
+    let declared = cargo_bins(root()).expect("cargo metadata");
+    for bin in &built {
+        assert!(
+            declared.contains_key(bin),
+            "Cargo.toml declares no bin {bin}"
+        );
+    }
+
+    // The final stage copies exactly those binaries out of target/release.
+    let last = stages.last().unwrap();
+    let release_dir = format!("{}/target/release/", workdir.trim_end_matches('/'));
+    let mut copied = BTreeMap::new();
+    for (k, a) in &last.instructions {
+        if k == "COPY" && a.starts_with("--from=build") {
+            let parts: Vec<&str> = a.split_whitespace().collect();
+            let (src, dst) = (parts[1], parts[2]);
+            if let Some(bin) = src.strip_prefix(&release_dir) {
+                copied.insert(bin.to_string(), dst.to_string());
+            }
+        }
+    }
+    assert_eq!(
+        copied.keys().cloned().collect::<BTreeSet<_>>(),
+        built,
+        "copied binaries"
+    );
+    let user = last
+        .instructions
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "USER")
+        .map(|(_, a)| a.clone())
+        .expect("USER in the final stage");
+    let uid = user.split(':').next().unwrap();
+    assert!(
+        uid.parse::<u32>().is_ok_and(|u| u != 0),
+        "USER {user}: numeric and not root (runAsNonRoot)"
+    );
+    let entry = last
+        .instructions
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "ENTRYPOINT")
+        .map(|(_, a)| a.clone())
+        .expect("ENTRYPOINT");
+    let entry: Vec<String> = serde_json::from_str(&entry).expect("exec-form ENTRYPOINT");
+    assert_eq!(entry[0], copied["agentrun"]);
+    // Step Jobs run `agentrun step` from this image: found on the default PATH.
+    assert!(copied["kubectl-agentrun"].starts_with("/usr/local/bin/"));
+    assert!(copied["agentrun"].starts_with("/usr/local/bin/"));
+
+    // Simulate the build context: the files the build stage COPYs (minus
+    // .dockerignore). Cargo must accept the manifest and lockfile there...
+    let ignore: Vec<String> = std::fs::read_to_string(root().join(".dockerignore"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect();
+    let ctx = tempfile::tempdir().unwrap();
+    for (k, a) in &build.instructions {
+        if k != "COPY" {
+            continue;
+        }
+        assert!(
+            !a.starts_with("--from"),
+            "the build stage copies from the context only"
+        );
+        let parts: Vec<&str> = a.split_whitespace().collect();
+        let (srcs, dst) = parts.split_at(parts.len() - 1);
+        let dst = dst[0].trim_start_matches("./");
+        for src in srcs {
+            let from = root().join(src);
+            assert!(from.exists(), "COPY {src}: not in the repository");
+            let to = if dst.ends_with('/') || dst.is_empty() || srcs.len() > 1 {
+                ctx.path()
+                    .join(dst)
+                    .join(Path::new(src).file_name().unwrap())
+            } else {
+                ctx.path().join(dst)
+            };
+            copy_tree(&from, &to, src, &ignore);
+        }
+    }
+    let in_ctx = cargo_bins(ctx.path()).unwrap_or_else(|e| {
+        panic!("cargo rejects the Dockerfile's build context (a target's source or Cargo.lock missing?):\n{e}")
+    });
+    assert_eq!(in_ctx.len(), declared.len());
+    // Cargo validates declared targets' paths when it builds any of them
+    // (a missing `benches/store.rs` fails `cargo build --bin agentrun`), so
+    // every declared bin, bench and example entry point must be there too.
+    for (kind, name, src) in cargo_targets(root()).unwrap() {
+        if kind == "test" {
+            continue; // discovered from tests/, absent from the context: not built
+        }
+        let rel = Path::new(&src).strip_prefix(root()).unwrap();
+        assert!(
+            ctx.path().join(rel).is_file(),
+            "the Dockerfile's build context lacks {} ({kind} target {name} declared in Cargo.toml): cargo refuses to build",
+            rel.display()
+        );
+    }
+    // ...and it must hold every local file the compiler read for the shipped
+    // binaries (their dep-info, written when this test's binaries were built).
+    for (bin, exe) in [
+        ("agentrun", env!("CARGO_BIN_EXE_agentrun")),
+        ("kubectl-agentrun", env!("CARGO_BIN_EXE_kubectl-agentrun")),
+    ] {
+        let dep_info = format!("{exe}.d");
+        let text = std::fs::read_to_string(&dep_info)
+            .unwrap_or_else(|e| panic!("{dep_info}: {e} (cargo writes it next to the binary)"));
+        let (_, inputs) = text.split_once(": ").expect("dep-info");
+        let mut local = 0;
+        for input in inputs.split_whitespace() {
+            let Ok(rel) = Path::new(input).strip_prefix(root()) else {
+                continue;
+            };
+            local += 1;
+            assert!(
+                ctx.path().join(rel).is_file(),
+                "{bin} is compiled from {} but the Dockerfile does not copy it",
+                rel.display()
+            );
+        }
+        assert!(local > 5, "{bin}: the dep-info names its sources ({local})");
+    }
+}
