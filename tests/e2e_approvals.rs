@@ -627,3 +627,50 @@ async fn a_changed_dependency_voids_the_approval_and_asks_again() {
     let (ok, text) = plugin(&w, "alice", &["verify", "stale", "--store-url", &store]);
     assert!(ok && text.contains("chain intact"), "{text}");
 }
+
+#[tokio::test]
+async fn two_hundred_waiting_runs_hold_no_pod_and_survive_a_controller_restart() {
+    let mut w = World::new("waiting", &[]).await;
+    grant_approver_role(&w).await;
+    const RUNS: usize = 200;
+    // Every run's first model call proposes the same risky refund; the last run finishes after approval.
+    let mut replies: Vec<Value> = (0..RUNS).map(|_| refund(500)).collect();
+    replies.push(finish("refunded after the restart"));
+    w.standins.script("many", Value::Array(replies), json!([])).await;
+    let agent = gated_agent(&w, "many", json!({}));
+    for i in 0..RUNS {
+        w.create_run(&format!("wait-{i:03}"), json!({"input": "Refund.", "agent": agent}), json!({})).await;
+    }
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    common::wait_for("every run to await approval", Duration::from_secs(300), || async {
+        let list = runs.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let waiting = list.items.iter().filter(|r| r.status.as_ref().and_then(|s| s.phase) == Some(Phase::AwaitingApproval)).count();
+        if waiting == RUNS { Ok(list) } else { Err(format!("{waiting} of {RUNS} waiting")) }
+    })
+    .await;
+    // No pod is held: every step pod has exited.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
+    common::wait_for("no running step pod", Duration::from_secs(120), || async {
+        let list = pods.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let live = list.items.iter().filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))).count();
+        if live == 0 { Ok(()) } else { Err(format!("{live} pods still running")) }
+    })
+    .await;
+    // Objects stay small: a waiting run and its Approval are a few kilobytes.
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let all = approvals.list(&ListParams::default()).await.unwrap();
+    assert_eq!(all.items.len(), RUNS);
+    let biggest_approval = all.items.iter().map(|a| serde_json::to_vec(a).unwrap().len()).max().unwrap();
+    let biggest_run = runs.list(&ListParams::default()).await.unwrap().items.iter().map(|r| serde_json::to_vec(r).unwrap().len()).max().unwrap();
+    assert!(biggest_approval < 8 * 1024 && biggest_run < 12 * 1024, "approval {biggest_approval} B, run {biggest_run} B");
+
+    // The controller restarts while everything waits; a decision afterwards resumes the run.
+    w.restart_controller().await;
+    let last = format!("wait-{:03}", RUNS - 1);
+    let a = pending_approval(&w, &last).await;
+    let (ok, text) = plugin(&w, "alice", &["approve", &a.metadata.name.clone().unwrap(), "-m", "after the restart"]);
+    assert!(ok, "{text}");
+    let run = w.wait_phase(&last, Phase::Succeeded).await;
+    assert_eq!(run.status.unwrap().result.as_deref(), Some("refunded after the restart"));
+    assert_eq!(w.standins.effects(w.name()).await.len(), 1);
+}

@@ -19,7 +19,8 @@ pub struct World {
     pub client: kube::Client,
     pub ns: super::TestNamespace,
     pub standins: Standins,
-    _controller: ControllerProcess,
+    controller: ControllerProcess,
+    controller_flags: Vec<String>,
 }
 
 impl World {
@@ -42,8 +43,16 @@ impl World {
             client,
             ns,
             standins: Standins::start(),
-            _controller: controller,
+            controller,
+            controller_flags: controller_flags.iter().map(|f| f.to_string()).collect(),
         }
+    }
+
+    /// Stops the controller (SIGTERM) and starts a new one.
+    pub async fn restart_controller(&mut self) {
+        self.controller.stop();
+        let flags: Vec<&str> = self.controller_flags.iter().map(String::as_str).collect();
+        self.controller = ControllerProcess::start_with(self.ns.name(), "ctrl-2", &flags).await;
     }
 
     pub fn name(&self) -> &str {
