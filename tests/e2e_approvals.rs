@@ -478,6 +478,13 @@ async fn expiry_follows_on_expiry_and_never_runs_the_requested_call() {
             .unwrap()
             .contains("expired without a decision")
     );
+    // No decision is taken after expiry.
+    let api: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let mut listed = api.list(&ListParams::default().labels("agentrun.dev/run=fail")).await.unwrap();
+    let expired = listed.items.remove(0);
+    let late = entry("alice", "Approve", &expired.spec.arguments_hash, "sorry, late");
+    let msg = refusal(decide(&w, "alice", &expired.metadata.name.clone().unwrap(), late).await);
+    assert!(msg.contains("already Expired"), "{msg}");
     w.wait_phase("back", Phase::Succeeded).await;
     let last = w
         .standins
@@ -673,4 +680,31 @@ async fn two_hundred_waiting_runs_hold_no_pod_and_survive_a_controller_restart()
     let run = w.wait_phase(&last, Phase::Succeeded).await;
     assert_eq!(run.status.unwrap().result.as_deref(), Some("refunded after the restart"));
     assert_eq!(w.standins.effects(w.name()).await.len(), 1);
+}
+
+#[tokio::test]
+async fn an_unknowable_outcome_asks_a_human_to_reconcile() {
+    let w = World::new("reconcile", &[]).await;
+    grant_approver_role(&w).await;
+    let page = json!({"text": "Paging on-call.", "toolCalls": [{"name": "page_oncall", "arguments": {"why": "refund stuck"}}]});
+    w.standins.script("rec", json!([page, finish("paged once")]), json!([])).await;
+    let mut agent = w.agent("rec");
+    agent["approval"] = json!({"defaultApprovers": {"groups": ["finance-approvers"]}});
+    // The worker dies after paging, before recording it: no key, no lookup, nobody can tell.
+    let fp = json!({"agentrun.dev/failpoint": "after-tool-call"});
+    w.create_run("rec", json!({"input": "Page on-call.", "agent": agent}), fp).await;
+
+    let a = pending_approval(&w, "rec").await;
+    assert_eq!(a.spec.kind, agentrun::api::ApprovalKind::Reconcile);
+    assert!(a.spec.observations.reason.clone().unwrap_or_default().contains("cannot be checked"));
+    let (ok, text) = plugin(&w, "bob", &["approve", &a.metadata.name.clone().unwrap(), "-m", "I got the page"]);
+    assert!(ok, "{text}");
+    let run = w.wait_phase("rec", Phase::Succeeded).await;
+    let pages = w.standins.effects(w.name()).await.iter().filter(|e| e["tool"] == "page_oncall").count();
+    assert_eq!(pages, 1, "confirmed as done, the page was not sent again");
+    let recovered = w.log(&run).await.iter().find_map(|(_, s)| match s {
+        Step::ToolResult(r) => r.recovery,
+        _ => None,
+    });
+    assert_eq!(recovered, Some(agentrun::step::records::Recovery::HumanConfirmedDone));
 }

@@ -8,8 +8,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Resource, ResourceExt};
 
 use crate::api::{
-    AgentRun, Approval, ApprovalKind, ApprovalSpec, ApprovalState, Observations, ProposedCall,
-    RunRef, Verdict as ApiVerdict,
+    AgentRun, Approval, ApprovalSpec, ApprovalState, Observations, ProposedCall, RunRef,
+    Verdict as ApiVerdict,
 };
 use crate::step::records::{ApprovalRequested, RecordedDecision, Verdict};
 
@@ -44,7 +44,7 @@ pub fn build(
                 uid: run.uid(),
             },
             step: request_seq,
-            kind: ApprovalKind::Call,
+            kind: request.kind,
             rule: Some(request.gate.rule.clone()),
             tool: request.tool.clone(),
             arguments: request.arguments.clone(),
@@ -205,7 +205,7 @@ mod tests {
                 uid: None,
             },
             step: 4,
-            kind: ApprovalKind::Call,
+            kind: crate::api::ApprovalKind::Call,
             rule: None,
             tool: "issue_refund".into(),
             arguments: json!({"amount": 500}),

@@ -59,6 +59,43 @@ pub async fn request(
         gate,
         escalation: 0,
         alternative,
+        kind: crate::api::ApprovalKind::Call,
+        intent_seq: None,
+    }
+}
+
+/// Asks a human whether the call recorded at `intent_seq` happened: its
+/// tool has no idempotency key and no lookup, so the outcome is unknowable.
+pub fn reconcile_request(
+    state: &RunState,
+    intent_seq: u64,
+    intent: &super::records::ToolIntent,
+    mut gate: Gate,
+    reason: &str,
+) -> ApprovalRequested {
+    // Nobody answering is never taken as either answer: the run stops.
+    gate.on_expiry = crate::api::OnExpiry::Fail;
+    gate.because = format!("the outcome of {} is unknown: {reason}", intent.tool);
+    ApprovalRequested {
+        model_call_seq: intent.model_call_seq,
+        call_index: intent.call_index,
+        call_id: intent.call_id.clone(),
+        tool: intent.tool.clone(),
+        arguments_hash: arguments_hash(&intent.tool, &intent.arguments),
+        arguments: intent.arguments.clone(),
+        reason: Some(format!(
+            "A worker crashed while calling {} (idempotency key {}); whether the call happened cannot be \
+             checked ({reason}). Approve if it DID happen (it will not be repeated); reject if it did NOT \
+             (it will be made now).",
+            intent.tool, intent.key
+        )),
+        observations: recent_results(state),
+        dependencies: Vec::new(),
+        gate,
+        escalation: 0,
+        alternative: None,
+        kind: crate::api::ApprovalKind::Reconcile,
+        intent_seq: Some(intent_seq),
     }
 }
 

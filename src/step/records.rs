@@ -90,6 +90,10 @@ pub enum Recovery {
     LookupFoundResult,
     /// A non-idempotent tool's lookup said it had not happened; it was made now.
     LookupFoundNothing,
+    /// The outcome could not be known; a human confirmed the call had happened.
+    HumanConfirmedDone,
+    /// The outcome could not be known; a human said it had not; it was made now.
+    HumanConfirmedNotDone,
 }
 
 /// The outcome of a tool call.
@@ -175,6 +179,11 @@ pub struct ApprovalRequested {
     /// The safe alternative the agent proposed (`_alternative` in its arguments).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alternative: Option<serde_json::Value>,
+    /// `Call` (may it run?) or `Reconcile` (did the intent at `intentSeq` happen?).
+    #[serde(default)]
+    pub kind: crate::api::ApprovalKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intent_seq: Option<u64>,
 }
 
 /// The verdict on a request.

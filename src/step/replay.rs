@@ -167,6 +167,13 @@ pub enum Next {
     },
     /// Execute the tool call recorded at `intent_seq`, which has no result yet.
     ExecuteTool { intent_seq: u64, intent: ToolIntent },
+    /// A human said whether the call at `intent_seq` (outcome unknowable) happened.
+    Reconciled {
+        intent_seq: u64,
+        intent: ToolIntent,
+        happened: bool,
+        decided_seq: u64,
+    },
     /// A request for approval waits for its decision: the controller's turn.
     AwaitApproval { request_seq: u64 },
     /// Approved (perhaps with edited arguments): re-check what it depends on,
@@ -253,6 +260,18 @@ impl RunState {
         }
         // An intent without a result comes first: it may already have acted.
         if let Some((intent_seq, intent)) = self.open_intent() {
+            // Unless a human was asked whether it happened (its outcome was unknowable).
+            if let Some((request_seq, decision)) = self.reconcile_for(intent_seq) {
+                return match decision {
+                    None => Next::AwaitApproval { request_seq },
+                    Some(happened) => Next::Reconciled {
+                        intent_seq,
+                        intent: intent.clone(),
+                        happened,
+                        decided_seq: request_seq,
+                    },
+                };
+            }
             return Next::ExecuteTool {
                 intent_seq,
                 intent: intent.clone(),
@@ -358,6 +377,25 @@ impl RunState {
             },
             _ => None,
         }
+    }
+
+    /// The reconcile request about the intent at `intent_seq`, and whether a
+    /// human said the call happened (`None` while undecided).
+    fn reconcile_for(&self, intent_seq: u64) -> Option<(u64, Option<bool>)> {
+        let mut found = None;
+        for (seq, step) in self.steps.iter().enumerate().skip(intent_seq as usize + 1) {
+            match step {
+                Step::ApprovalRequested(r) if r.intent_seq == Some(intent_seq) => {
+                    found = Some((seq as u64, None))
+                }
+                Step::ApprovalDecided(d) if found.is_some_and(|(r, _)| r == d.request_seq) => {
+                    let happened = matches!(d.verdict, Verdict::Approve | Verdict::Edit);
+                    found = Some((d.request_seq, Some(happened)));
+                }
+                _ => {}
+            }
+        }
+        found
     }
 
     fn open_intent(&self) -> Option<(u64, &ToolIntent)> {
@@ -496,6 +534,8 @@ mod tests {
             },
             escalation: 0,
             alternative: None,
+            kind: Default::default(),
+            intent_seq: None,
         })
     }
 

@@ -203,6 +203,42 @@ impl Runner {
                         }
                     }
                 }
+                Next::Reconciled {
+                    intent_seq,
+                    intent,
+                    happened,
+                    decided_seq,
+                } => {
+                    let (outcome, recovery) = if happened {
+                        let note = format!(
+                            "a human confirmed the call happened (decision at record {decided_seq})"
+                        );
+                        (
+                            ToolOutcome::Ok(serde_json::json!({ "reconciled": note })),
+                            Recovery::HumanConfirmedDone,
+                        )
+                    } else {
+                        let ctx = CallContext::new(
+                            self.args.run_uid.clone(),
+                            intent_seq,
+                            intent.key.clone(),
+                        );
+                        let (stamp, tools) = self.take_toolbox()?;
+                        failpoint::hit("before-tool-call");
+                        let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
+                        failpoint::hit("after-tool-call");
+                        self.tools = Some((stamp, tools));
+                        (outcome, Recovery::HumanConfirmedNotDone)
+                    };
+                    let result = ToolResult {
+                        intent_seq,
+                        call_id: intent.call_id,
+                        tool: intent.tool,
+                        outcome,
+                        recovery: Some(recovery),
+                    };
+                    self.append(Step::ToolResult(result), None).await?;
+                }
                 Next::AwaitApproval { request_seq } => {
                     tracing::info!(request_seq, "waiting for an approval decision; exiting");
                     return Ok(());
@@ -419,16 +455,52 @@ impl Runner {
                 }
                 LookupOutcome::Unknown { reason } => {
                     self.tools = Some((stamp, tools));
-                    let finished = RunFinished {
-                        outcome: Outcome::NeedsHuman,
-                        result: self.state.last_text(),
-                        error: Some(format!(
-                            "call {intent_seq} of {} (idempotency key {}) may or may not have happened and \
-                             cannot be checked: {reason}; a human must reconcile it",
-                            intent.tool, intent.key
-                        )),
+                    let snap = self.snapshot()?;
+                    // Who can say whether it happened: the approvers the policy names for this tool.
+                    let gate = match classify(
+                        snap.agent.approval.as_ref(),
+                        &intent.tool,
+                        &intent.arguments,
+                        false,
+                    ) {
+                        Classification::RequireApproval(gate) => Some(*gate),
+                        Classification::Allow => snap.agent.approval.as_ref().and_then(|p| {
+                            p.default_approvers
+                                .clone()
+                                .map(|approvers| crate::policy::Gate {
+                                    rule: "reconcile".into(),
+                                    because: String::new(),
+                                    approvers,
+                                    required_approvals: 1,
+                                    expires_after: "1h".into(),
+                                    on_expiry: crate::api::OnExpiry::Fail,
+                                    escalate_to: None,
+                                    max_escalations: 1,
+                                    dependencies: Vec::new(),
+                                    separation_of_duties: p.separation_of_duties,
+                                    notify_webhook: p.notify_webhook.clone(),
+                                })
+                        }),
                     };
-                    self.append(Step::RunFinished(finished), None).await?;
+                    let step = match gate {
+                        Some(gate) => Step::ApprovalRequested(approval::reconcile_request(
+                            &self.state,
+                            intent_seq,
+                            &intent,
+                            gate,
+                            &reason,
+                        )),
+                        None => Step::RunFinished(RunFinished {
+                            outcome: Outcome::NeedsHuman,
+                            result: self.state.last_text(),
+                            error: Some(format!(
+                                "call {intent_seq} of {} (idempotency key {}) may or may not have happened and \
+                                 cannot be checked: {reason}; a human must reconcile it",
+                                intent.tool, intent.key
+                            )),
+                        }),
+                    };
+                    self.append(step, None).await?;
                     return Ok(());
                 }
             }
