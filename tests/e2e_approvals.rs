@@ -480,9 +480,17 @@ async fn expiry_follows_on_expiry_and_never_runs_the_requested_call() {
     );
     // No decision is taken after expiry.
     let api: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
-    let mut listed = api.list(&ListParams::default().labels("agentrun.dev/run=fail")).await.unwrap();
+    let mut listed = api
+        .list(&ListParams::default().labels("agentrun.dev/run=fail"))
+        .await
+        .unwrap();
     let expired = listed.items.remove(0);
-    let late = entry("alice", "Approve", &expired.spec.arguments_hash, "sorry, late");
+    let late = entry(
+        "alice",
+        "Approve",
+        &expired.spec.arguments_hash,
+        "sorry, late",
+    );
     let msg = refusal(decide(&w, "alice", &expired.metadata.name.clone().unwrap(), late).await);
     assert!(msg.contains("already Expired"), "{msg}");
     w.wait_phase("back", Phase::Succeeded).await;
@@ -643,42 +651,110 @@ async fn two_hundred_waiting_runs_hold_no_pod_and_survive_a_controller_restart()
     // Every run's first model call proposes the same risky refund; the last run finishes after approval.
     let mut replies: Vec<Value> = (0..RUNS).map(|_| refund(500)).collect();
     replies.push(finish("refunded after the restart"));
-    w.standins.script("many", Value::Array(replies), json!([])).await;
+    w.standins
+        .script("many", Value::Array(replies), json!([]))
+        .await;
     let agent = gated_agent(&w, "many", json!({}));
     for i in 0..RUNS {
-        w.create_run(&format!("wait-{i:03}"), json!({"input": "Refund.", "agent": agent}), json!({})).await;
+        w.create_run(
+            &format!("wait-{i:03}"),
+            json!({"input": "Refund.", "agent": agent}),
+            json!({}),
+        )
+        .await;
     }
     let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
-    common::wait_for("every run to await approval", Duration::from_secs(300), || async {
-        let list = runs.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-        let waiting = list.items.iter().filter(|r| r.status.as_ref().and_then(|s| s.phase) == Some(Phase::AwaitingApproval)).count();
-        if waiting == RUNS { Ok(list) } else { Err(format!("{waiting} of {RUNS} waiting")) }
-    })
+    common::wait_for(
+        "every run to await approval",
+        Duration::from_secs(300),
+        || async {
+            let list = runs
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let waiting = list
+                .items
+                .iter()
+                .filter(|r| {
+                    r.status.as_ref().and_then(|s| s.phase) == Some(Phase::AwaitingApproval)
+                })
+                .count();
+            if waiting == RUNS {
+                Ok(list)
+            } else {
+                Err(format!("{waiting} of {RUNS} waiting"))
+            }
+        },
+    )
     .await;
     // No pod is held: every step pod has exited.
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
     common::wait_for("no running step pod", Duration::from_secs(120), || async {
-        let list = pods.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-        let live = list.items.iter().filter(|p| !matches!(p.status.as_ref().and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed"))).count();
-        if live == 0 { Ok(()) } else { Err(format!("{live} pods still running")) }
+        let list = pods
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        let live = list
+            .items
+            .iter()
+            .filter(|p| {
+                !matches!(
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Succeeded" | "Failed")
+                )
+            })
+            .count();
+        if live == 0 {
+            Ok(())
+        } else {
+            Err(format!("{live} pods still running"))
+        }
     })
     .await;
     // Objects stay small: a waiting run and its Approval are a few kilobytes.
     let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
     let all = approvals.list(&ListParams::default()).await.unwrap();
     assert_eq!(all.items.len(), RUNS);
-    let biggest_approval = all.items.iter().map(|a| serde_json::to_vec(a).unwrap().len()).max().unwrap();
-    let biggest_run = runs.list(&ListParams::default()).await.unwrap().items.iter().map(|r| serde_json::to_vec(r).unwrap().len()).max().unwrap();
-    assert!(biggest_approval < 8 * 1024 && biggest_run < 12 * 1024, "approval {biggest_approval} B, run {biggest_run} B");
+    let biggest_approval = all
+        .items
+        .iter()
+        .map(|a| serde_json::to_vec(a).unwrap().len())
+        .max()
+        .unwrap();
+    let biggest_run = runs
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(|r| serde_json::to_vec(r).unwrap().len())
+        .max()
+        .unwrap();
+    assert!(
+        biggest_approval < 8 * 1024 && biggest_run < 12 * 1024,
+        "approval {biggest_approval} B, run {biggest_run} B"
+    );
 
     // The controller restarts while everything waits; a decision afterwards resumes the run.
     w.restart_controller().await;
     let last = format!("wait-{:03}", RUNS - 1);
     let a = pending_approval(&w, &last).await;
-    let (ok, text) = plugin(&w, "alice", &["approve", &a.metadata.name.clone().unwrap(), "-m", "after the restart"]);
+    let (ok, text) = plugin(
+        &w,
+        "alice",
+        &[
+            "approve",
+            &a.metadata.name.clone().unwrap(),
+            "-m",
+            "after the restart",
+        ],
+    );
     assert!(ok, "{text}");
     let run = w.wait_phase(&last, Phase::Succeeded).await;
-    assert_eq!(run.status.unwrap().result.as_deref(), Some("refunded after the restart"));
+    assert_eq!(
+        run.status.unwrap().result.as_deref(),
+        Some("refunded after the restart")
+    );
     assert_eq!(w.standins.effects(w.name()).await.len(), 1);
 }
 
@@ -687,24 +763,52 @@ async fn an_unknowable_outcome_asks_a_human_to_reconcile() {
     let w = World::new("reconcile", &[]).await;
     grant_approver_role(&w).await;
     let page = json!({"text": "Paging on-call.", "toolCalls": [{"name": "page_oncall", "arguments": {"why": "refund stuck"}}]});
-    w.standins.script("rec", json!([page, finish("paged once")]), json!([])).await;
+    w.standins
+        .script("rec", json!([page, finish("paged once")]), json!([]))
+        .await;
     let mut agent = w.agent("rec");
     agent["approval"] = json!({"defaultApprovers": {"groups": ["finance-approvers"]}});
     // The worker dies after paging, before recording it: no key, no lookup, nobody can tell.
     let fp = json!({"agentrun.dev/failpoint": "after-tool-call"});
-    w.create_run("rec", json!({"input": "Page on-call.", "agent": agent}), fp).await;
+    w.create_run("rec", json!({"input": "Page on-call.", "agent": agent}), fp)
+        .await;
 
     let a = pending_approval(&w, "rec").await;
     assert_eq!(a.spec.kind, agentrun::api::ApprovalKind::Reconcile);
-    assert!(a.spec.observations.reason.clone().unwrap_or_default().contains("cannot be checked"));
-    let (ok, text) = plugin(&w, "bob", &["approve", &a.metadata.name.clone().unwrap(), "-m", "I got the page"]);
+    assert!(
+        a.spec
+            .observations
+            .reason
+            .clone()
+            .unwrap_or_default()
+            .contains("cannot be checked")
+    );
+    let (ok, text) = plugin(
+        &w,
+        "bob",
+        &[
+            "approve",
+            &a.metadata.name.clone().unwrap(),
+            "-m",
+            "I got the page",
+        ],
+    );
     assert!(ok, "{text}");
     let run = w.wait_phase("rec", Phase::Succeeded).await;
-    let pages = w.standins.effects(w.name()).await.iter().filter(|e| e["tool"] == "page_oncall").count();
+    let pages = w
+        .standins
+        .effects(w.name())
+        .await
+        .iter()
+        .filter(|e| e["tool"] == "page_oncall")
+        .count();
     assert_eq!(pages, 1, "confirmed as done, the page was not sent again");
     let recovered = w.log(&run).await.iter().find_map(|(_, s)| match s {
         Step::ToolResult(r) => r.recovery,
         _ => None,
     });
-    assert_eq!(recovered, Some(agentrun::step::records::Recovery::HumanConfirmedDone));
+    assert_eq!(
+        recovered,
+        Some(agentrun::step::records::Recovery::HumanConfirmedDone)
+    );
 }
