@@ -120,9 +120,16 @@ async fn an_approved_call_runs_once_with_exactly_the_approved_arguments() {
             json!([]),
         )
         .await;
+    // Approval events go to the policy's webhook (a stand-in endpoint of its own tenant).
+    let hooks = format!("{}-hooks", w.name());
+    let mut agent = gated_agent(&w, "ok", json!({}));
+    agent["approval"]["notifyWebhook"] = json!(format!(
+        "{}/tools/{hooks}/approval-webhook",
+        w.standins.base
+    ));
     w.create_run(
         "ok",
-        json!({"input": "Refund order 1042.", "agent": gated_agent(&w, "ok", json!({}))}),
+        json!({"input": "Refund order 1042.", "agent": agent}),
         json!({}),
     )
     .await;
@@ -187,6 +194,18 @@ async fn an_approved_call_runs_once_with_exactly_the_approved_arguments() {
     .await
     .expect("alice approves");
     let run = w.wait_phase("ok", Phase::Succeeded).await;
+    let events: Vec<String> = w
+        .standins
+        .tool_requests(&hooks)
+        .await
+        .iter()
+        .map(|r| r["args"]["event"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        events,
+        vec!["raised".to_string(), "decided".to_string()],
+        "webhook events"
+    );
     let effects = w.standins.effects(w.name()).await;
     assert_eq!(effects.len(), 1, "{effects:?}");
     assert_eq!(

@@ -75,6 +75,46 @@ pub fn build(
     approval
 }
 
+/// Tells the policy's webhook about an approval event (`raised`, `escalated`,
+/// `decided`, `expired`), best effort: a webhook never holds a run up.
+pub fn notify(
+    http: &reqwest::Client,
+    run: &AgentRun,
+    approval: &str,
+    request: &ApprovalRequested,
+    event: &str,
+    detail: serde_json::Value,
+) {
+    let Some(url) = request.gate.notify_webhook.clone() else {
+        return;
+    };
+    let body = serde_json::json!({
+        "event": event,
+        "namespace": run.namespace(),
+        "run": run.name_any(),
+        "approval": approval,
+        "tool": request.tool,
+        "arguments": request.arguments,
+        "argumentsHash": request.arguments_hash,
+        "rule": request.gate.rule,
+        "approvers": request.gate.approvers,
+        "detail": detail,
+    });
+    let http = http.clone();
+    tokio::spawn(async move {
+        let sent = http
+            .post(&url)
+            .json(&body)
+            .timeout(std::time::Duration::from_secs(5))
+            .send()
+            .await;
+        match sent.map(|r| r.error_for_status()) {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) | Err(e) => tracing::warn!(error = %e, "approval webhook failed"),
+        }
+    });
+}
+
 /// What the decisions on an Approval amount to now.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Evaluation {

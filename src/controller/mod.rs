@@ -139,6 +139,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             time_slice_seconds: opts.time_slice_seconds,
         },
         identity: format!("controller/{identity}"),
+        http: reqwest::Client::builder().build()?,
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (

@@ -42,6 +42,8 @@ pub struct Context {
     pub jobs: JobSettings,
     /// Identity used for the controller's own appends.
     pub identity: String,
+    /// For approval webhooks.
+    pub http: reqwest::Client,
 }
 
 /// What the controller read about a run's agent.
@@ -331,6 +333,14 @@ async fn handle_approval(
                     next.escalation, request.gate.max_escalations
                 ),
             ));
+            super::approval::notify(
+                &ctx.http,
+                run,
+                &name,
+                &next,
+                "escalated",
+                json!({"escalation": next.escalation}),
+            );
             Step::ApprovalRequested(next)
         } else {
             Step::RunFinished(RunFinished {
@@ -386,6 +396,14 @@ async fn handle_approval(
                     });
                 }
             };
+            super::approval::notify(
+                &ctx.http,
+                run,
+                &name,
+                &request,
+                "raised",
+                json!({"expiresAt": created.spec.expires_at}),
+            );
             notices.push(notice(
                 false,
                 "ApprovalRequested",
@@ -477,7 +495,15 @@ async fn handle_approval(
     let raised = approval.metadata.creation_timestamp.as_ref();
     ctx.metrics
         .observe_approval_decided(raised, now, record.verdict);
+    let event = if record.verdict == Verdict::Expired {
+        "expired"
+    } else {
+        "decided"
+    };
+    let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
+    let approval_name = record.approval.clone();
     append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
+    super::approval::notify(&ctx.http, run, &approval_name, &request, event, detail);
     Ok(None)
 }
 
