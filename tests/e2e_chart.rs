@@ -265,27 +265,6 @@ fn metrics_port(log: &str) -> Option<u16> {
         })
 }
 
-async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    let req = format!(
-        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(req.as_bytes()).await.unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await.unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (code, body.to_string())
-}
-
 /// The value of a Prometheus sample (first line starting with `series`).
 fn sample(metrics: &str, series: &str) -> Option<f64> {
     metrics
@@ -639,7 +618,8 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         "the leader's metrics to count the runs",
         TIMEOUT,
         || async {
-            let (code, body) = http(leader_port, "GET", "/metrics", "").await;
+            let (code, body) =
+                common::controller::http_request(leader_port, "GET", "/metrics", "").await;
             (code == 200
                 && sample(&body, r#"agentrun_runs{phase="Succeeded"}"#) >= Some(2.0)
                 && sample(&body, r#"agentrun_runs{phase="Cancelled"}"#) >= Some(1.0))
@@ -680,11 +660,14 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
 
     // The runtime log-level switch: debug on, and reconcile's debug lines
     // appear, as JSON carrying the run and step of their span.
-    let (code, body) = http(leader_port, "PUT", "/loglevel", "info,agentrun=debug").await;
+    let (code, body) =
+        common::controller::http_request(leader_port, "PUT", "/loglevel", "info,agentrun=debug")
+            .await;
     assert_eq!(code, 200, "{body}");
-    let (code, body) = http(leader_port, "GET", "/loglevel", "").await;
+    let (code, body) = common::controller::http_request(leader_port, "GET", "/loglevel", "").await;
     assert_eq!((code, body.trim()), (200, "info,agentrun=debug"));
-    let (code, _) = http(leader_port, "PUT", "/loglevel", "not a [level").await;
+    let (code, _) =
+        common::controller::http_request(leader_port, "PUT", "/loglevel", "not a [level").await;
     assert_eq!(code, 400);
     runs.patch(
         "refund-order-1042",

@@ -2,8 +2,8 @@
 //! over real HTTP in both wire formats: OpenAI chat completions and Anthropic
 //! Messages. Every case runs for both providers.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
+mod common;
+
 use std::time::{Duration, Instant};
 
 use agentrun::api::{ModelSpec, Provider};
@@ -12,41 +12,19 @@ use agentrun::model::{
 };
 use serde_json::{Value, json};
 
-/// The stand-in binary on a free port; killed when dropped.
-struct Standin {
-    child: Child,
-    _stdout: BufReader<ChildStdout>,
-    base: String,
-    http: reqwest::Client,
+/// The stand-in binary on a free port (see tests/common/standins.rs).
+struct Standin(common::standins::Standins);
+
+impl std::ops::Deref for Standin {
+    type Target = common::standins::Standins;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl Standin {
     fn start() -> Self {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agentrun-standins"))
-            .args(["--addr", "127.0.0.1:0"])
-            .env_remove("AGENTRUN_LOG_FORMAT")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("starting agentrun-standins");
-        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        stdout
-            .read_line(&mut line)
-            .expect("reading the stand-in's first line");
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line from the stand-in: {line:?}"))
-            .to_string();
-        Standin {
-            child,
-            _stdout: stdout,
-            base: format!("http://{addr}"),
-            http: reqwest::Client::new(),
-        }
+        Standin(common::standins::Standins::start())
     }
 
     async fn script(&self, id: &str, replies: Value) {
@@ -93,13 +71,6 @@ impl Standin {
     fn client(&self, provider: Provider, id: &str, key: Option<&str>) -> ModelClient {
         ModelClient::with_options(&self.spec(provider, id), key.map(str::to_string), fast())
             .expect("model client")
-    }
-}
-
-impl Drop for Standin {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

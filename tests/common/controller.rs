@@ -97,11 +97,19 @@ fn free_port() -> u16 {
 
 /// GETs a path of a local HTTP server; returns (status code, body).
 pub async fn http_get(port: u16, path: &str) -> (u16, String) {
+    http_request(port, "GET", path, "").await
+}
+
+/// Sends one HTTP/1.0 request to a local server; returns (status code, body).
+pub async fn http_request(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .expect("connect");
-    let req = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
     stream
         .write_all(req.as_bytes())
         .await
