@@ -1,8 +1,8 @@
 //! The tool clients (`agentrun::tools`) against the stand-in tool and MCP
 //! servers (`agentrun-standins`), over real HTTP.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
 use std::time::Duration;
 
 use agentrun::api::{HttpTool, McpTool, ToolSpec};
@@ -12,42 +12,18 @@ use agentrun::tools::{
 };
 use serde_json::{Value, json};
 
-/// A stand-in server process, killed when dropped.
-struct Standins {
-    child: Child,
-    base: String,
-    http: reqwest::Client,
-}
+/// The stand-in servers (see tests/common/standins.rs), with tool helpers.
+struct Standins(common::standins::Standins);
 
-impl Drop for Standins {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+impl std::ops::Deref for Standins {
+    type Target = common::standins::Standins;
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
 }
 
 fn standins() -> Standins {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agentrun-standins"))
-        .args(["--addr", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start agentrun-standins");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("read the listening line");
-    let addr = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    Standins {
-        child,
-        base: format!("http://{addr}"),
-        http: reqwest::Client::new(),
-    }
+    Standins(common::standins::Standins::start())
 }
 
 impl Standins {
@@ -55,7 +31,7 @@ impl Standins {
         format!("{}{path}", self.base)
     }
 
-    async fn get(&self, path: &str) -> Value {
+    async fn get_json(&self, path: &str) -> Value {
         let response = self.http.get(self.url(path)).send().await.unwrap();
         assert!(
             response.status().is_success(),
@@ -77,7 +53,7 @@ impl Standins {
     }
 
     async fn effects(&self, tenant: &str) -> Vec<Value> {
-        self.get(&format!("/tools/{tenant}/_effects"))
+        self.get_json(&format!("/tools/{tenant}/_effects"))
             .await
             .as_array()
             .unwrap()
@@ -85,7 +61,7 @@ impl Standins {
     }
 
     async fn requests(&self, tenant: &str) -> Vec<Value> {
-        self.get(&format!("/tools/{tenant}/_requests"))
+        self.get_json(&format!("/tools/{tenant}/_requests"))
             .await
             .as_array()
             .unwrap()
@@ -93,7 +69,7 @@ impl Standins {
     }
 
     async fn mcp_effects(&self, tenant: &str) -> Value {
-        self.get(&format!("/mcp-effects/{tenant}")).await
+        self.get_json(&format!("/mcp-effects/{tenant}")).await
     }
 
     /// A keyed (idempotent) tool of the tool server.
@@ -659,7 +635,7 @@ async fn standin_contract_no_key_mode_and_record_versions() {
     );
     assert_eq!(put(json!({"total": 12})).await["version"], 2);
     assert_eq!(
-        s.get("/tools/t/records/order-1").await,
+        s.get_json("/tools/t/records/order-1").await,
         json!({"id": "order-1", "version": 2, "data": {"total": 12}})
     );
     // Tenants are separate.
