@@ -11,7 +11,14 @@ use crate::api::{
     AgentRun, Approval, ApprovalSpec, ApprovalState, Observations, ProposedCall, RunRef,
     Verdict as ApiVerdict,
 };
-use crate::step::records::{ApprovalRequested, RecordedDecision, Verdict};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use super::error::Error;
+use super::reconcile::{Context, FIELD_MANAGER, append, notice};
+use crate::step::records::{ApprovalRequested, RecordedDecision, RunFinished, Verdict};
+use crate::step::replay::{RunState, Step};
+use crate::store::Head;
 
 /// Annotation naming the user who created a run, checked by the API server.
 pub const REQUESTER_ANNOTATION: &str = "agentrun.dev/requester";
@@ -223,6 +230,220 @@ pub fn state_of(evaluation: &Evaluation, on_expiry: crate::api::OnExpiry) -> App
         }
         Evaluation::Expired => ApprovalState::Expired,
     }
+}
+
+/// Raises the Approval for the request at `request_seq`, or acts on its
+/// decisions or expiry. Returns the Approval still waiting, with its expiry.
+pub(super) async fn handle(
+    run: &AgentRun,
+    ctx: &Context,
+    log: &RunState,
+    head: &Head,
+    request_seq: u64,
+    now: Timestamp,
+    notices: &mut Vec<super::decide::Notice>,
+) -> Result<Option<(String, Timestamp)>, Error> {
+    use crate::step::records::{ApprovalDecided, Outcome, Verdict};
+    let ns = run.namespace().unwrap_or_default();
+    let uid = run.uid().unwrap_or_default();
+    let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
+    else {
+        return Ok(None);
+    };
+    let name = approval_name(run, request_seq);
+    let decided = log.steps.iter().find_map(|s| match s {
+        Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
+        _ => None,
+    });
+    if let Some(d) = decided {
+        // Expired, and the policy says what follows: escalate, or stop the run.
+        let escalate = d.on_expiry == Some(crate::api::OnExpiry::Escalate);
+        let step = if escalate && request.escalation < request.gate.max_escalations {
+            let mut next = request.clone();
+            next.escalation += 1;
+            if let Some(to) = &request.gate.escalate_to {
+                next.gate.approvers = to.clone();
+            }
+            notices.push(notice(
+                true,
+                "ApprovalEscalated",
+                format!(
+                    "{name} expired; escalated ({} of {})",
+                    next.escalation, request.gate.max_escalations
+                ),
+            ));
+            notify(
+                &ctx.http,
+                run,
+                &name,
+                &next,
+                "escalated",
+                json!({"escalation": next.escalation}),
+            );
+            Step::ApprovalRequested(next)
+        } else {
+            Step::RunFinished(RunFinished {
+                outcome: Outcome::Failed,
+                result: log.last_text(),
+                error: Some(format!(
+                    "approval {name} for {} expired without a decision{}; the call was not made",
+                    request.tool,
+                    if escalate {
+                        " after every escalation"
+                    } else {
+                        ""
+                    }
+                )),
+            })
+        };
+        append(ctx, &uid, head, step).await?;
+        return Ok(None);
+    }
+
+    let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
+    let approval = match approvals
+        .get_opt(&name)
+        .await
+        .map_err(|source| Error::Read {
+            what: "approval",
+            source,
+        })? {
+        Some(a) => a,
+        None => {
+            let fresh = build(run, request_seq, &request, now);
+            let created = match approvals
+                .create(
+                    &PostParams {
+                        field_manager: Some(FIELD_MANAGER.into()),
+                        ..Default::default()
+                    },
+                    &fresh,
+                )
+                .await
+            {
+                Ok(a) => a,
+                Err(kube::Error::Api(e)) if e.code == 409 => {
+                    approvals.get(&name).await.map_err(|source| Error::Read {
+                        what: "approval",
+                        source,
+                    })?
+                }
+                Err(source) => {
+                    return Err(Error::Write {
+                        what: "approval",
+                        source,
+                    });
+                }
+            };
+            notify(
+                &ctx.http,
+                run,
+                &name,
+                &request,
+                "raised",
+                json!({"expiresAt": created.spec.expires_at}),
+            );
+            notices.push(notice(
+                false,
+                "ApprovalRequested",
+                format!(
+                    "{} needs approval ({}): kubectl agentrun show {name}",
+                    request.tool, request.gate.because
+                ),
+            ));
+            created
+        }
+    };
+    let evaluation = evaluate(&approval.spec, now);
+    let state = state_of(&evaluation, approval.spec.on_expiry);
+    if approval.status.as_ref().and_then(|s| s.state) != Some(state) {
+        let decided_by: Vec<String> = match &evaluation {
+            Evaluation::Decided { decisions, .. } => {
+                decisions.iter().map(|d| d.approver.clone()).collect()
+            }
+            _ => Vec::new(),
+        };
+        let status = crate::api::ApprovalStatus {
+            state: Some(state),
+            decided_at: (state != crate::api::ApprovalState::Pending).then_some(Time(now)),
+            decided_by,
+            conditions: Vec::new(),
+        };
+        let body = json!({"apiVersion": Approval::api_version(&()), "kind": Approval::kind(&()), "status": status});
+        approvals
+            .patch_status(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .map_err(Error::Status)?;
+    }
+    let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(
+        &serde_json::to_value(&approval.spec.observations).unwrap_or_default(),
+    ));
+    let record = match evaluation {
+        Evaluation::Pending { expires_at, .. } => return Ok(Some((name, expires_at))),
+        Evaluation::Decided {
+            verdict,
+            decisions,
+            arguments,
+        } => {
+            let who: Vec<&str> = decisions.iter().map(|d| d.approver.as_str()).collect();
+            notices.push(notice(
+                verdict == Verdict::Reject,
+                "ApprovalDecided",
+                format!("{name}: {verdict:?} by {}", who.join(", ")),
+            ));
+            ApprovalDecided {
+                request_seq,
+                approval: name,
+                verdict,
+                decisions,
+                arguments,
+                observations_hash,
+                on_expiry: None,
+            }
+        }
+        Evaluation::Expired => {
+            let on_expiry = approval.spec.on_expiry;
+            notices.push(notice(
+                true,
+                "ApprovalExpired",
+                format!("{name} expired without a decision; onExpiry: {on_expiry:?}"),
+            ));
+            let arguments = match on_expiry {
+                crate::api::OnExpiry::Alternative => approval
+                    .spec
+                    .alternative
+                    .as_ref()
+                    .map(|a| a.arguments.clone()),
+                _ => None,
+            };
+            ApprovalDecided {
+                request_seq,
+                approval: name,
+                verdict: Verdict::Expired,
+                decisions: Vec::new(),
+                arguments,
+                observations_hash,
+                on_expiry: Some(on_expiry),
+            }
+        }
+    };
+    let raised = approval.metadata.creation_timestamp.as_ref();
+    ctx.metrics
+        .observe_approval_decided(raised, now, record.verdict);
+    let event = if record.verdict == Verdict::Expired {
+        "expired"
+    } else {
+        "decided"
+    };
+    let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
+    let approval_name = record.approval.clone();
+    append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
+    notify(&ctx.http, run, &approval_name, &request, event, detail);
+    Ok(None)
 }
 
 #[cfg(test)]

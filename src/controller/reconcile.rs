@@ -20,7 +20,7 @@ use super::job::{self, JobSettings};
 use super::metrics::{Metrics, ReasonLabel};
 use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
 use super::status;
-use crate::api::{Agent, AgentRun, AgentTemplate, Approval};
+use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::step::replay::{RunState, Step};
 use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError, sha256_hex};
@@ -233,7 +233,9 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             Duration::MAX
         }
         Act::HandleApproval { request_seq } => {
-            match handle_approval(run, ctx, &log, &head, request_seq, now, &mut notices).await? {
+            match super::approval::handle(run, ctx, &log, &head, request_seq, now, &mut notices)
+                .await?
+            {
                 Some((name, expires_at)) => {
                     awaiting = Some((name, expires_at));
                     let left = expires_at.duration_since(now);
@@ -290,221 +292,6 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
         d => Action::requeue(d),
     })
-}
-
-/// Raises the Approval for the request at `request_seq`, or acts on its
-/// decisions or expiry. Returns the Approval still waiting, with its expiry.
-async fn handle_approval(
-    run: &AgentRun,
-    ctx: &Context,
-    log: &RunState,
-    head: &Head,
-    request_seq: u64,
-    now: Timestamp,
-    notices: &mut Vec<super::decide::Notice>,
-) -> Result<Option<(String, Timestamp)>, Error> {
-    use super::approval::{Evaluation, approval_name, build, evaluate, state_of};
-    use crate::step::records::{ApprovalDecided, Outcome, Verdict};
-    let ns = run.namespace().unwrap_or_default();
-    let uid = run.uid().unwrap_or_default();
-    let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
-    else {
-        return Ok(None);
-    };
-    let name = approval_name(run, request_seq);
-    let decided = log.steps.iter().find_map(|s| match s {
-        Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
-        _ => None,
-    });
-    if let Some(d) = decided {
-        // Expired, and the policy says what follows: escalate, or stop the run.
-        let escalate = d.on_expiry == Some(crate::api::OnExpiry::Escalate);
-        let step = if escalate && request.escalation < request.gate.max_escalations {
-            let mut next = request.clone();
-            next.escalation += 1;
-            if let Some(to) = &request.gate.escalate_to {
-                next.gate.approvers = to.clone();
-            }
-            notices.push(notice(
-                true,
-                "ApprovalEscalated",
-                format!(
-                    "{name} expired; escalated ({} of {})",
-                    next.escalation, request.gate.max_escalations
-                ),
-            ));
-            super::approval::notify(
-                &ctx.http,
-                run,
-                &name,
-                &next,
-                "escalated",
-                json!({"escalation": next.escalation}),
-            );
-            Step::ApprovalRequested(next)
-        } else {
-            Step::RunFinished(RunFinished {
-                outcome: Outcome::Failed,
-                result: log.last_text(),
-                error: Some(format!(
-                    "approval {name} for {} expired without a decision{}; the call was not made",
-                    request.tool,
-                    if escalate {
-                        " after every escalation"
-                    } else {
-                        ""
-                    }
-                )),
-            })
-        };
-        append(ctx, &uid, head, step).await?;
-        return Ok(None);
-    }
-
-    let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
-    let approval = match approvals
-        .get_opt(&name)
-        .await
-        .map_err(|source| Error::Read {
-            what: "approval",
-            source,
-        })? {
-        Some(a) => a,
-        None => {
-            let fresh = build(run, request_seq, &request, now);
-            let created = match approvals
-                .create(
-                    &PostParams {
-                        field_manager: Some(FIELD_MANAGER.into()),
-                        ..Default::default()
-                    },
-                    &fresh,
-                )
-                .await
-            {
-                Ok(a) => a,
-                Err(kube::Error::Api(e)) if e.code == 409 => {
-                    approvals.get(&name).await.map_err(|source| Error::Read {
-                        what: "approval",
-                        source,
-                    })?
-                }
-                Err(source) => {
-                    return Err(Error::Write {
-                        what: "approval",
-                        source,
-                    });
-                }
-            };
-            super::approval::notify(
-                &ctx.http,
-                run,
-                &name,
-                &request,
-                "raised",
-                json!({"expiresAt": created.spec.expires_at}),
-            );
-            notices.push(notice(
-                false,
-                "ApprovalRequested",
-                format!(
-                    "{} needs approval ({}): kubectl agentrun show {name}",
-                    request.tool, request.gate.because
-                ),
-            ));
-            created
-        }
-    };
-    let evaluation = evaluate(&approval.spec, now);
-    let state = state_of(&evaluation, approval.spec.on_expiry);
-    if approval.status.as_ref().and_then(|s| s.state) != Some(state) {
-        let decided_by: Vec<String> = match &evaluation {
-            Evaluation::Decided { decisions, .. } => {
-                decisions.iter().map(|d| d.approver.clone()).collect()
-            }
-            _ => Vec::new(),
-        };
-        let status = crate::api::ApprovalStatus {
-            state: Some(state),
-            decided_at: (state != crate::api::ApprovalState::Pending).then_some(Time(now)),
-            decided_by,
-            conditions: Vec::new(),
-        };
-        let body = json!({"apiVersion": Approval::api_version(&()), "kind": Approval::kind(&()), "status": status});
-        approvals
-            .patch_status(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await
-            .map_err(Error::Status)?;
-    }
-    let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(
-        &serde_json::to_value(&approval.spec.observations).unwrap_or_default(),
-    ));
-    let record = match evaluation {
-        Evaluation::Pending { expires_at, .. } => return Ok(Some((name, expires_at))),
-        Evaluation::Decided {
-            verdict,
-            decisions,
-            arguments,
-        } => {
-            let who: Vec<&str> = decisions.iter().map(|d| d.approver.as_str()).collect();
-            notices.push(notice(
-                verdict == Verdict::Reject,
-                "ApprovalDecided",
-                format!("{name}: {verdict:?} by {}", who.join(", ")),
-            ));
-            ApprovalDecided {
-                request_seq,
-                approval: name,
-                verdict,
-                decisions,
-                arguments,
-                observations_hash,
-                on_expiry: None,
-            }
-        }
-        Evaluation::Expired => {
-            let on_expiry = approval.spec.on_expiry;
-            notices.push(notice(
-                true,
-                "ApprovalExpired",
-                format!("{name} expired without a decision; onExpiry: {on_expiry:?}"),
-            ));
-            let arguments = match on_expiry {
-                crate::api::OnExpiry::Alternative => approval
-                    .spec
-                    .alternative
-                    .as_ref()
-                    .map(|a| a.arguments.clone()),
-                _ => None,
-            };
-            ApprovalDecided {
-                request_seq,
-                approval: name,
-                verdict: Verdict::Expired,
-                decisions: Vec::new(),
-                arguments,
-                observations_hash,
-                on_expiry: Some(on_expiry),
-            }
-        }
-    };
-    let raised = approval.metadata.creation_timestamp.as_ref();
-    ctx.metrics
-        .observe_approval_decided(raised, now, record.verdict);
-    let event = if record.verdict == Verdict::Expired {
-        "expired"
-    } else {
-        "decided"
-    };
-    let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
-    let approval_name = record.approval.clone();
-    append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
-    super::approval::notify(&ctx.http, run, &approval_name, &request, event, detail);
-    Ok(None)
 }
 
 pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Action {
@@ -630,7 +417,7 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
 /// RunFinished), under the run's lease like any worker.
-async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
+pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
     let lease = ctx
         .store
         .acquire(uid, &ctx.identity, Duration::from_secs(10))
@@ -757,7 +544,11 @@ async fn write_status(
     Ok(())
 }
 
-fn notice(warning: bool, reason: &'static str, message: String) -> super::decide::Notice {
+pub(super) fn notice(
+    warning: bool,
+    reason: &'static str,
+    message: String,
+) -> super::decide::Notice {
     super::decide::Notice {
         warning,
         reason,
