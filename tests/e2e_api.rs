@@ -244,7 +244,48 @@ async fn controller_resolves_agents_writes_status_and_events() {
         vec![agentrun::controller::FIELD_MANAGER.to_string()]
     );
     let agents: Api<Agent> = Api::namespaced(client.clone(), ns.name());
-    assert!(agents.get("refund-assistant").await.is_ok());
+    // The Agent's status says it is usable, and what a run would pin.
+    let ready = |name: &'static str| {
+        let agents = agents.clone();
+        async move {
+            let a = agents.get(name).await.map_err(|e| e.to_string())?;
+            let s = a.status.clone().ok_or("no status yet")?;
+            let c = s
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .ok_or("no Ready condition")?;
+            Ok::<_, String>((c.status.clone(), c.message.clone(), s.prompt_hash.clone()))
+        }
+    };
+    let (status, _, hash) = common::wait_for("Agent status", Duration::from_secs(60), || {
+        ready("refund-assistant")
+    })
+    .await;
+    assert_eq!(status, "True");
+    assert_eq!(hash.map(|h| h.len()), Some(64));
+    // A condition the API server cannot check is named on the Agent before any run uses it.
+    let mut broken: Agent = serde_yaml::from_str(&agent_yaml).unwrap();
+    broken.metadata.name = Some("broken-policy".into());
+    broken.spec.approval.as_mut().unwrap().rules[0].when = Some("args.amount >".into());
+    agents
+        .create(&PostParams::default(), &broken)
+        .await
+        .expect("created");
+    let (status, message, _) = common::wait_for(
+        "the broken Agent's status",
+        Duration::from_secs(60),
+        || async {
+            match ready("broken-policy").await {
+                Ok(r) if r.0 == "False" => Ok(r),
+                Ok(r) => Err(format!("{r:?}")),
+                Err(e) => Err(e),
+            }
+        },
+    )
+    .await;
+    assert_eq!(status, "False");
+    assert!(message.contains("spec.approval.rules[0].when"), "{message}");
 
     // Probes and metrics are served.
     let port = controller.metrics_port;

@@ -24,6 +24,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
     category = "agentrun",
     printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model.name"}"#,
     printcolumn = r#"{"name":"Prompt","type":"string","jsonPath":".spec.prompt.version"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]

@@ -1,6 +1,7 @@
 //! The controller (`agentrun controller`): a kube-runtime `Controller` on
 //! AgentRun, owning Jobs and Approvals, active on one replica at a time.
 
+pub mod agent;
 pub mod approval;
 pub mod decide;
 mod error;
@@ -182,19 +183,29 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             None => std::future::pending().await,
         }
     };
-    controller
+    // One stop signal for both controllers.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = shutdown => tracing::info!("shutting down"),
+            _ = lost => tracing::error!("leadership lost; stopping"),
+        }
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let runs_controller = controller
         .owns(jobs, watcher::Config::default())
         .owns(approvals, watcher::Config::default())
-        .watches(agents, watcher::Config::default(), runs_of_agent)
-        .graceful_shutdown_on(async move {
-            tokio::select! {
-                _ = shutdown => tracing::info!("shutting down"),
-                _ = lost => tracing::error!("leadership lost; stopping"),
-            }
-        })
+        .watches(agents.clone(), watcher::Config::default(), runs_of_agent)
+        .graceful_shutdown_on(stopped(stop_rx.clone()))
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
-        .for_each(|_| async {})
-        .await;
+        .for_each(|_| async {});
+    tokio::join!(
+        runs_controller,
+        agent::run(agents, client.clone(), stopped(stop_rx))
+    );
     if let Some(l) = leadership {
         l.release().await;
     }
