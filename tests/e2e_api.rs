@@ -25,6 +25,7 @@ fn yaml_files(dir: &str) -> Vec<PathBuf> {
         .unwrap_or_else(|e| panic!("reading {dir}: {e}"))
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .filter(|p| p.file_name().is_some_and(|n| n != "kustomization.yaml"))
         .collect();
     files.sort();
     files
@@ -88,6 +89,34 @@ async fn every_sample_applies() {
     common::install_crds(&client).await;
     let ns = common::test_namespace(&client, "samples").await;
     let samples = yaml_files("config/samples");
+    // The kustomize base lists exactly the samples.
+    let kustomization =
+        std::fs::read_to_string(repo().join("config/samples/kustomization.yaml")).unwrap();
+    let listed: serde_yaml::Value = serde_yaml::from_str(&kustomization).unwrap();
+    let mut listed: Vec<String> = listed["resources"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap().to_string())
+        .collect();
+    listed.sort();
+    let present: Vec<String> = samples
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        listed, present,
+        "config/samples/kustomization.yaml must list every sample"
+    );
+    let rendered = common::kubectl(&[
+        "kustomize",
+        &repo().join("config/samples").to_string_lossy(),
+    ]);
+    assert_eq!(
+        rendered.matches("\nkind: ").count() + usize::from(rendered.starts_with("kind: ")),
+        present.len(),
+        "{rendered}"
+    );
     assert!(
         samples.len() >= 3,
         "expected at least three samples, found {samples:?}"
