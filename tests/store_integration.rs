@@ -374,15 +374,7 @@ async fn race_child_main(url: String) {
     store.close().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "child process of the *_race_processes tests"]
-async fn store_race_child() {
-    if let Ok(url) = std::env::var("AGENTRUN_STORE_RACE_URL") {
-        race_child_main(url).await;
-    }
-}
-
-async fn race_processes(ctx: Ctx) {
+async fn race_processes(ctx: Ctx, this_test: &str) {
     let run = unique("race-procs");
     let lease = ctx.store.acquire(&run, "controller", TTL).await.unwrap();
     let rounds = 30u64;
@@ -396,13 +388,7 @@ async fn race_processes(ctx: Ctx) {
         .iter()
         .map(|pod| {
             tokio::process::Command::new(&exe)
-                .args([
-                    "--exact",
-                    "store_race_child",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
+                .args(["--exact", this_test, "--nocapture", "--test-threads=1"])
                 .env("AGENTRUN_STORE_RACE_URL", &ctx.url)
                 .env("AGENTRUN_STORE_RACE_RUN", &run)
                 .env("AGENTRUN_STORE_RACE_EPOCH", lease.epoch.to_string())
@@ -782,7 +768,12 @@ macro_rules! suite {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn race_processes_first_writer_wins() {
-                race_processes($ctx().await).await;
+                // The two racing processes are this same test, re-run as children.
+                if let Ok(url) = std::env::var("AGENTRUN_STORE_RACE_URL") {
+                    return race_child_main(url).await;
+                }
+                let this = concat!(stringify!($module), "::race_processes_first_writer_wins");
+                race_processes($ctx().await, this).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
