@@ -30,6 +30,8 @@ pub struct JobSettings {
     pub service_account: String,
     /// How long one Job may keep taking further steps before it exits.
     pub time_slice_seconds: u64,
+    /// Honour the failpoint annotation (tests only; off in production).
+    pub allow_failpoints: bool,
 }
 
 /// Deterministic Job name: creating it twice is harmless, and a retry of the
@@ -91,6 +93,7 @@ pub fn build(
     }
     // A failpoint kills only the first attempt, so the retry shows the resume.
     if attempt == 1
+        && settings.allow_failpoints
         && let Some(fp) = run.annotations().get(FAILPOINT_ANNOTATION)
     {
         env.push(plain("AGENTRUN_FAILPOINT", fp.clone()));
@@ -210,6 +213,7 @@ mod tests {
             image: "agentrun:dev".into(),
             service_account: "default".into(),
             time_slice_seconds: 30,
+            allow_failpoints: true,
         }
     }
 
@@ -314,6 +318,19 @@ mod tests {
             2,
             60,
             &settings()
+        )));
+        // A production controller ignores the annotation.
+        let production = JobSettings {
+            allow_failpoints: false,
+            ..settings()
+        };
+        assert!(!has_fp(&build(
+            &r,
+            &AgentTemplate::default(),
+            1,
+            1,
+            60,
+            &production
         )));
     }
 }

@@ -72,6 +72,10 @@ pub struct Options {
     /// How long one step Job keeps taking further steps before it exits.
     #[arg(long, default_value_t = 60)]
     pub time_slice_seconds: u64,
+    /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
+    /// kill a step at a chosen boundary. Never in production.
+    #[arg(long, env = "AGENTRUN_ALLOW_FAILPOINTS", default_value_t = false)]
+    pub allow_failpoints: bool,
 }
 
 /// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
@@ -138,6 +142,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             image: opts.step_image.clone(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
+            allow_failpoints: opts.allow_failpoints,
         },
         identity: format!("controller/{identity}"),
         http: reqwest::Client::builder().build()?,

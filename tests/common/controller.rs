@@ -37,6 +37,7 @@ impl ControllerProcess {
                 "6",
             ])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .arg("--allow-failpoints")
             .args(extra)
             .env("AGENTRUN_STORE_URL", store_url)
             .env("RUST_LOG", "info,agentrun=debug")
