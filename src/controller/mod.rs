@@ -146,6 +146,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         },
         identity: format!("controller/{identity}"),
         http: reqwest::Client::builder().build()?,
+        lease_free_since: Default::default(),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (

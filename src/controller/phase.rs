@@ -22,6 +22,9 @@ pub struct JobView {
     pub seq: u64,
     pub attempt: u32,
     pub state: JobState,
+    /// Its pod runs (counted ready by the Job controller): only then can its
+    /// worker be judged lost by the lease.
+    pub running: bool,
     /// When the Job ended (for the retry backoff).
     pub ended_at: Option<Timestamp>,
 }
@@ -42,7 +45,13 @@ pub enum JobState {
 pub struct LeaseView {
     /// True when a worker holds it and renews it.
     pub live: bool,
+    /// How long it has been seen free without a break (zero when live).
+    pub free_for: Duration,
 }
+
+/// A running step whose lease stays free this long has lost its worker: a live
+/// worker renews every 2 s, a starting one takes the lease within a second.
+pub const LOST_AFTER: Duration = Duration::from_secs(5);
 
 /// Everything the decision needs.
 pub struct Observed<'a> {
@@ -133,7 +142,11 @@ pub fn decide(o: &Observed) -> Act {
     let attempt = match &job.state {
         JobState::Active => {
             // A worker that stopped renewing its lease is gone: replace it.
-            if o.lease.as_ref().is_some_and(|l| !l.live) && job_age_allows_judging(o, job) {
+            let lost = o
+                .lease
+                .as_ref()
+                .is_some_and(|l| !l.live && l.free_for >= LOST_AFTER);
+            if job.running && lost {
                 return Act::DeleteJob {
                     name: job.name.clone(),
                 };
@@ -200,20 +213,6 @@ fn backoff_left(o: &Observed, job: &JobView) -> Option<Duration> {
     let backoff = Duration::from_secs(1 << (job.attempt.saturating_sub(1)).min(6));
     let elapsed = Duration::try_from(o.now.duration_since(ended)).unwrap_or_default();
     backoff.checked_sub(elapsed).filter(|d| !d.is_zero())
-}
-
-/// A fresh Job has not taken the lease yet; give it time before judging.
-fn job_age_allows_judging(o: &Observed, job: &JobView) -> bool {
-    let started = o
-        .run
-        .status
-        .as_ref()
-        .and_then(|s| s.step.as_ref())
-        .filter(|s| s.job.as_deref() == Some(&job.name));
-    match started.and_then(|s| s.started_at.as_ref()) {
-        Some(t) => o.now.duration_since(t.0).as_secs() >= 15,
-        None => true,
-    }
 }
 
 fn follow_agent(o: &Observed) -> Option<Act> {
@@ -291,6 +290,7 @@ mod tests {
             name: format!("r-s{seq}-a{attempt}"),
             seq,
             attempt,
+            running: state == JobState::Active,
             state,
             ended_at: ended.map(t),
         })
@@ -308,7 +308,15 @@ mod tests {
             log,
             agent_generation: Some(1),
             job,
-            lease: lease.map(|live| LeaseView { live }),
+            // A free lease counts as free for as long as the test's clock says.
+            lease: lease.map(|live| LeaseView {
+                live,
+                free_for: if live {
+                    Duration::ZERO
+                } else {
+                    Duration::from_secs(now.max(0) as u64)
+                },
+            }),
             now: t(now),
         })
     }
@@ -427,9 +435,16 @@ mod tests {
             decide_at(&r, &log, active(), Some(true), 60),
             Act::Wait(RUNNING_REQUEUE)
         );
-        // A young Job may not have taken the lease yet.
+        // A lease free only briefly may be a worker still starting.
         assert_eq!(
-            decide_at(&r, &log, active(), Some(false), 5),
+            decide_at(&r, &log, active(), Some(false), 3),
+            Act::Wait(RUNNING_REQUEUE)
+        );
+        // A Job whose pod does not run yet (a busy node) is never judged by the lease.
+        let mut pending = active().unwrap();
+        pending.running = false;
+        assert_eq!(
+            decide_at(&r, &log, Some(pending), Some(false), 600),
             Act::Wait(RUNNING_REQUEUE)
         );
         assert_eq!(
@@ -508,7 +523,10 @@ mod tests {
             log: &log,
             agent_generation: Some(2),
             job: job(1, 1, JobState::Active, None),
-            lease: Some(LeaseView { live: true }),
+            lease: Some(LeaseView {
+                live: true,
+                free_for: Duration::ZERO,
+            }),
             now: t(1),
         });
         assert_eq!(act, Act::Wait(RUNNING_REQUEUE));

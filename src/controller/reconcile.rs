@@ -44,6 +44,8 @@ pub struct Context {
     pub identity: String,
     /// For approval webhooks.
     pub http: reqwest::Client,
+    /// Since when each run's lease has been seen free while its step runs.
+    pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
 }
 
 /// What the controller read about a run's agent.
@@ -91,8 +93,14 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     let log = RunState::replay(steps);
     let job = read_job(run, ctx, &ns).await?;
     let lease = match &job {
-        Some(j) if j.state == JobState::Active => Some(probe_lease(ctx, &uid).await?),
-        _ => None,
+        Some(j) if j.state == JobState::Active && j.running => Some(probe_lease(ctx, &uid).await?),
+        _ => {
+            ctx.lease_free_since
+                .lock()
+                .expect("not poisoned")
+                .remove(&uid);
+            None
+        }
     };
 
     // Decide.
@@ -367,6 +375,12 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
             .clone()
             .or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
     });
+    let running = job
+        .as_ref()
+        .and_then(|j| j.status.as_ref())
+        .and_then(|s| s.ready)
+        .unwrap_or(0)
+        > 0;
     let state = match job {
         None => JobState::Missing,
         // A Job being deleted is gone as far as the run is concerned.
@@ -394,25 +408,38 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         seq: step.seq,
         attempt: step.attempt,
         state,
+        running,
         ended_at: ended_at.map(|t| t.0),
     }))
 }
 
-/// Is a worker holding the run's lease? Taking it when free also fences any
-/// zombie worker (the epoch moves on); it is released at once.
+/// Is a worker holding the run's lease, and since when has it been free?
+/// Taking it when free also fences any zombie worker (the epoch moves on);
+/// it is released at once.
 async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
-    match ctx
+    let live = match ctx
         .store
         .acquire(uid, &ctx.identity, Duration::from_secs(2))
         .await
     {
         Ok(lease) => {
             let _ = ctx.store.release(&lease).await;
-            Ok(LeaseView { live: false })
+            false
         }
-        Err(StoreError::LeaseHeld { .. }) => Ok(LeaseView { live: true }),
-        Err(e) => Err(Error::Store(e)),
-    }
+        Err(StoreError::LeaseHeld { .. }) => true,
+        Err(e) => return Err(Error::Store(e)),
+    };
+    let mut free_since = ctx.lease_free_since.lock().expect("not poisoned");
+    let free_for = if live {
+        free_since.remove(uid);
+        Duration::ZERO
+    } else {
+        let since = *free_since
+            .entry(uid.to_string())
+            .or_insert_with(Instant::now);
+        since.elapsed()
+    };
+    Ok(LeaseView { live, free_for })
 }
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
