@@ -371,6 +371,21 @@ impl Head {
     };
 }
 
+impl Head {
+    /// The head of a log whose last record (`seq`, `hash`) was read from a backend row.
+    pub(crate) fn from_last(run: &str, seq: i64, hash: &[u8]) -> Result<Head, StoreError> {
+        let hash = Hash::from_slice(hash).ok_or_else(|| StoreError::Corrupt {
+            run: run.to_string(),
+            seq: seq as u64,
+            reason: "hash is not 32 bytes".into(),
+        })?;
+        Ok(Head {
+            len: seq as u64 + 1,
+            hash,
+        })
+    }
+}
+
 /// What a caller writes; [`RecordDraft::seal`] turns it into the next record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordDraft {

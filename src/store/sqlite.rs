@@ -339,15 +339,7 @@ impl StepStore for SqliteStore {
             Some(row) => {
                 let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
                 let hash: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
-                let hash = Hash::from_slice(&hash).ok_or_else(|| StoreError::Corrupt {
-                    run: run.to_string(),
-                    seq: seq as u64,
-                    reason: "hash is not 32 bytes".into(),
-                })?;
-                Ok(Head {
-                    len: seq as u64 + 1,
-                    hash,
-                })
+                Head::from_last(run, seq, &hash)
             }
         }
     }
