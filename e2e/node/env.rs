@@ -176,40 +176,16 @@ pub async fn resolve(
             None => expand(var.value.as_deref().unwrap_or(""), &env),
             Some(from) => {
                 if let Some(r) = &from.config_map_key_ref {
-                    let value = sources
-                        .config_map(&r.name)
-                        .await?
-                        .map(|d| d.get(&r.key).cloned());
-                    match (value, r.optional) {
-                        (Some(Some(v)), _) => v,
-                        (_, Some(true)) => continue,
-                        (None, _) => {
-                            return Err(EnvError(format!("configmap {:?} not found", r.name)));
-                        }
-                        (Some(None), _) => {
-                            return Err(EnvError(format!(
-                                "key {:?} not found in configmap {:?}",
-                                r.key, r.name
-                            )));
-                        }
+                    let value = sources.config_map(&r.name).await?;
+                    match key_value("configmap", &r.name, &r.key, r.optional, value)? {
+                        Some(v) => v,
+                        None => continue,
                     }
                 } else if let Some(r) = &from.secret_key_ref {
-                    let value = sources
-                        .secret(&r.name)
-                        .await?
-                        .map(|d| d.get(&r.key).cloned());
-                    match (value, r.optional) {
-                        (Some(Some(v)), _) => v,
-                        (_, Some(true)) => continue,
-                        (None, _) => {
-                            return Err(EnvError(format!("secret {:?} not found", r.name)));
-                        }
-                        (Some(None), _) => {
-                            return Err(EnvError(format!(
-                                "key {:?} not found in secret {:?}",
-                                r.key, r.name
-                            )));
-                        }
+                    let value = sources.secret(&r.name).await?;
+                    match key_value("secret", &r.name, &r.key, r.optional, value)? {
+                        Some(v) => v,
+                        None => continue,
                     }
                 } else if let Some(r) = &from.field_ref {
                     field_value(pod, &r.field_path).ok_or_else(|| {
@@ -249,6 +225,25 @@ fn field_value(pod: &Pod, path: &str) -> Option<String> {
                 .or_else(|| subscript("metadata.annotations['", meta.annotations.as_ref()));
         }
     })
+}
+
+/// One key of a ConfigMap or Secret (`data` as read, `None` if it does not
+/// exist): `Ok(None)` when it is missing but optional.
+fn key_value(
+    kind: &str,
+    name: &str,
+    key: &str,
+    optional: Option<bool>,
+    data: Option<&BTreeMap<String, String>>,
+) -> Result<Option<String>, EnvError> {
+    match (data.map(|d| d.get(key).cloned()), optional) {
+        (Some(Some(v)), _) => Ok(Some(v)),
+        (_, Some(true)) => Ok(None),
+        (None, _) => Err(EnvError(format!("{kind} {name:?} not found"))),
+        (Some(None), _) => Err(EnvError(format!(
+            "key {key:?} not found in {kind} {name:?}"
+        ))),
+    }
 }
 
 #[cfg(test)]

@@ -112,6 +112,15 @@ impl SqliteStore {
         Ok(store)
     }
 
+    /// A write transaction that takes SQLite's write lock at once, so
+    /// concurrent writers queue (busy timeout) instead of failing mid-way.
+    async fn begin_write(&self) -> Result<sqlx::Transaction<'_, sqlx::Sqlite>, StoreError> {
+        self.writer
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| self.err(e))
+    }
+
     fn err(&self, e: sqlx::Error) -> StoreError {
         StoreError::from_sqlx(&self.url, e)
     }
@@ -177,11 +186,7 @@ impl StepStore for SqliteStore {
         let body_str = std::str::from_utf8(&body).expect("canonical JSON is UTF-8");
         let seq = to_i64("seq", record.seq)?;
         let epoch_i = to_i64("epoch", epoch)?;
-        let mut tx = self
-            .writer
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(|e| self.err(e))?;
+        let mut tx = self.begin_write().await?;
         let now = Utc::now();
 
         let lease = sqlx::query("SELECT epoch, expires_at FROM agentrun_leases WHERE run = ?1")
@@ -345,11 +350,7 @@ impl StepStore for SqliteStore {
     }
 
     async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
-        let mut tx = self
-            .writer
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(|e| self.err(e))?;
+        let mut tx = self.begin_write().await?;
         let now = micros(Utc::now());
         let expires = now.saturating_add(ttl_micros(ttl));
         let cur =
@@ -410,11 +411,7 @@ impl StepStore for SqliteStore {
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError> {
-        let mut tx = self
-            .writer
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(|e| self.err(e))?;
+        let mut tx = self.begin_write().await?;
         let now = micros(Utc::now());
         let expires = now.saturating_add(ttl_micros(ttl));
         let epoch = to_i64("epoch", lease.epoch)?;
