@@ -20,6 +20,7 @@ build_kubernetes() {
   for c in "${cmds[@]}"; do [ -x "$K8S_BIN/$c" ] || missing=1; done
   if [ "$missing" = 0 ]; then log "kubernetes $K8S_VERSION cached in $K8S_BIN"; return; fi
 
+  command -v go >/dev/null || { log "error: go is required to build the control plane"; exit 1; }
   local mod="$CACHE/build/kubernetes-$K8S_VERSION" staging_tag
   staging_tag="v0.${K8S_VERSION#v1.}"
   mkdir -p "$mod" "$K8S_BIN"
@@ -52,7 +53,10 @@ build_kubernetes() {
     for c in "${cmds[@]}"; do echo "	_ \"k8s.io/kubernetes/cmd/$c\""; done
     echo ")"
   } >"$mod/tools.go"
+  local t0=$SECONDS
+  log "fetching the Go modules of kubernetes $K8S_VERSION (cold: a few minutes)"
   (cd "$mod" && go mod tidy)
+  log "Go modules of kubernetes ready in $((SECONDS - t0)) s"
 
   local major minor pkg ld=""
   major=1; minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
@@ -62,7 +66,7 @@ build_kubernetes() {
   done
   for c in "${cmds[@]}"; do
     [ -x "$K8S_BIN/$c" ] && continue
-    log "building $c $K8S_VERSION"
+    log "building $c $K8S_VERSION (cold: one to a few minutes each)"
     local start=$SECONDS
     (cd "$mod" && go build -trimpath -ldflags "-s -w $ld" -o "$K8S_BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c")
     mv "$K8S_BIN/$c.tmp" "$K8S_BIN/$c"
@@ -72,6 +76,7 @@ build_kubernetes() {
 
 build_etcd() {
   if [ -x "$ETCD_BIN/etcd" ]; then log "etcd $ETCD_VERSION cached in $ETCD_BIN"; return; fi
+  command -v go >/dev/null || { log "error: go is required to build etcd"; exit 1; }
   local mod="$CACHE/build/etcd-$ETCD_VERSION" gomod
   mkdir -p "$mod" "$ETCD_BIN"
   gomod=$(cd "$mod" && go mod download -json "go.etcd.io/etcd/server/v3@$ETCD_VERSION" |
@@ -91,7 +96,10 @@ build_etcd() {
     echo ")"
   } >"$mod/go.mod"
   printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' >"$mod/tools.go"
+  local t0=$SECONDS
+  log "fetching the Go modules of etcd $ETCD_VERSION"
   (cd "$mod" && go mod tidy)
+  log "Go modules of etcd ready in $((SECONDS - t0)) s"
   log "building etcd $ETCD_VERSION"
   local start=$SECONDS
   (cd "$mod" && go build -trimpath -ldflags "-s -w" -o "$ETCD_BIN/etcd.tmp" go.etcd.io/etcd/server/v3)

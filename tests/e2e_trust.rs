@@ -1,0 +1,13 @@
+//! Trust boundaries (issue 10, DESIGN.md section 9): each attack a run
+//! creator, a namespace user, an approver or a model reply could try, played
+//! against the local control plane as that user, asserting that it is refused,
+//! that no tool side effect happened and that the run's log still verifies.
+
+mod common;
+
+#[path = "trust/admission.rs"]
+mod admission;
+#[path = "trust/approvals.rs"]
+mod approvals;
+#[path = "trust/store.rs"]
+mod store;
