@@ -442,7 +442,11 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         )
         .await;
     let samples = Path::new(ROOT).join("config/samples");
-    for sample in ["agent-refund-assistant.yaml", "agentrun-refund.yaml"] {
+    for sample in [
+        "agentpolicy-platform.yaml",
+        "agent-refund-assistant.yaml",
+        "agentrun-refund.yaml",
+    ] {
         let text = std::fs::read_to_string(samples.join(sample))
             .unwrap()
             .replace("http://127.0.0.1:18080", &standins.base);

@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
     namespaced,
     status = "AgentStatus",
     shortname = "agent",
-    category = "agentrun",
+    category = "agentrun-all",
     printcolumn = r#"{"name":"Model","type":"string","jsonPath":".spec.model.name"}"#,
     printcolumn = r#"{"name":"Prompt","type":"string","jsonPath":".spec.prompt.version"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
@@ -241,8 +241,10 @@ pub struct ApprovalRule {
     /// Tool name the rule applies to (`*` for every tool).
     #[schemars(length(min = 1))]
     pub tool: String,
-    /// Optional CEL condition over the call's arguments, e.g. `args.amount > 100`.
+    /// Optional CEL condition over the call's arguments, e.g. `args.amount > 100`
+    /// (at most 1024 bytes, 16 levels of nesting and 64 operators).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
     pub when: Option<String>,
     /// Who may decide.
     pub approvers: Approvers,

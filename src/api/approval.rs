@@ -19,7 +19,7 @@ use super::common::Approvers;
     namespaced,
     status = "ApprovalStatus",
     shortname = "apr",
-    category = "agentrun",
+    category = "agentrun-all",
     printcolumn = r#"{"name":"Run","type":"string","jsonPath":".spec.runRef.name"}"#,
     printcolumn = r#"{"name":"Tool","type":"string","jsonPath":".spec.tool"}"#,
     printcolumn = r#"{"name":"State","type":"string","jsonPath":".status.state"}"#,

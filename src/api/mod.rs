@@ -5,11 +5,13 @@
 mod agent;
 mod approval;
 mod common;
+mod policy;
 mod run;
 
 pub use agent::*;
 pub use approval::*;
 pub use common::*;
+pub use policy::*;
 pub use run::*;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -22,7 +24,34 @@ pub const VERSION: &str = "v1alpha1";
 
 /// All CRDs this operator defines, in the order they are installed.
 pub fn crds() -> Vec<CustomResourceDefinition> {
-    vec![Agent::crd(), AgentRun::crd(), Approval::crd()]
+    vec![
+        Agent::crd(),
+        with_name_rule(AgentRun::crd()),
+        Approval::crd(),
+        AgentPolicy::crd(),
+        ClusterAgentPolicy::crd(),
+    ]
+}
+
+/// A run's name is a label value on its Jobs, pods and Approvals: at most 63
+/// characters, refused by the API server otherwise (a rule on the root
+/// schema, the only place that sees `metadata.name`).
+fn with_name_rule(mut crd: CustomResourceDefinition) -> CustomResourceDefinition {
+    let rule = serde_json::json!({
+        "rule": "size(self.metadata.name) <= 63",
+        "message": "metadata.name must be at most 63 characters: it labels the run's Jobs, pods and Approvals",
+    });
+    for version in &mut crd.spec.versions {
+        if let Some(schema) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        {
+            let rules = schema.x_kubernetes_validations.get_or_insert_with(Vec::new);
+            rules.push(serde_json::from_value(rule.clone()).expect("a validation rule"));
+        }
+    }
+    crd
 }
 
 /// The CRDs as one multi-document YAML stream, exactly what `crds/crds.yaml` holds.

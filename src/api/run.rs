@@ -20,7 +20,7 @@ use super::common::{DURATION_RULE, LocalRef, Usage};
     namespaced,
     status = "AgentRunStatus",
     shortname = "ar",
-    category = "agentrun",
+    category = "agentrun-all",
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Step","type":"integer","jsonPath":".status.log.length"}"#,
     printcolumn = r#"{"name":"Waiting-On","type":"string","jsonPath":".status.waitingOn"}"#,
@@ -33,7 +33,13 @@ use super::common::{DURATION_RULE, LocalRef, Usage};
     {"rule": "has(self.agentRef) != has(self.agent)",
      "message": "exactly one of spec.agentRef and spec.agent must be set"},
     {"rule": "self.input == oldSelf.input",
-     "message": "spec.input is immutable: start a new AgentRun for a new task"}
+     "message": "spec.input is immutable: start a new AgentRun for a new task"},
+    {"rule": "has(self.agentRef) == has(oldSelf.agentRef) && (!has(self.agentRef) || self.agentRef == oldSelf.agentRef)",
+     "message": "spec.agentRef is immutable: a run never moves to another Agent (and its policy) under way"},
+    {"rule": "has(self.agent) == has(oldSelf.agent) && (!has(self.agent) || self.agent == oldSelf.agent)",
+     "message": "spec.agent is immutable: the creator of a run cannot rewrite the agent (and its policy) under way"},
+    {"rule": "has(self.versionPolicy) == has(oldSelf.versionPolicy) && (!has(self.versionPolicy) || self.versionPolicy == oldSelf.versionPolicy)",
+     "message": "spec.versionPolicy is immutable"}
 ]))]
 pub struct AgentRunSpec {
     /// The Agent (same namespace) this run executes. Exactly one of

@@ -22,10 +22,10 @@ use crate::api::{Agent, AgentStatus, AgentTemplate};
 pub fn check(t: &AgentTemplate) -> Option<String> {
     for (i, rule) in t.approval.iter().flat_map(|p| p.rules.iter()).enumerate() {
         if let Some(expr) = &rule.when
-            && let Err(e) = cel::Program::compile(expr)
+            && let Err(e) = crate::policy::condition::compile(expr)
         {
             return Some(format!(
-                "spec.approval.rules[{i}].when: {expr:?} is not valid CEL: {e}"
+                "spec.approval.rules[{i}].when: not a usable CEL condition: {e}"
             ));
         }
     }

@@ -95,6 +95,10 @@ pub fn notify(
     let Some(url) = request.gate.notify_webhook.clone() else {
         return;
     };
+    if let Err(e) = crate::egress::check_url(&url) {
+        tracing::warn!(error = %e, "approval webhook refused");
+        return;
+    }
     let body = serde_json::json!({
         "event": event,
         "namespace": run.namespace(),

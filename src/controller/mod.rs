@@ -10,6 +10,7 @@ pub mod job;
 mod leader;
 mod metrics;
 pub mod phase;
+pub mod platform;
 mod reconcile;
 pub mod status;
 
@@ -145,7 +146,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             allow_failpoints: opts.allow_failpoints,
         },
         identity: format!("controller/{identity}"),
-        http: reqwest::Client::builder().build()?,
+        http: crate::egress::client()?,
         lease_free_since: Default::default(),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {

@@ -24,7 +24,7 @@ use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::step::replay::{RunState, Step};
 use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError, sha256_hex};
-use crate::tools::{Toolbox, discover_catalog};
+use crate::tools::{Toolbox, discover_catalog_with};
 
 /// The one field manager every write of the controller uses.
 pub const FIELD_MANAGER: &str = "agentrun-controller";
@@ -42,7 +42,7 @@ pub struct Context {
     pub jobs: JobSettings,
     /// Identity used for the controller's own appends.
     pub identity: String,
-    /// For approval webhooks.
+    /// For user-chosen addresses (approval webhooks, MCP discovery): egress-guarded.
     pub http: reqwest::Client,
     /// Since when each run's lease has been seen free while its step runs.
     pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
@@ -120,8 +120,33 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     let mut step = run.status.as_ref().and_then(|s| s.step.clone());
     let mut concluded = None;
     let mut awaiting: Option<(String, Timestamp)> = None;
+    // The platform's policies judge starting, following and every Job.
+    let platform = match act {
+        Act::StartRun | Act::FollowAgent | Act::CreateJob { .. } => {
+            Some(super::platform::read(&ctx.client, &ns).await?)
+        }
+        _ => None,
+    };
+    let refused = platform.as_ref().and_then(|p| p.refusal(run, &template));
+    let template = match &platform {
+        Some(p) => p.govern(&template),
+        None => template,
+    };
+    let act = match (act, refused) {
+        (Act::StartRun, Some(reason)) => Act::Conclude(RunFinished {
+            outcome: crate::step::records::Outcome::Failed,
+            result: None,
+            error: Some(reason),
+        }),
+        (Act::FollowAgent | Act::CreateJob { .. }, Some(reason)) => Act::Finish(RunFinished {
+            outcome: crate::step::records::Outcome::Failed,
+            result: log.last_text(),
+            error: Some(reason),
+        }),
+        (act, _) => act,
+    };
     let requeue = match act {
-        Act::StartRun => match snapshot(run, &template, agent_generation).await {
+        Act::StartRun => match snapshot(run, &template, agent_generation, &ctx.http).await {
             Ok(started) => {
                 append(ctx, &uid, &head, Step::RunStarted(started)).await?;
                 notices.push(notice(
@@ -152,7 +177,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
                 .as_ref()
                 .map(|s| s.versions.clone())
                 .unwrap_or_default();
-            match snapshot(run, &template, agent_generation).await {
+            match snapshot(run, &template, agent_generation, &ctx.http).await {
                 Ok(now_agent) => {
                     let msg = format!(
                         "following the Agent from generation {:?} to {:?}",
@@ -482,8 +507,13 @@ async fn snapshot(
     run: &AgentRun,
     template: &AgentTemplate,
     generation: Option<i64>,
+    http: &reqwest::Client,
 ) -> Result<RunStarted, String> {
-    let mcp = discover_catalog(&template.tools)
+    // Discovery connects from the controller's pod: never to metadata addresses.
+    for tool in template.tools.iter().filter_map(|t| t.mcp.as_ref()) {
+        crate::egress::check_url(&tool.url).map_err(|e| format!("spec.tools: {e}"))?;
+    }
+    let mcp = discover_catalog_with(http, &template.tools)
         .await
         .map_err(|e| format!("discovering MCP tools: {e}"))?;
     let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;

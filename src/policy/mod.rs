@@ -2,6 +2,8 @@
 //! agentrun's code from the policy pinned in `RunStarted`, never by the
 //! model; a condition that cannot be evaluated asks for approval (fail closed).
 
+pub mod condition;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -108,15 +110,9 @@ pub fn arguments_hash(tool: &str, args: &Value) -> String {
 }
 
 /// Evaluates a rule condition with the call's arguments bound to `args`.
+/// Bounded in shape and evaluated off the caller's stack (see `condition`).
 pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
-    let program = cel::Program::compile(expr).map_err(|e| e.to_string())?;
-    let mut ctx = cel::Context::default();
-    let value = cel::to_value(args).map_err(|e| e.to_string())?;
-    ctx.add_variable_from_value("args", value);
-    match program.execute(&ctx).map_err(|e| e.to_string())? {
-        cel::Value::Bool(b) => Ok(b),
-        other => Err(format!("the condition gave {other:?}, not a boolean")),
-    }
+    condition::evaluate(expr, args)
 }
 
 #[cfg(test)]

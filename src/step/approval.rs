@@ -159,6 +159,9 @@ pub async fn read_dependencies(
     out
 }
 
+/// The lookup URL with `{name}` replaced by that argument, percent-encoded:
+/// a model-written value can neither change the path or query nor inject
+/// another placeholder.
 fn fill(url: &str, args: &Value) -> String {
     let mut out = url.to_string();
     if let Value::Object(map) = args {
@@ -167,7 +170,21 @@ fn fill(url: &str, args: &Value) -> String {
                 Value::String(s) => s.clone(),
                 other => other.to_string(),
             };
-            out = out.replace(&format!("{{{k}}}"), &text);
+            out = out.replace(&format!("{{{k}}}"), &encode_component(&text));
+        }
+    }
+    out
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+fn encode_component(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
         }
     }
     out
@@ -239,6 +256,13 @@ mod tests {
                 &json!({"orderId": "1042", "amount": 5})
             ),
             "http://x/records/1042"
+        );
+        assert_eq!(
+            fill(
+                "http://x/records/{orderId}?v={amount}",
+                &json!({"orderId": "../admin?x=1#{amount}", "amount": 5})
+            ),
+            "http://x/records/..%2Fadmin%3Fx%3D1%23%7Bamount%7D?v=5"
         );
     }
 }

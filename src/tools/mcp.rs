@@ -128,13 +128,20 @@ async fn discover_with(client: &reqwest::Client, url: &str) -> Result<Vec<McpToo
 /// returns them keyed by the agent's tool name. A tool missing from its server
 /// is an error.
 pub async fn discover_catalog(specs: &[ToolSpec]) -> Result<McpCatalog, ToolError> {
-    let client = super::build_client()?;
+    discover_catalog_with(&super::build_client()?, specs).await
+}
+
+/// The same with the caller's client (the controller's guards its egress).
+pub async fn discover_catalog_with(
+    client: &reqwest::Client,
+    specs: &[ToolSpec],
+) -> Result<McpCatalog, ToolError> {
     let mut servers: HashMap<&str, Vec<McpToolInfo>> = HashMap::new();
     let mut catalog = McpCatalog::new();
     for spec in specs {
         let Some(mcp) = &spec.mcp else { continue };
         if !servers.contains_key(mcp.url.as_str()) {
-            let tools = discover_with(&client, &mcp.url).await?;
+            let tools = discover_with(client, &mcp.url).await?;
             servers.insert(mcp.url.as_str(), tools);
         }
         let remote = mcp.tool.as_deref().unwrap_or(&spec.name);

@@ -24,7 +24,9 @@ use serde_json::{Value, json};
 use crate::api::ToolSpec;
 
 pub use key::{idempotency_key, schema_hash};
-pub use mcp::{McpAnnotations, McpCatalog, McpToolInfo, discover_catalog, discover_mcp};
+pub use mcp::{
+    McpAnnotations, McpCatalog, McpToolInfo, discover_catalog, discover_catalog_with, discover_mcp,
+};
 
 use schema::ArgSchema;
 

@@ -24,6 +24,7 @@ use kube::{
     api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
     config::{KubeConfigOptions, Kubeconfig},
     discovery::ApiResource,
+    ResourceExt as _,
 };
 use serde::Deserialize as _;
 
@@ -317,10 +318,66 @@ pub async fn install_crds(client: &Client) {
     apply_admission_policies(client).await;
 }
 
-/// Applies `crds/admission.yaml`: the ValidatingAdmissionPolicies that
-/// guard approvals and run requesters, and the approver ClusterRole.
+/// Applies `crds/admission.yaml` (the ValidatingAdmissionPolicies that guard
+/// approvals and run requesters, and the approver ClusterRole) and, where the
+/// API server serves MutatingAdmissionPolicy, `config/requester-stamp/`;
+/// returns once a run created without a requester would get one stamped.
 pub async fn apply_admission_policies(client: &Client) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/admission.yaml");
+    apply_manifests(
+        client,
+        concat!(env!("CARGO_MANIFEST_DIR"), "/crds/admission.yaml"),
+    )
+    .await;
+    if serves_mutating_policies(client).await {
+        apply_manifests(
+            client,
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/config/requester-stamp/mutating-policy.yaml"
+            ),
+        )
+        .await;
+        wait_requester_stamped(client).await;
+    }
+}
+
+/// Does the API server serve admissionregistration.k8s.io/v1beta1 MutatingAdmissionPolicy?
+pub async fn serves_mutating_policies(client: &Client) -> bool {
+    client
+        .list_api_group_resources("admissionregistration.k8s.io/v1beta1")
+        .await
+        .is_ok_and(|l| l.resources.iter().any(|r| r.name == "mutatingadmissionpolicies"))
+}
+
+/// Policies take effect a moment after they are created: dry-run a run
+/// without a requester until the API server stamps one.
+async fn wait_requester_stamped(client: &Client) {
+    let runs: Api<agentrun::api::AgentRun> = Api::namespaced(client.clone(), "default");
+    let probe: agentrun::api::AgentRun = serde_json::from_value(serde_json::json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "requester-stamp-probe"},
+        "spec": {"input": "probe", "agentRef": {"name": "probe"}}
+    }))
+    .expect("probe run");
+    let params = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    wait_for(
+        "the requester stamp to take effect",
+        Duration::from_secs(30),
+        || async {
+            runs.create(&params, &probe)
+                .await
+                .ok()
+                .filter(|r| r.annotations().contains_key("agentrun.dev/requester"))
+        },
+    )
+    .await;
+}
+
+/// Server-side applies every object of a YAML file (cluster-scoped kinds).
+async fn apply_manifests(client: &Client, path: &str) {
     let yaml = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     for doc in serde_yaml::Deserializer::from_str(&yaml) {
         let value = serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{path}: {e}"));
@@ -349,6 +406,25 @@ pub async fn apply_admission_policies(client: &Client) {
         .await
         .unwrap_or_else(|e| panic!("applying {} {name}: {e}", gvk.kind));
     }
+}
+
+/// Lets runs in `namespace` hand these Secrets to their step pods (an
+/// AgentPolicy, as a platform owner would write it).
+pub async fn allow_secrets(client: &Client, namespace: &str, secrets: &[&str]) {
+    let api: Api<agentrun::api::AgentPolicy> = Api::namespaced(client.clone(), namespace);
+    let policy: agentrun::api::AgentPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+        "metadata": {"name": "e2e-secrets"},
+        "spec": {"allowedSecrets": secrets.iter().map(|s| serde_json::json!({"name": s})).collect::<Vec<_>>()}
+    }))
+    .expect("policy");
+    api.patch(
+        "e2e-secrets",
+        &PatchParams::apply("agentrun-e2e").force(),
+        &Patch::Apply(&policy),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("applying AgentPolicy e2e-secrets in {namespace}: {e}"));
 }
 
 /// Runs kubectl (first on PATH, ambient KUBECONFIG); panics with its stderr

@@ -38,6 +38,7 @@ impl World {
             .create(&PostParams::default(), &secret)
             .await
             .expect("model key Secret");
+        super::allow_secrets(&client, ns.name(), &["model-key"]).await;
         let controller = ControllerProcess::start_with(ns.name(), "ctrl", controller_flags).await;
         World {
             client,

@@ -1,0 +1,246 @@
+//! The platform owner's word on a run (`AgentPolicy` in its namespace,
+//! `ClusterAgentPolicy` everywhere): read when a run starts, follows its
+//! Agent or gets a Job; the pure part decides.
+
+use kube::api::{Api, ListParams};
+
+use super::error::Error;
+use crate::api::{
+    AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
+    DefaultAction, PlatformApproval,
+};
+
+/// The policies that apply to one namespace, in the order they are checked.
+#[derive(Clone, Debug, Default)]
+pub struct Platform {
+    /// (where the rules come from, the rules): cluster policies first, by name.
+    pub approval: Vec<(String, PlatformApproval)>,
+    /// Which policy forbids inline agents, if one does.
+    pub forbids_inline: Option<String>,
+    /// Secrets of the namespace runs may use, with their allowed endpoints.
+    pub secrets: Vec<crate::api::AllowedSecret>,
+}
+
+/// Lists the policies of the run's namespace and of the cluster.
+pub async fn read(client: &kube::Client, ns: &str) -> Result<Platform, Error> {
+    let cluster: Api<ClusterAgentPolicy> = Api::all(client.clone());
+    let local: Api<AgentPolicy> = Api::namespaced(client.clone(), ns);
+    let read = |source| Error::Read {
+        what: "agent policies",
+        source,
+    };
+    let mut cluster = cluster.list(&ListParams::default()).await.map_err(read)?.items;
+    let mut local = local.list(&ListParams::default()).await.map_err(read)?.items;
+    cluster.sort_by_key(|p| p.metadata.name.clone());
+    local.sort_by_key(|p| p.metadata.name.clone());
+    let mut platform = Platform::default();
+    for p in cluster {
+        let name = format!("ClusterAgentPolicy/{}", p.metadata.name.unwrap_or_default());
+        if p.spec.forbid_inline_agents && platform.forbids_inline.is_none() {
+            platform.forbids_inline = Some(name.clone());
+        }
+        platform.approval.extend(p.spec.approval.map(|a| (name, a)));
+    }
+    for p in local {
+        let name = format!("AgentPolicy/{}", p.metadata.name.unwrap_or_default());
+        if p.spec.forbid_inline_agents && platform.forbids_inline.is_none() {
+            platform.forbids_inline = Some(name.clone());
+        }
+        platform.secrets.extend(p.spec.allowed_secrets);
+        platform.approval.extend(p.spec.approval.map(|a| (name, a)));
+    }
+    Ok(platform)
+}
+
+impl Platform {
+    /// Why the run may not start or get a Job under these policies, naming
+    /// the field; `None` when it may.
+    pub fn refusal(&self, run: &AgentRun, template: &AgentTemplate) -> Option<String> {
+        if run.spec.agent.is_some()
+            && let Some(by) = &self.forbids_inline
+        {
+            return Some(format!(
+                "spec.agent: inline agents are forbidden here by {by}; name an Agent in spec.agentRef"
+            ));
+        }
+        let key = template.model.secret_ref.as_ref()?;
+        let Some(allowed) = self.secrets.iter().find(|s| s.name == key.name) else {
+            return Some(format!(
+                "spec.model.secretRef: Secret {:?} is not listed in an AgentPolicy's allowedSecrets in this namespace; \
+                 a run may only hand its step pods Secrets the platform owner opted in",
+                key.name
+            ));
+        };
+        let endpoint = template.model.endpoint.as_deref().unwrap_or(match template.model.provider {
+            crate::api::Provider::OpenAI => crate::model::OPENAI_DEFAULT_ENDPOINT,
+            crate::api::Provider::Anthropic => crate::model::ANTHROPIC_DEFAULT_ENDPOINT,
+        });
+        if !allowed.endpoints.is_empty()
+            && !allowed.endpoints.iter().any(|p| endpoint.starts_with(p.as_str()))
+        {
+            return Some(format!(
+                "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
+                key.name, allowed.endpoints
+            ));
+        }
+        None
+    }
+
+    /// The agent with the platform's approval rules put first: what the run
+    /// pins in `RunStarted` and is judged by.
+    pub fn govern(&self, template: &AgentTemplate) -> AgentTemplate {
+        let mut governed = template.clone();
+        governed.approval = effective_policy(template.approval.as_ref(), &self.approval);
+        governed
+    }
+}
+
+/// Platform rules first (named after their policy), then the agent's; the
+/// stricter default action and separation of duties win.
+fn effective_policy(
+    agent: Option<&ApprovalPolicy>,
+    platform: &[(String, PlatformApproval)],
+) -> Option<ApprovalPolicy> {
+    if platform.is_empty() {
+        return agent.cloned();
+    }
+    let mut policy = agent.cloned().unwrap_or_default();
+    let mut rules: Vec<ApprovalRule> = Vec::new();
+    for (source, p) in platform {
+        rules.extend(p.rules.iter().map(|r| ApprovalRule {
+            name: format!("{source}/{}", r.name),
+            ..r.clone()
+        }));
+        policy.separation_of_duties |= p.separation_of_duties;
+        if p.default_action == Some(DefaultAction::RequireApprovalForMutating)
+            && policy.default_action != DefaultAction::RequireApprovalForMutating
+        {
+            policy.default_action = DefaultAction::RequireApprovalForMutating;
+            policy.default_approvers = p.default_approvers.clone().or(policy.default_approvers);
+        }
+    }
+    rules.append(&mut policy.rules);
+    policy.rules = rules;
+    Some(policy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{AllowedSecret, Approvers, SecretKeyRef};
+    use serde_json::json;
+
+    fn rule(name: &str, tool: &str, when: Option<&str>) -> ApprovalRule {
+        ApprovalRule {
+            name: name.into(),
+            tool: tool.into(),
+            when: when.map(str::to_string),
+            approvers: Approvers {
+                users: vec!["alice".into()],
+                groups: vec![],
+            },
+            required_approvals: 1,
+            expires_after: "1h".into(),
+            ..Default::default()
+        }
+    }
+
+    fn template(secret: Option<&str>, endpoint: Option<&str>) -> AgentTemplate {
+        let mut t: AgentTemplate = serde_json::from_value(json!({
+            "prompt": {"version": "v1", "system": "s"},
+            "model": {"provider": "OpenAI", "name": "m"}
+        }))
+        .expect("template");
+        t.model.secret_ref = secret.map(|s| SecretKeyRef {
+            name: s.into(),
+            key: "apiKey".into(),
+        });
+        t.model.endpoint = endpoint.map(str::to_string);
+        t
+    }
+
+    fn run(inline: bool) -> AgentRun {
+        let mut r = AgentRun::new("r", Default::default());
+        if inline {
+            r.spec.agent = Some(template(None, None));
+        }
+        r
+    }
+
+    #[test]
+    fn platform_rules_judge_before_the_agents_and_cannot_be_weakened() {
+        let mut agent = template(None, None);
+        agent.approval = Some(ApprovalPolicy {
+            rules: vec![rule("small", "issue_refund", Some("args.amount > 1000"))],
+            ..Default::default()
+        });
+        let platform = Platform {
+            approval: vec![(
+                "ClusterAgentPolicy/finance".into(),
+                PlatformApproval {
+                    rules: vec![rule("any-refund", "issue_refund", None)],
+                    separation_of_duties: true,
+                    ..Default::default()
+                },
+            )],
+            ..Default::default()
+        };
+        let governed = platform.govern(&agent).approval.expect("a policy");
+        assert!(governed.separation_of_duties);
+        let names: Vec<&str> = governed.rules.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["ClusterAgentPolicy/finance/any-refund", "small"]);
+        match crate::policy::classify(Some(&governed), "issue_refund", &json!({"amount": 5}), false) {
+            crate::policy::Classification::RequireApproval(g) => {
+                assert_eq!(g.rule, "ClusterAgentPolicy/finance/any-refund")
+            }
+            other => panic!("a small refund escaped the platform rule: {other:?}"),
+        }
+        // An agent without any policy is governed too.
+        assert!(platform.govern(&template(None, None)).approval.is_some());
+        // No platform policy: the agent's own, unchanged.
+        assert_eq!(Platform::default().govern(&agent), agent);
+    }
+
+    #[test]
+    fn secrets_reach_a_pod_only_when_listed_and_only_to_allowed_endpoints() {
+        let platform = Platform {
+            secrets: vec![AllowedSecret {
+                name: "model-api-key".into(),
+                endpoints: vec!["https://api.openai.com/".into()],
+            }],
+            ..Default::default()
+        };
+        assert_eq!(platform.refusal(&run(false), &template(None, None)), None);
+        let other = platform
+            .refusal(&run(false), &template(Some("db-password"), None))
+            .expect("refused");
+        assert!(other.starts_with("spec.model.secretRef"), "{other}");
+        let exfil = platform
+            .refusal(
+                &run(false),
+                &template(Some("model-api-key"), Some("https://evil.example/v1")),
+            )
+            .expect("refused");
+        assert!(exfil.starts_with("spec.model.endpoint"), "{exfil}");
+        assert_eq!(
+            platform.refusal(
+                &run(false),
+                &template(Some("model-api-key"), Some("https://api.openai.com/v1"))
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn inline_agents_are_refused_where_a_policy_forbids_them() {
+        let platform = Platform {
+            forbids_inline: Some("AgentPolicy/strict".into()),
+            ..Default::default()
+        };
+        let msg = platform
+            .refusal(&run(true), &template(None, None))
+            .expect("refused");
+        assert!(msg.contains("AgentPolicy/strict"), "{msg}");
+        assert_eq!(platform.refusal(&run(false), &template(None, None)), None);
+    }
+}

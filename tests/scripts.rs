@@ -1,0 +1,128 @@
+//! The e2e scripts build what they start and never wait without a deadline
+//! (issue 15): read from the scripts themselves, so a new script or binary
+//! that breaks either rule fails here, not on a fresh machine.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every shell script the README, CI and the other scripts run.
+fn scripts() -> Vec<PathBuf> {
+    let mut out = vec![root().join(".ci/run"), root().join("config/generate")];
+    for entry in std::fs::read_dir(root().join("e2e")).expect("e2e/") {
+        let path = entry.expect("entry").path();
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        if path.is_file() && text.starts_with("#!") || path.extension().is_some_and(|e| e == "sh") {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// The binaries `e2e/build-binaries` builds (its BINS list).
+fn built() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(root().join("e2e/build-binaries")).expect("build step");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("BINS=("))
+        .expect("e2e/build-binaries has a BINS=(...) line");
+    line.trim_start_matches("BINS=(")
+        .trim_end_matches(')')
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Cargo binary names a script starts: `.../debug/x`, or `$BIN/x` where
+/// `BIN` is the cargo target's debug directory.
+fn started_by(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut markers = vec!["/debug/"];
+    if text.contains("BIN=$CARGO_TARGET_DIR/debug") {
+        markers.push("$BIN/");
+    }
+    for marker in markers {
+        for (i, _) in text.match_indices(marker) {
+            let rest = &text[i + marker.len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+                .collect();
+            if !name.is_empty() {
+                names.insert(name);
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn the_build_step_builds_every_binary_of_the_crate() {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
+    let bins: BTreeSet<String> = manifest
+        .split("[[bin]]")
+        .skip(1)
+        .filter_map(|section| {
+            section
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("name = "))
+                .map(|n| n.trim_matches('"').to_string())
+        })
+        .collect();
+    assert_eq!(built(), bins, "e2e/build-binaries must build every [[bin]] of Cargo.toml");
+}
+
+#[test]
+fn every_script_builds_the_binaries_it_starts() {
+    let built = built();
+    let mut checked = 0;
+    for script in scripts() {
+        let text = std::fs::read_to_string(&script).expect("script");
+        let started = started_by(&text);
+        if started.is_empty() {
+            continue;
+        }
+        checked += 1;
+        let name = script.strip_prefix(root()).unwrap().display().to_string();
+        for bin in &started {
+            assert!(
+                built.contains(bin),
+                "{name} starts {bin}, which e2e/build-binaries does not build"
+            );
+        }
+        assert!(
+            text.contains("build-binaries"),
+            "{name} starts {started:?} but never runs e2e/build-binaries: on a fresh machine they do not exist"
+        );
+    }
+    assert!(checked >= 2, "expected e2e/demo and e2e/cluster to start binaries");
+}
+
+#[test]
+fn every_wait_in_the_scripts_has_a_deadline() {
+    // The one polling loop lives in e2e/lib.sh (`wait_up`, with a deadline
+    // and a check that the awaited process still runs); scripts call it.
+    for script in scripts() {
+        let name = script.strip_prefix(root()).unwrap().display().to_string();
+        if name == "e2e/lib.sh" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&script).expect("script");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split('#').next().unwrap_or("");
+            assert!(
+                !code.contains("until ") && !code.contains("while true") && !code.contains("while :"),
+                "{name}:{}: an open-ended wait; use wait_up from e2e/lib.sh (deadline, dead-process check)",
+                n + 1
+            );
+            assert!(
+                !(code.contains("setsid") && !code.contains("spawn")),
+                "{name}:{}: start background processes with spawn from e2e/lib.sh (it checks the executable exists)",
+                n + 1
+            );
+        }
+    }
+}
