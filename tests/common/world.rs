@@ -60,6 +60,23 @@ impl World {
         self.ns.name()
     }
 
+    /// The status code of the controller's /healthz (0 when it does not answer).
+    pub async fn controller_healthz(&self) -> u16 {
+        let port = self.controller.metrics_port;
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            return 0;
+        }
+        match tokio::time::timeout(
+            Duration::from_secs(5),
+            super::controller::http_get(port, "/healthz"),
+        )
+        .await
+        {
+            Ok((code, _)) => code,
+            Err(_) => 0,
+        }
+    }
+
     /// The inline agent of these tests: an order lookup, an idempotent refund,
     /// and a notification tool that is not idempotent but has a lookup.
     pub fn agent(&self, script: &str) -> Value {

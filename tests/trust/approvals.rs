@@ -1,2 +1,1 @@
 //! Trust attacks: approvals. Filled in by the work on issue 10.
-use super::common as _;
