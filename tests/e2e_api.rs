@@ -44,6 +44,7 @@ async fn create_manifest(
         "Agent" => "agents",
         "AgentRun" => "agentruns",
         "Approval" => "approvals",
+        "AgentPolicy" => "agentpolicies",
         other => panic!("unexpected kind {other}"),
     };
     let api: Api<DynamicObject> = Api::namespaced_with(

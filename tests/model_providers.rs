@@ -147,6 +147,7 @@ both_providers! {
     malformed_body_is_typed_error => case_malformed_body_is_typed_error;
     missing_key_is_unauthorized => case_missing_key_is_unauthorized;
     echoed_key_is_redacted => case_echoed_key_is_redacted;
+    oversized_reply_is_refused => case_oversized_reply_is_refused;
 }
 
 async fn case_tool_call_round_trip(p: Provider) {
@@ -547,6 +548,27 @@ async fn case_malformed_body_is_typed_error(p: Provider) {
         ModelError::Malformed { status, excerpt } => {
             assert_eq!(*status, 200);
             assert!(excerpt.contains("upstream says hi"), "{excerpt}");
+        }
+        other => panic!("expected Malformed, got {other:?}"),
+    }
+    assert!(!err.is_retryable());
+    assert_eq!(s.calls(id).await.0, 1);
+}
+
+async fn case_oversized_reply_is_refused(p: Provider) {
+    let s = Standin::start();
+    let id = "huge";
+    let big = "x".repeat(agentrun::model::MAX_REPLY_BYTES + 1);
+    s.script(id, json!([{"text": big}, {"text": "must not be reached"}]))
+        .await;
+    let err = s
+        .client(p, id, Some(KEY))
+        .complete(&simple_request())
+        .await
+        .expect_err("a reply past the cap is not a reply");
+    match &err {
+        ModelError::Malformed { excerpt, .. } => {
+            assert!(excerpt.contains("larger than"), "{excerpt}")
         }
         other => panic!("expected Malformed, got {other:?}"),
     }

@@ -184,6 +184,25 @@ impl ModelError {
     }
 }
 
+/// Largest model reply read: a reply is recorded in the log and fed to later
+/// requests, and a provider (or whoever answers at the endpoint) is untrusted.
+pub const MAX_REPLY_BYTES: usize = 4 << 20;
+
+/// The body as text, or `None` once it passes `cap` bytes (read no further).
+async fn read_capped(
+    mut resp: reqwest::Response,
+    cap: usize,
+) -> Result<Option<String>, reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await? {
+        if body.len() + chunk.len() > cap {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(String::from_utf8_lossy(&body).into_owned()))
+}
+
 /// How failed attempts are retried.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RetryPolicy {
@@ -439,8 +458,16 @@ impl ModelClient {
         };
         let status = resp.status().as_u16();
         let retry_after = retry_after(resp.headers());
-        let text = match resp.text().await {
-            Ok(t) => t,
+        let text = match read_capped(resp, MAX_REPLY_BYTES).await {
+            Ok(Some(t)) => t,
+            Ok(None) => {
+                return Err(Attempt::Fatal(ModelError::Malformed {
+                    status,
+                    excerpt: format!(
+                        "the reply is larger than {MAX_REPLY_BYTES} bytes; nothing of it was used"
+                    ),
+                }));
+            }
             Err(e) => return Err(self.transport_error(e)),
         };
         if (200..300).contains(&status) {
