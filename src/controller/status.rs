@@ -13,6 +13,27 @@ use crate::step::records::{Outcome, RunFinished};
 use crate::step::replay::RunState;
 use crate::store::Head;
 
+/// Longest `status.result` / `status.error`: a run's status stays small
+/// (etcd objects are limited, and every watcher receives it) whatever the
+/// agent wrote.
+pub const MAX_TEXT_BYTES: usize = 4096;
+
+/// `text`, or its first `MAX_TEXT_BYTES` with a note saying where the rest is.
+pub fn excerpt(text: &str) -> String {
+    if text.len() <= MAX_TEXT_BYTES {
+        return text.to_string();
+    }
+    let mut end = MAX_TEXT_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}… [{} bytes in all; the full text is in the step log's RunFinished record: kubectl agentrun log]",
+        &text[..end],
+        text.len()
+    )
+}
+
 /// Condition type that is True once a run succeeded, False once it ended otherwise.
 pub const SUCCEEDED: &str = "Succeeded";
 
@@ -67,8 +88,10 @@ pub fn compose(
         Some(f) => {
             let phase = phase_of(f.outcome);
             s.phase = Some(phase);
-            s.result = f.result.clone();
-            s.error = f.error.clone();
+            // Model-written text of any size: the status keeps an excerpt,
+            // the log keeps all of it.
+            s.result = f.result.as_deref().map(excerpt);
+            s.error = f.error.as_deref().map(excerpt);
             s.waiting_on = None;
             if s.finished_at.is_none() {
                 s.finished_at = Some(Time(now));
@@ -136,5 +159,20 @@ fn phase_name(phase: Phase) -> &'static str {
         Phase::Cancelled => "Cancelled",
         Phase::BudgetExceeded => "BudgetExceeded",
         Phase::DeadlineExceeded => "DeadlineExceeded",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_answers_keep_a_bounded_excerpt_that_says_where_the_rest_is() {
+        assert_eq!(excerpt("short"), "short");
+        let long = "é".repeat(MAX_TEXT_BYTES);
+        let cut = excerpt(&long);
+        assert!(cut.len() < MAX_TEXT_BYTES + 200, "{}", cut.len());
+        assert!(cut.contains(&format!("{} bytes in all", long.len())));
+        assert!(cut.contains("kubectl agentrun log"));
     }
 }
