@@ -5,6 +5,9 @@
 use kube::api::{Api, ListParams};
 
 use super::error::Error;
+
+/// Annotation naming the user who created a run (checked by the API server).
+const REQUESTER: &str = "agentrun.dev/requester";
 use crate::api::{
     AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
     DefaultAction, PlatformApproval,
@@ -84,6 +87,27 @@ impl Platform {
             ));
         }
         None
+    }
+
+    /// Why the governed agent cannot judge this run: separation of duties
+    /// without a known requester (a run created where the admission policies
+    /// were not installed) would let anyone approve.
+    pub fn unjudgeable(run: &AgentRun, governed: &AgentTemplate) -> Option<String> {
+        let sod = governed
+            .approval
+            .as_ref()
+            .is_some_and(|p| p.separation_of_duties);
+        let known = run
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.get(REQUESTER).is_some_and(|r| !r.is_empty()));
+        (sod && !known).then(|| {
+            format!(
+                "metadata.annotations[{REQUESTER}] is missing, so separation of duties cannot be enforced; \
+                 install the admission policies (crds/admission.yaml) and create the run again"
+            )
+        })
     }
 
     /// The agent with the platform's approval rules put first: what the run
@@ -229,6 +253,21 @@ mod tests {
             ),
             None
         );
+    }
+
+    #[test]
+    fn separation_of_duties_needs_a_known_requester() {
+        let mut governed = template(None, None);
+        governed.approval = Some(ApprovalPolicy {
+            separation_of_duties: true,
+            ..Default::default()
+        });
+        let mut r = run(false);
+        let msg = Platform::unjudgeable(&r, &governed).expect("refused");
+        assert!(msg.starts_with("metadata.annotations[agentrun.dev/requester]"), "{msg}");
+        r.metadata.annotations = Some([(REQUESTER.to_string(), "carol".to_string())].into());
+        assert_eq!(Platform::unjudgeable(&r, &governed), None);
+        assert_eq!(Platform::unjudgeable(&run(false), &template(None, None)), None);
     }
 
     #[test]

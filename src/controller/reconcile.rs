@@ -132,6 +132,11 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         Some(p) => p.govern(&template),
         None => template,
     };
+    let refused = refused.or_else(|| {
+        platform
+            .as_ref()
+            .and_then(|_| super::platform::Platform::unjudgeable(run, &template))
+    });
     let act = match (act, refused) {
         (Act::StartRun, Some(reason)) => Act::Conclude(RunFinished {
             outcome: crate::step::records::Outcome::Failed,
