@@ -59,6 +59,9 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
     let result = reconcile_inner(&run, &ctx).await;
+    if let Err(e) = &result {
+        report_stalled(&run, &ctx, e).await;
+    }
     ctx.metrics
         .reconcile_duration
         .observe(started.elapsed().as_secs_f64());
@@ -330,6 +333,52 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
         d => Action::requeue(d),
     })
+}
+
+/// A run the controller cannot move says so where its user looks: the
+/// `Stalled` condition, `status.error` and a Warning Event (once per
+/// distinct error), not only the controller's log. Best effort; the next
+/// successful reconcile clears both (`status::compose`).
+async fn report_stalled(run: &AgentRun, ctx: &Context, error: &Error) {
+    let old = run.status.clone().unwrap_or_default();
+    if old.phase.is_some_and(|p| p.is_terminal()) {
+        return;
+    }
+    let message = truncate(&error.to_string(), 900);
+    let already = old
+        .conditions
+        .iter()
+        .any(|c| c.type_ == status::STALLED && c.status == "True" && c.message == message);
+    if already {
+        return;
+    }
+    // The status as this reconcile read it, plus the stall, applied by the
+    // one field manager (so the next successful apply clears both).
+    let mut status = old;
+    status.error = Some(message.clone());
+    super::decide::set_condition(
+        &mut status.conditions,
+        super::decide::condition(
+            status::STALLED,
+            true,
+            "ReconcileFailed",
+            &message,
+            run.metadata.generation,
+            Timestamp::now(),
+        ),
+    );
+    if let Err(e) = write_status(run, ctx, &status, Vec::new()).await {
+        tracing::warn!(run = %run.name_any(), error = %e, "recording the stalled condition failed");
+        return;
+    }
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "Stalled".into(),
+        note: Some(message),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    let _ = ctx.recorder.publish(&event, &run.object_ref(&())).await;
 }
 
 pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Action {

@@ -34,6 +34,10 @@ pub fn excerpt(text: &str) -> String {
     )
 }
 
+/// Condition type that is True while the controller cannot reconcile the run
+/// (kstatus reads it), with the error as its message.
+pub const STALLED: &str = "Stalled";
+
 /// Condition type that is True once a run succeeded, False once it ended otherwise.
 pub const SUCCEEDED: &str = "Succeeded";
 
@@ -84,6 +88,21 @@ pub fn compose(
         probe.status = Some(s.clone());
         deadline(&probe).map(Time)
     };
+    // Reaching here, this reconcile made progress: a stall is over.
+    if s.conditions.iter().any(|c| c.type_ == STALLED && c.status == "True") {
+        s.error = None;
+        set_condition(
+            &mut s.conditions,
+            condition(
+                STALLED,
+                false,
+                "Reconciled",
+                "the controller reconciles the run again",
+                generation,
+                now,
+            ),
+        );
+    }
     match log.finished.as_ref().or(concluded) {
         Some(f) => {
             let phase = phase_of(f.outcome);

@@ -330,3 +330,83 @@ async fn kubectl_get_agentrun_names_the_resource_not_a_category() {
     let all = common::kubectl(&["get", "agentrun-all", "-n", w.name(), "-o", "name"]);
     assert!(all.contains("agentrun.agentrun.dev/one"), "{all}");
 }
+
+#[tokio::test]
+async fn a_run_that_cannot_progress_says_so_where_its_user_looks() {
+    let w = World::new("stalled", &[]).await;
+    // An admission policy refuses Jobs in the namespace: the controller
+    // cannot start a step (as with an exhausted quota or a webhook outage).
+    let name = format!("{}-no-jobs", w.name());
+    let policy = json!({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {"failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{"apiGroups": ["batch"], "apiVersions": ["v1"],
+                "operations": ["CREATE"], "resources": ["jobs"]}]},
+            "validations": [{"expression": "false", "message": "jobs are paused in this namespace"}]}});
+    let binding = json!({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": w.name()}}}}});
+    let mut guards = Vec::new();
+    for (obj, plural) in [(policy, "validatingadmissionpolicies"), (binding, "validatingadmissionpolicybindings")] {
+        let dynamic: kube::api::DynamicObject = serde_json::from_value(obj).expect("object");
+        let gvk = kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1",
+            &dynamic.types.as_ref().expect("kind").kind);
+        let resource = kube::discovery::ApiResource::from_gvk_with_plural(&gvk, plural);
+        let api: Api<kube::api::DynamicObject> = Api::all_with(w.client.clone(), &resource);
+        api.create(&PostParams::default(), &dynamic).await.expect("paused-jobs policy");
+        guards.push(common::DeleteOnDrop { resource, name: name.clone() });
+    }
+    let jobs: Api<Job> = Api::namespaced(w.client.clone(), w.name());
+    let probe: Job = serde_json::from_value(json!({"metadata": {"name": "probe"},
+        "spec": {"template": {"spec": {"restartPolicy": "Never",
+            "containers": [{"name": "c", "image": "agentrun"}]}}}}))
+    .expect("job");
+    let dry = PostParams { dry_run: true, ..Default::default() };
+    wait_for("the paused-jobs policy to take effect", TIMEOUT, || async {
+        match jobs.create(&dry, &probe).await {
+            Err(kube::Error::Api(e)) if e.message.contains("paused") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    w.standins.script("stall", json!([finish("done")]), json!([])).await;
+    w.create_run("stuck", json!({"input": "x", "agent": w.agent("stall")}), json!({}))
+        .await;
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let stalled = wait_for("the run to report it is stalled", TIMEOUT, || async {
+        let r = runs.get("stuck").await.map_err(|e| e.to_string())?;
+        let s = r.status.clone().unwrap_or_default();
+        match s.conditions.iter().find(|c| c.type_ == "Stalled") {
+            Some(c) if c.status == "True" => Ok(s),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let error = stalled.error.unwrap_or_default();
+    assert!(error.contains("step Job") && error.contains("paused"), "{error}");
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(w.client.clone(), w.name());
+    wait_for("a Warning event Stalled on the run", TIMEOUT, || async {
+        let list = events.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        list.items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("Stalled")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("stuck")
+            })
+            .ok_or_else(|| "not yet".to_string())
+    })
+    .await;
+    // Once the cause is gone, the run moves on and the stall is cleared.
+    drop(guards);
+    let done = w.wait_phase("stuck", Phase::Succeeded).await;
+    let s = done.status.expect("status");
+    assert_eq!(s.error, None);
+    assert!(
+        s.conditions.iter().any(|c| c.type_ == "Stalled" && c.status == "False"),
+        "{:?}",
+        s.conditions
+    );
+}
