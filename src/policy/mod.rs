@@ -15,7 +15,7 @@ pub enum Classification {
 }
 
 /// The approval a call needs: who, how many, for how long, and what then.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Gate {
     /// The rule that matched (`default` for `defaultAction`).
@@ -82,6 +82,44 @@ pub fn classify(
         return Classification::RequireApproval(Box::new(gate(policy, &rule, because)));
     }
     Classification::Allow
+}
+
+/// Who may say whether a call with an unknowable outcome happened: the gate
+/// the policy puts on the call, else its default approvers (`None`: nobody is
+/// named, and the run stops for a human). Nobody answering is never taken as
+/// either answer, so the gate always fails on expiry.
+pub fn reconcile_gate(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value) -> Option<Gate> {
+    let mut gate = match classify(policy, tool, args, false) {
+        Classification::RequireApproval(gate) => *gate,
+        Classification::Allow => {
+            let p = policy?;
+            Gate {
+                rule: "reconcile".into(),
+                because: String::new(),
+                approvers: p.default_approvers.clone()?,
+                required_approvals: 1,
+                expires_after: "1h".into(),
+                on_expiry: OnExpiry::Fail,
+                escalate_to: None,
+                max_escalations: 1,
+                dependencies: Vec::new(),
+                separation_of_duties: p.separation_of_duties,
+                notify_webhook: p.notify_webhook.clone(),
+            }
+        }
+    };
+    gate.on_expiry = OnExpiry::Fail;
+    Some(gate)
+}
+
+/// Whether the agent declares `tool` read-only (only HTTP tools can).
+pub fn declared_read_only(agent: &crate::api::AgentTemplate, tool: &str) -> bool {
+    agent
+        .tools
+        .iter()
+        .find(|t| t.name == tool)
+        .and_then(|t| t.http.as_ref())
+        .is_some_and(|h| h.read_only)
 }
 
 fn gate(policy: &ApprovalPolicy, rule: &ApprovalRule, because: String) -> Gate {
