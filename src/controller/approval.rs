@@ -460,12 +460,12 @@ pub(super) async fn handle(
         Some(a) => a,
         None => {
             let raised = raise(&approvals, &expected, &name).await?;
-            let again = request_seq < log.len() as u64
-                && run
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.approval.as_ref())
-                    .is_some_and(|a| a.name == name);
+            // The run already waited on it: someone deleted it.
+            let again = run
+                .status
+                .as_ref()
+                .and_then(|s| s.approval.as_ref())
+                .is_some_and(|a| a.name == name);
             if again {
                 notices.push(notice(
                     true,

@@ -101,6 +101,7 @@ fn expected_call_gate(
     };
     let (arguments, alternative) = split_alternative(&proposed.arguments);
     if proposed.name != request.tool
+        || proposed.id != request.call_id
         || arguments != request.arguments
         || alternative != request.alternative
     {
