@@ -52,7 +52,7 @@ pub fn approval_name(run_name: &str, uid: &str, request_seq: u64) -> String {
 
 /// When the request raised at `requested_at` expires: the same instant
 /// however often its Approval is raised again (whole seconds, as the API
-/// server stores it).
+/// server stores it; rounded up, so an approver never gets less time).
 pub fn expiry(request: &ApprovalRequested, requested_at: Timestamp) -> Timestamp {
     let expires_after = crate::api::parse_duration(&request.gate.expires_after)
         .ok()
@@ -61,7 +61,8 @@ pub fn expiry(request: &ApprovalRequested, requested_at: Timestamp) -> Timestamp
     let at = requested_at
         .checked_add(expires_after)
         .unwrap_or(requested_at);
-    Timestamp::from_second(at.as_second()).unwrap_or(at)
+    let whole = at.as_second() + i64::from(at.subsec_nanosecond() > 0);
+    Timestamp::from_second(whole).unwrap_or(at)
 }
 
 /// The Approval the controller expects for a request recorded at `requested_at`.
@@ -943,11 +944,11 @@ mod tests {
     #[test]
     fn the_expiry_counts_from_the_request_and_is_the_same_when_raised_again() {
         let r = request(json!({"amount": 500}));
-        let requested = Timestamp::from_millisecond(1_800_000_000_700).unwrap();
+        let requested = Timestamp::from_millisecond(1_799_999_999_300).unwrap();
         let first = build(&run("refund", "u1"), 2, &r, requested);
         let again = build(&run("refund", "u1"), 2, &r, requested);
         assert_eq!(first.spec.expires_at, again.spec.expires_at);
-        assert_eq!(first.spec.expires_at.0, t(600), "whole seconds");
+        assert_eq!(first.spec.expires_at.0, t(600), "whole seconds, rounded up");
         assert!(mismatches(&first, &again).is_empty());
     }
 
