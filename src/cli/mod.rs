@@ -517,12 +517,7 @@ pub fn describe(a: &Approval) -> String {
     let mut line = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
     line(
         "Agent reason:",
-        visible(
-            s.observations
-                .reason
-                .as_deref()
-                .unwrap_or("(none given)"),
-        ),
+        visible(s.observations.reason.as_deref().unwrap_or("(none given)")),
     );
     for r in &s.observations.recent_results {
         line(
@@ -690,8 +685,14 @@ mod tests {
 
     #[test]
     fn model_written_text_cannot_reach_the_terminal_raw() {
-        assert_eq!(visible("ok\u{1b}[2K\rrefund 5"), "ok\\u{1b}[2K\\u{d}refund 5");
-        assert_eq!(visible("a\u{9b}31mb\u{202e}c\nd"), "a\\u{9b}31mb\\u{202e}c\\u{a}d");
+        assert_eq!(
+            visible("ok\u{1b}[2K\rrefund 5"),
+            "ok\\u{1b}[2K\\u{d}refund 5"
+        );
+        assert_eq!(
+            visible("a\u{9b}31mb\u{202e}c\nd"),
+            "a\\u{9b}31mb\\u{202e}c\\u{a}d"
+        );
         assert_eq!(visible("plain, ünïcode €"), "plain, ünïcode €");
     }
 
@@ -717,8 +718,14 @@ mod tests {
     #[test]
     fn show_escapes_everything_and_sets_alternative_and_edits_beside_the_proposal() {
         let text = describe(&approval(json!({"orderId": "1042", "amount": 500})));
-        assert!(!text.contains('\u{1b}') && !text.contains('\u{7}'), "{text:?}");
-        assert!(text.contains("Refund \\u{1b}[1A\\u{1b}[2Kamount: 5"), "{text}");
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}'),
+            "{text:?}"
+        );
+        assert!(
+            text.contains("Refund \\u{1b}[1A\\u{1b}[2Kamount: 5"),
+            "{text}"
+        );
         let compare: Vec<&str> = text
             .lines()
             .skip_while(|l| !l.starts_with("Compare:"))

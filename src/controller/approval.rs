@@ -44,10 +44,7 @@ pub fn approval_name(run_name: &str, uid: &str, request_seq: u64) -> String {
     while !run_name.is_char_boundary(cut) {
         cut -= 1;
     }
-    format!(
-        "{}{suffix}",
-        run_name[..cut].trim_end_matches(['-', '.'])
-    )
+    format!("{}{suffix}", run_name[..cut].trim_end_matches(['-', '.']))
 }
 
 /// When the request raised at `requested_at` expires: the same instant
@@ -449,7 +446,12 @@ pub(super) async fn handle(
         return Ok(None);
     }
 
-    let expected = build(run, request_seq, &request, requested_at(ctx, &uid, request_seq).await?);
+    let expected = build(
+        run,
+        request_seq,
+        &request,
+        requested_at(ctx, &uid, request_seq).await?,
+    );
     let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
     let found = match approvals
         .get_opt(&name)
@@ -845,10 +847,7 @@ mod tests {
             ],
         );
         assert!(
-            matches!(
-                evaluate(&s, t(1)),
-                Evaluation::Pending { approvals: 1, .. }
-            ),
+            matches!(evaluate(&s, t(1)), Evaluation::Pending { approvals: 1, .. }),
             "{:?}",
             evaluate(&s, t(1))
         );
@@ -859,7 +858,12 @@ mod tests {
         let s = spec(
             2,
             vec![
-                d("alice", ApiVerdict::Edit, HASH, Some(json!({"amount": 300}))),
+                d(
+                    "alice",
+                    ApiVerdict::Edit,
+                    HASH,
+                    Some(json!({"amount": 300})),
+                ),
                 d("bob", ApiVerdict::Edit, HASH, Some(json!({"amount": 300}))),
             ],
         );
@@ -901,14 +905,14 @@ mod tests {
     #[test]
     fn approval_names_carry_the_run_uid_and_never_collide() {
         let a = approval_name("refund", "uid-1", 4);
-        assert!(a.starts_with("refund-a4-") && a.len() == "refund-a4-".len() + 8, "{a}");
+        assert!(
+            a.starts_with("refund-a4-") && a.len() == "refund-a4-".len() + 8,
+            "{a}"
+        );
         assert_ne!(a, approval_name("refund", "uid-2", 4), "re-created run");
         let prefix = "x".repeat(60);
         let (one, two) = (format!("{prefix}-aa"), format!("{prefix}-bb"));
-        let (n1, n2) = (
-            approval_name(&one, "u1", 12),
-            approval_name(&two, "u2", 12),
-        );
+        let (n1, n2) = (approval_name(&one, "u1", 12), approval_name(&two, "u2", 12));
         assert_ne!(n1, n2);
         assert!(n1.len() <= 63 && n2.len() <= 63, "{n1} {n2}");
         assert!(!approval_name(&format!("{}-", "y".repeat(50)), "u", 1).contains("--"));
@@ -958,10 +962,20 @@ mod tests {
         let requested = t(0);
         let expected = build(&run("refund", "u1"), 2, &r, requested);
         // Another run's Approval under this name: its uid, arguments and hash.
-        let mut forged = build(&run("other", "u2"), 2, &request(json!({"amount": 50_000})), requested);
+        let mut forged = build(
+            &run("other", "u2"),
+            2,
+            &request(json!({"amount": 50_000})),
+            requested,
+        );
         forged.metadata.name = expected.metadata.name.clone();
         let wrong = mismatches(&expected, &forged).join("\n");
-        for field in ["metadata.ownerReferences", "spec.runRef", "spec.arguments ", "spec.argumentsHash"] {
+        for field in [
+            "metadata.ownerReferences",
+            "spec.runRef",
+            "spec.arguments ",
+            "spec.argumentsHash",
+        ] {
             assert!(wrong.contains(field), "{field} missing in:\n{wrong}");
         }
         // A hash that is not the hash of its own arguments is named as such.

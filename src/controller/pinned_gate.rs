@@ -14,15 +14,11 @@ use crate::step::replay::Step;
 
 /// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
 pub fn pinned_agent(steps: &[Step], seq: u64) -> Option<&AgentTemplate> {
-    steps
-        .iter()
-        .take(seq as usize)
-        .rev()
-        .find_map(|s| match s {
-            Step::RunStarted(r) => Some(&r.agent),
-            Step::VersionChanged(v) => Some(&v.agent),
-            _ => None,
-        })
+    steps.iter().take(seq as usize).rev().find_map(|s| match s {
+        Step::RunStarted(r) => Some(&r.agent),
+        Step::VersionChanged(v) => Some(&v.agent),
+        _ => None,
+    })
 }
 
 /// How the pinned agent classifies `tool` with `args` at `seq`.

@@ -731,6 +731,12 @@ mod tests {
             d.request_seq = 3;
         }
         s.apply(rejected);
-        assert!(matches!(s.next(), Next::Reconciled { happened: false, .. }));
+        assert!(matches!(
+            s.next(),
+            Next::Reconciled {
+                happened: false,
+                ..
+            }
+        ));
     }
 }

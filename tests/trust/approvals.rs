@@ -155,19 +155,15 @@ async fn verified_log(w: &World, run: &str) -> Vec<Step> {
 /// Waits for a Warning Event with `reason` on `run` and returns its message.
 async fn warning(w: &World, run: &str, reason: &str) -> String {
     let events: Api<Event> = Api::namespaced(w.client.clone(), w.name());
-    common::wait_for(
-        &format!("a {reason} Warning on {run}"),
-        TIMEOUT,
-        || async {
-            let list = events.list(&ListParams::default()).await.ok()?;
-            list.items.into_iter().find_map(|e| {
-                (e.reason.as_deref() == Some(reason)
-                    && e.type_.as_deref() == Some("Warning")
-                    && e.involved_object.name.as_deref() == Some(run))
-                .then(|| e.message.unwrap_or_default())
-            })
-        },
-    )
+    common::wait_for(&format!("a {reason} Warning on {run}"), TIMEOUT, || async {
+        let list = events.list(&ListParams::default()).await.ok()?;
+        list.items.into_iter().find_map(|e| {
+            (e.reason.as_deref() == Some(reason)
+                && e.type_.as_deref() == Some("Warning")
+                && e.involved_object.name.as_deref() == Some(run))
+            .then(|| e.message.unwrap_or_default())
+        })
+    })
     .await
 }
 
@@ -185,7 +181,8 @@ async fn an_orphaned_approval_never_decides_a_run_recreated_under_its_name() {
             json!([]),
         )
         .await;
-    let spec = |script: &str| json!({"input": "Refund.", "agent": gated_agent(&w, script, json!({}))});
+    let spec =
+        |script: &str| json!({"input": "Refund.", "agent": gated_agent(&w, script, json!({}))});
     w.create_run("same", spec("first"), json!({})).await;
     let old = pending_approval(&w, "same").await;
     let old_name = old.metadata.name.clone().unwrap();
@@ -217,7 +214,12 @@ async fn an_orphaned_approval_never_decides_a_run_recreated_under_its_name() {
         &w,
         "alice",
         &old_name,
-        entry("alice", "Approve", &old.spec.arguments_hash, "for the old run"),
+        entry(
+            "alice",
+            "Approve",
+            &old.spec.arguments_hash,
+            "for the old run",
+        ),
     )
     .await
     .expect("the orphaned Approval takes a decision (it decides nothing)");
@@ -228,7 +230,10 @@ async fn an_orphaned_approval_never_decides_a_run_recreated_under_its_name() {
     let new_name = new.metadata.name.clone().unwrap();
     assert_ne!(new_name, old_name, "a new run gets an Approval of its own");
     assert_eq!(new.spec.arguments_hash, old.spec.arguments_hash);
-    assert_eq!(new.spec.run_ref.uid, runs.get("same").await.unwrap().metadata.uid);
+    assert_eq!(
+        new.spec.run_ref.uid,
+        runs.get("same").await.unwrap().metadata.uid
+    );
     assert!(refunds(&w).await.is_empty(), "the old approval ran nothing");
 
     // Only its own Approval decides it: bob rejects, the agent is told, nothing ran.
@@ -318,10 +323,18 @@ async fn a_forged_approval_is_never_acted_on() {
     let w = World::new("tr-forged", &[]).await;
     grant_approver_role(&w).await;
     w.standins
-        .script("victim", json!([refund(500), finish("unreachable")]), json!([]))
+        .script(
+            "victim",
+            json!([refund(500), finish("unreachable")]),
+            json!([]),
+        )
         .await;
     w.standins
-        .script("donor", json!([refund(50_000), finish("unreachable")]), json!([]))
+        .script(
+            "donor",
+            json!([refund(50_000), finish("unreachable")]),
+            json!([]),
+        )
         .await;
     for (name, script) in [("victim", "victim"), ("donor", "donor")] {
         w.create_run(
@@ -341,8 +354,13 @@ async fn a_forged_approval_is_never_acted_on() {
     let mut forged = approvals.get(&name).await.unwrap();
     forged.spec = donor.spec.clone();
     forged.spec.decisions = vec![
-        serde_json::from_value(entry("alice", "Approve", &donor.spec.arguments_hash, "forged"))
-            .unwrap(),
+        serde_json::from_value(entry(
+            "alice",
+            "Approve",
+            &donor.spec.arguments_hash,
+            "forged",
+        ))
+        .unwrap(),
     ];
     approvals
         .replace(&name, &PostParams::default(), &forged)
@@ -351,7 +369,9 @@ async fn a_forged_approval_is_never_acted_on() {
 
     let message = warning(&w, "victim", "ApprovalMismatch").await;
     assert!(
-        message.contains(&name) && message.contains("spec.runRef") && message.contains("spec.argumentsHash"),
+        message.contains(&name)
+            && message.contains("spec.runRef")
+            && message.contains("spec.argumentsHash"),
         "{message}"
     );
     // Nothing was decided, nothing ran; the run is still waiting and stops only when cancelled.
@@ -398,7 +418,10 @@ async fn an_edit_needs_the_full_quorum_for_the_edited_arguments() {
     )
     .await;
     let a = pending_approval(&w, "q").await;
-    let (name, hash) = (a.metadata.name.clone().unwrap(), a.spec.arguments_hash.clone());
+    let (name, hash) = (
+        a.metadata.name.clone().unwrap(),
+        a.spec.arguments_hash.clone(),
+    );
     // alice edits to 99,999, bob approves 500: two decisions, but no set has two.
     decide(
         &w,
@@ -408,13 +431,23 @@ async fn an_edit_needs_the_full_quorum_for_the_edited_arguments() {
     )
     .await
     .unwrap();
-    decide(&w, "bob", &name, entry("bob", "Approve", &hash, "500 is right"))
-        .await
-        .unwrap();
+    decide(
+        &w,
+        "bob",
+        &name,
+        entry("bob", "Approve", &hash, "500 is right"),
+    )
+    .await
+    .unwrap();
     // Had that counted as "2 of 2", 99,999 would have run and carol would be refused.
-    decide(&w, "carol", &name, entry("carol", "Approve", &hash, "agreed"))
-        .await
-        .expect("still pending after alice and bob disagreed");
+    decide(
+        &w,
+        "carol",
+        &name,
+        entry("carol", "Approve", &hash, "agreed"),
+    )
+    .await
+    .expect("still pending after alice and bob disagreed");
     w.wait_phase("q", Phase::Succeeded).await;
     assert_eq!(refunds(&w).await, vec![json!(500)]);
     let log = verified_log(&w, "q").await;
@@ -425,9 +458,17 @@ async fn an_edit_needs_the_full_quorum_for_the_edited_arguments() {
             _ => None,
         })
         .expect("a decision");
-    let who: Vec<&str> = decided.decisions.iter().map(|d| d.approver.as_str()).collect();
+    let who: Vec<&str> = decided
+        .decisions
+        .iter()
+        .map(|d| d.approver.as_str())
+        .collect();
     assert_eq!(decided.verdict, Verdict::Approve);
-    assert_eq!(who, vec!["bob", "carol"], "alice's edit did not count toward 500");
+    assert_eq!(
+        who,
+        vec!["bob", "carol"],
+        "alice's edit did not count toward 500"
+    );
 }
 
 /// Runs `kubectl agentrun ARGS` as `user` in the test namespace.
@@ -480,7 +521,9 @@ async fn a_gated_alternative_never_runs_on_expiry() {
         .find(|l| l.trim_start().starts_with("amount"))
         .unwrap_or_default();
     assert!(
-        text.contains("alternative on expiry") && amount.contains("500") && amount.contains("50000 *"),
+        text.contains("alternative on expiry")
+            && amount.contains("500")
+            && amount.contains("50000 *"),
         "the alternative is shown beside the proposal: {text}"
     );
 
@@ -495,7 +538,10 @@ async fn a_gated_alternative_never_runs_on_expiry() {
             _ => None,
         })
         .expect("the expiry is recorded");
-    assert_eq!((decided.verdict, decided.arguments), (Verdict::Expired, None));
+    assert_eq!(
+        (decided.verdict, decided.arguments),
+        (Verdict::Expired, None)
+    );
     assert!(!log.iter().any(|s| matches!(s, Step::ToolIntent(_))));
     let told = w
         .standins
@@ -504,7 +550,10 @@ async fn a_gated_alternative_never_runs_on_expiry() {
         .pop()
         .unwrap()
         .to_string();
-    assert!(told.contains("Neither the call nor its alternative ran"), "{told}");
+    assert!(
+        told.contains("Neither the call nor its alternative ran"),
+        "{told}"
+    );
     warning(&w, "alt", "AlternativeNeedsApproval").await;
 }
 
@@ -556,7 +605,10 @@ async fn an_expired_reconcile_approval_never_counts_as_did_not_happen() {
     );
     let run = w.wait_phase("rec", Phase::Failed).await;
     let error = run.status.unwrap().error.unwrap_or_default();
-    assert!(error.contains("nobody confirmed whether page_oncall"), "{error}");
+    assert!(
+        error.contains("nobody confirmed whether page_oncall"),
+        "{error}"
+    );
     let pages = w
         .standins
         .effects(w.name())
@@ -571,7 +623,9 @@ async fn an_expired_reconcile_approval_never_counts_as_did_not_happen() {
         other => panic!("{other:?}"),
     }
     assert_eq!(
-        log.iter().filter(|s| matches!(s, Step::ToolIntent(_))).count(),
+        log.iter()
+            .filter(|s| matches!(s, Step::ToolIntent(_)))
+            .count(),
         1
     );
     assert!(!log.iter().any(|s| matches!(s, Step::ToolResult(_))));
@@ -631,7 +685,10 @@ async fn approvals_cannot_be_deleted_or_rewired_and_come_back_with_their_expiry(
         }
     })
     .await;
-    assert_eq!(again.spec.expires_at, a.spec.expires_at, "not a fresh expiry");
+    assert_eq!(
+        again.spec.expires_at, a.spec.expires_at,
+        "not a fresh expiry"
+    );
     assert_eq!(again.spec.arguments_hash, a.spec.arguments_hash);
     warning(&w, "del", "ApprovalRaisedAgain").await;
     decide(
@@ -655,7 +712,9 @@ async fn approvals_cannot_be_deleted_or_rewired_and_come_back_with_their_expiry(
 
     // The garbage collector still takes it with its run.
     let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
-    runs.delete("del", &DeleteParams::background()).await.unwrap();
+    runs.delete("del", &DeleteParams::background())
+        .await
+        .unwrap();
     common::wait_for("the Approval to go with its run", TIMEOUT, || async {
         match approvals.get_opt(&name).await {
             Ok(None) => Ok(()),
@@ -670,7 +729,11 @@ async fn no_decision_is_taken_once_the_controller_marked_the_approval_expired() 
     let w = World::new("tr-late", &[]).await;
     grant_approver_role(&w).await;
     w.standins
-        .script("late", json!([refund(500), finish("unreachable")]), json!([]))
+        .script(
+            "late",
+            json!([refund(500), finish("unreachable")]),
+            json!([]),
+        )
         .await;
     let rule = json!({"expiresAfter": "4s", "onExpiry": "Fail"});
     w.create_run(
@@ -710,5 +773,8 @@ async fn no_decision_is_taken_once_the_controller_marked_the_approval_expired() 
     w.wait_phase("late", Phase::Failed).await;
     assert!(refunds(&w).await.is_empty());
     let log = verified_log(&w, "late").await;
-    assert!(log.iter().any(|s| matches!(s, Step::ApprovalDecided(d) if d.verdict == Verdict::Expired)));
+    assert!(
+        log.iter()
+            .any(|s| matches!(s, Step::ApprovalDecided(d) if d.verdict == Verdict::Expired))
+    );
 }
