@@ -778,3 +778,87 @@ async fn no_decision_is_taken_once_the_controller_marked_the_approval_expired() 
             .any(|s| matches!(s, Step::ApprovalDecided(d) if d.verdict == Verdict::Expired))
     );
 }
+
+/// Appends `step` to the run's log as whoever holds the run's store
+/// credential could (a step pod, or a namespace user who read it).
+async fn append_as_the_step_pod(uid: &str, step: Step) {
+    use agentrun::store::{RecordDraft, StepKind};
+    let store = agentrun::store::open(&common::store::e2e_store_url().await)
+        .await
+        .unwrap();
+    let lease = store
+        .acquire(uid, "mallory", std::time::Duration::from_secs(10))
+        .await
+        .expect("the run's lease is free while it waits");
+    let head = store.head(uid).await.unwrap();
+    let kind = StepKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == step.kind())
+        .unwrap();
+    let record = RecordDraft::new(kind, step.payload()).seal(&head).unwrap();
+    store.append(uid, lease.epoch, &record).await.unwrap();
+    store.release(&lease).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_request_whose_gate_the_pinned_policy_does_not_give_stops_the_run() {
+    let w = World::new("tr-gate", &[]).await;
+    grant_approver_role(&w).await;
+    w.standins
+        .script(
+            "gate",
+            json!([refund(500), finish("unreachable")]),
+            json!([]),
+        )
+        .await;
+    let rule = json!({"requiredApprovals": 2, "approvers": {"users": ["alice", "bob"]}});
+    w.create_run(
+        "gate",
+        json!({"input": "Refund.", "agent": gated_agent(&w, "gate", rule)}),
+        json!({}),
+    )
+    .await;
+    let honest = pending_approval(&w, "gate").await;
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let uid = runs.get("gate").await.unwrap().metadata.uid.unwrap();
+
+    // The same call asked again, with a gate carol alone may pass.
+    let mut weaker = match Step::decode(
+        honest.spec.step,
+        "ApprovalRequested",
+        &verified_log(&w, "gate").await[honest.spec.step as usize].payload(),
+    )
+    .unwrap()
+    {
+        Step::ApprovalRequested(r) => r,
+        other => panic!("{other:?}"),
+    };
+    weaker.gate.required_approvals = 1;
+    weaker.gate.approvers = serde_json::from_value(json!({"users": ["carol"]})).unwrap();
+    append_as_the_step_pod(&uid, Step::ApprovalRequested(weaker)).await;
+    // A waiting run is looked at again at its expiry or on any change: make one now.
+    runs.patch(
+        "gate",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {"example.com/poke": "1"}}})),
+    )
+    .await
+    .unwrap();
+
+    let run = w.wait_phase("gate", Phase::Failed).await;
+    let error = run.status.unwrap().error.unwrap_or_default();
+    assert!(
+        error.contains("gate.requiredApprovals is 1, the pinned policy says 2")
+            && error.contains("gate.approvers"),
+        "{error}"
+    );
+    warning(&w, "gate", "ApprovalRequestRefused").await;
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let raised = approvals
+        .list(&ListParams::default().labels("agentrun.dev/run=gate"))
+        .await
+        .unwrap();
+    assert_eq!(raised.items.len(), 1, "no Approval for the forged request");
+    assert!(refunds(&w).await.is_empty());
+    verified_log(&w, "gate").await;
+}
