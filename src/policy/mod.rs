@@ -254,4 +254,26 @@ mod tests {
             matches!(classify(Some(&p), "delete_account", &json!({}), false), Classification::RequireApproval(g) if g.rule == "default")
         );
     }
+
+    #[test]
+    fn a_reconcile_gate_always_fails_on_expiry_and_needs_someone_named() {
+        let mut p = policy(None);
+        p.rules[0].on_expiry = OnExpiry::Alternative;
+        let g = reconcile_gate(Some(&p), "issue_refund", &json!({})).unwrap();
+        assert_eq!(
+            (g.rule.as_str(), g.on_expiry),
+            ("large-refund", OnExpiry::Fail)
+        );
+        assert_eq!(reconcile_gate(Some(&p), "page", &json!({})), None);
+        p.default_approvers = Some(Approvers {
+            users: vec!["oncall".into()],
+            groups: vec![],
+        });
+        let g = reconcile_gate(Some(&p), "page", &json!({})).unwrap();
+        assert_eq!(
+            (g.rule.as_str(), g.on_expiry),
+            ("reconcile", OnExpiry::Fail)
+        );
+        assert_eq!(reconcile_gate(None, "page", &json!({})), None);
+    }
 }
