@@ -61,10 +61,13 @@ pub fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
     if request.escalation > 0 {
         return check_escalation(steps, request_seq, request);
     }
-    let expected = match request.kind {
+    let mut expected = match request.kind {
         ApprovalKind::Call => expected_call_gate(steps, request_seq, request)?,
         ApprovalKind::Reconcile => expected_reconcile_gate(steps, request_seq, request)?,
     };
+    // `because` is prose for people, not policy: its wording may change
+    // between versions without failing the runs waiting on an approval.
+    expected.because = request.gate.because.clone();
     let differences = gate_differences(&request.gate, &expected);
     if differences.is_empty() {
         Ok(())
@@ -140,13 +143,8 @@ fn expected_reconcile_gate(
         ));
     };
     let policy = pinned_agent(steps, request_seq).and_then(|a| a.approval.as_ref());
-    let mut gate = crate::policy::reconcile_gate(policy, &intent.tool, &intent.arguments)
-        .ok_or_else(|| {
-            "the pinned policy names nobody who could reconcile this call".to_string()
-        })?;
-    // The reason is the runner's observation, not policy.
-    gate.because = request.gate.because.clone();
-    Ok(gate)
+    crate::policy::reconcile_gate(policy, &intent.tool, &intent.arguments)
+        .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
 }
 
 /// An escalation is exactly the expired request, passed on, within its limit.
