@@ -472,7 +472,8 @@ async fn expiry_follows_on_expiry_and_never_runs_the_requested_call() {
             json!([]),
         )
         .await;
-    let esc = json!({"expiresAfter": "3s", "onExpiry": "Escalate", "escalateTo": {"users": ["bob"]}, "maxEscalations": 1,
+    // The escalated Approval must outlast two plugin calls on a busy machine.
+    let esc = json!({"expiresAfter": "6s", "onExpiry": "Escalate", "escalateTo": {"users": ["bob"]}, "maxEscalations": 1,
                      "approvers": {"users": ["alice"]}});
     for (name, rule) in [
         ("fail", quick("Fail")),

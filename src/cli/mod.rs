@@ -136,10 +136,10 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
                     "{:<16} {:<28} {:<20} {:<14} {:<36} {:<24} {}",
                     a.metadata.namespace.as_deref().unwrap_or_default(),
                     a.metadata.name.as_deref().unwrap_or_default(),
-                    a.spec.run_ref.name,
-                    a.spec.tool,
-                    abbreviate(&a.spec.arguments.to_string(), 36),
-                    approvers(a),
+                    visible(&a.spec.run_ref.name),
+                    visible(&a.spec.tool),
+                    abbreviate(&visible_json(&a.spec.arguments), 36),
+                    visible(&approvers(a)),
                     time_left(a),
                 )?;
             }
@@ -162,7 +162,9 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             writeln!(
                 out,
                 "approved {} ({} {})",
-                approval, a.spec.tool, a.spec.arguments
+                approval,
+                visible(&a.spec.tool),
+                visible_json(&a.spec.arguments)
             )?;
         }
         Command::Reject { approval, reason } => {
@@ -196,7 +198,11 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
                 reason,
             )
             .await?;
-            writeln!(out, "approved {approval} with arguments {arguments}")?;
+            writeln!(
+                out,
+                "approved {approval} with arguments {}",
+                visible_json(&arguments)
+            )?;
         }
         Command::Log { run, store_url } => {
             let r = runs
@@ -369,51 +375,169 @@ fn abbreviate(s: &str, n: usize) -> String {
     }
 }
 
-/// The `show` text.
+/// Model-written text made safe for a terminal: control characters (ESC,
+/// CSI, carriage returns, newlines...) and invisible direction overrides are
+/// shown as `\u{1b}`-style escapes, so a reply cannot repaint what the
+/// approver sees.
+pub fn visible(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        let hidden = c.is_control()
+            || matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{206f}' | '\u{feff}');
+        if hidden {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A JSON value on one line, safe for a terminal.
+fn visible_json(v: &Value) -> String {
+    visible(&v.to_string())
+}
+
+/// Proposed, alternative and edited arguments side by side, one row per
+/// argument; `*` marks a value that differs from the proposed one.
+pub fn side_by_side(columns: &[(String, &Value)]) -> String {
+    let Some((_, proposed)) = columns.first() else {
+        return String::new();
+    };
+    let mut keys: Vec<String> = Vec::new();
+    for (_, v) in columns {
+        match v.as_object() {
+            Some(m) => {
+                for k in m.keys() {
+                    if !keys.contains(k) {
+                        keys.push(k.clone());
+                    }
+                }
+            }
+            None => {
+                if !keys.iter().any(|k| k.is_empty()) {
+                    keys.push(String::new());
+                }
+            }
+        }
+    }
+    let cell = |v: &Value, k: &str| -> Option<Value> {
+        if k.is_empty() {
+            (!v.is_object()).then(|| v.clone())
+        } else {
+            v.get(k).cloned()
+        }
+    };
+    let mut rows: Vec<Vec<String>> = vec![
+        std::iter::once("argument".to_string())
+            .chain(columns.iter().map(|(h, _)| visible(h)))
+            .collect(),
+    ];
+    for k in &keys {
+        let base = cell(proposed, k);
+        let mut row = vec![if k.is_empty() {
+            "(whole)".to_string()
+        } else {
+            visible(k)
+        }];
+        for (i, (_, v)) in columns.iter().enumerate() {
+            let c = cell(v, k);
+            let text = c.as_ref().map_or("-".to_string(), visible_json);
+            let mark = if i > 0 && c != base { " *" } else { "" };
+            row.push(format!("{}{mark}", abbreviate(&text, 40)));
+        }
+        rows.push(row);
+    }
+    let widths: Vec<usize> = (0..=columns.len())
+        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count())))
+            .collect();
+        out.push_str(&format!("  {}\n", line.join("  ").trim_end()));
+    }
+    out
+}
+
+/// The `show` text. Every string that a model, a tool or a user wrote is
+/// escaped with [`visible`].
 pub fn describe(a: &Approval) -> String {
     let s = &a.spec;
     let mut out = String::new();
     let mut line = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
-    line("Approval:", a.metadata.name.clone().unwrap_or_default());
+    line(
+        "Approval:",
+        visible(&a.metadata.name.clone().unwrap_or_default()),
+    );
     line(
         "Run:",
-        format!("{} (log record {})", s.run_ref.name, s.step),
+        format!("{} (log record {})", visible(&s.run_ref.name), s.step),
     );
     line("State:", format!("{:?}", state(a)));
-    line("Rule:", s.rule.clone().unwrap_or_default());
-    line("Tool:", s.tool.clone());
+    if s.kind == crate::api::ApprovalKind::Reconcile {
+        line(
+            "Asks:",
+            "did this call already happen? Approve: it did (not repeated). Reject: it did not (made now)."
+                .into(),
+        );
+    }
+    line("Rule:", visible(&s.rule.clone().unwrap_or_default()));
+    line("Tool:", visible(&s.tool));
     line(
         "Arguments:",
         serde_json::to_string_pretty(&s.arguments)
             .unwrap_or_default()
-            .replace('\n', "\n               "),
+            .lines()
+            .map(visible)
+            .collect::<Vec<_>>()
+            .join("\n               "),
     );
-    line("Hash:", s.arguments_hash.clone());
+    line("Hash:", visible(&s.arguments_hash));
+    // Everything that could run instead of the proposal, next to it.
+    let mut columns: Vec<(String, &Value)> = vec![("proposed".into(), &s.arguments)];
+    if let Some(alt) = &s.alternative {
+        columns.push((
+            format!("alternative on expiry ({:?})", s.on_expiry),
+            &alt.arguments,
+        ));
+    }
+    for d in &s.decisions {
+        if let Some(edited) = &d.arguments {
+            columns.push((format!("{}'s edit", d.approver), edited));
+        }
+    }
+    if columns.len() > 1 {
+        out.push_str("Compare:\n");
+        out.push_str(&side_by_side(&columns));
+    }
+    let mut line = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
     line(
         "Agent reason:",
-        s.observations
-            .reason
-            .clone()
-            .unwrap_or_else(|| "(none given)".into()),
+        visible(s.observations.reason.as_deref().unwrap_or("(none given)")),
     );
     for r in &s.observations.recent_results {
         line(
             "Observed:",
-            format!("[{}] {}: {}", r.seq, r.tool, r.summary),
+            format!("[{}] {}: {}", r.seq, visible(&r.tool), visible(&r.summary)),
         );
     }
     for d in &s.dependencies {
         line(
             "Depends on:",
-            format!("{} at version {}", d.name, d.version),
+            format!("{} at version {}", visible(&d.name), visible(&d.version)),
         );
     }
-    line("Approvers:", approvers(a));
+    line("Approvers:", visible(&approvers(a)));
     if let Some(req) = &s.requester {
         line(
             "Requester:",
             format!(
-                "{req}{}",
+                "{}{}",
+                visible(req),
                 if s.separation_of_duties {
                     " (may not decide)"
                 } else {
@@ -440,11 +564,16 @@ pub fn describe(a: &Approval) -> String {
         line(
             "Decision:",
             format!(
-                "{who}: {:?}{}",
+                "{}: {:?}{}{}",
+                visible(&who),
                 d.verdict,
+                d.arguments
+                    .as_ref()
+                    .map(|args| format!(" to {}", visible_json(args)))
+                    .unwrap_or_default(),
                 d.reason
                     .as_deref()
-                    .map(|r| format!(" ({r})"))
+                    .map(|r| format!(" ({})", visible(r)))
                     .unwrap_or_default()
             ),
         );
@@ -523,8 +652,8 @@ pub fn audit_line(r: &crate::store::Record) -> String {
         "{:>4} {:<18} {:<28} {}",
         r.seq,
         r.kind.as_str(),
-        format!("{}#{}", r.worker.pod, r.worker.attempt),
-        what
+        visible(&format!("{}#{}", r.worker.pod, r.worker.attempt)),
+        visible(&what)
     )
 }
 
@@ -552,5 +681,69 @@ mod tests {
                 .to_string()
                 .contains("KEY=VALUE")
         );
+    }
+
+    #[test]
+    fn model_written_text_cannot_reach_the_terminal_raw() {
+        assert_eq!(
+            visible("ok\u{1b}[2K\rrefund 5"),
+            "ok\\u{1b}[2K\\u{d}refund 5"
+        );
+        assert_eq!(
+            visible("a\u{9b}31mb\u{202e}c\nd"),
+            "a\\u{9b}31mb\\u{202e}c\\u{a}d"
+        );
+        assert_eq!(visible("plain, ünïcode €"), "plain, ünïcode €");
+    }
+
+    fn approval(arguments: Value) -> Approval {
+        serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "Approval",
+            "metadata": {"name": "r-a4-12345678"},
+            "spec": {
+                "runRef": {"name": "r"}, "step": 4, "tool": "issue_refund",
+                "arguments": arguments, "argumentsHash": "1".repeat(64),
+                "approvers": {"users": ["alice", "bob"]}, "requiredApprovals": 2,
+                "expiresAt": "2030-01-01T00:00:00Z", "onExpiry": "Alternative",
+                "observations": {"reason": "Refund \u{1b}[1A\u{1b}[2Kamount: 5",
+                                 "recentResults": [{"seq": 2, "tool": "lookup_order", "summary": "paid\u{7}"}]},
+                "alternative": {"tool": "issue_refund", "arguments": {"orderId": "1042", "amount": 50000}},
+                "decisions": [{"approver": "bob", "verdict": "Edit", "argumentsHash": "1".repeat(64),
+                               "arguments": {"orderId": "1042", "amount": 300}, "reason": "partial\u{1b}]0;x"}]
+            }
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn show_escapes_everything_and_sets_alternative_and_edits_beside_the_proposal() {
+        let text = describe(&approval(json!({"orderId": "1042", "amount": 500})));
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}'),
+            "{text:?}"
+        );
+        assert!(
+            text.contains("Refund \\u{1b}[1A\\u{1b}[2Kamount: 5"),
+            "{text}"
+        );
+        let compare: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("Compare:"))
+            .skip(1)
+            .take(3)
+            .collect();
+        assert!(
+            compare[0].contains("proposed")
+                && compare[0].contains("alternative on expiry (Alternative)")
+                && compare[0].contains("bob's edit"),
+            "{text}"
+        );
+        let amount = compare.iter().find(|l| l.contains("amount")).unwrap();
+        assert!(
+            amount.contains("500") && amount.contains("50000 *") && amount.contains("300 *"),
+            "{amount}"
+        );
+        let order = compare.iter().find(|l| l.contains("orderId")).unwrap();
+        assert!(!order.contains('*'), "{order}");
     }
 }

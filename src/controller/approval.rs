@@ -2,20 +2,29 @@
 //! `ApprovalRequested` record, and the pure evaluation of its decisions.
 //! Silence never approves: expiry leads to `onExpiry`, never to execution
 //! of the requested call.
+//!
+//! Everything but the decisions is derived from the log: the controller
+//! builds the Approval it expects (run uid, step, tool, arguments, hash, the
+//! gate recomputed from the pinned policy, an expiry counted from the
+//! request's recorded time) and takes decisions only from an object that is
+//! exactly that, owned by the run. A deleted Approval is raised again with
+//! the same expiry; a look-alike is never acted on.
 
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Resource, ResourceExt};
 
 use crate::api::{
-    AgentRun, Approval, ApprovalSpec, ApprovalState, Observations, ProposedCall, RunRef,
-    Verdict as ApiVerdict,
+    AgentRun, Approval, ApprovalKind, ApprovalSpec, ApprovalState, Observations, OnExpiry,
+    ProposedCall, RunRef, Verdict as ApiVerdict,
 };
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::error::Error;
+use super::pinned_gate;
 use super::reconcile::{Context, FIELD_MANAGER, append, notice};
+use crate::policy::Classification;
 use crate::step::records::{ApprovalRequested, RecordedDecision, RunFinished, Verdict};
 use crate::step::replay::{RunState, Step};
 use crate::store::Head;
@@ -23,28 +32,46 @@ use crate::store::Head;
 /// Annotation naming the user who created a run, checked by the API server.
 pub const REQUESTER_ANNOTATION: &str = "agentrun.dev/requester";
 
-/// Name of the Approval for the request at `request_seq`.
-pub fn approval_name(run: &AgentRun, request_seq: u64) -> String {
-    let suffix = format!("-a{request_seq}");
-    let name = run.name_any();
-    let keep = 63usize.saturating_sub(suffix.len()).min(name.len());
-    format!("{}{suffix}", name[..keep].trim_end_matches('-'))
+/// Name of the Approval for the request at `request_seq` of the run with
+/// `uid`: `<run>-a<seq>-<8 hex of sha256(uid)>`, at most 63 characters. The
+/// uid part keeps runs that share a name (re-created after an orphaning
+/// delete) or a long prefix from ever meeting each other's Approvals.
+pub fn approval_name(run_name: &str, uid: &str, request_seq: u64) -> String {
+    let digest = crate::store::sha256_hex(uid.as_bytes());
+    let suffix = format!("-a{request_seq}-{}", &digest[..8]);
+    let keep = 63usize.saturating_sub(suffix.len()).min(run_name.len());
+    let mut cut = keep;
+    while !run_name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{suffix}", run_name[..cut].trim_end_matches(['-', '.']))
 }
 
-/// The Approval object for a request, expiring `expires_after` from `now`.
-pub fn build(
-    run: &AgentRun,
-    request_seq: u64,
-    request: &ApprovalRequested,
-    now: Timestamp,
-) -> Approval {
+/// When the request raised at `requested_at` expires: the same instant
+/// however often its Approval is raised again (whole seconds, as the API
+/// server stores it; rounded up, so an approver never gets less time).
+pub fn expiry(request: &ApprovalRequested, requested_at: Timestamp) -> Timestamp {
     let expires_after = crate::api::parse_duration(&request.gate.expires_after)
         .ok()
         .and_then(|d| SignedDuration::try_from(d).ok())
         .unwrap_or(SignedDuration::from_hours(1));
-    let expires_at = now.checked_add(expires_after).unwrap_or(now);
+    let at = requested_at
+        .checked_add(expires_after)
+        .unwrap_or(requested_at);
+    let whole = at.as_second() + i64::from(at.subsec_nanosecond() > 0);
+    Timestamp::from_second(whole).unwrap_or(at)
+}
+
+/// The Approval the controller expects for a request recorded at `requested_at`.
+pub fn build(
+    run: &AgentRun,
+    request_seq: u64,
+    request: &ApprovalRequested,
+    requested_at: Timestamp,
+) -> Approval {
+    let uid = run.uid().unwrap_or_default();
     let mut approval = Approval::new(
-        &approval_name(run, request_seq),
+        &approval_name(&run.name_any(), &uid, request_seq),
         ApprovalSpec {
             run_ref: RunRef {
                 name: run.name_any(),
@@ -65,7 +92,7 @@ pub fn build(
             required_approvals: request.gate.required_approvals,
             requester: run.annotations().get(REQUESTER_ANNOTATION).cloned(),
             separation_of_duties: request.gate.separation_of_duties,
-            expires_at: Time(expires_at),
+            expires_at: Time(expiry(request, requested_at)),
             on_expiry: request.gate.on_expiry,
             escalate_to: request.gate.escalate_to.clone(),
             escalation: request.escalation,
@@ -80,6 +107,63 @@ pub fn build(
     approval.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
     approval.metadata.labels = Some([("agentrun.dev/run".to_string(), run.name_any())].into());
     approval
+}
+
+/// Why `found` is not the Approval the controller expects (empty: it is).
+/// Decisions are the one thing approvers write, so they are not compared.
+pub fn mismatches(expected: &Approval, found: &Approval) -> Vec<String> {
+    let mut out = Vec::new();
+    let owner = |a: &Approval| {
+        a.owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true))
+            .map(|o| (o.kind.clone(), o.name.clone(), o.uid.clone()))
+    };
+    if owner(found) != owner(expected) {
+        out.push(format!(
+            "metadata.ownerReferences: its controller is {:?}, not the run {:?}",
+            owner(found),
+            owner(expected)
+        ));
+    }
+    let recomputed = crate::policy::arguments_hash(&found.spec.tool, &found.spec.arguments);
+    if found.spec.arguments_hash != recomputed {
+        out.push(format!(
+            "spec.argumentsHash {} is not the hash of spec.tool and spec.arguments ({recomputed})",
+            found.spec.arguments_hash
+        ));
+    }
+    let as_map = |spec: &ApprovalSpec| {
+        let mut v = serde_json::to_value(spec).unwrap_or_default();
+        if let Some(m) = v.as_object_mut() {
+            m.remove("decisions");
+        }
+        v.as_object().cloned().unwrap_or_default()
+    };
+    let (f, e) = (as_map(&found.spec), as_map(&expected.spec));
+    let mut keys: Vec<&String> = f.keys().chain(e.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    for k in keys {
+        if f.get(k) != e.get(k) {
+            let show = |v: Option<&Value>| {
+                v.map_or("absent".to_string(), |v| abbreviate(&v.to_string(), 120))
+            };
+            out.push(format!(
+                "spec.{k} is {}, the request in the log says {}",
+                show(f.get(k)),
+                show(e.get(k))
+            ));
+        }
+    }
+    out
+}
+
+fn abbreviate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
 }
 
 /// Tells the policy's webhook about an approval event (`raised`, `escalated`,
@@ -129,7 +213,8 @@ pub fn notify(
 /// What the decisions on an Approval amount to now.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Evaluation {
-    /// Not enough decisions yet; look again at `expires_at` at the latest.
+    /// No set of arguments has its quorum yet; look again at `expires_at` at
+    /// the latest. `approvals`: the most distinct approvers agreeing to one set.
     Pending {
         expires_at: Timestamp,
         approvals: usize,
@@ -147,8 +232,16 @@ pub enum Evaluation {
 /// Evaluates an Approval's decisions (pure). Decisions quoting another hash,
 /// from the requester under separation of duties, or by someone not listed
 /// as a user when no group is listed, do not count (the API server refuses
-/// them first; this is the second line).
+/// them first; this is the second line). Any reject rejects. Otherwise the
+/// counted decisions are grouped by the arguments they agree to (Approve:
+/// the requested ones; Edit: its own), and a set is decided only when
+/// `requiredApprovals` distinct approvers agree to exactly it: an edit needs
+/// the full quorum for the edited arguments.
 pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
+    // Decisions made after expiry never count: silence is not consent, and neither is lateness.
+    if now >= spec.expires_at.0 {
+        return Evaluation::Expired;
+    }
     let counted: Vec<RecordedDecision> = spec
         .decisions
         .iter()
@@ -157,6 +250,8 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
             !(spec.separation_of_duties && spec.requester.as_deref() == Some(d.approver.as_str()))
         })
         .filter(|d| !spec.approvers.groups.is_empty() || spec.approvers.users.contains(&d.approver))
+        // An Edit without arguments agrees to nothing in particular.
+        .filter(|d| d.verdict != ApiVerdict::Edit || d.arguments.is_some())
         .map(|d| RecordedDecision {
             approver: d.approver.clone(),
             verdict: d.verdict,
@@ -165,10 +260,6 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
             reason: d.reason.clone(),
         })
         .collect();
-    // Decisions made after expiry never count: silence is not consent, and neither is lateness.
-    if now >= spec.expires_at.0 {
-        return Evaluation::Expired;
-    }
     if let Some(reject) = counted.iter().find(|d| d.verdict == ApiVerdict::Reject) {
         return Evaluation::Decided {
             verdict: Verdict::Reject,
@@ -176,48 +267,42 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
             arguments: None,
         };
     }
-    let required = spec.required_approvals.max(1) as usize;
-    if counted.len() < required {
-        return Evaluation::Pending {
-            expires_at: spec.expires_at.0,
-            approvals: counted.len(),
+    // Group by the exact arguments each decision agrees to, in decision order.
+    let mut groups: Vec<(Value, Vec<RecordedDecision>)> = Vec::new();
+    for d in counted {
+        let agreed = match d.verdict {
+            ApiVerdict::Edit => d.arguments.clone().unwrap_or_default(),
+            _ => spec.arguments.clone(),
         };
-    }
-    let edits: Vec<&RecordedDecision> = counted
-        .iter()
-        .filter(|d| d.verdict == ApiVerdict::Edit)
-        .collect();
-    match edits.as_slice() {
-        [] => Evaluation::Decided {
-            verdict: Verdict::Approve,
-            decisions: counted.clone(),
-            arguments: Some(spec.arguments.clone()),
-        },
-        [first, rest @ ..] if rest.iter().all(|e| e.arguments == first.arguments) => {
-            Evaluation::Decided {
-                verdict: Verdict::Edit,
-                decisions: counted.clone(),
-                arguments: first.arguments.clone(),
+        match groups.iter_mut().find(|(args, _)| *args == agreed) {
+            Some((_, members)) if !members.iter().any(|m| m.approver == d.approver) => {
+                members.push(d)
             }
+            Some(_) => {}
+            None => groups.push((agreed, vec![d])),
         }
-        _ => Evaluation::Decided {
-            // Approvers edited the call differently: nothing runs, the agent is told.
-            verdict: Verdict::Reject,
-            decisions: counted
-                .iter()
-                .map(|d| RecordedDecision {
-                    verdict: ApiVerdict::Reject,
-                    reason: Some("approvers edited the call in conflicting ways".into()),
-                    ..d.clone()
-                })
-                .collect(),
-            arguments: None,
+    }
+    let required = spec.required_approvals.max(1) as usize;
+    let most = groups.iter().map(|(_, m)| m.len()).max().unwrap_or(0);
+    match groups.into_iter().find(|(_, m)| m.len() >= required) {
+        Some((arguments, decisions)) => Evaluation::Decided {
+            verdict: if arguments == spec.arguments {
+                Verdict::Approve
+            } else {
+                Verdict::Edit
+            },
+            decisions,
+            arguments: Some(arguments),
+        },
+        None => Evaluation::Pending {
+            expires_at: spec.expires_at.0,
+            approvals: most,
         },
     }
 }
 
 /// The Approval's state for its status.
-pub fn state_of(evaluation: &Evaluation, on_expiry: crate::api::OnExpiry) -> ApprovalState {
+pub fn state_of(evaluation: &Evaluation, on_expiry: OnExpiry) -> ApprovalState {
     match evaluation {
         Evaluation::Pending { .. } => ApprovalState::Pending,
         Evaluation::Decided {
@@ -229,11 +314,47 @@ pub fn state_of(evaluation: &Evaluation, on_expiry: crate::api::OnExpiry) -> App
             ..
         } => ApprovalState::Edited,
         Evaluation::Decided { .. } => ApprovalState::Rejected,
-        Evaluation::Expired if on_expiry == crate::api::OnExpiry::Escalate => {
-            ApprovalState::Escalated
-        }
+        Evaluation::Expired if on_expiry == OnExpiry::Escalate => ApprovalState::Escalated,
         Evaluation::Expired => ApprovalState::Expired,
     }
+}
+
+/// The arguments an expired request's `onExpiry: Alternative` may run: the
+/// agent's alternative, classified by the pinned policy like any call. A
+/// gated alternative never runs unapproved: the request settles back to the
+/// agent (`None`), which may propose it as a call of its own, gated then.
+pub fn alternative_to_run(
+    steps: &[Step],
+    request_seq: u64,
+    request: &ApprovalRequested,
+) -> Result<Option<Value>, String> {
+    let Some(alternative) = &request.alternative else {
+        return Ok(None);
+    };
+    // An alternative carries no alternative of its own.
+    let (arguments, _) = crate::step::approval::split_alternative(alternative);
+    match pinned_gate::classify_at(steps, request_seq, &request.tool, &arguments) {
+        Classification::Allow => Ok(Some(arguments)),
+        Classification::RequireApproval(gate) => Err(format!(
+            "the alternative {} {arguments} needs approval itself ({}); it was not run",
+            request.tool, gate.because
+        )),
+    }
+}
+
+/// When the request at `request_seq` was recorded (server time).
+async fn requested_at(ctx: &Context, uid: &str, request_seq: u64) -> Result<Timestamp, Error> {
+    let records = ctx
+        .store
+        .read_range(uid, request_seq, Some(request_seq + 1))
+        .await
+        .map_err(Error::Store)?;
+    let at = records
+        .first()
+        .and_then(|r| r.created_at)
+        .and_then(|t| Timestamp::from_second(t.timestamp()).ok());
+    // A backend without server time: the raise is not repeatable, but never later than now.
+    Ok(at.unwrap_or_else(Timestamp::now))
 }
 
 /// Raises the Approval for the request at `request_seq`, or acts on its
@@ -247,27 +368,40 @@ pub(super) async fn handle(
     now: Timestamp,
     notices: &mut Vec<super::decide::Notice>,
 ) -> Result<Option<(String, Timestamp)>, Error> {
-    use crate::step::records::{ApprovalDecided, Outcome, Verdict};
+    use crate::step::records::{ApprovalDecided, Outcome};
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
     let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
     else {
         return Ok(None);
     };
-    let name = approval_name(run, request_seq);
+    let name = approval_name(&run.name_any(), &uid, request_seq);
+
+    // The request is the step pod's word: check it against the pinned policy first.
+    if let Err(reason) = pinned_gate::check(&log.steps, request_seq) {
+        let error = format!(
+            "the approval request at log record {request_seq} ({}) was refused: {reason}; the call was not made",
+            request.tool
+        );
+        notices.push(notice(true, "ApprovalRequestRefused", error.clone()));
+        let finished = RunFinished {
+            outcome: Outcome::Failed,
+            result: log.last_text(),
+            error: Some(error),
+        };
+        append(ctx, &uid, head, Step::RunFinished(finished)).await?;
+        return Ok(None);
+    }
+
     let decided = log.steps.iter().find_map(|s| match s {
         Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
         _ => None,
     });
     if let Some(d) = decided {
         // Expired, and the policy says what follows: escalate, or stop the run.
-        let escalate = d.on_expiry == Some(crate::api::OnExpiry::Escalate);
+        let escalate = d.on_expiry == Some(OnExpiry::Escalate);
         let step = if escalate && request.escalation < request.gate.max_escalations {
-            let mut next = request.clone();
-            next.escalation += 1;
-            if let Some(to) = &request.gate.escalate_to {
-                next.gate.approvers = to.clone();
-            }
+            let next = pinned_gate::escalated(&request);
             notices.push(notice(
                 true,
                 "ApprovalEscalated",
@@ -285,6 +419,18 @@ pub(super) async fn handle(
                 json!({"escalation": next.escalation}),
             );
             Step::ApprovalRequested(next)
+        } else if request.kind == ApprovalKind::Reconcile {
+            // Nobody said whether the call happened: it is never made again on silence.
+            Step::RunFinished(RunFinished {
+                outcome: Outcome::NeedsHuman,
+                result: log.last_text(),
+                error: Some(format!(
+                    "approval {name} expired: nobody confirmed whether {} (log record {}) happened; \
+                     it was not made again and a human must reconcile it",
+                    request.tool,
+                    request.intent_seq.unwrap_or_default()
+                )),
+            })
         } else {
             Step::RunFinished(RunFinished {
                 outcome: Outcome::Failed,
@@ -304,8 +450,14 @@ pub(super) async fn handle(
         return Ok(None);
     }
 
+    let expected = build(
+        run,
+        request_seq,
+        &request,
+        requested_at(ctx, &uid, request_seq).await?,
+    );
     let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
-    let approval = match approvals
+    let found = match approvals
         .get_opt(&name)
         .await
         .map_err(|source| Error::Read {
@@ -314,53 +466,63 @@ pub(super) async fn handle(
         })? {
         Some(a) => a,
         None => {
-            let fresh = build(run, request_seq, &request, now);
-            let created = match approvals
-                .create(
-                    &PostParams {
-                        field_manager: Some(FIELD_MANAGER.into()),
-                        ..Default::default()
-                    },
-                    &fresh,
-                )
-                .await
-            {
-                Ok(a) => a,
-                Err(kube::Error::Api(e)) if e.code == 409 => {
-                    approvals.get(&name).await.map_err(|source| Error::Read {
-                        what: "approval",
-                        source,
-                    })?
-                }
-                Err(source) => {
-                    return Err(Error::Write {
-                        what: "approval",
-                        source,
-                    });
-                }
-            };
-            notify(
-                &ctx.http,
-                run,
-                &name,
-                &request,
-                "raised",
-                json!({"expiresAt": created.spec.expires_at}),
-            );
-            notices.push(notice(
-                false,
-                "ApprovalRequested",
-                format!(
-                    "{} needs approval ({}): kubectl agentrun show {name}",
-                    request.tool, request.gate.because
-                ),
-            ));
-            created
+            let raised = raise(&approvals, &expected, &name).await?;
+            // The run already waited on it: someone deleted it.
+            let again = run
+                .status
+                .as_ref()
+                .and_then(|s| s.approval.as_ref())
+                .is_some_and(|a| a.name == name);
+            if again {
+                notices.push(notice(
+                    true,
+                    "ApprovalRaisedAgain",
+                    format!(
+                        "{name} had disappeared; raised again with its original expiry {}",
+                        expected.spec.expires_at.0
+                    ),
+                ));
+            } else {
+                notify(
+                    &ctx.http,
+                    run,
+                    &name,
+                    &request,
+                    "raised",
+                    json!({"expiresAt": raised.spec.expires_at}),
+                );
+                notices.push(notice(
+                    false,
+                    "ApprovalRequested",
+                    format!(
+                        "{} needs approval ({}): kubectl agentrun show {name}",
+                        request.tool, request.gate.because
+                    ),
+                ));
+            }
+            raised
         }
     };
-    let evaluation = evaluate(&approval.spec, now);
-    let state = state_of(&evaluation, approval.spec.on_expiry);
-    if approval.status.as_ref().and_then(|s| s.state) != Some(state) {
+    // Only the exact Approval for this request, owned by this run, decides.
+    let wrong = mismatches(&expected, &found);
+    let bound = wrong.is_empty();
+    if !bound {
+        notices.push(notice(
+            true,
+            "ApprovalMismatch",
+            format!(
+                "{name} is not the Approval of the request at log record {request_seq}; its decisions are not acted on: {}",
+                wrong.join("; ")
+            ),
+        ));
+    }
+    let mut spec = expected.spec.clone();
+    if bound {
+        spec.decisions = found.spec.decisions.clone();
+    }
+    let evaluation = evaluate(&spec, now);
+    let state = state_of(&evaluation, spec.on_expiry);
+    if bound && found.status.as_ref().and_then(|s| s.state) != Some(state) {
         let decided_by: Vec<String> = match &evaluation {
             Evaluation::Decided { decisions, .. } => {
                 decisions.iter().map(|d| d.approver.clone()).collect()
@@ -369,7 +531,7 @@ pub(super) async fn handle(
         };
         let status = crate::api::ApprovalStatus {
             state: Some(state),
-            decided_at: (state != crate::api::ApprovalState::Pending).then_some(Time(now)),
+            decided_at: (state != ApprovalState::Pending).then_some(Time(now)),
             decided_by,
             conditions: Vec::new(),
         };
@@ -384,7 +546,7 @@ pub(super) async fn handle(
             .map_err(Error::Status)?;
     }
     let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(
-        &serde_json::to_value(&approval.spec.observations).unwrap_or_default(),
+        &serde_json::to_value(&spec.observations).unwrap_or_default(),
     ));
     let record = match evaluation {
         Evaluation::Pending { expires_at, .. } => return Ok(Some((name, expires_at))),
@@ -410,18 +572,22 @@ pub(super) async fn handle(
             }
         }
         Evaluation::Expired => {
-            let on_expiry = approval.spec.on_expiry;
+            let on_expiry = spec.on_expiry;
             notices.push(notice(
                 true,
                 "ApprovalExpired",
                 format!("{name} expired without a decision; onExpiry: {on_expiry:?}"),
             ));
             let arguments = match on_expiry {
-                crate::api::OnExpiry::Alternative => approval
-                    .spec
-                    .alternative
-                    .as_ref()
-                    .map(|a| a.arguments.clone()),
+                OnExpiry::Alternative => {
+                    match alternative_to_run(&log.steps, request_seq, &request) {
+                        Ok(args) => args,
+                        Err(why) => {
+                            notices.push(notice(true, "AlternativeNeedsApproval", why));
+                            None
+                        }
+                    }
+                }
                 _ => None,
             };
             ApprovalDecided {
@@ -435,7 +601,7 @@ pub(super) async fn handle(
             }
         }
     };
-    let raised = approval.metadata.creation_timestamp.as_ref();
+    let raised = found.metadata.creation_timestamp.as_ref();
     ctx.metrics
         .observe_approval_decided(raised, now, record.verdict);
     let event = if record.verdict == Verdict::Expired {
@@ -448,6 +614,27 @@ pub(super) async fn handle(
     append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
     notify(&ctx.http, run, &approval_name, &request, event, detail);
     Ok(None)
+}
+
+/// Creates the expected Approval; one already there (a race) is read back.
+async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<Approval, Error> {
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    match api.create(&params, expected).await {
+        Ok(a) => Ok(a),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            api.get(name).await.map_err(|source| Error::Read {
+                what: "approval",
+                source,
+            })
+        }
+        Err(source) => Err(Error::Write {
+            what: "approval",
+            source,
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -626,7 +813,7 @@ mod tests {
     }
 
     #[test]
-    fn conflicting_edits_run_nothing() {
+    fn conflicting_edits_run_nothing_and_wait_for_a_quorum() {
         let s = spec(
             2,
             vec![
@@ -639,13 +826,213 @@ mod tests {
                 d("bob", ApiVerdict::Edit, HASH, Some(json!({"amount": 200}))),
             ],
         );
-        assert!(matches!(
+        assert_eq!(
             evaluate(&s, t(1)),
+            Evaluation::Pending {
+                expires_at: t(100),
+                approvals: 1
+            }
+        );
+    }
+
+    #[test]
+    fn an_edit_does_not_borrow_the_quorum_of_the_original_arguments() {
+        // bob agrees to 500, alice to 99,999: nobody's set has two approvers.
+        let s = spec(
+            2,
+            vec![
+                d("bob", ApiVerdict::Approve, HASH, None),
+                d(
+                    "alice",
+                    ApiVerdict::Edit,
+                    HASH,
+                    Some(json!({"amount": 99_999})),
+                ),
+            ],
+        );
+        assert!(
+            matches!(evaluate(&s, t(1)), Evaluation::Pending { approvals: 1, .. }),
+            "{:?}",
+            evaluate(&s, t(1))
+        );
+    }
+
+    #[test]
+    fn two_identical_edits_decide_the_edit() {
+        let s = spec(
+            2,
+            vec![
+                d(
+                    "alice",
+                    ApiVerdict::Edit,
+                    HASH,
+                    Some(json!({"amount": 300})),
+                ),
+                d("bob", ApiVerdict::Edit, HASH, Some(json!({"amount": 300}))),
+            ],
+        );
+        match evaluate(&s, t(1)) {
             Evaluation::Decided {
-                verdict: Verdict::Reject,
-                arguments: None,
+                verdict: Verdict::Edit,
+                arguments,
+                decisions,
+            } => {
+                assert_eq!(arguments, Some(json!({"amount": 300})));
+                assert_eq!(decisions.len(), 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        // An edit back to the requested arguments agrees with an approval.
+        let same = spec(
+            2,
+            vec![
+                d("alice", ApiVerdict::Approve, HASH, None),
+                d("bob", ApiVerdict::Edit, HASH, Some(json!({"amount": 500}))),
+            ],
+        );
+        assert!(matches!(
+            evaluate(&same, t(1)),
+            Evaluation::Decided {
+                verdict: Verdict::Approve,
                 ..
             }
         ));
+    }
+
+    fn run(name: &str, uid: &str) -> AgentRun {
+        let mut r = AgentRun::new(name, Default::default());
+        r.metadata.namespace = Some("shop".into());
+        r.metadata.uid = Some(uid.into());
+        r
+    }
+
+    #[test]
+    fn approval_names_carry_the_run_uid_and_never_collide() {
+        let a = approval_name("refund", "uid-1", 4);
+        assert!(
+            a.starts_with("refund-a4-") && a.len() == "refund-a4-".len() + 8,
+            "{a}"
+        );
+        assert_ne!(a, approval_name("refund", "uid-2", 4), "re-created run");
+        let prefix = "x".repeat(60);
+        let (one, two) = (format!("{prefix}-aa"), format!("{prefix}-bb"));
+        let (n1, n2) = (approval_name(&one, "u1", 12), approval_name(&two, "u2", 12));
+        assert_ne!(n1, n2);
+        assert!(n1.len() <= 63 && n2.len() <= 63, "{n1} {n2}");
+        assert!(!approval_name(&format!("{}-", "y".repeat(50)), "u", 1).contains("--"));
+    }
+
+    fn request(args: serde_json::Value) -> ApprovalRequested {
+        ApprovalRequested {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "issue_refund".into(),
+            arguments_hash: crate::policy::arguments_hash("issue_refund", &args),
+            arguments: args,
+            reason: None,
+            observations: vec![],
+            dependencies: vec![],
+            gate: crate::policy::Gate {
+                approvers: Approvers {
+                    users: vec!["alice".into()],
+                    groups: vec![],
+                },
+                required_approvals: 1,
+                expires_after: "10m".into(),
+                ..Default::default()
+            },
+            escalation: 0,
+            alternative: None,
+            kind: crate::api::ApprovalKind::Call,
+            intent_seq: None,
+        }
+    }
+
+    #[test]
+    fn the_expiry_counts_from_the_request_and_is_the_same_when_raised_again() {
+        let r = request(json!({"amount": 500}));
+        let requested = Timestamp::from_millisecond(1_799_999_999_300).unwrap();
+        let first = build(&run("refund", "u1"), 2, &r, requested);
+        let again = build(&run("refund", "u1"), 2, &r, requested);
+        assert_eq!(first.spec.expires_at, again.spec.expires_at);
+        assert_eq!(first.spec.expires_at.0, t(600), "whole seconds, rounded up");
+        assert!(mismatches(&first, &again).is_empty());
+    }
+
+    #[test]
+    fn a_look_alike_approval_is_named_for_what_differs() {
+        let r = request(json!({"amount": 500}));
+        let requested = t(0);
+        let expected = build(&run("refund", "u1"), 2, &r, requested);
+        // Another run's Approval under this name: its uid, arguments and hash.
+        let mut forged = build(
+            &run("other", "u2"),
+            2,
+            &request(json!({"amount": 50_000})),
+            requested,
+        );
+        forged.metadata.name = expected.metadata.name.clone();
+        let wrong = mismatches(&expected, &forged).join("\n");
+        for field in [
+            "metadata.ownerReferences",
+            "spec.runRef",
+            "spec.arguments ",
+            "spec.argumentsHash",
+        ] {
+            assert!(wrong.contains(field), "{field} missing in:\n{wrong}");
+        }
+        // A hash that is not the hash of its own arguments is named as such.
+        let mut bad_hash = expected.clone();
+        bad_hash.spec.arguments = json!({"amount": 5});
+        assert!(
+            mismatches(&expected, &bad_hash)
+                .iter()
+                .any(|m| m.contains("is not the hash of spec.tool and spec.arguments"))
+        );
+        // Decisions are the approvers' part: they never make a mismatch.
+        let mut decided = expected.clone();
+        decided.spec.decisions = vec![d("alice", ApiVerdict::Approve, &r.arguments_hash, None)];
+        assert!(mismatches(&expected, &decided).is_empty());
+    }
+
+    fn pinned(policy: crate::api::ApprovalPolicy) -> Vec<Step> {
+        vec![Step::RunStarted(crate::step::records::RunStarted {
+            run_name: "r".into(),
+            namespace: "n".into(),
+            input: "i".into(),
+            agent: crate::api::AgentTemplate {
+                approval: Some(policy),
+                ..Default::default()
+            },
+            tools: vec![],
+            mcp: Default::default(),
+            versions: Default::default(),
+        })]
+    }
+
+    #[test]
+    fn a_gated_alternative_never_runs_on_expiry() {
+        let policy = crate::api::ApprovalPolicy {
+            rules: vec![crate::api::ApprovalRule {
+                name: "large-refund".into(),
+                tool: "issue_refund".into(),
+                when: Some("args.amount > 100".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let steps = pinned(policy);
+        let mut r = request(json!({"amount": 500}));
+        r.alternative = Some(json!({"amount": 50_000}));
+        let why = alternative_to_run(&steps, 1, &r).unwrap_err();
+        assert!(why.contains("needs approval itself"), "{why}");
+        r.alternative = Some(json!({"amount": 100, "_alternative": {"amount": 9}}));
+        assert_eq!(
+            alternative_to_run(&steps, 1, &r),
+            Ok(Some(json!({"amount": 100})))
+        );
+        r.alternative = None;
+        assert_eq!(alternative_to_run(&steps, 1, &r), Ok(None));
     }
 }

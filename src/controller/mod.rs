@@ -10,6 +10,7 @@ pub mod job;
 mod leader;
 mod metrics;
 pub mod phase;
+pub mod pinned_gate;
 pub mod platform;
 mod reconcile;
 pub mod status;

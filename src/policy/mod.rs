@@ -17,7 +17,7 @@ pub enum Classification {
 }
 
 /// The approval a call needs: who, how many, for how long, and what then.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Gate {
     /// The rule that matched (`default` for `defaultAction`).
@@ -84,6 +84,44 @@ pub fn classify(
         return Classification::RequireApproval(Box::new(gate(policy, &rule, because)));
     }
     Classification::Allow
+}
+
+/// Who may say whether a call with an unknowable outcome happened: the gate
+/// the policy puts on the call, else its default approvers (`None`: nobody is
+/// named, and the run stops for a human). Nobody answering is never taken as
+/// either answer, so the gate always fails on expiry.
+pub fn reconcile_gate(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value) -> Option<Gate> {
+    let mut gate = match classify(policy, tool, args, false) {
+        Classification::RequireApproval(gate) => *gate,
+        Classification::Allow => {
+            let p = policy?;
+            Gate {
+                rule: "reconcile".into(),
+                because: String::new(),
+                approvers: p.default_approvers.clone()?,
+                required_approvals: 1,
+                expires_after: "1h".into(),
+                on_expiry: OnExpiry::Fail,
+                escalate_to: None,
+                max_escalations: 1,
+                dependencies: Vec::new(),
+                separation_of_duties: p.separation_of_duties,
+                notify_webhook: p.notify_webhook.clone(),
+            }
+        }
+    };
+    gate.on_expiry = OnExpiry::Fail;
+    Some(gate)
+}
+
+/// Whether the agent declares `tool` read-only (only HTTP tools can).
+pub fn declared_read_only(agent: &crate::api::AgentTemplate, tool: &str) -> bool {
+    agent
+        .tools
+        .iter()
+        .find(|t| t.name == tool)
+        .and_then(|t| t.http.as_ref())
+        .is_some_and(|h| h.read_only)
 }
 
 fn gate(policy: &ApprovalPolicy, rule: &ApprovalRule, because: String) -> Gate {
@@ -211,5 +249,27 @@ mod tests {
         assert!(
             matches!(classify(Some(&p), "delete_account", &json!({}), false), Classification::RequireApproval(g) if g.rule == "default")
         );
+    }
+
+    #[test]
+    fn a_reconcile_gate_always_fails_on_expiry_and_needs_someone_named() {
+        let mut p = policy(None);
+        p.rules[0].on_expiry = OnExpiry::Alternative;
+        let g = reconcile_gate(Some(&p), "issue_refund", &json!({})).unwrap();
+        assert_eq!(
+            (g.rule.as_str(), g.on_expiry),
+            ("large-refund", OnExpiry::Fail)
+        );
+        assert_eq!(reconcile_gate(Some(&p), "page", &json!({})), None);
+        p.default_approvers = Some(Approvers {
+            users: vec!["oncall".into()],
+            groups: vec![],
+        });
+        let g = reconcile_gate(Some(&p), "page", &json!({})).unwrap();
+        assert_eq!(
+            (g.rule.as_str(), g.on_expiry),
+            ("reconcile", OnExpiry::Fail)
+        );
+        assert_eq!(reconcile_gate(None, "page", &json!({})), None);
     }
 }

@@ -259,6 +259,15 @@ fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> Strin
                 who.join("; ")
             )
         }
+        _ if decided.on_expiry == Some(crate::api::OnExpiry::Alternative)
+            && request.alternative.is_some() =>
+        {
+            format!(
+                "{} was not approved in time (the approval expired). Neither the call nor its alternative ran: \
+                 the alternative needs approval too; propose it as a call of its own if it is still wanted.",
+                request.tool
+            )
+        }
         _ => format!(
             "{} was not approved in time (the approval expired). The call did not run; choose another way.",
             request.tool

@@ -389,8 +389,15 @@ impl RunState {
                     found = Some((seq as u64, None))
                 }
                 Step::ApprovalDecided(d) if found.is_some_and(|(r, _)| r == d.request_seq) => {
-                    let happened = matches!(d.verdict, Verdict::Approve | Verdict::Edit);
-                    found = Some((d.request_seq, Some(happened)));
+                    // Only a human answers "did it happen?". An expiry is no
+                    // answer: the request stays open for the controller,
+                    // which escalates or stops the run, never calls again.
+                    let happened = match d.verdict {
+                        Verdict::Approve | Verdict::Edit => Some(true),
+                        Verdict::Reject => Some(false),
+                        Verdict::Expired => None,
+                    };
+                    found = Some((d.request_seq, happened));
                 }
                 _ => {}
             }
@@ -689,5 +696,47 @@ mod tests {
         assert_eq!(s.budget_exceeded(Some(&b)), None);
         s.apply(model_call(&[]));
         assert!(s.budget_exceeded(Some(&b)).unwrap().contains("cost"));
+    }
+
+    #[test]
+    fn an_expired_reconcile_never_counts_as_did_not_happen() {
+        let mut s = started();
+        s.apply(model_call(&[("page", json!({"why": "x"}))]));
+        s.apply(Step::ToolIntent(ToolIntent {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "page".into(),
+            arguments: json!({"why": "x"}),
+            key: "k".into(),
+        }));
+        let Step::ApprovalRequested(mut r) = request() else {
+            unreachable!()
+        };
+        r.kind = crate::api::ApprovalKind::Reconcile;
+        r.intent_seq = Some(2);
+        s.apply(Step::ApprovalRequested(r));
+        let mut expired = decided(Verdict::Expired, Some(OnExpiry::Fail), None);
+        if let Step::ApprovalDecided(d) = &mut expired {
+            d.request_seq = 3;
+        }
+        s.apply(expired);
+        assert_eq!(
+            s.next(),
+            Next::AwaitApproval { request_seq: 3 },
+            "nobody said it did not happen: the controller stops the run, the call is not made again"
+        );
+        let mut rejected = decided(Verdict::Reject, None, None);
+        if let Step::ApprovalDecided(d) = &mut rejected {
+            d.request_seq = 3;
+        }
+        s.apply(rejected);
+        assert!(matches!(
+            s.next(),
+            Next::Reconciled {
+                happened: false,
+                ..
+            }
+        ));
     }
 }

@@ -457,31 +457,11 @@ impl Runner {
                     self.tools = Some((stamp, tools));
                     let snap = self.snapshot()?;
                     // Who can say whether it happened: the approvers the policy names for this tool.
-                    let gate = match classify(
+                    let gate = crate::policy::reconcile_gate(
                         snap.agent.approval.as_ref(),
                         &intent.tool,
                         &intent.arguments,
-                        false,
-                    ) {
-                        Classification::RequireApproval(gate) => Some(*gate),
-                        Classification::Allow => snap.agent.approval.as_ref().and_then(|p| {
-                            p.default_approvers
-                                .clone()
-                                .map(|approvers| crate::policy::Gate {
-                                    rule: "reconcile".into(),
-                                    because: String::new(),
-                                    approvers,
-                                    required_approvals: 1,
-                                    expires_after: "1h".into(),
-                                    on_expiry: crate::api::OnExpiry::Fail,
-                                    escalate_to: None,
-                                    max_escalations: 1,
-                                    dependencies: Vec::new(),
-                                    separation_of_duties: p.separation_of_duties,
-                                    notify_webhook: p.notify_webhook.clone(),
-                                })
-                        }),
-                    };
+                    );
                     let step = match gate {
                         Some(gate) => Step::ApprovalRequested(approval::reconcile_request(
                             &self.state,

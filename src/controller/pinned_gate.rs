@@ -1,0 +1,429 @@
+//! An `ApprovalRequested` record is written by a step pod (or whoever holds
+//! its per-run credential), so the gate it carries is a claim, not a fact.
+//! Before raising an Approval the controller recomputes the gate from the
+//! policy pinned in the log (`RunStarted`/`VersionChanged`) and refuses a
+//! request whose gate differs or whose call the policy would not gate.
+
+use serde_json::Value;
+
+use crate::api::{AgentTemplate, ApprovalKind, OnExpiry};
+use crate::policy::{Classification, Gate, arguments_hash, classify, declared_read_only};
+use crate::step::approval::split_alternative;
+use crate::step::records::{ApprovalRequested, Verdict};
+use crate::step::replay::Step;
+
+/// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
+pub fn pinned_agent(steps: &[Step], seq: u64) -> Option<&AgentTemplate> {
+    steps.iter().take(seq as usize).rev().find_map(|s| match s {
+        Step::RunStarted(r) => Some(&r.agent),
+        Step::VersionChanged(v) => Some(&v.agent),
+        _ => None,
+    })
+}
+
+/// How the pinned agent classifies `tool` with `args` at `seq`.
+pub fn classify_at(steps: &[Step], seq: u64, tool: &str, args: &Value) -> Classification {
+    match pinned_agent(steps, seq) {
+        Some(agent) => classify(
+            agent.approval.as_ref(),
+            tool,
+            args,
+            declared_read_only(agent, tool),
+        ),
+        // No pinned agent: nothing may run without a human.
+        None => Classification::RequireApproval(Box::default()),
+    }
+}
+
+/// The request that follows `request` when it expires under `onExpiry: Escalate`.
+pub fn escalated(request: &ApprovalRequested) -> ApprovalRequested {
+    let mut next = request.clone();
+    next.escalation += 1;
+    if let Some(to) = &request.gate.escalate_to {
+        next.gate.approvers = to.clone();
+    }
+    next
+}
+
+/// Checks the request at `request_seq` against the pinned policy and the log.
+/// `Err` says which field is wrong and why.
+pub fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
+    let Some(Step::ApprovalRequested(request)) = steps.get(request_seq as usize) else {
+        return Err(format!("record {request_seq} is not an ApprovalRequested"));
+    };
+    let hash = arguments_hash(&request.tool, &request.arguments);
+    if request.arguments_hash != hash {
+        return Err(format!(
+            "argumentsHash {} is not the hash of its tool and arguments ({hash})",
+            request.arguments_hash
+        ));
+    }
+    if request.escalation > 0 {
+        return check_escalation(steps, request_seq, request);
+    }
+    let mut expected = match request.kind {
+        ApprovalKind::Call => expected_call_gate(steps, request_seq, request)?,
+        ApprovalKind::Reconcile => expected_reconcile_gate(steps, request_seq, request)?,
+    };
+    // `because` is prose for people, not policy: its wording may change
+    // between versions without failing the runs waiting on an approval.
+    expected.because = request.gate.because.clone();
+    let differences = gate_differences(&request.gate, &expected);
+    if differences.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "its gate is not the one the pinned policy gives {}: {}",
+            request.tool,
+            differences.join("; ")
+        ))
+    }
+}
+
+/// A call's gate: the model proposed exactly this call, and the policy gates it.
+fn expected_call_gate(
+    steps: &[Step],
+    request_seq: u64,
+    request: &ApprovalRequested,
+) -> Result<Gate, String> {
+    let proposed = match steps.get(request.model_call_seq as usize) {
+        Some(Step::ModelCall(m)) if request.model_call_seq < request_seq => {
+            m.response.tool_calls.get(request.call_index)
+        }
+        _ => None,
+    };
+    let Some(proposed) = proposed else {
+        return Err(format!(
+            "modelCallSeq {} / callIndex {} name no call the model proposed",
+            request.model_call_seq, request.call_index
+        ));
+    };
+    let (arguments, alternative) = split_alternative(&proposed.arguments);
+    if proposed.name != request.tool
+        || proposed.id != request.call_id
+        || arguments != request.arguments
+        || alternative != request.alternative
+    {
+        return Err(format!(
+            "tool and arguments are not the call the model proposed at record {} ({})",
+            request.model_call_seq, proposed.name
+        ));
+    }
+    match classify_at(steps, request_seq, &request.tool, &request.arguments) {
+        Classification::RequireApproval(gate) => Ok(*gate),
+        Classification::Allow => Err(format!(
+            "the pinned policy does not gate this {} call: nothing asked for an approval",
+            request.tool
+        )),
+    }
+}
+
+/// A reconcile request's gate: about an intent recorded for this very call.
+fn expected_reconcile_gate(
+    steps: &[Step],
+    request_seq: u64,
+    request: &ApprovalRequested,
+) -> Result<Gate, String> {
+    let intent = match request.intent_seq {
+        Some(i) if i < request_seq => match steps.get(i as usize) {
+            Some(Step::ToolIntent(intent)) => Some(intent),
+            _ => None,
+        },
+        _ => None,
+    };
+    let Some(intent) = intent.filter(|i| {
+        i.tool == request.tool
+            && i.arguments == request.arguments
+            && i.model_call_seq == request.model_call_seq
+            && i.call_index == request.call_index
+    }) else {
+        return Err(format!(
+            "intentSeq {:?} names no recorded intent to call {} with these arguments",
+            request.intent_seq, request.tool
+        ));
+    };
+    let policy = pinned_agent(steps, request_seq).and_then(|a| a.approval.as_ref());
+    crate::policy::reconcile_gate(policy, &intent.tool, &intent.arguments)
+        .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
+}
+
+/// An escalation is exactly the expired request, passed on, within its limit.
+fn check_escalation(
+    steps: &[Step],
+    request_seq: u64,
+    request: &ApprovalRequested,
+) -> Result<(), String> {
+    let previous = steps[..request_seq as usize]
+        .iter()
+        .enumerate()
+        .rev()
+        .find_map(|(seq, s)| match s {
+            Step::ApprovalRequested(r)
+                if r.model_call_seq == request.model_call_seq
+                    && r.call_index == request.call_index
+                    && r.kind == request.kind =>
+            {
+                Some((seq as u64, r))
+            }
+            _ => None,
+        });
+    let Some((prev_seq, prev)) = previous else {
+        return Err(format!(
+            "escalation {} follows no earlier request for this call",
+            request.escalation
+        ));
+    };
+    let expired_into_escalation = steps[prev_seq as usize..request_seq as usize]
+        .iter()
+        .any(|s| {
+            matches!(s, Step::ApprovalDecided(d) if d.request_seq == prev_seq
+                && d.verdict == Verdict::Expired
+                && d.on_expiry == Some(OnExpiry::Escalate))
+        });
+    if !expired_into_escalation {
+        return Err(format!(
+            "escalation {}: the request at record {prev_seq} did not expire into an escalation",
+            request.escalation
+        ));
+    }
+    if prev.escalation >= prev.gate.max_escalations {
+        return Err(format!(
+            "escalation {} exceeds maxEscalations {}",
+            request.escalation, prev.gate.max_escalations
+        ));
+    }
+    if *request != escalated(prev) {
+        return Err(format!(
+            "escalation {} is not the request at record {prev_seq} passed on to escalateTo",
+            request.escalation
+        ));
+    }
+    check(steps, prev_seq)
+}
+
+/// The gate fields that differ, each naming the recorded and the pinned value.
+pub fn gate_differences(recorded: &Gate, expected: &Gate) -> Vec<String> {
+    let (Value::Object(r), Value::Object(e)) = (
+        serde_json::to_value(recorded).unwrap_or_default(),
+        serde_json::to_value(expected).unwrap_or_default(),
+    ) else {
+        return vec!["the gate does not serialize".into()];
+    };
+    let mut keys: Vec<&String> = r.keys().chain(e.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| r.get(*k) != e.get(*k))
+        .map(|k| {
+            let show = |v: Option<&Value>| v.map_or("absent".to_string(), Value::to_string);
+            format!(
+                "gate.{k} is {}, the pinned policy says {}",
+                show(r.get(k)),
+                show(e.get(k))
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{ApprovalPolicy, ApprovalRule, Approvers};
+    use crate::model::{ModelResponse, TokenUsage, ToolCall};
+    use crate::step::records::{ApprovalDecided, ModelCall, RunStarted, ToolIntent};
+    use serde_json::json;
+
+    fn agent() -> AgentTemplate {
+        AgentTemplate {
+            approval: Some(ApprovalPolicy {
+                rules: vec![ApprovalRule {
+                    name: "large-refund".into(),
+                    tool: "issue_refund".into(),
+                    when: Some("args.amount > 100".into()),
+                    approvers: Approvers {
+                        users: vec![],
+                        groups: vec!["finance".into()],
+                    },
+                    required_approvals: 2,
+                    expires_after: "10m".into(),
+                    on_expiry: OnExpiry::Escalate,
+                    escalate_to: Some(Approvers {
+                        users: vec!["boss".into()],
+                        groups: vec![],
+                    }),
+                    max_escalations: 1,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn log(args: Value) -> Vec<Step> {
+        vec![
+            Step::RunStarted(RunStarted {
+                run_name: "r".into(),
+                namespace: "n".into(),
+                input: "i".into(),
+                agent: agent(),
+                tools: vec![],
+                mcp: Default::default(),
+                versions: Default::default(),
+            }),
+            Step::ModelCall(ModelCall {
+                response: ModelResponse {
+                    text: None,
+                    tool_calls: vec![ToolCall {
+                        id: "c0".into(),
+                        name: "issue_refund".into(),
+                        arguments: args,
+                    }],
+                    usage: TokenUsage::default(),
+                    model_id: "m".into(),
+                    stop_reason: None,
+                },
+                cost_usd: 0.0,
+                context: Default::default(),
+            }),
+        ]
+    }
+
+    fn honest_request(steps: &[Step], args: Value) -> ApprovalRequested {
+        let Classification::RequireApproval(gate) = classify_at(steps, 2, "issue_refund", &args)
+        else {
+            panic!("gated")
+        };
+        ApprovalRequested {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "issue_refund".into(),
+            arguments_hash: arguments_hash("issue_refund", &args),
+            arguments: args,
+            reason: None,
+            observations: vec![],
+            dependencies: vec![],
+            gate: *gate,
+            escalation: 0,
+            alternative: None,
+            kind: ApprovalKind::Call,
+            intent_seq: None,
+        }
+    }
+
+    fn with(mut steps: Vec<Step>, request: ApprovalRequested) -> Vec<Step> {
+        steps.push(Step::ApprovalRequested(request));
+        steps
+    }
+
+    #[test]
+    fn an_honest_request_passes() {
+        let steps = log(json!({"amount": 500}));
+        let r = honest_request(&steps, json!({"amount": 500}));
+        assert_eq!(check(&with(steps, r), 2), Ok(()));
+    }
+
+    #[test]
+    fn a_weakened_gate_is_refused_naming_the_field() {
+        let steps = log(json!({"amount": 500}));
+        let mut r = honest_request(&steps, json!({"amount": 500}));
+        r.gate.required_approvals = 1;
+        r.gate.approvers.users = vec!["mallory".into()];
+        let err = check(&with(steps, r), 2).unwrap_err();
+        assert!(
+            err.contains("gate.requiredApprovals is 1, the pinned policy says 2")
+                && err.contains("gate.approvers"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_call_the_policy_does_not_gate_or_the_model_did_not_propose_is_refused() {
+        let steps = log(json!({"amount": 50}));
+        let mut r = honest_request(&log(json!({"amount": 500})), json!({"amount": 500}));
+        r.arguments = json!({"amount": 50});
+        r.arguments_hash = arguments_hash("issue_refund", &r.arguments);
+        let err = check(&with(steps, r), 2).unwrap_err();
+        assert!(err.contains("does not gate"), "{err}");
+
+        let steps = log(json!({"amount": 500}));
+        let r = honest_request(&steps, json!({"amount": 900}));
+        let err = check(&with(steps, r), 2).unwrap_err();
+        assert!(err.contains("not the call the model proposed"), "{err}");
+    }
+
+    #[test]
+    fn a_hash_of_other_arguments_is_refused() {
+        let steps = log(json!({"amount": 500}));
+        let mut r = honest_request(&steps, json!({"amount": 500}));
+        r.arguments_hash = "0".repeat(64);
+        let err = check(&with(steps, r), 2).unwrap_err();
+        assert!(err.contains("argumentsHash"), "{err}");
+    }
+
+    #[test]
+    fn an_escalation_must_follow_an_expiry_and_stay_within_its_limit() {
+        let steps = log(json!({"amount": 500}));
+        let first = honest_request(&steps, json!({"amount": 500}));
+        let steps = with(steps, first.clone());
+        // Not expired: an escalation is a forgery.
+        let err = check(&with(steps.clone(), escalated(&first)), 3).unwrap_err();
+        assert!(err.contains("did not expire"), "{err}");
+        let mut expired = steps.clone();
+        expired.push(Step::ApprovalDecided(ApprovalDecided {
+            request_seq: 2,
+            approval: "a".into(),
+            verdict: Verdict::Expired,
+            decisions: vec![],
+            arguments: None,
+            observations_hash: "o".into(),
+            on_expiry: Some(OnExpiry::Escalate),
+        }));
+        let second = escalated(&first);
+        assert_eq!(second.gate.approvers.users, vec!["boss".to_string()]);
+        assert_eq!(check(&with(expired.clone(), second.clone()), 4), Ok(()));
+        let mut forged = second.clone();
+        forged.gate.approvers.users = vec!["mallory".into()];
+        assert!(check(&with(expired.clone(), forged), 4).is_err());
+        // maxEscalations is 1: a second escalation is refused.
+        let mut twice = with(expired, second.clone());
+        twice.push(Step::ApprovalDecided(ApprovalDecided {
+            request_seq: 4,
+            approval: "b".into(),
+            verdict: Verdict::Expired,
+            decisions: vec![],
+            arguments: None,
+            observations_hash: "o".into(),
+            on_expiry: Some(OnExpiry::Escalate),
+        }));
+        let err = check(&with(twice, escalated(&second)), 6).unwrap_err();
+        assert!(err.contains("maxEscalations"), "{err}");
+    }
+
+    #[test]
+    fn a_reconcile_request_must_name_its_intent_and_fail_on_expiry() {
+        let mut steps = log(json!({"amount": 500}));
+        steps.push(Step::ToolIntent(ToolIntent {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "issue_refund".into(),
+            arguments: json!({"amount": 500}),
+            key: "k".into(),
+        }));
+        let mut r = honest_request(&steps, json!({"amount": 500}));
+        r.kind = ApprovalKind::Reconcile;
+        r.intent_seq = Some(2);
+        r.gate.on_expiry = OnExpiry::Fail;
+        r.gate.because = "unknown".into();
+        assert_eq!(check(&with(steps.clone(), r.clone()), 3), Ok(()));
+        let mut lenient = r.clone();
+        lenient.gate.on_expiry = OnExpiry::ReturnToAgent;
+        assert!(check(&with(steps.clone(), lenient), 3).is_err());
+        let mut nowhere = r;
+        nowhere.intent_seq = Some(1);
+        let err = check(&with(steps, nowhere), 3).unwrap_err();
+        assert!(err.contains("intentSeq"), "{err}");
+    }
+}
