@@ -340,7 +340,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("log.db").display());
         let store = crate::store::open(&url).await.unwrap();
-        let key = TokenKey::new(&[9; 32]).unwrap();
+        let key = TokenKey::new(&[b'k'; 32]).unwrap();
         let addr = serve(
             "127.0.0.1:0".parse().unwrap(),
             Gateway::new(store, key.clone()),
@@ -398,7 +398,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("log.db").display());
         let store = crate::store::open(&url).await.unwrap();
-        let key = TokenKey::new(&[9; 32]).unwrap();
+        let key = TokenKey::new(&[b'k'; 32]).unwrap();
         let addr = serve(
             "127.0.0.1:0".parse().unwrap(),
             Gateway::new(store.clone(), key.clone()),

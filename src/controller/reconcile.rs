@@ -238,8 +238,13 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             Duration::from_secs(1)
         }
         Act::Finish(finished) => {
-            append(ctx, &uid, &head, Step::RunFinished(finished)).await?;
-            Duration::ZERO
+            match append(ctx, &uid, &head, Step::RunFinished(finished)).await {
+                Ok(()) => Duration::ZERO,
+                // The step runner that reached the end is still exiting: it
+                // releases the lease in a moment.
+                Err(Error::Store(StoreError::LeaseHeld { .. })) => Duration::from_millis(500),
+                Err(e) => return Err(e),
+            }
         }
         Act::Conclude(finished) => {
             concluded = Some(finished);

@@ -189,7 +189,7 @@ impl WireError {
                 url,
                 reason: self.message,
             },
-            "unauthorized" | "forbidden" => StoreError::PermissionDenied {
+            "unauthorized" | "forbidden" | "run_finished" => StoreError::PermissionDenied {
                 url,
                 reason: self.message,
             },
@@ -225,6 +225,8 @@ impl RemoteStore {
                 ),
             });
         }
+        // reqwest is built without a default TLS provider: the process uses ring.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .build()
