@@ -614,12 +614,17 @@ async fn stop_tampered(
     let message = format!("the step log failed verification: {tampered}");
     let generation = run.metadata.generation;
     let mut status = run.status.clone().unwrap_or_default();
-    status.phase = Some(crate::api::Phase::Failed);
-    status.error = Some(message.clone());
-    status.waiting_on = None;
-    status.approval = None;
-    status.finished_at.get_or_insert(Time(now));
-    for type_ in [LOG_INTACT, status::SUCCEEDED] {
+    let mut conditions = vec![LOG_INTACT];
+    // A run that already ended keeps its outcome; the condition says its evidence broke.
+    if !status.phase.is_some_and(|p| p.is_terminal()) {
+        status.phase = Some(crate::api::Phase::Failed);
+        status.error = Some(message.clone());
+        status.waiting_on = None;
+        status.approval = None;
+        status.finished_at.get_or_insert(Time(now));
+        conditions.push(status::SUCCEEDED);
+    }
+    for type_ in conditions {
         super::decide::set_condition(
             &mut status.conditions,
             super::decide::condition(type_, false, "LogTampered", &message, generation, now),

@@ -271,28 +271,31 @@ async fn store_a_namespace_user_gets_one_runs_token_and_nothing_more() {
     assert!(w.standins.effects(w.name()).await.is_empty());
 }
 
-/// Runs `sql` (with `$1` = the run uid) as the database superuser.
-async fn as_superuser(sql: &[&str], uid: &str) {
+/// Runs `sql` (with `$1` = the run uid) as the database superuser, on one
+/// connection; returns how many rows the statements naming the run touched.
+async fn as_superuser(sql: &[&'static str], uid: &str) -> u64 {
     let mut url = url::Url::parse(common::store::pg_admin_url()).unwrap();
     url.set_path("/agentrun_e2e");
     let mut conn = sqlx::PgConnection::connect(url.as_str())
         .await
         .expect("connecting as the superuser");
-    for q in sql {
-        let q = sqlx::query(q);
-        let q = if q.sql().contains("$1") {
-            q.bind(uid)
+    let mut touched = 0;
+    for &q in sql {
+        let query = sqlx::query(q);
+        let query = if q.contains("$1") {
+            query.bind(uid)
         } else {
-            q
+            query
         };
-        q.execute(&mut conn)
+        let done = query
+            .execute(&mut conn)
             .await
-            .unwrap_or_else(|e| panic!("{}: {e}", q_text(sql, uid)));
+            .unwrap_or_else(|e| panic!("{q} for run {uid}: {e}"));
+        if q.contains("$1") {
+            touched += done.rows_affected();
+        }
     }
-}
-
-fn q_text(sql: &[&str], uid: &str) -> String {
-    format!("{sql:?} for run {uid}")
+    touched
 }
 
 /// Waits for the run to be stopped for a tampered log; returns it.
@@ -343,7 +346,7 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
     // 1. History edited by the superuser with the append-only trigger off:
     //    the model's proposed refund becomes 50 (under the approval threshold).
     let uid = edited.metadata.uid.clone().unwrap();
-    as_superuser(
+    let touched = as_superuser(
         &[
             "SET session_replication_role = replica",
             "UPDATE agentrun_steps SET body = replace(body, '\"amount\":500', '\"amount\":50') WHERE run = $1 AND kind = 'ModelCall'",
@@ -352,9 +355,10 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
         &uid,
     )
     .await;
+    assert_eq!(touched, 1, "the ModelCall was edited");
     // 2. The tail deleted as the retention role (the chain that is left verifies).
     let uid_cut = cut.metadata.uid.clone().unwrap();
-    as_superuser(
+    let touched = as_superuser(
         &[
             "SET ROLE agentrun_retention",
             "DELETE FROM agentrun_steps WHERE run = $1 AND seq = (SELECT max(seq) FROM agentrun_steps WHERE run = $1)",
@@ -363,8 +367,12 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
         &uid_cut,
     )
     .await;
+    assert_eq!(touched, 1, "the last record was deleted");
 
-    for (before, how) in [(&edited, "verification"), (&cut, "records were removed")] {
+    for (before, how) in [
+        (&edited, "the record was altered"),
+        (&cut, "records were removed"),
+    ] {
         let name = before.metadata.name.clone().unwrap();
         let after = wait_tampered(&w, &name).await;
         let (was, now) = (
@@ -395,5 +403,39 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
         .and_then(|v| v.parse::<f64>().ok());
     assert_eq!(failures, Some(2.0), "{metrics}");
     // Nothing ran on the strength of the edited record.
+    assert!(w.standins.effects(w.name()).await.is_empty());
+
+    // A step runner given the anchor refuses the shortened log too, before
+    // acting on it (the chain that is left verifies on its own).
+    let was = cut.status.as_ref().unwrap().log.clone().unwrap();
+    let secrets: Api<Secret> = Api::namespaced(w.client.clone(), w.name());
+    let token = secrets
+        .get(&format!("agentrun-step-{uid_cut}"))
+        .await
+        .unwrap()
+        .data
+        .unwrap()["token"]
+        .0
+        .clone();
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentrun"))
+        .arg("step")
+        .env("AGENTRUN_RUN_UID", &uid_cut)
+        .env("AGENTRUN_STORE_URL", w.step_api_url())
+        .env("AGENTRUN_STORE_TOKEN", String::from_utf8(token).unwrap())
+        .env(
+            "AGENTRUN_LOG_ANCHOR",
+            format!("{}:{}", was.length, was.head_hash.unwrap()),
+        )
+        .env("POD_NAME", "anchor-check")
+        .output()
+        .await
+        .expect("running agentrun step");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the runner went on: {stderr}");
+    assert!(
+        stderr.contains("checking the step log against the controller's anchor")
+            && stderr.contains("records were removed"),
+        "{stderr}"
+    );
     assert!(w.standins.effects(w.name()).await.is_empty());
 }
