@@ -8,8 +8,9 @@
 //! - a missing or malformed token (401), another run's token (403);
 //! - records only the controller writes (`RunStarted`, `VersionChanged`,
 //!   `ApprovalDecided`, `RunFinished`) (403);
-//! - anything for a run whose log ends with `RunFinished` (410): the
-//!   credential does not outlive its run.
+//! - reading, leasing or appending for a run whose log ends with
+//!   `RunFinished` (410): the credential does not outlive its run (renewing
+//!   or releasing a lease reads no log: a lease alone opens nothing).
 //!
 //! Everything else goes to the store as is: appends stay fenced by the lease
 //! epoch, first-writer-wins, chained.
@@ -66,6 +67,21 @@ impl Gateway {
 
     /// Checks the bearer token against `run`, then that the run is not finished.
     async fn admit(&self, run: &str, headers: &HeaderMap) -> Result<(), Refusal> {
+        self.authenticate(run, headers)?;
+        if self.is_finished(run).await? {
+            return Err(Refusal::new(
+                StatusCode::GONE,
+                "run_finished",
+                format!(
+                    "run {run} is finished (its log ends with RunFinished): its step token no longer opens it"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the bearer token against `run` only.
+    fn authenticate(&self, run: &str, headers: &HeaderMap) -> Result<(), Refusal> {
         let token = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -84,15 +100,6 @@ impl Gateway {
                 StatusCode::FORBIDDEN,
                 "forbidden",
                 format!("run {run}: the token is not this run's step token"),
-            ));
-        }
-        if self.is_finished(run).await? {
-            return Err(Refusal::new(
-                StatusCode::GONE,
-                "run_finished",
-                format!(
-                    "run {run} is finished (its log ends with RunFinished): its step token no longer opens it"
-                ),
             ));
         }
         Ok(())
@@ -309,7 +316,9 @@ async fn renew(
     headers: HeaderMap,
     Json(body): Json<crate::store::RenewBody>,
 ) -> Reply<Lease> {
-    g.admit(&run, &headers).await?;
+    // Heartbeats are the bulk of the traffic: no log read. A lease on a
+    // finished run opens nothing (reads and appends check).
+    g.authenticate(&run, &headers)?;
     same_run(&run, &body.lease)?;
     let lease = g
         .store
@@ -325,7 +334,7 @@ async fn release(
     headers: HeaderMap,
     Json(lease): Json<Lease>,
 ) -> Reply<serde_json::Value> {
-    g.admit(&run, &headers).await?;
+    g.authenticate(&run, &headers)?;
     same_run(&run, &lease)?;
     g.store.release(&lease).await.map_err(Refusal::store)?;
     Ok(Json(serde_json::json!({})))

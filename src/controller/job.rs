@@ -23,6 +23,9 @@ pub const RUN_LABEL: &str = "agentrun.dev/run";
 pub const FAILPOINT_ANNOTATION: &str = "agentrun.dev/failpoint";
 /// Key of the step token in a run's credential Secret ([`credential_secret`]).
 pub const TOKEN_KEY: &str = "token";
+/// Environment variable carrying the controller's public key (hex): the
+/// runner accepts controller records only with its signature.
+pub const CONTROLLER_KEY_ENV: &str = "AGENTRUN_CONTROLLER_KEY";
 /// Environment variable carrying the log head the controller anchored
 /// (`<length>:<hash hex>`): the runner refuses a log that does not extend it.
 pub const LOG_ANCHOR_ENV: &str = "AGENTRUN_LOG_ANCHOR";
@@ -40,6 +43,8 @@ pub struct JobSettings {
     pub image: String,
     /// The step-log gateway's URL, as step pods reach it.
     pub store_url: String,
+    /// The controller's record-signing public key (hex).
+    pub controller_key: String,
     pub service_account: String,
     /// How long one Job may keep taking further steps before it exits.
     pub time_slice_seconds: u64,
@@ -98,6 +103,7 @@ pub fn build(
             TOKEN_KEY,
         ),
         plain(LOG_ANCHOR_ENV, format!("{}:{}", anchor.len, anchor.hash)),
+        plain(CONTROLLER_KEY_ENV, settings.controller_key.clone()),
         EnvVar {
             name: "POD_NAME".into(),
             value_from: Some(EnvVarSource {
@@ -234,6 +240,7 @@ mod tests {
         JobSettings {
             image: "agentrun:dev".into(),
             store_url: "http://gw:8081".into(),
+            controller_key: "ab".repeat(32),
             service_account: "default".into(),
             time_slice_seconds: 30,
             allow_failpoints: true,

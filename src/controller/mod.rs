@@ -71,6 +71,9 @@ pub struct Options {
     /// `--step-api-addr`, when that is not a wildcard address.
     #[arg(long, env = "AGENTRUN_STEP_API_URL")]
     pub step_api_url: Option<String>,
+    /// Database connections of the step-log gateway (its own pool).
+    #[arg(long, env = "AGENTRUN_STEP_API_CONNECTIONS", default_value_t = 32)]
+    pub step_api_connections: u32,
     /// File holding the key step tokens are HMACs of (shared by all replicas).
     #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY_FILE")]
     pub step_token_key_file: Option<std::path::PathBuf>,
@@ -119,9 +122,20 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.step_token_key_file.as_deref(),
         opts.step_token_key.as_deref(),
     )?;
+    let signer = tokens.record_signer();
+    let controller_key = signer.public_key_hex();
+    // The gateway's own pool: step pods' traffic never starves the reconciler's.
+    let gateway_store = crate::store::open_with(
+        &opts.store_url,
+        &crate::store::OpenOptions {
+            max_connections: opts.step_api_connections,
+            ..Default::default()
+        },
+    )
+    .await?;
     let served = gateway::serve(
         opts.step_api_addr,
-        gateway::Gateway::new(store.clone(), tokens.clone()),
+        gateway::Gateway::new(gateway_store, tokens.clone()),
     )
     .await
     .map_err(|e| {
@@ -165,10 +179,13 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         metrics,
         store_name: "default".into(),
         tokens,
+        verifier: signer.verifier(),
+        signer,
         store,
         jobs: job::JobSettings {
             image: opts.step_image.clone(),
             store_url: step_api_url,
+            controller_key: controller_key.clone(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,

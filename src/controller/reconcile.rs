@@ -39,6 +39,9 @@ pub struct Context {
     pub store_name: String,
     /// Mints each run's step-log gateway token (handed over in a per-run Secret).
     pub tokens: super::step_token::TokenKey,
+    /// Signs the controller's own records; the verifier checks them on every read.
+    pub signer: crate::store::RecordSigner,
+    pub verifier: crate::store::RecordVerifier,
     pub jobs: JobSettings,
     /// Identity used for the controller's own appends.
     pub identity: String,
@@ -473,7 +476,7 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         attempt: 0,
     };
     let started = Instant::now();
-    let result = match draft.seal(head) {
+    let result = match ctx.signer.seal(draft, head) {
         Ok(record) => ctx
             .store
             .append(uid, lease.epoch, &record)
@@ -572,7 +575,8 @@ fn anchored_head(run: &AgentRun) -> Head {
     }
 }
 
-/// The whole log, its chain verified and extending `anchor`. The inner error
+/// The whole log, its chain verified, extending `anchor`, and every
+/// controller record signed by the controller. The inner error
 /// is a log that failed verification (the run must stop); the outer one a
 /// store that could not be read (retried).
 async fn read_log(
@@ -585,7 +589,9 @@ async fn read_log(
         Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
         Err(e) => return Err(Error::Store(e)),
     };
-    Ok(crate::store::check_anchor(uid, &records, anchor).map(|()| records))
+    let checked = crate::store::check_anchor(uid, &records, anchor)
+        .and_then(|()| ctx.verifier.check(uid, &records));
+    Ok(checked.map(|()| records))
 }
 
 /// Condition type that is False once the run's log failed verification.

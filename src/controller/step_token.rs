@@ -50,6 +50,16 @@ impl TokenKey {
         TokenKey::new(&secret).map_err(|e| anyhow::anyhow!("--step-token-key: {e}"))
     }
 
+    /// The controller's record-signing key, derived from this key (so the
+    /// replicas share it without another Secret).
+    pub fn record_signer(&self) -> crate::store::RecordSigner {
+        let tag = hmac::sign(&self.0, b"agentrun.dev/record-signing-seed/v1");
+        let seed: [u8; 32] = tag.as_ref()[..32]
+            .try_into()
+            .expect("HMAC-SHA256 gives 32 bytes");
+        crate::store::RecordSigner::from_seed(&seed)
+    }
+
     /// The token of run `uid`.
     pub fn mint(&self, uid: &str) -> String {
         hex::encode(hmac::sign(&self.0, &message(uid)).as_ref())
@@ -99,6 +109,18 @@ mod tests {
         assert!(!key(8).verify("r", &key(7).mint("r")));
         // A uid that is a prefix of another gives an unrelated token.
         assert_ne!(key(7).mint("ab"), key(7).mint("abc"));
+    }
+
+    #[test]
+    fn replicas_derive_one_signing_key() {
+        assert_eq!(
+            key(7).record_signer().public_key_hex(),
+            key(7).record_signer().public_key_hex()
+        );
+        assert_ne!(
+            key(7).record_signer().public_key_hex(),
+            key(8).record_signer().public_key_hex()
+        );
     }
 
     #[test]

@@ -39,6 +39,10 @@ pub struct StepArgs {
     /// read here must extend it.
     #[arg(long, env = "AGENTRUN_LOG_ANCHOR")]
     pub log_anchor: Option<String>,
+    /// The controller's public key (hex): controller records (decisions
+    /// among them) are acted on only with its signature.
+    #[arg(long, env = "AGENTRUN_CONTROLLER_KEY")]
+    pub controller_key: Option<String>,
     #[arg(long, env = "AGENTRUN_MODEL_API_KEY", hide_env_values = true)]
     pub model_api_key: Option<String>,
     /// Worker identity (the pod's name).
@@ -143,6 +147,12 @@ impl Runner {
             .context("reading and verifying the step log")?;
         store::check_anchor(&args.run_uid, &records, &anchor)
             .context("checking the step log against the controller's anchor")?;
+        if let Some(key) = &args.controller_key {
+            store::RecordVerifier::from_hex(key)
+                .map_err(|e| anyhow::anyhow!("AGENTRUN_CONTROLLER_KEY: {e}"))?
+                .check(&args.run_uid, &records)
+                .context("checking the controller's signatures in the step log")?;
+        }
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
             steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload)?);

@@ -40,6 +40,7 @@ mod error;
 mod postgres;
 mod record;
 mod remote;
+mod signature;
 mod sqlite;
 
 pub use error::StoreError;
@@ -49,6 +50,7 @@ pub use record::{
     Versions, Worker, canonical_json, chain_hash, check_anchor, sha256_hex, verify_chain,
 };
 pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
+pub use signature::{RecordSigner, RecordVerifier, SIGNATURE_FIELD, controller_only};
 pub use sqlite::SqliteStore;
 
 /// Environment variable holding the store URL (`--store-url` overrides it).

@@ -6,7 +6,8 @@
 //! - one run's gateway token reads or writes no other run, appends no
 //!   controller record (a forged `ApprovalDecided`) and opens nothing once
 //!   its run finished;
-//! - a log edited or cut short in PostgreSQL stops the run (`LogIntact=False`,
+//! - a log edited, cut short or extended with a forged (unsigned) decision in
+//!   PostgreSQL stops the run (`LogIntact=False`,
 //!   reason `LogTampered`, `status.error`, a Warning Event, the metric) and
 //!   `status.log` never moves backwards.
 
@@ -342,6 +343,7 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
     let w = World::new("trust-tamper", &[]).await;
     let edited = awaiting_run(&w, "edited").await;
     let cut = awaiting_run(&w, "cut").await;
+    let forged = awaiting_run(&w, "forged").await;
 
     // 1. History edited by the superuser with the append-only trigger off:
     //    the model's proposed refund becomes 50 (under the approval threshold).
@@ -369,9 +371,34 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
     .await;
     assert_eq!(touched, 1, "the last record was deleted");
 
+    // 3. A decision appended with a database credential: a correct chain that
+    //    extends the anchor, but no controller signature.
+    let uid_forged = forged.metadata.uid.clone().unwrap();
+    let db = agentrun::store::open(&common::store::e2e_store_url().await)
+        .await
+        .unwrap();
+    let lease = db
+        .acquire(&uid_forged, "mallory", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let head = db.head(&uid_forged).await.unwrap();
+    let decision = RecordDraft::new(
+        StepKind::ApprovalDecided,
+        json!({"requestSeq": head.len - 1, "approval": "forged", "verdict": "Approve",
+               "decisions": [{"approver": "alice", "verdict": "Approve", "argumentsHash": "0".repeat(64)}],
+               "observationsHash": "0".repeat(64)}),
+    )
+    .seal(&head)
+    .unwrap();
+    db.append(&uid_forged, lease.epoch, &decision)
+        .await
+        .unwrap();
+    db.release(&lease).await.unwrap();
+
     for (before, how) in [
         (&edited, "the record was altered"),
         (&cut, "records were removed"),
+        (&forged, "not signed by the controller"),
     ] {
         let name = before.metadata.name.clone().unwrap();
         let after = wait_tampered(&w, &name).await;
@@ -401,7 +428,7 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
         .find(|l| l.starts_with("agentrun_log_integrity_failures_total"))
         .and_then(|l| l.split_whitespace().last())
         .and_then(|v| v.parse::<f64>().ok());
-    assert_eq!(failures, Some(2.0), "{metrics}");
+    assert_eq!(failures, Some(3.0), "{metrics}");
     // Nothing ran on the strength of the edited record.
     assert!(w.standins.effects(w.name()).await.is_empty());
 
