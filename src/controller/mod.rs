@@ -72,7 +72,7 @@ pub struct Options {
     #[arg(long, env = "AGENTRUN_STEP_API_URL")]
     pub step_api_url: Option<String>,
     /// Database connections of the step-log gateway (its own pool).
-    #[arg(long, env = "AGENTRUN_STEP_API_CONNECTIONS", default_value_t = 32)]
+    #[arg(long, env = "AGENTRUN_STEP_API_CONNECTIONS", default_value_t = 64)]
     pub step_api_connections: u32,
     /// File holding the key step tokens are HMACs of (shared by all replicas).
     #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY_FILE")]
@@ -129,6 +129,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         &opts.store_url,
         &crate::store::OpenOptions {
             max_connections: opts.step_api_connections,
+            // Under a burst of step pods a request waits for a connection
+            // rather than failing: the runner's HTTP timeout is longer.
+            acquire_timeout: Duration::from_secs(25),
             ..Default::default()
         },
     )

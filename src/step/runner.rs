@@ -81,18 +81,22 @@ pub async fn run(args: StepArgs) -> anyhow::Result<()> {
     result
 }
 
-/// Takes the lease, waiting out a previous worker's lease if it is still live.
+/// Takes the lease, waiting out a previous worker's lease if it is still
+/// live, and a store (or gateway) outage as long as appends would.
 async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease> {
-    let deadline = Instant::now() + LEASE_TTL * 3;
+    let started = Instant::now();
     loop {
+        let waited = started.elapsed();
         match store.acquire(&args.run_uid, &args.worker, LEASE_TTL).await {
             Ok(lease) => {
                 tracing::info!(run = %args.run_uid, epoch = lease.epoch, "took the run lease");
                 return Ok(lease);
             }
-            Err(e @ (StoreError::LeaseHeld { .. } | StoreError::Unavailable { .. }))
-                if Instant::now() < deadline =>
-            {
+            Err(e @ StoreError::LeaseHeld { .. }) if waited < LEASE_TTL * 3 => {
+                tracing::info!(error = %e, "waiting for the run lease");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e @ StoreError::Unavailable { .. }) if waited < Duration::from_secs(120) => {
                 tracing::info!(error = %e, "waiting for the run lease");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
