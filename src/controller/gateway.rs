@@ -133,14 +133,14 @@ impl Gateway {
 #[derive(Debug)]
 pub struct Refusal {
     status: StatusCode,
-    body: WireError,
+    body: Box<WireError>,
 }
 
 impl Refusal {
     fn new(status: StatusCode, code: &str, message: String) -> Refusal {
         Refusal {
             status,
-            body: WireError::refusal(code, message),
+            body: Box::new(WireError::refusal(code, message)),
         }
     }
 
@@ -160,7 +160,7 @@ impl Refusal {
         }
         Refusal {
             status,
-            body: WireError::from_store(&e),
+            body: Box::new(WireError::from_store(&e)),
         }
     }
 }
@@ -170,7 +170,7 @@ impl IntoResponse for Refusal {
         if self.status == StatusCode::FORBIDDEN || self.status == StatusCode::UNAUTHORIZED {
             tracing::warn!(code = %self.body.code, message = %self.body.message, "step-log gateway refused a request");
         }
-        (self.status, Json(self.body)).into_response()
+        (self.status, Json(*self.body)).into_response()
     }
 }
 
