@@ -10,5 +10,4 @@ mod admission;
 #[path = "trust/approvals.rs"]
 mod approvals;
 #[path = "trust/store.rs"]
-#[allow(unused_imports)] // a stub until its attacks are written
 mod store;
