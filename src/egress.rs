@@ -52,7 +52,9 @@ pub fn check_url(url: &str) -> Result<(), String> {
         _ => return Ok(()),
     };
     match forbidden(ip) {
-        Some(why) => Err(format!("{url}: {ip} is {why}; the controller never connects there")),
+        Some(why) => Err(format!(
+            "{url}: {ip} is {why}; the controller never connects there"
+        )),
         None => Ok(()),
     }
 }
@@ -65,9 +67,7 @@ impl reqwest::dns::Resolve for Resolver {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
         Box::pin(async move {
             let host = name.as_str().to_string();
-            let all: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
-                .await?
-                .collect();
+            let all: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
             let allowed: Vec<SocketAddr> = all
                 .iter()
                 .copied()

@@ -9,6 +9,3 @@ mod common;
 mod admission;
 #[path = "trust/approvals.rs"]
 mod approvals;
-#[path = "trust/store.rs"]
-#[allow(unused_imports)] // a stub until its attacks are written
-mod store;

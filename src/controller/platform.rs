@@ -32,8 +32,16 @@ pub async fn read(client: &kube::Client, ns: &str) -> Result<Platform, Error> {
         what: "agent policies",
         source,
     };
-    let mut cluster = cluster.list(&ListParams::default()).await.map_err(read)?.items;
-    let mut local = local.list(&ListParams::default()).await.map_err(read)?.items;
+    let mut cluster = cluster
+        .list(&ListParams::default())
+        .await
+        .map_err(read)?
+        .items;
+    let mut local = local
+        .list(&ListParams::default())
+        .await
+        .map_err(read)?
+        .items;
     cluster.sort_by_key(|p| p.metadata.name.clone());
     local.sort_by_key(|p| p.metadata.name.clone());
     let mut platform = Platform::default();
@@ -74,12 +82,20 @@ impl Platform {
                 key.name
             ));
         };
-        let endpoint = template.model.endpoint.as_deref().unwrap_or(match template.model.provider {
-            crate::api::Provider::OpenAI => crate::model::OPENAI_DEFAULT_ENDPOINT,
-            crate::api::Provider::Anthropic => crate::model::ANTHROPIC_DEFAULT_ENDPOINT,
-        });
+        let endpoint =
+            template
+                .model
+                .endpoint
+                .as_deref()
+                .unwrap_or(match template.model.provider {
+                    crate::api::Provider::OpenAI => crate::model::OPENAI_DEFAULT_ENDPOINT,
+                    crate::api::Provider::Anthropic => crate::model::ANTHROPIC_DEFAULT_ENDPOINT,
+                });
         if !allowed.endpoints.is_empty()
-            && !allowed.endpoints.iter().any(|p| endpoint.starts_with(p.as_str()))
+            && !allowed
+                .endpoints
+                .iter()
+                .any(|p| endpoint.starts_with(p.as_str()))
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
@@ -213,7 +229,12 @@ mod tests {
         assert!(governed.separation_of_duties);
         let names: Vec<&str> = governed.rules.iter().map(|r| r.name.as_str()).collect();
         assert_eq!(names, ["ClusterAgentPolicy/finance/any-refund", "small"]);
-        match crate::policy::classify(Some(&governed), "issue_refund", &json!({"amount": 5}), false) {
+        match crate::policy::classify(
+            Some(&governed),
+            "issue_refund",
+            &json!({"amount": 5}),
+            false,
+        ) {
             crate::policy::Classification::RequireApproval(g) => {
                 assert_eq!(g.rule, "ClusterAgentPolicy/finance/any-refund")
             }
@@ -264,10 +285,16 @@ mod tests {
         });
         let mut r = run(false);
         let msg = Platform::unjudgeable(&r, &governed).expect("refused");
-        assert!(msg.starts_with("metadata.annotations[agentrun.dev/requester]"), "{msg}");
+        assert!(
+            msg.starts_with("metadata.annotations[agentrun.dev/requester]"),
+            "{msg}"
+        );
         r.metadata.annotations = Some([(REQUESTER.to_string(), "carol".to_string())].into());
         assert_eq!(Platform::unjudgeable(&r, &governed), None);
-        assert_eq!(Platform::unjudgeable(&run(false), &template(None, None)), None);
+        assert_eq!(
+            Platform::unjudgeable(&run(false), &template(None, None)),
+            None
+        );
     }
 
     #[test]

@@ -89,7 +89,10 @@ pub fn compose(
         deadline(&probe).map(Time)
     };
     // Reaching here, this reconcile made progress: a stall is over.
-    if s.conditions.iter().any(|c| c.type_ == STALLED && c.status == "True") {
+    if s.conditions
+        .iter()
+        .any(|c| c.type_ == STALLED && c.status == "True")
+    {
         s.error = None;
         set_condition(
             &mut s.conditions,

@@ -187,6 +187,8 @@ pub enum Next {
     Finish {
         outcome: Outcome,
         result: Option<String>,
+        /// Why the run ends early, when it does.
+        error: Option<String>,
     },
     /// `RunFinished` is recorded.
     Done,
@@ -286,6 +288,7 @@ impl RunState {
             return Next::Finish {
                 outcome: Outcome::Succeeded,
                 result: call.response.text.clone(),
+                error: None,
             };
         }
         for (index, tc) in calls.iter().enumerate() {
@@ -310,6 +313,15 @@ impl RunState {
                 return Next::Finish {
                     outcome: Outcome::Succeeded,
                     result: Some(finish_result(&tc.arguments)),
+                    error: None,
+                };
+            }
+            // A reply with many calls must not run past the step budget.
+            if let Some(stop) = self.steps_used_up() {
+                return Next::Finish {
+                    outcome: stop.outcome,
+                    result: stop.result,
+                    error: stop.error,
                 };
             }
             return Next::RecordIntent {
@@ -429,6 +441,23 @@ impl RunState {
                 Step::ModelCall(m) => Some((seq as u64, m)),
                 _ => None,
             })
+    }
+
+    /// The step budget is used up before another call of the same reply.
+    fn steps_used_up(&self) -> Option<RunFinished> {
+        let max = self
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.agent.budgets.as_ref())
+            .and_then(|b| b.max_steps)?;
+        (self.len() >= max).then(|| RunFinished {
+            outcome: Outcome::BudgetExceeded,
+            result: self.last_text(),
+            error: Some(format!(
+                "step budget used up: {} of {max} steps, inside one model reply; its remaining tool calls were not made",
+                self.len()
+            )),
+        })
     }
 
     /// Why the budget forbids another model call, if it does.
@@ -603,7 +632,8 @@ mod tests {
             s.next(),
             Next::Finish {
                 outcome: Outcome::Succeeded,
-                result: Some("done".into())
+                result: Some("done".into()),
+                error: None,
             }
         );
         let mut s = started();
@@ -612,7 +642,8 @@ mod tests {
             s.next(),
             Next::Finish {
                 outcome: Outcome::Succeeded,
-                result: Some("thinking".into())
+                result: Some("thinking".into()),
+                error: None,
             }
         );
     }
@@ -696,6 +727,42 @@ mod tests {
         assert_eq!(s.budget_exceeded(Some(&b)), None);
         s.apply(model_call(&[]));
         assert!(s.budget_exceeded(Some(&b)).unwrap().contains("cost"));
+    }
+
+    #[test]
+    fn a_reply_with_more_calls_than_steps_left_stops_at_the_budget() {
+        let mut s = started();
+        if let Some(snap) = &mut s.snapshot {
+            snap.agent.budgets = Some(crate::api::Budgets {
+                max_steps: Some(4),
+                ..Default::default()
+            });
+        }
+        let calls: Vec<(&str, serde_json::Value)> = (0..10).map(|_| ("x", json!({}))).collect();
+        s.apply(model_call(&calls));
+        assert!(matches!(s.next(), Next::RecordIntent { call_index: 0, .. }));
+        s.apply(Step::ToolIntent(ToolIntent {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c0".into(),
+            tool: "x".into(),
+            arguments: json!({}),
+            key: "k".into(),
+        }));
+        s.apply(Step::ToolResult(ToolResult {
+            intent_seq: 2,
+            call_id: "c0".into(),
+            tool: "x".into(),
+            outcome: crate::tools::ToolOutcome::Ok(json!({})),
+            recovery: None,
+        }));
+        match s.next() {
+            Next::Finish { outcome, error, .. } => {
+                assert_eq!(outcome, Outcome::BudgetExceeded);
+                assert!(error.unwrap().contains("4 of 4 steps"));
+            }
+            other => panic!("the budget let call 1 of 10 through: {other:?}"),
+        }
     }
 
     #[test]

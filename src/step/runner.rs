@@ -169,12 +169,20 @@ impl Runner {
                     let read_only = tools.is_read_only(&call.name);
                     self.tools = Some((stamp, tools));
                     let (arguments, alternative) = approval::split_alternative(&call.arguments);
-                    match classify(
-                        snap.agent.approval.as_ref(),
-                        &call.name,
-                        &arguments,
-                        read_only,
-                    ) {
+                    // Arguments that are not a JSON object never reach a tool
+                    // (its own check refuses them before any request, and the
+                    // model is told): no Approval is raised for them.
+                    let classification = if call.arguments_are_valid() {
+                        classify(
+                            snap.agent.approval.as_ref(),
+                            &call.name,
+                            &arguments,
+                            read_only,
+                        )
+                    } else {
+                        Classification::Allow
+                    };
+                    match classification {
                         Classification::Allow => {
                             self.intend(
                                 model_call_seq,
@@ -277,12 +285,16 @@ impl Runner {
                 Next::ExecuteTool { intent_seq, intent } => {
                     self.tool_step(intent_seq, intent).await?
                 }
-                Next::Finish { outcome, result } => {
+                Next::Finish {
+                    outcome,
+                    result,
+                    error,
+                } => {
                     self.append(
                         Step::RunFinished(RunFinished {
                             outcome,
                             result,
-                            error: None,
+                            error,
                         }),
                         None,
                     )

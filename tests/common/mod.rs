@@ -20,11 +20,10 @@ use std::{
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::{
-    Client, Config,
+    Client, Config, ResourceExt as _,
     api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams},
     config::{KubeConfigOptions, Kubeconfig},
     discovery::ApiResource,
-    ResourceExt as _,
 };
 use serde::Deserialize as _;
 
@@ -346,7 +345,11 @@ pub async fn serves_mutating_policies(client: &Client) -> bool {
     client
         .list_api_group_resources("admissionregistration.k8s.io/v1beta1")
         .await
-        .is_ok_and(|l| l.resources.iter().any(|r| r.name == "mutatingadmissionpolicies"))
+        .is_ok_and(|l| {
+            l.resources
+                .iter()
+                .any(|r| r.name == "mutatingadmissionpolicies")
+        })
 }
 
 /// Policies take effect a moment after they are created: dry-run a run

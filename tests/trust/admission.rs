@@ -24,9 +24,13 @@ async fn grant_run_creator(w: &World, user: &str) {
         "rules": [{"apiGroups": ["agentrun.dev"], "resources": ["agentruns", "agents"],
                    "verbs": ["create", "get", "list", "patch", "update"]}]});
     let crs: Api<k8s_openapi::api::rbac::v1::ClusterRole> = Api::all(w.client.clone());
-    crs.patch(&name, &PatchParams::apply("e2e").force(), &Patch::Apply(&cr))
-        .await
-        .expect("run creator ClusterRole");
+    crs.patch(
+        &name,
+        &PatchParams::apply("e2e").force(),
+        &Patch::Apply(&cr),
+    )
+    .await
+    .expect("run creator ClusterRole");
     let rb = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
         "metadata": {"name": format!("{user}-runs"), "namespace": w.name()},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
@@ -80,7 +84,10 @@ async fn a_runs_requester_is_its_authenticated_creator_and_never_changes() {
     // Naming someone else is refused, whoever asks.
     let msg = refused(
         as_carol
-            .create(&PostParams::default(), &run("forged", agent.clone(), json!({REQUESTER: "alice"})))
+            .create(
+                &PostParams::default(),
+                &run("forged", agent.clone(), json!({REQUESTER: "alice"})),
+            )
             .await,
         "a requester naming alice, created by carol",
     );
@@ -89,7 +96,10 @@ async fn a_runs_requester_is_its_authenticated_creator_and_never_changes() {
     // Omitting it: stamped from the request where the API server can mutate,
     // refused with a clear message where it cannot.
     let created = as_carol
-        .create(&PostParams::default(), &run("plain", agent.clone(), json!({})))
+        .create(
+            &PostParams::default(),
+            &run("plain", agent.clone(), json!({})),
+        )
         .await;
     if common::serves_mutating_policies(&w.client).await {
         let created = created.expect("a run without a requester is accepted and stamped");
@@ -101,7 +111,10 @@ async fn a_runs_requester_is_its_authenticated_creator_and_never_changes() {
         let msg = refused(created, "a run without a requester");
         assert!(msg.contains("is required"), "{msg}");
         as_carol
-            .create(&PostParams::default(), &run("plain", agent.clone(), json!({REQUESTER: "carol"})))
+            .create(
+                &PostParams::default(),
+                &run("plain", agent.clone(), json!({REQUESTER: "carol"})),
+            )
             .await
             .expect("carol's own run");
     }
@@ -126,7 +139,10 @@ async fn a_runs_requester_is_its_authenticated_creator_and_never_changes() {
         )
         .await;
     let now = as_carol.get("plain").await.expect("the run");
-    assert_eq!(now.annotations().get(REQUESTER).map(String::as_str), Some("carol"));
+    assert_eq!(
+        now.annotations().get(REQUESTER).map(String::as_str),
+        Some("carol")
+    );
 
     // Nor does the agent (and its policy) under a running run.
     let msg = refused(
@@ -171,14 +187,18 @@ async fn an_agent_authors_condition_can_neither_crash_nor_stall_the_controller()
         let mut spec = w.agent("cel");
         spec["approval"] = json!({"rules": [{"name": "r", "tool": "issue_refund", "when": when,
             "approvers": {"users": ["alice"]}}]});
-        serde_json::from_value(json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
-            "metadata": {"name": name}, "spec": spec}))
+        serde_json::from_value(
+            json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+            "metadata": {"name": name}, "spec": spec}),
+        )
         .expect("agent")
     };
     // Too long: the API server refuses it.
     let huge = format!("{}true{}", "(".repeat(3000), ")".repeat(3000));
     let msg = refused(
-        agents.create(&PostParams::default(), &with_condition("huge", huge)).await,
+        agents
+            .create(&PostParams::default(), &with_condition("huge", huge))
+            .await,
         "a 6,000-character condition",
     );
     assert!(msg.contains("spec.approval.rules[0].when"), "{msg}");
@@ -186,7 +206,10 @@ async fn an_agent_authors_condition_can_neither_crash_nor_stall_the_controller()
     // controller lives on.
     let deep = format!("{}args.amount > 1{}", "(".repeat(400), ")".repeat(400));
     agents
-        .create(&PostParams::default(), &with_condition("deep", deep.clone()))
+        .create(
+            &PostParams::default(),
+            &with_condition("deep", deep.clone()),
+        )
         .await
         .expect("a deep condition within the length limit is stored");
     wait_for("the deep Agent to be not Ready", TIMEOUT, || async {
@@ -205,15 +228,29 @@ async fn an_agent_authors_condition_can_neither_crash_nor_stall_the_controller()
     .await;
     // A run whose call meets the condition: judged fail-closed (it asks), never crashes.
     w.standins
-        .script("cel", json!([call("issue_refund", json!({"orderId": "1042", "amount": 5})), finish("done")]), json!([]))
+        .script(
+            "cel",
+            json!([
+                call("issue_refund", json!({"orderId": "1042", "amount": 5})),
+                finish("done")
+            ]),
+            json!([]),
+        )
         .await;
     let mut spec = w.agent("cel");
     spec["approval"] = json!({"rules": [{"name": "r", "tool": "issue_refund", "when": deep,
         "approvers": {"users": ["alice"]}, "expiresAfter": "10m"}]});
-    w.create_run("bomb", json!({"input": "Refund.", "agent": spec}), json!({}))
-        .await;
+    w.create_run(
+        "bomb",
+        json!({"input": "Refund.", "agent": spec}),
+        json!({}),
+    )
+    .await;
     w.wait_phase("bomb", Phase::AwaitingApproval).await;
-    assert!(w.standins.effects(w.name()).await.is_empty(), "the gated call ran");
+    assert!(
+        w.standins.effects(w.name()).await.is_empty(),
+        "the gated call ran"
+    );
     assert_eq!(w.controller_healthz().await, 200, "the controller is down");
 }
 
@@ -225,7 +262,10 @@ async fn secrets_reach_a_step_pod_only_when_the_platform_opted_them_in() {
         let s: Secret = serde_json::from_value(json!({"metadata": {"name": name},
             "stringData": {"apiKey": "s3cret"}}))
         .expect("secret");
-        secrets.create(&PostParams::default(), &s).await.expect("secret");
+        secrets
+            .create(&PostParams::default(), &s)
+            .await
+            .expect("secret");
     }
     // restricted-key may only go to the real provider.
     let policies: Api<agentrun::api::AgentPolicy> = Api::namespaced(w.client.clone(), w.name());
@@ -253,8 +293,12 @@ async fn secrets_reach_a_step_pod_only_when_the_platform_opted_them_in() {
 
     let mut elsewhere = w.agent("exfil");
     elsewhere["model"]["secretRef"] = json!({"name": "restricted-key", "key": "apiKey"});
-    w.create_run("elsewhere", json!({"input": "x", "agent": elsewhere}), json!({}))
-        .await;
+    w.create_run(
+        "elsewhere",
+        json!({"input": "x", "agent": elsewhere}),
+        json!({}),
+    )
+    .await;
     let err = failed_without_a_job(&w, "elsewhere").await;
     assert!(err.starts_with("spec.model.endpoint"), "{err}");
 
@@ -275,23 +319,44 @@ async fn the_platform_policy_judges_every_run_and_can_forbid_inline_agents() {
             "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "10m"}]}}
     }))
     .expect("policy");
-    policies.create(&PostParams::default(), &gate).await.expect("policy");
+    policies
+        .create(&PostParams::default(), &gate)
+        .await
+        .expect("policy");
     w.standins
-        .script("small", json!([call("issue_refund", json!({"orderId": "1042", "amount": 5})), finish("done")]), json!([]))
+        .script(
+            "small",
+            json!([
+                call("issue_refund", json!({"orderId": "1042", "amount": 5})),
+                finish("done")
+            ]),
+            json!([]),
+        )
         .await;
     // The agent gates nothing; the platform gates every refund.
-    w.create_run("small", json!({"input": "Refund 5.", "agent": w.agent("small")}), json!({}))
-        .await;
+    w.create_run(
+        "small",
+        json!({"input": "Refund 5.", "agent": w.agent("small")}),
+        json!({}),
+    )
+    .await;
     let run = w.wait_phase("small", Phase::AwaitingApproval).await;
     let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
-    let name = run.status.and_then(|s| s.approval).expect("pending approval").name;
+    let name = run
+        .status
+        .and_then(|s| s.approval)
+        .expect("pending approval")
+        .name;
     let approval = approvals.get(&name).await.expect("approval");
     assert_eq!(
         approval.spec.rule.as_deref(),
         Some("AgentPolicy/finance/every-refund")
     );
     assert!(approval.spec.separation_of_duties);
-    assert!(w.standins.effects(w.name()).await.is_empty(), "the refund ran unapproved");
+    assert!(
+        w.standins.effects(w.name()).await.is_empty(),
+        "the refund ran unapproved"
+    );
 
     // Inline agents, once forbidden, never start.
     let strict: agentrun::api::AgentPolicy = serde_json::from_value(json!({
@@ -299,11 +364,21 @@ async fn the_platform_policy_judges_every_run_and_can_forbid_inline_agents() {
         "metadata": {"name": "strict"}, "spec": {"forbidInlineAgents": true}
     }))
     .expect("policy");
-    policies.create(&PostParams::default(), &strict).await.expect("policy");
-    w.create_run("inline", json!({"input": "x", "agent": w.agent("small")}), json!({}))
-        .await;
+    policies
+        .create(&PostParams::default(), &strict)
+        .await
+        .expect("policy");
+    w.create_run(
+        "inline",
+        json!({"input": "x", "agent": w.agent("small")}),
+        json!({}),
+    )
+    .await;
     let err = failed_without_a_job(&w, "inline").await;
-    assert!(err.starts_with("spec.agent: inline agents are forbidden"), "{err}");
+    assert!(
+        err.starts_with("spec.agent: inline agents are forbidden"),
+        "{err}"
+    );
     assert!(err.contains("AgentPolicy/strict"), "{err}");
 }
 
@@ -316,15 +391,24 @@ async fn the_controller_never_connects_to_a_metadata_address() {
     w.create_run("ssrf", json!({"input": "x", "agent": agent}), json!({}))
         .await;
     let err = failed_without_a_job(&w, "ssrf").await;
-    assert!(err.contains("169.254.169.254") && err.contains("link-local"), "{err}");
+    assert!(
+        err.contains("169.254.169.254") && err.contains("link-local"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
 async fn kubectl_get_agentrun_names_the_resource_not_a_category() {
     let w = World::new("category", &[]).await;
-    w.standins.script("cat", json!([finish("ok")]), json!([])).await;
-    w.create_run("one", json!({"input": "x", "agent": w.agent("cat")}), json!({}))
+    w.standins
+        .script("cat", json!([finish("ok")]), json!([]))
         .await;
+    w.create_run(
+        "one",
+        json!({"input": "x", "agent": w.agent("cat")}),
+        json!({}),
+    )
+    .await;
     let out = common::kubectl(&["get", "agentrun", "one", "-n", w.name(), "-o", "name"]);
     assert_eq!(out.trim(), "agentrun.agentrun.dev/one");
     let all = common::kubectl(&["get", "agentrun-all", "-n", w.name(), "-o", "name"]);
@@ -348,21 +432,35 @@ async fn a_run_that_cannot_progress_says_so_where_its_user_looks() {
         "spec": {"policyName": name, "validationActions": ["Deny"],
             "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": w.name()}}}}});
     let mut guards = Vec::new();
-    for (obj, plural) in [(policy, "validatingadmissionpolicies"), (binding, "validatingadmissionpolicybindings")] {
+    for (obj, plural) in [
+        (policy, "validatingadmissionpolicies"),
+        (binding, "validatingadmissionpolicybindings"),
+    ] {
         let dynamic: kube::api::DynamicObject = serde_json::from_value(obj).expect("object");
-        let gvk = kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1",
-            &dynamic.types.as_ref().expect("kind").kind);
+        let gvk = kube::core::GroupVersionKind::gvk(
+            "admissionregistration.k8s.io",
+            "v1",
+            &dynamic.types.as_ref().expect("kind").kind,
+        );
         let resource = kube::discovery::ApiResource::from_gvk_with_plural(&gvk, plural);
         let api: Api<kube::api::DynamicObject> = Api::all_with(w.client.clone(), &resource);
-        api.create(&PostParams::default(), &dynamic).await.expect("paused-jobs policy");
-        guards.push(common::DeleteOnDrop { resource, name: name.clone() });
+        api.create(&PostParams::default(), &dynamic)
+            .await
+            .expect("paused-jobs policy");
+        guards.push(common::DeleteOnDrop {
+            resource,
+            name: name.clone(),
+        });
     }
     let jobs: Api<Job> = Api::namespaced(w.client.clone(), w.name());
     let probe: Job = serde_json::from_value(json!({"metadata": {"name": "probe"},
         "spec": {"template": {"spec": {"restartPolicy": "Never",
             "containers": [{"name": "c", "image": "agentrun"}]}}}}))
     .expect("job");
-    let dry = PostParams { dry_run: true, ..Default::default() };
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
     wait_for("the paused-jobs policy to take effect", TIMEOUT, || async {
         match jobs.create(&dry, &probe).await {
             Err(kube::Error::Api(e)) if e.message.contains("paused") => Ok(()),
@@ -370,9 +468,15 @@ async fn a_run_that_cannot_progress_says_so_where_its_user_looks() {
         }
     })
     .await;
-    w.standins.script("stall", json!([finish("done")]), json!([])).await;
-    w.create_run("stuck", json!({"input": "x", "agent": w.agent("stall")}), json!({}))
+    w.standins
+        .script("stall", json!([finish("done")]), json!([]))
         .await;
+    w.create_run(
+        "stuck",
+        json!({"input": "x", "agent": w.agent("stall")}),
+        json!({}),
+    )
+    .await;
     let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
     let stalled = wait_for("the run to report it is stalled", TIMEOUT, || async {
         let r = runs.get("stuck").await.map_err(|e| e.to_string())?;
@@ -384,11 +488,17 @@ async fn a_run_that_cannot_progress_says_so_where_its_user_looks() {
     })
     .await;
     let error = stalled.error.unwrap_or_default();
-    assert!(error.contains("step Job") && error.contains("paused"), "{error}");
+    assert!(
+        error.contains("step Job") && error.contains("paused"),
+        "{error}"
+    );
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(w.client.clone(), w.name());
     wait_for("a Warning event Stalled on the run", TIMEOUT, || async {
-        let list = events.list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let list = events
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
         list.items
             .into_iter()
             .find(|e| {
@@ -405,7 +515,9 @@ async fn a_run_that_cannot_progress_says_so_where_its_user_looks() {
     let s = done.status.expect("status");
     assert_eq!(s.error, None);
     assert!(
-        s.conditions.iter().any(|c| c.type_ == "Stalled" && c.status == "False"),
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == "Stalled" && c.status == "False"),
         "{:?}",
         s.conditions
     );

@@ -1,1 +1,0 @@
-//! Trust attacks: store. Filled in by the work on issue 10.
