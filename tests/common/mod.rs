@@ -4,6 +4,7 @@
 //! Without a reachable cluster they panic with instructions: never skip.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod approvals;
 pub mod controller;
 pub mod standins;
 pub mod store;

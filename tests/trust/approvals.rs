@@ -15,85 +15,16 @@ use serde_json::{Value, json};
 
 use super::common::{
     self,
+    approvals::{
+        decide, entry, gated_agent, grant_approver_role, pending_approval, plugin, refund, refusal,
+    },
     world::{TIMEOUT, World, finish},
 };
-
-/// The agent of these tests: refunds over 100 need a finance approver.
-fn gated_agent(w: &World, script: &str, rule: Value) -> Value {
-    let mut agent = w.agent(script);
-    let mut r = json!({
-        "name": "large-refund", "tool": "issue_refund", "when": "args.amount > 100",
-        "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "10m", "onExpiry": "Fail"
-    });
-    if let (Some(base), Some(extra)) = (r.as_object_mut(), rule.as_object()) {
-        base.extend(extra.clone());
-    }
-    agent["approval"] = json!({"rules": [r]});
-    agent
-}
-
-fn refund(amount: u64) -> Value {
-    json!({"text": format!("Refunding {amount}."),
-           "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": amount}}]})
-}
-
-/// Waits for the run to wait on an Approval and returns it.
-async fn pending_approval(w: &World, run: &str) -> Approval {
-    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
-    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
-    let name = common::wait_for(&format!("{run} to await approval"), TIMEOUT, || async {
-        let r = runs.get(run).await.map_err(|e| e.to_string())?;
-        let s = r.status.clone().unwrap_or_default();
-        match (s.phase, s.approval) {
-            (Some(Phase::AwaitingApproval), Some(a)) => Ok(a.name),
-            _ => Err(format!("{:?}", r.status)),
-        }
-    })
-    .await;
-    approvals.get(&name).await.expect("the Approval exists")
-}
-
-/// Adds a decision as `user` (what `kubectl agentrun approve` does).
-async fn decide(
-    w: &World,
-    user: &str,
-    approval: &str,
-    entry: Value,
-) -> Result<Approval, kube::Error> {
-    let api: Api<Approval> = Api::namespaced(common::client_as(user).await, w.name());
-    let patch: json_patch::Patch =
-        serde_json::from_value(json!([{"op": "add", "path": "/spec/decisions/-", "value": entry}]))
-            .unwrap();
-    api.patch(approval, &PatchParams::default(), &Patch::<()>::Json(patch))
-        .await
-}
-
-fn entry(approver: &str, verdict: &str, hash: &str, reason: &str) -> Value {
-    json!({"approver": approver, "verdict": verdict, "argumentsHash": hash, "reason": reason})
-}
 
 fn edit(approver: &str, hash: &str, arguments: Value) -> Value {
     let mut e = entry(approver, "Edit", hash, "changed");
     e["arguments"] = arguments;
     e
-}
-
-/// Lets alice, bob and carol read and decide approvals in the test namespace.
-async fn grant_approver_role(w: &World) {
-    let rb = json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "approvers", "namespace": w.name()},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "agentrun-approver"},
-        "subjects": [
-            {"kind": "Group", "name": "finance-approvers", "apiGroup": "rbac.authorization.k8s.io"},
-            {"kind": "User", "name": "carol", "apiGroup": "rbac.authorization.k8s.io"}
-        ]
-    });
-    let api: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
-        Api::namespaced(w.client.clone(), w.name());
-    api.create(&Default::default(), &serde_json::from_value(rb).unwrap())
-        .await
-        .expect("RoleBinding");
 }
 
 /// Gives bob and carol every verb on Approvals in the namespace, as a careless
@@ -124,14 +55,6 @@ async fn grant_full_approval_access(w: &World) {
     rbs.create(&Default::default(), &serde_json::from_value(rb).unwrap())
         .await
         .expect("RoleBinding");
-}
-
-fn refusal<T: std::fmt::Debug>(result: Result<T, kube::Error>) -> String {
-    match result {
-        Ok(v) => panic!("the API server accepted what it must refuse: {v:?}"),
-        Err(kube::Error::Api(e)) => e.message,
-        Err(e) => panic!("unexpected error: {e}"),
-    }
 }
 
 /// Amounts of the refunds that really happened in this world.
@@ -469,27 +392,6 @@ async fn an_edit_needs_the_full_quorum_for_the_edited_arguments() {
         vec!["bob", "carol"],
         "alice's edit did not count toward 500"
     );
-}
-
-/// Runs `kubectl agentrun ARGS` as `user` in the test namespace.
-fn plugin(w: &World, user: &str, args: &[&str]) -> (bool, String) {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
-    cmd.args(["-n", w.name()]);
-    if common::existing_cluster() {
-        cmd.args(["--as", user]);
-        if user != "carol" {
-            cmd.args(["--as-group", "finance-approvers"]);
-        }
-    } else {
-        cmd.args(["--context", user]);
-    }
-    let out = cmd.args(args).output().expect("running kubectl-agentrun");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[tokio::test]
