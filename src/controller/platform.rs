@@ -4,10 +4,8 @@
 
 use kube::api::{Api, ListParams};
 
+use super::approval::REQUESTER_ANNOTATION as REQUESTER;
 use super::error::Error;
-
-/// Annotation naming the user who created a run (checked by the API server).
-const REQUESTER: &str = "agentrun.dev/requester";
 use crate::api::{
     AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
     DefaultAction, PlatformApproval,
