@@ -93,7 +93,7 @@ impl Platform {
             && !allowed
                 .endpoints
                 .iter()
-                .any(|p| endpoint.starts_with(p.as_str()))
+                .any(|p| endpoint_within(endpoint, p))
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
@@ -131,6 +131,22 @@ impl Platform {
         governed.approval = effective_policy(template.approval.as_ref(), &self.approval);
         governed
     }
+}
+
+/// Is `endpoint` at or below `allowed`: same scheme, host and port, and a
+/// path under the allowed one segment by segment. A plain string prefix
+/// would let `https://api.openai.com.evil.example/` pass for
+/// `https://api.openai.com`.
+fn endpoint_within(endpoint: &str, allowed: &str) -> bool {
+    let (Ok(e), Ok(a)) = (url::Url::parse(endpoint), url::Url::parse(allowed)) else {
+        return false;
+    };
+    let base = a.path().trim_end_matches('/');
+    e.scheme() == a.scheme()
+        && e.host() == a.host()
+        && e.port_or_known_default() == a.port_or_known_default()
+        && e.username().is_empty()
+        && (e.path() == base || e.path().starts_with(&format!("{base}/")) || base.is_empty())
 }
 
 /// Platform rules first (named after their policy), then the agent's; the
@@ -272,6 +288,24 @@ mod tests {
             ),
             None
         );
+        for lookalike in [
+            "https://api.openai.com.evil.example/v1",
+            "https://api.openai.com@evil.example/v1",
+            "http://api.openai.com/v1",
+            "https://api.openai.com:8443/v1",
+        ] {
+            assert!(
+                platform
+                    .refusal(
+                        &run(false),
+                        &template(Some("model-api-key"), Some(lookalike))
+                    )
+                    .is_some(),
+                "{lookalike} passed as the allowed endpoint"
+            );
+        }
+        assert!(endpoint_within("https://h/v1/chat", "https://h/v1"));
+        assert!(!endpoint_within("https://h/v10", "https://h/v1"));
     }
 
     #[test]
