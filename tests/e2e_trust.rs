@@ -9,5 +9,3 @@ mod common;
 mod admission;
 #[path = "trust/approvals.rs"]
 mod approvals;
-#[path = "trust/store.rs"]
-mod store;
