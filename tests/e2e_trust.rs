@@ -9,3 +9,5 @@ mod common;
 mod admission;
 #[path = "trust/approvals.rs"]
 mod approvals;
+#[path = "trust/store.rs"]
+mod store;

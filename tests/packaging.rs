@@ -321,14 +321,11 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
         .iter()
         .find(|r| r["resources"] == json!(["secrets"]))
         .expect("a secrets rule");
-    assert_eq!(secrets["resourceNames"], json!(["agentrun-step-store"]));
-    assert!(
-        !secrets["verbs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|v| v == "get" || v == "list"),
-        "the controller never reads Secrets"
+    // Per-run credential Secrets (named by run uid) are created, never read or changed.
+    assert_eq!(
+        secrets["verbs"],
+        json!(["create"]),
+        "the controller only creates Secrets"
     );
     let binding = find(
         &objs,
@@ -399,9 +396,79 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
         svc["spec"]["selector"],
         deploy["spec"]["selector"]["matchLabels"]
     );
-    for kind in ["ServiceMonitor", "NetworkPolicy", "StatefulSet", "Secret"] {
+    for kind in ["ServiceMonitor", "StatefulSet"] {
         assert!(all(&objs, kind).is_empty(), "no {kind} by default");
     }
+
+    // The step-log gateway: on every replica, behind the controller Service;
+    // its token key in a Secret of the controller's namespace (and nowhere else).
+    let gw = find(&objs, "Service", "agentrun-controller");
+    assert_eq!(
+        gw["spec"]["ports"][0],
+        json!({"name": "step-api", "port": 8081, "targetPort": "step-api", "protocol": "TCP"})
+    );
+    assert_eq!(
+        gw["spec"]["selector"],
+        deploy["spec"]["selector"]["matchLabels"]
+    );
+    assert_eq!(
+        c["ports"][1],
+        json!({"name": "step-api", "containerPort": 8081, "protocol": "TCP"})
+    );
+    assert_eq!(
+        env_of(c, "AGENTRUN_STEP_API_URL")["value"],
+        "http://agentrun-controller.agentrun-system.svc:8081"
+    );
+    assert_eq!(env_of(c, "AGENTRUN_STEP_API_ADDR")["value"], "0.0.0.0:8081");
+    assert_eq!(
+        env_of(c, "AGENTRUN_STEP_TOKEN_KEY")["valueFrom"]["secretKeyRef"],
+        json!({"name": "agentrun-step-token-key", "key": "key"})
+    );
+    let secrets = all(&objs, "Secret");
+    assert_eq!(secrets.len(), 1, "only the token key Secret by default");
+    assert_eq!(secrets[0]["metadata"]["name"], "agentrun-step-token-key");
+    assert_eq!(secrets[0]["metadata"]["namespace"], "agentrun-system");
+    let key = secrets[0]["data"]["key"].as_str().unwrap();
+    assert!(key.len() >= 64, "a random key of 64 characters (base64)");
+
+    // Step pods' egress: DNS, the gateway, anything but link-local addresses.
+    let policies = all(&objs, "NetworkPolicy");
+    assert_eq!(policies.len(), 1, "only the step egress policy by default");
+    let np = &policies[0];
+    assert_eq!(np["metadata"]["name"], "agentrun-step-egress");
+    assert_eq!(np["metadata"]["namespace"], "agentrun-system");
+    assert_eq!(np["spec"]["policyTypes"], json!(["Egress"]));
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"],
+        "agentrun"
+    );
+    let egress = np["spec"]["egress"].as_array().unwrap();
+    assert_eq!(
+        egress[0]["ports"][0],
+        json!({"port": 53, "protocol": "UDP"})
+    );
+    assert_eq!(
+        egress[1]["ports"][0],
+        json!({"port": 8081, "protocol": "TCP"})
+    );
+    assert_eq!(
+        egress[1]["to"][0]["podSelector"]["matchLabels"],
+        deploy["spec"]["selector"]["matchLabels"]
+    );
+    let v4 = &egress[2]["to"][0]["ipBlock"];
+    assert_eq!(v4["cidr"], "0.0.0.0/0");
+    assert_eq!(
+        v4["except"],
+        json!(["169.254.0.0/16"]),
+        "the node's metadata address is blocked"
+    );
+    assert!(
+        egress
+            .iter()
+            .all(|rule| !rule.to_string().contains("169.254.169.254")
+                || rule.to_string().contains("except")),
+        "no rule allows the metadata address"
+    );
     // Every namespaced object names its namespace (kustomize and GitOps need it).
     for o in &objs {
         let cluster_scoped = matches!(
@@ -516,8 +583,8 @@ fn non_default_rendering_switches_on_every_option() {
         );
     }
 
-    // NetworkPolicies: metrics ingress from the given peers, egress as given,
-    // PostgreSQL only from the controller and step pods.
+    // NetworkPolicies: metrics ingress from the given peers, gateway ingress
+    // from step pods, egress as given, PostgreSQL only from the controller.
     let np = find(&objs, "NetworkPolicy", "ops-agentrun-controller");
     assert_eq!(np["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
     assert_eq!(
@@ -528,11 +595,30 @@ fn non_default_rendering_switches_on_every_option() {
         np["spec"]["egress"][0]["ports"].as_array().unwrap().len(),
         4
     );
-    let pg_np = find(&objs, "NetworkPolicy", "ops-agentrun-postgresql");
     assert_eq!(
-        pg_np["spec"]["ingress"][0]["from"][1]["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"],
+        np["spec"]["ingress"][1]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"],
         "agentrun"
     );
+    assert_eq!(np["spec"]["ingress"][1]["ports"][0]["port"], "step-api");
+    let pg_np = find(&objs, "NetworkPolicy", "ops-agentrun-postgresql");
+    assert_eq!(
+        pg_np["spec"]["ingress"][0]["from"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1,
+        "PostgreSQL is reachable from the controller only: {pg_np}"
+    );
+    // A step egress policy in each namespace where runs execute.
+    for ns in ["runs", "more-runs"] {
+        assert!(
+            all(&objs, "NetworkPolicy")
+                .iter()
+                .any(|p| p["metadata"]["name"] == "ops-agentrun-step-egress"
+                    && p["metadata"]["namespace"] == ns),
+            "step egress policy in {ns}"
+        );
+    }
 
     find(&objs, "ClusterRole", "ops-agentrun-platform-controller");
     // The approver role under its own name (crds/ may ship agentrun-approver too).
@@ -588,7 +674,7 @@ fn the_values_schema_and_the_chart_refuse_wrong_values() {
         ),
         (
             json!({"store": {"existingSecret": "s", "stepUrl": "postgres://a@b/c"}}),
-            "store.stepUrl needs store.url",
+            "stepUrl",
         ),
         (
             json!({"store": store, "metrics": {"service": {"enabled": false}, "serviceMonitor": {"enabled": true}}}),
@@ -605,8 +691,12 @@ fn the_values_schema_and_the_chart_refuse_wrong_values() {
         }
     }
     // ...and the right ones pass.
-    render("x", "x", &json!({"store": {"url": "postgres://a:b@db/agentrun", "stepUrl": "postgres://w:c@db/agentrun"}}))
-        .expect("store.url with stepUrl");
+    render(
+        "x",
+        "x",
+        &json!({"store": {"url": "postgres://a:b@db/agentrun"}}),
+    )
+    .expect("store.url");
     render("x", "x", &json!({"postgresql": {"enabled": true}})).expect("quick start");
 }
 

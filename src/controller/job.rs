@@ -15,18 +15,36 @@ use kube::{Resource, ResourceExt};
 use sha2::{Digest, Sha256};
 
 use crate::api::{AgentRun, AgentTemplate};
+use crate::store::Head;
 
 /// Label carrying the run's name on every Job and pod of the run.
 pub const RUN_LABEL: &str = "agentrun.dev/run";
 /// Annotation switching a failpoint on for a run's first attempt (tests only).
 pub const FAILPOINT_ANNOTATION: &str = "agentrun.dev/failpoint";
-/// Secret (in the run's namespace) holding the step runner's store URL under `url`.
-pub const STORE_SECRET: &str = "agentrun-step-store";
+/// Key of the step token in a run's credential Secret ([`credential_secret`]).
+pub const TOKEN_KEY: &str = "token";
+/// Environment variable carrying the controller's public key (hex): the
+/// runner accepts controller records only with its signature.
+pub const CONTROLLER_KEY_ENV: &str = "AGENTRUN_CONTROLLER_KEY";
+/// Environment variable carrying the log head the controller anchored
+/// (`<length>:<hash hex>`): the runner refuses a log that does not extend it.
+pub const LOG_ANCHOR_ENV: &str = "AGENTRUN_LOG_ANCHOR";
+
+/// Name of the Secret (in the run's namespace, owned by the run) that holds
+/// the run's step-log gateway token. From the uid: a recreated run of the
+/// same name never meets an old credential.
+pub fn credential_secret(run_uid: &str) -> String {
+    format!("agentrun-step-{run_uid}")
+}
 
 /// Controller settings that shape step Jobs.
 #[derive(Clone, Debug)]
 pub struct JobSettings {
     pub image: String,
+    /// The step-log gateway's URL, as step pods reach it.
+    pub store_url: String,
+    /// The controller's record-signing public key (hex).
+    pub controller_key: String,
     pub service_account: String,
     /// How long one Job may keep taking further steps before it exits.
     pub time_slice_seconds: u64,
@@ -47,13 +65,15 @@ pub fn job_name(run: &AgentRun, seq: u64, attempt: u32) -> String {
     format!("{}-{hash}{suffix}", name[..keep].trim_end_matches('-'))
 }
 
-/// Builds the Job for step `seq`, attempt `attempt`.
+/// Builds the Job for step `seq`, attempt `attempt`, whose log the
+/// controller verified up to `anchor`.
 pub fn build(
     run: &AgentRun,
     agent: &AgentTemplate,
     seq: u64,
     attempt: u32,
     step_timeout_seconds: i64,
+    anchor: &Head,
     settings: &JobSettings,
 ) -> Job {
     let name = job_name(run, seq, attempt);
@@ -75,7 +95,15 @@ pub fn build(
             "AGENTRUN_TIME_SLICE_SECONDS",
             settings.time_slice_seconds.to_string(),
         ),
-        secret("AGENTRUN_STORE_URL", STORE_SECRET, "url"),
+        // The gateway, not a database: the pod's only store credential is its run's token.
+        plain(crate::store::STORE_URL_ENV, settings.store_url.clone()),
+        secret(
+            crate::store::STORE_TOKEN_ENV,
+            &credential_secret(&run.uid().unwrap_or_default()),
+            TOKEN_KEY,
+        ),
+        plain(LOG_ANCHOR_ENV, format!("{}:{}", anchor.len, anchor.hash)),
+        plain(CONTROLLER_KEY_ENV, settings.controller_key.clone()),
         EnvVar {
             name: "POD_NAME".into(),
             value_from: Some(EnvVarSource {
@@ -211,6 +239,8 @@ mod tests {
     fn settings() -> JobSettings {
         JobSettings {
             image: "agentrun:dev".into(),
+            store_url: "http://gw:8081".into(),
+            controller_key: "ab".repeat(32),
             service_account: "default".into(),
             time_slice_seconds: 30,
             allow_failpoints: true,
@@ -235,7 +265,7 @@ mod tests {
             name: "k".into(),
             key: "apiKey".into(),
         });
-        let job = build(&run("r"), &agent, 3, 1, 300, &settings());
+        let job = build(&run("r"), &agent, 3, 1, 300, &Head::EMPTY, &settings());
         let spec = job.spec.as_ref().unwrap();
         assert_eq!(spec.active_deadline_seconds, Some(300));
         assert_eq!(spec.backoff_limit, Some(0));
@@ -270,9 +300,31 @@ mod tests {
                 .name,
             "k"
         );
-        assert!(
-            env.iter()
-                .any(|e| e.name == "AGENTRUN_STORE_URL" && e.value.is_none())
+        // The gateway's URL in plain sight, the run's token from its own Secret.
+        let url = env.iter().find(|e| e.name == "AGENTRUN_STORE_URL").unwrap();
+        assert_eq!(url.value.as_deref(), Some("http://gw:8081"));
+        let token = env
+            .iter()
+            .find(|e| e.name == "AGENTRUN_STORE_TOKEN")
+            .unwrap();
+        let from = token
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (from.name.as_str(), from.key.as_str()),
+            ("agentrun-step-uid-1", "token")
+        );
+        let anchor = env
+            .iter()
+            .find(|e| e.name == "AGENTRUN_LOG_ANCHOR")
+            .unwrap();
+        assert_eq!(
+            anchor.value.as_deref(),
+            Some(format!("0:{}", crate::store::Hash::ZERO).as_str())
         );
         let owner = &job.metadata.owner_references.as_ref().unwrap()[0];
         assert_eq!(
@@ -309,6 +361,7 @@ mod tests {
             1,
             1,
             60,
+            &Head::EMPTY,
             &settings()
         )));
         assert!(!has_fp(&build(
@@ -317,6 +370,7 @@ mod tests {
             1,
             2,
             60,
+            &Head::EMPTY,
             &settings()
         )));
         // A production controller ignores the annotation.
@@ -330,6 +384,7 @@ mod tests {
             1,
             1,
             60,
+            &Head::EMPTY,
             &production
         )));
     }

@@ -95,6 +95,8 @@ pub struct Metrics {
     pub model_tokens: Family<TokenLabel, Counter>,
     pub model_cost: Family<ModelLabel, Counter<f64, AtomicU64>>,
     pub store_append: HistogramFamily<OutcomeLabel>,
+    /// Runs stopped because their log did not verify or did not extend the anchored head.
+    pub log_integrity_failures: Counter,
     shared: Arc<Shared>,
     started: DateTime<Utc>,
 }
@@ -152,6 +154,7 @@ impl Metrics {
             model_tokens: Family::default(),
             model_cost: Family::default(),
             store_append: Family::new_with_constructor(append_buckets),
+            log_integrity_failures: Counter::default(),
             shared: Arc::new(Shared::default()),
             started: Utc::now(),
         };
@@ -164,6 +167,11 @@ impl Metrics {
             "agentrun_reconcile_errors",
             "Failed AgentRun reconciliations by reason",
             m.reconcile_errors.clone(),
+        );
+        registry.register(
+            "agentrun_log_integrity_failures",
+            "Runs stopped because their step log failed verification against the anchored head",
+            m.log_integrity_failures.clone(),
         );
         registry.register(
             "agentrun_reconcile_duration_seconds",

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod approval;
 pub mod decide;
 mod error;
+pub mod gateway;
 mod http;
 pub mod job;
 mod leader;
@@ -14,6 +15,7 @@ pub mod pinned_gate;
 pub mod platform;
 mod reconcile;
 pub mod status;
+pub mod step_token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -62,9 +64,24 @@ pub struct Options {
     /// Step-log store the controller reads and appends to.
     #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
     pub store_url: String,
-    /// Store URL handed to step pods (e.g. the writer role's); `--store-url` when omitted.
-    #[arg(long, env = "AGENTRUN_STEP_STORE_URL", hide_env_values = true)]
-    pub step_store_url: Option<String>,
+    /// Address of the step-log gateway step pods read and append through
+    /// (served by every replica, leader or not).
+    #[arg(long, env = "AGENTRUN_STEP_API_ADDR", default_value = "0.0.0.0:8081")]
+    pub step_api_addr: SocketAddr,
+    /// URL of that gateway as step pods reach it (e.g.
+    /// `http://agentrun-controller.<ns>.svc:8081`). Default: `http://` plus
+    /// `--step-api-addr`, when that is not a wildcard address.
+    #[arg(long, env = "AGENTRUN_STEP_API_URL")]
+    pub step_api_url: Option<String>,
+    /// Database connections of the step-log gateway (its own pool).
+    #[arg(long, env = "AGENTRUN_STEP_API_CONNECTIONS", default_value_t = 64)]
+    pub step_api_connections: u32,
+    /// File holding the key step tokens are HMACs of (shared by all replicas).
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY_FILE")]
+    pub step_token_key_file: Option<std::path::PathBuf>,
+    /// The key itself, when not in a file (e.g. from a Secret through the environment).
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY", hide_env_values = true)]
+    pub step_token_key: Option<String>,
     /// Image of the step Jobs (the operator's own image).
     #[arg(long, env = "AGENTRUN_STEP_IMAGE", default_value = "agentrun:dev")]
     pub step_image: String,
@@ -103,6 +120,37 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
     let store = crate::store::open(&opts.store_url).await?;
     tracing::info!(store = %store.url(), "step store opened");
+    let tokens = step_token::TokenKey::load(
+        opts.step_token_key_file.as_deref(),
+        opts.step_token_key.as_deref(),
+    )?;
+    let signer = tokens.record_signer();
+    let controller_key = signer.public_key_hex();
+    // The gateway's own pool: step pods' traffic never starves the reconciler's.
+    let gateway_store = crate::store::open_with(
+        &opts.store_url,
+        &crate::store::OpenOptions {
+            max_connections: opts.step_api_connections,
+            // Under a burst of step pods a request waits for a connection
+            // rather than failing: the runner's HTTP timeout is longer.
+            acquire_timeout: Duration::from_secs(25),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let served = gateway::serve(
+        opts.step_api_addr,
+        gateway::Gateway::new(gateway_store, tokens.clone()),
+    )
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "serving the step-log gateway on --step-api-addr {}: {e}",
+            opts.step_api_addr
+        )
+    })?;
+    let step_api_url = step_api_url(&opts, served)?;
+    tracing::info!(addr = %served, url = %step_api_url, "serving the step-log gateway");
     wait_for_crds(&client).await?;
     ready.store(true, Ordering::Relaxed);
 
@@ -135,13 +183,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ),
         metrics,
         store_name: "default".into(),
-        step_store_url: opts
-            .step_store_url
-            .clone()
-            .unwrap_or_else(|| opts.store_url.clone()),
+        tokens,
+        verifier: signer.verifier(),
+        signer,
         store,
         jobs: job::JobSettings {
             image: opts.step_image.clone(),
+            store_url: step_api_url,
+            controller_key: controller_key.clone(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,
@@ -219,6 +268,26 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     tracing::info!("controller stopped");
     Ok(())
+}
+
+/// The gateway URL step pods are given.
+fn step_api_url(opts: &Options, served: SocketAddr) -> anyhow::Result<String> {
+    if let Some(url) = &opts.step_api_url {
+        let parsed =
+            url::Url::parse(url).map_err(|e| anyhow::anyhow!("--step-api-url {url:?}: {e}"))?;
+        anyhow::ensure!(
+            matches!(parsed.scheme(), "http" | "https"),
+            "--step-api-url {url:?}: expected an http:// or https:// URL"
+        );
+        return Ok(url.trim_end_matches('/').to_string());
+    }
+    anyhow::ensure!(
+        !opts.step_api_addr.ip().is_unspecified(),
+        "--step-api-url is required when --step-api-addr ({}) is a wildcard address: \
+         step pods need the address they reach the gateway at",
+        opts.step_api_addr
+    );
+    Ok(format!("http://{served}"))
 }
 
 /// Waits until the agentrun CRDs are installed and established.

@@ -8,7 +8,7 @@ use jiff::Timestamp;
 
 use crate::api::{AgentRun, Phase};
 use crate::step::records::{Outcome, RunFinished};
-use crate::step::replay::RunState;
+use crate::step::replay::{Next, RunState};
 
 /// Attempts of one step before the run fails.
 pub const MAX_ATTEMPTS: u32 = 4;
@@ -131,6 +131,23 @@ pub fn decide(o: &Observed) -> Act {
     // A run waiting for a human holds no Job: its worker exits after asking.
     if let Some((request_seq, _)) = o.log.pending_approval() {
         return Act::HandleApproval { request_seq };
+    }
+    // Only the controller records the end: the agent's final answer, or the
+    // end a step runner asked for (it cannot append RunFinished itself).
+    match o.log.next() {
+        Next::Finish {
+            outcome,
+            result,
+            error,
+        } => {
+            return Act::Finish(RunFinished {
+                outcome,
+                result,
+                error,
+            });
+        }
+        Next::Stop(finished) => return Act::Finish(finished),
+        _ => {}
     }
     let next_seq = o.log.len();
     let Some(job) = &o.job else {
@@ -359,11 +376,41 @@ mod tests {
     }
 
     #[test]
+    fn the_controller_records_the_end_the_log_asks_for() {
+        let mut log = started(None);
+        log.apply(Step::Observation(crate::step::records::Observation {
+            text: "the model refused the request".into(),
+            about_seq: None,
+            stop: Some(RunFinished {
+                outcome: Outcome::Failed,
+                result: None,
+                error: Some("refused".into()),
+            }),
+        }));
+        let act = decide_at(
+            &run(),
+            &log,
+            job(1, 1, JobState::Succeeded, Some(0)),
+            None,
+            1,
+        );
+        assert_eq!(
+            act,
+            Act::Finish(RunFinished {
+                outcome: Outcome::Failed,
+                result: None,
+                error: Some("refused".into()),
+            })
+        );
+    }
+
+    #[test]
     fn progress_schedules_the_next_seq_as_a_first_attempt() {
         let mut log = started(None);
         log.apply(Step::Observation(crate::step::records::Observation {
             text: "x".into(),
             about_seq: None,
+            stop: None,
         }));
         let act = decide_at(
             &run(),
@@ -463,6 +510,7 @@ mod tests {
         log.apply(Step::Observation(crate::step::records::Observation {
             text: "x".into(),
             about_seq: None,
+            stop: None,
         }));
         assert_eq!(
             decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 1),

@@ -37,8 +37,11 @@ pub struct Context {
     pub store: Arc<dyn StepStore>,
     /// Name of the store in `status.log.store`.
     pub store_name: String,
-    /// Store URL handed to step pods (through a Secret in the run's namespace).
-    pub step_store_url: String,
+    /// Mints each run's step-log gateway token (handed over in a per-run Secret).
+    pub tokens: super::step_token::TokenKey,
+    /// Signs the controller's own records; the verifier checks them on every read.
+    pub signer: crate::store::RecordSigner,
+    pub verifier: crate::store::RecordVerifier,
     pub jobs: JobSettings,
     /// Identity used for the controller's own appends.
     pub identity: String,
@@ -84,8 +87,13 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         _ => None,
     };
 
-    // Read: the log (the run's truth), the step Job and, if needed, the lease.
-    let records = ctx.store.read_all(&uid).await.map_err(Error::Store)?;
+    // Read: the log (the run's truth, verified against the anchored head),
+    // the step Job and, if needed, the lease.
+    let anchor = anchored_head(run);
+    let records = match read_log(ctx, &uid, &anchor).await? {
+        Ok(records) => records,
+        Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
+    };
     ctx.metrics.observe_log(&uid, &records);
     tracing::Span::current().record("step", records.len());
     let head = records.last().map(|r| r.head()).unwrap_or(Head::EMPTY);
@@ -206,10 +214,10 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             Duration::ZERO
         }
         Act::CreateJob { seq, attempt } => {
-            ensure_store_secret(ctx, &ns).await?;
+            ensure_credential(run, ctx, &ns, &uid).await?;
             let timeout = crate::api::parse_duration(&run.spec.step_timeout)
                 .map_or(600, |d| d.as_secs().max(1) as i64);
-            let job = job::build(run, &template, seq, attempt, timeout, &ctx.jobs);
+            let job = job::build(run, &template, seq, attempt, timeout, &head, &ctx.jobs);
             let name = job.name_any();
             let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
             match jobs
@@ -266,8 +274,13 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             Duration::from_secs(1)
         }
         Act::Finish(finished) => {
-            append(ctx, &uid, &head, Step::RunFinished(finished)).await?;
-            Duration::ZERO
+            match append(ctx, &uid, &head, Step::RunFinished(finished)).await {
+                Ok(()) => Duration::ZERO,
+                // The step runner that reached the end is still exiting: it
+                // releases the lease in a moment.
+                Err(Error::Store(StoreError::LeaseHeld { .. })) => Duration::from_millis(500),
+                Err(e) => return Err(e),
+            }
         }
         Act::Conclude(finished) => {
             concluded = Some(finished);
@@ -292,7 +305,10 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
 
     // Status: from the log as it is now.
     let log = if concluded.is_none() && (requeue == Duration::ZERO || awaiting.is_some()) {
-        let records = ctx.store.read_all(&uid).await.map_err(Error::Store)?;
+        let records = match read_log(ctx, &uid, &head).await? {
+            Ok(records) => records,
+            Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
+        };
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
             steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
@@ -539,7 +555,7 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         attempt: 0,
     };
     let started = Instant::now();
-    let result = match draft.seal(head) {
+    let result = match ctx.signer.seal(draft, head) {
         Ok(record) => ctx
             .store
             .append(uid, lease.epoch, &record)
@@ -589,27 +605,137 @@ async fn snapshot(
     })
 }
 
-/// The Secret step pods read their store URL from, in the run's namespace.
-async fn ensure_store_secret(ctx: &Context, ns: &str) -> Result<(), Error> {
+/// The run's step-log credential: a Secret owned by the run (collected with
+/// it) holding the gateway token bound to the run's uid. Created once, never
+/// patched, so the controller needs no write access to other Secrets.
+async fn ensure_credential(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+    uid: &str,
+) -> Result<(), Error> {
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    let body = json!({
+    let name = job::credential_secret(uid);
+    let body: Secret = serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": { "name": job::STORE_SECRET, "labels": { "app.kubernetes.io/managed-by": "agentrun" } },
-        "stringData": { "url": ctx.step_store_url },
-    });
-    secrets
-        .patch(
-            job::STORE_SECRET,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(|source| Error::Write {
-            what: "store Secret",
+        "metadata": {
+            "name": name,
+            "labels": {
+                "app.kubernetes.io/managed-by": "agentrun",
+                job::RUN_LABEL: run.name_any(),
+            },
+            "ownerReferences": run.controller_owner_ref(&()).map(|o| vec![o]),
+        },
+        "type": "Opaque",
+        "stringData": { job::TOKEN_KEY: ctx.tokens.mint(uid) },
+    }))?;
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    match secrets.create(&params, &body).await {
+        Ok(_) => Ok(()),
+        // Created by an earlier step of this run (its name is the run's uid).
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(source) => Err(Error::Write {
+            what: "step credential Secret",
             source,
-        })?;
-    Ok(())
+        }),
+    }
+}
+
+/// The log head the controller recorded in `status.log` (never moves backwards).
+fn anchored_head(run: &AgentRun) -> Head {
+    let Some(log) = run.status.as_ref().and_then(|s| s.log.as_ref()) else {
+        return Head::EMPTY;
+    };
+    match log.head_hash.as_deref().map(str::parse) {
+        Some(Ok(hash)) => Head {
+            len: log.length,
+            hash,
+        },
+        _ => Head::EMPTY,
+    }
+}
+
+/// The whole log, its chain verified, extending `anchor`, and every
+/// controller record signed by the controller. The inner error
+/// is a log that failed verification (the run must stop); the outer one a
+/// store that could not be read (retried).
+async fn read_log(
+    ctx: &Context,
+    uid: &str,
+    anchor: &Head,
+) -> Result<Result<Vec<crate::store::Record>, StoreError>, Error> {
+    let records = match ctx.store.read_verified(uid, None).await {
+        Ok(records) => records,
+        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
+        Err(e) => return Err(Error::Store(e)),
+    };
+    let checked = crate::store::check_anchor(uid, &records, anchor)
+        .and_then(|()| ctx.verifier.check(uid, &records));
+    Ok(checked.map(|()| records))
+}
+
+/// Condition type that is False once the run's log failed verification.
+pub const LOG_INTACT: &str = "LogIntact";
+
+/// Stops a run whose log does not verify: Failed with the reason in a
+/// condition, `status.error`, a Warning Event and a metric. `status.log`
+/// keeps the last verified head; the step Job (if any) is deleted.
+async fn stop_tampered(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+    tampered: StoreError,
+) -> Result<Action, Error> {
+    let already = run.status.as_ref().is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == LOG_INTACT && c.status == "False")
+    });
+    if already {
+        return Ok(Action::await_change());
+    }
+    tracing::error!(run = %run.name_any(), namespace = %ns, error = %tampered, "step log failed verification; stopping the run");
+    ctx.metrics.log_integrity_failures.inc();
+    let now = Timestamp::now();
+    let message = format!("the step log failed verification: {tampered}");
+    let generation = run.metadata.generation;
+    let mut status = run.status.clone().unwrap_or_default();
+    let mut conditions = vec![LOG_INTACT];
+    // A run that already ended keeps its outcome; the condition says its evidence broke.
+    if !status.phase.is_some_and(|p| p.is_terminal()) {
+        status.phase = Some(crate::api::Phase::Failed);
+        status.error = Some(message.clone());
+        status.waiting_on = None;
+        status.approval = None;
+        status.finished_at.get_or_insert(Time(now));
+        conditions.push(status::SUCCEEDED);
+    }
+    for type_ in conditions {
+        super::decide::set_condition(
+            &mut status.conditions,
+            super::decide::condition(type_, false, "LogTampered", &message, generation, now),
+        );
+    }
+    if let Some(name) = status.step.as_ref().and_then(|s| s.job.clone()) {
+        let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+        match jobs.delete(&name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Write {
+                    what: "step Job",
+                    source,
+                });
+            }
+        }
+    }
+    let notice = notice(true, "LogTampered", truncate(&message, 900));
+    write_status(run, ctx, &status, vec![notice]).await?;
+    Ok(Action::await_change())
 }
 
 async fn write_status(

@@ -118,13 +118,17 @@ pub struct Summary {
     pub cost_usd: f64,
 }
 
-/// Something the model must be told (a malformed reply, a refused call...).
+/// Something the model must be told (a malformed reply, a refused call...),
+/// or, with `stop`, why the step runner cannot go on: only the controller
+/// records `RunFinished`, so the runner asks for the end it must report.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct Observation {
     pub text: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub about_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<RunFinished>,
 }
 
 /// How a run ended.

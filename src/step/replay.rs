@@ -190,6 +190,9 @@ pub enum Next {
         /// Why the run ends early, when it does.
         error: Option<String>,
     },
+    /// The runner recorded why it cannot go on (an `Observation` with
+    /// `stop`): the controller appends this `RunFinished`.
+    Stop(RunFinished),
     /// `RunFinished` is recorded.
     Done,
 }
@@ -259,6 +262,12 @@ impl RunState {
         }
         if self.snapshot.is_none() {
             return Next::NotStarted;
+        }
+        if let Some(Step::Observation(Observation {
+            stop: Some(stop), ..
+        })) = self.steps.last()
+        {
+            return Next::Stop(stop.clone());
         }
         // An intent without a result comes first: it may already have acted.
         if let Some((intent_seq, intent)) = self.open_intent() {

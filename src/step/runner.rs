@@ -31,8 +31,18 @@ pub struct StepArgs {
     pub run_uid: String,
     #[arg(long, env = "AGENTRUN_RUN_NAME", default_value = "")]
     pub run_name: String,
+    /// The step-log gateway (`http://…`, token in `AGENTRUN_STORE_TOKEN`), or
+    /// a database URL when run outside a cluster.
     #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
     pub store_url: String,
+    /// The log head the controller verified (`<length>:<hash>`): the log
+    /// read here must extend it.
+    #[arg(long, env = "AGENTRUN_LOG_ANCHOR")]
+    pub log_anchor: Option<String>,
+    /// The controller's public key (hex): controller records (decisions
+    /// among them) are acted on only with its signature.
+    #[arg(long, env = "AGENTRUN_CONTROLLER_KEY")]
+    pub controller_key: Option<String>,
     #[arg(long, env = "AGENTRUN_MODEL_API_KEY", hide_env_values = true)]
     pub model_api_key: Option<String>,
     /// Worker identity (the pod's name).
@@ -71,18 +81,22 @@ pub async fn run(args: StepArgs) -> anyhow::Result<()> {
     result
 }
 
-/// Takes the lease, waiting out a previous worker's lease if it is still live.
+/// Takes the lease, waiting out a previous worker's lease if it is still
+/// live, and a store (or gateway) outage as long as appends would.
 async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease> {
-    let deadline = Instant::now() + LEASE_TTL * 3;
+    let started = Instant::now();
     loop {
+        let waited = started.elapsed();
         match store.acquire(&args.run_uid, &args.worker, LEASE_TTL).await {
             Ok(lease) => {
                 tracing::info!(run = %args.run_uid, epoch = lease.epoch, "took the run lease");
                 return Ok(lease);
             }
-            Err(e @ (StoreError::LeaseHeld { .. } | StoreError::Unavailable { .. }))
-                if Instant::now() < deadline =>
-            {
+            Err(e @ StoreError::LeaseHeld { .. }) if waited < LEASE_TTL * 3 => {
+                tracing::info!(error = %e, "waiting for the run lease");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Err(e @ StoreError::Unavailable { .. }) if waited < Duration::from_secs(120) => {
                 tracing::info!(error = %e, "waiting for the run lease");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
@@ -125,7 +139,24 @@ impl Runner {
         args: &StepArgs,
         lease: Lease,
     ) -> anyhow::Result<Runner> {
-        let records = with_store_retry(|| store.read_all(&args.run_uid)).await?;
+        // The whole chain is verified, and it must extend what the controller anchored.
+        let anchor = match &args.log_anchor {
+            Some(a) => {
+                Head::parse_anchor(a).map_err(|e| anyhow::anyhow!("AGENTRUN_LOG_ANCHOR: {e}"))?
+            }
+            None => Head::EMPTY,
+        };
+        let records = with_store_retry(|| store.read_verified(&args.run_uid, None))
+            .await
+            .context("reading and verifying the step log")?;
+        store::check_anchor(&args.run_uid, &records, &anchor)
+            .context("checking the step log against the controller's anchor")?;
+        if let Some(key) = &args.controller_key {
+            store::RecordVerifier::from_hex(key)
+                .map_err(|e| anyhow::anyhow!("AGENTRUN_CONTROLLER_KEY: {e}"))?
+                .check(&args.run_uid, &records)
+                .context("checking the controller's signatures in the step log")?;
+        }
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
             steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload)?);
@@ -285,20 +316,9 @@ impl Runner {
                 Next::ExecuteTool { intent_seq, intent } => {
                     self.tool_step(intent_seq, intent).await?
                 }
-                Next::Finish {
-                    outcome,
-                    result,
-                    error,
-                } => {
-                    self.append(
-                        Step::RunFinished(RunFinished {
-                            outcome,
-                            result,
-                            error,
-                        }),
-                        None,
-                    )
-                    .await?;
+                Next::Finish { .. } | Next::Stop(_) => {
+                    tracing::info!("the run is at its end; the controller records it");
+                    return Ok(());
                 }
             }
             if Instant::now() >= until && !matches!(self.state.next(), Next::ExecuteTool { .. }) {
@@ -346,7 +366,7 @@ impl Runner {
                 result: self.state.last_text(),
                 error: Some(reason),
             };
-            self.append(Step::RunFinished(finished), None).await?;
+            self.stop(finished).await?;
             return Ok(());
         }
         let client = ModelClient::new(&snap.agent.model, self.args.model_api_key.clone())?;
@@ -410,6 +430,7 @@ impl Runner {
                     Step::Observation(Observation {
                         text,
                         about_seq: None,
+                        stop: None,
                     }),
                     None,
                 )
@@ -423,7 +444,7 @@ impl Runner {
                     result: self.state.last_text(),
                     error: Some(format!("the model refused the request: {e}")),
                 };
-                self.append(Step::RunFinished(finished), None).await?;
+                self.stop(finished).await?;
                 Ok(None)
             }
         }
@@ -482,7 +503,7 @@ impl Runner {
                             gate,
                             &reason,
                         )),
-                        None => Step::RunFinished(RunFinished {
+                        None => stop_step(RunFinished {
                             outcome: Outcome::NeedsHuman,
                             result: self.state.last_text(),
                             error: Some(format!(
@@ -507,6 +528,11 @@ impl Runner {
         };
         self.append(Step::ToolResult(result), None).await?;
         Ok(())
+    }
+
+    /// Records why the run cannot go on, for the controller to end it.
+    async fn stop(&mut self, finished: RunFinished) -> anyhow::Result<()> {
+        self.append(stop_step(finished), None).await.map(|_| ())
     }
 
     /// Appends a record at the head, adopting the recorded one if another
@@ -570,6 +596,15 @@ impl Runner {
         failpoint::hit(&format!("after-append:{kind}"));
         Ok(seq)
     }
+}
+
+/// The `Observation` asking the controller to end the run with `finished`.
+fn stop_step(finished: RunFinished) -> Step {
+    Step::Observation(Observation {
+        text: finished.error.clone().unwrap_or_default(),
+        about_seq: None,
+        stop: Some(finished),
+    })
 }
 
 fn step_kind(name: &str) -> StepKind {

@@ -7,6 +7,9 @@
 //!   and roles are created by [`StepStore::migrate`] (`agentrun store migrate`).
 //! - `sqlite://path`, `sqlite:path`, `file://path`: [`SqliteStore`], embedded,
 //!   WAL mode, safe for several local processes; migrated on open.
+//! - `http://…` / `https://…`: [`RemoteStore`], the controller's step-log
+//!   gateway, which step pods use with a token bound to their run
+//!   ([`STORE_TOKEN_ENV`]); they hold no database credential.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), agentrun::store::StoreError> {
@@ -36,14 +39,18 @@ pub mod cli;
 mod error;
 mod postgres;
 mod record;
+mod remote;
+mod signature;
 mod sqlite;
 
 pub use error::StoreError;
 pub use postgres::PgStore;
 pub use record::{
     FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft, StepKind, Usage,
-    Versions, Worker, canonical_json, chain_hash, sha256_hex, verify_chain,
+    Versions, Worker, canonical_json, chain_hash, check_anchor, sha256_hex, verify_chain,
 };
+pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
+pub use signature::{RecordSigner, RecordVerifier, SIGNATURE_FIELD, controller_only};
 pub use sqlite::SqliteStore;
 
 /// Environment variable holding the store URL (`--store-url` overrides it).
@@ -190,9 +197,14 @@ pub async fn open_with(url: &str, opts: &OpenOptions) -> Result<Arc<dyn StepStor
     match scheme.as_deref() {
         Some("postgres" | "postgresql") => Ok(Arc::new(PgStore::connect(url, opts).await?)),
         Some("sqlite" | "file") => Ok(Arc::new(SqliteStore::open(url, opts).await?)),
+        // The controller's step-log gateway (step pods), token from AGENTRUN_STORE_TOKEN.
+        Some("http" | "https") => Ok(Arc::new(RemoteStore::from_env(
+            url,
+            opts.acquire_timeout + Duration::from_secs(20),
+        )?)),
         _ => Err(StoreError::InvalidUrl {
             url: redact_url(url),
-            reason: "expected postgres://, postgresql://, sqlite:// or file://".into(),
+            reason: "expected postgres://, postgresql://, sqlite://, file:// or http(s):// (the step-log gateway)".into(),
         }),
     }
 }

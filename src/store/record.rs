@@ -472,6 +472,63 @@ fn check_safe_numbers(v: &serde_json::Value, path: &mut String) -> Result<(), St
     }
 }
 
+/// Checks that a verified log (`records`, seq order from 0) extends
+/// `anchor`, the head recorded earlier (e.g. in `status.log`): it is at least
+/// that long and its record at `anchor.len - 1` carries `anchor.hash`. A log
+/// that was truncated or rewritten before the anchor gives
+/// [`StoreError::ChainBroken`].
+pub fn check_anchor(run: &str, records: &[Record], anchor: &Head) -> Result<(), StoreError> {
+    if anchor.len == 0 {
+        return Ok(());
+    }
+    let broken = |seq: u64, reason: String| StoreError::ChainBroken {
+        run: run.to_string(),
+        seq,
+        reason,
+    };
+    let Some(at) = records.get(anchor.len as usize - 1) else {
+        return Err(broken(
+            records.len() as u64,
+            format!(
+                "the log has {} records but {} were anchored (head {}): records were removed",
+                records.len(),
+                anchor.len,
+                anchor.hash
+            ),
+        ));
+    };
+    if at.hash != anchor.hash {
+        return Err(broken(
+            at.seq,
+            format!(
+                "record {} has hash {} but the anchored head is {}: the log was rewritten",
+                at.seq, at.hash, anchor.hash
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl Head {
+    /// Parses an anchor written as `<length>:<hash hex>` (see [`Head::anchor`]).
+    pub fn parse_anchor(s: &str) -> Result<Head, String> {
+        let (len, hash) = s
+            .trim()
+            .split_once(':')
+            .ok_or_else(|| format!("log anchor {s:?}: expected <length>:<hash>"))?;
+        let len = len
+            .parse()
+            .map_err(|_| format!("log anchor {s:?}: length {len:?} is not a number"))?;
+        let hash = hash.parse().map_err(|e| format!("log anchor {s:?}: {e}"))?;
+        Ok(Head { len, hash })
+    }
+
+    /// `<length>:<hash hex>`.
+    pub fn anchor(&self) -> String {
+        format!("{}:{}", self.len, self.hash)
+    }
+}
+
 /// Check a whole log (records in seq order, starting at 0): every seq in
 /// place, every `prev_hash` linking to the previous hash, every hash
 /// recomputed. With `expected_head` (the run's recorded head hash), also check
@@ -847,5 +904,59 @@ mod tests {
             serde_json::to_string(&h).unwrap(),
             format!("\"{}\"", "ab".repeat(32))
         );
+    }
+
+    fn log_of(n: usize) -> Vec<Record> {
+        let mut head = Head::EMPTY;
+        (0..n)
+            .map(|i| {
+                let r = RecordDraft::new(StepKind::Observation, json!({"text": i}))
+                    .seal(&head)
+                    .unwrap();
+                head = r.head();
+                r
+            })
+            .collect()
+    }
+
+    #[test]
+    fn store_anchor_accepts_a_log_that_extends_it() {
+        let log = log_of(5);
+        for at in [0, 1, 3, 5] {
+            let anchor = if at == 0 {
+                Head::EMPTY
+            } else {
+                log[at - 1].head()
+            };
+            check_anchor("r", &log, &anchor).unwrap();
+        }
+        let a = log[2].head();
+        assert_eq!(Head::parse_anchor(&a.anchor()).unwrap(), a);
+        assert!(Head::parse_anchor("3").is_err() && Head::parse_anchor("x:00").is_err());
+    }
+
+    #[test]
+    fn store_anchor_refuses_truncation_and_rewrites() {
+        let log = log_of(5);
+        let anchor = log[3].head();
+        // The tail deleted: the verified chain is shorter than the anchor.
+        let e = check_anchor("r", &log[..3], &anchor).unwrap_err();
+        assert!(e.to_string().contains("records were removed"), "{e}");
+        // History rewritten and re-hashed consistently: the chain verifies, the anchor does not.
+        let mut forged = log_of(2);
+        let mut head = forged[1].head();
+        for i in 2..5 {
+            let r = RecordDraft::new(
+                StepKind::Observation,
+                json!({"text": format!("forged {i}")}),
+            )
+            .seal(&head)
+            .unwrap();
+            head = r.head();
+            forged.push(r);
+        }
+        verify_chain("r", &forged, None).unwrap();
+        let e = check_anchor("r", &forged, &anchor).unwrap_err();
+        assert!(matches!(e, StoreError::ChainBroken { seq: 3, .. }), "{e}");
     }
 }

@@ -10,6 +10,34 @@ pub struct ControllerProcess {
     log: PathBuf,
     _dir: tempfile::TempDir,
     pub metrics_port: u16,
+    /// Port of the step-log gateway, shared by the replicas of one namespace
+    /// (as a Service fronts them in a cluster): a Job made by one replica
+    /// keeps reaching the log after that replica stops.
+    pub step_api_port: u16,
+}
+
+/// The gateway port of `namespace`'s replicas (chosen once per test process).
+pub fn step_api_port(namespace: &str) -> u16 {
+    static PORTS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<String, u16>>> =
+        std::sync::OnceLock::new();
+    *PORTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap()
+        .entry(namespace.to_string())
+        .or_insert_with(free_port)
+}
+
+/// The step-token key of this test process's controllers (replicas share it).
+pub fn step_token_key() -> &'static str {
+    static KEY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        format!("e2e-step-token-key-{}-{nanos:032}", std::process::id())
+    })
 }
 
 impl ControllerProcess {
@@ -26,6 +54,7 @@ impl ControllerProcess {
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
         let metrics_port = free_port();
+        let step_api_port = step_api_port(namespace);
         let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
             .args([
                 "controller",
@@ -37,9 +66,11 @@ impl ControllerProcess {
                 "6",
             ])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--step-api-addr", &format!("127.0.0.1:{step_api_port}")])
             .arg("--allow-failpoints")
             .args(extra)
             .env("AGENTRUN_STORE_URL", store_url)
+            .env("AGENTRUN_STEP_TOKEN_KEY", step_token_key())
             .env("RUST_LOG", "info,agentrun=debug")
             .stdout(Stdio::null())
             .stderr(out)
@@ -50,6 +81,7 @@ impl ControllerProcess {
             log,
             _dir: dir,
             metrics_port,
+            step_api_port,
         }
     }
 

@@ -77,6 +77,19 @@ impl World {
         }
     }
 
+    /// Port of the running controller's /metrics.
+    pub fn metrics_port(&self) -> u16 {
+        self.controller.metrics_port
+    }
+
+    /// URL of the step-log gateway of this namespace's controllers.
+    pub fn step_api_url(&self) -> String {
+        format!(
+            "http://127.0.0.1:{}",
+            super::controller::step_api_port(self.name())
+        )
+    }
+
     /// The inline agent of these tests: an order lookup, an idempotent refund,
     /// and a notification tool that is not idempotent but has a lookup.
     pub fn agent(&self, script: &str) -> Value {

@@ -67,7 +67,7 @@ agentrun-controller
 {{- end }}
 {{- end }}
 
-{{/* The Secret and keys the controller reads its store URLs from. */}}
+{{/* The Secret and key the controller reads its store URL from (only the controller: step pods use the gateway). */}}
 {{- define "agentrun.storeSecret" -}}
 {{- if .Values.store.existingSecret }}
 {{- .Values.store.existingSecret }}
@@ -80,8 +80,13 @@ agentrun-controller
 {{- if .Values.store.existingSecret }}{{ .Values.store.urlKey }}{{ else }}url{{ end }}
 {{- end }}
 
-{{- define "agentrun.storeStepUrlKey" -}}
-{{- if .Values.store.existingSecret }}{{ .Values.store.stepUrlKey }}{{ else if .Values.store.stepUrl }}stepUrl{{ end }}
+{{/* The step-log gateway's URL, as step pods reach it (the controller Service). */}}
+{{- define "agentrun.stepApiUrl" -}}
+{{- if .Values.controller.stepApi.url }}
+{{- .Values.controller.stepApi.url }}
+{{- else }}
+{{- printf "http://%s-controller.%s.svc:%v" (include "agentrun.fullname" .) .Release.Namespace .Values.controller.stepApi.port }}
+{{- end }}
 {{- end }}
 
 {{/* Refuse contradictory store settings at render time. */}}
@@ -92,9 +97,6 @@ agentrun-controller
 {{- if .Values.postgresql.enabled }}{{ $sources = add1 $sources }}{{ end }}
 {{- if ne $sources 1 }}
 {{- fail "set exactly one step store: store.existingSecret (a Secret with the PostgreSQL URL), store.url, or postgresql.enabled=true (quick start)" }}
-{{- end }}
-{{- if and .Values.store.stepUrl (not .Values.store.url) }}
-{{- fail "store.stepUrl needs store.url (with store.existingSecret use store.stepUrlKey)" }}
 {{- end }}
 {{- end }}
 

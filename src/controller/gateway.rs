@@ -1,0 +1,436 @@
+//! The step-log gateway: the only way step pods reach the log. Served by
+//! every controller replica on `--step-api-addr`; the client is
+//! [`crate::store::RemoteStore`].
+//!
+//! Each request carries `Authorization: Bearer <token>` where the token is
+//! the HMAC of the run uid in the path ([`super::step_token`]). The gateway
+//! refuses:
+//! - a missing or malformed token (401), another run's token (403);
+//! - records only the controller writes (`RunStarted`, `VersionChanged`,
+//!   `ApprovalDecided`, `RunFinished`) (403);
+//! - reading, leasing or appending for a run whose log ends with
+//!   `RunFinished` (410): the credential does not outlive its run (renewing
+//!   or releasing a lease reads no log: a lease alone opens nothing).
+//!
+//! Everything else goes to the store as is: appends stay fenced by the lease
+//! epoch, first-writer-wins, chained.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::step_token::TokenKey;
+use crate::store::{AcquireBody, AppendBody, Lease, StepKind, StepStore, StoreError, WireError};
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+
+/// Largest request body (a model reply with its context can be large).
+const MAX_BODY: usize = 16 << 20;
+/// Longest lease a step pod may ask for.
+const MAX_TTL: Duration = Duration::from_secs(300);
+
+/// The kinds a step pod may append; everything else is the controller's.
+pub fn runner_may_write(kind: StepKind) -> bool {
+    matches!(
+        kind,
+        StepKind::ModelCall
+            | StepKind::ToolIntent
+            | StepKind::ToolResult
+            | StepKind::ApprovalRequested
+            | StepKind::ApprovalVoided
+            | StepKind::Observation
+            | StepKind::Summary
+    )
+}
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct Gateway {
+    store: Arc<dyn StepStore>,
+    key: TokenKey,
+    /// Runs seen finished (a finished run never reopens).
+    finished: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Gateway {
+    pub fn new(store: Arc<dyn StepStore>, key: TokenKey) -> Gateway {
+        Gateway {
+            store,
+            key,
+            finished: Default::default(),
+        }
+    }
+
+    /// Checks the bearer token against `run`, then that the run is not finished.
+    async fn admit(&self, run: &str, headers: &HeaderMap) -> Result<(), Refusal> {
+        self.authenticate(run, headers)?;
+        if self.is_finished(run).await? {
+            return Err(Refusal::new(
+                StatusCode::GONE,
+                "run_finished",
+                format!(
+                    "run {run} is finished (its log ends with RunFinished): its step token no longer opens it"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the bearer token against `run` only.
+    fn authenticate(&self, run: &str, headers: &HeaderMap) -> Result<(), Refusal> {
+        let token = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| {
+                Refusal::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    format!(
+                        "run {run}: no bearer token (Authorization: Bearer <the run's step token>)"
+                    ),
+                )
+            })?;
+        if !self.key.verify(run, token) {
+            return Err(Refusal::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!("run {run}: the token is not this run's step token"),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn is_finished(&self, run: &str) -> Result<bool, Refusal> {
+        if self.finished.lock().expect("not poisoned").contains(run) {
+            return Ok(true);
+        }
+        let head = self.store.head(run).await.map_err(Refusal::store)?;
+        if head.len == 0 {
+            return Ok(false);
+        }
+        let last = self
+            .store
+            .read_range(run, head.len - 1, None)
+            .await
+            .map_err(Refusal::store)?;
+        let done = last.iter().any(|r| r.kind == StepKind::RunFinished);
+        if done {
+            self.finished
+                .lock()
+                .expect("not poisoned")
+                .insert(run.to_string());
+        }
+        Ok(done)
+    }
+}
+
+/// A refused or failed request, as a [`WireError`] body.
+#[derive(Debug)]
+pub struct Refusal {
+    status: StatusCode,
+    body: Box<WireError>,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, code: &str, message: String) -> Refusal {
+        Refusal {
+            status,
+            body: Box::new(WireError::refusal(code, message)),
+        }
+    }
+
+    fn store(e: StoreError) -> Refusal {
+        let status = match &e {
+            StoreError::Conflict { .. }
+            | StoreError::StaleEpoch { .. }
+            | StoreError::Gap { .. }
+            | StoreError::PrevHashMismatch { .. } => StatusCode::CONFLICT,
+            StoreError::LeaseHeld { .. } => StatusCode::LOCKED,
+            StoreError::InvalidRecord { .. } => StatusCode::BAD_REQUEST,
+            StoreError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        if status.is_server_error() {
+            tracing::warn!(error = %e, "step-log gateway: store operation failed");
+        }
+        Refusal {
+            status,
+            body: Box::new(WireError::from_store(&e)),
+        }
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        if self.status == StatusCode::FORBIDDEN || self.status == StatusCode::UNAUTHORIZED {
+            tracing::warn!(code = %self.body.code, message = %self.body.message, "step-log gateway refused a request");
+        }
+        (self.status, Json(*self.body)).into_response()
+    }
+}
+
+type Reply<T> = Result<Json<T>, Refusal>;
+
+pub fn router(gateway: Gateway) -> Router {
+    Router::new()
+        .route("/v1/runs/{run}/records", get(read).post(append))
+        .route("/v1/runs/{run}/head", get(head))
+        .route("/v1/runs/{run}/lease", post(acquire))
+        .route("/v1/runs/{run}/lease/renew", post(renew))
+        .route("/v1/runs/{run}/lease/release", post(release))
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(gateway)
+}
+
+/// Binds `addr` with SO_REUSEPORT (replicas sharing one host's network, as
+/// on the e2e process node, can all serve) and serves until the process ends.
+pub async fn serve(addr: SocketAddr, gateway: Gateway) -> std::io::Result<SocketAddr> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    let listener = socket.listen(1024)?;
+    let local = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router(gateway)).await {
+            tracing::error!(error = %e, "step-log gateway stopped");
+        }
+    });
+    Ok(local)
+}
+
+/// `from` and `to` of `GET …/records?from=N&to=M`.
+fn range(query: Option<&str>) -> Result<(u64, Option<u64>), Refusal> {
+    let (mut from, mut to) = (0, None);
+    for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        let n = v.parse::<u64>().map_err(|_| {
+            Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("query parameter {k}={v:?} is not a record number"),
+            )
+        })?;
+        match k.as_ref() {
+            "from" => from = n,
+            "to" => to = Some(n),
+            _ => {}
+        }
+    }
+    Ok((from, to))
+}
+
+async fn read(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    RawQuery(query): RawQuery,
+    headers: HeaderMap,
+) -> Reply<Vec<crate::store::Record>> {
+    g.admit(&run, &headers).await?;
+    let (from, to) = range(query.as_deref())?;
+    let records = g
+        .store
+        .read_range(&run, from, to)
+        .await
+        .map_err(Refusal::store)?;
+    Ok(Json(records))
+}
+
+async fn head(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+) -> Reply<crate::store::Head> {
+    g.admit(&run, &headers).await?;
+    Ok(Json(g.store.head(&run).await.map_err(Refusal::store)?))
+}
+
+async fn append(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<AppendBody>,
+) -> Reply<crate::store::Record> {
+    g.admit(&run, &headers).await?;
+    let kind = body.record.kind;
+    if !runner_may_write(kind) {
+        return Err(Refusal::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "run {run} seq {}: a step pod may not append {kind} records (only the controller writes them)",
+                body.record.seq
+            ),
+        ));
+    }
+    let stored = g
+        .store
+        .append(&run, body.epoch, &body.record)
+        .await
+        .map_err(Refusal::store)?;
+    Ok(Json(stored))
+}
+
+fn ttl(millis: u64) -> Duration {
+    Duration::from_millis(millis).min(MAX_TTL)
+}
+
+async fn acquire(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<AcquireBody>,
+) -> Reply<Lease> {
+    g.admit(&run, &headers).await?;
+    let lease = g
+        .store
+        .acquire(&run, &body.holder, ttl(body.ttl_millis))
+        .await
+        .map_err(Refusal::store)?;
+    Ok(Json(lease))
+}
+
+fn same_run(run: &str, lease: &Lease) -> Result<(), Refusal> {
+    if lease.run == run {
+        return Ok(());
+    }
+    Err(Refusal::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        format!("lease.run {} is not the run {run} of the path", lease.run),
+    ))
+}
+
+async fn renew(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<crate::store::RenewBody>,
+) -> Reply<Lease> {
+    // Heartbeats are the bulk of the traffic: no log read. A lease on a
+    // finished run opens nothing (reads and appends check).
+    g.authenticate(&run, &headers)?;
+    same_run(&run, &body.lease)?;
+    let lease = g
+        .store
+        .renew(&body.lease, ttl(body.ttl_millis))
+        .await
+        .map_err(Refusal::store)?;
+    Ok(Json(lease))
+}
+
+async fn release(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    headers: HeaderMap,
+    Json(lease): Json<Lease>,
+) -> Reply<serde_json::Value> {
+    g.authenticate(&run, &headers)?;
+    same_run(&run, &lease)?;
+    g.store.release(&lease).await.map_err(Refusal::store)?;
+    Ok(Json(serde_json::json!({})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{RecordDraft, RemoteStore};
+
+    async fn gateway() -> (SocketAddr, TokenKey, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("log.db").display());
+        let store = crate::store::open(&url).await.unwrap();
+        let key = TokenKey::new(&[b'k'; 32]).unwrap();
+        let addr = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            Gateway::new(store, key.clone()),
+        )
+        .await
+        .unwrap();
+        (addr, key, dir)
+    }
+
+    fn client(addr: SocketAddr, token: &str) -> RemoteStore {
+        RemoteStore::new(&format!("http://{addr}"), token, Duration::from_secs(5)).unwrap()
+    }
+
+    #[tokio::test]
+    async fn gateway_serves_a_runs_own_log_and_refuses_the_rest() {
+        let (addr, key, _dir) = gateway().await;
+        let a = client(addr, &key.mint("run-a"));
+        // Its own run: lease, append a runner kind, read back.
+        let lease = a
+            .acquire("run-a", "pod", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let head = a.head("run-a").await.unwrap();
+        let r = RecordDraft::new(StepKind::Observation, serde_json::json!({"text": "x"}))
+            .seal(&head)
+            .unwrap();
+        a.append("run-a", lease.epoch, &r).await.unwrap();
+        assert_eq!(a.read_all("run-a").await.unwrap().len(), 1);
+        // Fencing still applies.
+        let r2 = RecordDraft::new(StepKind::Observation, serde_json::json!({"text": "y"}))
+            .seal(&r.head())
+            .unwrap();
+        let e = a.append("run-a", lease.epoch + 5, &r2).await.unwrap_err();
+        assert_eq!(e.metric_label(), "stale_epoch", "{e}");
+        // Another run with run-a's token.
+        let e = a.read_all("run-b").await.unwrap_err();
+        assert_eq!(e.metric_label(), "permission_denied", "{e}");
+        assert!(e.to_string().contains("not this run's step token"), "{e}");
+        // A controller kind.
+        let forged = RecordDraft::new(StepKind::ApprovalDecided, serde_json::json!({}))
+            .seal(&r.head())
+            .unwrap();
+        let e = a.append("run-a", lease.epoch, &forged).await.unwrap_err();
+        assert!(
+            e.to_string().contains("may not append ApprovalDecided"),
+            "{e}"
+        );
+        // No token at all.
+        let e = client(addr, "").head("run-a").await.unwrap_err();
+        assert_eq!(e.metric_label(), "permission_denied", "{e}");
+    }
+
+    #[tokio::test]
+    async fn gateway_closes_a_finished_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("log.db").display());
+        let store = crate::store::open(&url).await.unwrap();
+        let key = TokenKey::new(&[b'k'; 32]).unwrap();
+        let addr = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            Gateway::new(store.clone(), key.clone()),
+        )
+        .await
+        .unwrap();
+        // The controller (directly on the store) ends the run.
+        let lease = store
+            .acquire("run-f", "ctrl", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let done = RecordDraft::new(StepKind::RunFinished, serde_json::json!({}))
+            .seal(&crate::store::Head::EMPTY)
+            .unwrap();
+        store.append("run-f", lease.epoch, &done).await.unwrap();
+        store.release(&lease).await.unwrap();
+        let c = client(addr, &key.mint("run-f"));
+        let e = c.read_all("run-f").await.unwrap_err();
+        assert!(e.to_string().contains("is finished"), "{e}");
+        let e = c
+            .acquire("run-f", "pod", Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert_eq!(e.metric_label(), "permission_denied", "{e}");
+    }
+}
