@@ -4,7 +4,12 @@
 //! - store.<backend>.append.c<N>: appends/s with N runs appending concurrently
 //!   (each run: its own lease, a sequential hash chain), and .p50/.p99 latency;
 //! - store.<backend>.replay.<size>: read + decode + verify (`read_verified`) of one run's log, steps/s;
-//! - store.verify_chain_reencode.100k: `verify_chain` in memory (re-encodes every record canonically).
+//! - store.verify_chain_reencode.100k: `verify_chain` in memory (re-encodes every record canonically);
+//! - store.gateway.append.c<N>: the same appends through the step-log gateway
+//!   (PostgreSQL behind it), each run with its own token, and the ratio to
+//!   direct appends measured in the same run;
+//! - store.gateway.renew.under_load.p50/.p99: a heartbeat's latency through
+//!   the gateway while 64 runs append through it.
 //!
 //! PostgreSQL comes from `e2e/postgres` (started if needed). Environment:
 //! AGENTRUN_BENCH_SECONDS (per append figure, default 4), AGENTRUN_BENCH_POOL
@@ -92,54 +97,130 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[idx].as_secs_f64() * 1000.0
 }
 
-async fn append_figures(store: Arc<dyn StepStore>, backend: &str, seconds: f64) {
+/// Appends/s with `c` runs appending concurrently for `seconds`, each run
+/// through the store `store_for(run)` gives; (appends/s, sorted latencies).
+async fn appends<F>(store_for: &F, prefix: &str, c: usize, seconds: f64) -> (f64, Vec<Duration>)
+where
+    F: Fn(&str) -> Arc<dyn StepStore>,
+{
+    let warmup = Duration::from_millis(500);
+    let measure = Duration::from_secs_f64(seconds);
+    let start = Instant::now() + Duration::from_millis(200);
+    let mut tasks = Vec::new();
+    for t in 0..c {
+        let run = format!("{prefix}-{t}");
+        let store = store_for(&run);
+        tasks.push(tokio::spawn(async move {
+            let lease = store
+                .acquire(&run, "bench", Duration::from_secs(300))
+                .await
+                .expect("acquire");
+            tokio::time::sleep_until(start.into()).await;
+            let measure_from = start + warmup;
+            let end = measure_from + measure;
+            let mut head = Head::EMPTY;
+            let mut lat = Vec::new();
+            let mut i = 0u64;
+            loop {
+                let rec = draft(i, "bench-pod").seal(&head).expect("seal");
+                let t0 = Instant::now();
+                if t0 >= end {
+                    break;
+                }
+                let stored = store.append(&run, lease.epoch, &rec).await.expect("append");
+                let t1 = Instant::now();
+                if t0 >= measure_from {
+                    lat.push(t1 - t0);
+                }
+                head = stored.head();
+                i += 1;
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all.sort();
+    (all.len() as f64 / measure.as_secs_f64(), all)
+}
+
+/// The gateway in front of `url`, over HTTP on a local port, and a client
+/// store per run (each with that run's own token).
+async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
+    use agentrun::controller::gateway::{Gateway, serve};
+    use agentrun::controller::run_index::RunIndex;
+    use agentrun::controller::step_token::TokenKey;
+    let behind = store::open_with(
+        url,
+        &OpenOptions {
+            max_connections: 8,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let key = TokenKey::new(&[7u8; 32]).unwrap();
+    let prefix = format!("bench-{}-gw", std::process::id());
+    let mut live: Vec<String> = (0..64)
+        .flat_map(|t| ["c1", "c8", "c64", "load"].map(|c| format!("{prefix}-{c}-{t}")))
+        .collect();
+    live.push(format!("{prefix}-hb"));
+    let gw = Gateway::new(behind, key.clone(), RunIndex::with_live(live));
+    let minting = key.clone();
+    let addr = serve("127.0.0.1:0".parse().unwrap(), gw).await.unwrap();
+    let store_for = move |run: &str| -> Arc<dyn StepStore> {
+        Arc::new(
+            store::RemoteStore::new(&format!("http://{addr}"), &minting.mint(run), Duration::from_secs(30))
+                .unwrap(),
+        )
+    };
+    for &(c, direct_rate) in direct {
+        let (rate, lat) = appends(&store_for, &format!("{prefix}-c{c}"), c, seconds).await;
+        figure(&format!("store.gateway.append.c{c}"), rate, "appends/s");
+        figure(&format!("store.gateway.append.c{c}.p50"), pct(&lat, 0.50), "ms");
+        figure(&format!("store.gateway.append.c{c}.p99"), pct(&lat, 0.99), "ms");
+        figure(
+            &format!("store.gateway.append.c{c}.vs_direct"),
+            rate / direct_rate,
+            "ratio",
+        );
+    }
+    // Heartbeats while 64 runs append through the same gateway.
+    let hb_run = format!("{prefix}-hb");
+    let hb = store_for(&hb_run);
+    let load = tokio::spawn({
+        let prefix = format!("{prefix}-load");
+        let store_for = store_for.clone();
+        async move { appends(&store_for, &prefix, 64, seconds).await }
+    });
+    let mut lease = hb
+        .acquire(&hb_run, "bench", Duration::from_secs(300))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut lat = Vec::new();
+    let end = Instant::now() + Duration::from_secs_f64(seconds);
+    while Instant::now() < end {
+        let t0 = Instant::now();
+        lease = hb.renew(&lease, Duration::from_secs(300)).await.unwrap();
+        lat.push(t0.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    load.await.unwrap();
+    lat.sort();
+    figure("store.gateway.renew.under_load.p50", pct(&lat, 0.50), "ms");
+    figure("store.gateway.renew.under_load.p99", pct(&lat, 0.99), "ms");
+}
+
+async fn append_figures(store: Arc<dyn StepStore>, backend: &str, seconds: f64) -> Vec<(usize, f64)> {
+    let mut rates = Vec::new();
     for c in [1usize, 8, 64] {
         let prefix = format!("bench-{}-{backend}-c{c}", std::process::id());
-        let warmup = Duration::from_millis(500);
-        let measure = Duration::from_secs_f64(seconds);
-        let start = Instant::now() + Duration::from_millis(200);
-        let mut tasks = Vec::new();
-        for t in 0..c {
-            let store = store.clone();
-            let run = format!("{prefix}-{t}");
-            tasks.push(tokio::spawn(async move {
-                let lease = store
-                    .acquire(&run, "bench", Duration::from_secs(600))
-                    .await
-                    .expect("acquire");
-                tokio::time::sleep_until(start.into()).await;
-                let measure_from = start + warmup;
-                let end = measure_from + measure;
-                let mut head = Head::EMPTY;
-                let mut lat = Vec::new();
-                let mut i = 0u64;
-                loop {
-                    let rec = draft(i, "bench-pod").seal(&head).expect("seal");
-                    let t0 = Instant::now();
-                    if t0 >= end {
-                        break;
-                    }
-                    let stored = store.append(&run, lease.epoch, &rec).await.expect("append");
-                    let t1 = Instant::now();
-                    if t0 >= measure_from {
-                        lat.push(t1 - t0);
-                    }
-                    head = stored.head();
-                    i += 1;
-                }
-                lat
-            }));
-        }
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await.unwrap());
-        }
-        all.sort();
-        figure(
-            &format!("store.{backend}.append.c{c}"),
-            all.len() as f64 / measure.as_secs_f64(),
-            "appends/s",
-        );
+        let (rate, all) = appends(&|_: &str| store.clone(), &prefix, c, seconds).await;
+        rates.push((c, rate));
+        figure(&format!("store.{backend}.append.c{c}"), rate, "appends/s");
         figure(
             &format!("store.{backend}.append.c{c}.p50"),
             pct(&all, 0.50),
@@ -151,6 +232,7 @@ async fn append_figures(store: Arc<dyn StepStore>, backend: &str, seconds: f64) 
             "ms",
         );
     }
+    rates
 }
 
 /// A valid chain of `n` records, generated in memory.
@@ -274,7 +356,8 @@ async fn bench() {
     };
     let pg = store::open_with(&url, &opts).await.unwrap();
     pg.migrate().await.unwrap();
-    append_figures(pg.clone(), "postgres", seconds).await;
+    let direct = append_figures(pg.clone(), "postgres", seconds).await;
+    gateway_figures(&url, seconds, &direct).await;
     pg_load(&url, "replay-10k", &small).await;
     pg_load(&url, "replay-100k", &big).await;
     replay_figures(

@@ -191,6 +191,12 @@ pub struct LogRef {
     /// Hash of the last record; `kubectl agentrun verify` checks the chain ends here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_hash: Option<String>,
+    /// First record that must carry the controller's signature where its
+    /// kind is the controller's. 0 for runs started by a signing release;
+    /// for a run started before, the length its log had when a signing
+    /// controller first saw it (those records are kept as they were).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signed_from: Option<u64>,
 }
 
 /// The step being worked on.

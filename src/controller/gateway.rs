@@ -9,8 +9,13 @@
 //! - records only the controller writes (`RunStarted`, `VersionChanged`,
 //!   `ApprovalDecided`, `RunFinished`) (403);
 //! - reading, leasing or appending for a run whose log ends with
-//!   `RunFinished` (410): the credential does not outlive its run (renewing
-//!   or releasing a lease reads no log: a lease alone opens nothing).
+//!   `RunFinished`, or whose AgentRun was deleted (410): the credential does
+//!   not outlive its run (renewing or releasing a lease reads no log: a
+//!   lease alone opens nothing). A run the watch has not seen yet gets 503,
+//!   which a step pod waits out like a store outage.
+//!
+//! It runs on its own runtime and threads ([`spawn`]), with its own database
+//! pool, so heartbeats are never queued behind the reconciler's work.
 //!
 //! Everything else goes to the store as is: appends stay fenced by the lease
 //! epoch, first-writer-wins, chained.
@@ -20,8 +25,11 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use super::run_index::{RunIndex, RunPresence};
 use super::step_token::TokenKey;
-use crate::store::{AcquireBody, AppendBody, Lease, StepKind, StepStore, StoreError, WireError};
+use crate::store::{
+    AcquireBody, AppendBody, Lease, OpenOptions, StepKind, StepStore, StoreError, WireError,
+};
 use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -52,22 +60,50 @@ pub fn runner_may_write(kind: StepKind) -> bool {
 pub struct Gateway {
     store: Arc<dyn StepStore>,
     key: TokenKey,
+    /// Which runs exist.
+    runs: RunIndex,
     /// Runs seen finished (a finished run never reopens).
     finished: Arc<Mutex<HashSet<String>>>,
 }
 
 impl Gateway {
-    pub fn new(store: Arc<dyn StepStore>, key: TokenKey) -> Gateway {
+    pub fn new(store: Arc<dyn StepStore>, key: TokenKey, runs: RunIndex) -> Gateway {
         Gateway {
             store,
             key,
+            runs,
             finished: Default::default(),
         }
     }
 
-    /// Checks the bearer token against `run`, then that the run is not finished.
+    /// Checks the bearer token against `run`, that the run exists and that
+    /// it is not finished.
     async fn admit(&self, run: &str, headers: &HeaderMap) -> Result<(), Refusal> {
         self.authenticate(run, headers)?;
+        match self.runs.presence(run) {
+            RunPresence::Live => {}
+            RunPresence::Gone => {
+                return Err(Refusal::new(
+                    StatusCode::GONE,
+                    "run_deleted",
+                    format!("run {run} was deleted: its step token no longer opens it"),
+                ));
+            }
+            presence @ (RunPresence::Unknown | RunPresence::NotSynced) => {
+                return Err(Refusal::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    format!(
+                        "run {run} is not known to this gateway ({}); retry",
+                        if presence == RunPresence::NotSynced {
+                            "it is still listing AgentRuns"
+                        } else {
+                            "no AgentRun with this uid has been seen"
+                        }
+                    ),
+                ));
+            }
+        }
         if self.is_finished(run).await? {
             return Err(Refusal::new(
                 StatusCode::GONE,
@@ -109,16 +145,8 @@ impl Gateway {
         if self.finished.lock().expect("not poisoned").contains(run) {
             return Ok(true);
         }
-        let head = self.store.head(run).await.map_err(Refusal::store)?;
-        if head.len == 0 {
-            return Ok(false);
-        }
-        let last = self
-            .store
-            .read_range(run, head.len - 1, None)
-            .await
-            .map_err(Refusal::store)?;
-        let done = last.iter().any(|r| r.kind == StepKind::RunFinished);
+        let done = self.store.last_kind(run).await.map_err(Refusal::store)?
+            == Some(StepKind::RunFinished);
         if done {
             self.finished
                 .lock()
@@ -186,6 +214,56 @@ pub fn router(gateway: Gateway) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(gateway)
+}
+
+/// Serves the gateway from a runtime of its own (two threads), with its own
+/// store pool, API client and run index: a reconciler busy replaying logs
+/// never delays a step pod's heartbeat. Returns the bound address.
+pub async fn spawn(
+    addr: SocketAddr,
+    store_url: String,
+    pool: OpenOptions,
+    key: TokenKey,
+) -> anyhow::Result<SocketAddr> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("step-gateway".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("step-gateway")
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(anyhow::Error::new(e).context("starting its runtime")));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let started = start(addr, &store_url, &pool, key).await;
+                let up = started.is_ok();
+                let _ = tx.send(started);
+                if up {
+                    std::future::pending::<()>().await;
+                }
+            });
+        })?;
+    rx.await?
+}
+
+async fn start(
+    addr: SocketAddr,
+    store_url: &str,
+    pool: &OpenOptions,
+    key: TokenKey,
+) -> anyhow::Result<SocketAddr> {
+    let store = crate::store::open_with(store_url, pool).await?;
+    let client = kube::Client::try_default().await?;
+    let runs = RunIndex::default();
+    tokio::spawn(runs.clone().follow(client));
+    Ok(serve(addr, Gateway::new(store, key, runs)).await?)
 }
 
 /// Binds `addr` with SO_REUSEPORT (replicas sharing one host's network, as
@@ -345,17 +423,26 @@ mod tests {
     use super::*;
     use crate::store::{RecordDraft, RemoteStore};
 
-    async fn gateway() -> (SocketAddr, TokenKey, tempfile::TempDir) {
+    /// A gateway on a fresh SQLite store whose index knows the runs `live`.
+    async fn gateway_with(
+        live: &[&str],
+    ) -> (SocketAddr, TokenKey, Arc<dyn StepStore>, RunIndex, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("log.db").display());
         let store = crate::store::open(&url).await.unwrap();
         let key = TokenKey::new(&[b'k'; 32]).unwrap();
+        let runs = RunIndex::with_live(live.iter().map(|r| r.to_string()));
         let addr = serve(
             "127.0.0.1:0".parse().unwrap(),
-            Gateway::new(store, key.clone()),
+            Gateway::new(store.clone(), key.clone(), runs.clone()),
         )
         .await
         .unwrap();
+        (addr, key, store, runs, dir)
+    }
+
+    async fn gateway() -> (SocketAddr, TokenKey, tempfile::TempDir) {
+        let (addr, key, _, _, dir) = gateway_with(&["run-a", "run-b"]).await;
         (addr, key, dir)
     }
 
@@ -404,16 +491,7 @@ mod tests {
 
     #[tokio::test]
     async fn gateway_closes_a_finished_run() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("log.db").display());
-        let store = crate::store::open(&url).await.unwrap();
-        let key = TokenKey::new(&[b'k'; 32]).unwrap();
-        let addr = serve(
-            "127.0.0.1:0".parse().unwrap(),
-            Gateway::new(store.clone(), key.clone()),
-        )
-        .await
-        .unwrap();
+        let (addr, key, store, _, _dir) = gateway_with(&["run-f"]).await;
         // The controller (directly on the store) ends the run.
         let lease = store
             .acquire("run-f", "ctrl", Duration::from_secs(5))
@@ -432,5 +510,29 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.metric_label(), "permission_denied", "{e}");
+    }
+
+    #[tokio::test]
+    async fn gateway_refuses_a_deleted_run_and_holds_off_an_unknown_one() {
+        let (addr, key, _, runs, _dir) = gateway_with(&["run-d"]).await;
+        let d = client(addr, &key.mint("run-d"));
+        let lease = d
+            .acquire("run-d", "pod", Duration::from_secs(5))
+            .await
+            .unwrap();
+        runs.forget("run-d");
+        let e = d.read_all("run-d").await.unwrap_err();
+        assert_eq!(e.metric_label(), "permission_denied", "{e}");
+        assert!(e.to_string().contains("was deleted"), "{e}");
+        let head = crate::store::Head::EMPTY;
+        let r = RecordDraft::new(StepKind::Observation, serde_json::json!({"text": "x"}))
+            .seal(&head)
+            .unwrap();
+        let e = d.append("run-d", lease.epoch, &r).await.unwrap_err();
+        assert!(e.to_string().contains("was deleted"), "{e}");
+        // A run not seen yet: a retryable outage, not a refusal.
+        let u = client(addr, &key.mint("run-u"));
+        let e = u.head("run-u").await.unwrap_err();
+        assert!(e.is_retryable(), "{e}");
     }
 }

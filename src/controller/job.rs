@@ -26,6 +26,9 @@ pub const TOKEN_KEY: &str = "token";
 /// Environment variable carrying the controller's public key (hex): the
 /// runner accepts controller records only with its signature.
 pub const CONTROLLER_KEY_ENV: &str = "AGENTRUN_CONTROLLER_KEY";
+/// Environment variable carrying `status.log.signedFrom`: controller
+/// records before it predate signing.
+pub const SIGNED_FROM_ENV: &str = "AGENTRUN_SIGNED_FROM";
 /// Environment variable carrying the log head the controller anchored
 /// (`<length>:<hash hex>`): the runner refuses a log that does not extend it.
 pub const LOG_ANCHOR_ENV: &str = "AGENTRUN_LOG_ANCHOR";
@@ -104,6 +107,7 @@ pub fn build(
         ),
         plain(LOG_ANCHOR_ENV, format!("{}:{}", anchor.len, anchor.hash)),
         plain(CONTROLLER_KEY_ENV, settings.controller_key.clone()),
+        plain(SIGNED_FROM_ENV, super::status::signed_from(run).to_string()),
         EnvVar {
             name: "POD_NAME".into(),
             value_from: Some(EnvVarSource {

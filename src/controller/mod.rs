@@ -6,6 +6,7 @@ pub mod approval;
 pub mod decide;
 mod error;
 pub mod gateway;
+pub mod run_index;
 mod http;
 pub mod job;
 mod leader;
@@ -127,25 +128,23 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let signer = tokens.record_signer();
     let controller_key = signer.public_key_hex();
     // The gateway's own pool: step pods' traffic never starves the reconciler's.
-    let gateway_store = crate::store::open_with(
-        &opts.store_url,
-        &crate::store::OpenOptions {
-            max_connections: opts.step_api_connections,
-            // Under a burst of step pods a request waits for a connection
-            // rather than failing: the runner's HTTP timeout is longer.
-            acquire_timeout: Duration::from_secs(25),
-            ..Default::default()
-        },
-    )
-    .await?;
-    let served = gateway::serve(
+    let gateway_pool = crate::store::OpenOptions {
+        max_connections: opts.step_api_connections,
+        // Under a burst of step pods a request waits for a connection
+        // rather than failing: the runner's HTTP timeout is longer.
+        acquire_timeout: Duration::from_secs(25),
+        ..Default::default()
+    };
+    let served = gateway::spawn(
         opts.step_api_addr,
-        gateway::Gateway::new(gateway_store, tokens.clone()),
+        opts.store_url.clone(),
+        gateway_pool,
+        tokens.clone(),
     )
     .await
     .map_err(|e| {
         anyhow::anyhow!(
-            "serving the step-log gateway on --step-api-addr {}: {e}",
+            "serving the step-log gateway on --step-api-addr {}: {e:#}",
             opts.step_api_addr
         )
     })?;

@@ -90,7 +90,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     // Read: the log (the run's truth, verified against the anchored head),
     // the step Job and, if needed, the lease.
     let anchor = anchored_head(run);
-    let records = match read_log(ctx, &uid, &anchor).await? {
+    let records = match read_log(ctx, run, &anchor).await? {
         Ok(records) => records,
         Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
     };
@@ -259,6 +259,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             phase::RUNNING_REQUEUE
         }
         Act::DeleteJob { name } => {
+            fence_lost_worker(ctx, &uid).await?;
             let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
             match jobs.delete(&name, &DeleteParams::background()).await {
                 Ok(_) => {}
@@ -305,7 +306,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
 
     // Status: from the log as it is now.
     let log = if concluded.is_none() && (requeue == Duration::ZERO || awaiting.is_some()) {
-        let records = match read_log(ctx, &uid, &head).await? {
+        let records = match read_log(ctx, run, &head).await? {
             Ok(records) => records,
             Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
         };
@@ -509,21 +510,16 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
 }
 
 /// Is a worker holding the run's lease, and since when has it been free?
-/// Taking it when free also fences any zombie worker (the epoch moves on);
-/// it is released at once.
+/// Read only: a worker whose heartbeat comes late under load keeps its
+/// lease (renewing revives a lapsed one nobody took), so only a worker
+/// judged lost is fenced ([`fence_lost_worker`]).
 async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
-    let live = match ctx
+    let live = ctx
         .store
-        .acquire(uid, &ctx.identity, Duration::from_secs(2))
+        .lease(uid)
         .await
-    {
-        Ok(lease) => {
-            let _ = ctx.store.release(&lease).await;
-            false
-        }
-        Err(StoreError::LeaseHeld { .. }) => true,
-        Err(e) => return Err(Error::Store(e)),
-    };
+        .map_err(Error::Store)?
+        .is_some_and(|l| !l.expired);
     let mut free_since = ctx.lease_free_since.lock().expect("not poisoned");
     let free_for = if live {
         free_since.remove(uid);
@@ -535,6 +531,25 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
         since.elapsed()
     };
     Ok(LeaseView { live, free_for })
+}
+
+/// Takes and gives back the lease of a run whose worker was judged lost:
+/// the epoch moves on, so that worker, should it wake, can neither renew
+/// nor append.
+async fn fence_lost_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
+    match ctx
+        .store
+        .acquire(uid, &ctx.identity, Duration::from_secs(2))
+        .await
+    {
+        Ok(lease) => {
+            let _ = ctx.store.release(&lease).await;
+            Ok(())
+        }
+        // It renewed after all: the Job goes anyway, and its pod with it.
+        Err(StoreError::LeaseHeld { .. }) => Ok(()),
+        Err(e) => Err(Error::Store(e)),
+    }
 }
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
@@ -665,16 +680,18 @@ fn anchored_head(run: &AgentRun) -> Head {
 /// store that could not be read (retried).
 async fn read_log(
     ctx: &Context,
-    uid: &str,
+    run: &AgentRun,
     anchor: &Head,
 ) -> Result<Result<Vec<crate::store::Record>, StoreError>, Error> {
+    let uid = &run.uid().unwrap_or_default();
+    let signed_from = super::status::signed_from(run);
     let records = match ctx.store.read_verified(uid, None).await {
         Ok(records) => records,
         Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
         Err(e) => return Err(Error::Store(e)),
     };
     let checked = crate::store::check_anchor(uid, &records, anchor)
-        .and_then(|()| ctx.verifier.check(uid, &records));
+        .and_then(|()| ctx.verifier.check(uid, &records, signed_from));
     Ok(checked.map(|()| records))
 }
 

@@ -41,6 +41,17 @@ pub const STALLED: &str = "Stalled";
 /// Condition type that is True once a run succeeded, False once it ended otherwise.
 pub const SUCCEEDED: &str = "Succeeded";
 
+/// From which record on the run's controller records must be signed: every
+/// record of a run whose log this release anchored from the start, and the
+/// records past its anchor for a run an older, unsigning release began
+/// (its `status.log` has no `signedFrom`).
+pub fn signed_from(run: &AgentRun) -> u64 {
+    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
+        None => 0,
+        Some(log) => log.signed_from.unwrap_or(log.length),
+    }
+}
+
 /// The status a run should have now.
 #[allow(clippy::too_many_arguments)]
 pub fn compose(
@@ -62,6 +73,7 @@ pub fn compose(
         run_key: run.metadata.uid.clone().unwrap_or_default(),
         length: head.len,
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
+        signed_from: Some(signed_from(run)),
     });
     s.usage = Some(Usage {
         input_tokens: log.spent.input_tokens,

@@ -43,6 +43,9 @@ pub struct StepArgs {
     /// among them) are acted on only with its signature.
     #[arg(long, env = "AGENTRUN_CONTROLLER_KEY")]
     pub controller_key: Option<String>,
+    /// Controller records before this seq predate signing (`status.log.signedFrom`).
+    #[arg(long, env = "AGENTRUN_SIGNED_FROM", default_value_t = 0)]
+    pub signed_from: u64,
     #[arg(long, env = "AGENTRUN_MODEL_API_KEY", hide_env_values = true)]
     pub model_api_key: Option<String>,
     /// Worker identity (the pod's name).
@@ -154,7 +157,7 @@ impl Runner {
         if let Some(key) = &args.controller_key {
             store::RecordVerifier::from_hex(key)
                 .map_err(|e| anyhow::anyhow!("AGENTRUN_CONTROLLER_KEY: {e}"))?
-                .check(&args.run_uid, &records)
+                .check(&args.run_uid, &records, args.signed_from)
                 .context("checking the controller's signatures in the step log")?;
         }
         let mut steps = Vec::with_capacity(records.len());
@@ -569,11 +572,25 @@ impl Runner {
         };
         let record = draft.seal(&self.head)?;
         let seq = record.seq;
-        let outcome = with_store_retry(|| {
+        let mut outcome = with_store_retry(|| {
             self.store
                 .append(&self.args.run_uid, self.lease.epoch, &record)
         })
         .await;
+        if let Err(StoreError::StaleEpoch { expired: true, .. }) = outcome {
+            // Our lease lapsed (a late heartbeat) but nobody took it over:
+            // revive it and append once more; a takeover fails the renew.
+            self.lease = self
+                .store
+                .renew(&self.lease, LEASE_TTL)
+                .await
+                .context("reviving the lapsed run lease")?;
+            outcome = with_store_retry(|| {
+                self.store
+                    .append(&self.args.run_uid, self.lease.epoch, &record)
+            })
+            .await;
+        }
         match outcome {
             Ok(stored) => {
                 self.head = stored.head();

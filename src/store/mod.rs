@@ -72,6 +72,16 @@ pub struct Lease {
     pub expires_at: DateTime<Utc>,
 }
 
+/// A run's lease as read by [`StepStore::lease`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseState {
+    pub holder: String,
+    pub epoch: u64,
+    pub expires_at: DateTime<Utc>,
+    /// Expired by the store's own clock (released leases count as expired).
+    pub expired: bool,
+}
+
 /// The step log contract (DESIGN.md section 3). Held as `Arc<dyn StepStore>`.
 ///
 /// Every method is atomic: on error nothing was written.
@@ -114,15 +124,33 @@ pub trait StepStore: Send + Sync + fmt::Debug {
     /// Length and head hash of the log ([`Head::EMPTY`] for none).
     async fn head(&self, run: &str) -> Result<Head, StoreError>;
 
+    /// The kind of the log's last record (`None` for an empty log): whether
+    /// a run is finished, in one read.
+    async fn last_kind(&self, run: &str) -> Result<Option<StepKind>, StoreError> {
+        let head = self.head(run).await?;
+        if head.len == 0 {
+            return Ok(None);
+        }
+        let last = self.read_range(run, head.len - 1, None).await?;
+        Ok(last.last().map(|r| r.kind))
+    }
+
     /// Take the run's lease for `ttl`: succeeds when there is none, it
     /// expired, or `holder` already holds it; always returns a new, higher
     /// epoch (so a previous incarnation of the same holder is fenced too).
     /// Otherwise [`StoreError::LeaseHeld`].
     async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError>;
 
-    /// Extend a live lease to now + `ttl` (same epoch). A lease that expired
-    /// or was taken over gives [`StoreError::StaleEpoch`].
+    /// Extend the lease to now + `ttl` (same epoch). A lease that lapsed
+    /// without anyone taking it over is still this holder's (fencing is by
+    /// epoch: only a new `acquire` moves it), so a heartbeat that comes late
+    /// under load revives it; a lease taken over gives
+    /// [`StoreError::StaleEpoch`].
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError>;
+
+    /// The run's lease as it stands, read without writing (how the
+    /// controller judges a worker). `None` when the run was never leased.
+    async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError>;
 
     /// Give the lease up (it expires now; the epoch is kept, so the next
     /// holder gets a higher one). Releasing a lease that is no longer current

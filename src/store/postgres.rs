@@ -17,9 +17,10 @@ use sqlx::Row;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-use super::record::{Hash, Head, Record, StoredChain};
+use super::record::{Hash, Head, Record, StepKind, StoredChain};
 use super::{
-    Lease, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64, ttl_micros,
+    Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64,
+    ttl_micros,
 };
 
 const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
@@ -81,6 +82,9 @@ const READ_SQL: &str = "SELECT seq, body, hash, created_at FROM agentrun_steps \
 const HEAD_SQL: &str =
     "SELECT seq, hash FROM agentrun_steps WHERE run = $1 ORDER BY seq DESC LIMIT 1";
 
+const LAST_KIND_SQL: &str =
+    "SELECT kind FROM agentrun_steps WHERE run = $1 ORDER BY seq DESC LIMIT 1";
+
 const ACQUIRE_SQL: &str = r#"
 INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at)
 VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now())
@@ -99,7 +103,7 @@ const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() A
 const RENEW_SQL: &str = r#"
 UPDATE agentrun_leases
    SET expires_at = now() + $4 * interval '1 microsecond', renewed_at = now()
- WHERE run = $1 AND epoch = $2 AND holder = $3 AND expires_at > now()
+ WHERE run = $1 AND epoch = $2 AND holder = $3
 RETURNING expires_at
 "#;
 
@@ -396,6 +400,15 @@ impl StepStore for PgStore {
         }
     }
 
+    async fn last_kind(&self, run: &str) -> Result<Option<StepKind>, StoreError> {
+        let kind: Option<String> = sqlx::query_scalar(LAST_KIND_SQL)
+            .bind(run)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(kind.and_then(|k| StepKind::ALL.into_iter().find(|s| s.as_str() == k)))
+    }
+
     async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
         // Retried once: the lease may be released between the refused
         // upsert and the look-up that explains the refusal.
@@ -475,6 +488,23 @@ impl StepStore for PgStore {
             current,
             expired: current == Some(lease.epoch) && expired,
         })
+    }
+
+    async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError> {
+        let Some(row) = sqlx::query(LEASE_SQL)
+            .bind(run)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(LeaseState {
+            holder: row.try_get(0).map_err(|e| self.err(e))?,
+            epoch: row.try_get::<i64, _>(1).map_err(|e| self.err(e))? as u64,
+            expires_at: row.try_get(2).map_err(|e| self.err(e))?,
+            expired: row.try_get(3).map_err(|e| self.err(e))?,
+        }))
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{Hash, Head, Lease, Record, StepStore, StoreError};
+use super::{Hash, Head, Lease, LeaseState, Record, StepStore, StoreError};
 
 /// Environment variable holding a step pod's gateway token.
 pub const STORE_TOKEN_ENV: &str = "AGENTRUN_STORE_TOKEN";
@@ -189,10 +189,12 @@ impl WireError {
                 url,
                 reason: self.message,
             },
-            "unauthorized" | "forbidden" | "run_finished" => StoreError::PermissionDenied {
-                url,
-                reason: self.message,
-            },
+            "unauthorized" | "forbidden" | "run_finished" | "run_deleted" => {
+                StoreError::PermissionDenied {
+                    url,
+                    reason: self.message,
+                }
+            }
             _ => StoreError::Database {
                 url,
                 reason: format!("{}: {}", self.code, self.message),
@@ -363,6 +365,13 @@ impl StepStore for RemoteStore {
             .post(self.path(&lease.run, "/lease/renew"))
             .json(&body);
         self.call(&lease.run, "renew lease", req).await
+    }
+
+    async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError> {
+        Err(StoreError::PermissionDenied {
+            url: self.base.clone(),
+            reason: format!("the step-log gateway does not show run {run}'s lease: the controller reads it from the store"),
+        })
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

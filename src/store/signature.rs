@@ -101,10 +101,15 @@ impl RecordVerifier {
         Ok(RecordVerifier(key))
     }
 
-    /// Every controller record of `records` must carry a valid signature;
-    /// otherwise [`StoreError::ChainBroken`] naming the first bad seq.
-    pub fn check(&self, run: &str, records: &[Record]) -> Result<(), StoreError> {
-        for r in records.iter().filter(|r| controller_only(r.kind)) {
+    /// Every controller record of `records` from seq `signed_from` on must
+    /// carry a valid signature (earlier ones predate signing: see
+    /// `status.log.signedFrom`); otherwise [`StoreError::ChainBroken`]
+    /// naming the first bad seq.
+    pub fn check(&self, run: &str, records: &[Record], signed_from: u64) -> Result<(), StoreError> {
+        for r in records
+            .iter()
+            .filter(|r| r.seq >= signed_from && controller_only(r.kind))
+        {
             self.check_one(r)
                 .map_err(|reason| StoreError::ChainBroken {
                     run: run.to_string(),
@@ -176,7 +181,7 @@ mod tests {
         let log = vec![started, obs, decided];
         super::super::verify_chain("r", &log, None).unwrap();
         let v = RecordVerifier::from_hex(&s.public_key_hex()).unwrap();
-        v.check("r", &log).unwrap();
+        v.check("r", &log, 0).unwrap();
     }
 
     #[test]
@@ -187,7 +192,7 @@ mod tests {
         let forged = RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Approve"}))
             .seal(&Head::EMPTY)
             .unwrap();
-        let e = v.check("r", &[forged]).unwrap_err();
+        let e = v.check("r", std::slice::from_ref(&forged), 0).unwrap_err();
         assert!(
             e.to_string().contains("not signed by the controller"),
             "{e}"
@@ -199,7 +204,7 @@ mod tests {
                 &Head::EMPTY,
             )
             .unwrap();
-        let e = v.check("r", &[other]).unwrap_err();
+        let e = v.check("r", &[other], 0).unwrap_err();
         assert!(e.to_string().contains("does not verify"), "{e}");
         // A signed decision whose verdict was changed (and re-hashed).
         let mut d = s
@@ -210,7 +215,9 @@ mod tests {
             .unwrap();
         d.payload["verdict"] = json!("Approve");
         d.hash = d.compute_hash();
-        assert!(v.check("r", &[d]).is_err());
+        assert!(v.check("r", &[d], 0).is_err());
         assert!(RecordVerifier::from_hex("abcd").is_err());
+        // Records before `signedFrom` predate signing: kept as they were.
+        v.check("r", &[forged], 1).unwrap();
     }
 }

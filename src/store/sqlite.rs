@@ -19,7 +19,8 @@ use sqlx::sqlite::{
 use super::postgres::adopt_or_conflict;
 use super::record::{Hash, Head, Record, StoredChain};
 use super::{
-    Lease, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64, ttl_micros,
+    Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64,
+    ttl_micros,
 };
 
 const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
@@ -429,13 +430,12 @@ impl StepStore for SqliteStore {
             ),
             None => (None, None, 0),
         };
-        if current != Some(epoch) || holder.as_deref() != Some(&lease.holder) || cur_expires <= now
-        {
+        if current != Some(epoch) || holder.as_deref() != Some(&lease.holder) {
             return Err(StoreError::StaleEpoch {
                 run: lease.run.clone(),
                 epoch: lease.epoch,
                 current: current.map(|e| e as u64),
-                expired: current == Some(epoch),
+                expired: current == Some(epoch) && cur_expires <= now,
             });
         }
         sqlx::query("UPDATE agentrun_leases SET expires_at = ?2, renewed_at = ?3 WHERE run = ?1")
@@ -450,6 +450,23 @@ impl StepStore for SqliteStore {
             expires_at: from_micros(expires),
             ..lease.clone()
         })
+    }
+
+    async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError> {
+        let row =
+            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+                .bind(run)
+                .fetch_optional(&self.reader)
+                .await
+                .map_err(|e| self.err(e))?;
+        let Some(row) = row else { return Ok(None) };
+        let expires: i64 = row.try_get(2).map_err(|e| self.err(e))?;
+        Ok(Some(LeaseState {
+            holder: row.try_get(0).map_err(|e| self.err(e))?,
+            epoch: row.try_get::<i64, _>(1).map_err(|e| self.err(e))? as u64,
+            expires_at: from_micros(expires),
+            expired: expires <= micros(Utc::now()),
+        }))
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

@@ -1,0 +1,166 @@
+//! Which AgentRuns exist, by uid: an in-memory index fed by a metadata-only
+//! watch. The step-log gateway consults it so a run's step token stops
+//! opening the log once the run is deleted (or being deleted), even when the
+//! run never reached `RunFinished`.
+
+use std::collections::HashSet;
+use std::sync::{Arc, RwLock};
+
+use futures::StreamExt;
+use kube::api::PartialObjectMeta;
+use kube::runtime::watcher::{self, Event, watcher};
+use kube::{Api, Client};
+
+use crate::api::AgentRun;
+
+/// What the index knows of one uid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunPresence {
+    /// The run exists and is not being deleted.
+    Live,
+    /// Seen deleted, or carrying a deletion timestamp.
+    Gone,
+    /// Not seen (yet): created a moment ago, or deleted before this
+    /// process started watching.
+    Unknown,
+    /// The first list has not completed.
+    NotSynced,
+}
+
+#[derive(Default)]
+struct Inner {
+    synced: bool,
+    live: HashSet<String>,
+    gone: HashSet<String>,
+    /// Live uids of a re-list in progress (swapped in at `InitDone`).
+    relist: HashSet<String>,
+}
+
+/// Cheap to clone; every clone sees the same index.
+#[derive(Clone, Default)]
+pub struct RunIndex {
+    inner: Arc<RwLock<Inner>>,
+}
+
+impl RunIndex {
+    /// An index that already knows `live` (tests, and callers with their own source).
+    pub fn with_live<I: IntoIterator<Item = String>>(live: I) -> RunIndex {
+        let index = RunIndex::default();
+        {
+            let mut g = index.inner.write().expect("not poisoned");
+            g.live = live.into_iter().collect();
+            g.synced = true;
+        }
+        index
+    }
+
+    pub fn presence(&self, uid: &str) -> RunPresence {
+        let g = self.inner.read().expect("not poisoned");
+        if g.live.contains(uid) {
+            RunPresence::Live
+        } else if g.gone.contains(uid) {
+            RunPresence::Gone
+        } else if !g.synced {
+            RunPresence::NotSynced
+        } else {
+            RunPresence::Unknown
+        }
+    }
+
+    /// Marks `uid` deleted (also what a watch Delete does).
+    pub fn forget(&self, uid: &str) {
+        let mut g = self.inner.write().expect("not poisoned");
+        g.live.remove(uid);
+        g.gone.insert(uid.to_string());
+    }
+
+    fn apply(&self, event: Event<PartialObjectMeta<AgentRun>>) {
+        let mut g = self.inner.write().expect("not poisoned");
+        match event {
+            Event::Apply(m) => note(&mut g, &m, false),
+            Event::Delete(m) => {
+                if let Some(uid) = m.metadata.uid {
+                    g.live.remove(&uid);
+                    g.gone.insert(uid);
+                }
+            }
+            Event::Init => g.relist.clear(),
+            Event::InitApply(m) => note(&mut g, &m, true),
+            Event::InitDone => {
+                let relisted = std::mem::take(&mut g.relist);
+                // What was live and is not any more was deleted meanwhile.
+                let vanished: Vec<String> = g.live.difference(&relisted).cloned().collect();
+                g.gone.extend(vanished);
+                g.live = relisted;
+                g.synced = true;
+            }
+        }
+    }
+
+    /// Follows every AgentRun in the cluster until the process ends.
+    pub async fn follow(self, client: Client) {
+        // Metadata only: uids and deletion timestamps are all it needs.
+        let runs: Api<PartialObjectMeta<AgentRun>> = Api::all(client);
+        let mut events = watcher(runs, watcher::Config::default()).boxed();
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(e) => self.apply(e),
+                // The watcher re-lists by itself; keep what is known meanwhile.
+                Err(e) => tracing::warn!(error = %e, "watching AgentRuns for the step-log gateway"),
+            }
+        }
+    }
+}
+
+fn note(g: &mut Inner, m: &PartialObjectMeta<AgentRun>, relist: bool) {
+    let Some(uid) = m.metadata.uid.clone() else {
+        return;
+    };
+    if m.metadata.deletion_timestamp.is_some() {
+        g.live.remove(&uid);
+        g.gone.insert(uid);
+    } else if relist {
+        g.relist.insert(uid);
+    } else {
+        g.live.insert(uid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+
+    fn meta(uid: &str, deleting: bool) -> PartialObjectMeta<AgentRun> {
+        PartialObjectMeta {
+            types: None,
+            metadata: ObjectMeta {
+                uid: Some(uid.into()),
+                deletion_timestamp: deleting.then(|| Time(jiff::Timestamp::now())),
+                ..Default::default()
+            },
+            _phantom: Default::default(),
+        }
+    }
+
+    #[test]
+    fn run_index_follows_creation_deletion_and_relists() {
+        let index = RunIndex::default();
+        assert_eq!(index.presence("a"), RunPresence::NotSynced);
+        index.apply(Event::Init);
+        index.apply(Event::InitApply(meta("a", false)));
+        index.apply(Event::InitApply(meta("b", true)));
+        index.apply(Event::InitDone);
+        assert_eq!(index.presence("a"), RunPresence::Live);
+        assert_eq!(index.presence("b"), RunPresence::Gone);
+        assert_eq!(index.presence("c"), RunPresence::Unknown);
+        index.apply(Event::Apply(meta("c", false)));
+        assert_eq!(index.presence("c"), RunPresence::Live);
+        index.apply(Event::Delete(meta("c", false)));
+        assert_eq!(index.presence("c"), RunPresence::Gone);
+        // A re-list that no longer holds `a`: it was deleted while the watch was down.
+        index.apply(Event::Init);
+        index.apply(Event::InitDone);
+        assert_eq!(index.presence("a"), RunPresence::Gone);
+    }
+}
