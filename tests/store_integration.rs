@@ -479,16 +479,20 @@ async fn fencing_and_takeover(ctx: Ctx) {
         other => panic!("expected StaleEpoch, got {other:?}"),
     }
 
-    // Expiry: the holder is fenced even before anyone takes over.
+    // Expiry: the holder cannot append on a lapsed lease, even before
+    // anyone takes over...
     tokio::time::sleep(short + Duration::from_millis(400)).await;
     match s.append(&run, a.epoch, &r1a).await {
         Err(StoreError::StaleEpoch { expired, .. }) => assert!(expired),
         other => panic!("expected StaleEpoch (expired), got {other:?}"),
     }
-    assert_eq!(
-        s.renew(&a, short).await.unwrap_err().metric_label(),
-        "stale_epoch"
-    );
+    // ...and the controller's read shows it lapsed, without moving it.
+    let seen = s.lease(&run).await.unwrap().expect("leased");
+    assert!(seen.expired && seen.epoch == a.epoch && seen.holder == "worker-a");
+    // A late heartbeat revives a lapsed lease nobody took (same epoch).
+    let a = s.renew(&a, short).await.unwrap();
+    assert!(!s.lease(&run).await.unwrap().unwrap().expired);
+    tokio::time::sleep(short + Duration::from_millis(400)).await;
 
     // Takeover with a higher epoch.
     let b = s.acquire(&run, "worker-b", TTL).await.unwrap();
@@ -515,6 +519,11 @@ async fn fencing_and_takeover(ctx: Ctx) {
     let r1b = rec(&r0.head(), 1, "worker-b");
     s.append(&run, b.epoch, &r1b).await.unwrap();
     assert_eq!(s.head(&run).await.unwrap(), r1b.head());
+    // After a takeover the old holder's heartbeat is refused.
+    assert_eq!(
+        s.renew(&a, short).await.unwrap_err().metric_label(),
+        "stale_epoch"
+    );
 
     // The same holder re-acquiring gets a new epoch, fencing its previous incarnation.
     let b2 = s.acquire(&run, "worker-b", TTL).await.unwrap();
@@ -551,6 +560,9 @@ async fn fencing_and_takeover(ctx: Ctx) {
         .await
         .unwrap();
     assert_eq!(other.epoch, 1);
+    assert_eq!(s.lease(&unique("never-leased")).await.unwrap(), None);
+    assert_eq!(s.last_kind(&run).await.unwrap(), Some(r2.kind));
+    assert_eq!(s.last_kind(&unique("empty")).await.unwrap(), None);
     assert_eq!(s.read_all(&run).await.unwrap().len(), 3);
     ctx.done().await;
 }
