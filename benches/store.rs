@@ -172,15 +172,27 @@ async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
     let addr = serve("127.0.0.1:0".parse().unwrap(), gw).await.unwrap();
     let store_for = move |run: &str| -> Arc<dyn StepStore> {
         Arc::new(
-            store::RemoteStore::new(&format!("http://{addr}"), &minting.mint(run), Duration::from_secs(30))
-                .unwrap(),
+            store::RemoteStore::new(
+                &format!("http://{addr}"),
+                &minting.mint(run),
+                Duration::from_secs(30),
+            )
+            .unwrap(),
         )
     };
     for &(c, direct_rate) in direct {
         let (rate, lat) = appends(&store_for, &format!("{prefix}-c{c}"), c, seconds).await;
         figure(&format!("store.gateway.append.c{c}"), rate, "appends/s");
-        figure(&format!("store.gateway.append.c{c}.p50"), pct(&lat, 0.50), "ms");
-        figure(&format!("store.gateway.append.c{c}.p99"), pct(&lat, 0.99), "ms");
+        figure(
+            &format!("store.gateway.append.c{c}.p50"),
+            pct(&lat, 0.50),
+            "ms",
+        );
+        figure(
+            &format!("store.gateway.append.c{c}.p99"),
+            pct(&lat, 0.99),
+            "ms",
+        );
         figure(
             &format!("store.gateway.append.c{c}.vs_direct"),
             rate / direct_rate,
@@ -214,7 +226,11 @@ async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
     figure("store.gateway.renew.under_load.p99", pct(&lat, 0.99), "ms");
 }
 
-async fn append_figures(store: Arc<dyn StepStore>, backend: &str, seconds: f64) -> Vec<(usize, f64)> {
+async fn append_figures(
+    store: Arc<dyn StepStore>,
+    backend: &str,
+    seconds: f64,
+) -> Vec<(usize, f64)> {
     let mut rates = Vec::new();
     for c in [1usize, 8, 64] {
         let prefix = format!("bench-{}-{backend}-c{c}", std::process::id());

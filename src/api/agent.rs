@@ -46,6 +46,51 @@ pub struct AgentTemplate {
     /// How the model's context is built from the log.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<ContextSettings>,
+    /// How step Jobs are retried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryPolicy>,
+}
+
+/// How a step is retried. A pod lost to a disruption (evicted, preempted,
+/// its node drained or gone) is no failure: Kubernetes replaces it inside
+/// the same Job. An attempt that recorded anything new is progress and
+/// starts the count again, so only a step that keeps failing without
+/// recording anything fails the run.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryPolicy {
+    /// Consecutive attempts of one step that record nothing new before the
+    /// run fails (default 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub max_attempts_without_progress: Option<u32>,
+    /// Wait before the second such attempt, in seconds; doubled for each
+    /// further one (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub backoff_seconds: Option<u32>,
+    /// Longest wait between attempts, in seconds (default 64).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub max_backoff_seconds: Option<u32>,
+}
+
+impl RetryPolicy {
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 4;
+
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts_without_progress
+            .unwrap_or(Self::DEFAULT_MAX_ATTEMPTS)
+            .max(1)
+    }
+
+    /// The wait after failed attempt `attempt` (1-based) ended.
+    pub fn backoff(&self, attempt: u32) -> std::time::Duration {
+        let base = u64::from(self.backoff_seconds.unwrap_or(1));
+        let cap = u64::from(self.max_backoff_seconds.unwrap_or(64));
+        let doubled = base.saturating_mul(1u64 << attempt.saturating_sub(1).min(30));
+        std::time::Duration::from_secs(doubled.min(cap))
+    }
 }
 
 /// The system prompt.

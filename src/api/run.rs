@@ -78,6 +78,10 @@ pub struct AgentRunSpec {
     pub cancel: bool,
 }
 
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 fn default_step_timeout() -> String {
     "10m".into()
 }
@@ -208,9 +212,14 @@ pub struct CurrentStep {
     /// Job running it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
-    /// Attempt number of this step (1 for the first).
+    /// Attempt number of this step (1 for the first); an attempt that
+    /// recorded something new is followed by a first attempt of the next.
     #[serde(default)]
     pub attempt: u32,
+    /// Step Jobs of this run that failed or vanished before this one, over
+    /// all steps (disruptions after progress included).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_jobs: u32,
     /// When the Job was created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Time>,

@@ -368,7 +368,7 @@ pub(super) async fn handle(
     now: Timestamp,
     notices: &mut Vec<super::decide::Notice>,
 ) -> Result<Option<(String, Timestamp)>, Error> {
-    use crate::step::records::{ApprovalDecided, Outcome};
+    use crate::step::records::Outcome;
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
     let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
@@ -520,9 +520,33 @@ pub(super) async fn handle(
     if bound {
         spec.decisions = found.spec.decisions.clone();
     }
-    let evaluation = evaluate(&spec, now);
+    let evaluation = evaluate_as_recorded(&spec, bound.then_some(&found), now);
     let state = state_of(&evaluation, spec.on_expiry);
-    if bound && found.status.as_ref().and_then(|s| s.state) != Some(state) {
+    let status_behind = bound && found.status.as_ref().and_then(|s| s.state) != Some(state);
+    // The log first: the Approval's status never runs ahead of it.
+    let decided = decision_record(
+        &evaluation,
+        &spec,
+        &request,
+        log,
+        request_seq,
+        &name,
+        notices,
+    );
+    if let Some(record) = decided {
+        let raised = found.metadata.creation_timestamp.as_ref();
+        ctx.metrics
+            .observe_approval_decided(raised, now, record.verdict);
+        let event = if record.verdict == Verdict::Expired {
+            "expired"
+        } else {
+            "decided"
+        };
+        let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
+        append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
+        notify(&ctx.http, run, &name, &request, event, detail);
+    }
+    if status_behind {
         let decided_by: Vec<String> = match &evaluation {
             Evaluation::Decided { decisions, .. } => {
                 decisions.iter().map(|d| d.approver.clone()).collect()
@@ -545,11 +569,65 @@ pub(super) async fn handle(
             .await
             .map_err(Error::Status)?;
     }
+    Ok(match evaluation {
+        Evaluation::Pending { expires_at, .. } => Some((name, expires_at)),
+        _ => None,
+    })
+}
+
+/// Judges the decisions at the time the API server recorded them: a
+/// quorum complete before `expiresAt` is honoured even if the controller
+/// (down, or slow) only looks after it. The write time is the latest
+/// `managedFields` entry owning `spec.decisions`, which the API server
+/// stamps; later decisions move it past the expiry and are judged now.
+pub fn evaluate_as_recorded(
+    spec: &ApprovalSpec,
+    found: Option<&Approval>,
+    now: Timestamp,
+) -> Evaluation {
+    let written = found.and_then(decisions_written_at);
+    match written {
+        Some(at) if at < now => match evaluate(spec, at) {
+            decided @ Evaluation::Decided { .. } => decided,
+            _ => evaluate(spec, now),
+        },
+        _ => evaluate(spec, now),
+    }
+}
+
+/// When the API server last recorded a change to `spec.decisions`.
+fn decisions_written_at(approval: &Approval) -> Option<Timestamp> {
+    approval
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| {
+            m.fields_v1
+                .as_ref()
+                .is_some_and(|f| f.0.pointer("/f:spec/f:decisions").is_some())
+        })
+        .filter_map(|m| m.time.as_ref().map(|t| t.0))
+        .max()
+}
+
+/// The `ApprovalDecided` an evaluation amounts to (`None` while pending),
+/// with its notices.
+fn decision_record(
+    evaluation: &Evaluation,
+    spec: &ApprovalSpec,
+    request: &ApprovalRequested,
+    log: &RunState,
+    request_seq: u64,
+    name: &str,
+    notices: &mut Vec<super::decide::Notice>,
+) -> Option<crate::step::records::ApprovalDecided> {
+    use crate::step::records::ApprovalDecided;
     let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(
         &serde_json::to_value(&spec.observations).unwrap_or_default(),
     ));
-    let record = match evaluation {
-        Evaluation::Pending { expires_at, .. } => return Ok(Some((name, expires_at))),
+    Some(match evaluation.clone() {
+        Evaluation::Pending { .. } => return None,
         Evaluation::Decided {
             verdict,
             decisions,
@@ -563,7 +641,7 @@ pub(super) async fn handle(
             ));
             ApprovalDecided {
                 request_seq,
-                approval: name,
+                approval: name.to_string(),
                 verdict,
                 decisions,
                 arguments,
@@ -579,20 +657,19 @@ pub(super) async fn handle(
                 format!("{name} expired without a decision; onExpiry: {on_expiry:?}"),
             ));
             let arguments = match on_expiry {
-                OnExpiry::Alternative => {
-                    match alternative_to_run(&log.steps, request_seq, &request) {
-                        Ok(args) => args,
-                        Err(why) => {
-                            notices.push(notice(true, "AlternativeNeedsApproval", why));
-                            None
-                        }
+                OnExpiry::Alternative => match alternative_to_run(&log.steps, request_seq, request)
+                {
+                    Ok(args) => args,
+                    Err(why) => {
+                        notices.push(notice(true, "AlternativeNeedsApproval", why));
+                        None
                     }
-                }
+                },
                 _ => None,
             };
             ApprovalDecided {
                 request_seq,
-                approval: name,
+                approval: name.to_string(),
                 verdict: Verdict::Expired,
                 decisions: Vec::new(),
                 arguments,
@@ -600,20 +677,7 @@ pub(super) async fn handle(
                 on_expiry: Some(on_expiry),
             }
         }
-    };
-    let raised = found.metadata.creation_timestamp.as_ref();
-    ctx.metrics
-        .observe_approval_decided(raised, now, record.verdict);
-    let event = if record.verdict == Verdict::Expired {
-        "expired"
-    } else {
-        "decided"
-    };
-    let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
-    let approval_name = record.approval.clone();
-    append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
-    notify(&ctx.http, run, &approval_name, &request, event, detail);
-    Ok(None)
+    })
 }
 
 /// Creates the expected Approval; one already there (a race) is read back.
@@ -809,6 +873,58 @@ mod tests {
         assert_eq!(
             state_of(&Evaluation::Expired, OnExpiry::Fail),
             ApprovalState::Expired
+        );
+    }
+
+    /// An Approval whose `spec.decisions` the API server last recorded at `at`.
+    fn written_at(spec: &ApprovalSpec, at: i64) -> Approval {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::{FieldsV1, ManagedFieldsEntry};
+        let mut a = Approval::new("a", spec.clone());
+        a.metadata.managed_fields = Some(vec![
+            ManagedFieldsEntry {
+                manager: Some("agentrun-controller".into()),
+                fields_v1: Some(FieldsV1(json!({"f:spec": {"f:tool": {}}}))),
+                time: Some(Time(t(1))),
+                ..Default::default()
+            },
+            ManagedFieldsEntry {
+                manager: Some("kubectl-agentrun".into()),
+                fields_v1: Some(FieldsV1(json!({"f:spec": {"f:decisions": {}}}))),
+                time: Some(Time(t(at))),
+                ..Default::default()
+            },
+        ]);
+        a
+    }
+
+    #[test]
+    fn a_quorum_recorded_before_expiry_is_honoured_when_seen_after_it() {
+        let approved = spec(1, vec![d("alice", ApiVerdict::Approve, HASH, None)]);
+        // Recorded at 90, expiry at 100, the controller looks at 150.
+        let on_time = written_at(&approved, 90);
+        assert!(matches!(
+            evaluate_as_recorded(&approved, Some(&on_time), t(150)),
+            Evaluation::Decided {
+                verdict: Verdict::Approve,
+                ..
+            }
+        ));
+        // Recorded at 120: too late, whatever the controller's clock says.
+        let late = written_at(&approved, 120);
+        assert_eq!(
+            evaluate_as_recorded(&approved, Some(&late), t(150)),
+            Evaluation::Expired
+        );
+        // No quorum by the time of the last write: expired.
+        let none = spec(2, vec![d("alice", ApiVerdict::Approve, HASH, None)]);
+        assert_eq!(
+            evaluate_as_recorded(&none, Some(&written_at(&none, 90)), t(150)),
+            Evaluation::Expired
+        );
+        // Unbound (no Approval to read): judged now.
+        assert_eq!(
+            evaluate_as_recorded(&approved, None, t(150)),
+            Evaluation::Expired
         );
     }
 

@@ -145,8 +145,8 @@ impl Gateway {
         if self.finished.lock().expect("not poisoned").contains(run) {
             return Ok(true);
         }
-        let done = self.store.last_kind(run).await.map_err(Refusal::store)?
-            == Some(StepKind::RunFinished);
+        let done =
+            self.store.last_kind(run).await.map_err(Refusal::store)? == Some(StepKind::RunFinished);
         if done {
             self.finished
                 .lock()
@@ -426,7 +426,13 @@ mod tests {
     /// A gateway on a fresh SQLite store whose index knows the runs `live`.
     async fn gateway_with(
         live: &[&str],
-    ) -> (SocketAddr, TokenKey, Arc<dyn StepStore>, RunIndex, tempfile::TempDir) {
+    ) -> (
+        SocketAddr,
+        TokenKey,
+        Arc<dyn StepStore>,
+        RunIndex,
+        tempfile::TempDir,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("log.db").display());
         let store = crate::store::open(&url).await.unwrap();

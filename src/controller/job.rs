@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::batch::v1::{
+    Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
+};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext,
     PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector,
@@ -69,12 +71,14 @@ pub fn job_name(run: &AgentRun, seq: u64, attempt: u32) -> String {
 }
 
 /// Builds the Job for step `seq`, attempt `attempt`, whose log the
-/// controller verified up to `anchor`.
+/// controller verified up to `anchor`; `failed_jobs` of the run failed before.
+#[allow(clippy::too_many_arguments)]
 pub fn build(
     run: &AgentRun,
     agent: &AgentTemplate,
     seq: u64,
     attempt: u32,
+    failed_jobs: u32,
     step_timeout_seconds: i64,
     anchor: &Head,
     settings: &JobSettings,
@@ -123,8 +127,8 @@ pub fn build(
     if let Some(key) = &agent.model.secret_ref {
         env.push(secret("AGENTRUN_MODEL_API_KEY", &key.name, &key.key));
     }
-    // A failpoint kills only the first attempt, so the retry shows the resume.
-    if attempt == 1
+    // A failpoint kills one Job per run, so the next one shows the resume.
+    if failed_jobs == 0
         && settings.allow_failpoints
         && let Some(fp) = run.annotations().get(FAILPOINT_ANNOTATION)
     {
@@ -140,6 +144,18 @@ pub fn build(
         },
         spec: Some(JobSpec {
             backoff_limit: Some(0), // the controller retries, with a new attempt and the same log
+            // A pod evicted, preempted or lost with its node is no failed
+            // attempt: the Job replaces it, and the new pod replays the log.
+            pod_failure_policy: Some(PodFailurePolicy {
+                rules: vec![PodFailurePolicyRule {
+                    action: "Ignore".into(),
+                    on_pod_conditions: Some(vec![PodFailurePolicyOnPodConditionsPattern {
+                        type_: "DisruptionTarget".into(),
+                        status: "True".into(),
+                    }]),
+                    on_exit_codes: None,
+                }],
+            }),
             active_deadline_seconds: Some(step_timeout_seconds),
             ttl_seconds_after_finished: Some(600),
             template: PodTemplateSpec {
@@ -269,10 +285,17 @@ mod tests {
             name: "k".into(),
             key: "apiKey".into(),
         });
-        let job = build(&run("r"), &agent, 3, 1, 300, &Head::EMPTY, &settings());
+        let job = build(&run("r"), &agent, 3, 1, 0, 300, &Head::EMPTY, &settings());
         let spec = job.spec.as_ref().unwrap();
         assert_eq!(spec.active_deadline_seconds, Some(300));
         assert_eq!(spec.backoff_limit, Some(0));
+        // Disruptions are no failed attempt: the Job replaces the pod.
+        let rule = &spec.pod_failure_policy.as_ref().unwrap().rules[0];
+        assert_eq!(rule.action, "Ignore");
+        assert_eq!(
+            rule.on_pod_conditions.as_ref().unwrap()[0].type_,
+            "DisruptionTarget"
+        );
         let pod = spec.template.spec.as_ref().unwrap();
         assert_eq!(pod.automount_service_account_token, Some(false));
         assert_eq!(
@@ -364,15 +387,18 @@ mod tests {
             &AgentTemplate::default(),
             1,
             1,
+            0,
             60,
             &Head::EMPTY,
             &settings()
         )));
+        // Once a Job of the run failed, no further Job is armed.
         assert!(!has_fp(&build(
             &r,
             &AgentTemplate::default(),
             1,
-            2,
+            1,
+            1,
             60,
             &Head::EMPTY,
             &settings()
@@ -387,6 +413,7 @@ mod tests {
             &AgentTemplate::default(),
             1,
             1,
+            0,
             60,
             &Head::EMPTY,
             &production

@@ -6,7 +6,6 @@ pub mod approval;
 pub mod decide;
 mod error;
 pub mod gateway;
-pub mod run_index;
 mod http;
 pub mod job;
 mod leader;
@@ -15,6 +14,7 @@ pub mod phase;
 pub mod pinned_gate;
 pub mod platform;
 mod reconcile;
+pub mod run_index;
 pub mod status;
 pub mod step_token;
 

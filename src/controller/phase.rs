@@ -10,8 +10,9 @@ use crate::api::{AgentRun, Phase};
 use crate::step::records::{Outcome, RunFinished};
 use crate::step::replay::{Next, RunState};
 
-/// Attempts of one step before the run fails.
-pub const MAX_ATTEMPTS: u32 = 4;
+/// Attempts of one step that record nothing before the run fails, unless
+/// the agent's `retry` says otherwise.
+pub const MAX_ATTEMPTS: u32 = crate::api::RetryPolicy::DEFAULT_MAX_ATTEMPTS;
 /// How often a running run is looked at (lost-worker detection).
 pub const RUNNING_REQUEUE: Duration = Duration::from_secs(3);
 
@@ -170,12 +171,15 @@ pub fn decide(o: &Observed) -> Act {
             }
             return Act::Wait(RUNNING_REQUEUE);
         }
-        // A clean exit after progress: the next step starts afresh.
-        JobState::Succeeded if next_seq > job.seq => 1,
-        // Anything else is a failed attempt, progress or not: count it, so a
-        // run that keeps crashing stops, and back off before the next one.
+        // An attempt that recorded something new made progress, however it
+        // ended (a clean exit, a deleted or crashed pod): the next one starts
+        // the count afresh, so a run that keeps appending never fails by
+        // retries. Replay means the work recorded is never redone.
+        _ if next_seq > job.seq => 1,
+        // An attempt that recorded nothing counts, so a crash loop stops;
+        // back off before the next one.
         _ => {
-            if job.attempt >= MAX_ATTEMPTS {
+            if job.attempt >= retry(o).max_attempts() {
                 let reason = match &job.state {
                     JobState::Failed { reason } => reason.clone(),
                     JobState::Missing => "its Job disappeared".into(),
@@ -185,7 +189,7 @@ pub fn decide(o: &Observed) -> Act {
                     outcome: Outcome::Failed,
                     result: partial,
                     error: Some(format!(
-                        "step {} failed {} times in a row; last: {reason}",
+                        "step {} failed {} times in a row without recording anything; last: {reason}",
                         job.seq, job.attempt
                     )),
                 });
@@ -224,10 +228,20 @@ fn stop(o: &Observed, outcome: Outcome, result: Option<String>, error: String) -
     })
 }
 
-/// Retries wait 1, 2, 4... seconds after the failed attempt ended.
+/// The pinned agent's retry policy (defaults before the run started).
+fn retry(o: &Observed) -> crate::api::RetryPolicy {
+    o.log
+        .snapshot
+        .as_ref()
+        .and_then(|s| s.agent.retry.clone())
+        .unwrap_or_default()
+}
+
+/// Retries wait 1, 2, 4... seconds (the agent's `retry`) after the failed
+/// attempt ended.
 fn backoff_left(o: &Observed, job: &JobView) -> Option<Duration> {
     let ended = job.ended_at?;
-    let backoff = Duration::from_secs(1 << (job.attempt.saturating_sub(1)).min(6));
+    let backoff = retry(o).backoff(job.attempt);
     let elapsed = Duration::try_from(o.now.duration_since(ended)).unwrap_or_default();
     backoff.checked_sub(elapsed).filter(|d| !d.is_zero())
 }
@@ -420,16 +434,17 @@ mod tests {
             4,
         );
         assert_eq!(act, Act::CreateJob { seq: 2, attempt: 1 });
-        // A failed Job that still recorded something moves on, as a next
-        // attempt: failpoints arm first attempts only, and a crash loop ends.
+        // A failed Job that still recorded something made progress: the
+        // next step starts as a first attempt (the count of failed Jobs,
+        // which arms failpoints, is the reconciler's).
         let act = decide_at(
             &run(),
             &log,
-            job(1, 1, JobState::Failed { reason: "x".into() }, Some(3)),
+            job(1, 3, JobState::Failed { reason: "x".into() }, Some(3)),
             None,
             4,
         );
-        assert_eq!(act, Act::CreateJob { seq: 2, attempt: 2 });
+        assert_eq!(act, Act::CreateJob { seq: 2, attempt: 1 });
     }
 
     #[test]
@@ -468,12 +483,75 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_attempt_that_recorded_something_starts_the_count_afresh() {
+        // The Job of attempt 4 started at seq 0 and the log has 1 record now:
+        // it made progress before its pod was deleted.
+        let log = started(None);
+        let deleted = job(0, MAX_ATTEMPTS, JobState::Missing, Some(10));
+        assert_eq!(
+            decide_at(&run(), &log, deleted, None, 10),
+            Act::CreateJob { seq: 1, attempt: 1 }
+        );
+        let failed = job(
+            0,
+            MAX_ATTEMPTS + 7,
+            JobState::Failed {
+                reason: "BackoffLimitExceeded".into(),
+            },
+            Some(10),
+        );
+        assert_eq!(
+            decide_at(&run(), &log, failed, None, 10),
+            Act::CreateJob { seq: 1, attempt: 1 }
+        );
+    }
+
+    #[test]
+    fn the_agents_retry_policy_sets_attempts_and_backoff() {
+        let mut log = started(None);
+        if let Some(s) = log.snapshot.as_mut() {
+            s.agent.retry = Some(crate::api::RetryPolicy {
+                max_attempts_without_progress: Some(2),
+                backoff_seconds: Some(5),
+                max_backoff_seconds: Some(7),
+            });
+        }
+        let failed = |attempt| {
+            job(
+                1,
+                attempt,
+                JobState::Failed {
+                    reason: "Error".into(),
+                },
+                Some(10),
+            )
+        };
+        // 5 s after the first, capped at 7 s after later ones.
+        assert_eq!(
+            decide_at(&run(), &log, failed(1), None, 12),
+            Act::Wait(Duration::from_secs(3))
+        );
+        assert!(matches!(
+            decide_at(&run(), &log, failed(2), None, 100),
+            Act::Finish(f) if f.error.as_deref().is_some_and(|e| e.contains("2 times in a row without recording anything"))
+        ));
+        let policy = crate::api::RetryPolicy {
+            max_attempts_without_progress: None,
+            backoff_seconds: Some(5),
+            max_backoff_seconds: Some(7),
+        };
+        assert_eq!(policy.backoff(3), Duration::from_secs(7));
+        assert_eq!(policy.max_attempts(), MAX_ATTEMPTS);
+    }
+
+    #[test]
     fn a_live_worker_is_left_alone_and_a_lost_one_replaced() {
         let mut r = run();
         r.status.as_mut().unwrap().step = Some(CurrentStep {
             seq: 1,
             job: Some("r-s1-a1".into()),
             attempt: 1,
+            failed_jobs: 0,
             started_at: Some(Time(t(0))),
         });
         let log = started(None);

@@ -217,7 +217,17 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             ensure_credential(run, ctx, &ns, &uid).await?;
             let timeout = crate::api::parse_duration(&run.spec.step_timeout)
                 .map_or(600, |d| d.as_secs().max(1) as i64);
-            let job = job::build(run, &template, seq, attempt, timeout, &head, &ctx.jobs);
+            let failed_jobs = failed_jobs_before(run, job.as_ref());
+            let job = job::build(
+                run,
+                &template,
+                seq,
+                attempt,
+                failed_jobs,
+                timeout,
+                &head,
+                &ctx.jobs,
+            );
             let name = job.name_any();
             let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
             match jobs
@@ -254,6 +264,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
                 seq,
                 job: Some(name),
                 attempt,
+                failed_jobs,
                 started_at: Some(Time(now)),
             });
             phase::RUNNING_REQUEUE
@@ -507,6 +518,18 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         running,
         ended_at: ended_at.map(|t| t.0),
     }))
+}
+
+/// The run's failed step Jobs so far, counting `previous` if it failed or vanished.
+fn failed_jobs_before(run: &AgentRun, previous: Option<&JobView>) -> u32 {
+    let before = run
+        .status
+        .as_ref()
+        .and_then(|s| s.step.as_ref())
+        .map_or(0, |s| s.failed_jobs);
+    let failed =
+        previous.is_some_and(|j| matches!(j.state, JobState::Failed { .. } | JobState::Missing));
+    before + u32::from(failed)
 }
 
 /// Is a worker holding the run's lease, and since when has it been free?

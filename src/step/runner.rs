@@ -266,7 +266,7 @@ impl Runner {
                             intent.key.clone(),
                         );
                         let (stamp, tools) = self.take_toolbox()?;
-                        failpoint::hit("before-tool-call");
+                        self.hold_lease("before-tool-call").await?;
                         let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
                         failpoint::hit("after-tool-call");
                         self.tools = Some((stamp, tools));
@@ -418,7 +418,7 @@ impl Runner {
         client: &ModelClient,
         request: &crate::model::ModelRequest,
     ) -> anyhow::Result<Option<ModelResponse>> {
-        failpoint::hit("before-model-call");
+        self.hold_lease("before-model-call").await?;
         match client.complete(request).await {
             Ok(response) => {
                 failpoint::hit("after-model-call");
@@ -473,7 +473,7 @@ impl Runner {
             || tools.is_read_only(&intent.tool)
             || !tools.contains(&intent.tool);
         let (outcome, recovery) = if !recovering || repeat_safe {
-            failpoint::hit("before-tool-call");
+            self.hold_lease("before-tool-call").await?;
             let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
             failpoint::hit("after-tool-call");
             (outcome, recovering.then_some(Recovery::RetriedWithSameKey))
@@ -484,7 +484,7 @@ impl Runner {
                     (ToolOutcome::Ok(value), Some(Recovery::LookupFoundResult))
                 }
                 LookupOutcome::NotDone => {
-                    failpoint::hit("before-tool-call");
+                    self.hold_lease("before-tool-call").await?;
                     let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
                     failpoint::hit("after-tool-call");
                     (outcome, Some(Recovery::LookupFoundNothing))
@@ -536,6 +536,19 @@ impl Runner {
     /// Records why the run cannot go on, for the controller to end it.
     async fn stop(&mut self, finished: RunFinished) -> anyhow::Result<()> {
         self.append(stop_step(finished), None).await.map(|_| ())
+    }
+
+    /// Proves this worker still holds the run's lease right before it calls
+    /// out (a renew succeeds only for the current epoch), so a worker that
+    /// froze and was replaced never makes a call after waking. Then the
+    /// failpoint of that boundary.
+    async fn hold_lease(&mut self, failpoint_name: &str) -> anyhow::Result<()> {
+        let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))
+            .await
+            .context("lost the run lease: another worker took the run over; not calling out")?;
+        self.lease = renewed;
+        failpoint::hit(failpoint_name);
+        Ok(())
     }
 
     /// Appends a record at the head, adopting the recorded one if another

@@ -370,7 +370,9 @@ impl StepStore for RemoteStore {
     async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError> {
         Err(StoreError::PermissionDenied {
             url: self.base.clone(),
-            reason: format!("the step-log gateway does not show run {run}'s lease: the controller reads it from the store"),
+            reason: format!(
+                "the step-log gateway does not show run {run}'s lease: the controller reads it from the store"
+            ),
         })
     }
 

@@ -59,6 +59,18 @@ impl Standins {
         );
     }
 
+    /// Failure injection and delays for tenant `t`'s tools (`PUT _config`).
+    pub async fn configure_tools(&self, tenant: &str, config: Value) {
+        let resp = self
+            .http
+            .put(format!("{}/tools/{tenant}/_config", self.base))
+            .json(&config)
+            .send()
+            .await
+            .expect("PUT _config");
+        assert!(resp.status().is_success(), "PUT _config: {}", resp.status());
+    }
+
     /// The request bodies script `id` received.
     pub async fn model_requests(&self, id: &str) -> Vec<Value> {
         let v: Value = self.get(&format!("/scripts/{id}/calls")).await;
