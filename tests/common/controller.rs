@@ -50,6 +50,11 @@ impl ControllerProcess {
     /// Same, with extra controller flags.
     pub async fn start_with(namespace: &str, identity: &str, extra: &[&str]) -> Self {
         let store_url = super::store::e2e_store_url().await;
+        Self::start_on(namespace, identity, extra, &store_url)
+    }
+
+    /// Same, on the step store at `store_url`.
+    pub fn start_on(namespace: &str, identity: &str, extra: &[&str], store_url: &str) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
@@ -88,6 +93,14 @@ impl ControllerProcess {
     /// Everything the replica logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Kills the replica with SIGKILL: no hand-over, its Lease runs out.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     /// Stops the replica with SIGTERM (graceful: it releases its Lease) and waits.

@@ -68,3 +68,62 @@ pub async fn e2e_store_url() -> String {
         .await
         .clone()
 }
+
+/// A PostgreSQL instance of its own (`e2e/postgres` with another name and
+/// port), for a test that stops and starts it; removed when dropped.
+pub struct PrivatePostgres {
+    name: String,
+    port: u16,
+}
+
+impl PrivatePostgres {
+    /// Starts the instance and returns it with a migrated store URL.
+    pub async fn up(name: &str, port: u16) -> (PrivatePostgres, String) {
+        let pg = PrivatePostgres {
+            name: name.into(),
+            port,
+        };
+        pg.run("up");
+        let url = pg.run("url");
+        let store = agentrun::store::open(&url)
+            .await
+            .expect("opening the private store");
+        store.migrate().await.expect("migrating the private store");
+        store.close().await;
+        (pg, url)
+    }
+
+    /// `e2e/postgres ARG` for this instance.
+    pub fn run(&self, arg: &str) -> String {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(arg)
+            .env("AGENTRUN_PG_NAME", &self.name)
+            .env("AGENTRUN_PG_PORT", self.port.to_string())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+        assert!(
+            out.status.success(),
+            "`e2e/postgres {arg}` ({}) failed: {}",
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .expect("utf-8")
+            .trim()
+            .to_string()
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
+        let _ = Command::new("bash")
+            .arg(&script)
+            .arg("down")
+            .env("AGENTRUN_PG_NAME", &self.name)
+            .env("AGENTRUN_PG_PORT", self.port.to_string())
+            .output();
+    }
+}

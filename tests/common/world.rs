@@ -21,10 +21,17 @@ pub struct World {
     pub standins: Standins,
     controller: ControllerProcess,
     controller_flags: Vec<String>,
+    store_url: String,
 }
 
 impl World {
     pub async fn new(prefix: &str, controller_flags: &[&str]) -> World {
+        let store_url = super::store::e2e_store_url().await;
+        World::on_store(prefix, controller_flags, &store_url).await
+    }
+
+    /// A world whose controller uses the (migrated) step store at `store_url`.
+    pub async fn on_store(prefix: &str, controller_flags: &[&str], store_url: &str) -> World {
         let client = super::admin().await;
         super::install_crds(&client).await;
         let ns = super::test_namespace(&client, prefix).await;
@@ -39,21 +46,44 @@ impl World {
             .await
             .expect("model key Secret");
         super::allow_secrets(&client, ns.name(), &["model-key"]).await;
-        let controller = ControllerProcess::start_with(ns.name(), "ctrl", controller_flags).await;
+        let controller =
+            ControllerProcess::start_on(ns.name(), "ctrl", controller_flags, store_url);
         World {
             client,
             ns,
             standins: Standins::start(),
             controller,
             controller_flags: controller_flags.iter().map(|f| f.to_string()).collect(),
+            store_url: store_url.to_string(),
         }
     }
 
     /// Stops the controller (SIGTERM) and starts a new one.
     pub async fn restart_controller(&mut self) {
         self.controller.stop();
+        self.controller = self.replica("ctrl-2");
+    }
+
+    /// Another replica of this world's controller (same flags and store),
+    /// electing through the same Lease.
+    pub fn replica(&self, identity: &str) -> ControllerProcess {
         let flags: Vec<&str> = self.controller_flags.iter().map(String::as_str).collect();
-        self.controller = ControllerProcess::start_with(self.ns.name(), "ctrl-2", &flags).await;
+        ControllerProcess::start_on(self.ns.name(), identity, &flags, &self.store_url)
+    }
+
+    /// SIGKILLs the world's first controller (no graceful hand-over).
+    pub fn kill_controller(&mut self) {
+        self.controller.kill();
+    }
+
+    /// Stops the world's first controller (SIGTERM) without starting another.
+    pub fn stop_controller(&mut self) {
+        self.controller.stop();
+    }
+
+    /// The step store this world's controller uses.
+    pub async fn store(&self) -> std::sync::Arc<dyn agentrun::store::StepStore> {
+        agentrun::store::open(&self.store_url).await.unwrap()
     }
 
     pub fn name(&self) -> &str {
@@ -163,9 +193,7 @@ impl World {
     /// The run's log, decoded, after checking its hash chain ends at the
     /// head hash recorded in the run's status.
     pub async fn log(&self, run: &AgentRun) -> Vec<(agentrun::store::Record, Step)> {
-        let store = agentrun::store::open(&super::store::e2e_store_url().await)
-            .await
-            .unwrap();
+        let store = self.store().await;
         let uid = run.metadata.uid.clone().unwrap();
         let status_log = run
             .status
