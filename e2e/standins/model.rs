@@ -29,7 +29,16 @@
 //!   with a 400 explaining what is wrong. The reported model is
 //!   `scripted-{id}-2026-11`; tool-call ids are unique per call.
 //!   An unknown script is a 404.
-//! - `GET /scripts/{id}/calls`: `{"count": n, "requests": [bodies received]}`.
+//!   With `"byTurn": true` in the script, a reply is chosen by the
+//!   conversation instead, as a deterministic model would: every answer
+//!   carries the marker `[[turn N]]` in its text, and a request is answered
+//!   with `replies[K + 1]` where K is the highest marker in the request (0
+//!   without one). Asking again with the same conversation gets the same
+//!   answer. Toolless (compacting) requests then get `summaries[0]` (or a
+//!   default) with the request's highest marker, so the turn survives a
+//!   summary.
+//! - `GET /scripts/{id}/calls`: `{"count": n, "requests": [bodies received],
+//!   "receivedAt": [RFC 3339 time of each]}`.
 //! - `DELETE /scripts/{id}`: forgets the script.
 
 use std::collections::HashMap;
@@ -99,15 +108,29 @@ struct ScriptBody {
     /// history), in order; they do not use up `replies`.
     #[serde(default)]
     summaries: Vec<Reply>,
+    /// Choose replies by the turn markers in the request, not by call count.
+    #[serde(default, rename = "byTurn")]
+    by_turn: bool,
 }
 
 #[derive(Default)]
 struct Script {
     replies: Vec<Reply>,
     summaries: Vec<Reply>,
+    by_turn: bool,
     requests: Vec<Value>,
+    /// When each request arrived (RFC 3339, microseconds).
+    received_at: Vec<String>,
     /// Answered requests that offered no tools.
     toolless: usize,
+}
+
+/// The highest `[[turn N]]` marker in a request body.
+fn highest_turn(body: &str) -> Option<usize> {
+    body.split("[[turn ")
+        .skip(1)
+        .filter_map(|rest| rest.split("]]").next()?.parse().ok())
+        .max()
 }
 
 /// A request that offers the model no tools (both wire formats).
@@ -167,6 +190,7 @@ async fn put_script(
         Script {
             replies: parsed.replies,
             summaries: parsed.summaries,
+            by_turn: parsed.by_turn,
             ..Default::default()
         },
     );
@@ -182,11 +206,11 @@ async fn delete_script(Path(id): Path<String>, State(scripts): State<Scripts>) -
 
 async fn get_calls(Path(id): Path<String>, State(scripts): State<Scripts>) -> Json<Value> {
     let scripts = scripts.lock().unwrap();
-    let requests = scripts
+    let (requests, received_at) = scripts
         .get(&id)
-        .map(|s| s.requests.clone())
+        .map(|s| (s.requests.clone(), s.received_at.clone()))
         .unwrap_or_default();
-    Json(json!({"count": requests.len(), "requests": requests}))
+    Json(json!({"count": requests.len(), "requests": requests, "receivedAt": received_at}))
 }
 
 async fn openai(
@@ -230,8 +254,30 @@ async fn answer(
             );
         };
         let toolless = !script.summaries.is_empty() && offers_no_tools(&recorded);
-        script.requests.push(recorded);
-        if toolless {
+        script.received_at.push(
+            chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        );
+        if script.by_turn {
+            let turn = highest_turn(&recorded.to_string());
+            script.requests.push(recorded);
+            let n = script.requests.len() - 1;
+            let reply = if toolless {
+                let mut r = script.summaries.first().cloned().unwrap_or_default();
+                let text = r.text.take().unwrap_or_else(|| "Summary of the work so far.".into());
+                r.text = Some(format!("{text} [[turn {}]]", turn.unwrap_or(0)));
+                Some(r)
+            } else {
+                let k = turn.map_or(0, |t| t + 1);
+                script.replies.get(k).cloned().map(|mut r| {
+                    r.text = Some(match r.text.take() {
+                        Some(t) => format!("[[turn {k}]] {t}"),
+                        None => format!("[[turn {k}]]"),
+                    });
+                    r
+                })
+            };
+            (n, reply)
+        } else if toolless {
             script.toolless += 1;
             (
                 script.requests.len() - 1,

@@ -687,7 +687,10 @@ async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<A
         ..Default::default()
     };
     match api.create(&params, expected).await {
-        Ok(a) => Ok(a),
+        Ok(a) => {
+            crate::step::failpoint::hit("controller:after-create:Approval");
+            Ok(a)
+        }
         Err(kube::Error::Api(e)) if e.code == 409 => {
             api.get(name).await.map_err(|source| Error::Read {
                 what: "approval",

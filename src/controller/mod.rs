@@ -100,6 +100,9 @@ pub struct Options {
 
 /// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
+    if !opts.allow_failpoints {
+        crate::step::failpoint::disable();
+    }
     // reqwest and kube share rustls; pick ring once for the whole process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let client = Client::try_default().await?;

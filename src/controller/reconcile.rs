@@ -23,6 +23,7 @@ use super::status;
 use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::step::replay::{RunState, Step};
+use crate::step::failpoint;
 use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError, sha256_hex};
 use crate::tools::{Toolbox, discover_catalog_with};
 
@@ -240,7 +241,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
                 )
                 .await
             {
-                Ok(_) => {}
+                Ok(_) => failpoint::hit("controller:after-create:Job"),
                 // Deterministic names make a repeated create harmless.
                 Err(kube::Error::Api(e)) if e.code == 409 => {}
                 Err(e) => {
@@ -587,6 +588,7 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         .into_iter()
         .find(|k| k.as_str() == step.kind())
         .expect("known kind");
+    failpoint::hit(&format!("controller:before-append:{kind}"));
     let mut draft = RecordDraft::new(kind, step.payload());
     draft.worker = crate::store::Worker {
         pod: ctx.identity.clone(),
@@ -602,6 +604,9 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         Err(e) => Err(e),
     };
     ctx.metrics.observe_append(started.elapsed(), &result);
+    if result.is_ok() {
+        failpoint::hit(&format!("controller:after-append:{kind}"));
+    }
     let _ = ctx.store.release(&lease).await;
     match result {
         // Someone recorded that seq first: reconcile again from the new head.

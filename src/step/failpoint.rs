@@ -4,6 +4,10 @@
 //! aborts (no cleanup, lease left to expire) the first time it reaches it.
 //! `AGENTRUN_FAILPOINT=hang:<name>` freezes the whole process there instead
 //! (SIGSTOP): a worker that is alive but lost, which only its lease tells.
+//!
+//! The controller has failpoints too ([`controller_all`], named
+//! `controller:...`), armed the same way in its own environment and only
+//! with `--allow-failpoints`: a crash of the controller at that boundary.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,9 +17,10 @@ pub const APPENDED_KINDS: &[&str] = &[
     "ModelCall",
     "ToolIntent",
     "ToolResult",
+    "ApprovalRequested",
+    "ApprovalVoided",
     "Observation",
     "Summary",
-    "RunFinished",
 ];
 
 /// Every failpoint name, in the order a step meets them.
@@ -34,8 +39,29 @@ pub fn all() -> Vec<String> {
     names
 }
 
+/// The controller's failpoints: around each record it appends, after it
+/// creates a Job or an Approval, and between recording a decision and
+/// updating the Approval's status.
+pub fn controller_all() -> Vec<String> {
+    let mut names = Vec::new();
+    for kind in ["RunStarted", "VersionChanged", "ApprovalDecided", "RunFinished"] {
+        names.push(format!("controller:before-append:{kind}"));
+        names.push(format!("controller:after-append:{kind}"));
+    }
+    names.push("controller:after-create:Job".into());
+    names.push("controller:after-create:Approval".into());
+    names
+}
+
+static ARMED: OnceLock<Option<String>> = OnceLock::new();
+
+/// Switches failpoints off for this process whatever its environment says
+/// (a controller started without `--allow-failpoints`).
+pub fn disable() {
+    let _ = ARMED.set(None);
+}
+
 fn armed() -> Option<&'static str> {
-    static ARMED: OnceLock<Option<String>> = OnceLock::new();
     ARMED
         .get_or_init(|| {
             std::env::var("AGENTRUN_FAILPOINT")

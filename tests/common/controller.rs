@@ -55,6 +55,17 @@ impl ControllerProcess {
 
     /// Same, on the step store at `store_url`.
     pub fn start_on(namespace: &str, identity: &str, extra: &[&str], store_url: &str) -> Self {
+        Self::start_env(namespace, identity, extra, store_url, &[])
+    }
+
+    /// Same, with extra environment variables (a controller failpoint).
+    pub fn start_env(
+        namespace: &str,
+        identity: &str,
+        extra: &[&str],
+        store_url: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
@@ -77,6 +88,7 @@ impl ControllerProcess {
             .env("AGENTRUN_STORE_URL", store_url)
             .env("AGENTRUN_STEP_TOKEN_KEY", step_token_key())
             .env("RUST_LOG", "info,agentrun=debug")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(out)
             .spawn()
@@ -93,6 +105,13 @@ impl ControllerProcess {
     /// Everything the replica logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether the process has exited (a crash at a failpoint).
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some())
     }
 
     /// Kills the replica with SIGKILL: no hand-over, its Lease runs out.

@@ -59,6 +59,19 @@ impl Standins {
         );
     }
 
+    /// Creates model script `id` that answers by conversation turn (the
+    /// stand-in's `byTurn` mode): asking again gets the same answer.
+    pub async fn script_by_turn(&self, id: &str, replies: Value, summaries: Value) {
+        let resp = self
+            .http
+            .put(format!("{}/scripts/{id}", self.base))
+            .json(&json!({ "replies": replies, "summaries": summaries, "byTurn": true }))
+            .send()
+            .await
+            .expect("PUT script");
+        assert!(resp.status().is_success(), "PUT script: {}", resp.status());
+    }
+
     /// Failure injection and delays for tenant `t`'s tools (`PUT _config`).
     pub async fn configure_tools(&self, tenant: &str, config: Value) {
         let resp = self

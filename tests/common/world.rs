@@ -32,6 +32,26 @@ impl World {
 
     /// A world whose controller uses the (migrated) step store at `store_url`.
     pub async fn on_store(prefix: &str, controller_flags: &[&str], store_url: &str) -> World {
+        World::build(prefix, controller_flags, store_url, &[]).await
+    }
+
+    /// A world whose first controller gets extra environment variables
+    /// (replicas started later do not).
+    pub async fn with_controller_env(
+        prefix: &str,
+        controller_flags: &[&str],
+        env: &[(&str, &str)],
+    ) -> World {
+        let store_url = super::store::e2e_store_url().await;
+        World::build(prefix, controller_flags, &store_url, env).await
+    }
+
+    async fn build(
+        prefix: &str,
+        controller_flags: &[&str],
+        store_url: &str,
+        env: &[(&str, &str)],
+    ) -> World {
         let client = super::admin().await;
         super::install_crds(&client).await;
         let ns = super::test_namespace(&client, prefix).await;
@@ -47,7 +67,7 @@ impl World {
             .expect("model key Secret");
         super::allow_secrets(&client, ns.name(), &["model-key"]).await;
         let controller =
-            ControllerProcess::start_on(ns.name(), "ctrl", controller_flags, store_url);
+            ControllerProcess::start_env(ns.name(), "ctrl", controller_flags, store_url, env);
         World {
             client,
             ns,
@@ -69,6 +89,16 @@ impl World {
     pub fn replica(&self, identity: &str) -> ControllerProcess {
         let flags: Vec<&str> = self.controller_flags.iter().map(String::as_str).collect();
         ControllerProcess::start_on(self.ns.name(), identity, &flags, &self.store_url)
+    }
+
+    /// Starts a new controller if the current one exited (crashed at a
+    /// failpoint); returns whether it had to.
+    pub fn revive_controller(&mut self) -> bool {
+        if !self.controller.exited() {
+            return false;
+        }
+        self.controller = self.replica("ctrl-revived");
+        true
     }
 
     /// SIGKILLs the world's first controller (no graceful hand-over).

@@ -1,0 +1,503 @@
+//! The fault harness (`e2e/chaos`): one scripted scenario that meets every
+//! kind of boundary, run once without faults and then once per failpoint
+//! boundary of the step runner and the controller, with a crash exactly
+//! there; and a random mode (many runs, pods deleted, the controller
+//! SIGKILLed, the store restarted, reproducible by seed).
+//!
+//! The scenario: an idempotent tool (`issue_refund`), a tool with only a
+//! read-back lookup (`notify`), a tool with neither (`page_oncall`), a model
+//! reply that cannot be read (an Observation fed back), a
+//! 2-of-3 approval decided by two identical edits, a rejection the agent
+//! adapts to, a compaction, and a `FollowLatest` version change while it
+//! waits. Every faulted run must converge to the fault-free phase and
+//! result with the same sequence of record kinds, a log that verifies, no
+//! side effect twice at the tool server, and no recorded model answer asked
+//! for again (the stand-in model answers by conversation turn, so a
+//! repeated question is seen, and timed against the record).
+//!
+//! Prints one table line per boundary and `bench: chaos.boundaries <n>`,
+//! `bench: chaos.converged <n>`; fails on any miss. Environment:
+//! AGENTRUN_CHAOS_CONCURRENCY (boundaries at once, default 4),
+//! AGENTRUN_CHAOS_SECONDS (random mode, default 40), AGENTRUN_CHAOS_SEED
+//! (default 1), AGENTRUN_CHAOS_RUNS (random mode, default 4).
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agentrun::api::{Agent, AgentRun, Approval, ApprovalKind, Phase};
+use agentrun::step::failpoint;
+use agentrun::store::StepKind;
+use common::approvals::{decide, entry, grant_approver_role};
+use common::store::PrivatePostgres;
+use common::world::{World, call, finish};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const RESULT: &str = "refunded 300 on A-1, declined the 5000 refund, notified, paged";
+/// Longest a scenario may take.
+const SCENARIO_TIMEOUT: Duration = Duration::from_secs(240);
+/// The harness's two tests load the machine: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The model's side of the scenario, one reply per turn; `p` names the
+/// orders (runs of one world refund orders of their own).
+fn replies(p: &str) -> Value {
+    let pad = "Context that makes the history long enough to compact. ".repeat(20);
+    json!([
+        {"text": format!("Looking the order up. {pad}"),
+         "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": format!("{p}A-1")}}]},
+        // A reply that is not JSON: recorded as an Observation and fed back
+        // (its marker, echoed in the observation, moves the turn on).
+        {"rawBody": "upstream glitch, not JSON [[turn 1]]"},
+        {"text": format!("The customer was charged twice; refunding 500. {pad}"),
+         "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": format!("{p}A-1"), "amount": 500}}]},
+        {"text": format!("Also refunding the second order. {pad}"),
+         "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": format!("{p}A-2"), "amount": 5000}}]},
+        {"text": "That refund was declined; telling the customer.",
+         "toolCalls": [{"name": "notify", "arguments": {"text": format!("{p}A-1 refunded 300; {p}A-2 declined")}}]},
+        call("page_oncall", json!({"note": format!("{p}refunds")})),
+        finish(RESULT)
+    ])
+}
+
+fn agent_spec(w: &World, script: &str) -> Value {
+    let mut agent = w.agent(script);
+    let approvers = json!({"users": ["alice", "bob", "carol"]});
+    agent["approval"] = json!({"rules": [{
+        "name": "refunds", "tool": "issue_refund", "when": "args.amount > 100",
+        "approvers": approvers, "requiredApprovals": 2,
+        "expiresAfter": "10m", "onExpiry": "Fail"
+    }]});
+    agent["context"] = json!({"maxTokens": 900, "recentSteps": 3});
+    agent
+}
+
+/// What a scenario ended with.
+#[derive(Debug, Default)]
+struct Outcome {
+    phase: Option<Phase>,
+    result: Option<String>,
+    kinds: Vec<String>,
+    effects: Vec<Value>,
+    /// The failpoint fired (a Job failed, or the controller crashed).
+    fired: bool,
+    misses: Vec<String>,
+}
+
+/// Runs the scenario in a world of its own, with `fault` armed (a runner
+/// failpoint through the run's annotation, a `controller:` one in the
+/// controller's environment). Humans decide as they would; a controller
+/// that crashed is started again.
+async fn scenario(id: &str, fault: Option<&str>) -> Outcome {
+    let controller_fault = fault.filter(|f| f.starts_with("controller:"));
+    let env: Vec<(&str, &str)> = controller_fault
+        .map(|f| vec![("AGENTRUN_FAILPOINT", f)])
+        .unwrap_or_default();
+    let mut w = World::with_controller_env(&format!("chaos-{id}"), &[], &env).await;
+    grant_approver_role(&w).await;
+    w.standins
+        .script_by_turn("chaos", replies(""), json!([{"text": "Summary: order A-1 looked up."}]))
+        .await;
+    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
+    let agent: Agent = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+        "metadata": {"name": "chaos"}, "spec": agent_spec(&w, "chaos")
+    }))
+    .unwrap();
+    agents.create(&PostParams::default(), &agent).await.unwrap();
+    let annotations = match fault {
+        Some(f) if controller_fault.is_none() => json!({"agentrun.dev/failpoint": f}),
+        _ => json!({}),
+    };
+    w.create_run(
+        "chaos",
+        json!({"input": "Sort out the customer's refunds.", "agentRef": {"name": "chaos"},
+               "versionPolicy": "FollowLatest"}),
+        annotations,
+    )
+    .await;
+    let mut crashed = false;
+    let run = drive(&mut w, "chaos", &mut crashed).await;
+    let mut out = collect(&w, &run, "chaos").await;
+    let failed_jobs = run
+        .status
+        .as_ref()
+        .and_then(|s| s.step.as_ref())
+        .map_or(0, |s| s.failed_jobs);
+    out.fired = crashed || failed_jobs > 0;
+    out
+}
+
+/// Plays the humans (see [`drive_once`]) until the run ends, starting the
+/// controller again whenever it crashed.
+async fn drive(w: &mut World, run: &str, crashed: &mut bool) -> AgentRun {
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let mut decided: HashSet<String> = HashSet::new();
+    let started = Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < SCENARIO_TIMEOUT,
+            "{}: run {run} did not end within {SCENARIO_TIMEOUT:?}",
+            w.name()
+        );
+        *crashed |= w.revive_controller();
+        if let Ok(r) = runs.get(run).await
+            && r.status.as_ref().and_then(|s| s.phase).is_some_and(|p| p.is_terminal())
+        {
+            return r;
+        }
+        drive_once(w, &mut decided).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The highest `[[turn N]]` marker in `text`.
+fn highest_turn(text: &str) -> Option<usize> {
+    text.split("[[turn ")
+        .skip(1)
+        .filter_map(|rest| rest.split("]]").next()?.parse().ok())
+        .max()
+}
+
+/// Reads what a finished run left: status, verified log, effects, and
+/// whether a recorded model answer was asked for again.
+async fn collect(w: &World, run: &AgentRun, script: &str) -> Outcome {
+    let status = run.status.clone().unwrap_or_default();
+    let mut out = Outcome {
+        phase: status.phase,
+        result: status.result.clone(),
+        ..Outcome::default()
+    };
+    let log = w.log(run).await; // panics unless the chain verifies against status.log
+    out.kinds = log.iter().map(|(r, _)| r.kind.as_str().to_string()).collect();
+    out.effects = w.standins.effects(w.name()).await;
+    let mut seen = HashSet::new();
+    for e in &out.effects {
+        if !seen.insert((e["tool"].to_string(), e["args"].to_string())) {
+            out.misses.push(format!("effect twice: {e}"));
+        }
+    }
+    // When each turn's answer was recorded.
+    let mut recorded: BTreeMap<usize, chrono::DateTime<chrono::Utc>> = BTreeMap::new();
+    for (r, _) in &log {
+        if r.kind == StepKind::ModelCall
+            && let (Some(turn), Some(at)) = (highest_turn(&r.payload.to_string()), r.created_at)
+        {
+            recorded.entry(turn).or_insert(at);
+        }
+    }
+    let calls: Value = w.standins.get(&format!("/scripts/{script}/calls")).await;
+    let requests = calls["requests"].as_array().cloned().unwrap_or_default();
+    let received = calls["receivedAt"].as_array().cloned().unwrap_or_default();
+    for (req, at) in requests.iter().zip(received) {
+        let offers_tools = req["tools"].as_array().is_some_and(|t| !t.is_empty());
+        if !offers_tools {
+            continue;
+        }
+        let asks = highest_turn(&req.to_string()).map_or(0, |t| t + 1);
+        let at: chrono::DateTime<chrono::Utc> = at.as_str().unwrap_or_default().parse().unwrap();
+        if let Some(rec) = recorded.get(&asks)
+            && at > *rec
+        {
+            out.misses.push(format!(
+                "turn {asks} was asked again at {at} after its answer was recorded at {rec}"
+            ));
+        }
+    }
+    out
+}
+
+/// Compares a faulted outcome with the fault-free one.
+fn judge(base: &Outcome, got: &Outcome) -> Vec<String> {
+    let mut misses = got.misses.clone();
+    if !got.fired {
+        misses.push("the failpoint never fired".into());
+    }
+    if got.phase != base.phase || got.result != base.result {
+        misses.push(format!(
+            "ended {:?} {:?}, not {:?} {:?}",
+            got.phase, got.result, base.phase, base.result
+        ));
+    }
+    if got.kinds != base.kinds {
+        misses.push(format!("record kinds {:?}, not {:?}", got.kinds, base.kinds));
+    }
+    let effects = |o: &Outcome| {
+        let mut e: Vec<String> = o
+            .effects
+            .iter()
+            .map(|e| format!("{} {}", e["tool"], e["args"]))
+            .collect();
+        e.sort();
+        e
+    };
+    if effects(got) != effects(base) {
+        misses.push(format!("effects {:?}, not {:?}", effects(got), effects(base)));
+    }
+    misses
+}
+
+/// Boundaries this scenario meets (a dependency change, which voids an
+/// approval, is not part of it).
+fn boundaries() -> Vec<String> {
+    failpoint::all()
+        .into_iter()
+        .filter(|f| !f.contains("ApprovalVoided"))
+        .chain(failpoint::controller_all())
+        .collect()
+}
+
+#[tokio::test]
+async fn every_failpoint_boundary_converges_to_the_fault_free_outcome() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let base = scenario("base", None).await;
+    assert!(
+        base.misses.is_empty(),
+        "the fault-free run: {:?}",
+        base.misses
+    );
+    assert_eq!(base.phase, Some(Phase::Succeeded));
+    assert_eq!(base.result.as_deref(), Some(RESULT));
+    for kind in ["Summary", "VersionChanged", "ApprovalDecided", "ToolResult", "Observation"] {
+        assert!(
+            base.kinds.iter().any(|k| k == kind),
+            "the scenario meets a {kind}: {:?}",
+            base.kinds
+        );
+    }
+    let tools: HashSet<String> = base
+        .effects
+        .iter()
+        .map(|e| e["tool"].as_str().unwrap_or_default().to_string())
+        .collect();
+    for tool in ["issue_refund", "notify", "page_oncall"] {
+        assert!(tools.contains(tool), "{tool} ran: {:?}", base.effects);
+    }
+
+    let limit = Arc::new(tokio::sync::Semaphore::new(
+        env_num("AGENTRUN_CHAOS_CONCURRENCY", 4) as usize,
+    ));
+    let base = Arc::new(base);
+    // Concurrent within this task (the cluster helpers are not Send).
+    let runs = boundaries().into_iter().enumerate().map(|(i, boundary)| {
+        let limit = limit.clone();
+        let base = base.clone();
+        async move {
+            let _slot = limit.acquire().await.unwrap();
+            let got = scenario(&format!("b{i}"), Some(&boundary)).await;
+            let misses = judge(&base, &got);
+            if misses.is_empty() {
+                println!("chaos: {boundary:<42} converged");
+            } else {
+                println!("chaos: {boundary:<42} MISS: {}", misses.join("; "));
+            }
+            (boundary, misses)
+        }
+    });
+    let results = futures::future::join_all(runs).await;
+    let total = results.len();
+    let missed: Vec<String> = results
+        .into_iter()
+        .filter(|(_, m)| !m.is_empty())
+        .map(|(b, _)| b)
+        .collect();
+    println!("bench: chaos.boundaries {total} boundaries");
+    println!("bench: chaos.converged {} boundaries", total - missed.len());
+    assert!(missed.is_empty(), "boundaries that missed: {missed:?}");
+}
+
+/// A small deterministic generator (xorshift), so a seed replays the same faults.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+#[tokio::test]
+async fn random_faults_by_seed_keep_every_invariant() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let seconds = env_num("AGENTRUN_CHAOS_SECONDS", 40);
+    let seed = env_num("AGENTRUN_CHAOS_SEED", 1);
+    let n = env_num("AGENTRUN_CHAOS_RUNS", 4) as usize;
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let (pg, url) = PrivatePostgres::up("pg-chaos", 55435).await;
+    let w = World::on_store("chaos-random", &["--time-slice-seconds", "3"], &url).await;
+    grant_approver_role(&w).await;
+    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
+    for i in 0..n {
+        let script = format!("r{i}");
+        w.standins
+            .script_by_turn(&script, replies(&format!("{script}-")), json!([{"text": "Summary: order A-1 looked up."}]))
+            .await;
+        let spec = agent_spec(&w, &script);
+        // Each run its own Agent (named like it), so an edit moves only it.
+        let agent: Agent = serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+            "metadata": {"name": format!("r{i}")}, "spec": spec
+        }))
+        .unwrap();
+        agents.create(&PostParams::default(), &agent).await.unwrap();
+    }
+    // Faults, chosen by the seed, while the runs go on; humans decide as in
+    // the boundaries scenario. Each run is driven by its own task.
+    let world = Arc::new(tokio::sync::Mutex::new(w));
+    {
+        let w = world.lock().await;
+        for i in 0..n {
+            w.create_run(
+                &format!("r{i}"),
+                json!({"input": "Sort out the customer's refunds.",
+                       "agentRef": {"name": format!("r{i}")}, "versionPolicy": "FollowLatest"}),
+                json!({}),
+            )
+            .await;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let mut decided = HashSet::new();
+    let mut log = Vec::new();
+    let mut faults = 0;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1000 + rng.below(3000))).await;
+        let mut w = world.lock().await;
+        w.revive_controller();
+        match rng.below(10) {
+            // Mostly pod deletions, sometimes the controller, rarely the store.
+            0..=5 => {
+                let pods: Api<k8s_openapi::api::core::v1::Pod> =
+                    Api::namespaced(w.client.clone(), w.name());
+                let mut running: Vec<String> = pods
+                    .list(&ListParams::default())
+                    .await
+                    .map(|l| l.items)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+                    .filter_map(|p| p.metadata.name)
+                    .collect();
+                running.sort();
+                if !running.is_empty() {
+                    let victim = running[rng.below(running.len() as u64) as usize].clone();
+                    let force = DeleteParams {
+                        grace_period_seconds: Some(0),
+                        ..DeleteParams::default()
+                    };
+                    let _ = pods.delete(&victim, &force).await;
+                    log.push(format!("deleted pod {victim}"));
+                    faults += 1;
+                }
+            }
+            6..=8 => {
+                w.kill_controller();
+                w.revive_controller();
+                log.push("SIGKILLed the controller".to_string());
+                faults += 1;
+            }
+            _ => {
+                pg.run("stop");
+                tokio::time::sleep(Duration::from_secs(1 + rng.below(8))).await;
+                pg.run("start");
+                log.push("restarted PostgreSQL".to_string());
+                faults += 1;
+            }
+        }
+        drive_once(&w, &mut decided).await;
+    }
+    println!("chaos: seed {seed}, {faults} faults: {log:?}");
+    // Then the runs finish without faults, and each must have kept every invariant.
+    let mut w = Arc::try_unwrap(world).ok().expect("one owner").into_inner();
+    let mut missed = Vec::new();
+    for i in 0..n {
+        let name = format!("r{i}");
+        let mut crashed = false;
+        let run = drive(&mut w, &name, &mut crashed).await;
+        let got = collect(&w, &run, &name).await;
+        let mut misses = got.misses.clone();
+        if got.phase != Some(Phase::Succeeded) || got.result.as_deref() != Some(RESULT) {
+            misses.push(format!("ended {:?} {:?}", got.phase, got.result));
+        }
+        if misses.is_empty() {
+            println!("chaos: random run {name} converged");
+        } else {
+            println!("chaos: random run {name} MISS: {}", misses.join("; "));
+            missed.push(name);
+        }
+    }
+    println!("bench: chaos.random.faults {faults} faults");
+    println!("bench: chaos.random.converged {} runs", n - missed.len());
+    assert!(missed.is_empty(), "seed {seed}: runs that missed: {missed:?}");
+}
+
+/// One pass of the humans over every pending Approval of the world: the
+/// first refund (500) is edited to 300 by alice and bob, after the run's
+/// Agent (named like the run) moved on to a new prompt; the second (5000)
+/// is rejected by carol; a reconcile question is answered by alice.
+async fn drive_once(w: &World, decided: &mut HashSet<String>) {
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
+    let pending = approvals
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default();
+    for a in pending {
+        let name = a.metadata.name.clone().unwrap_or_default();
+        let waiting = a
+            .status
+            .as_ref()
+            .and_then(|s| s.state)
+            .is_none_or(|s| s == agentrun::api::ApprovalState::Pending);
+        if !waiting || decided.contains(&name) {
+            continue;
+        }
+        let hash = a.spec.arguments_hash.clone();
+        let amount = a.spec.arguments.get("amount").and_then(Value::as_u64);
+        let votes: Vec<(&str, Value)> = if a.spec.kind == ApprovalKind::Reconcile {
+            vec![("alice", entry("alice", "Approve", &hash, "it did happen"))]
+        } else if amount == Some(500) {
+            let patch = json!({"spec": {"prompt": {"version": "v2",
+                "system": "You are a careful refund agent (v2)."}}});
+            agents
+                .patch(&a.spec.run_ref.name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .expect("editing the run's Agent");
+            let mut edited = a.spec.arguments.clone();
+            edited["amount"] = json!(300);
+            ["alice", "bob"]
+                .into_iter()
+                .map(|who| {
+                    let mut e = entry(who, "Edit", &hash, "partial refund");
+                    e["arguments"] = edited.clone();
+                    (who, e)
+                })
+                .collect()
+        } else if amount == Some(5000) {
+            vec![("carol", entry("carol", "Reject", &hash, "too large"))]
+        } else {
+            vec![("alice", entry("alice", "Approve", &hash, "fine"))]
+        };
+        for (who, vote) in votes {
+            // A refused vote (already there) is fine: the decision stands.
+            let _ = decide(w, who, &name, vote).await;
+        }
+        decided.insert(name);
+    }
+}
