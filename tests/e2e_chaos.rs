@@ -106,7 +106,11 @@ async fn scenario(id: &str, fault: Option<&str>) -> Outcome {
     let mut w = World::with_controller_env(&format!("chaos-{id}"), &[], &env).await;
     grant_approver_role(&w).await;
     w.standins
-        .script_by_turn("chaos", replies(""), json!([{"text": "Summary: order A-1 looked up."}]))
+        .script_by_turn(
+            "chaos",
+            replies(""),
+            json!([{"text": "Summary: order A-1 looked up."}]),
+        )
         .await;
     let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
     let agent: Agent = serde_json::from_value(json!({
@@ -152,7 +156,10 @@ async fn drive(w: &mut World, run: &str, crashed: &mut bool) -> AgentRun {
         );
         *crashed |= w.revive_controller();
         if let Ok(r) = runs.get(run).await
-            && r.status.as_ref().and_then(|s| s.phase).is_some_and(|p| p.is_terminal())
+            && r.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| p.is_terminal())
         {
             return r;
         }
@@ -179,7 +186,10 @@ async fn collect(w: &World, run: &AgentRun, script: &str) -> Outcome {
         ..Outcome::default()
     };
     let log = w.log(run).await; // panics unless the chain verifies against status.log
-    out.kinds = log.iter().map(|(r, _)| r.kind.as_str().to_string()).collect();
+    out.kinds = log
+        .iter()
+        .map(|(r, _)| r.kind.as_str().to_string())
+        .collect();
     out.effects = w.standins.effects(w.name()).await;
     let mut seen = HashSet::new();
     for e in &out.effects {
@@ -230,7 +240,10 @@ fn judge(base: &Outcome, got: &Outcome) -> Vec<String> {
         ));
     }
     if got.kinds != base.kinds {
-        misses.push(format!("record kinds {:?}, not {:?}", got.kinds, base.kinds));
+        misses.push(format!(
+            "record kinds {:?}, not {:?}",
+            got.kinds, base.kinds
+        ));
     }
     let effects = |o: &Outcome| {
         let mut e: Vec<String> = o
@@ -242,7 +255,11 @@ fn judge(base: &Outcome, got: &Outcome) -> Vec<String> {
         e
     };
     if effects(got) != effects(base) {
-        misses.push(format!("effects {:?}, not {:?}", effects(got), effects(base)));
+        misses.push(format!(
+            "effects {:?}, not {:?}",
+            effects(got),
+            effects(base)
+        ));
     }
     misses
 }
@@ -268,7 +285,13 @@ async fn every_failpoint_boundary_converges_to_the_fault_free_outcome() {
     );
     assert_eq!(base.phase, Some(Phase::Succeeded));
     assert_eq!(base.result.as_deref(), Some(RESULT));
-    for kind in ["Summary", "VersionChanged", "ApprovalDecided", "ToolResult", "Observation"] {
+    for kind in [
+        "Summary",
+        "VersionChanged",
+        "ApprovalDecided",
+        "ToolResult",
+        "Observation",
+    ] {
         assert!(
             base.kinds.iter().any(|k| k == kind),
             "the scenario meets a {kind}: {:?}",
@@ -331,66 +354,85 @@ impl Rng {
     }
 }
 
+/// Creates run `name` of the scenario, with its own script and Agent.
+async fn start_random_run(w: &World, name: &str) {
+    w.standins
+        .script_by_turn(
+            name,
+            replies(&format!("{name}-")),
+            json!([{"text": "Summary: order A-1 looked up."}]),
+        )
+        .await;
+    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
+    let agent: Agent = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+        "metadata": {"name": name}, "spec": agent_spec(w, name)
+    }))
+    .unwrap();
+    agents.create(&PostParams::default(), &agent).await.unwrap();
+    w.create_run(
+        name,
+        json!({"input": "Sort out the customer's refunds.",
+               "agentRef": {"name": name}, "versionPolicy": "FollowLatest"}),
+        json!({}),
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn random_faults_by_seed_keep_every_invariant() {
     let _one = ONE_AT_A_TIME.lock().await;
     let seconds = env_num("AGENTRUN_CHAOS_SECONDS", 40);
     let seed = env_num("AGENTRUN_CHAOS_SEED", 1);
-    let n = env_num("AGENTRUN_CHAOS_RUNS", 4) as usize;
+    let concurrent = env_num("AGENTRUN_CHAOS_RUNS", 4) as usize;
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let (pg, url) = PrivatePostgres::up("pg-chaos", 55435).await;
-    let w = World::on_store("chaos-random", &["--time-slice-seconds", "3"], &url).await;
+    let mut w = World::on_store("chaos-random", &["--time-slice-seconds", "3"], &url).await;
     grant_approver_role(&w).await;
-    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
-    for i in 0..n {
-        let script = format!("r{i}");
-        w.standins
-            .script_by_turn(&script, replies(&format!("{script}-")), json!([{"text": "Summary: order A-1 looked up."}]))
-            .await;
-        let spec = agent_spec(&w, &script);
-        // Each run its own Agent (named like it), so an edit moves only it.
-        let agent: Agent = serde_json::from_value(json!({
-            "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
-            "metadata": {"name": format!("r{i}")}, "spec": spec
-        }))
-        .unwrap();
-        agents.create(&PostParams::default(), &agent).await.unwrap();
-    }
-    // Faults, chosen by the seed, while the runs go on; humans decide as in
-    // the boundaries scenario. Each run is driven by its own task.
-    let world = Arc::new(tokio::sync::Mutex::new(w));
-    {
-        let w = world.lock().await;
-        for i in 0..n {
-            w.create_run(
-                &format!("r{i}"),
-                json!({"input": "Sort out the customer's refunds.",
-                       "agentRef": {"name": format!("r{i}")}, "versionPolicy": "FollowLatest"}),
-                json!({}),
-            )
-            .await;
-        }
-    }
-    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
+    // `concurrent` runs at all times until the deadline: a run that ends is
+    // followed by a new one. Faults, chosen by the seed, hit whatever runs.
+    let mut active: Vec<String> = Vec::new();
+    let mut started = 0usize;
     let mut decided = HashSet::new();
-    let mut log = Vec::new();
-    let mut faults = 0;
+    let mut faults = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(seconds);
     while Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(1000 + rng.below(3000))).await;
-        let mut w = world.lock().await;
         w.revive_controller();
-        match rng.below(10) {
+        let mut still = Vec::new();
+        for name in active.drain(..) {
+            let ended = runs
+                .get(&name)
+                .await
+                .ok()
+                .and_then(|r| r.status?.phase)
+                .is_some_and(|p| p.is_terminal());
+            if !ended {
+                still.push(name);
+            }
+        }
+        active = still;
+        while active.len() < concurrent {
+            let name = format!("r{started}");
+            start_random_run(&w, &name).await;
+            active.push(name);
+            started += 1;
+        }
+        drive_once(&w, &mut decided).await;
+        tokio::time::sleep(Duration::from_millis(300 + rng.below(1200))).await;
+        match rng.below(12) {
             // Mostly pod deletions, sometimes the controller, rarely the store.
-            0..=5 => {
-                let pods: Api<k8s_openapi::api::core::v1::Pod> =
-                    Api::namespaced(w.client.clone(), w.name());
+            0..=6 => {
                 let mut running: Vec<String> = pods
                     .list(&ListParams::default())
                     .await
                     .map(|l| l.items)
                     .unwrap_or_default()
                     .into_iter()
-                    .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+                    .filter(|p| {
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                    })
                     .filter_map(|p| p.metadata.name)
                     .collect();
                 running.sort();
@@ -401,31 +443,27 @@ async fn random_faults_by_seed_keep_every_invariant() {
                         ..DeleteParams::default()
                     };
                     let _ = pods.delete(&victim, &force).await;
-                    log.push(format!("deleted pod {victim}"));
-                    faults += 1;
+                    faults.push(format!("deleted pod {victim}"));
                 }
             }
-            6..=8 => {
+            7..=9 => {
                 w.kill_controller();
                 w.revive_controller();
-                log.push("SIGKILLed the controller".to_string());
-                faults += 1;
+                faults.push("SIGKILLed the controller".to_string());
             }
-            _ => {
+            10 => {
                 pg.run("stop");
                 tokio::time::sleep(Duration::from_secs(1 + rng.below(8))).await;
                 pg.run("start");
-                log.push("restarted PostgreSQL".to_string());
-                faults += 1;
+                faults.push("restarted PostgreSQL".to_string());
             }
+            _ => {}
         }
-        drive_once(&w, &mut decided).await;
     }
-    println!("chaos: seed {seed}, {faults} faults: {log:?}");
-    // Then the runs finish without faults, and each must have kept every invariant.
-    let mut w = Arc::try_unwrap(world).ok().expect("one owner").into_inner();
+    println!("chaos: seed {seed}, {} faults: {faults:?}", faults.len());
+    // Then every run finishes without faults, and each must have kept every invariant.
     let mut missed = Vec::new();
-    for i in 0..n {
+    for i in 0..started {
         let name = format!("r{i}");
         let mut crashed = false;
         let run = drive(&mut w, &name, &mut crashed).await;
@@ -441,9 +479,16 @@ async fn random_faults_by_seed_keep_every_invariant() {
             missed.push(name);
         }
     }
-    println!("bench: chaos.random.faults {faults} faults");
-    println!("bench: chaos.random.converged {} runs", n - missed.len());
-    assert!(missed.is_empty(), "seed {seed}: runs that missed: {missed:?}");
+    println!("bench: chaos.random.faults {} faults", faults.len());
+    println!("bench: chaos.random.runs {started} runs");
+    println!(
+        "bench: chaos.random.converged {} runs",
+        started - missed.len()
+    );
+    assert!(
+        missed.is_empty(),
+        "seed {seed}: runs that missed: {missed:?}"
+    );
 }
 
 /// One pass of the humans over every pending Approval of the world: the
@@ -476,7 +521,11 @@ async fn drive_once(w: &World, decided: &mut HashSet<String>) {
             let patch = json!({"spec": {"prompt": {"version": "v2",
                 "system": "You are a careful refund agent (v2)."}}});
             agents
-                .patch(&a.spec.run_ref.name, &PatchParams::default(), &Patch::Merge(patch))
+                .patch(
+                    &a.spec.run_ref.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(patch),
+                )
                 .await
                 .expect("editing the run's Agent");
             let mut edited = a.spec.arguments.clone();

@@ -761,3 +761,37 @@ async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends()
     // The replacement holds the current epoch and can go on.
     assert!(store.renew(&takeover, Duration::from_secs(5)).await.is_ok());
 }
+
+/// A step that keeps failing without recording anything (here: a model that
+/// answers 503 every time) fails the run after the Agent's
+/// `retry.maxAttemptsWithoutProgress` attempts, with the reason.
+#[tokio::test]
+async fn a_step_failing_without_progress_ends_the_run_by_its_retry_policy() {
+    let w = World::new("crashloop", &[]).await;
+    let outage: Vec<Value> = (0..64)
+        .map(|_| json!({"status": 503, "message": "overloaded"}))
+        .collect();
+    w.standins
+        .script("crashloop", Value::Array(outage), json!([]))
+        .await;
+    let mut agent = w.agent("crashloop");
+    agent["retry"] = json!({"maxAttemptsWithoutProgress": 2, "backoffSeconds": 0});
+    w.create_run(
+        "crashloop",
+        json!({"input": "Anything.", "agent": agent}),
+        json!({}),
+    )
+    .await;
+    let run = w.wait_phase("crashloop", Phase::Failed).await;
+    let status = run.status.unwrap();
+    let error = status.error.unwrap_or_default();
+    assert!(
+        error.contains("failed 2 times in a row without recording anything"),
+        "{error}"
+    );
+    assert!(
+        error.contains("PodFailurePolicy"),
+        "a crash is told apart from a disruption by the Job's pod failure policy: {error}"
+    );
+    assert_eq!(status.step.map(|s| s.attempt), Some(2));
+}

@@ -254,16 +254,19 @@ async fn answer(
             );
         };
         let toolless = !script.summaries.is_empty() && offers_no_tools(&recorded);
-        script.received_at.push(
-            chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-        );
-        if script.by_turn {
-            let turn = highest_turn(&recorded.to_string());
-            script.requests.push(recorded);
+        script
+            .received_at
+            .push(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
+        let turn = script.by_turn.then(|| highest_turn(&recorded.to_string()));
+        script.requests.push(recorded);
+        if let Some(turn) = turn {
             let n = script.requests.len() - 1;
             let reply = if toolless {
                 let mut r = script.summaries.first().cloned().unwrap_or_default();
-                let text = r.text.take().unwrap_or_else(|| "Summary of the work so far.".into());
+                let text = r
+                    .text
+                    .take()
+                    .unwrap_or_else(|| "Summary of the work so far.".into());
                 r.text = Some(format!("{text} [[turn {}]]", turn.unwrap_or(0)));
                 Some(r)
             } else {

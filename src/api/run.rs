@@ -220,6 +220,10 @@ pub struct CurrentStep {
     /// all steps (disruptions after progress included).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failed_jobs: u32,
+    /// Attempts of this step before this one that failed without recording
+    /// anything; pods lost to disruptions are not counted.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stalled: u32,
     /// When the Job was created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Time>,

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{
-    Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
+    Job, JobSpec, PodFailurePolicy, PodFailurePolicyOnExitCodesRequirement,
+    PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext,
@@ -146,15 +147,30 @@ pub fn build(
             backoff_limit: Some(0), // the controller retries, with a new attempt and the same log
             // A pod evicted, preempted or lost with its node is no failed
             // attempt: the Job replaces it, and the new pod replays the log.
+            // A crash (any exit code but 0) fails the Job by rule
+            // (reason PodFailurePolicy); a pod that went away without
+            // exiting matches no rule (reason BackoffLimitExceeded), and
+            // the controller counts neither as a crash.
             pod_failure_policy: Some(PodFailurePolicy {
-                rules: vec![PodFailurePolicyRule {
-                    action: "Ignore".into(),
-                    on_pod_conditions: Some(vec![PodFailurePolicyOnPodConditionsPattern {
-                        type_: "DisruptionTarget".into(),
-                        status: "True".into(),
-                    }]),
-                    on_exit_codes: None,
-                }],
+                rules: vec![
+                    PodFailurePolicyRule {
+                        action: "Ignore".into(),
+                        on_pod_conditions: Some(vec![PodFailurePolicyOnPodConditionsPattern {
+                            type_: "DisruptionTarget".into(),
+                            status: "True".into(),
+                        }]),
+                        on_exit_codes: None,
+                    },
+                    PodFailurePolicyRule {
+                        action: "FailJob".into(),
+                        on_pod_conditions: None,
+                        on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                            container_name: Some("step".into()),
+                            operator: "NotIn".into(),
+                            values: vec![0],
+                        }),
+                    },
+                ],
             }),
             active_deadline_seconds: Some(step_timeout_seconds),
             ttl_seconds_after_finished: Some(600),

@@ -28,6 +28,36 @@ pub struct JobView {
     pub running: bool,
     /// When the Job ended (for the retry backoff).
     pub ended_at: Option<Timestamp>,
+    /// Attempts of this step before this Job that failed without recording
+    /// anything (disruptions not counted).
+    pub stalled: u32,
+}
+
+impl JobView {
+    /// Lost rather than crashed: a vanished Job or a pod that never exited.
+    pub fn disrupted(&self) -> bool {
+        matches!(
+            self.state,
+            JobState::Missing
+                | JobState::Failed {
+                    disrupted: true,
+                    ..
+                }
+        )
+    }
+}
+
+/// The `stalled` count of the attempt after `job`: none after progress, the
+/// same after a disruption, one more after a crash or a clean exit that
+/// recorded nothing.
+pub fn stalled_after(job: &JobView, progressed: bool) -> u32 {
+    if progressed {
+        0
+    } else if job.disrupted() {
+        job.stalled
+    } else {
+        job.stalled + 1
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +66,10 @@ pub enum JobState {
     Succeeded,
     Failed {
         reason: String,
+        /// The pod went away without exiting (deleted, evicted, lost with its
+        /// node): no rule of the Job's pod failure policy matched. Not a
+        /// crash of the step, so it never counts toward the retry limit.
+        disrupted: bool,
     },
     /// Status points to a Job that does not exist (deleted, or TTL-collected).
     Missing,
@@ -176,12 +210,13 @@ pub fn decide(o: &Observed) -> Act {
         // the count afresh, so a run that keeps appending never fails by
         // retries. Replay means the work recorded is never redone.
         _ if next_seq > job.seq => 1,
-        // An attempt that recorded nothing counts, so a crash loop stops;
-        // back off before the next one.
+        // An attempt that crashed without recording anything counts, so a
+        // crash loop stops (a disruption does not); back off before the next.
         _ => {
-            if job.attempt >= retry(o).max_attempts() {
+            let stalled = stalled_after(job, false);
+            if stalled >= retry(o).max_attempts() {
                 let reason = match &job.state {
-                    JobState::Failed { reason } => reason.clone(),
+                    JobState::Failed { reason, .. } => reason.clone(),
                     JobState::Missing => "its Job disappeared".into(),
                     _ => "it exited without recording anything".into(),
                 };
@@ -189,8 +224,8 @@ pub fn decide(o: &Observed) -> Act {
                     outcome: Outcome::Failed,
                     result: partial,
                     error: Some(format!(
-                        "step {} failed {} times in a row without recording anything; last: {reason}",
-                        job.seq, job.attempt
+                        "step {} failed {stalled} times in a row without recording anything; last: {reason}",
+                        job.seq
                     )),
                 });
             }
@@ -238,10 +273,11 @@ fn retry(o: &Observed) -> crate::api::RetryPolicy {
 }
 
 /// Retries wait 1, 2, 4... seconds (the agent's `retry`) after the failed
-/// attempt ended.
+/// attempt ended, by the count of failures without progress (a run of
+/// disruptions waits the first step each time).
 fn backoff_left(o: &Observed, job: &JobView) -> Option<Duration> {
     let ended = job.ended_at?;
-    let backoff = retry(o).backoff(job.attempt);
+    let backoff = retry(o).backoff(stalled_after(job, false).max(1));
     let elapsed = Duration::try_from(o.now.duration_since(ended)).unwrap_or_default();
     backoff.checked_sub(elapsed).filter(|d| !d.is_zero())
 }
@@ -324,6 +360,7 @@ mod tests {
             running: state == JobState::Active,
             state,
             ended_at: ended.map(t),
+            stalled: attempt.saturating_sub(1),
         })
     }
 
@@ -440,7 +477,15 @@ mod tests {
         let act = decide_at(
             &run(),
             &log,
-            job(1, 3, JobState::Failed { reason: "x".into() }, Some(3)),
+            job(
+                1,
+                3,
+                JobState::Failed {
+                    reason: "x".into(),
+                    disrupted: false,
+                },
+                Some(3),
+            ),
             None,
             4,
         );
@@ -456,6 +501,7 @@ mod tests {
                 attempt,
                 JobState::Failed {
                     reason: "OOMKilled".into(),
+                    disrupted: false,
                 },
                 Some(10),
             )
@@ -497,6 +543,7 @@ mod tests {
             MAX_ATTEMPTS + 7,
             JobState::Failed {
                 reason: "BackoffLimitExceeded".into(),
+                disrupted: false,
             },
             Some(10),
         );
@@ -504,6 +551,44 @@ mod tests {
             decide_at(&run(), &log, failed, None, 10),
             Act::CreateJob { seq: 1, attempt: 1 }
         );
+    }
+
+    #[test]
+    fn disruptions_without_progress_never_count_toward_the_limit() {
+        // The log has 1 record; the Job started at seq 1 recorded nothing.
+        let log = started(None);
+        let mut lost = job(
+            1,
+            9,
+            JobState::Failed {
+                reason: "BackoffLimitExceeded: Job has reached the specified backoff limit".into(),
+                disrupted: true,
+            },
+            Some(10),
+        )
+        .unwrap();
+        lost.stalled = MAX_ATTEMPTS - 1;
+        assert_eq!(
+            decide_at(&run(), &log, Some(lost.clone()), None, 100),
+            Act::CreateJob {
+                seq: 1,
+                attempt: 10
+            }
+        );
+        assert_eq!(stalled_after(&lost, false), MAX_ATTEMPTS - 1);
+        // The same attempt crashing is the last straw.
+        let mut crashed = lost.clone();
+        crashed.state = JobState::Failed {
+            reason: "PodFailurePolicy: exit code 101".into(),
+            disrupted: false,
+        };
+        assert!(matches!(
+            decide_at(&run(), &log, Some(crashed), None, 100),
+            Act::Finish(_)
+        ));
+        // A vanished Job is a disruption too.
+        lost.state = JobState::Missing;
+        assert!(lost.disrupted());
     }
 
     #[test]
@@ -522,6 +607,7 @@ mod tests {
                 attempt,
                 JobState::Failed {
                     reason: "Error".into(),
+                    disrupted: false,
                 },
                 Some(10),
             )
@@ -552,6 +638,7 @@ mod tests {
             job: Some("r-s1-a1".into()),
             attempt: 1,
             failed_jobs: 0,
+            stalled: 0,
             started_at: Some(Time(t(0))),
         });
         let log = started(None);

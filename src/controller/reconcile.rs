@@ -21,9 +21,9 @@ use super::metrics::{Metrics, ReasonLabel};
 use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
 use super::status;
 use crate::api::{Agent, AgentRun, AgentTemplate};
+use crate::step::failpoint;
 use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::step::replay::{RunState, Step};
-use crate::step::failpoint;
 use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError, sha256_hex};
 use crate::tools::{Toolbox, discover_catalog_with};
 
@@ -219,6 +219,9 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             let timeout = crate::api::parse_duration(&run.spec.step_timeout)
                 .map_or(600, |d| d.as_secs().max(1) as i64);
             let failed_jobs = failed_jobs_before(run, job.as_ref());
+            let stalled = job
+                .as_ref()
+                .map_or(0, |j| phase::stalled_after(j, seq > j.seq));
             let job = job::build(
                 run,
                 &template,
@@ -266,6 +269,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
                 job: Some(name),
                 attempt,
                 failed_jobs,
+                stalled,
                 started_at: Some(Time(now)),
             });
             phase::RUNNING_REQUEUE
@@ -499,12 +503,13 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
             if is("Complete").is_some() {
                 JobState::Succeeded
             } else if let Some(c) = is("Failed") {
+                let reason = c.reason.clone().unwrap_or_default();
                 JobState::Failed {
-                    reason: format!(
-                        "{}: {}",
-                        c.reason.clone().unwrap_or_default(),
-                        c.message.clone().unwrap_or_default()
-                    ),
+                    // No rule of the pod failure policy matched: the pod
+                    // never exited (an exit code fails the Job by its rule,
+                    // a disruption is ignored by it, a timeout says so).
+                    disrupted: reason == "BackoffLimitExceeded",
+                    reason: format!("{reason}: {}", c.message.clone().unwrap_or_default()),
                 }
             } else {
                 JobState::Active
@@ -518,6 +523,7 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         state,
         running,
         ended_at: ended_at.map(|t| t.0),
+        stalled: step.stalled,
     }))
 }
 

@@ -172,7 +172,9 @@ pub fn compose(
                 .and_then(|st| st.job.as_ref())
                 .map(|j| format!("job/{j}"));
             let message = match job.map(|j| &j.state) {
-                Some(JobState::Failed { reason }) => format!("last step attempt failed: {reason}"),
+                Some(JobState::Failed { reason, .. }) => {
+                    format!("last step attempt failed: {reason}")
+                }
                 _ => format!("{} records in the log", head.len),
             };
             let mut c = condition(SUCCEEDED, false, "Running", &message, generation, now);

@@ -44,7 +44,12 @@ pub fn all() -> Vec<String> {
 /// updating the Approval's status.
 pub fn controller_all() -> Vec<String> {
     let mut names = Vec::new();
-    for kind in ["RunStarted", "VersionChanged", "ApprovalDecided", "RunFinished"] {
+    for kind in [
+        "RunStarted",
+        "VersionChanged",
+        "ApprovalDecided",
+        "RunFinished",
+    ] {
         names.push(format!("controller:before-append:{kind}"));
         names.push(format!("controller:after-append:{kind}"));
     }
