@@ -1,8 +1,9 @@
 //! The fault harness (`e2e/chaos`): one scripted scenario that meets every
 //! kind of boundary, run once without faults and then once per failpoint
 //! boundary of the step runner and the controller, with a crash exactly
-//! there; and a random mode (many runs, pods deleted, the controller
-//! SIGKILLed, the store restarted, reproducible by seed).
+//! there; and a random mode (many runs, pods deleted, the process node
+//! restarted, the controller SIGKILLed, the store restarted, reproducible
+//! by seed).
 //!
 //! The scenario: an idempotent tool (`issue_refund`), a tool with only a
 //! read-back lookup (`notify`), a tool with neither (`page_oncall`), a model
@@ -87,6 +88,7 @@ fn agent_spec(w: &World, script: &str) -> Value {
 struct Outcome {
     phase: Option<Phase>,
     result: Option<String>,
+    error: Option<String>,
     kinds: Vec<String>,
     effects: Vec<Value>,
     /// The failpoint fired (a Job failed, or the controller crashed).
@@ -183,6 +185,7 @@ async fn collect(w: &World, run: &AgentRun, script: &str) -> Outcome {
     let mut out = Outcome {
         phase: status.phase,
         result: status.result.clone(),
+        error: status.error.clone(),
         ..Outcome::default()
     };
     let log = w.log(run).await; // panics unless the chain verifies against status.log
@@ -235,8 +238,8 @@ fn judge(base: &Outcome, got: &Outcome) -> Vec<String> {
     }
     if got.phase != base.phase || got.result != base.result {
         misses.push(format!(
-            "ended {:?} {:?}, not {:?} {:?}",
-            got.phase, got.result, base.phase, base.result
+            "ended {:?} {:?} (error {:?}), not {:?} {:?}",
+            got.phase, got.result, got.error, base.phase, base.result
         ));
     }
     if got.kinds != base.kinds {
@@ -451,6 +454,21 @@ async fn random_faults_by_seed_keep_every_invariant() {
                 w.revive_controller();
                 faults.push("SIGKILLed the controller".to_string());
             }
+            10 if rng.below(2) == 0 && !common::existing_cluster() => {
+                let script =
+                    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/cluster");
+                let out = std::process::Command::new("bash")
+                    .arg(&script)
+                    .arg("restart-node")
+                    .output()
+                    .expect("running e2e/cluster restart-node");
+                assert!(
+                    out.status.success(),
+                    "e2e/cluster restart-node: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                faults.push("restarted the process node".to_string());
+            }
             10 => {
                 pg.run("stop");
                 tokio::time::sleep(Duration::from_secs(1 + rng.below(8))).await;
@@ -470,7 +488,7 @@ async fn random_faults_by_seed_keep_every_invariant() {
         let got = collect(&w, &run, &name).await;
         let mut misses = got.misses.clone();
         if got.phase != Some(Phase::Succeeded) || got.result.as_deref() != Some(RESULT) {
-            misses.push(format!("ended {:?} {:?}", got.phase, got.result));
+            misses.push(format!("ended {:?}: {:?}", got.phase, got.error));
         }
         if misses.is_empty() {
             println!("chaos: random run {name} converged");

@@ -147,10 +147,10 @@ pub fn build(
             backoff_limit: Some(0), // the controller retries, with a new attempt and the same log
             // A pod evicted, preempted or lost with its node is no failed
             // attempt: the Job replaces it, and the new pod replays the log.
-            // A crash (any exit code but 0) fails the Job by rule
-            // (reason PodFailurePolicy); a pod that went away without
-            // exiting matches no rule (reason BackoffLimitExceeded), and
-            // the controller counts neither as a crash.
+            // A crash (any exit code but 0) fails the Job by rule, with
+            // reason PodFailurePolicy. Whether a failed Job's pod crashed or
+            // was lost (deleted, its node gone) the controller reads from
+            // the pod itself.
             pod_failure_policy: Some(PodFailurePolicy {
                 rules: vec![
                     PodFailurePolicyRule {

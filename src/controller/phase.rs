@@ -66,9 +66,8 @@ pub enum JobState {
     Succeeded,
     Failed {
         reason: String,
-        /// The pod went away without exiting (deleted, evicted, lost with its
-        /// node): no rule of the Job's pod failure policy matched. Not a
-        /// crash of the step, so it never counts toward the retry limit.
+        /// Its pod was lost, not crashed: deleted, evicted or gone with its
+        /// node. Never counts toward the retry limit.
         disrupted: bool,
     },
     /// Status points to a Job that does not exist (deleted, or TTL-collected).

@@ -8,7 +8,7 @@ use jiff::Timestamp;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
@@ -505,10 +505,9 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
             } else if let Some(c) = is("Failed") {
                 let reason = c.reason.clone().unwrap_or_default();
                 JobState::Failed {
-                    // No rule of the pod failure policy matched: the pod
-                    // never exited (an exit code fails the Job by its rule,
-                    // a disruption is ignored by it, a timeout says so).
-                    disrupted: reason == "BackoffLimitExceeded",
+                    // A timeout is the step's own; otherwise a pod that is
+                    // gone or was deleted was lost, not crashed.
+                    disrupted: reason != "DeadlineExceeded" && pods_were_lost(ctx, ns, &name).await?,
                     reason: format!("{reason}: {}", c.message.clone().unwrap_or_default()),
                 }
             } else {
@@ -524,6 +523,31 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         running,
         ended_at: ended_at.map(|t| t.0),
         stalled: step.stalled,
+    }))
+}
+
+/// Whether the pods of failed Job `job` were lost rather than crashed: none
+/// is left (deleted, or collected with a lost node), or each carries a
+/// deletion timestamp or a `DisruptionTarget` condition. A pod that failed
+/// in place (an exit code, OOM-killed in its own limit) crashed.
+async fn pods_were_lost(ctx: &Context, ns: &str, job: &str) -> Result<bool, Error> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let list = pods
+        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
+        .await
+        .map_err(|source| Error::Read {
+            what: "step pods",
+            source,
+        })?;
+    Ok(list.items.iter().all(|p| {
+        p.metadata.deletion_timestamp.is_some()
+            || p.status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "DisruptionTarget" && c.status == "True")
+                })
     }))
 }
 
