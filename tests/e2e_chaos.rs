@@ -7,8 +7,9 @@
 //!
 //! The scenario: an idempotent tool (`issue_refund`), a tool with only a
 //! read-back lookup (`notify`), a tool with neither (`page_oncall`), a model
-//! reply that cannot be read (an Observation fed back), a
-//! 2-of-3 approval decided by two identical edits, a rejection the agent
+//! reply that cannot be read (an Observation fed back), a 2-of-3 approval
+//! decided by two identical edits after its order changed once (the first
+//! decision is void and asked again), a rejection the agent
 //! adapts to, a compaction, and a `FollowLatest` version change while it
 //! waits. Every faulted run must converge to the fault-free phase and
 //! result with the same sequence of record kinds, a log that verifies, no
@@ -39,7 +40,7 @@ use serde_json::{Value, json};
 
 const RESULT: &str = "refunded 300 on A-1, declined the 5000 refund, notified, paged";
 /// Longest a scenario may take.
-const SCENARIO_TIMEOUT: Duration = Duration::from_secs(240);
+const SCENARIO_TIMEOUT: Duration = Duration::from_secs(120);
 /// The harness's two tests load the machine: one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -74,13 +75,37 @@ fn replies(p: &str) -> Value {
 fn agent_spec(w: &World, script: &str) -> Value {
     let mut agent = w.agent(script);
     let approvers = json!({"users": ["alice", "bob", "carol"]});
+    // A refund depends on its order's record: a change voids the approval.
+    let lookup = format!("{}/tools/{}/records/{{orderId}}", w.standins.base, w.name());
     agent["approval"] = json!({"rules": [{
         "name": "refunds", "tool": "issue_refund", "when": "args.amount > 100",
         "approvers": approvers, "requiredApprovals": 2,
-        "expiresAfter": "10m", "onExpiry": "Fail"
+        "expiresAfter": "10m", "onExpiry": "Fail",
+        "dependencies": [{"name": "order", "lookup": lookup}]
     }]});
     agent["context"] = json!({"maxTokens": 900, "recentSteps": 3});
     agent
+}
+
+/// Sets order `id`'s record at the tool server (what a refund depends on).
+async fn put_order(w: &World, id: &str, data: Value) {
+    let url = format!("{}/tools/{}/records/{id}", w.standins.base, w.name());
+    let resp = w
+        .standins
+        .http
+        .put(url)
+        .json(&json!({ "data": data }))
+        .send()
+        .await
+        .expect("PUT record");
+    assert!(resp.status().is_success(), "PUT record: {}", resp.status());
+}
+
+/// The orders of the run whose order ids start with `p`, as first seen.
+async fn put_orders(w: &World, p: &str) {
+    for order in ["A-1", "A-2"] {
+        put_order(w, &format!("{p}{order}"), json!({"charged": 2})).await;
+    }
 }
 
 /// What a scenario ended with.
@@ -114,6 +139,7 @@ async fn scenario(id: &str, fault: Option<&str>) -> Outcome {
             json!([{"text": "Summary: order A-1 looked up."}]),
         )
         .await;
+    put_orders(&w, "").await;
     let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
     let agent: Agent = serde_json::from_value(json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
@@ -151,19 +177,38 @@ async fn drive(w: &mut World, run: &str, crashed: &mut bool) -> AgentRun {
     let mut decided: HashSet<String> = HashSet::new();
     let started = Instant::now();
     loop {
-        assert!(
-            started.elapsed() < SCENARIO_TIMEOUT,
-            "{}: run {run} did not end within {SCENARIO_TIMEOUT:?}",
-            w.name()
-        );
         *crashed |= w.revive_controller();
-        if let Ok(r) = runs.get(run).await
+        let seen = runs.get(run).await.ok();
+        if let Some(r) = &seen
             && r.status
                 .as_ref()
                 .and_then(|s| s.phase)
                 .is_some_and(|p| p.is_terminal())
         {
-            return r;
+            return r.clone();
+        }
+        if started.elapsed() > SCENARIO_TIMEOUT {
+            let uid = seen
+                .as_ref()
+                .and_then(|r| r.metadata.uid.clone())
+                .unwrap_or_default();
+            let records = w.store().await.read_all(&uid).await.unwrap_or_default();
+            let kinds: Vec<String> = records
+                .iter()
+                .map(|r| {
+                    let turn = highest_turn(&r.payload.to_string());
+                    format!(
+                        "{}{}",
+                        r.kind,
+                        turn.map_or(String::new(), |t| format!("@{t}"))
+                    )
+                })
+                .collect();
+            panic!(
+                "{}: run {run} did not end within {SCENARIO_TIMEOUT:?}; status {:?}; log {kinds:?}",
+                w.name(),
+                seen.and_then(|r| r.status)
+            );
         }
         drive_once(w, &mut decided).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -267,12 +312,10 @@ fn judge(base: &Outcome, got: &Outcome) -> Vec<String> {
     misses
 }
 
-/// Boundaries this scenario meets (a dependency change, which voids an
-/// approval, is not part of it).
+/// Every boundary of the runner and the controller.
 fn boundaries() -> Vec<String> {
     failpoint::all()
         .into_iter()
-        .filter(|f| !f.contains("ApprovalVoided"))
         .chain(failpoint::controller_all())
         .collect()
 }
@@ -292,6 +335,7 @@ async fn every_failpoint_boundary_converges_to_the_fault_free_outcome() {
         "Summary",
         "VersionChanged",
         "ApprovalDecided",
+        "ApprovalVoided",
         "ToolResult",
         "Observation",
     ] {
@@ -366,6 +410,7 @@ async fn start_random_run(w: &World, name: &str) {
             json!([{"text": "Summary: order A-1 looked up."}]),
         )
         .await;
+    put_orders(w, &format!("{name}-")).await;
     let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
     let agent: Agent = serde_json::from_value(json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
@@ -455,8 +500,7 @@ async fn random_faults_by_seed_keep_every_invariant() {
                 faults.push("SIGKILLed the controller".to_string());
             }
             10 if rng.below(2) == 0 && !common::existing_cluster() => {
-                let script =
-                    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/cluster");
+                let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/cluster");
                 let out = std::process::Command::new("bash")
                     .arg(&script)
                     .arg("restart-node")
@@ -536,6 +580,17 @@ async fn drive_once(w: &World, decided: &mut HashSet<String>) {
         let votes: Vec<(&str, Value)> = if a.spec.kind == ApprovalKind::Reconcile {
             vec![("alice", entry("alice", "Approve", &hash, "it did happen"))]
         } else if amount == Some(500) {
+            // The order changes once while the approvers look at its first
+            // request: that decision is void, and the request asked again.
+            let order = a.spec.arguments["orderId"].as_str().unwrap_or_default();
+            if decided.insert(format!("changed {order}")) {
+                put_order(
+                    w,
+                    order,
+                    json!({"charged": 2, "note": "the customer called"}),
+                )
+                .await;
+            }
             let patch = json!({"spec": {"prompt": {"version": "v2",
                 "system": "You are a careful refund agent (v2)."}}});
             agents

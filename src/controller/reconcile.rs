@@ -507,7 +507,8 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
                 JobState::Failed {
                     // A timeout is the step's own; otherwise a pod that is
                     // gone or was deleted was lost, not crashed.
-                    disrupted: reason != "DeadlineExceeded" && pods_were_lost(ctx, ns, &name).await?,
+                    disrupted: reason != "DeadlineExceeded"
+                        && pods_were_lost(ctx, ns, &name).await?,
                     reason: format!("{reason}: {}", c.message.clone().unwrap_or_default()),
                 }
             } else {
