@@ -82,7 +82,10 @@ fn agent_spec(w: &World, script: &str) -> Value {
         "approvers": approvers, "requiredApprovals": 2,
         "expiresAfter": "10m", "onExpiry": "Fail",
         "dependencies": [{"name": "order", "lookup": lookup}]
-    }]});
+    }],
+    // Who answers for a call whose outcome cannot be known (a keyless tool
+    // cut off mid-call): asked, never assumed.
+    "defaultApprovers": approvers});
     agent["context"] = json!({"maxTokens": 900, "recentSteps": 3});
     agent
 }
