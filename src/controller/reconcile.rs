@@ -588,9 +588,10 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
     Ok(LeaseView { live, free_for })
 }
 
-/// Takes and gives back the lease of a run whose worker was judged lost:
-/// the epoch moves on, so that worker, should it wake, can neither renew
-/// nor append.
+/// Takes and gives back the lease of a run whose Job the controller deletes
+/// (its worker judged lost, or the run cancelled or past its deadline): the
+/// epoch moves on, so that worker, should it wake, can neither renew nor
+/// append.
 async fn fence_lost_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
     match ctx
         .store

@@ -45,10 +45,25 @@ impl Standins {
     /// Creates model script `id`: replies answered by call count, and
     /// `summaries` for requests that offer no tools.
     pub async fn script(&self, id: &str, replies: Value, summaries: Value) {
+        self.put_script(id, json!({ "replies": replies, "summaries": summaries }))
+            .await;
+    }
+
+    /// Creates model script `id` that answers by conversation turn (the
+    /// stand-in's `byTurn` mode): asking again gets the same answer.
+    pub async fn script_by_turn(&self, id: &str, replies: Value, summaries: Value) {
+        self.put_script(
+            id,
+            json!({ "replies": replies, "summaries": summaries, "byTurn": true }),
+        )
+        .await;
+    }
+
+    async fn put_script(&self, id: &str, body: Value) {
         let resp = self
             .http
             .put(format!("{}/scripts/{id}", self.base))
-            .json(&json!({ "replies": replies, "summaries": summaries }))
+            .json(&body)
             .send()
             .await
             .expect("PUT script");
@@ -57,19 +72,6 @@ impl Standins {
             "PUT script: {}",
             resp.text().await.unwrap_or_default()
         );
-    }
-
-    /// Creates model script `id` that answers by conversation turn (the
-    /// stand-in's `byTurn` mode): asking again gets the same answer.
-    pub async fn script_by_turn(&self, id: &str, replies: Value, summaries: Value) {
-        let resp = self
-            .http
-            .put(format!("{}/scripts/{id}", self.base))
-            .json(&json!({ "replies": replies, "summaries": summaries, "byTurn": true }))
-            .send()
-            .await
-            .expect("PUT script");
-        assert!(resp.status().is_success(), "PUT script: {}", resp.status());
     }
 
     /// Failure injection and delays for tenant `t`'s tools (`PUT _config`).

@@ -9,10 +9,16 @@ use sqlx::Connection;
 
 /// Runs `e2e/postgres ARG` and returns its stdout; fails loudly.
 pub fn e2e_postgres(arg: &str) -> String {
+    e2e_postgres_env(arg, &[])
+}
+
+/// `e2e/postgres ARG` with extra environment (another instance).
+fn e2e_postgres_env(arg: &str, env: &[(&str, &str)]) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
     let out = Command::new("bash")
         .arg(&script)
         .arg(arg)
+        .envs(env.iter().copied())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
     assert!(
@@ -95,24 +101,14 @@ impl PrivatePostgres {
 
     /// `e2e/postgres ARG` for this instance.
     pub fn run(&self, arg: &str) -> String {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
-        let out = Command::new("bash")
-            .arg(&script)
-            .arg(arg)
-            .env("AGENTRUN_PG_NAME", &self.name)
-            .env("AGENTRUN_PG_PORT", self.port.to_string())
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-        assert!(
-            out.status.success(),
-            "`e2e/postgres {arg}` ({}) failed: {}",
-            self.name,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout)
-            .expect("utf-8")
-            .trim()
-            .to_string()
+        let port = self.port.to_string();
+        e2e_postgres_env(
+            arg,
+            &[
+                ("AGENTRUN_PG_NAME", &self.name),
+                ("AGENTRUN_PG_PORT", &port),
+            ],
+        )
     }
 }
 
