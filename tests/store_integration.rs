@@ -768,6 +768,64 @@ async fn tamper_detection(ctx: Ctx) {
     ctx.done().await;
 }
 
+/// What the controller reads to scale: a lease released is told apart
+/// from one that lapsed, lapsed leases are listed in one query, and a log
+/// is read on from a verified head (a wrong base is refused).
+async fn released_lapsed_and_incremental(ctx: Ctx) {
+    let s = &*ctx.store;
+    let run = unique("scale");
+    let lease = s.acquire(&run, "pod-a", TTL).await.unwrap();
+    let all = append_n(s, &run, lease.epoch, 5).await;
+    let base = all[2].head();
+    let after = s.read_verified_after(&run, &base).await.unwrap();
+    assert_eq!(
+        after.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        vec![3, 4],
+        "only the records past the base"
+    );
+    let end = all[4].head();
+    assert!(s.read_verified_after(&run, &end).await.unwrap().is_empty());
+    // A base that is not the log's (another hash at that length) is refused.
+    let forged = Head {
+        len: 3,
+        hash: all[0].hash,
+    };
+    match s.read_verified_after(&run, &forged).await {
+        Err(StoreError::ChainBroken { seq, .. }) => assert_eq!(seq, 3),
+        other => panic!("expected ChainBroken at 3, got {other:?}"),
+    }
+
+    // Released: expired and released. Lapsed: expired, not released, and listed.
+    s.release(&lease).await.unwrap();
+    let state = s.lease(&run).await.unwrap().unwrap();
+    assert!(state.expired && state.released, "{state:?}");
+    let other = unique("scale-lapsed");
+    let since = chrono::Utc::now() - chrono::Duration::seconds(5);
+    let short = s
+        .acquire(&other, "pod-b", Duration::from_millis(200))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let state = s.lease(&other).await.unwrap().unwrap();
+    assert!(state.expired && !state.released, "{state:?}");
+    let (lapsed, now) = s.lapsed_leases(since).await.unwrap();
+    assert!(lapsed.contains(&other), "{lapsed:?}");
+    assert!(
+        !lapsed.contains(&run),
+        "a released lease is not lapsed: {lapsed:?}"
+    );
+    // Listed once: the next sweep starts where this one ended.
+    let (again, _) = s.lapsed_leases(now).await.unwrap();
+    assert!(!again.contains(&other), "{again:?}");
+    // A late heartbeat revives it, a new holder clears `released`.
+    s.renew(&short, TTL).await.unwrap();
+    assert!(!s.lease(&other).await.unwrap().unwrap().expired);
+    let next = s.acquire(&run, "pod-c", TTL).await.unwrap();
+    let state = s.lease(&run).await.unwrap().unwrap();
+    assert!(!state.expired && !state.released && state.epoch == next.epoch);
+    ctx.done().await;
+}
+
 macro_rules! suite {
     ($module:ident, $ctx:ident) => {
         mod $module {
@@ -802,6 +860,11 @@ macro_rules! suite {
             async fn tamper_detection() {
                 super::tamper_detection($ctx().await).await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn released_lapsed_and_incremental() {
+                super::released_lapsed_and_incremental($ctx().await).await;
+            }
         }
     };
 }
@@ -811,6 +874,44 @@ suite!(store_sqlite, sqlite_ctx);
 
 // ---------------------------------------------------------------------------
 // PostgreSQL only: roles, trigger, migrations, outage
+
+/// Appends and releases are announced to a listener (PostgreSQL
+/// `LISTEN/NOTIFY`), by whichever login wrote them; the first event is a
+/// resync (nothing before the listener is known), renewals say nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_postgres_announces_heads() {
+    use agentrun::store::HeadEvent;
+    let ctx = pg_ctx().await;
+    let s = &*ctx.store;
+    let mut events = s
+        .head_events()
+        .await
+        .unwrap()
+        .expect("PostgreSQL pushes heads");
+    async fn next(events: &mut tokio::sync::mpsc::Receiver<HeadEvent>) -> HeadEvent {
+        tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .expect("an event within 10 s")
+            .expect("the listener runs")
+    }
+    assert_eq!(next(&mut events).await, HeadEvent::Resync);
+    let run = unique("announce");
+    let lease = s.acquire(&run, "pod-a", TTL).await.unwrap();
+    s.renew(&lease, TTL).await.unwrap();
+    append_n(s, &run, lease.epoch, 2).await;
+    assert_eq!(next(&mut events).await, HeadEvent::Changed(run.clone()));
+    assert_eq!(next(&mut events).await, HeadEvent::Changed(run.clone()));
+    s.release(&lease).await.unwrap();
+    assert_eq!(next(&mut events).await, HeadEvent::Changed(run.clone()));
+    // Nothing else was announced (the acquire and the renewal were not).
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), events.recv())
+            .await
+            .is_err()
+    );
+    drop(events);
+    ctx.done().await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_postgres_roles_and_trigger() {
@@ -947,7 +1048,7 @@ async fn store_postgres_migrate_concurrently_and_idempotently() {
         .fetch_one(&mut c)
         .await
         .unwrap();
-    assert_eq!(applied, 1);
+    assert_eq!(applied, 2, "each migration recorded once");
     let (roles,): (i64,) = sqlx::query_as(
         "SELECT count(*) FROM pg_roles WHERE rolname IN ('agentrun_writer', 'agentrun_retention') AND NOT rolcanlogin",
     )

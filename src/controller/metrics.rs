@@ -97,6 +97,10 @@ pub struct Metrics {
     pub store_append: HistogramFamily<OutcomeLabel>,
     /// Runs stopped because their log did not verify or did not extend the anchored head.
     pub log_integrity_failures: Counter,
+    /// Reads of step logs by the reconciler, records and payload bytes read.
+    pub store_reads: Counter,
+    pub store_read_records: Counter,
+    pub store_read_bytes: Counter,
     shared: Arc<Shared>,
     started: DateTime<Utc>,
 }
@@ -155,6 +159,9 @@ impl Metrics {
             model_cost: Family::default(),
             store_append: Family::new_with_constructor(append_buckets),
             log_integrity_failures: Counter::default(),
+            store_reads: Counter::default(),
+            store_read_records: Counter::default(),
+            store_read_bytes: Counter::default(),
             shared: Arc::new(Shared::default()),
             started: Utc::now(),
         };
@@ -208,6 +215,21 @@ impl Metrics {
             "Latency of the controller's own step-log appends, by outcome",
             m.store_append.clone(),
         );
+        registry.register(
+            "agentrun_store_reads",
+            "Step-log reads by the reconciler (a reconcile with the run's replayed log current reads none)",
+            m.store_reads.clone(),
+        );
+        registry.register(
+            "agentrun_store_read_records",
+            "Step-log records the reconciler read (each once, past the head it had replayed)",
+            m.store_read_records.clone(),
+        );
+        registry.register(
+            "agentrun_store_read_bytes",
+            "Payload bytes of the step-log records the reconciler read",
+            m.store_read_bytes.clone(),
+        );
         registry.register_collector(Box::new(RunsByPhase(m.shared.clone())));
         m
     }
@@ -223,7 +245,7 @@ impl Metrics {
         let mut seen = self.shared.seen.lock().unwrap_or_else(|e| e.into_inner());
         let first_sight = !seen.log_len.contains_key(uid);
         let from = seen.log_len.get(uid).copied().unwrap_or(0);
-        for r in records.iter().skip(from) {
+        for r in records.iter().filter(|r| r.seq as usize >= from) {
             if first_sight && r.created_at.is_some_and(|t| t < self.started) {
                 continue;
             }
@@ -252,8 +274,8 @@ impl Metrics {
                     .inc_by(r.usage.cost_micros as f64 / 1e6);
             }
         }
-        seen.log_len
-            .insert(uid.to_string(), records.len().max(from));
+        let end = records.last().map_or(0, |r| r.seq as usize + 1);
+        seen.log_len.insert(uid.to_string(), end.max(from));
         if seen.log_len.len().is_multiple_of(1024) {
             let runs = self.shared.runs.read().unwrap_or_else(|e| e.into_inner());
             if let Some(runs) = runs.as_ref() {
@@ -304,6 +326,17 @@ impl Metrics {
             let wait = Duration::try_from(now.duration_since(raised.0)).unwrap_or_default();
             self.observe_approval_wait(wait, &format!("{verdict:?}"));
         }
+    }
+
+    /// One read of a run's log past the head the reconciler had, returning `records`.
+    pub fn observe_read(&self, records: &[Record]) {
+        self.store_reads.inc();
+        self.store_read_records.inc_by(records.len() as u64);
+        let bytes: usize = records
+            .iter()
+            .map(|r| serde_json::to_vec(&r.payload).map_or(0, |b| b.len()))
+            .sum();
+        self.store_read_bytes.inc_by(bytes as u64);
     }
 
     /// Latency of one of the controller's own appends (`outcome`: `ok`,

@@ -9,6 +9,7 @@ pub mod gateway;
 mod http;
 pub mod job;
 mod leader;
+pub mod log_cache;
 mod metrics;
 pub mod phase;
 pub mod pinned_gate;
@@ -17,6 +18,7 @@ mod reconcile;
 pub mod run_index;
 pub mod status;
 pub mod step_token;
+mod throttle;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -92,6 +94,16 @@ pub struct Options {
     /// How long one step Job keeps taking further steps before it exits.
     #[arg(long, default_value_t = 60)]
     pub time_slice_seconds: u64,
+    /// AgentRuns reconciled at once (0: unbounded).
+    #[arg(long, env = "AGENTRUN_RECONCILE_CONCURRENCY", default_value_t = 32)]
+    pub reconcile_concurrency: u16,
+    /// Requests per second the controller's API client sends on average
+    /// (0: no limit).
+    #[arg(long, env = "AGENTRUN_API_QPS", default_value_t = 50)]
+    pub api_qps: u32,
+    /// Requests the controller's API client may send at once above `--api-qps`.
+    #[arg(long, env = "AGENTRUN_API_BURST", default_value_t = 100)]
+    pub api_burst: u32,
     /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
     /// kill a step at a chosen boundary. Never in production.
     #[arg(long, env = "AGENTRUN_ALLOW_FAILPOINTS", default_value_t = false)]
@@ -105,7 +117,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     // reqwest and kube share rustls; pick ring once for the whole process.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = Client::try_default().await?;
+    let config = kube::Config::infer().await?;
+    let client = kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&throttle::ThrottleLayer::new(opts.api_qps, opts.api_burst))
+        .build();
     let identity = opts.identity.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         format!("{}-{}", host.trim(), std::process::id())
@@ -174,6 +189,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         None
     };
 
+    // Head events (PostgreSQL LISTEN/NOTIFY) wake the runs whose log grew or
+    // whose worker gave the run back; without them running runs are polled.
+    let head_events = store.head_events().await?;
+    let store_pushes = head_events.is_some();
+    let sweep_store = store.clone();
     let ctx = Arc::new(reconcile::Context {
         client: client.clone(),
         recorder: Recorder::new(
@@ -199,7 +219,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         },
         identity: format!("controller/{identity}"),
         http: crate::egress::client()?,
+        logs: Default::default(),
+        store_pushes,
         lease_free_since: Default::default(),
+        failures: Default::default(),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (
@@ -215,8 +238,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             Api::all(client.clone()),
         ),
     };
-    let controller = Controller::new(runs, watcher::Config::default());
+    let controller = Controller::new(runs, watcher::Config::default()).with_config(
+        kube::runtime::controller::Config::default().concurrency(opts.reconcile_concurrency),
+    );
     let cache = controller.store();
+    let wake = wake_runs(ctx.clone(), head_events, sweep_store, cache.clone());
     ctx.metrics.watch_runs(cache.clone());
     // When an Agent appears or changes, the runs naming it are reconciled at once.
     let runs_of_agent = move |agent: Agent| {
@@ -257,6 +283,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let runs_controller = controller
         .owns(jobs, watcher::Config::default())
         .owns(approvals, watcher::Config::default())
+        .reconcile_on(wake)
         .watches(agents.clone(), watcher::Config::default(), runs_of_agent)
         .graceful_shutdown_on(stopped(stop_rx.clone()))
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
@@ -271,6 +298,62 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     tracing::info!("controller stopped");
     Ok(())
 }
+
+/// The runs to reconcile besides what the API server's watches say: those
+/// whose log head moved (head events), those whose worker's lease lapsed
+/// (one store query every [`SWEEP_EVERY`] for all runs), and every run
+/// followed when head events may have been missed. Also forgets the
+/// replayed logs of runs deleted unfinished.
+fn wake_runs(
+    ctx: Arc<reconcile::Context>,
+    head_events: Option<tokio::sync::mpsc::Receiver<crate::store::HeadEvent>>,
+    store: Arc<dyn crate::store::StepStore>,
+    runs: kube::runtime::reflector::Store<AgentRun>,
+) -> impl futures::Stream<Item = ObjectRef<AgentRun>> + Send + 'static {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    if let Some(mut events) = head_events {
+        let (ctx, tx) = (ctx.clone(), tx.clone());
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                if event == crate::store::HeadEvent::Resync {
+                    ctx.logs.set_pushed();
+                }
+                for run in ctx.logs.on_event(event) {
+                    if tx.send(run).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    tokio::spawn(async move {
+        let mut since = chrono::Utc::now() - chrono::Duration::seconds(30);
+        let mut ticks = tokio::time::interval(SWEEP_EVERY);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for n in 0u64.. {
+            ticks.tick().await;
+            match store.lapsed_leases(since).await {
+                Ok((lapsed, now)) => {
+                    since = now;
+                    for run in ctx.logs.refs_of(&lapsed) {
+                        if tx.send(run).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "looking for lapsed step leases"),
+            }
+            // Runs deleted before they finished leave nothing behind.
+            if n % 30 == 29 && runs.wait_until_ready().await.is_ok() {
+                ctx.logs.retain(|r| runs.get(r).is_some());
+            }
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
+}
+
+/// How often the store is asked for lapsed leases.
+const SWEEP_EVERY: Duration = Duration::from_secs(2);
 
 /// The gateway URL step pods are given.
 fn step_api_url(opts: &Options, served: SocketAddr) -> anyhow::Result<String> {

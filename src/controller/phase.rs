@@ -13,7 +13,8 @@ use crate::step::replay::{Next, RunState};
 /// Attempts of one step that record nothing before the run fails, unless
 /// the agent's `retry` says otherwise.
 pub const MAX_ATTEMPTS: u32 = crate::api::RetryPolicy::DEFAULT_MAX_ATTEMPTS;
-/// How often a running run is looked at (lost-worker detection).
+/// How often a running run is looked at when the store pushes no head
+/// events (SQLite): the log and the lease are polled instead.
 pub const RUNNING_REQUEUE: Duration = Duration::from_secs(3);
 
 /// The step Job the run's status points to, as read.
@@ -81,6 +82,8 @@ pub struct LeaseView {
     pub live: bool,
     /// How long it has been seen free without a break (zero when live).
     pub free_for: Duration,
+    /// Given back by its worker (not merely lapsed): the worker is done.
+    pub released: bool,
 }
 
 /// A running step whose lease stays free this long has lost its worker: a live
@@ -122,6 +125,9 @@ pub enum Act {
     },
     /// Nothing now; look again after this long.
     Wait(Duration),
+    /// Nothing until something changes: the Job, the log's head, the lease
+    /// (lapsed leases are found by one sweep of the store), the deadline.
+    Idle,
 }
 
 /// Decides the next act. The caller performs it and reconciles again.
@@ -192,17 +198,27 @@ pub fn decide(o: &Observed) -> Act {
     };
     let attempt = match &job.state {
         JobState::Active => {
-            // A worker that stopped renewing its lease is gone: replace it.
-            let lost = o
-                .lease
-                .as_ref()
-                .is_some_and(|l| !l.live && l.free_for >= LOST_AFTER);
-            if job.running && lost {
-                return Act::DeleteJob {
-                    name: job.name.clone(),
-                };
+            let lease = o.lease.as_ref();
+            // Its worker recorded its work and gave the run back: the next
+            // step starts now; the pod exits by itself and its Job is left to end.
+            if next_seq > job.seq && lease.is_some_and(|l| l.released) {
+                return follow_agent(o).unwrap_or(Act::CreateJob {
+                    seq: next_seq,
+                    attempt: 1,
+                });
             }
-            return Act::Wait(RUNNING_REQUEUE);
+            // A worker that stopped renewing its lease is gone: replace it.
+            let lapsed = lease.filter(|l| !l.live && !l.released);
+            match lapsed {
+                Some(l) if job.running && l.free_for >= LOST_AFTER => {
+                    return Act::DeleteJob {
+                        name: job.name.clone(),
+                    };
+                }
+                // Look again when it would count as lost.
+                Some(l) if job.running => return Act::Wait(LOST_AFTER - l.free_for),
+                _ => return Act::Idle,
+            }
         }
         // An attempt that recorded something new made progress, however it
         // ended (a clean exit, a deleted or crashed pod): the next one starts
@@ -383,6 +399,7 @@ mod tests {
                 } else {
                     Duration::from_secs(now.max(0) as u64)
                 },
+                released: false,
             }),
             now: t(now),
         })
@@ -642,21 +659,19 @@ mod tests {
         });
         let log = started(None);
         let active = || job(1, 1, JobState::Active, None);
-        assert_eq!(
-            decide_at(&r, &log, active(), Some(true), 60),
-            Act::Wait(RUNNING_REQUEUE)
-        );
-        // A lease free only briefly may be a worker still starting.
+        assert_eq!(decide_at(&r, &log, active(), Some(true), 60), Act::Idle);
+        // A lease free only briefly may be a worker still starting: look
+        // again when it would count as lost.
         assert_eq!(
             decide_at(&r, &log, active(), Some(false), 3),
-            Act::Wait(RUNNING_REQUEUE)
+            Act::Wait(LOST_AFTER - Duration::from_secs(3))
         );
         // A Job whose pod does not run yet (a busy node) is never judged by the lease.
         let mut pending = active().unwrap();
         pending.running = false;
         assert_eq!(
             decide_at(&r, &log, Some(pending), Some(false), 600),
-            Act::Wait(RUNNING_REQUEUE)
+            Act::Idle
         );
         assert_eq!(
             decide_at(&r, &log, active(), Some(false), 60),
@@ -695,7 +710,7 @@ mod tests {
         let log = started(None);
         assert_eq!(
             decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 59),
-            Act::Wait(RUNNING_REQUEUE)
+            Act::Idle
         );
         assert_eq!(
             decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 61),
@@ -738,10 +753,57 @@ mod tests {
             lease: Some(LeaseView {
                 live: true,
                 free_for: Duration::ZERO,
+                released: false,
             }),
             now: t(1),
         });
-        assert_eq!(act, Act::Wait(RUNNING_REQUEUE));
+        assert_eq!(act, Act::Idle);
+    }
+
+    #[test]
+    fn a_released_lease_after_progress_starts_the_next_step_at_once() {
+        let mut r = run();
+        r.status.as_mut().unwrap().step = Some(CurrentStep {
+            seq: 1,
+            job: Some("r-s1-a1".into()),
+            attempt: 1,
+            failed_jobs: 0,
+            stalled: 0,
+            started_at: Some(Time(t(0))),
+        });
+        let mut log = started(None);
+        let observed = |log: &RunState, released: bool, running: bool| {
+            let mut active = job(1, 1, JobState::Active, None).unwrap();
+            active.running = running;
+            decide(&Observed {
+                run: &r,
+                log,
+                agent_generation: Some(1),
+                job: Some(active),
+                lease: Some(LeaseView {
+                    live: false,
+                    free_for: Duration::ZERO,
+                    released,
+                }),
+                now: t(1),
+            })
+        };
+        // Released without recording anything: the Job's own end decides.
+        assert_eq!(observed(&log, true, true), Act::Idle);
+        log.apply(Step::Observation(crate::step::records::Observation {
+            text: "x".into(),
+            about_seq: None,
+            stop: None,
+        }));
+        // Recorded and released: the next step starts though the pod has
+        // not exited (or was never counted ready).
+        assert_eq!(
+            observed(&log, true, false),
+            Act::CreateJob { seq: 2, attempt: 1 }
+        );
+        // Recorded but lapsed, not released: the worker may still be at
+        // work; it is judged lost only after LOST_AFTER.
+        assert_eq!(observed(&log, false, true), Act::Wait(LOST_AFTER));
     }
 
     #[test]

@@ -11,12 +11,14 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use super::decide::{AgentLookup, decide};
 use super::error::Error;
 use super::job::{self, JobSettings};
+use super::log_cache::Replayed;
 use super::metrics::{Metrics, ReasonLabel};
 use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
 use super::status;
@@ -24,7 +26,9 @@ use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::step::failpoint;
 use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::step::replay::{RunState, Step};
-use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError, sha256_hex};
+use crate::store::{
+    Head, RecordDraft, StepKind, StepStore, StoreError, check_anchor_after, sha256_hex,
+};
 use crate::tools::{Toolbox, discover_catalog_with};
 
 /// The one field manager every write of the controller uses.
@@ -48,8 +52,14 @@ pub struct Context {
     pub identity: String,
     /// For user-chosen addresses (approval webhooks, MCP discovery): egress-guarded.
     pub http: reqwest::Client,
+    /// Each run's replayed log, extended by what its head events announce.
+    pub logs: super::log_cache::LogCache,
+    /// Whether the store pushes head events (else running runs are polled).
+    pub store_pushes: bool,
     /// Since when each run's lease has been seen free while its step runs.
     pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
+    /// Failed reconciles in a row, per run uid (the error backoff).
+    pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }
 
 /// What the controller read about a run's agent.
@@ -63,8 +73,12 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
     let result = reconcile_inner(&run, &ctx).await;
-    if let Err(e) = &result {
-        report_stalled(&run, &ctx, e).await;
+    match &result {
+        Err(e) => report_stalled(&run, &ctx, e).await,
+        Ok(_) => {
+            let uid = run.uid().unwrap_or_default();
+            ctx.failures.lock().expect("not poisoned").remove(&uid);
+        }
     }
     ctx.metrics
         .reconcile_duration
@@ -88,24 +102,21 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         _ => None,
     };
 
-    // Read: the log (the run's truth, verified against the anchored head),
-    // the step Job and, if needed, the lease.
-    let anchor = anchored_head(run);
-    let records = match read_log(ctx, run, &anchor).await? {
-        Ok(records) => records,
+    // Read: the log (the run's truth, verified against the anchored head;
+    // only records past the replayed head are read), the step Job and, if
+    // needed, the lease.
+    let replayed = match replay(ctx, run, ctx.logs.take(&uid), false).await? {
+        Ok(replayed) => replayed,
         Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
     };
-    ctx.metrics.observe_log(&uid, &records);
-    tracing::Span::current().record("step", records.len());
-    let head = records.last().map(|r| r.head()).unwrap_or(Head::EMPTY);
-    let mut steps = Vec::with_capacity(records.len());
-    for r in &records {
-        steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
-    }
-    let log = RunState::replay(steps);
+    tracing::Span::current().record("step", replayed.head.len);
     let job = read_job(run, ctx, &ns).await?;
     let lease = match &job {
-        Some(j) if j.state == JobState::Active && j.running => Some(probe_lease(ctx, &uid).await?),
+        // A Job whose worker recorded something may have given the run back
+        // before its pod was ever counted ready.
+        Some(j) if j.state == JobState::Active && (j.running || replayed.head.len > j.seq) => {
+            Some(probe_lease(ctx, &uid).await?)
+        }
         _ => {
             ctx.lease_free_since
                 .lock()
@@ -119,7 +130,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     let now = Timestamp::now();
     let act = phase::decide(&Observed {
         run,
-        log: &log,
+        log: &replayed.state,
         agent_generation,
         job: job.clone(),
         lease,
@@ -128,170 +139,54 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     tracing::debug!(run = %run.name_any(), namespace = %ns, ?act, "decided");
 
     // Act.
-    let mut notices = std::mem::take(&mut plan.notices);
-    let mut step = run.status.as_ref().and_then(|s| s.step.clone());
-    let mut concluded = None;
-    let mut awaiting: Option<(String, Timestamp)> = None;
-    // The platform's policies judge starting, following and every Job.
-    let platform = match act {
-        Act::StartRun | Act::FollowAgent | Act::CreateJob { .. } => {
-            Some(super::platform::read(&ctx.client, &ns).await?)
-        }
-        _ => None,
+    let mut acting = Acting {
+        notices: std::mem::take(&mut plan.notices),
+        step: run.status.as_ref().and_then(|s| s.step.clone()),
+        concluded: None,
+        awaiting: None,
     };
-    let refused = platform.as_ref().and_then(|p| p.refusal(run, &template));
-    let template = match &platform {
-        Some(p) => p.govern(&template),
-        None => template,
-    };
-    let refused = refused.or_else(|| {
-        platform
-            .as_ref()
-            .and_then(|_| super::platform::Platform::unjudgeable(run, &template))
-    });
-    let act = match (act, refused) {
-        (Act::StartRun, Some(reason)) => Act::Conclude(RunFinished {
-            outcome: crate::step::records::Outcome::Failed,
-            result: None,
-            error: Some(reason),
-        }),
-        (Act::FollowAgent | Act::CreateJob { .. }, Some(reason)) => Act::Finish(RunFinished {
-            outcome: crate::step::records::Outcome::Failed,
-            result: log.last_text(),
-            error: Some(reason),
-        }),
-        (act, _) => act,
-    };
+    let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
     let requeue = match act {
-        Act::StartRun => match snapshot(run, &template, agent_generation, &ctx.http).await {
-            Ok(started) => {
-                append(ctx, &uid, &head, Step::RunStarted(started)).await?;
-                notices.push(notice(
-                    false,
-                    "RunStarted",
-                    "the run's agent is pinned in the log; starting".into(),
-                ));
-                Duration::ZERO
-            }
-            Err(reason) => {
-                let finished = RunFinished {
-                    outcome: crate::step::records::Outcome::Failed,
-                    result: None,
-                    error: Some(reason),
-                };
-                notices.push(notice(
-                    true,
-                    "InvalidAgent",
-                    finished.error.clone().unwrap_or_default(),
-                ));
-                concluded = Some(finished);
-                Duration::MAX
-            }
-        },
+        Act::StartRun => {
+            start_run(
+                run,
+                ctx,
+                &replayed,
+                &template,
+                agent_generation,
+                &mut acting,
+            )
+            .await?
+        }
         Act::FollowAgent => {
-            let from = log
-                .snapshot
-                .as_ref()
-                .map(|s| s.versions.clone())
-                .unwrap_or_default();
-            match snapshot(run, &template, agent_generation, &ctx.http).await {
-                Ok(now_agent) => {
-                    let msg = format!(
-                        "following the Agent from generation {:?} to {:?}",
-                        from.agent_generation, now_agent.versions.agent_generation
-                    );
-                    let changed = VersionChanged {
-                        agent: now_agent.agent,
-                        tools: now_agent.tools,
-                        mcp: now_agent.mcp,
-                        from,
-                        to: now_agent.versions,
-                    };
-                    append(ctx, &uid, &head, Step::VersionChanged(changed)).await?;
-                    notices.push(notice(false, "VersionChanged", msg));
-                }
-                Err(reason) => notices.push(notice(true, "InvalidAgent", reason)),
-            }
-            Duration::ZERO
+            follow_agent(
+                run,
+                ctx,
+                &replayed,
+                &template,
+                agent_generation,
+                &mut acting,
+            )
+            .await?
         }
         Act::CreateJob { seq, attempt } => {
-            ensure_credential(run, ctx, &ns, &uid).await?;
-            let timeout = crate::api::parse_duration(&run.spec.step_timeout)
-                .map_or(600, |d| d.as_secs().max(1) as i64);
-            let failed_jobs = failed_jobs_before(run, job.as_ref());
-            let stalled = job
-                .as_ref()
-                .map_or(0, |j| phase::stalled_after(j, seq > j.seq));
-            let job = job::build(
+            create_job(
                 run,
+                ctx,
+                &ns,
+                &replayed.head,
                 &template,
+                job.as_ref(),
                 seq,
                 attempt,
-                failed_jobs,
-                timeout,
-                &head,
-                &ctx.jobs,
-            );
-            let name = job.name_any();
-            let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
-            match jobs
-                .create(
-                    &PostParams {
-                        field_manager: Some(FIELD_MANAGER.into()),
-                        ..Default::default()
-                    },
-                    &job,
-                )
-                .await
-            {
-                Ok(_) => failpoint::hit("controller:after-create:Job"),
-                // Deterministic names make a repeated create harmless.
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => {
-                    return Err(Error::Write {
-                        what: "step Job",
-                        source: e,
-                    });
-                }
-            }
-            let (reason, warn) = if attempt > 1 {
-                ("StepRetried", true)
-            } else {
-                ("StepStarted", false)
-            };
-            notices.push(notice(
-                warn,
-                reason,
-                format!("step {seq} attempt {attempt}: Job {name}"),
-            ));
-            step = Some(crate::api::CurrentStep {
-                seq,
-                job: Some(name),
-                attempt,
-                failed_jobs,
-                stalled,
-                started_at: Some(Time(now)),
-            });
-            phase::RUNNING_REQUEUE
+                now,
+                &mut acting,
+            )
+            .await?
         }
-        Act::DeleteJob { name } => {
-            fence_lost_worker(ctx, &uid).await?;
-            let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
-            match jobs.delete(&name, &DeleteParams::background()).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(e) => {
-                    return Err(Error::Write {
-                        what: "step Job",
-                        source: e,
-                    });
-                }
-            }
-            notices.push(notice(true, "StepStopped", format!("deleted Job {name}")));
-            Duration::from_secs(1)
-        }
+        Act::DeleteJob { name } => delete_job(ctx, &ns, &uid, &name, &mut acting).await?,
         Act::Finish(finished) => {
-            match append(ctx, &uid, &head, Step::RunFinished(finished)).await {
+            match append(ctx, &uid, &replayed.head, Step::RunFinished(finished)).await {
                 Ok(()) => Duration::ZERO,
                 // The step runner that reached the end is still exiting: it
                 // releases the lease in a moment.
@@ -300,55 +195,58 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             }
         }
         Act::Conclude(finished) => {
-            concluded = Some(finished);
+            acting.concluded = Some(finished);
             Duration::MAX
         }
         Act::HandleApproval { request_seq } => {
-            match super::approval::handle(run, ctx, &log, &head, request_seq, now, &mut notices)
-                .await?
-            {
+            let raised = super::approval::handle(
+                run,
+                ctx,
+                &replayed.state,
+                &replayed.head,
+                request_seq,
+                now,
+                &mut acting.notices,
+            )
+            .await?;
+            match raised {
                 Some((name, expires_at)) => {
-                    awaiting = Some((name, expires_at));
-                    let left = expires_at.duration_since(now);
-                    Duration::try_from(left)
+                    acting.awaiting = Some((name, expires_at));
+                    // Nothing but the decision (an event) or the expiry moves it.
+                    Duration::try_from(expires_at.duration_since(now))
                         .unwrap_or_default()
-                        .clamp(Duration::from_secs(1), Duration::from_secs(300))
+                        .max(Duration::from_secs(1))
                 }
                 None => Duration::ZERO,
             }
         }
         Act::Wait(d) => d,
+        Act::Idle => idle_requeue(ctx, run, now),
     };
 
     // Status: from the log as it is now.
-    let log = if concluded.is_none() && (requeue == Duration::ZERO || awaiting.is_some()) {
-        let records = match read_log(ctx, run, &head).await? {
-            Ok(records) => records,
+    let reread = acting.concluded.is_none() && (requeue.is_zero() || acting.awaiting.is_some());
+    let replayed = if reread {
+        match replay(ctx, run, Some(replayed), true).await? {
+            Ok(replayed) => replayed,
             Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
-        };
-        let mut steps = Vec::with_capacity(records.len());
-        for r in &records {
-            steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
         }
-        (
-            RunState::replay(steps),
-            records.last().map(|r| r.head()).unwrap_or(Head::EMPTY),
-        )
     } else {
-        (log, head)
+        replayed
     };
     let new_status = status::compose(
         run,
         plan.status,
-        &log.0,
-        &log.1,
+        &replayed.state,
+        &replayed.head,
         &ctx.store_name,
-        step,
-        concluded.as_ref(),
+        acting.step,
+        acting.concluded.as_ref(),
         job.as_ref(),
-        awaiting.as_ref(),
+        acting.awaiting.as_ref(),
         now,
     );
+    let mut notices = acting.notices;
     if let Some(outcome) = new_status.phase.filter(|p| p.is_terminal())
         && run.status.as_ref().and_then(|s| s.phase) != Some(outcome)
     {
@@ -360,12 +258,311 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             .unwrap_or_default();
         notices.push(notice(warn, phase_reason(outcome), truncate(&msg, 900)));
     }
+    let finished = new_status.phase.is_some_and(|p| p.is_terminal());
     write_status(run, ctx, &new_status, notices).await?;
+    keep_replayed(
+        ctx,
+        run,
+        &uid,
+        replayed,
+        finished,
+        acting.awaiting.is_some(),
+    );
     Ok(match requeue {
         Duration::MAX => Action::await_change(),
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
         d => Action::requeue(d),
     })
+}
+
+/// What acting on a decision adds to the status.
+struct Acting {
+    notices: Vec<super::decide::Notice>,
+    step: Option<crate::api::CurrentStep>,
+    concluded: Option<RunFinished>,
+    awaiting: Option<(String, Timestamp)>,
+}
+
+/// The platform's policies judge starting, following and every Job: a
+/// refused act becomes the run's end; the template is the governed one.
+async fn govern(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+    act: Act,
+    template: AgentTemplate,
+    log: &RunState,
+) -> Result<(Act, AgentTemplate), Error> {
+    if !matches!(
+        act,
+        Act::StartRun | Act::FollowAgent | Act::CreateJob { .. }
+    ) {
+        return Ok((act, template));
+    }
+    let platform = super::platform::read(&ctx.client, ns).await?;
+    let refused = platform.refusal(run, &template);
+    let template = platform.govern(&template);
+    let refused = refused.or_else(|| super::platform::Platform::unjudgeable(run, &template));
+    let failed = |result, reason| RunFinished {
+        outcome: crate::step::records::Outcome::Failed,
+        result,
+        error: Some(reason),
+    };
+    let act = match (act, refused) {
+        (Act::StartRun, Some(reason)) => Act::Conclude(failed(None, reason)),
+        (Act::FollowAgent | Act::CreateJob { .. }, Some(reason)) => {
+            Act::Finish(failed(log.last_text(), reason))
+        }
+        (act, _) => act,
+    };
+    Ok((act, template))
+}
+
+/// Appends `RunStarted` with the resolved agent, or concludes the run when
+/// the agent cannot be resolved.
+async fn start_run(
+    run: &AgentRun,
+    ctx: &Context,
+    replayed: &Replayed,
+    template: &AgentTemplate,
+    agent_generation: Option<i64>,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
+    let uid = run.uid().unwrap_or_default();
+    match snapshot(run, template, agent_generation, &ctx.http).await {
+        Ok(started) => {
+            append(ctx, &uid, &replayed.head, Step::RunStarted(started)).await?;
+            acting.notices.push(notice(
+                false,
+                "RunStarted",
+                "the run's agent is pinned in the log; starting".into(),
+            ));
+            Ok(Duration::ZERO)
+        }
+        Err(reason) => {
+            acting
+                .notices
+                .push(notice(true, "InvalidAgent", reason.clone()));
+            acting.concluded = Some(RunFinished {
+                outcome: crate::step::records::Outcome::Failed,
+                result: None,
+                error: Some(reason),
+            });
+            Ok(Duration::MAX)
+        }
+    }
+}
+
+/// Appends `VersionChanged` to the Agent's current version (FollowLatest).
+async fn follow_agent(
+    run: &AgentRun,
+    ctx: &Context,
+    replayed: &Replayed,
+    template: &AgentTemplate,
+    agent_generation: Option<i64>,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
+    let uid = run.uid().unwrap_or_default();
+    let from = replayed
+        .state
+        .snapshot
+        .as_ref()
+        .map(|s| s.versions.clone())
+        .unwrap_or_default();
+    match snapshot(run, template, agent_generation, &ctx.http).await {
+        Ok(now_agent) => {
+            let msg = format!(
+                "following the Agent from generation {:?} to {:?}",
+                from.agent_generation, now_agent.versions.agent_generation
+            );
+            let changed = VersionChanged {
+                agent: now_agent.agent,
+                tools: now_agent.tools,
+                mcp: now_agent.mcp,
+                from,
+                to: now_agent.versions,
+            };
+            append(ctx, &uid, &replayed.head, Step::VersionChanged(changed)).await?;
+            acting.notices.push(notice(false, "VersionChanged", msg));
+        }
+        Err(reason) => acting.notices.push(notice(true, "InvalidAgent", reason)),
+    }
+    Ok(Duration::ZERO)
+}
+
+/// Creates the Job of step `seq` (and, once, the run's step credential).
+#[allow(clippy::too_many_arguments)]
+async fn create_job(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+    head: &Head,
+    template: &AgentTemplate,
+    previous: Option<&JobView>,
+    seq: u64,
+    attempt: u32,
+    now: Timestamp,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
+    let uid = run.uid().unwrap_or_default();
+    ensure_credential(run, ctx, ns, &uid).await?;
+    let timeout = crate::api::parse_duration(&run.spec.step_timeout)
+        .map_or(600, |d| d.as_secs().max(1) as i64);
+    let failed_jobs = failed_jobs_before(run, previous);
+    let stalled = previous.map_or(0, |j| phase::stalled_after(j, seq > j.seq));
+    let job = job::build(
+        run,
+        template,
+        seq,
+        attempt,
+        failed_jobs,
+        timeout,
+        head,
+        &ctx.jobs,
+    );
+    let name = job.name_any();
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    match jobs.create(&params, &job).await {
+        Ok(_) => failpoint::hit("controller:after-create:Job"),
+        // Deterministic names make a repeated create harmless.
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(source) => {
+            return Err(Error::Write {
+                what: "step Job",
+                source,
+            });
+        }
+    }
+    let (reason, warn) = if attempt > 1 {
+        ("StepRetried", true)
+    } else {
+        ("StepStarted", false)
+    };
+    acting.notices.push(notice(
+        warn,
+        reason,
+        format!("step {seq} attempt {attempt}: Job {name}"),
+    ));
+    acting.step = Some(crate::api::CurrentStep {
+        seq,
+        job: Some(name),
+        attempt,
+        failed_jobs,
+        stalled,
+        started_at: Some(Time(now)),
+    });
+    Ok(idle_requeue(ctx, run, now))
+}
+
+/// Deletes the run's step Job after fencing its worker.
+async fn delete_job(
+    ctx: &Context,
+    ns: &str,
+    uid: &str,
+    name: &str,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
+    fence_lost_worker(ctx, uid).await?;
+    delete_step_job(ctx, ns, name).await?;
+    acting
+        .notices
+        .push(notice(true, "StepStopped", format!("deleted Job {name}")));
+    Ok(Duration::from_secs(1))
+}
+
+async fn delete_step_job(ctx: &Context, ns: &str, name: &str) -> Result<(), Error> {
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    match jobs.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(source) => Err(Error::Write {
+            what: "step Job",
+            source,
+        }),
+    }
+}
+
+/// When to look at a run again that waits on events alone (its Job, its
+/// log's head, its lease): at its deadline, and otherwise only as a safety
+/// net, or every few seconds when the store pushes no head events.
+fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
+    let idle = if ctx.store_pushes {
+        IDLE_REQUEUE
+    } else {
+        phase::RUNNING_REQUEUE
+    };
+    match phase::deadline(run) {
+        Some(deadline) => Duration::try_from(deadline.duration_since(now))
+            .unwrap_or_default()
+            .clamp(Duration::from_millis(100), idle),
+        None => idle,
+    }
+}
+
+/// The safety-net requeue of a run waiting on events.
+const IDLE_REQUEUE: Duration = Duration::from_secs(300);
+
+/// The run's log replayed: `cached` extended by the records past its head
+/// (none read when head events say it is current, unless `force`). The
+/// inner error is a log that failed verification (the run must stop); the
+/// outer one a store that could not be read (retried).
+async fn replay(
+    ctx: &Context,
+    run: &AgentRun,
+    cached: Option<Replayed>,
+    force: bool,
+) -> Result<Result<Replayed, StoreError>, Error> {
+    let uid = run.uid().unwrap_or_default();
+    if !force && cached.as_ref().is_some_and(|c| ctx.logs.current(&uid, c)) {
+        return Ok(Ok(cached.expect("checked above")));
+    }
+    let generation = ctx.logs.begin_read(&uid);
+    let Replayed {
+        mut state, head, ..
+    } = cached.unwrap_or_else(Replayed::empty);
+    let records = match ctx.store.read_verified_after(&uid, &head).await {
+        Ok(records) => records,
+        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
+        Err(e) => return Err(Error::Store(e)),
+    };
+    ctx.metrics.observe_read(&records);
+    ctx.metrics.observe_log(&uid, &records);
+    let anchor = anchored_head(run);
+    let checked = check_anchor_after(&uid, &head, &records, &anchor)
+        .and_then(|()| ctx.verifier.check(&uid, &records, status::signed_from(run)));
+    if let Err(tampered) = checked {
+        return Ok(Err(tampered));
+    }
+    let head = records.last().map_or(head, |r| r.head());
+    for r in &records {
+        state.apply(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
+    }
+    Ok(Ok(ctx.logs.stamp(state, head, generation)))
+}
+
+/// Keeps the run's replayed log for its next reconcile, or forgets it: a
+/// finished run's for good, a run waiting for a human's until it is woken
+/// (it is read once then: thousands of waiting runs hold no logs in memory).
+fn keep_replayed(
+    ctx: &Context,
+    run: &AgentRun,
+    uid: &str,
+    replayed: Replayed,
+    finished: bool,
+    awaiting: bool,
+) {
+    if finished {
+        ctx.logs.forget(uid);
+        return;
+    }
+    ctx.logs.follow(uid, ObjectRef::from_obj(run));
+    if !awaiting {
+        ctx.logs.keep(uid, replayed);
+    }
 }
 
 /// A run the controller cannot move says so where its user looks: the
@@ -422,7 +619,17 @@ pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Act
             reason: error.metric_label().into(),
         })
         .inc();
-    Action::requeue(Duration::from_secs(3))
+    let uid = run.uid().unwrap_or_default();
+    let mut failures = ctx.failures.lock().expect("not poisoned");
+    let n = failures.entry(uid).or_default();
+    *n = n.saturating_add(1);
+    Action::requeue(error_backoff(*n))
+}
+
+/// 1 s after the first failure in a row, doubling up to 5 minutes.
+fn error_backoff(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(9);
+    Duration::from_secs(1 << exp).min(Duration::from_secs(300))
 }
 
 async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolved, Error> {
@@ -569,12 +776,9 @@ fn failed_jobs_before(run: &AgentRun, previous: Option<&JobView>) -> u32 {
 /// lease (renewing revives a lapsed one nobody took), so only a worker
 /// judged lost is fenced ([`fence_lost_worker`]).
 async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
-    let live = ctx
-        .store
-        .lease(uid)
-        .await
-        .map_err(Error::Store)?
-        .is_some_and(|l| !l.expired);
+    let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
+    let live = lease.as_ref().is_some_and(|l| !l.expired);
+    let released = lease.as_ref().is_some_and(|l| l.released);
     let mut free_since = ctx.lease_free_since.lock().expect("not poisoned");
     let free_for = if live {
         free_since.remove(uid);
@@ -585,7 +789,11 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
             .or_insert_with(Instant::now);
         since.elapsed()
     };
-    Ok(LeaseView { live, free_for })
+    Ok(LeaseView {
+        live,
+        free_for,
+        released,
+    })
 }
 
 /// Takes and gives back the lease of a run whose Job the controller deletes
@@ -734,27 +942,6 @@ fn anchored_head(run: &AgentRun) -> Head {
     }
 }
 
-/// The whole log, its chain verified, extending `anchor`, and every
-/// controller record signed by the controller. The inner error
-/// is a log that failed verification (the run must stop); the outer one a
-/// store that could not be read (retried).
-async fn read_log(
-    ctx: &Context,
-    run: &AgentRun,
-    anchor: &Head,
-) -> Result<Result<Vec<crate::store::Record>, StoreError>, Error> {
-    let uid = &run.uid().unwrap_or_default();
-    let signed_from = super::status::signed_from(run);
-    let records = match ctx.store.read_verified(uid, None).await {
-        Ok(records) => records,
-        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
-        Err(e) => return Err(Error::Store(e)),
-    };
-    let checked = crate::store::check_anchor(uid, &records, anchor)
-        .and_then(|()| ctx.verifier.check(uid, &records, signed_from));
-    Ok(checked.map(|()| records))
-}
-
 /// Condition type that is False once the run's log failed verification.
 pub const LOG_INTACT: &str = "LogIntact";
 
@@ -798,18 +985,9 @@ async fn stop_tampered(
         );
     }
     if let Some(name) = status.step.as_ref().and_then(|s| s.job.clone()) {
-        let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-        match jobs.delete(&name, &DeleteParams::background()).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(source) => {
-                return Err(Error::Write {
-                    what: "step Job",
-                    source,
-                });
-            }
-        }
+        delete_step_job(ctx, ns, &name).await?;
     }
+    ctx.logs.forget(&run.uid().unwrap_or_default());
     let notice = notice(true, "LogTampered", truncate(&message, 900));
     write_status(run, ctx, &status, vec![notice]).await?;
     Ok(Action::await_change())

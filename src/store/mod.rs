@@ -47,7 +47,8 @@ pub use error::StoreError;
 pub use postgres::PgStore;
 pub use record::{
     FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft, StepKind, Usage,
-    Versions, Worker, canonical_json, chain_hash, check_anchor, sha256_hex, verify_chain,
+    Versions, Worker, canonical_json, chain_hash, check_anchor, check_anchor_after, sha256_hex,
+    verify_chain, verify_extension,
 };
 pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
 pub use signature::{RecordSigner, RecordVerifier, SIGNATURE_FIELD, controller_only};
@@ -80,6 +81,19 @@ pub struct LeaseState {
     pub expires_at: DateTime<Utc>,
     /// Expired by the store's own clock (released leases count as expired).
     pub expired: bool,
+    /// Given up by its holder (not merely lapsed): the worker is done with
+    /// the run, so the next one may start at once.
+    pub released: bool,
+}
+
+/// What [`StepStore::head_events`] reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeadEvent {
+    /// The run's log grew, or its lease was released.
+    Changed(String),
+    /// Events may have been missed (the listening connection was lost and
+    /// is back): whatever was known of any head may be stale.
+    Resync,
 }
 
 /// The step log contract (DESIGN.md section 3). Held as `Arc<dyn StepStore>`.
@@ -176,6 +190,39 @@ pub trait StepStore: Send + Sync + fmt::Debug {
         };
         verify_chain(run, &records, expected_head)?;
         Ok(records)
+    }
+
+    /// The records of `run` after `base` (a head already verified),
+    /// verified as its continuation ([`verify_extension`]): what an
+    /// incremental replay reads.
+    async fn read_verified_after(&self, run: &str, base: &Head) -> Result<Vec<Record>, StoreError> {
+        let records = match self.read_range(run, base.len, None).await {
+            Ok(r) => r,
+            Err(StoreError::Corrupt { run, seq, reason }) => {
+                return Err(StoreError::ChainBroken { run, seq, reason });
+            }
+            Err(e) => return Err(e),
+        };
+        verify_extension(run, base, &records)?;
+        Ok(records)
+    }
+
+    /// Runs whose lease lapsed (expired without being released) after
+    /// `since` and up to the store's now, with that now: one query, however
+    /// many runs there are, so a hung worker is noticed without looking at
+    /// each run.
+    async fn lapsed_leases(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<(Vec<String>, DateTime<Utc>), StoreError>;
+
+    /// A stream of changed heads, where the backend can push them
+    /// (PostgreSQL `LISTEN/NOTIFY`); `None` where it cannot, and the caller
+    /// polls.
+    async fn head_events(
+        &self,
+    ) -> Result<Option<tokio::sync::mpsc::Receiver<HeadEvent>>, StoreError> {
+        Ok(None)
     }
 
     /// Recompute the whole chain of `run`; with `expected_head` (the run's

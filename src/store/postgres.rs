@@ -15,24 +15,35 @@ use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use sqlx::Row;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 
 use super::record::{Hash, Head, Record, StepKind, StoredChain};
 use super::{
-    Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64,
-    ttl_micros,
+    HeadEvent, Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url,
+    to_i64, ttl_micros,
 };
 
 const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
 
 fn migrator() -> Migrator {
-    let mut m = Migrator::with_migrations(vec![Migration::new(
-        1,
-        "step log".into(),
-        MigrationType::Simple,
-        sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/postgres/0001_step_log.sql")),
-        false,
-    )]);
+    let mut m = Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            "step log".into(),
+            MigrationType::Simple,
+            sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/postgres/0001_step_log.sql")),
+            false,
+        ),
+        Migration::new(
+            2,
+            "released leases, head notifications".into(),
+            MigrationType::Simple,
+            sqlx::SqlSafeStr::into_sql_str(include_str!(
+                "migrations/postgres/0002_released_and_notify.sql"
+            )),
+            false,
+        ),
+    ]);
     m.dangerous_set_table_name(MIGRATIONS_TABLE);
     m
 }
@@ -86,31 +97,78 @@ const LAST_KIND_SQL: &str =
     "SELECT kind FROM agentrun_steps WHERE run = $1 ORDER BY seq DESC LIMIT 1";
 
 const ACQUIRE_SQL: &str = r#"
-INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at)
-VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now())
+INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at, released)
+VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now(), false)
 ON CONFLICT (run) DO UPDATE
    SET holder = excluded.holder,
        epoch = l.epoch + 1,
        expires_at = excluded.expires_at,
        acquired_at = now(),
-       renewed_at = now()
+       renewed_at = now(),
+       released = false
  WHERE l.expires_at <= now() OR l.holder = excluded.holder
 RETURNING epoch, expires_at
 "#;
 
-const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() AS expired FROM agentrun_leases WHERE run = $1";
+const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() AS expired, released \
+     FROM agentrun_leases WHERE run = $1";
+
+const LAPSED_SQL: &str = "SELECT run, now() FROM agentrun_leases \
+     WHERE NOT released AND expires_at > $1 AND expires_at <= now()";
+
+/// The channel head changes are announced on (migration 0002).
+const HEADS_CHANNEL: &str = "agentrun_heads";
 
 const RENEW_SQL: &str = r#"
 UPDATE agentrun_leases
-   SET expires_at = now() + $4 * interval '1 microsecond', renewed_at = now()
+   SET expires_at = now() + $4 * interval '1 microsecond', renewed_at = now(), released = false
  WHERE run = $1 AND epoch = $2 AND holder = $3
 RETURNING expires_at
 "#;
 
 const RELEASE_SQL: &str = r#"
-UPDATE agentrun_leases SET expires_at = now()
+UPDATE agentrun_leases SET expires_at = now(), released = true
  WHERE run = $1 AND epoch = $2 AND holder = $3 AND expires_at > now()
 "#;
+
+/// Forwards the `agentrun_heads` notifications to `tx` until its receiver
+/// is dropped. A (re)established listening connection sends
+/// [`HeadEvent::Resync`] first: whatever was announced meanwhile is lost.
+async fn announce_heads(pool: PgPool, tx: tokio::sync::mpsc::Sender<HeadEvent>) {
+    while !tx.is_closed() {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "listening for step-log heads failed; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        if let Err(e) = listener.listen(HEADS_CHANNEL).await {
+            tracing::warn!(error = %e, "listening for step-log heads failed; retrying");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        }
+        if tx.send(HeadEvent::Resync).await.is_err() {
+            return;
+        }
+        loop {
+            let event = match listener.try_recv().await {
+                Ok(Some(n)) => HeadEvent::Changed(n.payload().to_string()),
+                // Lost and re-established (eagerly): notifications in between are gone.
+                Ok(None) => HeadEvent::Resync,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the step-log head listener failed; reconnecting");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    break;
+                }
+            };
+            if tx.send(event).await.is_err() {
+                return;
+            }
+        }
+    }
+}
 
 /// The PostgreSQL step store.
 pub struct PgStore {
@@ -157,6 +215,27 @@ impl PgStore {
     }
 
     /// The connection pool (for administration and tests).
+    /// The records after `base`, verified as they are read.
+    async fn read_chain<'a>(
+        &self,
+        run: &'a str,
+        base: Head,
+    ) -> Result<StoredChain<'a>, StoreError> {
+        let mut rows = sqlx::query(READ_SQL)
+            .bind(run)
+            .bind(to_i64("seq", base.len)?)
+            .bind(i64::MAX)
+            .fetch(&self.pool);
+        let mut chain = StoredChain::after(run, base);
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
+            chain.push(body.as_bytes(), hash, Some(at))?;
+        }
+        Ok(chain)
+    }
+
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
@@ -369,19 +448,44 @@ impl StepStore for PgStore {
         run: &str,
         expected_head: Option<&Hash>,
     ) -> Result<Vec<Record>, StoreError> {
-        let mut rows = sqlx::query(READ_SQL)
-            .bind(run)
-            .bind(0i64)
-            .bind(i64::MAX)
-            .fetch(&self.pool);
-        let mut chain = StoredChain::new(run);
-        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
-            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
-            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
-            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
-            chain.push(body.as_bytes(), hash, Some(at))?;
+        self.read_chain(run, Head::EMPTY)
+            .await?
+            .finish(expected_head)
+    }
+
+    async fn read_verified_after(&self, run: &str, base: &Head) -> Result<Vec<Record>, StoreError> {
+        self.read_chain(run, *base).await?.finish(None)
+    }
+
+    async fn lapsed_leases(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<(Vec<String>, DateTime<Utc>), StoreError> {
+        let rows = sqlx::query(LAPSED_SQL)
+            .bind(since)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        let mut runs = Vec::with_capacity(rows.len());
+        for row in &rows {
+            runs.push(row.try_get(0).map_err(|e| self.err(e))?);
         }
-        chain.finish(expected_head)
+        let now = match rows.first() {
+            Some(row) => row.try_get(1).map_err(|e| self.err(e))?,
+            None => sqlx::query_scalar("SELECT now()")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?,
+        };
+        Ok((runs, now))
+    }
+
+    async fn head_events(
+        &self,
+    ) -> Result<Option<tokio::sync::mpsc::Receiver<HeadEvent>>, StoreError> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4096);
+        tokio::spawn(announce_heads(self.pool.clone(), tx));
+        Ok(Some(rx))
     }
 
     async fn head(&self, run: &str) -> Result<Head, StoreError> {
@@ -504,6 +608,8 @@ impl StepStore for PgStore {
             epoch: row.try_get::<i64, _>(1).map_err(|e| self.err(e))? as u64,
             expires_at: row.try_get(2).map_err(|e| self.err(e))?,
             expired: row.try_get(3).map_err(|e| self.err(e))?,
+            released: row.try_get::<bool, _>(3).map_err(|e| self.err(e))?
+                && row.try_get::<bool, _>(4).map_err(|e| self.err(e))?,
         }))
     }
 

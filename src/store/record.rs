@@ -478,22 +478,47 @@ fn check_safe_numbers(v: &serde_json::Value, path: &mut String) -> Result<(), St
 /// that was truncated or rewritten before the anchor gives
 /// [`StoreError::ChainBroken`].
 pub fn check_anchor(run: &str, records: &[Record], anchor: &Head) -> Result<(), StoreError> {
-    if anchor.len == 0 {
+    check_anchor_after(run, &Head::EMPTY, records, anchor)
+}
+
+/// [`check_anchor`] for `records` read past `base`, a head verified before
+/// (an anchor inside the part verified before was checked then).
+pub fn check_anchor_after(
+    run: &str,
+    base: &Head,
+    records: &[Record],
+    anchor: &Head,
+) -> Result<(), StoreError> {
+    if anchor.len == 0 || anchor.len < base.len {
         return Ok(());
     }
+    if anchor.len == base.len {
+        return match anchor.hash == base.hash {
+            true => Ok(()),
+            false => Err(StoreError::ChainBroken {
+                run: run.to_string(),
+                seq: base.len.saturating_sub(1),
+                reason: format!(
+                    "record {} has hash {} but the anchored head is {}: the log was rewritten",
+                    base.len.saturating_sub(1),
+                    base.hash,
+                    anchor.hash
+                ),
+            }),
+        };
+    }
+    let total = base.len + records.len() as u64;
     let broken = |seq: u64, reason: String| StoreError::ChainBroken {
         run: run.to_string(),
         seq,
         reason,
     };
-    let Some(at) = records.get(anchor.len as usize - 1) else {
+    let Some(at) = records.get((anchor.len - base.len) as usize - 1) else {
         return Err(broken(
-            records.len() as u64,
+            total,
             format!(
-                "the log has {} records but {} were anchored (head {}): records were removed",
-                records.len(),
-                anchor.len,
-                anchor.hash
+                "the log has {total} records but {} were anchored (head {}): records were removed",
+                anchor.len, anchor.hash
             ),
         ));
     };
@@ -539,9 +564,18 @@ pub fn verify_chain(
     records: &[Record],
     expected_head: Option<&Hash>,
 ) -> Result<Head, StoreError> {
-    let mut head = Head::EMPTY;
+    let head = verify_extension(run, &Head::EMPTY, records)?;
+    check_expected_head(run, records, &head, expected_head)?;
+    Ok(head)
+}
+
+/// Verifies `records` as the continuation of a log already verified up to
+/// `base`: the first sits at `base.len` and links to `base.hash`, each hashes
+/// right and links to its predecessor. Returns the new head.
+pub fn verify_extension(run: &str, base: &Head, records: &[Record]) -> Result<Head, StoreError> {
+    let mut head = *base;
     for (i, r) in records.iter().enumerate() {
-        let seq = i as u64;
+        let seq = base.len + i as u64;
         let broken = |reason: String| StoreError::ChainBroken {
             run: run.to_string(),
             seq,
@@ -570,7 +604,6 @@ pub fn verify_chain(
         }
         head = r.head();
     }
-    check_expected_head(run, records, &head, expected_head)?;
     Ok(head)
 }
 
@@ -587,9 +620,15 @@ pub(crate) struct StoredChain<'a> {
 
 impl<'a> StoredChain<'a> {
     pub(crate) fn new(run: &'a str) -> Self {
+        StoredChain::after(run, Head::EMPTY)
+    }
+
+    /// A chain whose first record must sit at `base.len` and link to `base.hash`
+    /// (a log already verified up to `base`, read on from there).
+    pub(crate) fn after(run: &'a str, base: Head) -> Self {
         StoredChain {
             run,
-            head: Head::EMPTY,
+            head: base,
             records: Vec::new(),
         }
     }

@@ -376,6 +376,16 @@ impl StepStore for RemoteStore {
         })
     }
 
+    async fn lapsed_leases(
+        &self,
+        _since: DateTime<Utc>,
+    ) -> Result<(Vec<String>, DateTime<Utc>), StoreError> {
+        Err(StoreError::PermissionDenied {
+            url: self.base.clone(),
+            reason: "the step-log gateway does not list leases: the controller reads them from the store".into(),
+        })
+    }
+
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let req = self
             .http

@@ -27,13 +27,22 @@ const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
 const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn migrator() -> Migrator {
-    let mut m = Migrator::with_migrations(vec![Migration::new(
-        1,
-        "step log".into(),
-        MigrationType::Simple,
-        sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/sqlite/0001_step_log.sql")),
-        false,
-    )]);
+    let mut m = Migrator::with_migrations(vec![
+        Migration::new(
+            1,
+            "step log".into(),
+            MigrationType::Simple,
+            sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/sqlite/0001_step_log.sql")),
+            false,
+        ),
+        Migration::new(
+            2,
+            "released leases".into(),
+            MigrationType::Simple,
+            sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/sqlite/0002_released.sql")),
+            false,
+        ),
+    ]);
     m.dangerous_set_table_name(MIGRATIONS_TABLE);
     m
 }
@@ -363,8 +372,8 @@ impl StepStore for SqliteStore {
         let epoch = match cur {
             None => {
                 sqlx::query(
-                    "INSERT INTO agentrun_leases (run, holder, epoch, expires_at, acquired_at, renewed_at) \
-                     VALUES (?1, ?2, 1, ?3, ?4, ?4)",
+                    "INSERT INTO agentrun_leases (run, holder, epoch, expires_at, acquired_at, renewed_at, released) \
+                     VALUES (?1, ?2, 1, ?3, ?4, ?4, 0)",
                 )
                 .bind(run)
                 .bind(holder)
@@ -389,7 +398,7 @@ impl StepStore for SqliteStore {
                 }
                 sqlx::query(
                     "UPDATE agentrun_leases SET holder = ?2, epoch = ?3, expires_at = ?4, \
-                     acquired_at = ?5, renewed_at = ?5 WHERE run = ?1",
+                     acquired_at = ?5, renewed_at = ?5, released = 0 WHERE run = ?1",
                 )
                 .bind(run)
                 .bind(holder)
@@ -438,7 +447,9 @@ impl StepStore for SqliteStore {
                 expired: current == Some(epoch) && cur_expires <= now,
             });
         }
-        sqlx::query("UPDATE agentrun_leases SET expires_at = ?2, renewed_at = ?3 WHERE run = ?1")
+        sqlx::query(
+            "UPDATE agentrun_leases SET expires_at = ?2, renewed_at = ?3, released = 0 WHERE run = ?1",
+        )
             .bind(&lease.run)
             .bind(expires)
             .bind(now)
@@ -453,26 +464,30 @@ impl StepStore for SqliteStore {
     }
 
     async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError> {
-        let row =
-            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
-                .bind(run)
-                .fetch_optional(&self.reader)
-                .await
-                .map_err(|e| self.err(e))?;
+        let row = sqlx::query(
+            "SELECT holder, epoch, expires_at, released FROM agentrun_leases WHERE run = ?1",
+        )
+        .bind(run)
+        .fetch_optional(&self.reader)
+        .await
+        .map_err(|e| self.err(e))?;
         let Some(row) = row else { return Ok(None) };
         let expires: i64 = row.try_get(2).map_err(|e| self.err(e))?;
+        let expired = expires <= micros(Utc::now());
+        let released: bool = row.try_get(3).map_err(|e| self.err(e))?;
         Ok(Some(LeaseState {
             holder: row.try_get(0).map_err(|e| self.err(e))?,
             epoch: row.try_get::<i64, _>(1).map_err(|e| self.err(e))? as u64,
             expires_at: from_micros(expires),
-            expired: expires <= micros(Utc::now()),
+            expired,
+            released: expired && released,
         }))
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         let now = micros(Utc::now());
         sqlx::query(
-            "UPDATE agentrun_leases SET expires_at = ?4 \
+            "UPDATE agentrun_leases SET expires_at = ?4, released = 1 \
              WHERE run = ?1 AND epoch = ?2 AND holder = ?3 AND expires_at > ?4",
         )
         .bind(&lease.run)
@@ -483,6 +498,41 @@ impl StepStore for SqliteStore {
         .await
         .map_err(|e| self.err(e))?;
         Ok(())
+    }
+
+    async fn read_verified_after(&self, run: &str, base: &Head) -> Result<Vec<Record>, StoreError> {
+        let mut rows = sqlx::query(
+            "SELECT seq, body, hash, created_at FROM agentrun_steps \
+             WHERE run = ?1 AND seq >= ?2 ORDER BY seq",
+        )
+        .bind(run)
+        .bind(to_i64("seq", base.len)?)
+        .fetch(&self.reader);
+        let mut chain = StoredChain::after(run, *base);
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
+            chain.push(body.as_bytes(), hash, Some(from_micros(at)))?;
+        }
+        chain.finish(None)
+    }
+
+    async fn lapsed_leases(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<(Vec<String>, DateTime<Utc>), StoreError> {
+        let now = micros(Utc::now());
+        let runs = sqlx::query_scalar(
+            "SELECT run FROM agentrun_leases \
+             WHERE released = 0 AND expires_at > ?1 AND expires_at <= ?2",
+        )
+        .bind(micros(since))
+        .bind(now)
+        .fetch_all(&self.reader)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok((runs, from_micros(now)))
     }
 
     async fn close(&self) {

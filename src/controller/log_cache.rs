@@ -1,0 +1,217 @@
+//! Each run's replayed log, kept between reconciles: a reconcile reads only
+//! the records past the head it was built from, and none at all while the
+//! store's head events (PostgreSQL `LISTEN/NOTIFY`) say nothing changed.
+//!
+//! Trust: every record is verified once, when it is first read (its chain
+//! link from the cached head, its hash, the controller's signature and the
+//! anchored head). A controller restart starts cold and verifies whole
+//! logs again; step runners verify the whole chain at every Job start.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use kube::runtime::reflector::ObjectRef;
+
+use crate::api::AgentRun;
+use crate::step::replay::RunState;
+use crate::store::{Head, HeadEvent};
+
+/// A run's log replayed up to `head`.
+pub struct Replayed {
+    pub state: RunState,
+    pub head: Head,
+    /// The head-event generation it was read under (see [`LogCache::current`]).
+    generation: u64,
+}
+
+impl Replayed {
+    /// The empty log, to be read from the start.
+    pub fn empty() -> Replayed {
+        Replayed {
+            state: RunState::default(),
+            head: Head::EMPTY,
+            generation: 0,
+        }
+    }
+}
+
+/// Replayed logs by run uid, and what the head events said since.
+#[derive(Default)]
+pub struct LogCache {
+    entries: Mutex<HashMap<String, Replayed>>,
+    /// Runs announced changed since their entry was read.
+    dirty: Mutex<HashSet<String>>,
+    /// Moves on whenever head events may have been missed; an entry read
+    /// under an older generation is not known to be current.
+    generation: AtomicU64,
+    /// Whether head events arrive at all (only then can a read be skipped).
+    pushed: AtomicBool,
+    /// Unfinished runs by uid, for turning a head event into a reconcile.
+    refs: Mutex<HashMap<String, ObjectRef<AgentRun>>>,
+}
+
+impl LogCache {
+    /// Takes the run's entry out for the reconcile (kube-runtime never runs
+    /// two reconciles of one run at once); [`LogCache::keep`] puts it back.
+    pub fn take(&self, uid: &str) -> Option<Replayed> {
+        self.entries.lock().expect("not poisoned").remove(uid)
+    }
+
+    pub fn keep(&self, uid: &str, replayed: Replayed) {
+        self.entries
+            .lock()
+            .expect("not poisoned")
+            .insert(uid.to_string(), replayed);
+    }
+
+    /// Whether `replayed` is known to be the run's whole log: head events
+    /// arrive, none was missed since it was read and none named this run.
+    pub fn current(&self, uid: &str, replayed: &Replayed) -> bool {
+        self.pushed.load(Ordering::Acquire)
+            && replayed.generation == self.generation.load(Ordering::Acquire)
+            && !self.dirty.lock().expect("not poisoned").contains(uid)
+    }
+
+    /// Called right before reading the store for `uid`: an event arriving
+    /// during the read marks it dirty again. Returns the generation to stamp
+    /// the result with.
+    pub fn begin_read(&self, uid: &str) -> u64 {
+        let generation = self.generation.load(Ordering::Acquire);
+        self.dirty.lock().expect("not poisoned").remove(uid);
+        generation
+    }
+
+    pub fn stamp(&self, state: RunState, head: Head, generation: u64) -> Replayed {
+        Replayed {
+            state,
+            head,
+            generation,
+        }
+    }
+
+    /// Remembers how to reconcile the run when its head moves (unfinished
+    /// runs only: a finished run's log no longer matters to the controller).
+    pub fn follow(&self, uid: &str, run: ObjectRef<AgentRun>) {
+        self.refs
+            .lock()
+            .expect("not poisoned")
+            .insert(uid.to_string(), run);
+    }
+
+    /// Drops everything about a run (finished, deleted, or its log broken).
+    pub fn forget(&self, uid: &str) {
+        self.entries.lock().expect("not poisoned").remove(uid);
+        self.refs.lock().expect("not poisoned").remove(uid);
+        self.dirty.lock().expect("not poisoned").remove(uid);
+    }
+
+    /// Keeps only the runs `exists` still knows (runs deleted while unfinished).
+    pub fn retain(&self, exists: impl Fn(&ObjectRef<AgentRun>) -> bool) {
+        let mut refs = self.refs.lock().expect("not poisoned");
+        refs.retain(|_, r| exists(r));
+        self.entries
+            .lock()
+            .expect("not poisoned")
+            .retain(|uid, _| refs.contains_key(uid));
+    }
+
+    /// Head events arrive from now on.
+    pub fn set_pushed(&self) {
+        self.pushed.store(true, Ordering::Release);
+    }
+
+    /// Folds in one head event; returns the runs to reconcile.
+    pub fn on_event(&self, event: HeadEvent) -> Vec<ObjectRef<AgentRun>> {
+        match event {
+            HeadEvent::Changed(uid) => {
+                let run = self.refs.lock().expect("not poisoned").get(&uid).cloned();
+                self.dirty.lock().expect("not poisoned").insert(uid);
+                run.into_iter().collect()
+            }
+            HeadEvent::Resync => {
+                self.generation.fetch_add(1, Ordering::AcqRel);
+                self.refs
+                    .lock()
+                    .expect("not poisoned")
+                    .values()
+                    .cloned()
+                    .collect()
+            }
+        }
+    }
+
+    /// The unfinished runs among `uids` (for lapsed leases).
+    pub fn refs_of(&self, uids: &[String]) -> Vec<ObjectRef<AgentRun>> {
+        let refs = self.refs.lock().expect("not poisoned");
+        uids.iter().filter_map(|u| refs.get(u).cloned()).collect()
+    }
+
+    /// How many replayed logs are held (for tests and the scale benchmark).
+    pub fn len(&self) -> usize {
+        self.entries.lock().expect("not poisoned").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(name: &str) -> ObjectRef<AgentRun> {
+        ObjectRef::new(name).within("ns")
+    }
+
+    #[test]
+    fn log_cache_entry_is_current_until_an_event_names_its_run() {
+        let cache = LogCache::default();
+        cache.follow("u1", run("r1"));
+        let generation = cache.begin_read("u1");
+        let entry = cache.stamp(RunState::default(), Head::EMPTY, generation);
+        // Without head events nothing is known to be current.
+        assert!(!cache.current("u1", &entry));
+        cache.set_pushed();
+        assert!(cache.current("u1", &entry));
+        // Another run's head moving changes nothing for this one.
+        assert!(cache.on_event(HeadEvent::Changed("u2".into())).is_empty());
+        assert!(cache.current("u1", &entry));
+        // Its own head moving: reconcile it, and read before trusting the entry.
+        assert_eq!(
+            cache.on_event(HeadEvent::Changed("u1".into())),
+            vec![run("r1")]
+        );
+        assert!(!cache.current("u1", &entry));
+        let generation = cache.begin_read("u1");
+        let entry = cache.stamp(RunState::default(), Head::EMPTY, generation);
+        assert!(cache.current("u1", &entry));
+    }
+
+    #[test]
+    fn log_cache_resync_invalidates_every_entry_and_wakes_every_run() {
+        let cache = LogCache::default();
+        cache.set_pushed();
+        cache.follow("u1", run("r1"));
+        cache.follow("u2", run("r2"));
+        let entry = cache.stamp(RunState::default(), Head::EMPTY, cache.begin_read("u1"));
+        let mut woken = cache.on_event(HeadEvent::Resync);
+        woken.sort_by_key(|r| r.name.clone());
+        assert_eq!(woken, vec![run("r1"), run("r2")]);
+        assert!(!cache.current("u1", &entry));
+    }
+
+    #[test]
+    fn log_cache_forgets_deleted_runs() {
+        let cache = LogCache::default();
+        cache.follow("u1", run("r1"));
+        cache.follow("u2", run("r2"));
+        cache.keep("u1", Replayed::empty());
+        cache.keep("u2", Replayed::empty());
+        cache.retain(|r| r.name == "r2");
+        assert_eq!(cache.len(), 1);
+        assert!(cache.take("u1").is_none());
+        assert!(cache.refs_of(&["u1".into(), "u2".into()]) == vec![run("r2")]);
+    }
+}
