@@ -41,7 +41,15 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Step(args) => {
             agentrun::telemetry::init();
-            agentrun::step::runner::run(args).await
+            let result = agentrun::step::runner::run(args).await;
+            // A worker whose lease was taken over exits with its own code.
+            if let Err(e) = &result
+                && e.downcast_ref::<agentrun::step::runner::LeaseLost>()
+                    .is_some()
+            {
+                std::process::exit(agentrun::step::runner::LEASE_LOST_EXIT_CODE);
+            }
+            result
         }
         Command::Store(args) => agentrun::store::cli::main(args).await,
     }

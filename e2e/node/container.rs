@@ -11,6 +11,7 @@ use tracing::{info, warn};
 use crate::{
     NodeCtx,
     env::{self, Env},
+    in_process,
     process::{self, Launch},
     status::{State, Terminated, now},
 };
@@ -174,12 +175,20 @@ pub async fn supervise(spec: Spec, events: mpsc::UnboundedSender<Event>, mut sto
         };
 
         let started = Instant::now();
-        let term = match process::spawn(&launch) {
-            Err(e) => {
-                warn!(container = %spec.container.name, error = %e.message, "container failed to start");
-                start_failure(e.exit_code, e.message)
-            }
-            Ok(child) => run(&spec, child, &mut stop, &send).await,
+        let in_process = spec
+            .ctx
+            .in_process_steps
+            .as_ref()
+            .and_then(|steps| Some((steps, in_process::step_args(&spec, &launch)?)));
+        let term = match in_process {
+            Some((steps, args)) => in_process::run(&spec, steps, args, &mut stop, &send).await,
+            None => match process::spawn(&launch) {
+                Err(e) => {
+                    warn!(container = %spec.container.name, error = %e.message, "container failed to start");
+                    start_failure(e.exit_code, e.message)
+                }
+                Ok(child) => run(&spec, child, &mut stop, &send).await,
+            },
         };
         let restarting = spec.restart.wants(term.exit_code) && !is_stopping(&stop);
         send(Event::Exited(slot, term, restarting));

@@ -10,6 +10,7 @@
 mod container;
 mod env;
 mod identity;
+mod in_process;
 mod lifecycle;
 mod node;
 mod pods;
@@ -42,6 +43,15 @@ struct Args {
     /// Also bind pending pods that have no node (when no scheduler runs).
     #[arg(long)]
     bind_unscheduled: bool,
+    /// Run `agentrun step` containers as tasks of this process calling the
+    /// library's step runner, not as processes (see `in_process.rs`): the
+    /// scale benchmark's 1,000 concurrent step pods on 2 cores.
+    #[arg(long, env = "AGENTRUN_NODE_IN_PROCESS_STEPS", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
+    in_process_steps: bool,
+    /// Pods the node accepts at once (status.capacity/allocatable `pods`);
+    /// its CPU and memory grow with it so 50m/64Mi step pods fit.
+    #[arg(long, env = "AGENTRUN_NODE_MAX_PODS", default_value_t = 110)]
+    max_pods: u32,
 }
 
 fn parse_image_bin(s: &str) -> Result<(String, PathBuf), String> {
@@ -66,6 +76,9 @@ pub struct NodeCtx {
     pub ca_data: Option<String>,
     /// The node's own PATH, inherited by pods after the image-bin dirs.
     pub host_path: String,
+    /// Where step pods run when they run in process (`--in-process-steps`).
+    pub in_process_steps: Option<tokio::runtime::Handle>,
+    pub max_pods: u32,
 }
 
 impl NodeCtx {
@@ -138,7 +151,15 @@ async fn main() -> anyhow::Result<()> {
         server_url,
         ca_data,
         host_path: std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+        in_process_steps: match args.in_process_steps {
+            true => Some(in_process::runtime().context("starting the step pods' runtime")?),
+            false => None,
+        },
+        max_pods: args.max_pods,
     });
+    if ctx.in_process_steps.is_some() {
+        info!("step pods run in process (the library's runner), not as processes");
+    }
 
     let leftovers = process::kill_leftovers(&ctx.pods_dir());
     if leftovers > 0 {

@@ -114,8 +114,7 @@ async fn patch_status(ctx: &NodeCtx, transition: &str, full: bool) -> anyhow::Re
         ],
     });
     if full {
-        let resources =
-            json!({ "cpu": "8", "memory": "16Gi", "pods": "110", "ephemeral-storage": "100Gi" });
+        let resources = capacity(ctx.max_pods);
         status["addresses"] = json!([
             { "type": "InternalIP", "address": "127.0.0.1" },
             { "type": "Hostname", "address": ctx.node_name },
@@ -143,6 +142,20 @@ async fn patch_status(ctx: &NodeCtx, transition: &str, full: bool) -> anyhow::Re
         .await
         .context("patching Node status")?;
     Ok(())
+}
+
+/// What the node advertises: 8 CPUs and 16Gi (110 pods, the kubelet's
+/// default), or enough for `max_pods` step pods (50m CPU, 64Mi requested
+/// each) when that is more.
+fn capacity(max_pods: u32) -> serde_json::Value {
+    let cpu = 8.max(max_pods.div_ceil(16));
+    let memory_gi = 16.max(max_pods.div_ceil(12));
+    json!({
+        "cpu": cpu.to_string(),
+        "memory": format!("{memory_gi}Gi"),
+        "pods": max_pods.to_string(),
+        "ephemeral-storage": "100Gi",
+    })
 }
 
 fn kernel_version() -> String {

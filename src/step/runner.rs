@@ -58,26 +58,53 @@ pub struct StepArgs {
     pub time_slice_seconds: u64,
 }
 
+/// The worker lost the run's lease while it ran (its heartbeat was refused:
+/// another worker took the run over). The runner stops at once, leaving the
+/// lease to its new holder; the `step` subcommand exits with
+/// [`LEASE_LOST_EXIT_CODE`].
+#[derive(Debug, thiserror::Error)]
+#[error("lost the run lease: another worker took the run over; stopped")]
+pub struct LeaseLost;
+
+/// Exit code of `agentrun step` when the worker lost its lease ([`LeaseLost`]).
+pub const LEASE_LOST_EXIT_CODE: i32 = 3;
+
 /// Runs steps until the slice ends or the run is done.
-#[tracing::instrument(name = "step_job", skip_all, fields(run = %args.run_name, run_uid = %args.run_uid, attempt = args.attempt, pod = %args.worker))]
 pub async fn run(args: StepArgs) -> anyhow::Result<()> {
     let store = store::open(&args.store_url)
         .await
         .context("opening the step store")?;
+    run_on(args, store).await
+}
+
+/// [`run`] on a store opened by the caller (the e2e process node runs step
+/// pods in process, with each pod's gateway token, not the process's env).
+#[tracing::instrument(name = "step_job", skip_all, fields(run = %args.run_name, run_uid = %args.run_uid, attempt = args.attempt, pod = %args.worker))]
+pub async fn run_on(args: StepArgs, store: Arc<dyn StepStore>) -> anyhow::Result<()> {
     let lease = acquire(&*store, &args).await?;
     failpoint::hit("after-lease");
-    let heartbeat = tokio::spawn(heartbeat(store.clone(), lease.clone()));
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
+    // Stops with this future, however it ends: dropped (its task aborted),
+    // the heartbeat must not hold the lease for a runner that is gone.
+    let heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
+        store.clone(),
+        lease.clone(),
+        lost_tx,
+    )));
 
-    let result = Runner::load(store.clone(), &args, lease.clone()).await;
-    let result = match result {
-        Ok(mut runner) => {
-            runner
-                .drive(Duration::from_secs(args.time_slice_seconds))
-                .await
-        }
-        Err(e) => Err(e),
+    let work = async {
+        let mut runner = Runner::load(store.clone(), &args, lease.clone()).await?;
+        runner
+            .drive(Duration::from_secs(args.time_slice_seconds))
+            .await
     };
-    heartbeat.abort();
+    let result = tokio::select! {
+        result = work => result,
+        // Someone else owns the run now: stop wherever the work is (our
+        // appends would be refused anyway) and leave the lease alone.
+        Ok(()) = lost_rx => return Err(LeaseLost.into()),
+    };
+    drop(heartbeat);
     if let Err(e) = store.release(&lease).await {
         tracing::warn!(error = %e, "releasing the run lease failed; it will expire");
     }
@@ -108,15 +135,29 @@ async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease
     }
 }
 
-async fn heartbeat(store: Arc<dyn StepStore>, mut lease: Lease) {
+/// A task aborted when this handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews the lease every [`HEARTBEAT`]; reports a takeover on `lost` and ends.
+async fn heartbeat(
+    store: Arc<dyn StepStore>,
+    mut lease: Lease,
+    lost: tokio::sync::oneshot::Sender<()>,
+) {
     loop {
         tokio::time::sleep(HEARTBEAT).await;
         match store.renew(&lease, LEASE_TTL).await {
             Ok(l) => lease = l,
             Err(StoreError::StaleEpoch { .. }) => {
-                // Someone else owns the run now; our appends would be refused anyway.
                 tracing::error!("lost the run lease; stopping");
-                std::process::exit(3);
+                let _ = lost.send(());
+                return;
             }
             Err(e) => tracing::warn!(error = %e, "renewing the run lease failed; retrying"),
         }
