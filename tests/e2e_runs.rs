@@ -315,10 +315,12 @@ async fn budgets_deadlines_and_cancel_end_runs_with_their_partial_result() {
     assert_eq!(kinds(&log).last(), Some(&"RunFinished"));
 }
 
+/// FollowLatest moves at the next step boundary, not the next Job: with
+/// the default 60 s time slice one Job would take every step, and the
+/// controller asks its worker to yield when the Agent changes.
 #[tokio::test]
 async fn editing_the_agent_mid_run_moves_only_follow_latest_runs() {
-    // One step per Job, so every step is a boundary where versions may move.
-    let w = World::new("versions", &["--time-slice-seconds", "0"]).await;
+    let w = World::new("versions", &[]).await;
     let slow_then_done = |id: &str| {
         json!([
             {"delayMs": 4000, "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": id}}]},
@@ -394,8 +396,9 @@ async fn editing_the_agent_mid_run_moves_only_follow_latest_runs() {
     let follow_log = w.log(&follow).await;
     assert!(
         kinds(&follow_log).contains(&"VersionChanged"),
-        "{:?}",
-        kinds(&follow_log)
+        "{:?}\n{}",
+        kinds(&follow_log),
+        w.controller_log()
     );
     let follow_systems: Vec<_> = w
         .standins
@@ -411,8 +414,23 @@ async fn editing_the_agent_mid_run_moves_only_follow_latest_runs() {
             .contains("careful refund agent")
     );
     assert!(
-        follow_systems.last().unwrap().contains("NEW PROMPT v2"),
-        "{follow_systems:?}"
+        follow_systems[1..]
+            .iter()
+            .all(|s| s.contains("NEW PROMPT v2")),
+        "every model call after the change asked with the new prompt: {follow_systems:?}"
+    );
+    let moved = follow_log
+        .iter()
+        .position(|(r, _)| r.kind.as_str() == "VersionChanged")
+        .unwrap();
+    assert!(
+        follow_log[..moved]
+            .iter()
+            .filter(|(r, _)| r.kind.as_str() == "ModelCall")
+            .count()
+            == 1,
+        "the run moved right after the step in flight: {:?}",
+        kinds(&follow_log)
     );
     assert_eq!(follow.status.unwrap().pinned.unwrap().prompt_version, "v2");
 }

@@ -22,6 +22,16 @@ use crate::store::Head;
 
 /// Label carrying the run's name on every Job and pod of the run.
 pub const RUN_LABEL: &str = "agentrun.dev/run";
+
+/// What the controller keeps of a step Job in its watch cache: metadata
+/// (without field ownership) and status; the pod template is dropped.
+pub fn slim(job: &mut Job) {
+    job.metadata.managed_fields = None;
+    job.metadata.annotations = None;
+    if let Some(spec) = job.spec.as_mut() {
+        spec.template = Default::default();
+    }
+}
 /// Annotation switching a failpoint on for a run's first attempt (tests only).
 pub const FAILPOINT_ANNOTATION: &str = "agentrun.dev/failpoint";
 /// Key of the step token in a run's credential Secret ([`credential_secret`]).

@@ -28,8 +28,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::ObjectRef;
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -194,6 +195,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let head_events = store.head_events().await?;
     let store_pushes = head_events.is_some();
     let sweep_store = store.clone();
+    // The watches' caches: reconciles read Jobs and Agents from memory.
+    let (job_cache, job_writer) = reflector::store::<Job>();
+    let (agent_cache, agent_writer) = reflector::store::<Agent>();
     let ctx = Arc::new(reconcile::Context {
         client: client.clone(),
         recorder: Recorder::new(
@@ -220,6 +224,13 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         identity: format!("controller/{identity}"),
         http: crate::egress::client()?,
         logs: Default::default(),
+        job_cache: Some(job_cache.clone()),
+        agent_cache: Some(agent_cache.clone()),
+        policy_cache: Some(platform::PolicyCache::follow(
+            &client,
+            opts.namespace.as_deref(),
+        )),
+        credentials: Default::default(),
         store_pushes,
         lease_free_since: Default::default(),
         failures: Default::default(),
@@ -280,11 +291,22 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    // Only the operator's own Jobs, without their pod templates or field
+    // ownership: thousands of step Jobs stay small in memory.
+    let job_events = watcher(jobs, watcher::Config::default().labels(job::RUN_LABEL))
+        .default_backoff()
+        .modify(job::slim)
+        .reflect(job_writer)
+        .touched_objects();
+    let agent_events = watcher(agents.clone(), watcher::Config::default())
+        .default_backoff()
+        .reflect(agent_writer)
+        .touched_objects();
     let runs_controller = controller
-        .owns(jobs, watcher::Config::default())
+        .owns_stream(job_events)
         .owns(approvals, watcher::Config::default())
         .reconcile_on(wake)
-        .watches(agents.clone(), watcher::Config::default(), runs_of_agent)
+        .watches_stream(agent_events, runs_of_agent)
         .graceful_shutdown_on(stopped(stop_rx.clone()))
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
         .for_each(|_| async {});

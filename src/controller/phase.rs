@@ -125,6 +125,9 @@ pub enum Act {
     },
     /// Nothing now; look again after this long.
     Wait(Duration),
+    /// Ask the worker to stop at its next step boundary (the Agent of a
+    /// FollowLatest run changed under a running step), then as [`Act::Idle`].
+    AskToYield,
     /// Nothing until something changes: the Job, the log's head, the lease
     /// (lapsed leases are found by one sweep of the store), the deadline.
     Idle,
@@ -217,6 +220,8 @@ pub fn decide(o: &Observed) -> Act {
                 }
                 // Look again when it would count as lost.
                 Some(l) if job.running => return Act::Wait(LOST_AFTER - l.free_for),
+                // FollowLatest moves at the next step boundary, not the next Job.
+                _ if follow_agent(o).is_some() => return Act::AskToYield,
                 _ => return Act::Idle,
             }
         }
@@ -744,7 +749,7 @@ mod tests {
         assert_eq!(gen2(&r), Act::CreateJob { seq: 1, attempt: 2 });
         r.spec.version_policy = VersionPolicy::FollowLatest;
         assert_eq!(gen2(&r), Act::FollowAgent);
-        // Not while a step runs.
+        // A running step is asked to yield at its next boundary.
         let act = decide(&Observed {
             run: &r,
             log: &log,
@@ -757,7 +762,7 @@ mod tests {
             }),
             now: t(1),
         });
-        assert_eq!(act, Act::Idle);
+        assert_eq!(act, Act::AskToYield);
     }
 
     #[test]

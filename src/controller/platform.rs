@@ -2,7 +2,10 @@
 //! `ClusterAgentPolicy` everywhere): read when a run starts, follows its
 //! Agent or gets a Job; the pure part decides.
 
+use futures::StreamExt;
 use kube::api::{Api, ListParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 
 use super::approval::REQUESTER_ANNOTATION as REQUESTER;
 use super::error::Error;
@@ -22,43 +25,110 @@ pub struct Platform {
     pub secrets: Vec<crate::api::AllowedSecret>,
 }
 
-/// Lists the policies of the run's namespace and of the cluster.
-pub async fn read(client: &kube::Client, ns: &str) -> Result<Platform, Error> {
-    let cluster: Api<ClusterAgentPolicy> = Api::all(client.clone());
-    let local: Api<AgentPolicy> = Api::namespaced(client.clone(), ns);
+/// The policies as the controller's watches see them (kept in memory, so
+/// judging a Job costs no API call).
+#[derive(Clone)]
+pub struct PolicyCache {
+    pub cluster: Store<ClusterAgentPolicy>,
+    pub local: Store<AgentPolicy>,
+}
+
+impl PolicyCache {
+    /// Starts following both kinds of policy (namespace-scoped ones in `ns`
+    /// only, when the controller watches one namespace).
+    pub fn follow(client: &kube::Client, ns: Option<&str>) -> PolicyCache {
+        let (cluster, cluster_writer) = reflector::store();
+        let (local, local_writer) = reflector::store();
+        let local_api: Api<AgentPolicy> = match ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        let cluster_api: Api<ClusterAgentPolicy> = Api::all(client.clone());
+        tokio::spawn(drain(
+            watcher(cluster_api, watcher::Config::default())
+                .default_backoff()
+                .reflect(cluster_writer),
+        ));
+        tokio::spawn(drain(
+            watcher(local_api, watcher::Config::default())
+                .default_backoff()
+                .reflect(local_writer),
+        ));
+        PolicyCache { cluster, local }
+    }
+}
+
+async fn drain<S: futures::Stream + Send>(stream: S) {
+    futures::pin_mut!(stream);
+    while stream.next().await.is_some() {}
+}
+
+/// The policies of the run's namespace and of the cluster: from the
+/// watches' caches once they have listed, else listed now.
+pub async fn read(
+    client: &kube::Client,
+    cache: Option<&PolicyCache>,
+    ns: &str,
+) -> Result<Platform, Error> {
     let read = |source| Error::Read {
         what: "agent policies",
         source,
     };
-    let mut cluster = cluster
+    if let Some(c) = cache
+        && c.cluster.wait_until_ready().await.is_ok()
+        && c.local.wait_until_ready().await.is_ok()
+    {
+        let cluster = c.cluster.state().iter().map(|p| (**p).clone()).collect();
+        let local = c
+            .local
+            .state()
+            .iter()
+            .filter(|p| p.metadata.namespace.as_deref() == Some(ns))
+            .map(|p| (**p).clone())
+            .collect();
+        return Ok(Platform::from_policies(cluster, local));
+    }
+    let cluster: Api<ClusterAgentPolicy> = Api::all(client.clone());
+    let local: Api<AgentPolicy> = Api::namespaced(client.clone(), ns);
+    let cluster = cluster
         .list(&ListParams::default())
         .await
         .map_err(read)?
         .items;
-    let mut local = local
+    let local = local
         .list(&ListParams::default())
         .await
         .map_err(read)?
         .items;
-    cluster.sort_by_key(|p| p.metadata.name.clone());
-    local.sort_by_key(|p| p.metadata.name.clone());
-    let mut platform = Platform::default();
-    for p in cluster {
-        let name = format!("ClusterAgentPolicy/{}", p.metadata.name.unwrap_or_default());
-        if p.spec.forbid_inline_agents && platform.forbids_inline.is_none() {
-            platform.forbids_inline = Some(name.clone());
+    Ok(Platform::from_policies(cluster, local))
+}
+
+impl Platform {
+    /// Cluster policies first, then the namespace's, each by name.
+    pub fn from_policies(
+        mut cluster: Vec<ClusterAgentPolicy>,
+        mut local: Vec<AgentPolicy>,
+    ) -> Platform {
+        cluster.sort_by_key(|p| p.metadata.name.clone());
+        local.sort_by_key(|p| p.metadata.name.clone());
+        let mut platform = Platform::default();
+        for p in cluster {
+            let name = format!("ClusterAgentPolicy/{}", p.metadata.name.unwrap_or_default());
+            if p.spec.forbid_inline_agents && platform.forbids_inline.is_none() {
+                platform.forbids_inline = Some(name.clone());
+            }
+            platform.approval.extend(p.spec.approval.map(|a| (name, a)));
         }
-        platform.approval.extend(p.spec.approval.map(|a| (name, a)));
-    }
-    for p in local {
-        let name = format!("AgentPolicy/{}", p.metadata.name.unwrap_or_default());
-        if p.spec.forbid_inline_agents && platform.forbids_inline.is_none() {
-            platform.forbids_inline = Some(name.clone());
+        for p in local {
+            let name = format!("AgentPolicy/{}", p.metadata.name.unwrap_or_default());
+            if p.spec.forbid_inline_agents && platform.forbids_inline.is_none() {
+                platform.forbids_inline = Some(name.clone());
+            }
+            platform.secrets.extend(p.spec.allowed_secrets);
+            platform.approval.extend(p.spec.approval.map(|a| (name, a)));
         }
-        platform.secrets.extend(p.spec.allowed_secrets);
-        platform.approval.extend(p.spec.approval.map(|a| (name, a)));
+        platform
     }
-    Ok(platform)
 }
 
 impl Platform {

@@ -58,6 +58,13 @@ pub struct Context {
     pub store_pushes: bool,
     /// Since when each run's lease has been seen free while its step runs.
     pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
+    /// Step Jobs and Agents as the controller's watches last saw them (a
+    /// name missing there is read from the API server before it counts as gone).
+    pub job_cache: Option<kube::runtime::reflector::Store<Job>>,
+    pub agent_cache: Option<kube::runtime::reflector::Store<Agent>>,
+    pub policy_cache: Option<super::platform::PolicyCache>,
+    /// Runs whose step credential Secret this process created or found.
+    pub credentials: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Failed reconciles in a row, per run uid (the error backoff).
     pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }
@@ -133,10 +140,10 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         log: &replayed.state,
         agent_generation,
         job: job.clone(),
-        lease,
+        lease: lease.clone(),
         now,
     });
-    tracing::debug!(run = %run.name_any(), namespace = %ns, ?act, "decided");
+    tracing::debug!(run = %run.name_any(), namespace = %ns, ?act, ?agent_generation, ?job, ?lease, "decided");
 
     // Act.
     let mut acting = Acting {
@@ -221,6 +228,10 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             }
         }
         Act::Wait(d) => d,
+        Act::AskToYield => {
+            ctx.store.request_yield(&uid).await.map_err(Error::Store)?;
+            idle_requeue(ctx, run, now)
+        }
         Act::Idle => idle_requeue(ctx, run, now),
     };
 
@@ -299,7 +310,7 @@ async fn govern(
     ) {
         return Ok((act, template));
     }
-    let platform = super::platform::read(&ctx.client, ns).await?;
+    let platform = super::platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns).await?;
     let refused = platform.refusal(run, &template);
     let template = platform.govern(&template);
     let refused = refused.or_else(|| super::platform::Platform::unjudgeable(run, &template));
@@ -557,6 +568,7 @@ fn keep_replayed(
 ) {
     if finished {
         ctx.logs.forget(uid);
+        ctx.credentials.lock().expect("not poisoned").remove(uid);
         return;
     }
     ctx.logs.follow(uid, ObjectRef::from_obj(run));
@@ -632,6 +644,24 @@ fn error_backoff(failures: u32) -> Duration {
     Duration::from_secs(1 << exp).min(Duration::from_secs(300))
 }
 
+/// `name` as the watch's cache has it, else as the API server has it: a
+/// cache that lags (an object created a moment ago) never makes an
+/// object look gone.
+async fn cached_or_get<K>(
+    cache: Option<&kube::runtime::reflector::Store<K>>,
+    api: &Api<K>,
+    ns: &str,
+    name: &str,
+) -> Result<Option<K>, kube::Error>
+where
+    K: Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if let Some(found) = cache.and_then(|c| c.get(&ObjectRef::new(name).within(ns))) {
+        return Ok(Some((*found).clone()));
+    }
+    api.get_opt(name).await
+}
+
 async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolved, Error> {
     Ok(match (&run.spec.agent_ref, &run.spec.agent) {
         (_, Some(inline)) => Resolved {
@@ -640,8 +670,7 @@ async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolv
         },
         (Some(r), None) => {
             let agents: Api<Agent> = Api::namespaced(ctx.client.clone(), ns);
-            match agents
-                .get_opt(&r.name)
+            match cached_or_get(ctx.agent_cache.as_ref(), &agents, ns, &r.name)
                 .await
                 .map_err(|source| Error::Read {
                     what: "agent",
@@ -678,10 +707,12 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         return Ok(None);
     };
     let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-    let job = jobs.get_opt(&name).await.map_err(|source| Error::Read {
-        what: "step Job",
-        source,
-    })?;
+    let job = cached_or_get(ctx.job_cache.as_ref(), &jobs, ns, &name)
+        .await
+        .map_err(|source| Error::Read {
+            what: "step Job",
+            source,
+        })?;
     ctx.metrics
         .observe_job(&run.uid().unwrap_or_default(), job.as_ref());
     let ended_at = job.as_ref().and_then(|j| j.status.as_ref()).and_then(|s| {
@@ -897,6 +928,9 @@ async fn ensure_credential(
     ns: &str,
     uid: &str,
 ) -> Result<(), Error> {
+    if ctx.credentials.lock().expect("not poisoned").contains(uid) {
+        return Ok(());
+    }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
     let name = job::credential_secret(uid);
     let body: Secret = serde_json::from_value(json!({
@@ -918,14 +952,21 @@ async fn ensure_credential(
         ..Default::default()
     };
     match secrets.create(&params, &body).await {
-        Ok(_) => Ok(()),
+        Ok(_) => {}
         // Created by an earlier step of this run (its name is the run's uid).
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(source) => Err(Error::Write {
-            what: "step credential Secret",
-            source,
-        }),
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(source) => {
+            return Err(Error::Write {
+                what: "step credential Secret",
+                source,
+            });
+        }
     }
+    ctx.credentials
+        .lock()
+        .expect("not poisoned")
+        .insert(uid.to_string());
+    Ok(())
 }
 
 /// The log head the controller recorded in `status.log` (never moves backwards).

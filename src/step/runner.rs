@@ -175,6 +175,8 @@ struct Runner {
     tools: Option<(String, Toolbox)>,
     /// For dependency lookups.
     http: reqwest::Client,
+    /// The controller asked this worker to stop at the next step boundary.
+    yielding: bool,
 }
 
 impl Runner {
@@ -219,6 +221,7 @@ impl Runner {
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(15))
                 .build()?,
+            yielding: false,
         })
     }
 
@@ -365,6 +368,13 @@ impl Runner {
                     return Ok(());
                 }
             }
+            if self.yielding {
+                tracing::info!(
+                    records = self.state.len(),
+                    "the agent changed; yielding at this step boundary for the next Job"
+                );
+                return Ok(());
+            }
             if Instant::now() >= until && !matches!(self.state.next(), Next::ExecuteTool { .. }) {
                 tracing::info!(
                     records = self.state.len(),
@@ -460,6 +470,12 @@ impl Runner {
         request: &crate::model::ModelRequest,
     ) -> anyhow::Result<Option<ModelResponse>> {
         self.hold_lease("before-model-call").await?;
+        // A model call starts a step: where a FollowLatest run moves to its
+        // Agent's new version, never with the old prompt asked once more.
+        if self.lease.yield_requested {
+            self.yielding = true;
+            return Ok(None);
+        }
         match client.complete(request).await {
             Ok(response) => {
                 failpoint::hit("after-model-call");

@@ -71,6 +71,10 @@ pub struct Lease {
     pub epoch: u64,
     /// Store-clock expiry (PostgreSQL server time; local time for SQLite).
     pub expires_at: DateTime<Utc>,
+    /// The controller asked the holder to stop at its next step boundary
+    /// (the Agent of a FollowLatest run changed), as of the last renewal.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub yield_requested: bool,
 }
 
 /// A run's lease as read by [`StepStore::lease`].
@@ -165,6 +169,10 @@ pub trait StepStore: Send + Sync + fmt::Debug {
     /// The run's lease as it stands, read without writing (how the
     /// controller judges a worker). `None` when the run was never leased.
     async fn lease(&self, run: &str) -> Result<Option<LeaseState>, StoreError>;
+
+    /// Ask whoever holds the run's lease to stop at its next step boundary
+    /// (it learns when it next renews); a new holder starts without the ask.
+    async fn request_yield(&self, run: &str) -> Result<(), StoreError>;
 
     /// Give the lease up (it expires now; the epoch is kept, so the next
     /// holder gets a higher one). Releasing a lease that is no longer current

@@ -43,6 +43,13 @@ fn migrator() -> Migrator {
             )),
             false,
         ),
+        Migration::new(
+            3,
+            "yield requests".into(),
+            MigrationType::Simple,
+            sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/postgres/0003_yield.sql")),
+            false,
+        ),
     ]);
     m.dangerous_set_table_name(MIGRATIONS_TABLE);
     m
@@ -105,7 +112,8 @@ ON CONFLICT (run) DO UPDATE
        expires_at = excluded.expires_at,
        acquired_at = now(),
        renewed_at = now(),
-       released = false
+       released = false,
+       yield_requested = false
  WHERE l.expires_at <= now() OR l.holder = excluded.holder
 RETURNING epoch, expires_at
 "#;
@@ -116,6 +124,9 @@ const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() A
 const LAPSED_SQL: &str = "SELECT run, now() FROM agentrun_leases \
      WHERE NOT released AND expires_at > $1 AND expires_at <= now()";
 
+const YIELD_SQL: &str = "UPDATE agentrun_leases SET yield_requested = true \
+     WHERE run = $1 AND NOT yield_requested";
+
 /// The channel head changes are announced on (migration 0002).
 const HEADS_CHANNEL: &str = "agentrun_heads";
 
@@ -123,7 +134,7 @@ const RENEW_SQL: &str = r#"
 UPDATE agentrun_leases
    SET expires_at = now() + $4 * interval '1 microsecond', renewed_at = now(), released = false
  WHERE run = $1 AND epoch = $2 AND holder = $3
-RETURNING expires_at
+RETURNING expires_at, yield_requested
 "#;
 
 const RELEASE_SQL: &str = r#"
@@ -532,6 +543,7 @@ impl StepStore for PgStore {
                     holder: holder.to_string(),
                     epoch: epoch as u64,
                     expires_at,
+                    yield_requested: false,
                 });
             }
             let cur = sqlx::query(LEASE_SQL)
@@ -571,6 +583,7 @@ impl StepStore for PgStore {
             let expires_at: DateTime<Utc> = row.try_get(0).map_err(|e| self.err(e))?;
             return Ok(Lease {
                 expires_at,
+                yield_requested: row.try_get(1).map_err(|e| self.err(e))?,
                 ..lease.clone()
             });
         }
@@ -611,6 +624,15 @@ impl StepStore for PgStore {
             released: row.try_get::<bool, _>(3).map_err(|e| self.err(e))?
                 && row.try_get::<bool, _>(4).map_err(|e| self.err(e))?,
         }))
+    }
+
+    async fn request_yield(&self, run: &str) -> Result<(), StoreError> {
+        sqlx::query(YIELD_SQL)
+            .bind(run)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

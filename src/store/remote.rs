@@ -376,6 +376,15 @@ impl StepStore for RemoteStore {
         })
     }
 
+    async fn request_yield(&self, run: &str) -> Result<(), StoreError> {
+        Err(StoreError::PermissionDenied {
+            url: self.base.clone(),
+            reason: format!(
+                "the step-log gateway does not take yield requests for run {run}: only the controller asks"
+            ),
+        })
+    }
+
     async fn lapsed_leases(
         &self,
         _since: DateTime<Utc>,

@@ -42,6 +42,13 @@ fn migrator() -> Migrator {
             sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/sqlite/0002_released.sql")),
             false,
         ),
+        Migration::new(
+            3,
+            "yield requests".into(),
+            MigrationType::Simple,
+            sqlx::SqlSafeStr::into_sql_str(include_str!("migrations/sqlite/0003_yield.sql")),
+            false,
+        ),
     ]);
     m.dangerous_set_table_name(MIGRATIONS_TABLE);
     m
@@ -398,7 +405,7 @@ impl StepStore for SqliteStore {
                 }
                 sqlx::query(
                     "UPDATE agentrun_leases SET holder = ?2, epoch = ?3, expires_at = ?4, \
-                     acquired_at = ?5, renewed_at = ?5, released = 0 WHERE run = ?1",
+                     acquired_at = ?5, renewed_at = ?5, released = 0, yield_requested = 0 WHERE run = ?1",
                 )
                 .bind(run)
                 .bind(holder)
@@ -417,6 +424,7 @@ impl StepStore for SqliteStore {
             holder: holder.to_string(),
             epoch: epoch as u64,
             expires_at: from_micros(expires),
+            yield_requested: false,
         })
     }
 
@@ -425,19 +433,26 @@ impl StepStore for SqliteStore {
         let now = micros(Utc::now());
         let expires = now.saturating_add(ttl_micros(ttl));
         let epoch = to_i64("epoch", lease.epoch)?;
-        let cur =
-            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
-                .bind(&lease.run)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(|e| self.err(e))?;
-        let (holder, current, cur_expires): (Option<String>, Option<i64>, i64) = match cur {
+        let cur = sqlx::query(
+            "SELECT holder, epoch, expires_at, yield_requested FROM agentrun_leases WHERE run = ?1",
+        )
+        .bind(&lease.run)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        let (holder, current, cur_expires, yield_requested): (
+            Option<String>,
+            Option<i64>,
+            i64,
+            bool,
+        ) = match cur {
             Some(row) => (
                 Some(row.try_get(0).map_err(|e| self.err(e))?),
                 Some(row.try_get(1).map_err(|e| self.err(e))?),
                 row.try_get(2).map_err(|e| self.err(e))?,
+                row.try_get(3).map_err(|e| self.err(e))?,
             ),
-            None => (None, None, 0),
+            None => (None, None, 0, false),
         };
         if current != Some(epoch) || holder.as_deref() != Some(&lease.holder) {
             return Err(StoreError::StaleEpoch {
@@ -459,6 +474,7 @@ impl StepStore for SqliteStore {
         tx.commit().await.map_err(|e| self.err(e))?;
         Ok(Lease {
             expires_at: from_micros(expires),
+            yield_requested,
             ..lease.clone()
         })
     }
@@ -482,6 +498,15 @@ impl StepStore for SqliteStore {
             expired,
             released: expired && released,
         }))
+    }
+
+    async fn request_yield(&self, run: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE agentrun_leases SET yield_requested = 1 WHERE run = ?1")
+            .bind(run)
+            .execute(&self.writer)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

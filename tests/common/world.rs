@@ -116,6 +116,11 @@ impl World {
         agentrun::store::open(&self.store_url).await.unwrap()
     }
 
+    /// The controller's log so far (for a failing test's message).
+    pub fn controller_log(&self) -> String {
+        self.controller.log()
+    }
+
     pub fn name(&self) -> &str {
         self.ns.name()
     }
