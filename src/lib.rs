@@ -8,6 +8,7 @@ pub mod controller;
 pub mod egress;
 pub mod model;
 pub mod policy;
+pub mod runlog;
 pub mod step;
 pub mod store;
 pub mod telemetry;

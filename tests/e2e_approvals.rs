@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Approval, Phase};
-use agentrun::step::replay::Step;
+use agentrun::runlog::replay::Step;
 use common::approvals::{
     decide, entry, gated_agent, grant_approver_role, pending_approval, plugin, refund, refusal,
 };
@@ -731,6 +731,6 @@ async fn an_unknowable_outcome_asks_a_human_to_reconcile() {
     });
     assert_eq!(
         recovered,
-        Some(agentrun::step::records::Recovery::HumanConfirmedDone)
+        Some(agentrun::runlog::records::Recovery::HumanConfirmedDone)
     );
 }

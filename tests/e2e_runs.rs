@@ -6,7 +6,7 @@
 mod common;
 
 use agentrun::api::{AgentRun, Phase};
-use agentrun::step::replay::Step;
+use agentrun::runlog::replay::Step;
 use common::world::{TIMEOUT, World, call, finish, kinds};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -199,7 +199,7 @@ async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
             _ => None,
         })
     };
-    use agentrun::step::records::Recovery;
+    use agentrun::runlog::records::Recovery;
     assert_eq!(
         recovery(&w.log(&idem).await),
         Some(Recovery::RetriedWithSameKey)
@@ -226,7 +226,9 @@ async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
         "the call whose outcome is unknown was not repeated"
     );
     match &w.log(&blind).await.last().unwrap().1 {
-        Step::RunFinished(f) => assert_eq!(f.outcome, agentrun::step::records::Outcome::NeedsHuman),
+        Step::RunFinished(f) => {
+            assert_eq!(f.outcome, agentrun::runlog::records::Outcome::NeedsHuman)
+        }
         other => panic!("last record is {other:?}"),
     }
 }
@@ -356,10 +358,10 @@ async fn editing_the_agent_mid_run_moves_only_follow_latest_runs() {
     )
     .await;
     // While the first model call is in flight, the prompt changes.
-    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
     for id in ["pinned", "follow"] {
-        common::wait_for("the run to start", TIMEOUT, || async {
-            (runs.get(id).await.ok()?.status?.log?.length >= 1).then_some(())
+        // The first model call is in flight (the stand-in answers it after 4 s).
+        common::wait_for("the first model call", TIMEOUT, || async {
+            (!w.standins.model_requests(id).await.is_empty()).then_some(())
         })
         .await;
         let patch = json!({"spec": {"prompt": {"version": "v2", "system": "NEW PROMPT v2"}}});
@@ -661,7 +663,7 @@ async fn step_pods_deleted_after_progress_never_fail_the_run() {
 /// e2e store, so it survives its "replacement" as a partitioned pod would.
 #[tokio::test]
 async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends() {
-    use agentrun::step::records::{RunStarted, Versions};
+    use agentrun::runlog::records::{RunStarted, Versions};
     use agentrun::store::{Head, RecordDraft, StepKind};
     use agentrun::tools::{McpCatalog, Toolbox};
     let w = World::new("zombie", &[]).await;

@@ -25,8 +25,8 @@ use super::error::Error;
 use super::pinned_gate;
 use super::reconcile::{Context, FIELD_MANAGER, append, notice};
 use crate::policy::Classification;
-use crate::step::records::{ApprovalRequested, RecordedDecision, RunFinished, Verdict};
-use crate::step::replay::{RunState, Step};
+use crate::runlog::records::{ApprovalRequested, RecordedDecision, RunFinished, Verdict};
+use crate::runlog::replay::{RunState, Step};
 use crate::store::Head;
 
 /// Annotation naming the user who created a run, checked by the API server.
@@ -368,7 +368,7 @@ pub(super) async fn handle(
     now: Timestamp,
     notices: &mut Vec<super::decide::Notice>,
 ) -> Result<Option<(String, Timestamp)>, Error> {
-    use crate::step::records::Outcome;
+    use crate::runlog::records::Outcome;
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
     let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
@@ -621,8 +621,8 @@ fn decision_record(
     request_seq: u64,
     name: &str,
     notices: &mut Vec<super::decide::Notice>,
-) -> Option<crate::step::records::ApprovalDecided> {
-    use crate::step::records::ApprovalDecided;
+) -> Option<crate::runlog::records::ApprovalDecided> {
+    use crate::runlog::records::ApprovalDecided;
     let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(
         &serde_json::to_value(&spec.observations).unwrap_or_default(),
     ));
@@ -1116,7 +1116,7 @@ mod tests {
     }
 
     fn pinned(policy: crate::api::ApprovalPolicy) -> Vec<Step> {
-        vec![Step::RunStarted(crate::step::records::RunStarted {
+        vec![Step::RunStarted(crate::runlog::records::RunStarted {
             run_name: "r".into(),
             namespace: "n".into(),
             input: "i".into(),

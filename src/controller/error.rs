@@ -20,7 +20,7 @@ pub enum Error {
     #[error("step store: {0}")]
     Store(#[source] crate::store::StoreError),
     #[error("step log: {0}")]
-    Decode(#[source] crate::step::replay::DecodeError),
+    Decode(#[source] crate::runlog::replay::DecodeError),
 }
 
 impl Error {

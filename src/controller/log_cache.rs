@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use kube::runtime::reflector::ObjectRef;
 
 use crate::api::AgentRun;
-use crate::step::replay::RunState;
+use crate::runlog::replay::RunState;
 use crate::store::{Head, HeadEvent};
 
 /// A run's log replayed up to `head`.

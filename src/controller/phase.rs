@@ -7,8 +7,8 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use crate::api::{AgentRun, Phase};
-use crate::step::records::{Outcome, RunFinished};
-use crate::step::replay::{Next, RunState};
+use crate::runlog::records::{Outcome, RunFinished};
+use crate::runlog::replay::{Next, RunState};
 
 /// Attempts of one step that record nothing before the run fails, unless
 /// the agent's `retry` says otherwise.
@@ -334,8 +334,8 @@ pub fn phase_of(outcome: Outcome) -> Phase {
 mod tests {
     use super::*;
     use crate::api::{AgentRunSpec, AgentRunStatus, AgentTemplate, CurrentStep, VersionPolicy};
-    use crate::step::records::{RunStarted, Versions};
-    use crate::step::replay::Step;
+    use crate::runlog::records::{RunStarted, Versions};
+    use crate::runlog::replay::Step;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn t(s: i64) -> Timestamp {
@@ -450,7 +450,7 @@ mod tests {
     #[test]
     fn the_controller_records_the_end_the_log_asks_for() {
         let mut log = started(None);
-        log.apply(Step::Observation(crate::step::records::Observation {
+        log.apply(Step::Observation(crate::runlog::records::Observation {
             text: "the model refused the request".into(),
             about_seq: None,
             stop: Some(RunFinished {
@@ -479,7 +479,7 @@ mod tests {
     #[test]
     fn progress_schedules_the_next_seq_as_a_first_attempt() {
         let mut log = started(None);
-        log.apply(Step::Observation(crate::step::records::Observation {
+        log.apply(Step::Observation(crate::runlog::records::Observation {
             text: "x".into(),
             about_seq: None,
             stop: None,
@@ -691,7 +691,7 @@ mod tests {
         let mut r = run();
         r.spec.cancel = true;
         let mut log = started(None);
-        log.apply(Step::Observation(crate::step::records::Observation {
+        log.apply(Step::Observation(crate::runlog::records::Observation {
             text: "x".into(),
             about_seq: None,
             stop: None,
@@ -795,7 +795,7 @@ mod tests {
         };
         // Released without recording anything: the Job's own end decides.
         assert_eq!(observed(&log, true, true), Act::Idle);
-        log.apply(Step::Observation(crate::step::records::Observation {
+        log.apply(Step::Observation(crate::runlog::records::Observation {
             text: "x".into(),
             about_seq: None,
             stop: None,

@@ -8,9 +8,9 @@ use serde_json::Value;
 
 use crate::api::{AgentTemplate, ApprovalKind, OnExpiry};
 use crate::policy::{Classification, Gate, arguments_hash, classify, declared_read_only};
+use crate::runlog::records::{ApprovalRequested, Verdict};
+use crate::runlog::replay::Step;
 use crate::step::approval::split_alternative;
-use crate::step::records::{ApprovalRequested, Verdict};
-use crate::step::replay::Step;
 
 /// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
 pub fn pinned_agent(steps: &[Step], seq: u64) -> Option<&AgentTemplate> {
@@ -230,7 +230,7 @@ mod tests {
     use super::*;
     use crate::api::{ApprovalPolicy, ApprovalRule, Approvers};
     use crate::model::{ModelResponse, TokenUsage, ToolCall};
-    use crate::step::records::{ApprovalDecided, ModelCall, RunStarted, ToolIntent};
+    use crate::runlog::records::{ApprovalDecided, ModelCall, RunStarted, ToolIntent};
     use serde_json::json;
 
     fn agent() -> AgentTemplate {

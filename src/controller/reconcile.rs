@@ -23,9 +23,9 @@ use super::metrics::{Metrics, ReasonLabel};
 use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
 use super::status;
 use crate::api::{Agent, AgentRun, AgentTemplate};
+use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
+use crate::runlog::replay::{RunState, Step};
 use crate::step::failpoint;
-use crate::step::records::{RunFinished, RunStarted, VersionChanged, Versions};
-use crate::step::replay::{RunState, Step};
 use crate::store::{
     Head, RecordDraft, StepKind, StepStore, StoreError, check_anchor_after, sha256_hex,
 };
@@ -315,7 +315,7 @@ async fn govern(
     let template = platform.govern(&template);
     let refused = refused.or_else(|| super::platform::Platform::unjudgeable(run, &template));
     let failed = |result, reason| RunFinished {
-        outcome: crate::step::records::Outcome::Failed,
+        outcome: crate::runlog::records::Outcome::Failed,
         result,
         error: Some(reason),
     };
@@ -355,7 +355,7 @@ async fn start_run(
                 .notices
                 .push(notice(true, "InvalidAgent", reason.clone()));
             acting.concluded = Some(RunFinished {
-                outcome: crate::step::records::Outcome::Failed,
+                outcome: crate::runlog::records::Outcome::Failed,
                 result: None,
                 error: Some(reason),
             });

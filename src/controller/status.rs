@@ -9,8 +9,8 @@ use super::phase::{JobState, JobView, deadline, phase_of};
 use crate::api::{
     AgentRun, AgentRunStatus, CurrentStep, LogRef, PendingApproval, Phase, PinnedVersions, Usage,
 };
-use crate::step::records::{Outcome, RunFinished};
-use crate::step::replay::RunState;
+use crate::runlog::records::{Outcome, RunFinished};
+use crate::runlog::replay::RunState;
 use crate::store::Head;
 
 /// Longest `status.result` / `status.error`: a run's status stays small

@@ -4,39 +4,16 @@
 
 pub mod condition;
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::api::{ApprovalPolicy, ApprovalRule, Approvers, DefaultAction, Dependency, OnExpiry};
+use crate::api::{ApprovalPolicy, ApprovalRule, DefaultAction, OnExpiry};
+pub use crate::runlog::records::Gate;
 
 /// What a call needs before it may run.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Classification {
     Allow,
     RequireApproval(Box<Gate>),
-}
-
-/// The approval a call needs: who, how many, for how long, and what then.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct Gate {
-    /// The rule that matched (`default` for `defaultAction`).
-    pub rule: String,
-    /// Why the rule matched, for the approver.
-    pub because: String,
-    pub approvers: Approvers,
-    pub required_approvals: u32,
-    pub expires_after: String,
-    pub on_expiry: OnExpiry,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub escalate_to: Option<Approvers>,
-    pub max_escalations: u32,
-    #[serde(default)]
-    pub dependencies: Vec<Dependency>,
-    #[serde(default)]
-    pub separation_of_duties: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub notify_webhook: Option<String>,
 }
 
 /// Classifies a proposed call. `read_only` is the tool's declaration (never a hint).
@@ -49,7 +26,7 @@ pub fn classify(
     let Some(policy) = policy else {
         return Classification::Allow;
     };
-    if tool == crate::step::replay::FINISH_TOOL {
+    if tool == crate::runlog::replay::FINISH_TOOL {
         return Classification::Allow;
     }
     for rule in &policy.rules {
@@ -156,6 +133,7 @@ pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::Approvers;
     use serde_json::json;
 
     fn policy(when: Option<&str>) -> ApprovalPolicy {

@@ -3,11 +3,11 @@
 
 use serde_json::Value;
 
-use super::records::ApprovalRequested;
-use super::replay::{RunState, Step};
 use crate::api::{Dependency, DependencyVersion, ObservedResult};
 use crate::model::ToolCall;
 use crate::policy::{Gate, arguments_hash};
+use crate::runlog::records::ApprovalRequested;
+use crate::runlog::replay::{RunState, Step};
 use crate::tools::ToolOutcome;
 
 /// Key under which an agent may propose a safe alternative next to a risky call.
@@ -69,7 +69,7 @@ pub async fn request(
 pub fn reconcile_request(
     state: &RunState,
     intent_seq: u64,
-    intent: &super::records::ToolIntent,
+    intent: &crate::runlog::records::ToolIntent,
     mut gate: Gate,
     reason: &str,
 ) -> ApprovalRequested {

@@ -1,9 +1,9 @@
 //! Building what the model sees: system prompt + task + latest summary +
 //! recent steps. The full log is always kept; only the context is compacted.
 
-use super::records::{ApprovalDecided, ApprovalRequested, ContextInfo, Summary, Verdict};
-use super::replay::{RunState, Snapshot, Step};
 use crate::model::{Message, ModelRequest, estimate_tokens};
+use crate::runlog::records::{ApprovalDecided, ApprovalRequested, ContextInfo, Summary, Verdict};
+use crate::runlog::replay::{RunState, Snapshot, Step};
 use crate::tools::ToolOutcome;
 
 /// Steps sent verbatim after a summary when the Agent does not say.

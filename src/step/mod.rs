@@ -4,6 +4,4 @@
 pub mod approval;
 pub mod context;
 pub mod failpoint;
-pub mod records;
-pub mod replay;
 pub mod runner;

@@ -11,10 +11,10 @@ use anyhow::{Context as _, bail};
 use super::approval;
 use super::context::{ContextPlan, plan};
 use super::failpoint;
-use super::records::*;
-use super::replay::{Next, RunState, Snapshot, Step};
 use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
+use crate::runlog::records::*;
+use crate::runlog::replay::{Next, RunState, Snapshot, Step};
 use crate::store::{self, Head, Lease, RecordDraft, StepKind, StepStore, StoreError};
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Phase};
-use agentrun::step::replay::Step;
+use agentrun::runlog::replay::Step;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};

@@ -7,8 +7,8 @@
 //! the run's log still verifies against its status.
 
 use agentrun::api::{AgentRun, Approval, ApprovalState, Phase};
-use agentrun::step::records::{Outcome, Verdict};
-use agentrun::step::replay::Step;
+use agentrun::runlog::records::{Outcome, Verdict};
+use agentrun::runlog::replay::Step;
 use k8s_openapi::api::core::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};

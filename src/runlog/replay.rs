@@ -564,7 +564,7 @@ mod tests {
             reason: None,
             observations: vec![],
             dependencies: vec![],
-            gate: crate::policy::Gate {
+            gate: crate::runlog::records::Gate {
                 rule: "r".into(),
                 because: "b".into(),
                 approvers: Default::default(),

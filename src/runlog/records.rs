@@ -176,7 +176,7 @@ pub struct ApprovalRequested {
     /// Versions of the declared dependencies, read now.
     #[serde(default)]
     pub dependencies: Vec<crate::api::DependencyVersion>,
-    pub gate: crate::policy::Gate,
+    pub gate: Gate,
     /// 0 for the first request, n for the n-th escalation.
     #[serde(default)]
     pub escalation: u32,
@@ -259,4 +259,27 @@ pub struct ApprovalVoided {
     /// Dependency versions now (the request holds the old ones).
     #[serde(default)]
     pub dependencies: Vec<crate::api::DependencyVersion>,
+}
+
+/// The approval a call needs: who, how many, for how long, and what then.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Gate {
+    /// The rule that matched (`default` for `defaultAction`).
+    pub rule: String,
+    /// Why the rule matched, for the approver.
+    pub because: String,
+    pub approvers: crate::api::Approvers,
+    pub required_approvals: u32,
+    pub expires_after: String,
+    pub on_expiry: crate::api::OnExpiry,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalate_to: Option<crate::api::Approvers>,
+    pub max_escalations: u32,
+    #[serde(default)]
+    pub dependencies: Vec<crate::api::Dependency>,
+    #[serde(default)]
+    pub separation_of_duties: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify_webhook: Option<String>,
 }
