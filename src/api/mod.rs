@@ -63,3 +63,6 @@ pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
     }
     Ok(out)
 }
+
+/// Annotation naming the user who created a run, checked by the API server.
+pub const REQUESTER_ANNOTATION: &str = "agentrun.dev/requester";

@@ -14,8 +14,8 @@ use kube::runtime::{Controller, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
+use super::context::FIELD_MANAGER;
 use super::decide::{condition, set_condition};
-use super::reconcile::FIELD_MANAGER;
 use crate::api::{Agent, AgentStatus, AgentTemplate};
 
 /// Why a template cannot be used, naming the field; `None` when it can.

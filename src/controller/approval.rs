@@ -21,16 +21,15 @@ use crate::api::{
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
+use super::context::{Context, FIELD_MANAGER, append, notice};
 use super::error::Error;
 use super::pinned_gate;
-use super::reconcile::{Context, FIELD_MANAGER, append, notice};
 use crate::policy::Classification;
 use crate::runlog::records::{ApprovalRequested, RecordedDecision, RunFinished, Verdict};
 use crate::runlog::replay::{RunState, Step};
 use crate::store::Head;
 
-/// Annotation naming the user who created a run, checked by the API server.
-pub const REQUESTER_ANNOTATION: &str = "agentrun.dev/requester";
+pub use crate::api::REQUESTER_ANNOTATION;
 
 /// Name of the Approval for the request at `request_seq` of the run with
 /// `uid`: `<run>-a<seq>-<8 hex of sha256(uid)>`, at most 63 characters. The

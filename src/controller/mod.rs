@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod approval;
+mod context;
 pub mod decide;
 mod error;
 pub mod gateway;
@@ -36,8 +37,8 @@ use kube::runtime::{Controller, watcher};
 use kube::{Api, Client, ResourceExt};
 use prometheus_client::registry::Registry;
 
+pub use context::FIELD_MANAGER;
 pub use error::Error;
-pub use reconcile::FIELD_MANAGER;
 
 use crate::api::{Agent, AgentRun, Approval};
 
@@ -198,7 +199,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // The watches' caches: reconciles read Jobs and Agents from memory.
     let (job_cache, job_writer) = reflector::store::<Job>();
     let (agent_cache, agent_writer) = reflector::store::<Agent>();
-    let ctx = Arc::new(reconcile::Context {
+    let ctx = Arc::new(context::Context {
         client: client.clone(),
         recorder: Recorder::new(
             client.clone(),
@@ -327,7 +328,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 /// followed when head events may have been missed. Also forgets the
 /// replayed logs of runs deleted unfinished.
 fn wake_runs(
-    ctx: Arc<reconcile::Context>,
+    ctx: Arc<context::Context>,
     head_events: Option<tokio::sync::mpsc::Receiver<crate::store::HeadEvent>>,
     store: Arc<dyn crate::store::StepStore>,
     runs: kube::runtime::reflector::Store<AgentRun>,

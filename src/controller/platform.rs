@@ -7,8 +7,8 @@ use kube::api::{Api, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
-use super::approval::REQUESTER_ANNOTATION as REQUESTER;
 use super::error::Error;
+use crate::api::REQUESTER_ANNOTATION as REQUESTER;
 use crate::api::{
     AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
     DefaultAction, PlatformApproval,

@@ -10,64 +10,25 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
+use super::context::{Context, FIELD_MANAGER, append, notice};
 use super::decide::{AgentLookup, decide};
 use super::error::Error;
-use super::job::{self, JobSettings};
+use super::job;
 use super::log_cache::Replayed;
-use super::metrics::{Metrics, ReasonLabel};
+use super::metrics::ReasonLabel;
 use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
 use super::status;
 use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::runlog::replay::{RunState, Step};
 use crate::step::failpoint;
-use crate::store::{
-    Head, RecordDraft, StepKind, StepStore, StoreError, check_anchor_after, sha256_hex,
-};
+use crate::store::{Head, StoreError, check_anchor_after, sha256_hex};
 use crate::tools::{Toolbox, discover_catalog_with};
-
-/// The one field manager every write of the controller uses.
-pub const FIELD_MANAGER: &str = "agentrun-controller";
-
-/// Shared state of the reconciler.
-pub struct Context {
-    pub client: kube::Client,
-    pub recorder: Recorder,
-    pub metrics: Metrics,
-    pub store: Arc<dyn StepStore>,
-    /// Name of the store in `status.log.store`.
-    pub store_name: String,
-    /// Mints each run's step-log gateway token (handed over in a per-run Secret).
-    pub tokens: super::step_token::TokenKey,
-    /// Signs the controller's own records; the verifier checks them on every read.
-    pub signer: crate::store::RecordSigner,
-    pub verifier: crate::store::RecordVerifier,
-    pub jobs: JobSettings,
-    /// Identity used for the controller's own appends.
-    pub identity: String,
-    /// For user-chosen addresses (approval webhooks, MCP discovery): egress-guarded.
-    pub http: reqwest::Client,
-    /// Each run's replayed log, extended by what its head events announce.
-    pub logs: super::log_cache::LogCache,
-    /// Whether the store pushes head events (else running runs are polled).
-    pub store_pushes: bool,
-    /// Since when each run's lease has been seen free while its step runs.
-    pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
-    /// Step Jobs and Agents as the controller's watches last saw them (a
-    /// name missing there is read from the API server before it counts as gone).
-    pub job_cache: Option<kube::runtime::reflector::Store<Job>>,
-    pub agent_cache: Option<kube::runtime::reflector::Store<Agent>>,
-    pub policy_cache: Option<super::platform::PolicyCache>,
-    /// Runs whose step credential Secret this process created or found.
-    pub credentials: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// Failed reconciles in a row, per run uid (the error backoff).
-    pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
-}
 
 /// What the controller read about a run's agent.
 struct Resolved {
@@ -847,45 +808,6 @@ async fn fence_lost_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
     }
 }
 
-/// Appends one record as the controller (RunStarted, VersionChanged, its own
-/// RunFinished), under the run's lease like any worker.
-pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
-    let lease = ctx
-        .store
-        .acquire(uid, &ctx.identity, Duration::from_secs(10))
-        .await
-        .map_err(Error::Store)?;
-    let kind = StepKind::ALL
-        .into_iter()
-        .find(|k| k.as_str() == step.kind())
-        .expect("known kind");
-    failpoint::hit(&format!("controller:before-append:{kind}"));
-    let mut draft = RecordDraft::new(kind, step.payload());
-    draft.worker = crate::store::Worker {
-        pod: ctx.identity.clone(),
-        attempt: 0,
-    };
-    let started = Instant::now();
-    let result = match ctx.signer.seal(draft, head) {
-        Ok(record) => ctx
-            .store
-            .append(uid, lease.epoch, &record)
-            .await
-            .map(|_| ()),
-        Err(e) => Err(e),
-    };
-    ctx.metrics.observe_append(started.elapsed(), &result);
-    if result.is_ok() {
-        failpoint::hit(&format!("controller:after-append:{kind}"));
-    }
-    let _ = ctx.store.release(&lease).await;
-    match result {
-        // Someone recorded that seq first: reconcile again from the new head.
-        Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),
-        Err(e) => Err(Error::Store(e)),
-    }
-}
-
 /// Resolves everything the run will execute with, for `RunStarted`.
 async fn snapshot(
     run: &AgentRun,
@@ -1075,18 +997,6 @@ async fn write_status(
         }
     }
     Ok(())
-}
-
-pub(super) fn notice(
-    warning: bool,
-    reason: &'static str,
-    message: String,
-) -> super::decide::Notice {
-    super::decide::Notice {
-        warning,
-        reason,
-        message,
-    }
 }
 
 fn phase_reason(phase: crate::api::Phase) -> &'static str {

@@ -1,0 +1,106 @@
+//! What every part of the reconciler shares: the clients, caches and keys
+//! of one controller process ([`Context`]), and the controller's own writes
+//! to the log and to Events' wording. Depends on no other reconciler module.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::batch::v1::Job;
+use kube::runtime::events::Recorder;
+
+use super::error::Error;
+use super::job::JobSettings;
+use super::metrics::Metrics;
+use crate::api::Agent;
+use crate::runlog::replay::Step;
+use crate::step::failpoint;
+use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError};
+
+/// The one field manager every write of the controller uses.
+pub const FIELD_MANAGER: &str = "agentrun-controller";
+
+/// Shared state of the reconciler.
+pub struct Context {
+    pub client: kube::Client,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+    pub store: Arc<dyn StepStore>,
+    /// Name of the store in `status.log.store`.
+    pub store_name: String,
+    /// Mints each run's step-log gateway token (handed over in a per-run Secret).
+    pub tokens: super::step_token::TokenKey,
+    /// Signs the controller's own records; the verifier checks them on every read.
+    pub signer: crate::store::RecordSigner,
+    pub verifier: crate::store::RecordVerifier,
+    pub jobs: JobSettings,
+    /// Identity used for the controller's own appends.
+    pub identity: String,
+    /// For user-chosen addresses (approval webhooks, MCP discovery): egress-guarded.
+    pub http: reqwest::Client,
+    /// Each run's replayed log, extended by what its head events announce.
+    pub logs: super::log_cache::LogCache,
+    /// Whether the store pushes head events (else running runs are polled).
+    pub store_pushes: bool,
+    /// Since when each run's lease has been seen free while its step runs.
+    pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
+    /// Step Jobs and Agents as the controller's watches last saw them (a
+    /// name missing there is read from the API server before it counts as gone).
+    pub job_cache: Option<kube::runtime::reflector::Store<Job>>,
+    pub agent_cache: Option<kube::runtime::reflector::Store<Agent>>,
+    pub policy_cache: Option<super::platform::PolicyCache>,
+    /// Runs whose step credential Secret this process created or found.
+    pub credentials: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Failed reconciles in a row, per run uid (the error backoff).
+    pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
+/// Appends one record as the controller (RunStarted, VersionChanged, its own
+/// RunFinished), under the run's lease like any worker.
+pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
+    let lease = ctx
+        .store
+        .acquire(uid, &ctx.identity, Duration::from_secs(10))
+        .await
+        .map_err(Error::Store)?;
+    let kind = StepKind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == step.kind())
+        .expect("known kind");
+    failpoint::hit(&format!("controller:before-append:{kind}"));
+    let mut draft = RecordDraft::new(kind, step.payload());
+    draft.worker = crate::store::Worker {
+        pod: ctx.identity.clone(),
+        attempt: 0,
+    };
+    let started = Instant::now();
+    let result = match ctx.signer.seal(draft, head) {
+        Ok(record) => ctx
+            .store
+            .append(uid, lease.epoch, &record)
+            .await
+            .map(|_| ()),
+        Err(e) => Err(e),
+    };
+    ctx.metrics.observe_append(started.elapsed(), &result);
+    if result.is_ok() {
+        failpoint::hit(&format!("controller:after-append:{kind}"));
+    }
+    let _ = ctx.store.release(&lease).await;
+    match result {
+        // Someone recorded that seq first: reconcile again from the new head.
+        Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),
+        Err(e) => Err(Error::Store(e)),
+    }
+}
+
+pub(super) fn notice(
+    warning: bool,
+    reason: &'static str,
+    message: String,
+) -> super::decide::Notice {
+    super::decide::Notice {
+        warning,
+        reason,
+        message,
+    }
+}
