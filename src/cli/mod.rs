@@ -4,6 +4,7 @@
 //! and leaves enforcement to the API server's admission policies.
 
 use std::collections::BTreeMap;
+use std::io::Write;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
@@ -91,6 +92,33 @@ enum Command {
 /// Runs the plugin.
 pub async fn main(cli: Cli) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let (client, ns) = connect(&cli).await?;
+    let k = Kube {
+        approvals: Api::namespaced(client.clone(), &ns),
+        runs: Api::namespaced(client.clone(), &ns),
+        client,
+        ns,
+    };
+    let mut out = std::io::stdout().lock();
+    match cli.command {
+        Command::Approvals { all_namespaces } => list_approvals(&k, all_namespaces, &mut out).await,
+        Command::Show { approval } => show(&k, &approval, &mut out).await,
+        Command::Approve { approval, reason } => approve(&k, &approval, reason, &mut out).await,
+        Command::Reject { approval, reason } => reject(&k, &approval, reason, &mut out).await,
+        Command::Edit {
+            approval,
+            set,
+            file,
+            reason,
+        } => edit(&k, &approval, &set, file.as_deref(), reason, &mut out).await,
+        Command::Log { run, store_url } => log(&k, &run, &store_url, &mut out).await,
+        Command::Verify { run, store_url } => verify(&k, &run, &store_url, &mut out).await,
+        Command::Cancel { run } => cancel(&k, &run, &mut out).await,
+    }
+}
+
+/// The client (as `--as`/`--as-group` when given) and the namespace to act in.
+async fn connect(cli: &Cli) -> anyhow::Result<(kube::Client, String)> {
     let options = KubeConfigOptions {
         context: cli.context.clone(),
         ..Default::default()
@@ -108,147 +136,157 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         .namespace
         .clone()
         .unwrap_or_else(|| config.default_namespace.clone());
-    let client = kube::Client::try_from(config)?;
-    let approvals: Api<Approval> = Api::namespaced(client.clone(), &ns);
-    let runs: Api<AgentRun> = Api::namespaced(client.clone(), &ns);
-    let mut out = std::io::stdout().lock();
-    use std::io::Write;
-    match cli.command {
-        Command::Approvals { all_namespaces } => {
-            let api: Api<Approval> = if all_namespaces {
-                Api::all(client)
-            } else {
-                approvals
-            };
-            let list = api.list(&ListParams::default()).await?;
-            writeln!(
-                out,
-                "{:<16} {:<28} {:<20} {:<14} {:<36} {:<24} EXPIRES-IN",
-                "NAMESPACE", "NAME", "RUN", "TOOL", "ARGUMENTS", "APPROVERS"
-            )?;
-            for a in list
-                .items
-                .iter()
-                .filter(|a| state(a) == ApprovalState::Pending)
-            {
-                writeln!(
-                    out,
-                    "{:<16} {:<28} {:<20} {:<14} {:<36} {:<24} {}",
-                    a.metadata.namespace.as_deref().unwrap_or_default(),
-                    a.metadata.name.as_deref().unwrap_or_default(),
-                    visible(&a.spec.run_ref.name),
-                    visible(&a.spec.tool),
-                    abbreviate(&visible_json(&a.spec.arguments), 36),
-                    visible(&approvers(a)),
-                    time_left(a),
-                )?;
-            }
-        }
-        Command::Show { approval } => {
-            let a = get(&approvals, &approval, &ns).await?;
-            write!(out, "{}", describe(&a))?;
-        }
-        Command::Approve { approval, reason } => {
-            let a = decide(
-                &client,
-                &approvals,
-                &approval,
-                &ns,
-                Verdict::Approve,
-                None,
-                reason,
-            )
-            .await?;
-            writeln!(
-                out,
-                "approved {} ({} {})",
-                approval,
-                visible(&a.spec.tool),
-                visible_json(&a.spec.arguments)
-            )?;
-        }
-        Command::Reject { approval, reason } => {
-            decide(
-                &client,
-                &approvals,
-                &approval,
-                &ns,
-                Verdict::Reject,
-                None,
-                reason,
-            )
-            .await?;
-            writeln!(out, "rejected {approval}")?;
-        }
-        Command::Edit {
-            approval,
-            set,
-            file,
-            reason,
-        } => {
-            let current = get(&approvals, &approval, &ns).await?;
-            let arguments = edited_arguments(&current.spec.arguments, &set, file.as_deref())?;
-            decide(
-                &client,
-                &approvals,
-                &approval,
-                &ns,
-                Verdict::Edit,
-                Some(arguments.clone()),
-                reason,
-            )
-            .await?;
-            writeln!(
-                out,
-                "approved {approval} with arguments {}",
-                visible_json(&arguments)
-            )?;
-        }
-        Command::Log { run, store_url } => {
-            let r = runs
-                .get(&run)
-                .await
-                .with_context(|| format!("no run {run:?} in namespace {ns:?}"))?;
-            let store = crate::store::open(&store_url).await?;
-            for record in store.read_all(&r.metadata.uid.unwrap_or_default()).await? {
-                writeln!(out, "{}", audit_line(&record))?;
-            }
-        }
-        Command::Verify { run, store_url } => {
-            let r = runs
-                .get(&run)
-                .await
-                .with_context(|| format!("no run {run:?} in namespace {ns:?}"))?;
-            let head = r
-                .status
-                .as_ref()
-                .and_then(|s| s.log.as_ref())
-                .and_then(|l| l.head_hash.clone());
-            let head = head.context("the run has no recorded head hash yet")?;
-            let expected: crate::store::Hash = head
-                .parse()
-                .map_err(|e| anyhow::anyhow!("status.log.headHash: {e:?}"))?;
-            let store = crate::store::open(&store_url).await?;
-            let verified = store
-                .verify(&r.metadata.uid.unwrap_or_default(), Some(&expected))
-                .await?;
-            writeln!(
-                out,
-                "ok: {} records, chain intact, ends at the recorded head {head}",
-                verified.len
-            )?;
-        }
-        Command::Cancel { run } => {
-            runs.patch(
-                &run,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"spec": {"cancel": true}})),
-            )
+    Ok((kube::Client::try_from(config)?, ns))
+}
+
+/// What every subcommand works with.
+struct Kube {
+    client: kube::Client,
+    ns: String,
+    approvals: Api<Approval>,
+    runs: Api<AgentRun>,
+}
+
+impl Kube {
+    async fn run(&self, name: &str) -> anyhow::Result<AgentRun> {
+        self.runs
+            .get(name)
             .await
-            .with_context(|| format!("cancelling run {run:?} in namespace {ns:?}"))?;
-            writeln!(out, "cancelling {run}: it stops at the next step boundary")?;
-        }
+            .with_context(|| format!("no run {name:?} in namespace {:?}", self.ns))
     }
+}
+
+async fn list_approvals(
+    k: &Kube,
+    all_namespaces: bool,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let api: Api<Approval> = if all_namespaces {
+        Api::all(k.client.clone())
+    } else {
+        k.approvals.clone()
+    };
+    let list = api.list(&ListParams::default()).await?;
+    writeln!(
+        out,
+        "{:<16} {:<28} {:<20} {:<14} {:<36} {:<24} EXPIRES-IN",
+        "NAMESPACE", "NAME", "RUN", "TOOL", "ARGUMENTS", "APPROVERS"
+    )?;
+    for a in list
+        .items
+        .iter()
+        .filter(|a| state(a) == ApprovalState::Pending)
+    {
+        writeln!(
+            out,
+            "{:<16} {:<28} {:<20} {:<14} {:<36} {:<24} {}",
+            a.metadata.namespace.as_deref().unwrap_or_default(),
+            a.metadata.name.as_deref().unwrap_or_default(),
+            visible(&a.spec.run_ref.name),
+            visible(&a.spec.tool),
+            abbreviate(&visible_json(&a.spec.arguments), 36),
+            visible(&approvers(a)),
+            time_left(a),
+        )?;
+    }
+    Ok(())
+}
+
+async fn show(k: &Kube, approval: &str, out: &mut impl Write) -> anyhow::Result<()> {
+    let a = get(&k.approvals, approval, &k.ns).await?;
+    write!(out, "{}", describe(&a))?;
+    Ok(())
+}
+
+async fn approve(
+    k: &Kube,
+    approval: &str,
+    reason: Option<String>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let a = decide(k, approval, Verdict::Approve, None, reason).await?;
+    writeln!(
+        out,
+        "approved {} ({} {})",
+        approval,
+        visible(&a.spec.tool),
+        visible_json(&a.spec.arguments)
+    )?;
+    Ok(())
+}
+
+async fn reject(
+    k: &Kube,
+    approval: &str,
+    reason: Option<String>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    decide(k, approval, Verdict::Reject, None, reason).await?;
+    writeln!(out, "rejected {approval}")?;
+    Ok(())
+}
+
+async fn edit(
+    k: &Kube,
+    approval: &str,
+    set: &[String],
+    file: Option<&std::path::Path>,
+    reason: Option<String>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let current = get(&k.approvals, approval, &k.ns).await?;
+    let arguments = edited_arguments(&current.spec.arguments, set, file)?;
+    decide(k, approval, Verdict::Edit, Some(arguments.clone()), reason).await?;
+    writeln!(
+        out,
+        "approved {approval} with arguments {}",
+        visible_json(&arguments)
+    )?;
+    Ok(())
+}
+
+async fn log(k: &Kube, run: &str, store_url: &str, out: &mut impl Write) -> anyhow::Result<()> {
+    let r = k.run(run).await?;
+    let store = crate::store::open(store_url).await?;
+    for record in store.read_all(&r.metadata.uid.unwrap_or_default()).await? {
+        writeln!(out, "{}", audit_line(&record))?;
+    }
+    Ok(())
+}
+
+async fn verify(k: &Kube, run: &str, store_url: &str, out: &mut impl Write) -> anyhow::Result<()> {
+    let r = k.run(run).await?;
+    let head = r
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.head_hash.clone());
+    let head = head.context("the run has no recorded head hash yet")?;
+    let expected: crate::store::Hash = head
+        .parse()
+        .map_err(|e| anyhow::anyhow!("status.log.headHash: {e:?}"))?;
+    let store = crate::store::open(store_url).await?;
+    let verified = store
+        .verify(&r.metadata.uid.unwrap_or_default(), Some(&expected))
+        .await?;
+    writeln!(
+        out,
+        "ok: {} records, chain intact, ends at the recorded head {head}",
+        verified.len
+    )?;
+    Ok(())
+}
+
+async fn cancel(k: &Kube, run: &str, out: &mut impl Write) -> anyhow::Result<()> {
+    k.runs
+        .patch(
+            run,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cancel": true}})),
+        )
+        .await
+        .with_context(|| format!("cancelling run {run:?} in namespace {:?}", k.ns))?;
+    writeln!(out, "cancelling {run}: it stops at the next step boundary")?;
     Ok(())
 }
 
@@ -264,15 +302,14 @@ async fn get(api: &Api<Approval>, name: &str, ns: &str) -> anyhow::Result<Approv
 
 /// Adds the caller's own decision, quoting the hash of what they were shown.
 async fn decide(
-    client: &kube::Client,
-    api: &Api<Approval>,
+    k: &Kube,
     name: &str,
-    ns: &str,
     verdict: Verdict,
     arguments: Option<Value>,
     reason: Option<String>,
 ) -> anyhow::Result<Approval> {
-    let a = get(api, name, ns).await?;
+    let (api, client) = (&k.approvals, &k.client);
+    let a = get(api, name, &k.ns).await?;
     let st = state(&a);
     if st != ApprovalState::Pending {
         bail!("approval {name} is already {st:?}: no more decisions are taken");
