@@ -25,7 +25,9 @@ use super::context::{Context, FIELD_MANAGER, append, notice};
 use super::error::Error;
 use super::pinned_gate;
 use crate::policy::Classification;
-use crate::runlog::records::{ApprovalRequested, RecordedDecision, RunFinished, Verdict};
+use crate::runlog::records::{
+    ApprovalDecided, ApprovalRequested, RecordedDecision, RunFinished, Verdict,
+};
 use crate::runlog::replay::{RunState, Step};
 use crate::store::Head;
 
@@ -367,7 +369,6 @@ pub(super) async fn handle(
     now: Timestamp,
     notices: &mut Vec<super::decide::Notice>,
 ) -> Result<Option<(String, Timestamp)>, Error> {
-    use crate::runlog::records::Outcome;
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
     let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
@@ -378,77 +379,22 @@ pub(super) async fn handle(
 
     // The request is the step pod's word: check it against the pinned policy first.
     if let Err(reason) = pinned_gate::check(&log.steps, request_seq) {
-        let error = format!(
-            "the approval request at log record {request_seq} ({}) was refused: {reason}; the call was not made",
-            request.tool
-        );
-        notices.push(notice(true, "ApprovalRequestRefused", error.clone()));
-        let finished = RunFinished {
-            outcome: Outcome::Failed,
-            result: log.last_text(),
-            error: Some(error),
-        };
+        let finished = refused(&request, request_seq, &reason, log, notices);
         append(ctx, &uid, head, Step::RunFinished(finished)).await?;
         return Ok(None);
     }
-
-    let decided = log.steps.iter().find_map(|s| match s {
+    // Expired already: what the policy says follows is recorded.
+    if let Some(expired) = log.steps.iter().find_map(|s| match s {
         Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
         _ => None,
-    });
-    if let Some(d) = decided {
-        // Expired, and the policy says what follows: escalate, or stop the run.
-        let escalate = d.on_expiry == Some(OnExpiry::Escalate);
-        let step = if escalate && request.escalation < request.gate.max_escalations {
-            let next = pinned_gate::escalated(&request);
-            notices.push(notice(
-                true,
-                "ApprovalEscalated",
-                format!(
-                    "{name} expired; escalated ({} of {})",
-                    next.escalation, request.gate.max_escalations
-                ),
-            ));
-            notify(
-                &ctx.http,
-                run,
-                &name,
-                &next,
-                "escalated",
-                json!({"escalation": next.escalation}),
-            );
-            Step::ApprovalRequested(next)
-        } else if request.kind == ApprovalKind::Reconcile {
-            // Nobody said whether the call happened: it is never made again on silence.
-            Step::RunFinished(RunFinished {
-                outcome: Outcome::NeedsHuman,
-                result: log.last_text(),
-                error: Some(format!(
-                    "approval {name} expired: nobody confirmed whether {} (log record {}) happened; \
-                     it was not made again and a human must reconcile it",
-                    request.tool,
-                    request.intent_seq.unwrap_or_default()
-                )),
-            })
-        } else {
-            Step::RunFinished(RunFinished {
-                outcome: Outcome::Failed,
-                result: log.last_text(),
-                error: Some(format!(
-                    "approval {name} for {} expired without a decision{}; the call was not made",
-                    request.tool,
-                    if escalate {
-                        " after every escalation"
-                    } else {
-                        ""
-                    }
-                )),
-            })
-        };
-        append(ctx, &uid, head, step).await?;
+    }) {
+        let next = after_expiry(run, ctx, &request, &expired, &name, log, notices);
+        append(ctx, &uid, head, next).await?;
         return Ok(None);
     }
 
+    // Read (raising it when missing), judge, then act: the log first, the
+    // Approval's status after, so the status never runs ahead of the log.
     let expected = build(
         run,
         request_seq,
@@ -456,54 +402,207 @@ pub(super) async fn handle(
         requested_at(ctx, &uid, request_seq).await?,
     );
     let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
-    let found = match approvals
-        .get_opt(&name)
+    let found = find_or_raise(run, ctx, &approvals, &expected, &name, &request, notices).await?;
+    let judged = judge(
+        &expected,
+        &found,
+        &request,
+        log,
+        request_seq,
+        &name,
+        now,
+        notices,
+    );
+    if let Some(record) = judged.record {
+        let raised = found.metadata.creation_timestamp.as_ref();
+        ctx.metrics
+            .observe_approval_decided(raised, now, record.verdict);
+        let event = if record.verdict == Verdict::Expired {
+            "expired"
+        } else {
+            "decided"
+        };
+        let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
+        append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
+        notify(&ctx.http, run, &name, &request, event, detail);
+    }
+    if judged.status_behind {
+        write_approval_status(&approvals, &name, &judged.evaluation, judged.state, now).await?;
+    }
+    Ok(match judged.evaluation {
+        Evaluation::Pending { expires_at, .. } => Some((name, expires_at)),
+        _ => None,
+    })
+}
+
+/// The end of a run whose approval request does not match the pinned policy.
+fn refused(
+    request: &ApprovalRequested,
+    request_seq: u64,
+    reason: &str,
+    log: &RunState,
+    notices: &mut Vec<super::decide::Notice>,
+) -> RunFinished {
+    let error = format!(
+        "the approval request at log record {request_seq} ({}) was refused: {reason}; the call was not made",
+        request.tool
+    );
+    notices.push(notice(true, "ApprovalRequestRefused", error.clone()));
+    RunFinished {
+        outcome: crate::runlog::records::Outcome::Failed,
+        result: log.last_text(),
+        error: Some(error),
+    }
+}
+
+/// What follows an expired approval, by its policy: an escalated request,
+/// or the run's end (a human must reconcile an unknowable outcome).
+fn after_expiry(
+    run: &AgentRun,
+    ctx: &Context,
+    request: &ApprovalRequested,
+    expired: &ApprovalDecided,
+    name: &str,
+    log: &RunState,
+    notices: &mut Vec<super::decide::Notice>,
+) -> Step {
+    use crate::runlog::records::Outcome;
+    let escalate = expired.on_expiry == Some(OnExpiry::Escalate);
+    if escalate && request.escalation < request.gate.max_escalations {
+        let next = pinned_gate::escalated(request);
+        notices.push(notice(
+            true,
+            "ApprovalEscalated",
+            format!(
+                "{name} expired; escalated ({} of {})",
+                next.escalation, request.gate.max_escalations
+            ),
+        ));
+        notify(
+            &ctx.http,
+            run,
+            name,
+            &next,
+            "escalated",
+            json!({"escalation": next.escalation}),
+        );
+        return Step::ApprovalRequested(next);
+    }
+    let (outcome, error) = if request.kind == ApprovalKind::Reconcile {
+        // Nobody said whether the call happened: it is never made again on silence.
+        (
+            Outcome::NeedsHuman,
+            format!(
+                "approval {name} expired: nobody confirmed whether {} (log record {}) happened; \
+                 it was not made again and a human must reconcile it",
+                request.tool,
+                request.intent_seq.unwrap_or_default()
+            ),
+        )
+    } else {
+        let after = if escalate {
+            " after every escalation"
+        } else {
+            ""
+        };
+        (
+            Outcome::Failed,
+            format!(
+                "approval {name} for {} expired without a decision{after}; the call was not made",
+                request.tool
+            ),
+        )
+    };
+    Step::RunFinished(RunFinished {
+        outcome,
+        result: log.last_text(),
+        error: Some(error),
+    })
+}
+
+/// The run's Approval for the request, raised (again, with its original
+/// expiry, if someone deleted it) when it is missing.
+async fn find_or_raise(
+    run: &AgentRun,
+    ctx: &Context,
+    approvals: &Api<Approval>,
+    expected: &Approval,
+    name: &str,
+    request: &ApprovalRequested,
+    notices: &mut Vec<super::decide::Notice>,
+) -> Result<Approval, Error> {
+    let found = approvals
+        .get_opt(name)
         .await
         .map_err(|source| Error::Read {
             what: "approval",
             source,
-        })? {
-        Some(a) => a,
-        None => {
-            let raised = raise(&approvals, &expected, &name).await?;
-            // The run already waited on it: someone deleted it.
-            let again = run
-                .status
-                .as_ref()
-                .and_then(|s| s.approval.as_ref())
-                .is_some_and(|a| a.name == name);
-            if again {
-                notices.push(notice(
-                    true,
-                    "ApprovalRaisedAgain",
-                    format!(
-                        "{name} had disappeared; raised again with its original expiry {}",
-                        expected.spec.expires_at.0
-                    ),
-                ));
-            } else {
-                notify(
-                    &ctx.http,
-                    run,
-                    &name,
-                    &request,
-                    "raised",
-                    json!({"expiresAt": raised.spec.expires_at}),
-                );
-                notices.push(notice(
-                    false,
-                    "ApprovalRequested",
-                    format!(
-                        "{} needs approval ({}): kubectl agentrun show {name}",
-                        request.tool, request.gate.because
-                    ),
-                ));
-            }
-            raised
-        }
-    };
-    // Only the exact Approval for this request, owned by this run, decides.
-    let wrong = mismatches(&expected, &found);
+        })?;
+    if let Some(found) = found {
+        return Ok(found);
+    }
+    let raised = raise(approvals, expected, name).await?;
+    // The run already waited on it: someone deleted it.
+    let again = run
+        .status
+        .as_ref()
+        .and_then(|s| s.approval.as_ref())
+        .is_some_and(|a| a.name == name);
+    if again {
+        notices.push(notice(
+            true,
+            "ApprovalRaisedAgain",
+            format!(
+                "{name} had disappeared; raised again with its original expiry {}",
+                expected.spec.expires_at.0
+            ),
+        ));
+    } else {
+        notify(
+            &ctx.http,
+            run,
+            name,
+            request,
+            "raised",
+            json!({"expiresAt": raised.spec.expires_at}),
+        );
+        notices.push(notice(
+            false,
+            "ApprovalRequested",
+            format!(
+                "{} needs approval ({}): kubectl agentrun show {name}",
+                request.tool, request.gate.because
+            ),
+        ));
+    }
+    Ok(raised)
+}
+
+/// What the Approval as found says, judged (pure).
+struct Judged {
+    evaluation: Evaluation,
+    state: ApprovalState,
+    /// The Approval's status does not show `state` yet.
+    status_behind: bool,
+    /// The decision to record, if the approval is decided or expired.
+    record: Option<ApprovalDecided>,
+}
+
+/// Judges the Approval found against the one the request implies: only the
+/// exact Approval of this request, owned by this run, decides, as of the
+/// time the API server recorded its decisions.
+#[allow(clippy::too_many_arguments)]
+fn judge(
+    expected: &Approval,
+    found: &Approval,
+    request: &ApprovalRequested,
+    log: &RunState,
+    request_seq: u64,
+    name: &str,
+    now: Timestamp,
+    notices: &mut Vec<super::decide::Notice>,
+) -> Judged {
+    let wrong = mismatches(expected, found);
     let bound = wrong.is_empty();
     if !bound {
         notices.push(notice(
@@ -519,59 +618,47 @@ pub(super) async fn handle(
     if bound {
         spec.decisions = found.spec.decisions.clone();
     }
-    let evaluation = evaluate_as_recorded(&spec, bound.then_some(&found), now);
+    let evaluation = evaluate_as_recorded(&spec, bound.then_some(found), now);
     let state = state_of(&evaluation, spec.on_expiry);
     let status_behind = bound && found.status.as_ref().and_then(|s| s.state) != Some(state);
-    // The log first: the Approval's status never runs ahead of it.
-    let decided = decision_record(
-        &evaluation,
-        &spec,
-        &request,
-        log,
-        request_seq,
-        &name,
-        notices,
-    );
-    if let Some(record) = decided {
-        let raised = found.metadata.creation_timestamp.as_ref();
-        ctx.metrics
-            .observe_approval_decided(raised, now, record.verdict);
-        let event = if record.verdict == Verdict::Expired {
-            "expired"
-        } else {
-            "decided"
-        };
-        let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
-        append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
-        notify(&ctx.http, run, &name, &request, event, detail);
+    let record = decision_record(&evaluation, &spec, request, log, request_seq, name, notices);
+    Judged {
+        evaluation,
+        state,
+        status_behind,
+        record,
     }
-    if status_behind {
-        let decided_by: Vec<String> = match &evaluation {
-            Evaluation::Decided { decisions, .. } => {
-                decisions.iter().map(|d| d.approver.clone()).collect()
-            }
-            _ => Vec::new(),
-        };
-        let status = crate::api::ApprovalStatus {
-            state: Some(state),
-            decided_at: (state != ApprovalState::Pending).then_some(Time(now)),
-            decided_by,
-            conditions: Vec::new(),
-        };
-        let body = json!({"apiVersion": Approval::api_version(&()), "kind": Approval::kind(&()), "status": status});
-        approvals
-            .patch_status(
-                &name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&body),
-            )
-            .await
-            .map_err(Error::Status)?;
-    }
-    Ok(match evaluation {
-        Evaluation::Pending { expires_at, .. } => Some((name, expires_at)),
-        _ => None,
-    })
+}
+
+async fn write_approval_status(
+    approvals: &Api<Approval>,
+    name: &str,
+    evaluation: &Evaluation,
+    state: ApprovalState,
+    now: Timestamp,
+) -> Result<(), Error> {
+    let decided_by: Vec<String> = match evaluation {
+        Evaluation::Decided { decisions, .. } => {
+            decisions.iter().map(|d| d.approver.clone()).collect()
+        }
+        _ => Vec::new(),
+    };
+    let status = crate::api::ApprovalStatus {
+        state: Some(state),
+        decided_at: (state != ApprovalState::Pending).then_some(Time(now)),
+        decided_by,
+        conditions: Vec::new(),
+    };
+    let body = json!({"apiVersion": Approval::api_version(&()), "kind": Approval::kind(&()), "status": status});
+    approvals
+        .patch_status(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(Error::Status)?;
+    Ok(())
 }
 
 /// Judges the decisions at the time the API server recorded them: a
