@@ -6,6 +6,8 @@ pub mod approval;
 mod context;
 pub mod decide;
 mod error;
+#[cfg(test)]
+mod fixtures;
 pub mod gateway;
 mod http;
 pub mod job;

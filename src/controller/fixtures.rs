@@ -1,0 +1,270 @@
+//! The reconciler against a mocked API server that checks each request in
+//! order (method and path) and answers it, with a real (SQLite) step log:
+//! what one reconcile reads and writes, and in which order, is part of the
+//! contract (the log before the status; nothing read per reconcile that a
+//! watch cache holds).
+
+use std::sync::Arc;
+
+use http::{Request, Response};
+use kube::client::Body;
+use kube::runtime::events::{Recorder, Reporter};
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+
+use super::context::Context;
+use super::job::JobSettings;
+use crate::api::AgentRun;
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+/// Answers the next request after checking its method and path (with
+/// `reply`, or the request's own body when that is `null`, as a create or an
+/// apply returns the object); returns the request's body.
+async fn expect(handle: &mut Handle, method: &str, path: &str, reply: Value) -> Value {
+    let (request, send) =
+        tokio::time::timeout(std::time::Duration::from_secs(5), handle.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
+            .expect("the client is alive");
+    let seen = format!("{} {}", request.method(), request.uri().path());
+    assert_eq!(seen, format!("{method} {path}"), "requests out of order");
+    let body = request.into_body().collect_bytes().await.unwrap();
+    let body = if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&body).unwrap()
+    };
+    let reply = if reply.is_null() { &body } else { &reply };
+    send.send_response(
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(reply).unwrap()))
+            .unwrap(),
+    );
+    body
+}
+
+/// Answers the requests no test here asserts on (none expected): fails the
+/// test if one comes.
+async fn expect_nothing_more(handle: &mut Handle) {
+    let next = tokio::time::timeout(std::time::Duration::from_millis(200), handle.next_request());
+    if let Ok(Some((request, _))) = next.await {
+        panic!(
+            "unexpected request {} {}",
+            request.method(),
+            request.uri().path()
+        );
+    }
+}
+
+/// Answers the run's status apply with the run carrying that status.
+async fn expect_status(handle: &mut Handle, run: &AgentRun) -> Value {
+    let path = "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentruns/r1/status";
+    let (request, send) = handle.next_request().await.expect("the client is alive");
+    assert_eq!(
+        format!("{} {}", request.method(), request.uri().path()),
+        format!("PATCH {path}"),
+        "requests out of order"
+    );
+    let body: Value =
+        serde_json::from_slice(&request.into_body().collect_bytes().await.unwrap()).unwrap();
+    let mut reply = serde_json::to_value(run).unwrap();
+    reply["status"] = body["status"].clone();
+    send.send_response(
+        Response::builder()
+            .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+            .unwrap(),
+    );
+    body
+}
+
+fn list(kind: &str) -> Value {
+    json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": format!("{kind}List"),
+           "metadata": {"resourceVersion": "1"}, "items": []})
+}
+
+fn run() -> AgentRun {
+    serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "r1", "namespace": "ns", "uid": "uid-r1", "generation": 1},
+        "spec": {"input": "task", "agent": {
+            "model": {"provider": "OpenAI", "name": "m", "endpoint": "http://127.0.0.1:9/v1"},
+            "prompt": {"version": "v1", "system": "be careful"}
+        }}
+    }))
+    .unwrap()
+}
+
+async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
+    let store = crate::store::open(&format!("sqlite://{}", dir.join("log.db").display()))
+        .await
+        .unwrap();
+    let tokens =
+        super::step_token::TokenKey::new(b"a key of the reconcile test, 32 bytes or more").unwrap();
+    let signer = tokens.record_signer();
+    let mut registry = Registry::default();
+    Context {
+        recorder: Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "agentrun-controller".into(),
+                instance: None,
+            },
+        ),
+        client,
+        metrics: super::metrics::Metrics::new(&mut registry),
+        store,
+        store_name: "default".into(),
+        tokens,
+        verifier: signer.verifier(),
+        jobs: JobSettings {
+            image: "agentrun:test".into(),
+            store_url: "http://gateway:8081".into(),
+            controller_key: signer.public_key_hex(),
+            service_account: "default".into(),
+            time_slice_seconds: 60,
+            allow_failpoints: false,
+        },
+        signer,
+        identity: "controller/test".into(),
+        http: reqwest::Client::new(),
+        logs: Default::default(),
+        store_pushes: false,
+        job_cache: None,
+        agent_cache: None,
+        policy_cache: None,
+        credentials: Default::default(),
+        lease_free_since: Default::default(),
+        failures: Default::default(),
+    }
+}
+
+/// The status a server-side apply sent, applied to `run` (what the next
+/// reconcile would see).
+fn with_status(mut run: AgentRun, patch: &Value) -> AgentRun {
+    run.status = Some(serde_json::from_value(patch["status"].clone()).unwrap());
+    run
+}
+
+#[tokio::test]
+async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = tempfile::tempdir().unwrap();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir.path()).await);
+    let run = run();
+
+    // First reconcile: the platform's policies, then (after RunStarted is in
+    // the log) the status, then the Event.
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
+            list("ClusterAgentPolicy"),
+        )
+        .await;
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+            list("AgentPolicy"),
+        )
+        .await;
+        let status = expect_status(&mut handle, &sent).await;
+        for reason in ["AgentResolved", "RunStarted"] {
+            let event = expect(
+                &mut handle,
+                "POST",
+                "/apis/events.k8s.io/v1/namespaces/ns/events",
+                Value::Null,
+            )
+            .await;
+            assert_eq!(event["reason"], reason);
+        }
+        expect_nothing_more(&mut handle).await;
+        (handle, status)
+    });
+    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let (mut handle, status) = server.await.unwrap();
+    assert_eq!(status["status"]["log"]["length"], 1, "{status}");
+    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    assert_eq!(log.len(), 1);
+    assert_eq!(log[0].kind.as_str(), "RunStarted");
+
+    // Second: policies judge the Job; the credential, the Job, the status, the Event.
+    let run = with_status(run, &status);
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
+            list("ClusterAgentPolicy"),
+        )
+        .await;
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+            list("AgentPolicy"),
+        )
+        .await;
+        let secret = expect(
+            &mut handle,
+            "POST",
+            "/api/v1/namespaces/ns/secrets",
+            Value::Null,
+        )
+        .await;
+        assert_eq!(secret["metadata"]["ownerReferences"][0]["uid"], "uid-r1");
+        let job = expect(
+            &mut handle,
+            "POST",
+            "/apis/batch/v1/namespaces/ns/jobs",
+            Value::Null,
+        )
+        .await;
+        assert_eq!(job["metadata"]["name"], "r1-s1-a1");
+        let status = expect_status(&mut handle, &sent).await;
+        assert_eq!(status["status"]["step"]["job"], "r1-s1-a1");
+        let event = expect(
+            &mut handle,
+            "POST",
+            "/apis/events.k8s.io/v1/namespaces/ns/events",
+            Value::Null,
+        )
+        .await;
+        assert_eq!(event["reason"], "StepStarted");
+        expect_nothing_more(&mut handle).await;
+        (handle, status)
+    });
+    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let (mut handle, status) = server.await.unwrap();
+
+    // Third, with the Job running (it comes from the watch cache when there
+    // is one; here from a GET) and nothing new in the log: no write at all.
+    let run = with_status(run, &status);
+    let server = tokio::spawn(async move {
+        let job = json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "r1-s1-a1", "namespace": "ns"},
+            "status": {"active": 1, "ready": 1}});
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/batch/v1/namespaces/ns/jobs/r1-s1-a1",
+            job,
+        )
+        .await;
+        expect_nothing_more(&mut handle).await;
+    });
+    super::reconcile::reconcile(Arc::new(run), ctx.clone())
+        .await
+        .unwrap();
+    server.await.unwrap();
+}
