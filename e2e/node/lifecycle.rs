@@ -222,7 +222,8 @@ impl PodRun {
                 active += self.start_main();
             }
         }
-        self.report().await;
+        // What was started reports itself (a container's first event); a
+        // pod that started nothing ends at once and reports below.
 
         while active > 0 {
             tokio::select! {
@@ -248,7 +249,10 @@ impl PodRun {
                             }
                         }
                     }
-                    self.report().await;
+                    // The pod's last change is reported once, with its final phase, below.
+                    if active > 0 {
+                        self.report().await;
+                    }
                 }
                 s = next_stop(&mut stop), if !self.is_stopping() => self.stop(s),
                 () = sleep_until(deadline), if !self.is_stopping() => {

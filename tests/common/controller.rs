@@ -102,6 +102,16 @@ impl ControllerProcess {
         }
     }
 
+    /// The replica's process id, while it runs (for /proc figures).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Where the replica logs (a temporary dir, removed when dropped).
+    pub fn log_path(&self) -> &std::path::Path {
+        &self.log
+    }
+
     /// Everything the replica logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

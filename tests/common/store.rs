@@ -75,6 +75,38 @@ pub async fn e2e_store_url() -> String {
         .clone()
 }
 
+/// URL of database `name` on the shared test instance, created and
+/// migrated if needed (the scale benchmark's own database, so that its
+/// table statistics count its own controller's reads only).
+pub async fn migrated_database_url(name: &str) -> String {
+    let admin = pg_admin_url();
+    let mut conn = sqlx::PgConnection::connect(admin)
+        .await
+        .expect("connecting to PostgreSQL");
+    let exists: Option<(i32,)> = sqlx::query_as("SELECT 1 FROM pg_database WHERE datname = $1")
+        .bind(name)
+        .fetch_optional(&mut conn)
+        .await
+        .expect("querying databases");
+    if exists.is_none() {
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .execute(&mut conn)
+            .await;
+    }
+    let mut url = url::Url::parse(admin).expect("admin URL");
+    url.set_path(&format!("/{name}"));
+    let url = url.to_string();
+    let store = agentrun::store::open(&url)
+        .await
+        .unwrap_or_else(|e| panic!("opening database {name}: {e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrating database {name}: {e}"));
+    store.close().await;
+    url
+}
+
 /// A PostgreSQL instance of its own (`e2e/postgres` with another name and
 /// port), for a test that stops and starts it; removed when dropped.
 pub struct PrivatePostgres {
