@@ -31,6 +31,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -242,7 +243,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Some(ns) => (
             Api::<AgentRun>::namespaced(client.clone(), ns),
             Api::<Job>::namespaced(client.clone(), ns),
-            Api::<Approval>::namespaced(client.clone(), ns),
+            Api::<PartialObjectMeta<Approval>>::namespaced(client.clone(), ns),
             Api::<Agent>::namespaced(client.clone(), ns),
         ),
         None => (
@@ -252,10 +253,17 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             Api::all(client.clone()),
         ),
     };
-    let controller = Controller::new(runs, watcher::Config::default()).with_config(
+    // Runs are kept without their field ownership (nothing reads it), so
+    // ten thousand waiting runs stay small in memory.
+    let (cache, runs_writer) = reflector::store::<AgentRun>();
+    let run_events = watcher(runs, watcher::Config::default())
+        .default_backoff()
+        .modify(|run| run.metadata.managed_fields = None)
+        .reflect(runs_writer)
+        .applied_objects();
+    let controller = Controller::for_stream(run_events, cache.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(opts.reconcile_concurrency),
     );
-    let cache = controller.store();
     let wake = wake_runs(ctx.clone(), head_events, sweep_store, cache.clone());
     ctx.metrics.watch_runs(cache.clone());
     // When an Agent appears or changes, the runs naming it are reconciled at once.
@@ -307,7 +315,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .touched_objects();
     let runs_controller = controller
         .owns_stream(job_events)
-        .owns(approvals, watcher::Config::default())
+        // Approvals wake their run; their content is read when it is judged.
+        .owns_stream(
+            watcher(approvals, watcher::Config::default())
+                .default_backoff()
+                .touched_objects(),
+        )
         .reconcile_on(wake)
         .watches_stream(agent_events, runs_of_agent)
         .graceful_shutdown_on(stopped(stop_rx.clone()))
