@@ -197,6 +197,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Head events (PostgreSQL LISTEN/NOTIFY) wake the runs whose log grew or
     // whose worker gave the run back; without them running runs are polled.
     let head_events = store.head_events().await?;
+    let policies = platform::PolicyCache::follow(&client, opts.namespace.as_deref());
+    tracing::info!("waiting for the platform policies to be listed");
+    policies.ready().await?;
     let store_pushes = head_events.is_some();
     let sweep_store = store.clone();
     // The watches' caches: reconciles read Jobs and Agents from memory.
@@ -230,10 +233,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         logs: Default::default(),
         job_cache: Some(job_cache.clone()),
         agent_cache: Some(agent_cache.clone()),
-        policy_cache: Some(platform::PolicyCache::follow(
-            &client,
-            opts.namespace.as_deref(),
-        )),
+        policy_cache: Some(policies.clone()),
         credentials: Default::default(),
         store_pushes,
         lease_free_since: Default::default(),

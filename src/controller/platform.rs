@@ -56,6 +56,14 @@ impl PolicyCache {
         ));
         PolicyCache { cluster, local }
     }
+
+    /// Waits until both watches have listed. Called once, before any
+    /// reconcile: kube's readiness signal wakes only the last of several
+    /// concurrent waiters, so reconciles must never be the first to wait.
+    pub async fn ready(&self) -> Result<(), reflector::store::WriterDropped> {
+        self.cluster.wait_until_ready().await?;
+        self.local.wait_until_ready().await
+    }
 }
 
 async fn drain<S: futures::Stream + Send>(stream: S) {
