@@ -50,6 +50,8 @@ pub struct Context {
     pub policy_cache: Option<super::platform::PolicyCache>,
     /// Runs whose step credential Secret this process created or found.
     pub credentials: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// When each running run's progress was last written to its status.
+    pub progress_written: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Failed reconciles in a row, per run uid (the error backoff).
     pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }

@@ -135,6 +135,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         policy_cache: None,
         credentials: Default::default(),
         lease_free_since: Default::default(),
+        progress_written: Default::default(),
         failures: Default::default(),
     }
 }

@@ -104,10 +104,10 @@ pub struct Options {
     pub reconcile_concurrency: u16,
     /// Requests per second the controller's API client sends on average
     /// (0: no limit).
-    #[arg(long, env = "AGENTRUN_API_QPS", default_value_t = 50)]
+    #[arg(long, env = "AGENTRUN_API_QPS", default_value_t = 100)]
     pub api_qps: u32,
     /// Requests the controller's API client may send at once above `--api-qps`.
-    #[arg(long, env = "AGENTRUN_API_BURST", default_value_t = 100)]
+    #[arg(long, env = "AGENTRUN_API_BURST", default_value_t = 200)]
     pub api_burst: u32,
     /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
     /// kill a step at a chosen boundary. Never in production.
@@ -237,6 +237,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         credentials: Default::default(),
         store_pushes,
         lease_free_since: Default::default(),
+        progress_written: Default::default(),
         failures: Default::default(),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {

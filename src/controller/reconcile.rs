@@ -114,6 +114,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         awaiting: None,
     };
     let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
+    let idle = act == Act::Idle;
     let requeue = match act {
         Act::StartRun => {
             start_run(
@@ -231,7 +232,22 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         notices.push(notice(warn, phase_reason(outcome), truncate(&msg, 900)));
     }
     let finished = new_status.phase.is_some_and(|p| p.is_terminal());
-    write_status(run, ctx, &new_status, notices).await?;
+    // While a step runs, its log grows record by record: that progress
+    // reaches the status at most every PROGRESS_EVERY (a write per record
+    // would be most of the controller's API traffic at scale).
+    let requeue = match idle && notices.is_empty() && only_progress(run, &new_status) {
+        true => match progress_due(ctx, &uid) {
+            None => {
+                write_status(run, ctx, &new_status, notices).await?;
+                requeue
+            }
+            Some(wait) => requeue.min(wait),
+        },
+        false => {
+            write_status(run, ctx, &new_status, notices).await?;
+            requeue
+        }
+    };
     keep_replayed(
         ctx,
         run,
@@ -245,6 +261,40 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
         d => Action::requeue(d),
     })
+}
+
+/// How often a running step's progress (log length and head, usage) is
+/// written to its run's status.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// Whether `new` differs from the run's status in its progress only.
+fn only_progress(run: &AgentRun, new: &crate::api::AgentRunStatus) -> bool {
+    let Some(old) = run.status.as_ref() else {
+        return false;
+    };
+    let mut old = old.clone();
+    if old.log.is_none() {
+        return false;
+    }
+    old.log.clone_from(&new.log);
+    old.usage.clone_from(&new.usage);
+    old == *new
+}
+
+/// `None` when the run's progress may be written now (and notes it was);
+/// otherwise how long until it may.
+fn progress_due(ctx: &Context, uid: &str) -> Option<Duration> {
+    let mut written = ctx.progress_written.lock().expect("not poisoned");
+    let now = Instant::now();
+    match written.get(uid) {
+        Some(at) if now.duration_since(*at) < PROGRESS_EVERY => {
+            Some(PROGRESS_EVERY - now.duration_since(*at))
+        }
+        _ => {
+            written.insert(uid.to_string(), now);
+            None
+        }
+    }
 }
 
 /// What acting on a decision adds to the status.
@@ -398,27 +448,33 @@ async fn create_job(
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()
     };
-    match jobs.create(&params, &job).await {
-        Ok(_) => failpoint::hit("controller:after-create:Job"),
-        // Deterministic names make a repeated create harmless.
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
+    let created = match jobs.create(&params, &job).await {
+        Ok(_) => {
+            failpoint::hit("controller:after-create:Job");
+            true
+        }
+        // Deterministic names make a repeated create harmless (a reconcile
+        // that saw the run before its last status write): said once only.
+        Err(kube::Error::Api(e)) if e.code == 409 => false,
         Err(source) => {
             return Err(Error::Write {
                 what: "step Job",
                 source,
             });
         }
-    }
+    };
     let (reason, warn) = if attempt > 1 {
         ("StepRetried", true)
     } else {
         ("StepStarted", false)
     };
-    acting.notices.push(notice(
-        warn,
-        reason,
-        format!("step {seq} attempt {attempt}: Job {name}"),
-    ));
+    if created {
+        acting.notices.push(notice(
+            warn,
+            reason,
+            format!("step {seq} attempt {attempt}: Job {name}"),
+        ));
+    }
     acting.step = Some(crate::api::CurrentStep {
         seq,
         job: Some(name),
@@ -530,6 +586,10 @@ fn keep_replayed(
     if finished {
         ctx.logs.forget(uid);
         ctx.credentials.lock().expect("not poisoned").remove(uid);
+        ctx.progress_written
+            .lock()
+            .expect("not poisoned")
+            .remove(uid);
         return;
     }
     ctx.logs.follow(uid, ObjectRef::from_obj(run));
