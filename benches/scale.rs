@@ -73,6 +73,8 @@ struct Config {
     idle: Duration,
     approvals: usize,
     baseline_runs: usize,
+    /// Runs that made no progress for this long are reported as stuck.
+    stall: Duration,
     /// Model turns per run of the active phase: 3 is 5 steps (Jobs).
     turns: usize,
     create_concurrency: usize,
@@ -110,6 +112,7 @@ impl Config {
             approvals: env_num("AGENTRUN_SCALE_APPROVALS", approvals),
             baseline_runs: env_num("AGENTRUN_SCALE_BASELINE_RUNS", if short { 5 } else { 10 }),
             turns: 3,
+            stall: Duration::from_secs(env_num("AGENTRUN_SCALE_STALL_SECONDS", 120)),
             create_concurrency: env_num("AGENTRUN_SCALE_CREATE_CONCURRENCY", 16),
             controller_flags: std::env::var("AGENTRUN_SCALE_CONTROLLER_FLAGS")
                 .unwrap_or_default()
@@ -193,6 +196,58 @@ async fn wait_until<T>(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Waits until `probe` reports all `total` there; gives up on the rest when
+/// nothing changed for `stall` (stuck: reported, not waited for forever)
+/// and panics after `timeout`. Returns how many got there and when the
+/// last of them did.
+async fn wait_settled(
+    what: &str,
+    total: usize,
+    timeout: Duration,
+    stall: Duration,
+    mut probe: impl FnMut() -> (usize, String),
+) -> (usize, Instant) {
+    let start = Instant::now();
+    let (mut last_n, mut last_change, mut told) = (usize::MAX, Instant::now(), Instant::now());
+    loop {
+        let (n, seen) = probe();
+        if n != last_n {
+            (last_n, last_change) = (n, Instant::now());
+        }
+        if n >= total {
+            return (n, last_change);
+        }
+        if last_change.elapsed() > stall {
+            note(&format!(
+                "{what}: {n} of {total} after {:.0} s, nothing changed for {} s; going on without the rest: {seen}",
+                start.elapsed().as_secs_f64(),
+                stall.as_secs()
+            ));
+            return (n, last_change);
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}; last saw: {n} of {total}: {seen}"
+        );
+        if told.elapsed() > Duration::from_secs(30) {
+            note(&format!(
+                "waiting for {what} ({:.0} s): {n} of {total}: {seen}",
+                start.elapsed().as_secs_f64()
+            ));
+            told = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Names of `runs` the probe says are stuck, with their phase, for a note.
+fn stuck(ns: &Ns, runs: &[String], ok: impl Fn(&RunSeen) -> bool) -> Vec<String> {
+    runs.iter()
+        .filter(|n| !ns.runs.get(n).is_some_and(|r| ok(&r)))
+        .map(|n| format!("{n} ({:?})", ns.runs.get(n).and_then(|r| r.phase)))
+        .collect()
 }
 
 // --- what the harness watches -------------------------------------------------
@@ -554,9 +609,21 @@ fn cpu_figures(
     b: &BTreeMap<&'static str, f64>,
     secs: f64,
 ) {
+    let mut parts = 0.0;
     for (name, after) in b {
         let d = after - a.get(name).copied().unwrap_or(0.0);
         figure(&format!("{prefix}.cpu.{name}"), 100.0 * d / secs, "%core");
+        if *name != "machine_busy" {
+            parts += d;
+        }
+    }
+    // What else ran on the machine meanwhile (builds, other tests): noise.
+    if let (Some(x), Some(y)) = (a.get("machine_busy"), b.get("machine_busy")) {
+        figure(
+            &format!("{prefix}.cpu.not_the_benchmark"),
+            (100.0 * (y - x - parts) / secs).max(0.0),
+            "%core",
+        );
     }
 }
 
@@ -590,6 +657,7 @@ fn metric_sum(text: &str, name: &str) -> Option<f64> {
 #[derive(Clone, Copy, Debug, Default)]
 struct StoreCounters {
     reconciliations: f64,
+    in_flight: f64,
     reads: Option<f64>,
     read_records: Option<f64>,
     read_bytes: Option<f64>,
@@ -605,7 +673,12 @@ async fn store_counters(port: u16) -> StoreCounters {
         Ok((200, body)) => body,
         _ => String::new(),
     };
+    // Reconciles started but not finished: a hung one holds its run forever.
+    let finished = metric_sum(&text, "agentrun_reconcile_duration_seconds_count");
     StoreCounters {
+        in_flight: metric_sum(&text, "agentrun_reconciliations_total")
+            .zip(finished)
+            .map_or(0.0, |(s, f)| s - f),
         reconciliations: metric_sum(&text, "agentrun_reconciliations_total").unwrap_or(0.0),
         reads: metric_sum(&text, "agentrun_store_reads_total"),
         read_records: metric_sum(&text, "agentrun_store_read_records_total"),
@@ -650,8 +723,16 @@ impl Ns {
         self.controller.pid().expect("the controller runs")
     }
 
-    /// Keeps the controller's log (its own file goes with the process).
-    fn save_log(&self, bench: &Bench, suffix: &str) {
+    /// Keeps the controller's log (its own file goes with the process), and
+    /// says how many of its reconciles are still running.
+    async fn save_log(&self, bench: &Bench, suffix: &str) {
+        let m = store_counters(self.controller.metrics_port).await;
+        if m.in_flight > 0.0 {
+            note(&format!(
+                "{}: {} reconciles started and not finished (agentrun_reconciliations_total - agentrun_reconcile_duration_seconds_count)",
+                self.part, m.in_flight
+            ));
+        }
         let _ = std::fs::create_dir_all(&bench.cfg.out);
         let path = bench
             .cfg
@@ -1000,16 +1081,24 @@ async fn active(bench: &Bench) {
     let t0 = Instant::now();
     let created_in = ns.create_runs(bench, &burst, "Look the order up.").await;
     let timeout = Duration::from_secs(600 + 2 * cfg.active as u64);
-    wait_until(&format!("{} runs to end", burst.len()), timeout, || {
-        let (done, seen) = ns.runs.count(&burst, |r| r.done_at.is_some());
-        if done == burst.len() {
-            Ok(())
-        } else {
-            Err(format!("{done} ended: {seen}"))
-        }
-    })
+    let (ended, last) = wait_settled(
+        &format!("{} runs to end", burst.len()),
+        burst.len(),
+        timeout,
+        cfg.stall,
+        || ns.runs.count(&burst, |r| r.done_at.is_some()),
+    )
     .await;
-    let wall = t0.elapsed().as_secs_f64();
+    let wall = last.duration_since(t0).as_secs_f64();
+    if ended < burst.len() {
+        let stuck = stuck(&ns, &burst, |r| r.done_at.is_some());
+        figure(
+            &format!("burst.runs{}.stuck", cfg.active),
+            stuck.len() as f64,
+            "runs",
+        );
+        note(&format!("runs that never ended: {}", stuck.join(", ")));
+    }
     sampler.abort();
     let cpu = cpu_seconds(pid) - cpu0;
     let cpu_parts1 = cpu_by_component(pid);
@@ -1079,7 +1168,7 @@ async fn active(bench: &Bench) {
     );
     cpu_figures(&format!("burst.runs{n}"), &cpu_parts0, &cpu_parts1, wall);
     api_figures(&format!("burst.runs{n}"), &api0, &api1, wall);
-    ns.save_log(bench, "");
+    ns.save_log(bench, "").await;
 }
 
 // --- figures 2 and 3: many runs waiting for approval ----------------------------
@@ -1198,25 +1287,32 @@ async fn waiting(bench: &Bench) {
         w as f64 / created_in.as_secs_f64()
     ));
     let timeout = Duration::from_secs(900 + w as u64 / 2);
-    wait_until(&format!("{w} runs to await approval"), timeout, || {
-        let (n, seen) = ns
-            .runs
-            .count(&runs, |r| r.phase == Some(Phase::AwaitingApproval));
-        if n == w {
-            Ok(())
-        } else {
-            let failed = ns.runs.count(&runs, |r| r.done_at.is_some()).0;
-            if failed > 0 {
-                Err(format!(
-                    "{n} awaiting, {failed} ENDED (not expected): {seen}"
-                ))
-            } else {
-                Err(format!("{n} awaiting: {seen}"))
-            }
-        }
-    })
+    let awaiting = |r: &RunSeen| r.phase == Some(Phase::AwaitingApproval);
+    let (n, last) = wait_settled(
+        &format!("{w} runs to await approval"),
+        w,
+        timeout,
+        cfg.stall,
+        || ns.runs.count(&runs, awaiting),
+    )
     .await;
-    let ready = t0.elapsed().as_secs_f64();
+    let ready = last.duration_since(t0).as_secs_f64();
+    if n < w {
+        let stuck = stuck(&ns, &runs, awaiting);
+        figure(
+            &format!("waiting.runs{w}.stuck"),
+            stuck.len() as f64,
+            "runs",
+        );
+        note(&format!(
+            "runs that never came to await approval: {}",
+            stuck.join(", ")
+        ));
+    }
+    let runs: Vec<String> = runs
+        .into_iter()
+        .filter(|r| ns.runs.get(r).is_some_and(|r| awaiting(&r)))
+        .collect();
     cpu_figures(
         &format!("waiting.runs{w}"),
         &cpu_parts0,
@@ -1248,7 +1344,7 @@ async fn waiting(bench: &Bench) {
     let mut ms = Vec::new();
     let sample: Vec<String> = runs
         .iter()
-        .step_by((w / cfg.approvals.max(1)).max(1))
+        .step_by((runs.len() / cfg.approvals.max(1)).max(1))
         .take(cfg.approvals)
         .cloned()
         .collect();
@@ -1428,7 +1524,7 @@ async fn waiting(bench: &Bench) {
         "writes/min",
     );
     cpu_figures(&format!("idle.waiting{w}"), &cpu_parts0, &cpu_parts1, secs);
-    ns.save_log(bench, "");
+    ns.save_log(bench, "").await;
 }
 
 // --- figures 5 and 6: one long run, and a controller restart -------------------
@@ -1573,6 +1669,30 @@ async fn long(bench: &Bench) {
             };
             let (per_rec, per_new, reconciles) = per(first, &end);
             let _ = bytes;
+            // Records the reconciler read, against the log's length: 1 when
+            // each record is read once. Those read once the log had its final
+            // length are the run coming to wait (the Approval raised).
+            let read = |s: &Sample| s.m.read_records.unwrap_or(0.0);
+            let at_end = samples
+                .iter()
+                .rev()
+                .find(|s| s.log_len < records)
+                .map_or(0.0, |s| read(&end) - read(s) - (records - s.log_len) as f64);
+            figure(
+                &format!("long.records{records}.read_records"),
+                read(&end) - read(first),
+                "records",
+            );
+            figure(
+                &format!("long.records{records}.read_records_per_record"),
+                (read(&end) - read(first)) / records.max(1) as f64,
+                "x",
+            );
+            figure(
+                &format!("long.records{records}.read_records_beyond_new_at_wait"),
+                at_end,
+                "records",
+            );
             figure(
                 &format!("long.records{records}.reconciles"),
                 reconciles,
@@ -1634,7 +1754,7 @@ async fn long(bench: &Bench) {
 
     // Figure 6: restart while the run waits with its full log, decided as
     // the new process starts.
-    ns.save_log(bench, "-1");
+    ns.save_log(bench, "-1").await;
     let approval = awaiting.approval.clone().expect("waiting on an Approval");
     let before: HashSet<(u64, u32)> = ns
         .jobs
@@ -1707,7 +1827,7 @@ async fn long(bench: &Bench) {
         json.len() as f64,
         "bytes",
     );
-    ns.save_log(bench, "-2");
+    ns.save_log(bench, "-2").await;
 }
 
 // --- main ------------------------------------------------------------------------
