@@ -1048,7 +1048,7 @@ async fn store_postgres_migrate_concurrently_and_idempotently() {
         .fetch_one(&mut c)
         .await
         .unwrap();
-    assert_eq!(applied, 2, "each migration recorded once");
+    assert_eq!(applied, 3, "each of the 3 migrations recorded once");
     let (roles,): (i64,) = sqlx::query_as(
         "SELECT count(*) FROM pg_roles WHERE rolname IN ('agentrun_writer', 'agentrun_retention') AND NOT rolcanlogin",
     )
