@@ -73,6 +73,8 @@ struct Config {
     idle: Duration,
     approvals: usize,
     baseline_runs: usize,
+    /// A second idle window once every step Job is gone (their TTL is 600 s).
+    quiet: bool,
     /// Runs that made no progress for this long are reported as stuck.
     stall: Duration,
     /// Model turns per run of the active phase: 3 is 5 steps (Jobs).
@@ -113,6 +115,7 @@ impl Config {
             baseline_runs: env_num("AGENTRUN_SCALE_BASELINE_RUNS", if short { 5 } else { 10 }),
             turns: 3,
             stall: Duration::from_secs(env_num("AGENTRUN_SCALE_STALL_SECONDS", 120)),
+            quiet: env_num("AGENTRUN_SCALE_QUIET", u8::from(!short)) == 1,
             create_concurrency: env_num("AGENTRUN_SCALE_CREATE_CONCURRENCY", 16),
             controller_flags: std::env::var("AGENTRUN_SCALE_CONTROLLER_FLAGS")
                 .unwrap_or_default()
@@ -254,6 +257,7 @@ fn stuck(ns: &Ns, runs: &[String], ok: impl Fn(&RunSeen) -> bool) -> Vec<String>
 
 #[derive(Clone, Debug)]
 struct JobSeen {
+    deleted: bool,
     run: String,
     seq: u64,
     attempt: u32,
@@ -275,6 +279,15 @@ impl Jobs {
     }
     fn all(&self) -> Vec<JobSeen> {
         self.0.lock().unwrap().values().cloned().collect()
+    }
+    /// Jobs not deleted yet.
+    fn live(&self) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|j| !j.deleted)
+            .count()
     }
 }
 
@@ -344,6 +357,12 @@ fn watch_jobs(client: &Client, ns: &str, jobs: Jobs) -> JoinHandle<()> {
         while let Some(event) = stream.next().await {
             let job = match event {
                 Ok(watcher::Event::Apply(j) | watcher::Event::InitApply(j)) => j,
+                Ok(watcher::Event::Delete(j)) => {
+                    if let Some(seen) = jobs.0.lock().unwrap().get_mut(&j.name_any()) {
+                        seen.deleted = true;
+                    }
+                    continue;
+                }
                 Ok(_) => continue,
                 Err(e) => {
                     note(&format!("Job watch: {e}"));
@@ -357,6 +376,7 @@ fn watch_jobs(client: &Client, ns: &str, jobs: Jobs) -> JoinHandle<()> {
                 .unwrap()
                 .entry(name)
                 .or_insert_with(|| JobSeen {
+                    deleted: false,
                     run: label(&job.metadata, "agentrun.dev/run"),
                     seq: label(&job.metadata, "agentrun.dev/seq")
                         .parse()
@@ -943,7 +963,8 @@ impl Bench {
 
     /// For each Job (first attempt) whose previous record a step pod wrote:
     /// Job ADDED (watch) minus that record's `created_at`, in ms.
-    async fn dispatch_ms(&self, ns: &Ns, runs: &[String], csv: &str) -> Vec<f64> {
+    /// Each sample with the time of the record it follows.
+    async fn dispatch_ms(&self, ns: &Ns, runs: &[String], csv: &str) -> Vec<(DateTime<Utc>, f64)> {
         let mut uids: HashMap<String, String> = HashMap::new();
         for name in runs {
             if let Some(r) = ns.runs.get(name) {
@@ -985,7 +1006,7 @@ impl Bench {
                     at.format("%H:%M:%S%.6f"),
                     job.added.format("%H:%M:%S%.6f")
                 ));
-                ms.push(d);
+                ms.push((*at, d));
             }
         }
         lines.sort();
@@ -1054,9 +1075,12 @@ async fn active(bench: &Bench) {
         )
         .await;
     }
-    let base_ms = bench
+    let base_ms: Vec<f64> = bench
         .dispatch_ms(&ns, &baseline, "dispatch-active1.csv")
-        .await;
+        .await
+        .into_iter()
+        .map(|(_, ms)| ms)
+        .collect();
 
     // N runs started together.
     let burst = names("run", cfg.active);
@@ -1107,9 +1131,10 @@ async fn active(bench: &Bench) {
     if succeeded < burst.len() {
         note(&format!("not every run succeeded: {phases}"));
     }
-    let burst_ms = bench
+    let burst_samples = bench
         .dispatch_ms(&ns, &burst, &format!("dispatch-active{}.csv", cfg.active))
         .await;
+    let burst_ms: Vec<f64> = burst_samples.iter().map(|(_, ms)| *ms).collect();
     let burst_set: HashSet<&String> = burst.iter().collect();
     let jobs: Vec<JobSeen> = ns
         .jobs
@@ -1117,10 +1142,21 @@ async fn active(bench: &Bench) {
         .into_iter()
         .filter(|j| burst_set.contains(&j.run))
         .collect();
+    // Once every run has its first Job: the start-up wave of N runs is over.
+    let all_started = jobs.iter().filter(|j| j.seq <= 1).map(|j| j.added).max();
+    let steady_ms: Vec<f64> = burst_samples
+        .iter()
+        .filter(|(at, _)| all_started.is_some_and(|t| *at > t))
+        .map(|(_, ms)| *ms)
+        .collect();
     let retries = jobs.iter().filter(|j| j.attempt > 1).count();
 
     latency_figures("dispatch.active1", &base_ms);
     latency_figures(&format!("dispatch.active{}", cfg.active), &burst_ms);
+    latency_figures(
+        &format!("dispatch.active{}.after_all_started", cfg.active),
+        &steady_ms,
+    );
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
     figure(
         &format!("dispatch.ratio_{}_vs_1.p50", cfg.active),
@@ -1404,14 +1440,34 @@ async fn waiting(bench: &Bench) {
     // Let the last status writes and Events of the approved runs land.
     tokio::time::sleep(Duration::from_secs(5)).await;
 
-    // Figure 3: nothing happening.
+    // Figure 3: nothing happening (finished step Jobs still go, by their TTL).
+    idle_window(bench, &ns, &runs, "idle").await;
+    // And once every step Job is gone: nothing at all.
+    if cfg.quiet {
+        let timeout = Duration::from_secs(900);
+        note("waiting for every step Job to be deleted (ttlSecondsAfterFinished)");
+        wait_until("every step Job deleted", timeout, || match ns.jobs.live() {
+            0 => Ok(()),
+            n => Err(format!("{n} Jobs left")),
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        idle_window(bench, &ns, &runs, "quiet").await;
+    }
+    ns.save_log(bench, "").await;
+}
+
+/// One window with the runs waiting: pods, the controller's RSS and CPU,
+/// store reads (table statistics and its counters), API writes by kind.
+async fn idle_window(bench: &Bench, ns: &Ns, runs: &[String], label: &str) {
+    let cfg = &bench.cfg;
     let window = cfg.idle;
     let waiting_now = ns
         .runs
-        .count(&runs, |r| r.phase == Some(Phase::AwaitingApproval))
+        .count(runs, |r| r.phase == Some(Phase::AwaitingApproval))
         .0;
     note(&format!(
-        "idle window of {} s with {waiting_now} runs waiting",
+        "{label} window of {} s with {waiting_now} runs waiting",
         window.as_secs()
     ));
     let until = tokio::time::Instant::now() + window + Duration::from_millis(500);
@@ -1454,17 +1510,17 @@ async fn waiting(bench: &Bench) {
     let per_min = |x: f64| x * 60.0 / secs;
     let w = waiting_now;
     figure(
-        &format!("idle.waiting{w}.pods"),
+        &format!("{label}.waiting{w}.pods"),
         active0.max(active1) as f64,
         "pods",
     );
     figure(
-        &format!("idle.waiting{w}.controller_rss"),
+        &format!("{label}.waiting{w}.controller_rss"),
         status_kb(pid, "VmRSS") as f64 / 1024.0,
         "MiB",
     );
     figure(
-        &format!("idle.waiting{w}.controller_cpu"),
+        &format!("{label}.waiting{w}.controller_cpu"),
         100.0 * (cpu1 - cpu0) / secs,
         "%core",
     );
@@ -1473,24 +1529,24 @@ async fn waiting(bench: &Bench) {
         let d = after - pg0.get(table).copied().unwrap_or(0);
         total_reads += d;
         figure(
-            &format!("idle.waiting{w}.pg_scans_per_min.{table}"),
+            &format!("{label}.waiting{w}.pg_scans_per_min.{table}"),
             per_min(d as f64),
             "scans/min",
         );
     }
     figure(
-        &format!("idle.waiting{w}.pg_scans_per_min"),
+        &format!("{label}.waiting{w}.pg_scans_per_min"),
         per_min(total_reads as f64),
         "scans/min",
     );
     figure(
-        &format!("idle.waiting{w}.reconciles_per_min"),
+        &format!("{label}.waiting{w}.reconciles_per_min"),
         per_min(m1.reconciliations - m0.reconciliations),
         "reconciles/min",
     );
     match (m0.reads, m1.reads) {
         (Some(a), Some(b)) => figure(
-            &format!("idle.waiting{w}.store_reads_per_min"),
+            &format!("{label}.waiting{w}.store_reads_per_min"),
             per_min(b - a),
             "reads/min",
         ),
@@ -1498,7 +1554,7 @@ async fn waiting(bench: &Bench) {
     }
     if let (Some(a), Some(b)) = (m0.read_bytes, m1.read_bytes) {
         figure(
-            &format!("idle.waiting{w}.store_read_bytes_per_min"),
+            &format!("{label}.waiting{w}.store_read_bytes_per_min"),
             per_min(b - a),
             "bytes/min",
         );
@@ -1508,7 +1564,7 @@ async fn waiting(bench: &Bench) {
     for (kind, [a, m, d]) in kinds.iter().zip(writes) {
         total += a + m + d;
         figure(
-            &format!("idle.waiting{w}.api_writes_per_min.{kind}"),
+            &format!("{label}.waiting{w}.api_writes_per_min.{kind}"),
             per_min((a + m + d) as f64),
             "writes/min",
         );
@@ -1519,12 +1575,16 @@ async fn waiting(bench: &Bench) {
         }
     }
     figure(
-        &format!("idle.waiting{w}.api_writes_per_min"),
+        &format!("{label}.waiting{w}.api_writes_per_min"),
         per_min(total as f64),
         "writes/min",
     );
-    cpu_figures(&format!("idle.waiting{w}"), &cpu_parts0, &cpu_parts1, secs);
-    ns.save_log(bench, "").await;
+    cpu_figures(
+        &format!("{label}.waiting{w}"),
+        &cpu_parts0,
+        &cpu_parts1,
+        secs,
+    );
 }
 
 // --- figures 5 and 6: one long run, and a controller restart -------------------
