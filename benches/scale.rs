@@ -10,6 +10,10 @@
 //!   `--time-slice-seconds 0`, so every step is one Job: a model call, or a
 //!   tool call with its intent. `active1` from runs started one after the
 //!   other, `activeN` from N runs started together (N = ACTIVE).
+//!   `*.controller.{reconcile_started,job_created}.*` are the controller's
+//!   own view (`agentrun_dispatch_seconds`): record S stored → the reconcile
+//!   acting on it began / its Job create returned, without this harness's
+//!   watch; quantiles interpolated within the histogram's buckets (1.5x apart).
 //! - `scale.burst.*`: those N runs of 5 steps (5 Jobs) each, started
 //!   together: time to all Succeeded, steps/s, controller CPU and peak RSS.
 //! - `scale.approval.*`: with W runs waiting for approval (W = WAITING), a
@@ -674,6 +678,93 @@ fn metric_sum(text: &str, name: &str) -> Option<f64> {
     found
 }
 
+/// The cumulative buckets `(le, count)` of one series of a histogram.
+fn histogram(text: &str, name: &str, labels: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{{labels},le=\"");
+    text.lines()
+        .filter_map(|l| l.strip_prefix(prefix.as_str()))
+        .filter_map(|rest| {
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The `q` quantile of the observations between two scrapes of a histogram,
+/// interpolated within its bucket as Prometheus's `histogram_quantile` does.
+fn histogram_quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let counts: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, n)| {
+            let was = before
+                .iter()
+                .find(|(b, _)| b == le)
+                .map_or(0.0, |(_, c)| *c);
+            (*le, n - was)
+        })
+        .collect();
+    let total = counts.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let (mut lower, mut below) = (0.0, 0.0);
+    for (le, n) in counts {
+        if n >= rank {
+            if le.is_infinite() {
+                return Some(lower);
+            }
+            let within = if n > below {
+                (rank - below) / (n - below)
+            } else {
+                1.0
+            };
+            return Some(lower + (le - lower) * within);
+        }
+        (lower, below) = (le, n);
+    }
+    None
+}
+
+/// The controller's own view of dispatch (`agentrun_dispatch_seconds`)
+/// between two scrapes, by stage, as p50/p99 in ms.
+fn controller_dispatch_figures(name: &str, before: &str, after: &str) {
+    const METRIC: &str = "agentrun_dispatch_seconds";
+    for stage in ["reconcile_started", "job_created"] {
+        let labels = format!("stage=\"{stage}\"");
+        let (b, a) = (
+            histogram(before, METRIC, &labels),
+            histogram(after, METRIC, &labels),
+        );
+        for (q, tag) in [(0.5, "p50"), (0.99, "p99")] {
+            if let Some(secs) = histogram_quantile(&b, &a, q) {
+                figure(
+                    &format!("{name}.controller.{stage}.{tag}"),
+                    secs * 1000.0,
+                    "ms",
+                );
+            }
+        }
+    }
+}
+
+async fn metrics_text(port: u16) -> String {
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        common::controller::http_get(port, "/metrics"),
+    )
+    .await
+    {
+        Ok((200, body)) => body,
+        _ => String::new(),
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 struct StoreCounters {
     reconciliations: f64,
@@ -684,15 +775,7 @@ struct StoreCounters {
 }
 
 async fn store_counters(port: u16) -> StoreCounters {
-    let text = match tokio::time::timeout(
-        Duration::from_secs(10),
-        common::controller::http_get(port, "/metrics"),
-    )
-    .await
-    {
-        Ok((200, body)) => body,
-        _ => String::new(),
-    };
+    let text = metrics_text(port).await;
     // Reconciles started but not finished: a hung one holds its run forever.
     let finished = metric_sum(&text, "agentrun_reconcile_duration_seconds_count");
     StoreCounters {
@@ -1061,6 +1144,7 @@ async fn active(bench: &Bench) {
     ));
 
     // One active run at a time.
+    let metrics0 = metrics_text(ns.controller.metrics_port).await;
     let baseline = names("base", cfg.baseline_runs);
     for name in &baseline {
         ns.create_runs(bench, std::slice::from_ref(name), "Look the order up.")
@@ -1081,6 +1165,9 @@ async fn active(bench: &Bench) {
         .into_iter()
         .map(|(_, ms)| ms)
         .collect();
+
+    let metrics1 = metrics_text(ns.controller.metrics_port).await;
+    controller_dispatch_figures("dispatch.active1", &metrics0, &metrics1);
 
     // N runs started together.
     let burst = names("run", cfg.active);
@@ -1124,6 +1211,12 @@ async fn active(bench: &Bench) {
         note(&format!("runs that never ended: {}", stuck.join(", ")));
     }
     sampler.abort();
+    let metrics2 = metrics_text(ns.controller.metrics_port).await;
+    controller_dispatch_figures(
+        &format!("dispatch.active{}", cfg.active),
+        &metrics1,
+        &metrics2,
+    );
     let cpu = cpu_seconds(pid) - cpu0;
     let cpu_parts1 = cpu_by_component(pid);
     let api1 = api_requests(&bench.client).await;

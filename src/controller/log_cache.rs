@@ -21,6 +21,8 @@ use crate::store::{Head, HeadEvent};
 pub struct Replayed {
     pub state: RunState,
     pub head: Head,
+    /// When the head record was stored (the store's clock), if known.
+    pub head_at: Option<chrono::DateTime<chrono::Utc>>,
     /// The head-event generation it was read under (see [`LogCache::current`]).
     generation: u64,
 }
@@ -31,6 +33,7 @@ impl Replayed {
         Replayed {
             state: RunState::default(),
             head: Head::EMPTY,
+            head_at: None,
             generation: 0,
         }
     }
@@ -86,6 +89,7 @@ impl LogCache {
         Replayed {
             state,
             head,
+            head_at: None,
             generation,
         }
     }

@@ -9,6 +9,7 @@
 //! | `agentrun_model_tokens_total` | counter | `direction`, `model` | usage of observed `ModelCall`/`Summary` records |
 //! | `agentrun_model_cost_usd_total` | counter | `model` | same, cost |
 //! | `agentrun_store_append_duration_seconds` | histogram | `outcome` | the controller's own appends |
+//! | `agentrun_dispatch_seconds` | histogram | `stage` | the record a first-attempt step Job follows stored → its reconcile started / the Job created ([`Metrics::observe_dispatch`]) |
 //! | `agentrun_reconciliations_total`, `agentrun_reconcile_errors_total`, `agentrun_reconcile_duration_seconds` | | `reason` | the reconciler |
 //!
 //! Records and Jobs that ended before this process started are not counted:
@@ -70,6 +71,11 @@ struct PhaseLabel {
     phase: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabel {
+    pub stage: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Every phase, so that dashboards see zeros rather than missing series.
@@ -95,6 +101,9 @@ pub struct Metrics {
     pub model_tokens: Family<TokenLabel, Counter>,
     pub model_cost: Family<ModelLabel, Counter<f64, AtomicU64>>,
     pub store_append: HistogramFamily<OutcomeLabel>,
+    /// From the record a step Job follows being stored to its reconcile
+    /// starting and to its Job being created ([`Metrics::observe_dispatch`]).
+    pub dispatch: HistogramFamily<StageLabel>,
     /// Runs stopped because their log did not verify or did not extend the anchored head.
     pub log_integrity_failures: Counter,
     /// Reads of step logs by the reconciler, records and payload bytes read.
@@ -145,6 +154,11 @@ fn append_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.0005, 2.0, 15))
 }
 
+fn dispatch_buckets() -> Histogram {
+    // 1 ms .. about 5 min, 1.5x apart: fine enough for a p50 and a p99.
+    Histogram::new(exponential_buckets(0.001, 1.5, 32))
+}
+
 impl Metrics {
     /// Creates the metrics and registers them.
     pub fn new(registry: &mut Registry) -> Self {
@@ -158,6 +172,7 @@ impl Metrics {
             model_tokens: Family::default(),
             model_cost: Family::default(),
             store_append: Family::new_with_constructor(append_buckets),
+            dispatch: Family::new_with_constructor(dispatch_buckets),
             log_integrity_failures: Counter::default(),
             store_reads: Counter::default(),
             store_read_records: Counter::default(),
@@ -214,6 +229,13 @@ impl Metrics {
             "agentrun_store_append_duration_seconds",
             "Latency of the controller's own step-log appends, by outcome",
             m.store_append.clone(),
+        );
+        registry.register(
+            "agentrun_dispatch_seconds",
+            "From the step-log record a new step Job follows being stored to the reconcile \
+             that acts on it starting (stage reconcile_started) and to the Job being created \
+             (stage job_created); first attempts only",
+            m.dispatch.clone(),
         );
         registry.register(
             "agentrun_store_reads",
@@ -307,6 +329,18 @@ impl Metrics {
 
     /// How long an approval waited, from raised to decided (`verdict`:
     /// `Approve`, `Reject`, `Edit`) or expired (`Expired`).
+    /// A first-attempt step Job created after the record stored at `head_at`,
+    /// by the reconcile that began at `began`.
+    pub fn observe_dispatch(&self, head_at: DateTime<Utc>, began: DateTime<Utc>) {
+        let secs =
+            |t: DateTime<Utc>| (t - head_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6;
+        for (stage, at) in [("reconcile_started", began), ("job_created", Utc::now())] {
+            self.dispatch
+                .get_or_create(&StageLabel { stage })
+                .observe(secs(at));
+        }
+    }
+
     pub fn observe_approval_wait(&self, wait: Duration, verdict: &str) {
         self.approval_wait
             .get_or_create(&VerdictLabel {
@@ -553,5 +587,25 @@ mod tests {
         );
         // No cache yet (a standby replica): no runs gauge.
         assert!(!t.contains("agentrun_runs{"), "{t}");
+    }
+
+    #[test]
+    fn dispatch_is_measured_from_the_stored_record_to_each_stage() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        let stored = Utc::now() - chrono::Duration::milliseconds(40);
+        m.observe_dispatch(stored, stored + chrono::Duration::milliseconds(10));
+        let t = text(&registry);
+        assert!(
+            t.contains(r#"agentrun_dispatch_seconds_sum{stage="reconcile_started"} 0.01"#),
+            "{t}"
+        );
+        let created: f64 = t
+            .lines()
+            .find_map(|l| l.strip_prefix(r#"agentrun_dispatch_seconds_sum{stage="job_created"} "#))
+            .expect("job_created observed")
+            .parse()
+            .unwrap();
+        assert!((0.04..1.0).contains(&created), "{created}");
     }
 }

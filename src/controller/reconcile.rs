@@ -55,6 +55,7 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
 }
 
 async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error> {
+    let began = chrono::Utc::now();
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
 
@@ -112,6 +113,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         step: run.status.as_ref().and_then(|s| s.step.clone()),
         concluded: None,
         awaiting: None,
+        began,
     };
     let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
     let idle = act == Act::Idle;
@@ -143,7 +145,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
                 run,
                 ctx,
                 &ns,
-                &replayed.head,
+                &replayed,
                 &template,
                 job.as_ref(),
                 seq,
@@ -303,6 +305,8 @@ struct Acting {
     step: Option<crate::api::CurrentStep>,
     concluded: Option<RunFinished>,
     awaiting: Option<(String, Timestamp)>,
+    /// When the reconcile began (for `agentrun_dispatch_seconds`).
+    began: chrono::DateTime<chrono::Utc>,
 }
 
 /// The platform's policies judge starting, following and every Job: a
@@ -418,7 +422,7 @@ async fn create_job(
     run: &AgentRun,
     ctx: &Context,
     ns: &str,
-    head: &Head,
+    replayed: &Replayed,
     template: &AgentTemplate,
     previous: Option<&JobView>,
     seq: u64,
@@ -439,7 +443,7 @@ async fn create_job(
         attempt,
         failed_jobs,
         timeout,
-        head,
+        &replayed.head,
         &ctx.jobs,
     );
     let name = job.name_any();
@@ -468,6 +472,12 @@ async fn create_job(
     } else {
         ("StepStarted", false)
     };
+    if let Some(at) = replayed
+        .head_at
+        .filter(|_| created && attempt == 1 && seq > 0)
+    {
+        ctx.metrics.observe_dispatch(at, acting.began);
+    }
     if created {
         acting.notices.push(notice(
             warn,
@@ -550,7 +560,10 @@ async fn replay(
     }
     let generation = ctx.logs.begin_read(&uid);
     let Replayed {
-        mut state, head, ..
+        mut state,
+        head,
+        head_at,
+        ..
     } = cached.unwrap_or_else(Replayed::empty);
     let records = match ctx.store.read_verified_after(&uid, &head).await {
         Ok(records) => records,
@@ -569,7 +582,9 @@ async fn replay(
     for r in &records {
         state.apply(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
     }
-    Ok(Ok(ctx.logs.stamp(state, head, generation)))
+    let mut replayed = ctx.logs.stamp(state, head, generation);
+    replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
+    Ok(Ok(replayed))
 }
 
 /// Keeps the run's replayed log for its next reconcile, or forgets it: a
