@@ -66,7 +66,7 @@ async fn a_twenty_step_run_succeeds_with_every_step_in_the_log() {
     // The MCP tool's schema, as discovered, is pinned in RunStarted.
     match &log[0].1 {
         Step::RunStarted(s) => assert!(
-            s.mcp.contains_key("create_ticket")
+            s.mcp.0.contains_key("create_ticket")
                 && s.tools.iter().any(|t| t.name == "create_ticket")
         ),
         other => panic!("seq 0 is {other:?}"),
@@ -689,9 +689,9 @@ async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends()
         run_name: "zombie".into(),
         namespace: w.name().into(),
         input: "Refund order 7.".into(),
-        agent: template.clone(),
-        tools: toolbox.defs(),
-        mcp: McpCatalog::new(),
+        agent: template.clone().into(),
+        tools: toolbox.defs().into_iter().map(Into::into).collect(),
+        mcp: Default::default(),
         versions: Versions {
             prompt_version: "v1".into(),
             model: template.model.name.clone(),

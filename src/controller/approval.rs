@@ -15,8 +15,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Resource, ResourceExt};
 
 use crate::api::{
-    AgentRun, Approval, ApprovalKind, ApprovalSpec, ApprovalState, Observations, OnExpiry,
-    ProposedCall, RunRef, Verdict as ApiVerdict,
+    AgentRun, Approval, ApprovalSpec, ApprovalState, Observations, OnExpiry, ProposedCall, RunRef,
+    Verdict as ApiVerdict,
 };
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -29,6 +29,7 @@ use crate::runlog::records::{
     ApprovalDecided, ApprovalRequested, RecordedDecision, RunFinished, Verdict,
 };
 use crate::runlog::replay::{RunState, Step};
+use crate::runlog::v1;
 use crate::store::Head;
 
 pub use crate::api::REQUESTER_ANNOTATION;
@@ -79,23 +80,33 @@ pub fn build(
                 uid: run.uid(),
             },
             step: request_seq,
-            kind: request.kind,
+            kind: request.kind.into(),
             rule: Some(request.gate.rule.clone()),
             tool: request.tool.clone(),
             arguments: request.arguments.clone(),
             arguments_hash: request.arguments_hash.clone(),
             observations: Observations {
                 reason: request.reason.clone(),
-                recent_results: request.observations.clone(),
+                recent_results: request
+                    .observations
+                    .iter()
+                    .cloned()
+                    .map(Into::into)
+                    .collect(),
             },
-            dependencies: request.dependencies.clone(),
-            approvers: request.gate.approvers.clone(),
+            dependencies: request
+                .dependencies
+                .iter()
+                .cloned()
+                .map(Into::into)
+                .collect(),
+            approvers: request.gate.approvers.clone().into(),
             required_approvals: request.gate.required_approvals,
             requester: run.annotations().get(REQUESTER_ANNOTATION).cloned(),
             separation_of_duties: request.gate.separation_of_duties,
             expires_at: Time(expiry(request, requested_at)),
-            on_expiry: request.gate.on_expiry,
-            escalate_to: request.gate.escalate_to.clone(),
+            on_expiry: request.gate.on_expiry.into(),
+            escalate_to: request.gate.escalate_to.clone().map(Into::into),
             escalation: request.escalation,
             alternative: request.alternative.clone().map(|arguments| ProposedCall {
                 tool: request.tool.clone(),
@@ -255,13 +266,13 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
         .filter(|d| d.verdict != ApiVerdict::Edit || d.arguments.is_some())
         .map(|d| RecordedDecision {
             approver: d.approver.clone(),
-            verdict: d.verdict,
+            verdict: d.verdict.into(),
             arguments_hash: d.arguments_hash.clone(),
             arguments: d.arguments.clone(),
             reason: d.reason.clone(),
         })
         .collect();
-    if let Some(reject) = counted.iter().find(|d| d.verdict == ApiVerdict::Reject) {
+    if let Some(reject) = counted.iter().find(|d| d.verdict == v1::Verdict::Reject) {
         return Evaluation::Decided {
             verdict: Verdict::Reject,
             decisions: vec![reject.clone()],
@@ -272,7 +283,7 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
     let mut groups: Vec<(Value, Vec<RecordedDecision>)> = Vec::new();
     for d in counted {
         let agreed = match d.verdict {
-            ApiVerdict::Edit => d.arguments.clone().unwrap_or_default(),
+            v1::Verdict::Edit => d.arguments.clone().unwrap_or_default(),
             _ => spec.arguments.clone(),
         };
         match groups.iter_mut().find(|(args, _)| *args == agreed) {
@@ -467,7 +478,7 @@ fn after_expiry(
     notices: &mut Vec<super::decide::Notice>,
 ) -> Step {
     use crate::runlog::records::Outcome;
-    let escalate = expired.on_expiry == Some(OnExpiry::Escalate);
+    let escalate = expired.on_expiry == Some(v1::OnExpiry::Escalate);
     if escalate && request.escalation < request.gate.max_escalations {
         let next = pinned_gate::escalated(request);
         notices.push(notice(
@@ -488,7 +499,7 @@ fn after_expiry(
         );
         return Step::ApprovalRequested(next);
     }
-    let (outcome, error) = if request.kind == ApprovalKind::Reconcile {
+    let (outcome, error) = if request.kind == v1::ApprovalKind::Reconcile {
         // Nobody said whether the call happened: it is never made again on silence.
         (
             Outcome::NeedsHuman,
@@ -760,7 +771,7 @@ fn decision_record(
                 decisions: Vec::new(),
                 arguments,
                 observations_hash,
-                on_expiry: Some(on_expiry),
+                on_expiry: Some(on_expiry.into()),
             }
         }
     })
@@ -1139,7 +1150,7 @@ mod tests {
             observations: vec![],
             dependencies: vec![],
             gate: crate::policy::Gate {
-                approvers: Approvers {
+                approvers: v1::Approvers {
                     users: vec!["alice".into()],
                     groups: vec![],
                 },
@@ -1149,7 +1160,7 @@ mod tests {
             },
             escalation: 0,
             alternative: None,
-            kind: crate::api::ApprovalKind::Call,
+            kind: v1::ApprovalKind::Call,
             intent_seq: None,
         }
     }
@@ -1209,7 +1220,8 @@ mod tests {
             agent: crate::api::AgentTemplate {
                 approval: Some(policy),
                 ..Default::default()
-            },
+            }
+            .into(),
             tools: vec![],
             mcp: Default::default(),
             versions: Default::default(),

@@ -333,7 +333,7 @@ pub fn phase_of(outcome: Outcome) -> Phase {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{AgentRunSpec, AgentRunStatus, AgentTemplate, CurrentStep, VersionPolicy};
+    use crate::api::{AgentRunSpec, AgentRunStatus, CurrentStep, VersionPolicy};
     use crate::runlog::records::{RunStarted, Versions};
     use crate::runlog::replay::Step;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -362,7 +362,7 @@ mod tests {
             run_name: "r".into(),
             namespace: "ns".into(),
             input: "task".into(),
-            agent: AgentTemplate::default(),
+            agent: Default::default(),
             tools: vec![],
             mcp: Default::default(),
             versions: Versions {

@@ -6,17 +6,18 @@
 
 use serde_json::Value;
 
-use crate::api::{AgentTemplate, ApprovalKind, OnExpiry};
+use crate::api::AgentTemplate;
 use crate::policy::{Classification, Gate, arguments_hash, classify, declared_read_only};
 use crate::runlog::records::{ApprovalRequested, Verdict};
 use crate::runlog::replay::Step;
+use crate::runlog::v1::{ApprovalKind, OnExpiry};
 use crate::step::approval::split_alternative;
 
 /// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
-pub fn pinned_agent(steps: &[Step], seq: u64) -> Option<&AgentTemplate> {
+pub fn pinned_agent(steps: &[Step], seq: u64) -> Option<AgentTemplate> {
     steps.iter().take(seq as usize).rev().find_map(|s| match s {
-        Step::RunStarted(r) => Some(&r.agent),
-        Step::VersionChanged(v) => Some(&v.agent),
+        Step::RunStarted(r) => Some(r.agent.clone().into()),
+        Step::VersionChanged(v) => Some(v.agent.clone().into()),
         _ => None,
     })
 }
@@ -28,7 +29,7 @@ pub fn classify_at(steps: &[Step], seq: u64, tool: &str, args: &Value) -> Classi
             agent.approval.as_ref(),
             tool,
             args,
-            declared_read_only(agent, tool),
+            declared_read_only(&agent, tool),
         ),
         // No pinned agent: nothing may run without a human.
         None => Classification::RequireApproval(Box::default()),
@@ -142,8 +143,8 @@ fn expected_reconcile_gate(
             request.intent_seq, request.tool
         ));
     };
-    let policy = pinned_agent(steps, request_seq).and_then(|a| a.approval.as_ref());
-    crate::policy::reconcile_gate(policy, &intent.tool, &intent.arguments)
+    let policy = pinned_agent(steps, request_seq).and_then(|a| a.approval);
+    crate::policy::reconcile_gate(policy.as_ref(), &intent.tool, &intent.arguments)
         .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
 }
 
@@ -229,8 +230,8 @@ pub fn gate_differences(recorded: &Gate, expected: &Gate) -> Vec<String> {
 mod tests {
     use super::*;
     use crate::api::{ApprovalPolicy, ApprovalRule, Approvers};
-    use crate::model::{ModelResponse, TokenUsage, ToolCall};
     use crate::runlog::records::{ApprovalDecided, ModelCall, RunStarted, ToolIntent};
+    use crate::runlog::v1::{ModelResponse, TokenUsage, ToolCall};
     use serde_json::json;
 
     fn agent() -> AgentTemplate {
@@ -246,7 +247,7 @@ mod tests {
                     },
                     required_approvals: 2,
                     expires_after: "10m".into(),
-                    on_expiry: OnExpiry::Escalate,
+                    on_expiry: crate::api::OnExpiry::Escalate,
                     escalate_to: Some(Approvers {
                         users: vec!["boss".into()],
                         groups: vec![],
@@ -266,7 +267,7 @@ mod tests {
                 run_name: "r".into(),
                 namespace: "n".into(),
                 input: "i".into(),
-                agent: agent(),
+                agent: agent().into(),
                 tools: vec![],
                 mcp: Default::default(),
                 versions: Default::default(),

@@ -903,9 +903,9 @@ async fn snapshot(
         run_name: run.name_any(),
         namespace: run.namespace().unwrap_or_default(),
         input: run.spec.input.clone(),
-        agent: template.clone(),
-        tools: toolbox.defs(),
-        mcp,
+        agent: template.clone().into(),
+        tools: toolbox.defs().into_iter().map(Into::into).collect(),
+        mcp: mcp.into(),
         versions: Versions {
             prompt_version: template.prompt.version.clone(),
             prompt_hash: sha256_hex(&crate::store::canonical_json(&prompt)),

@@ -6,8 +6,9 @@ pub mod condition;
 
 use serde_json::Value;
 
-use crate::api::{ApprovalPolicy, ApprovalRule, DefaultAction, OnExpiry};
+use crate::api::{ApprovalPolicy, ApprovalRule, DefaultAction};
 pub use crate::runlog::records::Gate;
+use crate::runlog::v1;
 
 /// What a call needs before it may run.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,10 +76,10 @@ pub fn reconcile_gate(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value)
             Gate {
                 rule: "reconcile".into(),
                 because: String::new(),
-                approvers: p.default_approvers.clone()?,
+                approvers: p.default_approvers.clone()?.into(),
                 required_approvals: 1,
                 expires_after: "1h".into(),
-                on_expiry: OnExpiry::Fail,
+                on_expiry: v1::OnExpiry::Fail,
                 escalate_to: None,
                 max_escalations: 1,
                 dependencies: Vec::new(),
@@ -87,7 +88,7 @@ pub fn reconcile_gate(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value)
             }
         }
     };
-    gate.on_expiry = OnExpiry::Fail;
+    gate.on_expiry = v1::OnExpiry::Fail;
     Some(gate)
 }
 
@@ -105,13 +106,13 @@ fn gate(policy: &ApprovalPolicy, rule: &ApprovalRule, because: String) -> Gate {
     Gate {
         rule: rule.name.clone(),
         because,
-        approvers: rule.approvers.clone(),
+        approvers: rule.approvers.clone().into(),
         required_approvals: rule.required_approvals.max(1),
         expires_after: rule.expires_after.clone(),
-        on_expiry: rule.on_expiry,
-        escalate_to: rule.escalate_to.clone(),
+        on_expiry: rule.on_expiry.into(),
+        escalate_to: rule.escalate_to.clone().map(Into::into),
         max_escalations: rule.max_escalations,
-        dependencies: rule.dependencies.clone(),
+        dependencies: rule.dependencies.iter().cloned().map(Into::into).collect(),
         separation_of_duties: policy.separation_of_duties,
         notify_webhook: policy.notify_webhook.clone(),
     }
@@ -133,7 +134,7 @@ pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::Approvers;
+    use crate::api::{Approvers, OnExpiry};
     use serde_json::json;
 
     fn policy(when: Option<&str>) -> ApprovalPolicy {
@@ -236,7 +237,7 @@ mod tests {
         let g = reconcile_gate(Some(&p), "issue_refund", &json!({})).unwrap();
         assert_eq!(
             (g.rule.as_str(), g.on_expiry),
-            ("large-refund", OnExpiry::Fail)
+            ("large-refund", v1::OnExpiry::Fail)
         );
         assert_eq!(reconcile_gate(Some(&p), "page", &json!({})), None);
         p.default_approvers = Some(Approvers {
@@ -246,7 +247,7 @@ mod tests {
         let g = reconcile_gate(Some(&p), "page", &json!({})).unwrap();
         assert_eq!(
             (g.rule.as_str(), g.on_expiry),
-            ("reconcile", OnExpiry::Fail)
+            ("reconcile", v1::OnExpiry::Fail)
         );
         assert_eq!(reconcile_gate(None, "page", &json!({})), None);
     }

@@ -1,12 +1,12 @@
 //! Typed payloads of the step log's records (DESIGN.md section 3). The store
 //! keeps them as JSON; these types are how the runner and the controller read
 //! and write them. Field names are camelCase and stable: old logs must replay.
+//! Everything a record embeds is a stored type of this module or of `v1`,
+//! never an API, model or tools type (see `v1` for the rule).
 
 use serde::{Deserialize, Serialize};
 
-use crate::api::AgentTemplate;
-use crate::model::{ModelResponse, ToolDef};
-use crate::tools::{McpCatalog, ToolOutcome};
+use super::v1;
 
 /// Versions a run executes with; pinned in `RunStarted`, moved by `VersionChanged`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
@@ -27,12 +27,12 @@ pub struct RunStarted {
     pub run_name: String,
     pub namespace: String,
     pub input: String,
-    pub agent: AgentTemplate,
+    pub agent: v1::AgentTemplate,
     /// Tool definitions as the model sees them (MCP schemas as discovered).
-    pub tools: Vec<ToolDef>,
+    pub tools: Vec<v1::ToolDef>,
     /// MCP tools as discovered at start: their schemas are pinned with the run.
     #[serde(default)]
-    pub mcp: McpCatalog,
+    pub mcp: v1::McpCatalog,
     pub versions: Versions,
 }
 
@@ -40,10 +40,10 @@ pub struct RunStarted {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct VersionChanged {
-    pub agent: AgentTemplate,
-    pub tools: Vec<ToolDef>,
+    pub agent: v1::AgentTemplate,
+    pub tools: Vec<v1::ToolDef>,
     #[serde(default)]
-    pub mcp: McpCatalog,
+    pub mcp: v1::McpCatalog,
     pub from: Versions,
     pub to: Versions,
 }
@@ -64,7 +64,7 @@ pub struct ContextInfo {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelCall {
-    pub response: ModelResponse,
+    pub response: v1::ModelResponse,
     pub cost_usd: f64,
     pub context: ContextInfo,
 }
@@ -103,7 +103,7 @@ pub struct ToolResult {
     pub intent_seq: u64,
     pub call_id: String,
     pub tool: String,
-    pub outcome: ToolOutcome,
+    pub outcome: v1::ToolOutcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recovery: Option<Recovery>,
 }
@@ -114,7 +114,7 @@ pub struct ToolResult {
 pub struct Summary {
     pub text: String,
     pub through_seq: u64,
-    pub response: ModelResponse,
+    pub response: v1::ModelResponse,
     pub cost_usd: f64,
 }
 
@@ -172,10 +172,10 @@ pub struct ApprovalRequested {
     pub reason: Option<String>,
     /// Recent tool results the call may depend on.
     #[serde(default)]
-    pub observations: Vec<crate::api::ObservedResult>,
+    pub observations: Vec<v1::ObservedResult>,
     /// Versions of the declared dependencies, read now.
     #[serde(default)]
-    pub dependencies: Vec<crate::api::DependencyVersion>,
+    pub dependencies: Vec<v1::DependencyVersion>,
     pub gate: Gate,
     /// 0 for the first request, n for the n-th escalation.
     #[serde(default)]
@@ -185,7 +185,7 @@ pub struct ApprovalRequested {
     pub alternative: Option<serde_json::Value>,
     /// `Call` (may it run?) or `Reconcile` (did the intent at `intentSeq` happen?).
     #[serde(default)]
-    pub kind: crate::api::ApprovalKind,
+    pub kind: v1::ApprovalKind,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intent_seq: Option<u64>,
 }
@@ -205,7 +205,7 @@ pub enum Verdict {
 #[serde(rename_all = "camelCase")]
 pub struct RecordedDecision {
     pub approver: String,
-    pub verdict: crate::api::Verdict,
+    pub verdict: v1::Verdict,
     pub arguments_hash: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub arguments: Option<serde_json::Value>,
@@ -230,14 +230,14 @@ pub struct ApprovalDecided {
     pub observations_hash: String,
     /// For `Expired`: what the policy said to do.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_expiry: Option<crate::api::OnExpiry>,
+    pub on_expiry: Option<v1::OnExpiry>,
 }
 
 impl ApprovalDecided {
     /// The call will never run and the agent is told so: rejected, or expired
     /// back to the agent (or to an alternative it did not give).
     pub fn settles_without_running(&self) -> bool {
-        use crate::api::OnExpiry;
+        use v1::OnExpiry;
         match self.verdict {
             Verdict::Reject => true,
             Verdict::Expired => match self.on_expiry {
@@ -258,7 +258,7 @@ pub struct ApprovalVoided {
     pub reason: String,
     /// Dependency versions now (the request holds the old ones).
     #[serde(default)]
-    pub dependencies: Vec<crate::api::DependencyVersion>,
+    pub dependencies: Vec<v1::DependencyVersion>,
 }
 
 /// The approval a call needs: who, how many, for how long, and what then.
@@ -269,15 +269,15 @@ pub struct Gate {
     pub rule: String,
     /// Why the rule matched, for the approver.
     pub because: String,
-    pub approvers: crate::api::Approvers,
+    pub approvers: v1::Approvers,
     pub required_approvals: u32,
     pub expires_after: String,
-    pub on_expiry: crate::api::OnExpiry,
+    pub on_expiry: v1::OnExpiry,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub escalate_to: Option<crate::api::Approvers>,
+    pub escalate_to: Option<v1::Approvers>,
     pub max_escalations: u32,
     #[serde(default)]
-    pub dependencies: Vec<crate::api::Dependency>,
+    pub dependencies: Vec<v1::Dependency>,
     #[serde(default)]
     pub separation_of_duties: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -114,7 +114,8 @@ pub struct Spent {
     pub cost_usd: f64,
 }
 
-/// The agent a run executes now: `RunStarted`, or the latest `VersionChanged`.
+/// The agent a run executes now: `RunStarted`, or the latest `VersionChanged`,
+/// converted from the stored types to the ones the runner and controller use.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     pub run_name: String,
@@ -215,17 +216,17 @@ impl RunState {
                 self.snapshot = Some(Snapshot {
                     run_name: s.run_name.clone(),
                     input: s.input.clone(),
-                    agent: s.agent.clone(),
-                    tools: s.tools.clone(),
-                    mcp: s.mcp.clone(),
+                    agent: s.agent.clone().into(),
+                    tools: s.tools.iter().cloned().map(Into::into).collect(),
+                    mcp: s.mcp.clone().into(),
                     versions: s.versions.clone(),
                 })
             }
             Step::VersionChanged(v) => {
                 if let Some(snap) = &mut self.snapshot {
-                    snap.agent = v.agent.clone();
-                    snap.tools = v.tools.clone();
-                    snap.mcp = v.mcp.clone();
+                    snap.agent = v.agent.clone().into();
+                    snap.tools = v.tools.iter().cloned().map(Into::into).collect();
+                    snap.mcp = v.mcp.clone().into();
                     snap.versions = v.to.clone();
                 }
             }
@@ -240,7 +241,7 @@ impl RunState {
         self.steps.push(step);
     }
 
-    fn spend(&mut self, usage: &crate::model::TokenUsage, cost: f64) {
+    fn spend(&mut self, usage: &super::v1::TokenUsage, cost: f64) {
         self.spent.input_tokens += usage.input_tokens;
         self.spent.output_tokens += usage.output_tokens;
         self.spent.cost_usd += cost;
@@ -336,7 +337,7 @@ impl RunState {
             return Next::RecordIntent {
                 model_call_seq,
                 call_index: index,
-                call: tc.clone(),
+                call: tc.clone().into(),
             };
         }
         Next::CallModel
@@ -512,8 +513,7 @@ fn finish_result(args: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{AgentTemplate, OnExpiry};
-    use crate::model::{ModelResponse, TokenUsage};
+    use crate::runlog::v1::{self, AgentTemplate, ModelResponse, OnExpiry, TokenUsage};
     use serde_json::json;
 
     fn started() -> RunState {
@@ -535,7 +535,7 @@ mod tests {
                 tool_calls: calls
                     .iter()
                     .enumerate()
-                    .map(|(i, (n, a))| ToolCall {
+                    .map(|(i, (n, a))| v1::ToolCall {
                         id: format!("c{i}"),
                         name: n.to_string(),
                         arguments: a.clone(),
@@ -626,7 +626,7 @@ mod tests {
             intent_seq: 2,
             call_id: "c0".into(),
             tool: "lookup".into(),
-            outcome: crate::tools::ToolOutcome::Ok(json!({})),
+            outcome: v1::ToolOutcome::Ok(json!({})),
             recovery: None,
         }));
         assert_eq!(s.next(), Next::CallModel);
@@ -762,7 +762,7 @@ mod tests {
             intent_seq: 2,
             call_id: "c0".into(),
             tool: "x".into(),
-            outcome: crate::tools::ToolOutcome::Ok(json!({})),
+            outcome: v1::ToolOutcome::Ok(json!({})),
             recovery: None,
         }));
         match s.next() {
@@ -789,7 +789,7 @@ mod tests {
         let Step::ApprovalRequested(mut r) = request() else {
             unreachable!()
         };
-        r.kind = crate::api::ApprovalKind::Reconcile;
+        r.kind = v1::ApprovalKind::Reconcile;
         r.intent_seq = Some(2);
         s.apply(Step::ApprovalRequested(r));
         let mut expired = decided(Verdict::Expired, Some(OnExpiry::Fail), None);

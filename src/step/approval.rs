@@ -3,12 +3,14 @@
 
 use serde_json::Value;
 
-use crate::api::{Dependency, DependencyVersion, ObservedResult};
 use crate::model::ToolCall;
 use crate::policy::{Gate, arguments_hash};
 use crate::runlog::records::ApprovalRequested;
 use crate::runlog::replay::{RunState, Step};
-use crate::tools::ToolOutcome;
+// What a request holds is built in the log's stored types directly.
+use crate::runlog::v1::{
+    ApprovalKind, Dependency, DependencyVersion, ObservedResult, OnExpiry, ToolOutcome,
+};
 
 /// Key under which an agent may propose a safe alternative next to a risky call.
 pub const ALTERNATIVE_KEY: &str = "_alternative";
@@ -59,7 +61,7 @@ pub async fn request(
         gate,
         escalation: 0,
         alternative,
-        kind: crate::api::ApprovalKind::Call,
+        kind: ApprovalKind::Call,
         intent_seq: None,
     }
 }
@@ -74,7 +76,7 @@ pub fn reconcile_request(
     reason: &str,
 ) -> ApprovalRequested {
     // Nobody answering is never taken as either answer: the run stops.
-    gate.on_expiry = crate::api::OnExpiry::Fail;
+    gate.on_expiry = OnExpiry::Fail;
     gate.because = format!("the outcome of {} is unknown: {reason}", intent.tool);
     ApprovalRequested {
         model_call_seq: intent.model_call_seq,
@@ -94,7 +96,7 @@ pub fn reconcile_request(
         gate,
         escalation: 0,
         alternative: None,
-        kind: crate::api::ApprovalKind::Reconcile,
+        kind: ApprovalKind::Reconcile,
         intent_seq: Some(intent_seq),
     }
 }

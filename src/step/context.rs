@@ -4,7 +4,7 @@
 use crate::model::{Message, ModelRequest, estimate_tokens};
 use crate::runlog::records::{ApprovalDecided, ApprovalRequested, ContextInfo, Summary, Verdict};
 use crate::runlog::replay::{RunState, Snapshot, Step};
-use crate::tools::ToolOutcome;
+use crate::runlog::v1::{self, ToolOutcome};
 
 /// Steps sent verbatim after a summary when the Agent does not say.
 pub const DEFAULT_RECENT_STEPS: u32 = 12;
@@ -127,7 +127,13 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
         match step {
             Step::ModelCall(m) => {
                 // The model sees each call as it ran: edited arguments, not the proposal.
-                let mut tool_calls = m.response.tool_calls.clone();
+                let mut tool_calls: Vec<crate::model::ToolCall> = m
+                    .response
+                    .tool_calls
+                    .iter()
+                    .cloned()
+                    .map(Into::into)
+                    .collect();
                 for (index, call) in tool_calls.iter_mut().enumerate() {
                     if let Some(args) = executed_arguments(state, seq, index) {
                         call.arguments = args;
@@ -213,7 +219,7 @@ fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
     let editor = decided
         .decisions
         .iter()
-        .find(|d| d.verdict == crate::api::Verdict::Edit)?;
+        .find(|d| d.verdict == v1::Verdict::Edit)?;
     let mut changes = Vec::new();
     if let (Some(old), Some(new)) = (request.arguments.as_object(), intent.arguments.as_object()) {
         for (k, v) in new {
@@ -247,7 +253,7 @@ fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> Strin
             let who: Vec<String> = decided
                 .decisions
                 .iter()
-                .filter(|d| d.verdict == crate::api::Verdict::Reject)
+                .filter(|d| d.verdict == v1::Verdict::Reject)
                 .map(|d| match &d.reason {
                     Some(r) => format!("{}: {r}", d.approver),
                     None => d.approver.clone(),
@@ -259,7 +265,7 @@ fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> Strin
                 who.join("; ")
             )
         }
-        _ if decided.on_expiry == Some(crate::api::OnExpiry::Alternative)
+        _ if decided.on_expiry == Some(v1::OnExpiry::Alternative)
             && request.alternative.is_some() =>
         {
             format!(

@@ -320,7 +320,7 @@ impl Runner {
                         intent_seq,
                         call_id: intent.call_id,
                         tool: intent.tool,
-                        outcome,
+                        outcome: outcome.into(),
                         recovery: Some(recovery),
                     };
                     self.append(Step::ToolResult(result), None).await?;
@@ -437,7 +437,7 @@ impl Runner {
                 let summary = Summary {
                     text,
                     through_seq,
-                    response,
+                    response: response.into(),
                     cost_usd: cost,
                 };
                 self.append(Step::Summary(summary), None).await?;
@@ -450,7 +450,7 @@ impl Runner {
                 let model_id = response.model_id.clone();
                 self.append(
                     Step::ModelCall(ModelCall {
-                        response,
+                        response: response.into(),
                         cost_usd: cost,
                         context,
                     }),
@@ -583,7 +583,7 @@ impl Runner {
             intent_seq,
             call_id: intent.call_id,
             tool: intent.tool,
-            outcome,
+            outcome: outcome.into(),
             recovery,
         };
         self.append(Step::ToolResult(result), None).await?;
