@@ -41,6 +41,11 @@
 //! logs (AGENTRUN_SCALE_CONTROLLER_LOG: their RUST_LOG, default info), each
 //! Job's dispatch time and the long run's samples go to AGENTRUN_SCALE_OUT
 //! (default `$AGENTRUN_STATE_DIR/bench-scale`, `/tmp/agentrun-state/bench-scale`).
+//!
+//! Without `--bench` (`cargo test`, which `e2e/test` runs on its cluster with
+//! real step processes): check mode, 3 active, 5 waiting, a 120-record long
+//! run, a 5 s idle window, and the promises behind the figures asserted
+//! (`check_figures`); a `cargo test` name filter other than `scale` skips it.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -71,6 +76,9 @@ const CONTROLLER: &str = "bench-ctrl";
 
 struct Config {
     short: bool,
+    /// Run by `cargo test` (no `--bench`): tiny sizes, and the promises the
+    /// figures stand for are asserted ([`check_figures`]).
+    check: bool,
     active: usize,
     waiting: usize,
     long_steps: u64,
@@ -102,7 +110,10 @@ impl Config {
     fn from_env() -> Config {
         let short = std::env::args().any(|a| a == "--short")
             || std::env::var("AGENTRUN_SCALE_SHORT").is_ok_and(|v| v == "1" || v == "true");
-        let (active, waiting, long, idle, approvals) = if short {
+        let check = !std::env::args().any(|a| a == "--bench");
+        let (active, waiting, long, idle, approvals) = if check {
+            (3, 5, 120, 5, 2)
+        } else if short {
             (50, 200, 2_000, 20, 10)
         } else {
             (1_000, 10_000, 100_000, 60, 30)
@@ -111,15 +122,23 @@ impl Config {
             std::env::var("AGENTRUN_STATE_DIR").unwrap_or_else(|_| "/tmp/agentrun-state".into());
         Config {
             short,
+            check,
             active: env_num("AGENTRUN_SCALE_ACTIVE", active),
             waiting: env_num("AGENTRUN_SCALE_WAITING", waiting),
             long_steps: env_num("AGENTRUN_SCALE_LONG_STEPS", long),
             idle: Duration::from_secs(env_num("AGENTRUN_SCALE_IDLE_SECONDS", idle)),
             approvals: env_num("AGENTRUN_SCALE_APPROVALS", approvals),
-            baseline_runs: env_num("AGENTRUN_SCALE_BASELINE_RUNS", if short { 5 } else { 10 }),
+            baseline_runs: env_num(
+                "AGENTRUN_SCALE_BASELINE_RUNS",
+                match (check, short) {
+                    (true, _) => 2,
+                    (_, true) => 5,
+                    _ => 10,
+                },
+            ),
             turns: 3,
             stall: Duration::from_secs(env_num("AGENTRUN_SCALE_STALL_SECONDS", 120)),
-            quiet: env_num("AGENTRUN_SCALE_QUIET", u8::from(!short)) == 1,
+            quiet: env_num("AGENTRUN_SCALE_QUIET", u8::from(!short && !check)) == 1,
             create_concurrency: env_num("AGENTRUN_SCALE_CREATE_CONCURRENCY", 16),
             controller_flags: std::env::var("AGENTRUN_SCALE_CONTROLLER_FLAGS")
                 .unwrap_or_default()
@@ -150,6 +169,77 @@ fn figure(name: &str, value: f64, unit: &str) {
         format!("{value:.3}")
     };
     println!("bench: scale.{name} {v} {unit}");
+    FIGURES.lock().unwrap().push((name.to_string(), value));
+}
+
+/// Every figure printed, for [`check_figures`].
+static FIGURES: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+
+/// What `cargo test` asserts from a check-mode run's figures: every run
+/// ended as it should, waiting runs hold no pod and cause no periodic writes
+/// or store reads, the long run's object stays small and each of its
+/// records is read about once. Timings are not asserted (benchmark only).
+fn check_figures() {
+    let figures = FIGURES.lock().unwrap().clone();
+    let mut failed = Vec::new();
+    let mut expect = |what: &str, pred: &dyn Fn(&str) -> bool, ok: &dyn Fn(&str, f64) -> bool| {
+        let found: Vec<&(String, f64)> = figures.iter().filter(|(n, _)| pred(n)).collect();
+        if found.is_empty() {
+            failed.push(format!("{what}: no figure"));
+        }
+        for (name, v) in found.into_iter().filter(|(n, v)| !ok(n, *v)) {
+            failed.push(format!("{what}: {name} = {v}"));
+        }
+    };
+    // `burst.runs<N>.succeeded` is N.
+    expect(
+        "every run of the burst succeeded",
+        &|n| n.starts_with("burst.runs") && n.ends_with(".succeeded"),
+        &|n, v| {
+            n["burst.runs".len()..]
+                .split('.')
+                .next()
+                .and_then(|c| c.parse().ok())
+                == Some(v)
+        },
+    );
+    expect(
+        "waiting runs hold no pod",
+        &|n| n.starts_with("idle.") && n.ends_with(".pods"),
+        &|_, v| v == 0.0,
+    );
+    for what in [
+        ".reconciles_per_min",
+        ".store_reads_per_min",
+        ".api_writes_per_min.agentruns",
+        ".api_writes_per_min.approvals",
+    ] {
+        expect(
+            &format!("nothing periodic while runs wait ({what})"),
+            &|n| n.starts_with("idle.") && n.ends_with(what),
+            &|_, v| v == 0.0,
+        );
+    }
+    expect(
+        "the long run's AgentRun stays under 4 KB",
+        &|n| n.starts_with("long.") && n.contains(".agentrun_object"),
+        &|_, v| v <= 4096.0,
+    );
+    expect(
+        "each of the long run's records is read about once",
+        &|n| n.starts_with("long.") && n.ends_with(".read_records_per_record"),
+        &|_, v| v <= 2.5,
+    );
+    expect(
+        "the long run succeeded after the controller restart",
+        &|n| n.starts_with("restart.") && n.ends_with(".succeeded"),
+        &|_, v| v == 1.0,
+    );
+    assert!(
+        failed.is_empty(),
+        "scale check failed:\n{}",
+        failed.join("\n")
+    );
 }
 
 fn note(msg: &str) {
@@ -1970,6 +2060,11 @@ async fn long(bench: &Bench) {
         note(&format!("the long run ended {:?}", done.phase));
     }
     figure(
+        &format!("restart.records{records}.succeeded"),
+        f64::from(u8::from(done.phase == Some(Phase::Succeeded))),
+        "runs",
+    );
+    figure(
         &format!("restart.records{records}.start_to_succeeded"),
         started.elapsed().as_secs_f64(),
         "s",
@@ -2006,6 +2101,15 @@ fn pod_mode() -> &'static str {
 
 fn main() {
     let cfg = Config::from_env();
+    // `cargo test <filter>` passes its filter here: honour it as libtest would.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    if cfg.check && !filters.is_empty() && !filters.iter().any(|f| "scale".contains(f.as_str())) {
+        println!("scale check: filtered out by {filters:?}");
+        return;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -2016,7 +2120,11 @@ fn main() {
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!(
             "scale: {} mode; active {}, waiting {}, long run {} records, idle window {} s; step pods run {}",
-            if cfg.short { "short" } else { "default" },
+            match (cfg.check, cfg.short) {
+                (true, _) => "check (cargo test)",
+                (_, true) => "short",
+                _ => "default",
+            },
             cfg.active,
             cfg.waiting,
             cfg.long_steps,
@@ -2035,5 +2143,8 @@ fn main() {
             long(&bench).await;
         }
         figure("total_wall", started.elapsed().as_secs_f64(), "s");
+        if bench.cfg.check {
+            check_figures();
+        }
     });
 }
