@@ -563,6 +563,7 @@ async fn replay(
         mut state,
         head,
         head_at,
+        bytes: had,
         ..
     } = cached.unwrap_or_else(Replayed::empty);
     let records = match ctx.store.read_verified_after(&uid, &head).await {
@@ -570,7 +571,7 @@ async fn replay(
         Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
         Err(e) => return Err(Error::Store(e)),
     };
-    ctx.metrics.observe_read(&records);
+    let bytes = ctx.metrics.observe_read(&records);
     ctx.metrics.observe_log(&uid, &records);
     let anchor = anchored_head(run);
     let checked = check_anchor_after(&uid, &head, &records, &anchor)
@@ -584,12 +585,13 @@ async fn replay(
     }
     let mut replayed = ctx.logs.stamp(state, head, generation);
     replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
+    replayed.bytes = had + bytes;
     Ok(Ok(replayed))
 }
 
-/// Keeps the run's replayed log for its next reconcile, or forgets it: a
-/// finished run's for good, a run waiting for a human's until it is woken
-/// (it is read once then: thousands of waiting runs hold no logs in memory).
+/// Keeps the run's replayed log for its next reconcile, or forgets it (a
+/// finished run's); a run waiting for a human's is parked within a budget
+/// for all waiting runs, so thousands of them hold a bounded amount.
 fn keep_replayed(
     ctx: &Context,
     run: &AgentRun,
@@ -608,7 +610,9 @@ fn keep_replayed(
         return;
     }
     ctx.logs.follow(uid, ObjectRef::from_obj(run));
-    if !awaiting {
+    if awaiting {
+        ctx.logs.park(uid, replayed);
+    } else {
         ctx.logs.keep(uid, replayed);
     }
 }
