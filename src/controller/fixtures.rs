@@ -263,6 +263,59 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         )
         .await;
         expect_nothing_more(&mut handle).await;
+        handle
+    });
+    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let mut handle = server.await.unwrap();
+
+    // Fourth: the Job failed (its pod could not mount the credential, which
+    // someone deleted, until the Job's deadline passed): the retry makes sure the credential exists again
+    // before its Job, although this process created it before.
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        let job = json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "r1-s1-a1", "namespace": "ns"},
+            "status": {"failed": 1, "conditions": [{"type": "Failed", "status": "True",
+                "reason": "DeadlineExceeded", "message": "Job was active longer than specified deadline"}]}});
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/batch/v1/namespaces/ns/jobs/r1-s1-a1",
+            job,
+        )
+        .await;
+        for (method, path) in [
+            ("GET", "/apis/agentrun.dev/v1alpha1/clusteragentpolicies"),
+            (
+                "GET",
+                "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+            ),
+        ] {
+            let kind = if path.ends_with("clusteragentpolicies") {
+                "ClusterAgentPolicy"
+            } else {
+                "AgentPolicy"
+            };
+            expect(&mut handle, method, path, list(kind)).await;
+        }
+        expect(
+            &mut handle,
+            "POST",
+            "/api/v1/namespaces/ns/secrets",
+            Value::Null,
+        )
+        .await;
+        let job = expect(
+            &mut handle,
+            "POST",
+            "/apis/batch/v1/namespaces/ns/jobs",
+            Value::Null,
+        )
+        .await;
+        assert_eq!(job["metadata"]["name"], "r1-s1-a2");
+        expect_status(&mut handle, &sent).await;
     });
     super::reconcile::reconcile(Arc::new(run), ctx.clone())
         .await

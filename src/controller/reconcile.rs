@@ -431,6 +431,11 @@ async fn create_job(
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
     let uid = run.uid().unwrap_or_default();
+    if attempt > 1 {
+        // A failed attempt may have been a pod that could not mount the
+        // credential (someone deleted the Secret): make sure it is there.
+        ctx.credentials.lock().expect("not poisoned").remove(&uid);
+    }
     ensure_credential(run, ctx, ns, &uid).await?;
     let timeout = crate::api::parse_duration(&run.spec.step_timeout)
         .map_or(600, |d| d.as_secs().max(1) as i64);
