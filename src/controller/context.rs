@@ -88,6 +88,10 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         failpoint::hit(&format!("controller:after-append:{kind}"));
     }
     let _ = ctx.store.release(&lease).await;
+    if matches!(result, Ok(()) | Err(StoreError::Conflict { .. })) {
+        // The head moved under the run's cached log: read past it next time.
+        ctx.logs.mark_changed(uid);
+    }
     match result {
         // Someone recorded that seq first: reconcile again from the new head.
         Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),

@@ -156,6 +156,15 @@ impl LogCache {
             && !self.dirty.lock().expect("not poisoned").contains(uid)
     }
 
+    /// The run's head moved (the controller appended): its entry is no
+    /// longer known to be current.
+    pub fn mark_changed(&self, uid: &str) {
+        self.dirty
+            .lock()
+            .expect("not poisoned")
+            .insert(uid.to_string());
+    }
+
     /// Called right before reading the store for `uid`: an event arriving
     /// during the read marks it dirty again. Returns the generation to stamp
     /// the result with.
@@ -283,6 +292,16 @@ mod tests {
         let generation = cache.begin_read("u1");
         let entry = cache.stamp(RunState::default(), Head::EMPTY, generation);
         assert!(cache.current("u1", &entry));
+    }
+
+    #[test]
+    fn log_cache_entry_is_not_current_after_the_controller_appends() {
+        let cache = LogCache::default();
+        cache.set_pushed();
+        let entry = cache.stamp(RunState::default(), Head::EMPTY, cache.begin_read("u1"));
+        assert!(cache.current("u1", &entry));
+        cache.mark_changed("u1");
+        assert!(!cache.current("u1", &entry));
     }
 
     #[test]

@@ -74,7 +74,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     // Read: the log (the run's truth, verified against the anchored head;
     // only records past the replayed head are read), the step Job and, if
     // needed, the lease.
-    let replayed = match replay(ctx, run, ctx.logs.take(&uid), false).await? {
+    let replayed = match replay(ctx, run, ctx.logs.take(&uid)).await? {
         Ok(replayed) => replayed,
         Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
     };
@@ -199,10 +199,12 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         Act::Idle => idle_requeue(ctx, run, now),
     };
 
-    // Status: from the log as it is now.
+    // Status: from the log as it is now (read only if this reconcile
+    // appended or the head moved meanwhile: a waiting run woken by a Job's
+    // deletion reads nothing).
     let reread = acting.concluded.is_none() && (requeue.is_zero() || acting.awaiting.is_some());
     let replayed = if reread {
-        match replay(ctx, run, Some(replayed), true).await? {
+        match replay(ctx, run, Some(replayed)).await? {
             Ok(replayed) => replayed,
             Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
         }
@@ -550,17 +552,17 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
 const IDLE_REQUEUE: Duration = Duration::from_secs(300);
 
 /// The run's log replayed: `cached` extended by the records past its head
-/// (none read when head events say it is current, unless `force`). The
+/// (none read when head events and the controller's own appends say it is
+/// current). The
 /// inner error is a log that failed verification (the run must stop); the
 /// outer one a store that could not be read (retried).
 async fn replay(
     ctx: &Context,
     run: &AgentRun,
     cached: Option<Replayed>,
-    force: bool,
 ) -> Result<Result<Replayed, StoreError>, Error> {
     let uid = run.uid().unwrap_or_default();
-    if !force && cached.as_ref().is_some_and(|c| ctx.logs.current(&uid, c)) {
+    if cached.as_ref().is_some_and(|c| ctx.logs.current(&uid, c)) {
         return Ok(Ok(cached.expect("checked above")));
     }
     let generation = ctx.logs.begin_read(&uid);
