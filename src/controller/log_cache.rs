@@ -2,17 +2,16 @@
 //! the records past the head it was built from, and none at all while the
 //! store's head events (PostgreSQL `LISTEN/NOTIFY`) say nothing changed.
 //!
-//! Runs waiting for a human keep theirs too, within [`WAITING_BUDGET`]
-//! payload bytes for all of them (the least recently parked go first): a
-//! long run that comes to wait is not read again whole at every wake, and
-//! 10,000 waiting runs still hold a bounded amount.
+//! Runs waiting for a human hold none: they are read and verified whole
+//! when woken, which also catches a log rewritten in the database while
+//! they waited.
 //!
 //! Trust: every record is verified once, when it is first read (its chain
 //! link from the cached head, its hash, the controller's signature and the
 //! anchored head). A controller restart starts cold and verifies whole
 //! logs again; step runners verify the whole chain at every Job start.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -26,8 +25,6 @@ use crate::store::{Head, HeadEvent};
 pub struct Replayed {
     pub state: RunState,
     pub head: Head,
-    /// Payload bytes of the records replayed (what the cache is charged).
-    pub bytes: u64,
     /// When the head record was stored (the store's clock), if known.
     pub head_at: Option<chrono::DateTime<chrono::Utc>>,
     /// The head-event generation it was read under (see [`LogCache::current`]).
@@ -40,51 +37,9 @@ impl Replayed {
         Replayed {
             state: RunState::default(),
             head: Head::EMPTY,
-            bytes: 0,
             head_at: None,
             generation: 0,
         }
-    }
-}
-
-/// Payload bytes of replayed logs kept for waiting runs, all together.
-pub const WAITING_BUDGET: u64 = 32 << 20;
-
-/// Waiting runs' entries in the order they were parked, and their bytes.
-#[derive(Default)]
-struct Parked {
-    /// (uid, ticket): a position is stale once its uid was taken or parked again.
-    order: VecDeque<(String, u64)>,
-    /// uid → (bytes, ticket of its current position).
-    held: HashMap<String, (u64, u64)>,
-    total: u64,
-    next_ticket: u64,
-}
-
-impl Parked {
-    fn remove(&mut self, uid: &str) {
-        if let Some((bytes, _)) = self.held.remove(uid) {
-            self.total -= bytes;
-        }
-    }
-
-    fn push(&mut self, uid: &str, bytes: u64) {
-        self.remove(uid);
-        self.next_ticket += 1;
-        self.held.insert(uid.to_string(), (bytes, self.next_ticket));
-        self.order.push_back((uid.to_string(), self.next_ticket));
-        self.total += bytes;
-    }
-
-    /// The uid parked longest ago, no longer held.
-    fn pop_oldest(&mut self) -> Option<String> {
-        while let Some((uid, ticket)) = self.order.pop_front() {
-            if self.held.get(&uid).is_some_and(|(_, t)| *t == ticket) {
-                self.remove(&uid);
-                return Some(uid);
-            }
-        }
-        None
     }
 }
 
@@ -92,7 +47,6 @@ impl Parked {
 #[derive(Default)]
 pub struct LogCache {
     entries: Mutex<HashMap<String, Replayed>>,
-    parked: Mutex<Parked>,
     /// Runs announced changed since their entry was read.
     dirty: Mutex<HashSet<String>>,
     /// Moves on whenever head events may have been missed; an entry read
@@ -108,7 +62,6 @@ impl LogCache {
     /// Takes the run's entry out for the reconcile (kube-runtime never runs
     /// two reconciles of one run at once); [`LogCache::keep`] puts it back.
     pub fn take(&self, uid: &str) -> Option<Replayed> {
-        self.parked.lock().expect("not poisoned").remove(uid);
         self.entries.lock().expect("not poisoned").remove(uid)
     }
 
@@ -117,35 +70,6 @@ impl LogCache {
             .lock()
             .expect("not poisoned")
             .insert(uid.to_string(), replayed);
-    }
-
-    /// Keeps a waiting run's entry within [`WAITING_BUDGET`], dropping the
-    /// entries parked longest ago (they are read again whole when woken).
-    pub fn park(&self, uid: &str, replayed: Replayed) {
-        self.park_within(uid, replayed, WAITING_BUDGET);
-    }
-
-    fn park_within(&self, uid: &str, replayed: Replayed, budget: u64) {
-        let mut parked = self.parked.lock().expect("not poisoned");
-        let mut entries = self.entries.lock().expect("not poisoned");
-        parked.push(uid, replayed.bytes);
-        entries.insert(uid.to_string(), replayed);
-        while parked.total > budget {
-            match parked.pop_oldest() {
-                Some(oldest) => entries.remove(&oldest),
-                None => break,
-            };
-        }
-        // Stale positions of runs taken since go once they outnumber the held.
-        if parked.order.len() > 2 * parked.held.len() + 64 {
-            let Parked { order, held, .. } = &mut *parked;
-            order.retain(|(u, t)| held.get(u).is_some_and(|(_, ticket)| ticket == t));
-        }
-    }
-
-    /// Payload bytes held for waiting runs.
-    pub fn parked_bytes(&self) -> u64 {
-        self.parked.lock().expect("not poisoned").total
     }
 
     /// Whether `replayed` is known to be the run's whole log: head events
@@ -178,7 +102,6 @@ impl LogCache {
         Replayed {
             state,
             head,
-            bytes: 0,
             head_at: None,
             generation,
         }
@@ -195,7 +118,6 @@ impl LogCache {
 
     /// Drops everything about a run (finished, deleted, or its log broken).
     pub fn forget(&self, uid: &str) {
-        self.parked.lock().expect("not poisoned").remove(uid);
         self.entries.lock().expect("not poisoned").remove(uid);
         self.refs.lock().expect("not poisoned").remove(uid);
         self.dirty.lock().expect("not poisoned").remove(uid);
@@ -205,20 +127,10 @@ impl LogCache {
     pub fn retain(&self, exists: impl Fn(&ObjectRef<AgentRun>) -> bool) {
         let mut refs = self.refs.lock().expect("not poisoned");
         refs.retain(|_, r| exists(r));
-        let mut parked = self.parked.lock().expect("not poisoned");
         self.entries
             .lock()
             .expect("not poisoned")
             .retain(|uid, _| refs.contains_key(uid));
-        let gone: Vec<String> = parked
-            .held
-            .keys()
-            .filter(|u| !refs.contains_key(*u))
-            .cloned()
-            .collect();
-        for uid in gone {
-            parked.remove(&uid);
-        }
     }
 
     /// Head events arrive from now on.
@@ -328,34 +240,5 @@ mod tests {
         assert_eq!(cache.len(), 1);
         assert!(cache.take("u1").is_none());
         assert!(cache.refs_of(&["u1".into(), "u2".into()]) == vec![run("r2")]);
-    }
-
-    fn sized(bytes: u64) -> Replayed {
-        let mut r = Replayed::empty();
-        r.bytes = bytes;
-        r
-    }
-
-    #[test]
-    fn waiting_runs_keep_their_logs_within_the_budget_oldest_parked_dropped_first() {
-        let cache = LogCache::default();
-        cache.park_within("u1", sized(40), 100);
-        cache.park_within("u2", sized(40), 100);
-        // u1 woken and parked again: now the most recent.
-        let woken = cache.take("u1").unwrap();
-        cache.park_within("u1", woken, 100);
-        cache.park_within("u3", sized(40), 100);
-        // 120 > 100: u2, parked longest ago, goes; u1 and u3 stay.
-        assert!(cache.take("u2").is_none());
-        assert_eq!(cache.parked_bytes(), 80);
-        assert!(cache.take("u1").is_some());
-        assert_eq!(cache.parked_bytes(), 40);
-        // A running run's entry is not charged and never dropped for the budget.
-        cache.keep("u4", sized(1000));
-        cache.park_within("u5", sized(90), 100);
-        assert!(cache.take("u3").is_none());
-        assert!(cache.take("u4").is_some());
-        assert!(cache.take("u5").is_some());
-        assert_eq!(cache.parked_bytes(), 0);
     }
 }

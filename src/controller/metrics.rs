@@ -363,8 +363,7 @@ impl Metrics {
     }
 
     /// One read of a run's log past the head the reconciler had, returning `records`.
-    /// Counts a read; returns the payload bytes read.
-    pub fn observe_read(&self, records: &[Record]) -> u64 {
+    pub fn observe_read(&self, records: &[Record]) {
         self.store_reads.inc();
         self.store_read_records.inc_by(records.len() as u64);
         let bytes: usize = records
@@ -372,7 +371,6 @@ impl Metrics {
             .map(|r| serde_json::to_vec(&r.payload).map_or(0, |b| b.len()))
             .sum();
         self.store_read_bytes.inc_by(bytes as u64);
-        bytes as u64
     }
 
     /// Latency of one of the controller's own appends (`outcome`: `ok`,

@@ -570,7 +570,6 @@ async fn replay(
         mut state,
         head,
         head_at,
-        bytes: had,
         ..
     } = cached.unwrap_or_else(Replayed::empty);
     let records = match ctx.store.read_verified_after(&uid, &head).await {
@@ -578,7 +577,7 @@ async fn replay(
         Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
         Err(e) => return Err(Error::Store(e)),
     };
-    let bytes = ctx.metrics.observe_read(&records);
+    ctx.metrics.observe_read(&records);
     ctx.metrics.observe_log(&uid, &records);
     let anchor = anchored_head(run);
     let checked = check_anchor_after(&uid, &head, &records, &anchor)
@@ -592,13 +591,12 @@ async fn replay(
     }
     let mut replayed = ctx.logs.stamp(state, head, generation);
     replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
-    replayed.bytes = had + bytes;
     Ok(Ok(replayed))
 }
 
-/// Keeps the run's replayed log for its next reconcile, or forgets it (a
-/// finished run's); a run waiting for a human's is parked within a budget
-/// for all waiting runs, so thousands of them hold a bounded amount.
+/// Keeps the run's replayed log for its next reconcile, or forgets it: a
+/// finished run's for good, a run waiting for a human's until it is woken
+/// (it is read once then: thousands of waiting runs hold no logs in memory).
 fn keep_replayed(
     ctx: &Context,
     run: &AgentRun,
@@ -617,9 +615,10 @@ fn keep_replayed(
         return;
     }
     ctx.logs.follow(uid, ObjectRef::from_obj(run));
-    if awaiting {
-        ctx.logs.park(uid, replayed);
-    } else {
+    // A waiting run's log is read and verified whole when it wakes: a log
+    // rewritten in the database while it waited is caught then (parking it
+    // within a budget saved those reads but missed that).
+    if !awaiting {
         ctx.logs.keep(uid, replayed);
     }
 }
