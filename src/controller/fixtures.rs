@@ -78,6 +78,22 @@ async fn expect_status(handle: &mut Handle, run: &AgentRun) -> Value {
     body
 }
 
+/// The platform's policies, read (none) before a run starts or a Job is made.
+async fn expect_policies(handle: &mut Handle) {
+    for (path, kind) in [
+        (
+            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
+            "ClusterAgentPolicy",
+        ),
+        (
+            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+            "AgentPolicy",
+        ),
+    ] {
+        expect(handle, "GET", path, list(kind)).await;
+    }
+}
+
 fn list(kind: &str) -> Value {
     json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": format!("{kind}List"),
            "metadata": {"resourceVersion": "1"}, "items": []})
@@ -159,20 +175,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
     // the log) the status, then the Event.
     let sent = run.clone();
     let server = tokio::spawn(async move {
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
-            list("ClusterAgentPolicy"),
-        )
-        .await;
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
-            list("AgentPolicy"),
-        )
-        .await;
+        expect_policies(&mut handle).await;
         let status = expect_status(&mut handle, &sent).await;
         for reason in ["AgentResolved", "RunStarted"] {
             let event = expect(
@@ -200,20 +203,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
     let run = with_status(run, &status);
     let sent = run.clone();
     let server = tokio::spawn(async move {
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
-            list("ClusterAgentPolicy"),
-        )
-        .await;
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
-            list("AgentPolicy"),
-        )
-        .await;
+        expect_policies(&mut handle).await;
         let secret = expect(
             &mut handle,
             "POST",
@@ -271,8 +261,9 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
     let mut handle = server.await.unwrap();
 
     // Fourth: the Job failed (its pod could not mount the credential, which
-    // someone deleted, until the Job's deadline passed): the retry makes sure the credential exists again
-    // before its Job, although this process created it before.
+    // someone deleted, until the Job's deadline passed): the retry makes
+    // sure the credential exists again before its Job, although this
+    // process created it before.
     let sent = run.clone();
     let server = tokio::spawn(async move {
         let job = json!({"apiVersion": "batch/v1", "kind": "Job",
@@ -286,20 +277,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
             job,
         )
         .await;
-        for (method, path) in [
-            ("GET", "/apis/agentrun.dev/v1alpha1/clusteragentpolicies"),
-            (
-                "GET",
-                "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
-            ),
-        ] {
-            let kind = if path.ends_with("clusteragentpolicies") {
-                "ClusterAgentPolicy"
-            } else {
-                "AgentPolicy"
-            };
-            expect(&mut handle, method, path, list(kind)).await;
-        }
+        expect_policies(&mut handle).await;
         expect(
             &mut handle,
             "POST",

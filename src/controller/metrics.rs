@@ -327,8 +327,6 @@ impl Metrics {
             .observe(seconds);
     }
 
-    /// How long an approval waited, from raised to decided (`verdict`:
-    /// `Approve`, `Reject`, `Edit`) or expired (`Expired`).
     /// A first-attempt step Job created after the record stored at `head_at`,
     /// by the reconcile that began at `began`.
     pub fn observe_dispatch(&self, head_at: DateTime<Utc>, began: DateTime<Utc>) {
@@ -341,6 +339,8 @@ impl Metrics {
         }
     }
 
+    /// How long an approval waited, from raised to decided (`verdict`:
+    /// `Approve`, `Reject`, `Edit`) or expired (`Expired`).
     pub fn observe_approval_wait(&self, wait: Duration, verdict: &str) {
         self.approval_wait
             .get_or_create(&VerdictLabel {

@@ -553,9 +553,8 @@ const IDLE_REQUEUE: Duration = Duration::from_secs(300);
 
 /// The run's log replayed: `cached` extended by the records past its head
 /// (none read when head events and the controller's own appends say it is
-/// current). The
-/// inner error is a log that failed verification (the run must stop); the
-/// outer one a store that could not be read (retried).
+/// current). The inner error is a log that failed verification (the run
+/// must stop); the outer one a store that could not be read (retried).
 async fn replay(
     ctx: &Context,
     run: &AgentRun,
