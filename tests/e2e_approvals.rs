@@ -659,6 +659,23 @@ async fn two_hundred_waiting_runs_hold_no_pod_and_survive_a_controller_restart()
 
     // The controller restarts while everything waits; a decision afterwards resumes the run.
     w.restart_controller().await;
+    // A start is not a wake: every waiting run is looked at (one head read
+    // each) and none of their logs is read until a decision wakes it.
+    let port = w.metrics_port();
+    let reads = |name| common::controller::metric(port, name);
+    common::wait_for(
+        "the new controller to read every waiting run's head",
+        Duration::from_secs(120),
+        || async {
+            let heads = reads("agentrun_store_reads_total").await;
+            heads
+                .filter(|n| *n >= RUNS as f64)
+                .ok_or_else(|| format!("{heads:?} store reads"))
+        },
+    )
+    .await;
+    assert_eq!(reads("agentrun_store_read_records_total").await, Some(0.0));
+    assert_eq!(reads("agentrun_store_reads_total").await, Some(RUNS as f64));
     let last = format!("wait-{:03}", RUNS - 1);
     let a = pending_approval(&w, &last).await;
     let (ok, text) = plugin(

@@ -369,8 +369,53 @@ async fn requested_at(ctx: &Context, uid: &str, request_seq: u64) -> Result<Time
     Ok(at.unwrap_or_else(Timestamp::now))
 }
 
+/// An Approval still waited for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Waiting {
+    pub name: String,
+    pub expires_at: Timestamp,
+    /// Its `metadata.generation`: the decisions are spec, so it moves with each.
+    pub generation: Option<i64>,
+}
+
+/// The Approval `name` of `run` as it is now, if the run still just waits
+/// on it: owned by the run, its decisions short of a quorum and unexpired,
+/// and its status showing that (so nothing is behind). Read without the log.
+pub(super) async fn pending(
+    run: &AgentRun,
+    ctx: &Context,
+    name: &str,
+    now: Timestamp,
+) -> Result<Option<Waiting>, Error> {
+    let approvals: Api<Approval> =
+        Api::namespaced(ctx.client.clone(), &run.namespace().unwrap_or_default());
+    let found = approvals
+        .get_opt(name)
+        .await
+        .map_err(|source| Error::Read {
+            what: "approval",
+            source,
+        })?;
+    let Some(found) = found else {
+        return Ok(None);
+    };
+    let owned = found
+        .owner_references()
+        .iter()
+        .any(|o| Some(&o.uid) == run.metadata.uid.as_ref());
+    let shown = found.status.as_ref().and_then(|s| s.state) == Some(ApprovalState::Pending);
+    Ok(match evaluate(&found.spec, now) {
+        Evaluation::Pending { expires_at, .. } if owned && shown => Some(Waiting {
+            name: name.to_string(),
+            expires_at,
+            generation: found.metadata.generation,
+        }),
+        _ => None,
+    })
+}
+
 /// Raises the Approval for the request at `request_seq`, or acts on its
-/// decisions or expiry. Returns the Approval still waiting, with its expiry.
+/// decisions or expiry. Returns the Approval still waited for.
 pub(super) async fn handle(
     run: &AgentRun,
     ctx: &Context,
@@ -379,7 +424,7 @@ pub(super) async fn handle(
     request_seq: u64,
     now: Timestamp,
     notices: &mut Vec<super::decide::Notice>,
-) -> Result<Option<(String, Timestamp)>, Error> {
+) -> Result<Option<Waiting>, Error> {
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
     let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
@@ -441,7 +486,11 @@ pub(super) async fn handle(
         write_approval_status(&approvals, &name, &judged.evaluation, judged.state, now).await?;
     }
     Ok(match judged.evaluation {
-        Evaluation::Pending { expires_at, .. } => Some((name, expires_at)),
+        Evaluation::Pending { expires_at, .. } => Some(Waiting {
+            name,
+            expires_at,
+            generation: found.metadata.generation,
+        }),
         _ => None,
     })
 }

@@ -300,3 +300,110 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         .unwrap();
     server.await.unwrap();
 }
+
+/// Answers every request with its own body until none comes for a moment.
+async fn answer_everything(handle: &mut Handle) {
+    loop {
+        let next =
+            tokio::time::timeout(std::time::Duration::from_millis(300), handle.next_request());
+        let Ok(Some((request, send))) = next.await else {
+            return;
+        };
+        let body = request.into_body().collect_bytes().await.unwrap();
+        let body = if body.is_empty() {
+            b"{}".to_vec()
+        } else {
+            body.to_vec()
+        };
+        send.send_response(Response::builder().body(Body::from(body)).unwrap());
+    }
+}
+
+#[tokio::test]
+async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
+    use crate::store::{RecordDraft, StepKind};
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = tempfile::tempdir().unwrap();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir.path()).await);
+
+    // A log left by an earlier process, the run's status anchoring its head.
+    let lease = ctx
+        .store
+        .acquire("uid-r1", "test", std::time::Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut head = crate::store::Head::EMPTY;
+    for n in 0..3 {
+        let record = RecordDraft::new(StepKind::Observation, json!({"n": n}))
+            .seal(&head)
+            .unwrap();
+        head = ctx
+            .store
+            .append("uid-r1", lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    let approval = "r1-a2-0a1b2c3d";
+    let mut run = run();
+    run.metadata.resource_version = Some("7".into());
+    run.status = Some(
+        serde_json::from_value(json!({
+            "phase": "AwaitingApproval", "observedGeneration": 1,
+            "approval": {"name": approval},
+            "log": {"store": "default", "runKey": "uid-r1", "length": head.len,
+                    "headHash": head.hash.to_string()},
+            "conditions": [{"type": "AgentResolved", "status": "True", "reason": "Inline",
+                "message": "the run defines its agent inline in spec.agent",
+                "lastTransitionTime": "2026-12-01T00:00:00Z", "observedGeneration": 1}]
+        }))
+        .unwrap(),
+    );
+    let found = |generation: i64| {
+        json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": "Approval",
+            "metadata": {"name": approval, "namespace": "ns", "generation": generation,
+                "ownerReferences": [{"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+                    "name": "r1", "uid": "uid-r1"}]},
+            "spec": {"runRef": {"name": "r1", "uid": "uid-r1"}, "step": 2,
+                "tool": "refund", "arguments": {"amount": 500},
+                "argumentsHash": "0".repeat(64), "expiresAt": "2099-01-01T00:00:00Z",
+                "approvers": {"users": ["alice"]}},
+            "status": {"state": "Pending"}})
+    };
+    let path = format!("/apis/agentrun.dev/v1alpha1/namespaces/ns/approvals/{approval}");
+    let reads = |ctx: &Context| {
+        (
+            ctx.metrics.store_reads.get(),
+            ctx.metrics.store_read_records.get(),
+        )
+    };
+
+    // Seen first by this process (a restart): its head and its Approval, no log.
+    // Then woken by something that changed neither (a Job's deletion): the same.
+    for wake in ["start", "a Job's deletion"] {
+        let (p, reply) = (path.clone(), found(1));
+        let server = tokio::spawn(async move {
+            expect(&mut handle, "GET", &p, reply).await;
+            expect_nothing_more(&mut handle).await;
+            handle
+        });
+        let action = super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+            .await
+            .unwrap();
+        handle = server.await.unwrap();
+        assert_ne!(
+            action,
+            kube::runtime::controller::Action::await_change(),
+            "{wake}"
+        );
+    }
+    assert_eq!(reads(&ctx), (2, 0), "two head reads, no record read");
+
+    // Someone changed the run: it is read whole.
+    run.metadata.resource_version = Some("8".into());
+    let server = tokio::spawn(async move { answer_everything(&mut handle).await });
+    let _ = super::reconcile::reconcile(Arc::new(run), ctx.clone()).await;
+    server.await.unwrap();
+    assert_eq!(reads(&ctx), (3, head.len), "the whole log read once more");
+}

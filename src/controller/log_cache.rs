@@ -4,7 +4,12 @@
 //!
 //! Runs waiting for a human hold none: they are read and verified whole
 //! when woken, which also catches a log rewritten in the database while
-//! they waited.
+//! they waited. They hold an [`Asleep`] token instead, of what would wake
+//! them: a reconcile that finds the run, its Approval's decisions and its
+//! head as they were (woken by a Job's deletion, or by the controller's own
+//! writes) reads nothing. A controller start is not a wake either: a run
+//! found waiting then, its head where the status anchors it, gets a token
+//! without its log being read.
 //!
 //! Trust: every record is verified once, when it is first read (its chain
 //! link from the cached head, its hash, the controller's signature and the
@@ -32,6 +37,11 @@ pub struct Replayed {
 }
 
 impl Replayed {
+    /// The head-event generation it was read under.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// The empty log, to be read from the start.
     pub fn empty() -> Replayed {
         Replayed {
@@ -43,10 +53,28 @@ impl Replayed {
     }
 }
 
+/// What a waiting run was last found waiting on. While none of it changes
+/// and `wake_at` has not come, there is nothing to decide for it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Asleep {
+    /// The verified (or anchored and read) head of its log.
+    pub head: Head,
+    /// The head-event generation `head` was read under.
+    pub generation: u64,
+    /// The run's `resourceVersion` (after the controller's own status write).
+    pub run_version: Option<String>,
+    /// The Approval's name and `metadata.generation` (its decisions are spec).
+    pub approval: String,
+    pub approval_generation: Option<i64>,
+    /// Its expiry, or the run's deadline if that comes first.
+    pub wake_at: jiff::Timestamp,
+}
+
 /// Replayed logs by run uid, and what the head events said since.
 #[derive(Default)]
 pub struct LogCache {
     entries: Mutex<HashMap<String, Replayed>>,
+    asleep: Mutex<HashMap<String, Asleep>>,
     /// Runs announced changed since their entry was read.
     dirty: Mutex<HashSet<String>>,
     /// Moves on whenever head events may have been missed; an entry read
@@ -75,9 +103,27 @@ impl LogCache {
     /// Whether `replayed` is known to be the run's whole log: head events
     /// arrive, none was missed since it was read and none named this run.
     pub fn current(&self, uid: &str, replayed: &Replayed) -> bool {
+        self.unchanged_since(uid, replayed.generation)
+    }
+
+    /// Whether the run's head is known not to have moved since it was read
+    /// under head-event `generation`.
+    pub fn unchanged_since(&self, uid: &str, generation: u64) -> bool {
         self.pushed.load(Ordering::Acquire)
-            && replayed.generation == self.generation.load(Ordering::Acquire)
+            && generation == self.generation.load(Ordering::Acquire)
             && !self.dirty.lock().expect("not poisoned").contains(uid)
+    }
+
+    /// Takes the run's token out (it is put back while the run still waits).
+    pub fn take_asleep(&self, uid: &str) -> Option<Asleep> {
+        self.asleep.lock().expect("not poisoned").remove(uid)
+    }
+
+    pub fn put_asleep(&self, uid: &str, asleep: Asleep) {
+        self.asleep
+            .lock()
+            .expect("not poisoned")
+            .insert(uid.to_string(), asleep);
     }
 
     /// The run's head moved (the controller appended): its entry is no
@@ -116,9 +162,16 @@ impl LogCache {
             .insert(uid.to_string(), run);
     }
 
+    /// Whether this process has reconciled the run since it started (and
+    /// not forgotten it): a run it has not is seen for the first time.
+    pub fn follows(&self, uid: &str) -> bool {
+        self.refs.lock().expect("not poisoned").contains_key(uid)
+    }
+
     /// Drops everything about a run (finished, deleted, or its log broken).
     pub fn forget(&self, uid: &str) {
         self.entries.lock().expect("not poisoned").remove(uid);
+        self.asleep.lock().expect("not poisoned").remove(uid);
         self.refs.lock().expect("not poisoned").remove(uid);
         self.dirty.lock().expect("not poisoned").remove(uid);
     }
@@ -128,6 +181,10 @@ impl LogCache {
         let mut refs = self.refs.lock().expect("not poisoned");
         refs.retain(|_, r| exists(r));
         self.entries
+            .lock()
+            .expect("not poisoned")
+            .retain(|uid, _| refs.contains_key(uid));
+        self.asleep
             .lock()
             .expect("not poisoned")
             .retain(|uid, _| refs.contains_key(uid));

@@ -15,11 +15,12 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
+use super::approval::Waiting;
 use super::context::{Context, FIELD_MANAGER, append, notice};
 use super::decide::{AgentLookup, decide};
 use super::error::Error;
 use super::job;
-use super::log_cache::Replayed;
+use super::log_cache::{Asleep, Replayed};
 use super::metrics::ReasonLabel;
 use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
 use super::status;
@@ -71,10 +72,19 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         _ => None,
     };
 
+    // A waiting run with nothing to decide is not read (see `still_asleep`).
+    let cached = ctx.logs.take(&uid);
+    if cached.is_none()
+        && plan.notices.is_empty()
+        && let Some(wait) = still_asleep(run, ctx, &uid).await?
+    {
+        return Ok(Action::requeue(wait));
+    }
+
     // Read: the log (the run's truth, verified against the anchored head;
     // only records past the replayed head are read), the step Job and, if
     // needed, the lease.
-    let replayed = match replay(ctx, run, ctx.logs.take(&uid)).await? {
+    let replayed = match replay(ctx, run, cached).await? {
         Ok(replayed) => replayed,
         Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
     };
@@ -181,12 +191,13 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             )
             .await?;
             match raised {
-                Some((name, expires_at)) => {
-                    acting.awaiting = Some((name, expires_at));
+                Some(waiting) => {
                     // Nothing but the decision (an event) or the expiry moves it.
-                    Duration::try_from(expires_at.duration_since(now))
+                    let wait = Duration::try_from(waiting.expires_at.duration_since(now))
                         .unwrap_or_default()
-                        .max(Duration::from_secs(1))
+                        .max(Duration::from_secs(1));
+                    acting.awaiting = Some(waiting);
+                    wait
                 }
                 None => Duration::ZERO,
             }
@@ -220,7 +231,11 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         acting.step,
         acting.concluded.as_ref(),
         job.as_ref(),
-        acting.awaiting.as_ref(),
+        acting
+            .awaiting
+            .as_ref()
+            .map(|w| (w.name.clone(), w.expires_at))
+            .as_ref(),
         now,
     );
     let mut notices = acting.notices;
@@ -239,27 +254,18 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     // While a step runs, its log grows record by record: that progress
     // reaches the status at most every PROGRESS_EVERY (a write per record
     // would be most of the controller's API traffic at scale).
-    let requeue = match idle && notices.is_empty() && only_progress(run, &new_status) {
+    let (requeue, version) = match idle && notices.is_empty() && only_progress(run, &new_status) {
         true => match progress_due(ctx, &uid) {
-            None => {
-                write_status(run, ctx, &new_status, notices).await?;
-                requeue
-            }
-            Some(wait) => requeue.min(wait),
+            None => (requeue, write_status(run, ctx, &new_status, notices).await?),
+            Some(wait) => (requeue.min(wait), run.resource_version()),
         },
-        false => {
-            write_status(run, ctx, &new_status, notices).await?;
-            requeue
-        }
+        false => (requeue, write_status(run, ctx, &new_status, notices).await?),
     };
-    keep_replayed(
-        ctx,
-        run,
-        &uid,
-        replayed,
-        finished,
-        acting.awaiting.is_some(),
-    );
+    let asleep = acting
+        .awaiting
+        .as_ref()
+        .map(|w| asleep(run, replayed.head, replayed.generation(), w, version));
+    keep_replayed(ctx, run, &uid, replayed, finished, asleep);
     Ok(match requeue {
         Duration::MAX => Action::await_change(),
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
@@ -306,7 +312,7 @@ struct Acting {
     notices: Vec<super::decide::Notice>,
     step: Option<crate::api::CurrentStep>,
     concluded: Option<RunFinished>,
-    awaiting: Option<(String, Timestamp)>,
+    awaiting: Option<Waiting>,
     /// When the reconcile began (for `agentrun_dispatch_seconds`).
     began: chrono::DateTime<chrono::Utc>,
 }
@@ -548,6 +554,90 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
     }
 }
 
+/// A waiting run with nothing to decide: how long it may sleep (to its
+/// Approval's expiry or its deadline), its log left unread. It has nothing
+/// to decide when its token ([`Asleep`]) finds the run, its Approval's
+/// decisions and its head unchanged, or, seen for the first time by this
+/// process, when its status says it waits on a pending Approval with the
+/// head where the status anchors it. `None`: read the log the ordinary way
+/// (whole, and verified, for a waiting run).
+async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option<Duration>, Error> {
+    let now = Timestamp::now();
+    let known = match ctx.logs.take_asleep(uid) {
+        Some(t) if t.run_version == run.resource_version() && now < t.wake_at => Some(t),
+        Some(_) => return Ok(None),
+        None if !ctx.logs.follows(uid) && waits_as_left(run) => None,
+        None => return Ok(None),
+    };
+    let deadline = phase::deadline(run);
+    if deadline.is_some_and(|d| d <= now) {
+        return Ok(None);
+    }
+    let (head, generation) = match &known {
+        Some(t) if ctx.logs.unchanged_since(uid, t.generation) => (t.head, t.generation),
+        _ => {
+            let generation = ctx.logs.begin_read(uid);
+            let head = ctx.store.head(uid).await.map_err(Error::Store)?;
+            ctx.metrics.observe_read(&[]);
+            (head, generation)
+        }
+    };
+    let (expected_head, name) = match &known {
+        Some(t) => (t.head, t.approval.clone()),
+        None => match run.status.as_ref().and_then(|s| s.approval.as_ref()) {
+            Some(a) => (anchored_head(run), a.name.clone()),
+            None => return Ok(None),
+        },
+    };
+    if head != expected_head {
+        return Ok(None);
+    }
+    let Some(waiting) = super::approval::pending(run, ctx, &name, now).await? else {
+        return Ok(None);
+    };
+    if known.is_some_and(|t| t.approval_generation != waiting.generation) {
+        return Ok(None);
+    }
+    let asleep = asleep(run, head, generation, &waiting, run.resource_version());
+    let wait = Duration::try_from(asleep.wake_at.duration_since(now)).unwrap_or_default();
+    ctx.logs.follow(uid, ObjectRef::from_obj(run));
+    ctx.logs.put_asleep(uid, asleep);
+    Ok(Some(wait.max(Duration::from_secs(1))))
+}
+
+/// Whether the run's status says it waits on an Approval, for the spec it
+/// has now, with a log: how the controller left it.
+fn waits_as_left(run: &AgentRun) -> bool {
+    let Some(s) = run.status.as_ref() else {
+        return false;
+    };
+    s.phase == Some(crate::api::Phase::AwaitingApproval)
+        && s.approval.is_some()
+        && s.observed_generation == run.metadata.generation
+        && !run.spec.cancel
+        && run.metadata.deletion_timestamp.is_none()
+        && anchored_head(run).len > 0
+}
+
+/// The token of a run waiting on `waiting` with its log at `head`.
+fn asleep(
+    run: &AgentRun,
+    head: Head,
+    generation: u64,
+    waiting: &Waiting,
+    run_version: Option<String>,
+) -> Asleep {
+    let wake_at = phase::deadline(run).map_or(waiting.expires_at, |d| d.min(waiting.expires_at));
+    Asleep {
+        head,
+        generation,
+        run_version,
+        approval: waiting.name.clone(),
+        approval_generation: waiting.generation,
+        wake_at,
+    }
+}
+
 /// The safety-net requeue of a run waiting on events.
 const IDLE_REQUEUE: Duration = Duration::from_secs(300);
 
@@ -595,14 +685,15 @@ async fn replay(
 
 /// Keeps the run's replayed log for its next reconcile, or forgets it: a
 /// finished run's for good, a run waiting for a human's until it is woken
-/// (it is read once then: thousands of waiting runs hold no logs in memory).
+/// (it is read once then: thousands of waiting runs hold no logs in memory,
+/// only their tokens).
 fn keep_replayed(
     ctx: &Context,
     run: &AgentRun,
     uid: &str,
     replayed: Replayed,
     finished: bool,
-    awaiting: bool,
+    asleep: Option<Asleep>,
 ) {
     if finished {
         ctx.logs.forget(uid);
@@ -617,8 +708,9 @@ fn keep_replayed(
     // A waiting run's log is read and verified whole when it wakes: a log
     // rewritten in the database while it waited is caught then (parking it
     // within a budget saved those reads but missed that).
-    if !awaiting {
-        ctx.logs.keep(uid, replayed);
+    match asleep {
+        Some(asleep) => ctx.logs.put_asleep(uid, asleep),
+        None => ctx.logs.keep(uid, replayed),
     }
 }
 
@@ -1045,8 +1137,9 @@ async fn write_status(
     ctx: &Context,
     status: &crate::api::AgentRunStatus,
     notices: Vec<super::decide::Notice>,
-) -> Result<(), Error> {
+) -> Result<Option<String>, Error> {
     let ns = run.namespace().unwrap_or_default();
+    let mut version = run.resource_version();
     if run.status.as_ref() != Some(status) {
         let runs: Api<AgentRun> = Api::namespaced(ctx.client.clone(), &ns);
         let body = json!({
@@ -1054,13 +1147,15 @@ async fn write_status(
             "kind": AgentRun::kind(&()),
             "status": serde_json::to_value(status)?,
         });
-        runs.patch_status(
-            &run.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(Error::Status)?;
+        let written = runs
+            .patch_status(
+                &run.name_any(),
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .map_err(Error::Status)?;
+        version = written.resource_version();
     }
     let reference = run.object_ref(&());
     for n in notices {
@@ -1080,7 +1175,7 @@ async fn write_status(
             tracing::warn!(run = %run.name_any(), namespace = %ns, error = %e, "publishing event failed");
         }
     }
-    Ok(())
+    Ok(version)
 }
 
 fn phase_reason(phase: crate::api::Phase) -> &'static str {

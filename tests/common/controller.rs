@@ -175,30 +175,44 @@ pub async fn http_get(port: u16, path: &str) -> (u16, String) {
     http_request(port, "GET", path, "").await
 }
 
+/// The value of an unlabelled sample (`name` with its `_total` suffix for a
+/// counter) on the controller's /metrics; `None` when it is not exported.
+/// Also `None` while nothing listens on `port` yet (a controller starting).
+pub async fn metric(port: u16, name: &str) -> Option<f64> {
+    let (_, text) = try_http_request(port, "GET", "/metrics", "").await.ok()?;
+    text.lines()
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .find_map(|v| v.trim().parse().ok())
+}
+
 /// Sends one HTTP/1.0 request to a local server; returns (status code, body).
 pub async fn http_request(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+    try_http_request(port, method, path, body)
         .await
-        .expect("connect");
+        .unwrap_or_else(|e| panic!("{method} {path} on 127.0.0.1:{port}: {e}"))
+}
+
+/// [`http_request`], its connection's failure returned.
+pub async fn try_http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> std::io::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     let req = format!(
         "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    stream
-        .write_all(req.as_bytes())
-        .await
-        .expect("write request");
+    stream.write_all(req.as_bytes()).await?;
     let mut raw = String::new();
-    stream
-        .read_to_string(&mut raw)
-        .await
-        .expect("read response");
+    stream.read_to_string(&mut raw).await?;
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
     let code = head
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    (code, body.to_string())
+    Ok((code, body.to_string()))
 }

@@ -422,13 +422,9 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
         )
         .await;
     }
-    let (_, metrics) = common::controller::http_get(w.metrics_port(), "/metrics").await;
-    let failures = metrics
-        .lines()
-        .find(|l| l.starts_with("agentrun_log_integrity_failures_total"))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse::<f64>().ok());
-    assert_eq!(failures, Some(3.0), "{metrics}");
+    let failures =
+        common::controller::metric(w.metrics_port(), "agentrun_log_integrity_failures_total").await;
+    assert_eq!(failures, Some(3.0));
     // Nothing ran on the strength of the edited record.
     assert!(w.standins.effects(w.name()).await.is_empty());
 
