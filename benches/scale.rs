@@ -37,7 +37,8 @@
 //! (60), AGENTRUN_SCALE_APPROVALS (30), AGENTRUN_SCALE_BASELINE_RUNS (10);
 //! AGENTRUN_SCALE_SHORT=1 or `--short`: 50 active, 200 waiting, 2,000-record
 //! long run, 20 s idle window. AGENTRUN_SCALE_ONLY=active,waiting,long runs
-//! a subset; AGENTRUN_SCALE_CONTROLLER_FLAGS adds controller flags. Controller
+//! a subset; AGENTRUN_SCALE_CONTROLLER_FLAGS adds controller flags and
+//! AGENTRUN_SCALE_CONTROLLER_ENV (`NAME=VALUE ...`) its environment. Controller
 //! logs (AGENTRUN_SCALE_CONTROLLER_LOG: their RUST_LOG, default info), each
 //! Job's dispatch time and the long run's samples go to AGENTRUN_SCALE_OUT
 //! (default `$AGENTRUN_STATE_DIR/bench-scale`, `/tmp/agentrun-state/bench-scale`).
@@ -973,7 +974,11 @@ impl Ns {
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         // info, not the tests' debug: logging is part of what a replica costs.
         let log = std::env::var("AGENTRUN_SCALE_CONTROLLER_LOG").unwrap_or_else(|_| "info".into());
-        ControllerProcess::start_env(name, identity, &flags, store_url, &[("RUST_LOG", &log)])
+        let extra = std::env::var("AGENTRUN_SCALE_CONTROLLER_ENV").unwrap_or_default();
+        let env: Vec<(&str, &str)> = std::iter::once(("RUST_LOG", log.as_str()))
+            .chain(extra.split_whitespace().filter_map(|kv| kv.split_once('=')))
+            .collect();
+        ControllerProcess::start_env(name, identity, &flags, store_url, &env)
     }
 
     async fn create_runs(&self, bench: &Bench, names: &[String], input: &str) -> Duration {
