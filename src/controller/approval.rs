@@ -369,6 +369,14 @@ async fn requested_at(ctx: &Context, uid: &str, request_seq: u64) -> Result<Time
     Ok(at.unwrap_or_else(Timestamp::now))
 }
 
+/// The Approval `name`, if it exists.
+async fn get_approval(approvals: &Api<Approval>, name: &str) -> Result<Option<Approval>, Error> {
+    approvals.get_opt(name).await.map_err(|source| Error::Read {
+        what: "approval",
+        source,
+    })
+}
+
 /// An Approval still waited for.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Waiting {
@@ -389,14 +397,7 @@ pub(super) async fn pending(
 ) -> Result<Option<Waiting>, Error> {
     let approvals: Api<Approval> =
         Api::namespaced(ctx.client.clone(), &run.namespace().unwrap_or_default());
-    let found = approvals
-        .get_opt(name)
-        .await
-        .map_err(|source| Error::Read {
-            what: "approval",
-            source,
-        })?;
-    let Some(found) = found else {
+    let Some(found) = get_approval(&approvals, name).await? else {
         return Ok(None);
     };
     let owned = found
@@ -591,14 +592,7 @@ async fn find_or_raise(
     request: &ApprovalRequested,
     notices: &mut Vec<super::decide::Notice>,
 ) -> Result<Approval, Error> {
-    let found = approvals
-        .get_opt(name)
-        .await
-        .map_err(|source| Error::Read {
-            what: "approval",
-            source,
-        })?;
-    if let Some(found) = found {
+    if let Some(found) = get_approval(approvals, name).await? {
         return Ok(found);
     }
     let raised = raise(approvals, expected, name).await?;

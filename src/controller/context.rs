@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
-use kube::runtime::events::Recorder;
+use kube::runtime::events::{Recorder, Reporter};
 
 use super::error::Error;
 use super::job::JobSettings;
@@ -22,7 +22,8 @@ pub const FIELD_MANAGER: &str = "agentrun-controller";
 /// Shared state of the reconciler.
 pub struct Context {
     pub client: kube::Client,
-    pub recorder: Recorder,
+    /// Who publishes the run's Events (see [`Context::recorder`]).
+    pub reporter: Reporter,
     pub metrics: Metrics,
     pub store: Arc<dyn StepStore>,
     /// Name of the store in `status.log.store`.
@@ -54,6 +55,16 @@ pub struct Context {
     pub progress_written: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Failed reconciles in a row, per run uid (the error backoff).
     pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
+impl Context {
+    /// A recorder for one reconcile's Events. Not kept: kube's recorder
+    /// remembers every Event it published for six minutes and scans them all
+    /// at each publish, dropping old ones only then (thousands of waiting
+    /// runs would keep theirs for good, and every publish would scan them).
+    pub fn recorder(&self) -> Recorder {
+        Recorder::new(self.client.clone(), self.reporter.clone())
+    }
 }
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use http::{Request, Response};
 use kube::client::Body;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
@@ -120,13 +120,10 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
     let signer = tokens.record_signer();
     let mut registry = Registry::default();
     Context {
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "agentrun-controller".into(),
-                instance: None,
-            },
-        ),
+        reporter: Reporter {
+            controller: "agentrun-controller".into(),
+            instance: None,
+        },
         client,
         metrics: super::metrics::Metrics::new(&mut registry),
         store,

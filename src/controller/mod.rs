@@ -33,7 +33,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::wait::{await_condition, conditions};
 use kube::runtime::{Controller, watcher};
@@ -207,13 +207,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let (agent_cache, agent_writer) = reflector::store::<Agent>();
     let ctx = Arc::new(context::Context {
         client: client.clone(),
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: FIELD_MANAGER.into(),
-                instance: Some(identity.clone()),
-            },
-        ),
+        reporter: Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(identity.clone()),
+        },
         metrics,
         store_name: "default".into(),
         tokens,
@@ -254,12 +251,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             Api::all(client.clone()),
         ),
     };
-    // Runs are kept without their field ownership (nothing reads it), so
-    // ten thousand waiting runs stay small in memory.
     let (cache, runs_writer) = reflector::store::<AgentRun>();
     let run_events = watcher(runs, watcher::Config::default())
         .default_backoff()
-        .modify(|run| run.metadata.managed_fields = None)
+        .modify(slim_run)
         .reflect(runs_writer)
         .applied_objects();
     let controller = Controller::for_stream(run_events, cache.clone()).with_config(
@@ -336,6 +331,16 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     tracing::info!("controller stopped");
     Ok(())
+}
+
+/// What the controller keeps of a run in its watch cache: no field ownership
+/// and no copy of the manifest `kubectl apply` leaves in an annotation
+/// (nothing reads them), so ten thousand waiting runs stay small in memory.
+fn slim_run(run: &mut AgentRun) {
+    run.metadata.managed_fields = None;
+    if let Some(a) = run.metadata.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
 }
 
 /// The runs to reconcile besides what the API server's watches say: those
@@ -434,4 +439,27 @@ async fn shutdown_signal() {
     }
     // Give in-flight reconciles a moment; kube-runtime waits for them too.
     tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_cached_run_keeps_its_own_annotations_but_not_kubectls_copy_of_the_manifest() {
+        let mut run: super::AgentRun = serde_json::from_value(serde_json::json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": "r", "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": "{\"spec\":{}}",
+                "agentrun.dev/requester": "alice"},
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+            "spec": {"input": "x", "agentRef": {"name": "a"}}
+        }))
+        .unwrap();
+        super::slim_run(&mut run);
+        let annotations = run.metadata.annotations.unwrap();
+        assert_eq!(
+            annotations.keys().collect::<Vec<_>>(),
+            ["agentrun.dev/requester"]
+        );
+        assert!(run.metadata.managed_fields.is_none());
+    }
 }

@@ -757,7 +757,7 @@ async fn report_stalled(run: &AgentRun, ctx: &Context, error: &Error) {
         action: "Reconcile".into(),
         secondary: None,
     };
-    let _ = ctx.recorder.publish(&event, &run.object_ref(&())).await;
+    let _ = ctx.recorder().publish(&event, &run.object_ref(&())).await;
 }
 
 pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Action {
@@ -1158,6 +1158,7 @@ async fn write_status(
         version = written.resource_version();
     }
     let reference = run.object_ref(&());
+    let recorder = ctx.recorder();
     for n in notices {
         let event = Event {
             type_: if n.warning {
@@ -1171,7 +1172,7 @@ async fn write_status(
             secondary: None,
         };
         // An event is for people; failing to publish one must not stall the run.
-        if let Err(e) = ctx.recorder.publish(&event, &reference).await {
+        if let Err(e) = recorder.publish(&event, &reference).await {
             tracing::warn!(run = %run.name_any(), namespace = %ns, error = %e, "publishing event failed");
         }
     }
