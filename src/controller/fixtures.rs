@@ -160,12 +160,19 @@ fn with_status(mut run: AgentRun, patch: &Value) -> AgentRun {
     run
 }
 
+/// A context whose API server is the mock behind the returned handle, its
+/// log an SQLite store in `dir`.
+async fn mocked(dir: &std::path::Path) -> (Arc<Context>, Handle) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir).await);
+    (ctx, handle)
+}
+
 #[tokio::test]
 async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = tempfile::tempdir().unwrap();
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir.path()).await);
+    let (ctx, mut handle) = mocked(dir.path()).await;
     let run = run();
 
     // First reconcile: the platform's policies, then (after RunStarted is in
@@ -319,10 +326,8 @@ async fn answer_everything(handle: &mut Handle) {
 #[tokio::test]
 async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
     use crate::store::{RecordDraft, StepKind};
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let dir = tempfile::tempdir().unwrap();
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir.path()).await);
+    let (ctx, mut handle) = mocked(dir.path()).await;
 
     // A log left by an earlier process, the run's status anchoring its head.
     let lease = ctx
