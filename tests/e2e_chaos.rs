@@ -437,7 +437,7 @@ async fn random_faults_by_seed_keep_every_invariant() {
     let seed = env_num("AGENTRUN_CHAOS_SEED", 1);
     let concurrent = env_num("AGENTRUN_CHAOS_RUNS", 4) as usize;
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let (pg, url) = PrivatePostgres::up("pg-chaos", 55435).await;
+    let (pg, url) = PrivatePostgres::up("pg-chaos", 25435).await;
     let mut w = World::on_store("chaos-random", &["--time-slice-seconds", "3"], &url).await;
     grant_approver_role(&w).await;
     let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());

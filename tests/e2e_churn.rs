@@ -138,7 +138,7 @@ async fn a_sigkilled_leader_is_replaced_by_its_standby_and_nothing_happens_twice
 
 #[tokio::test]
 async fn a_store_outage_pauses_running_runs_and_they_go_on() {
-    let (pg, url) = PrivatePostgres::up("pg-churn", 55434).await;
+    let (pg, url) = PrivatePostgres::up("pg-churn", 25434).await;
     let w = World::on_store("outage", &["--time-slice-seconds", "2"], &url).await;
     let runs = ["outage-a", "outage-b"];
     let mut scripts = Vec::new();

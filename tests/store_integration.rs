@@ -21,7 +21,7 @@ use sqlx::Connection;
 // ---------------------------------------------------------------------------
 // PostgreSQL instances (e2e/postgres)
 
-const OUTAGE_INSTANCE: (&str, &str) = ("pg-outage-test", "55433");
+const OUTAGE_INSTANCE: (&str, &str) = ("pg-outage-test", "25433");
 
 fn e2e_postgres(instance: Option<(&str, &str)>, arg: &str) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
@@ -1116,7 +1116,7 @@ async fn store_postgres_outage_then_exactly_once() {
         assert_eq!(e.metric_label(), "unavailable");
         let msg = e.to_string();
         assert!(msg.contains(&store::redact_url(&url)), "{msg}");
-        assert!(msg.contains(":***@127.0.0.1:55433/"), "{msg}");
+        assert!(msg.contains(":***@127.0.0.1:25433/"), "{msg}");
         assert!(
             !msg.contains(password) && !format!("{e:?}").contains(password),
             "{msg}"
