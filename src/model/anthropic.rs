@@ -101,6 +101,21 @@ fn tool_input(v: &Value) -> Value {
 /// Parses a 2xx body. `Err` explains why it is not a Messages response.
 pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<ModelResponse, String> {
     let v: Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
+    if v.get("type").and_then(Value::as_str) == Some("error") {
+        // The documented error shape, should it ever come with a 2xx status.
+        let err = v.get("error");
+        let kind = err
+            .and_then(|e| e.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("error");
+        let message = err
+            .and_then(|e| e.get("message"))
+            .and_then(Value::as_str)
+            .unwrap_or("(no message)");
+        return Err(format!(
+            "the provider reported an error ({kind}): {message}"
+        ));
+    }
     let content = v
         .get("content")
         .and_then(Value::as_array)
@@ -334,5 +349,289 @@ mod tests {
         let empty = parse_response(r#"{"content": [], "stop_reason": "end_turn"}"#, "m").unwrap();
         assert_eq!(empty.text, None);
         assert_eq!(empty.model_id, "m");
+    }
+
+    // ---- Golden fixtures: Anthropic's published docs (testdata/README.md).
+
+    const DOC_TOOL_USE_REQUEST: &str =
+        include_str!("testdata/anthropic-messages-tool-use.request.json");
+    const DOC_TOOL_USE_RESPONSE: &str =
+        include_str!("testdata/anthropic-messages-tool-use.response.json");
+    const DOC_TOOL_RESULT_REQUEST: &str =
+        include_str!("testdata/anthropic-messages-tool-result.request.json");
+    const DOC_TOOL_ERROR_MESSAGE: &str =
+        include_str!("testdata/anthropic-messages-tool-error.message.json");
+    const DOC_END_TURN_RESPONSE: &str =
+        include_str!("testdata/anthropic-messages-end-turn.response.json");
+    const DOC_ERROR_RESPONSE: &str = include_str!("testdata/anthropic-error.response.json");
+
+    fn doc(text: &str) -> Value {
+        serde_json::from_str(text).expect("fixture is JSON")
+    }
+
+    /// A message's `content` string is documented shorthand for one `text`
+    /// block, which is what the client always sends: compare in block form.
+    fn blocks_form(mut body: Value) -> Value {
+        if let Some(messages) = body.get_mut("messages").and_then(Value::as_array_mut) {
+            for m in messages {
+                if let Some(text) = m.get("content").and_then(Value::as_str) {
+                    m["content"] = json!([{"type": "text", "text": text}]);
+                }
+            }
+        }
+        body
+    }
+
+    fn client(model: &str, max_output_tokens: u32) -> crate::model::ModelClient {
+        let spec = crate::api::ModelSpec {
+            provider: crate::api::Provider::Anthropic,
+            name: model.into(),
+            max_output_tokens: Some(max_output_tokens),
+            ..Default::default()
+        };
+        crate::model::ModelClient::new(&spec, None).unwrap()
+    }
+
+    fn doc_weather_tool() -> ToolDef {
+        let t = &doc(DOC_TOOL_USE_REQUEST)["tools"][0];
+        ToolDef {
+            name: t["name"].as_str().unwrap().into(),
+            description: t["description"].as_str().unwrap().into(),
+            input_schema: t["input_schema"].clone(),
+        }
+    }
+
+    fn doc_question() -> Message {
+        Message::user(
+            doc(DOC_TOOL_USE_REQUEST)["messages"][0]["content"]
+                .as_str()
+                .unwrap(),
+        )
+    }
+
+    /// `is_error: false` is the documented default of a `tool_result`; the
+    /// client states it, the docs' examples leave it out.
+    fn allow_is_error_false() -> Vec<(&'static str, Value)> {
+        vec![("is_error", json!(false))]
+    }
+
+    #[test]
+    fn golden_request_with_tools_matches_the_docs() {
+        let req = ModelRequest {
+            system: String::new(),
+            messages: vec![doc_question()],
+            tools: vec![doc_weather_tool()],
+            max_output_tokens: None,
+        };
+        let ours = client("claude-opus-4-6", 1024).request_body(&req);
+        crate::model::wire_compare::assert_matches(
+            &blocks_form(doc(DOC_TOOL_USE_REQUEST)),
+            &ours,
+            &Default::default(),
+        );
+    }
+
+    #[test]
+    fn golden_tool_use_response_parses() {
+        let r = parse_response(DOC_TOOL_USE_RESPONSE, "claude").unwrap();
+        assert_eq!(
+            r,
+            ModelResponse {
+                text: Some("I'll check the current weather in San Francisco for you.".into()),
+                tool_calls: vec![ToolCall {
+                    id: "toolu_01A09q90qw90lq917835lq9".into(),
+                    name: "get_weather".into(),
+                    arguments: json!({"location": "San Francisco, CA", "unit": "celsius"}),
+                }],
+                // The documented example shows no usage.
+                usage: TokenUsage::default(),
+                model_id: "claude-opus-4-6".into(),
+                stop_reason: Some("tool_use".into()),
+            }
+        );
+    }
+
+    #[test]
+    fn golden_follow_up_request_links_the_tool_result() {
+        let answer = parse_response(DOC_TOOL_USE_RESPONSE, "claude").unwrap();
+        let fixture = doc(DOC_TOOL_RESULT_REQUEST);
+        let req = ModelRequest {
+            system: String::new(),
+            messages: vec![
+                doc_question(),
+                Message::Assistant {
+                    text: answer.text.clone(),
+                    tool_calls: answer.tool_calls.clone(),
+                },
+                Message::ToolResult {
+                    call_id: answer.tool_calls[0].id.clone(),
+                    name: answer.tool_calls[0].name.clone(),
+                    content: "15 degrees".into(),
+                    is_error: false,
+                },
+            ],
+            tools: vec![doc_weather_tool()],
+            max_output_tokens: None,
+        };
+        let ours = client("claude-opus-4-6", 1024).request_body(&req);
+        crate::model::wire_compare::assert_matches(
+            &blocks_form(fixture),
+            &ours,
+            &crate::model::wire_compare::Allow {
+                ours_default: &allow_is_error_false(),
+                ..Default::default()
+            },
+        );
+        assert_eq!(
+            ours["messages"][2]["content"][0]["tool_use_id"],
+            ours["messages"][1]["content"][1]["id"]
+        );
+    }
+
+    #[test]
+    fn golden_tool_error_result_matches_the_docs() {
+        let req = ModelRequest {
+            system: String::new(),
+            messages: vec![
+                doc_question(),
+                Message::Assistant {
+                    text: None,
+                    tool_calls: vec![ToolCall {
+                        id: "toolu_01A09q90qw90lq917835lq9".into(),
+                        name: "get_weather".into(),
+                        arguments: json!({"location": "San Francisco, CA"}),
+                    }],
+                },
+                Message::ToolResult {
+                    call_id: "toolu_01A09q90qw90lq917835lq9".into(),
+                    name: "get_weather".into(),
+                    content: "ConnectionError: the weather service API is not available (HTTP 500)"
+                        .into(),
+                    is_error: true,
+                },
+            ],
+            tools: vec![doc_weather_tool()],
+            max_output_tokens: None,
+        };
+        let ours = request_body("claude-opus-4-6", &req, Some(1024));
+        crate::model::wire_compare::assert_matches(
+            &doc(DOC_TOOL_ERROR_MESSAGE),
+            &ours["messages"][2],
+            &Default::default(),
+        );
+    }
+
+    #[test]
+    fn golden_end_turn_response_parses_with_usage() {
+        let r = parse_response(DOC_END_TURN_RESPONSE, "claude-configured").unwrap();
+        assert_eq!(
+            r,
+            ModelResponse {
+                text: Some("Here's the answer to your question...".into()),
+                tool_calls: vec![],
+                usage: TokenUsage {
+                    input_tokens: 100,
+                    output_tokens: 50
+                },
+                // The example has no `model`: the configured name stands in.
+                model_id: "claude-configured".into(),
+                stop_reason: Some("end_turn".into()),
+            }
+        );
+    }
+
+    #[test]
+    fn golden_error_body_is_reported_with_its_message() {
+        assert_eq!(
+            crate::model::error_message(DOC_ERROR_RESPONSE),
+            "The requested resource could not be found."
+        );
+        // And should it come with a 2xx status, it is no empty reply.
+        let err = parse_response(DOC_ERROR_RESPONSE, "m").unwrap_err();
+        assert!(
+            err.contains("not_found_error") && err.contains("could not be found"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn only_tool_use_and_several_of_them() {
+        let r = parse_response(
+            r#"{"id": "msg_2", "type": "message", "role": "assistant", "model": "claude-x",
+                "content": [
+                    {"type": "tool_use", "id": "toolu_a", "name": "get_weather", "input": {"location": "Paris"}},
+                    {"type": "tool_use", "id": "toolu_b", "name": "get_time", "input": {"timezone": "Europe/Paris"}}
+                ],
+                "stop_reason": "tool_use", "stop_sequence": null,
+                "usage": {"input_tokens": 400, "output_tokens": 90}}"#,
+            "claude",
+        )
+        .unwrap();
+        assert_eq!(r.text, None);
+        let calls: Vec<(&str, &str)> = r
+            .tool_calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.name.as_str()))
+            .collect();
+        assert_eq!(calls, [("toolu_a", "get_weather"), ("toolu_b", "get_time")]);
+        assert_eq!(
+            r.tool_calls[1].arguments,
+            json!({"timezone": "Europe/Paris"})
+        );
+        assert_eq!(r.stop_reason.as_deref(), Some("tool_use"));
+        // Both results go back in one user turn, in order, before any text.
+        let req = ModelRequest {
+            system: String::new(),
+            messages: vec![
+                Message::Assistant {
+                    text: None,
+                    tool_calls: r.tool_calls.clone(),
+                },
+                Message::ToolResult {
+                    call_id: "toolu_a".into(),
+                    name: "get_weather".into(),
+                    content: "12C".into(),
+                    is_error: false,
+                },
+                Message::ToolResult {
+                    call_id: "toolu_b".into(),
+                    name: "get_time".into(),
+                    content: "10:00".into(),
+                    is_error: false,
+                },
+            ],
+            tools: vec![],
+            max_output_tokens: None,
+        };
+        let body = request_body("c", &req, None);
+        let turn = &body["messages"][1];
+        assert_eq!(turn["role"], "user");
+        assert_eq!(turn["content"][0]["tool_use_id"], "toolu_a");
+        assert_eq!(turn["content"][1]["tool_use_id"], "toolu_b");
+    }
+
+    #[test]
+    fn end_turn_and_max_tokens_stop_reasons() {
+        for reason in ["end_turn", "max_tokens"] {
+            let body = format!(
+                r#"{{"id": "msg_3", "type": "message", "role": "assistant", "model": "claude-x",
+                    "content": [{{"type": "text", "text": "partial answer"}}],
+                    "stop_reason": "{reason}", "stop_sequence": null,
+                    "usage": {{"input_tokens": 10, "output_tokens": 1024}}}}"#
+            );
+            let r = parse_response(&body, "claude").unwrap();
+            assert_eq!(r.stop_reason.as_deref(), Some(reason));
+            assert_eq!(r.text.as_deref(), Some("partial answer"));
+            assert!(r.tool_calls.is_empty());
+        }
+        // Cut off in the middle of a tool call: the block is still whole JSON.
+        let r = parse_response(
+            r#"{"content": [{"type": "tool_use", "id": "toolu_c", "name": "write", "input": {}}],
+                "stop_reason": "max_tokens"}"#,
+            "claude",
+        )
+        .unwrap();
+        assert_eq!(r.stop_reason.as_deref(), Some("max_tokens"));
+        assert_eq!(r.tool_calls[0].arguments, json!({}));
     }
 }

@@ -679,6 +679,97 @@ fn json_len(v: &serde_json::Value) -> usize {
     }
 }
 
+/// Comparing request bodies with documented ones (the golden fixtures under
+/// `src/model/testdata/`, see its README).
+#[cfg(test)]
+pub(crate) mod wire_compare {
+    use serde_json::Value;
+
+    /// Where `ours` may differ from a documented body `doc`.
+    #[derive(Default)]
+    pub(crate) struct Allow<'a> {
+        /// Keys the documentation shows and the client does not send.
+        pub doc_only: &'a [&'a str],
+        /// Keys the client sends that the documentation leaves out, with the
+        /// value that makes that harmless (the documented default).
+        pub ours_default: &'a [(&'a str, Value)],
+    }
+
+    /// Every difference between `doc` and `ours`, as `path: what`. Objects
+    /// compare key by key, lists element by element; strings under
+    /// `arguments` compare as the JSON they hold (the text of a model's
+    /// arguments is not ours to keep byte for byte, their value is).
+    pub(crate) fn diff(doc: &Value, ours: &Value, allow: &Allow) -> Vec<String> {
+        let mut out = Vec::new();
+        walk("$", None, doc, ours, allow, &mut out);
+        out
+    }
+
+    /// Panics with the differences, if any.
+    pub(crate) fn assert_matches(doc: &Value, ours: &Value, allow: &Allow) {
+        let d = diff(doc, ours, allow);
+        assert!(
+            d.is_empty(),
+            "request differs from the documented one:\n  {}\nours: {}",
+            d.join("\n  "),
+            serde_json::to_string_pretty(ours).unwrap_or_default()
+        );
+    }
+
+    fn walk(
+        path: &str,
+        key: Option<&str>,
+        doc: &Value,
+        ours: &Value,
+        allow: &Allow,
+        out: &mut Vec<String>,
+    ) {
+        match (doc, ours) {
+            (Value::Object(d), Value::Object(o)) => {
+                for (k, dv) in d {
+                    let p = format!("{path}.{k}");
+                    match o.get(k) {
+                        Some(ov) => walk(&p, Some(k), dv, ov, allow, out),
+                        None if allow.doc_only.contains(&k.as_str()) => {}
+                        None => out.push(format!("{p}: documented, not sent")),
+                    }
+                }
+                for (k, ov) in o {
+                    if d.contains_key(k) {
+                        continue;
+                    }
+                    let p = format!("{path}.{k}");
+                    match allow.ours_default.iter().find(|(name, _)| name == k) {
+                        Some((_, default)) if default == ov => {}
+                        _ => out.push(format!("{p}: sent ({ov}), not documented")),
+                    }
+                }
+            }
+            (Value::Array(d), Value::Array(o)) => {
+                if d.len() != o.len() {
+                    out.push(format!("{path}: {} documented, {} sent", d.len(), o.len()));
+                }
+                for (i, (dv, ov)) in d.iter().zip(o).enumerate() {
+                    walk(&format!("{path}[{i}]"), None, dv, ov, allow, out);
+                }
+            }
+            (Value::String(d), Value::String(o)) if key == Some("arguments") => {
+                let parsed = (
+                    serde_json::from_str::<Value>(d),
+                    serde_json::from_str::<Value>(o),
+                );
+                match parsed {
+                    (Ok(dv), Ok(ov)) if dv == ov => {}
+                    _ if d == o => {}
+                    _ => out.push(format!("{path}: documented {d:?}, sent {o:?}")),
+                }
+            }
+            _ if doc == ours => {}
+            _ => out.push(format!("{path}: documented {doc}, sent {ours}")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -877,5 +968,103 @@ mod tests {
             ModelClient::new(&bad, None),
             Err(ModelError::Config(_))
         ));
+    }
+
+    /// Answers one HTTP request on a local port with `status` and `body`.
+    async fn answer_once(status: &'static str, body: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            // Headers, then as many body bytes as Content-Length says.
+            loop {
+                let n = sock.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                seen.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&seen).to_lowercase();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let len = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if seen.len() >= end + 4 + len {
+                        break;
+                    }
+                }
+            }
+            let reply = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            sock.write_all(reply.as_bytes()).await.unwrap();
+            sock.shutdown().await.ok();
+        });
+        format!("http://{addr}")
+    }
+
+    #[tokio::test]
+    async fn anthropic_error_body_is_reported_with_its_message() {
+        let endpoint = answer_once(
+            "404 Not Found",
+            include_str!("testdata/anthropic-error.response.json"),
+        )
+        .await;
+        let spec = ModelSpec {
+            provider: Provider::Anthropic,
+            name: "claude-x".into(),
+            endpoint: Some(endpoint),
+            ..Default::default()
+        };
+        let c = ModelClient::new(&spec, Some("sk-test".into())).unwrap();
+        let err = c
+            .complete(&ModelRequest {
+                system: String::new(),
+                messages: vec![Message::user("hi")],
+                tools: vec![],
+                max_output_tokens: None,
+            })
+            .await
+            .unwrap_err();
+        match &err {
+            ModelError::Rejected { status, message } => {
+                assert_eq!(*status, 404);
+                assert_eq!(message, "The requested resource could not be found.");
+            }
+            other => panic!("expected Rejected, got {other:?}"),
+        }
+        assert!(!err.is_retryable());
+    }
+
+    #[tokio::test]
+    async fn documented_tool_use_reply_parses_end_to_end() {
+        let endpoint = answer_once(
+            "200 OK",
+            include_str!("testdata/anthropic-messages-tool-use.response.json"),
+        )
+        .await;
+        let spec = ModelSpec {
+            provider: Provider::Anthropic,
+            name: "claude-x".into(),
+            endpoint: Some(endpoint),
+            ..Default::default()
+        };
+        let r = ModelClient::new(&spec, None)
+            .unwrap()
+            .complete(&ModelRequest {
+                system: String::new(),
+                messages: vec![Message::user("What's the weather like in San Francisco?")],
+                tools: vec![],
+                max_output_tokens: None,
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.tool_calls[0].id, "toolu_01A09q90qw90lq917835lq9");
+        assert_eq!(r.stop_reason.as_deref(), Some("tool_use"));
     }
 }
