@@ -36,12 +36,15 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Controller(opts) => {
-            agentrun::telemetry::init();
-            agentrun::controller::run(opts).await
+            agentrun::telemetry::init("agentrun-controller");
+            let result = agentrun::controller::run(opts).await;
+            agentrun::telemetry::trace::shutdown().await;
+            result
         }
         Command::Step(args) => {
-            agentrun::telemetry::init();
+            agentrun::telemetry::init("agentrun-step");
             let result = agentrun::step::runner::run(args).await;
+            agentrun::telemetry::trace::shutdown().await;
             // A worker whose lease was taken over exits with its own code.
             if let Err(e) = &result
                 && e.downcast_ref::<agentrun::step::runner::LeaseLost>()

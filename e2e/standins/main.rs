@@ -22,7 +22,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    agentrun::telemetry::init();
+    agentrun::telemetry::init("agentrun-standins");
     let cli = Cli::parse();
     let app = axum::Router::new()
         .merge(model::router())

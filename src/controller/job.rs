@@ -66,6 +66,8 @@ pub struct JobSettings {
     pub time_slice_seconds: u64,
     /// Honour the failpoint annotation (tests only; off in production).
     pub allow_failpoints: bool,
+    /// OpenTelemetry settings handed to step pods (`telemetry::trace::step_env`).
+    pub trace_env: Vec<(String, String)>,
 }
 
 /// Deterministic Job name: creating it twice is harmless, and a retry of the
@@ -138,6 +140,7 @@ pub fn build(
     if let Some(key) = &agent.model.secret_ref {
         env.push(secret("AGENTRUN_MODEL_API_KEY", &key.name, &key.key));
     }
+    env.extend(settings.trace_env.iter().map(|(k, v)| plain(k, v.clone())));
     // A failpoint kills one Job per run, so the next one shows the resume.
     if failed_jobs == 0
         && settings.allow_failpoints
@@ -290,6 +293,7 @@ mod tests {
             service_account: "default".into(),
             time_slice_seconds: 30,
             allow_failpoints: true,
+            trace_env: Vec::new(),
         }
     }
 
@@ -302,6 +306,36 @@ mod tests {
         let n = job_name(&long, 123456, 3);
         assert!(n.len() <= 63 && n.ends_with("-s123456-a3"), "{n}");
         assert_eq!(n, job_name(&long, 123456, 3));
+    }
+
+    #[test]
+    fn step_pods_report_traces_where_the_controller_does() {
+        let settings = JobSettings {
+            trace_env: vec![(
+                "OTEL_EXPORTER_OTLP_ENDPOINT".into(),
+                "http://collector:4318".into(),
+            )],
+            ..settings()
+        };
+        let job = build(
+            &run("r"),
+            &AgentTemplate::default(),
+            1,
+            1,
+            0,
+            300,
+            &Head::EMPTY,
+            &settings,
+        );
+        let env = job.spec.unwrap().template.spec.unwrap().containers[0]
+            .env
+            .clone()
+            .unwrap();
+        let otlp = env
+            .iter()
+            .find(|e| e.name == "OTEL_EXPORTER_OTLP_ENDPOINT")
+            .expect("the endpoint is handed on");
+        assert_eq!(otlp.value.as_deref(), Some("http://collector:4318"));
     }
 
     #[test]

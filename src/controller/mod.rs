@@ -13,7 +13,7 @@ mod http;
 pub mod job;
 mod leader;
 pub mod log_cache;
-mod metrics;
+pub mod metrics;
 pub mod phase;
 pub mod pinned_gate;
 pub mod platform;
@@ -224,6 +224,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,
+            trace_env: crate::telemetry::trace::step_env(),
         },
         identity: format!("controller/{identity}"),
         http: crate::egress::client()?,

@@ -239,9 +239,11 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         now,
     );
     let mut notices = acting.notices;
-    if let Some(outcome) = new_status.phase.filter(|p| p.is_terminal())
-        && run.status.as_ref().and_then(|s| s.phase) != Some(outcome)
-    {
+    let ends_now = new_status
+        .phase
+        .filter(|p| p.is_terminal())
+        .filter(|&p| run.status.as_ref().and_then(|s| s.phase) != Some(p));
+    if let Some(outcome) = ends_now {
         let warn = outcome != crate::api::Phase::Succeeded;
         let msg = new_status
             .error
@@ -261,6 +263,9 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         },
         false => (requeue, write_status(run, ctx, &new_status, notices).await?),
     };
+    if ends_now.is_some() {
+        report_run_span(run, &new_status);
+    }
     let asleep = acting
         .awaiting
         .as_ref()
@@ -1130,6 +1135,41 @@ async fn stop_tampered(
     let notice = notice(true, "LogTampered", truncate(&message, 900));
     write_status(run, ctx, &status, vec![notice]).await?;
     Ok(Action::await_change())
+}
+
+/// The run's root span, once its final phase is written (a controller that
+/// dies before the write reports it after its restart instead).
+fn report_run_span(run: &AgentRun, status: &crate::api::AgentRunStatus) {
+    let time = |t: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>| {
+        t.map(|t| std::time::SystemTime::from(t.0))
+    };
+    let finished = time(status.finished_at.as_ref()).unwrap_or_else(std::time::SystemTime::now);
+    let started = time(status.started_at.as_ref())
+        .or(time(run.metadata.creation_timestamp.as_ref()))
+        .unwrap_or(finished);
+    let usage = status.usage.clone().unwrap_or_default();
+    let name = run.name_any();
+    let agent = run
+        .spec
+        .agent_ref
+        .as_ref()
+        .map_or(name.as_str(), |a| a.name.as_str());
+    let phase = status.phase.map(|p| format!("{p:?}")).unwrap_or_default();
+    let succeeded = status.phase == Some(crate::api::Phase::Succeeded);
+    crate::telemetry::trace::report_finished_run(&crate::telemetry::trace::FinishedRun {
+        uid: &run.uid().unwrap_or_default(),
+        name: &name,
+        namespace: &run.namespace().unwrap_or_default(),
+        agent,
+        model: status.pinned.as_ref().map_or("", |p| p.model.as_str()),
+        phase: &phase,
+        error: (!succeeded).then(|| status.error.as_deref().unwrap_or("the run did not succeed")),
+        started,
+        finished,
+        input_tokens: usage.input_tokens,
+        output_tokens: usage.output_tokens,
+        steps: usage.steps,
+    });
 }
 
 async fn write_status(

@@ -5,3 +5,4 @@ pub mod approval;
 pub mod context;
 pub mod failpoint;
 pub mod runner;
+pub mod spans;

@@ -7,15 +7,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use tracing::Instrument as _;
 
 use super::approval;
 use super::context::{ContextPlan, plan};
 use super::failpoint;
+use super::spans;
 use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
 use crate::runlog::records::*;
 use crate::runlog::replay::{Next, RunState, Snapshot, Step};
 use crate::store::{self, Head, Lease, RecordDraft, StepKind, StepStore, StoreError};
+use crate::telemetry::trace;
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
 
 /// How long a lease lives without a heartbeat; the controller notices a lost
@@ -81,6 +84,23 @@ pub async fn run(args: StepArgs) -> anyhow::Result<()> {
 /// pods in process, with each pod's gateway token, not the process's env).
 #[tracing::instrument(name = "step_job", skip_all, fields(run = %args.run_name, run_uid = %args.run_uid, attempt = args.attempt, pod = %args.worker))]
 pub async fn run_on(args: StepArgs, store: Arc<dyn StepStore>) -> anyhow::Result<()> {
+    let span = spans::step(&args.run_name, &args.run_uid, args.attempt, &args.worker);
+    let result = attempt(args, store, &span).instrument(span.clone()).await;
+    if let Err(e) = &result {
+        let kind = match e.downcast_ref::<LeaseLost>() {
+            Some(_) => "lease_lost",
+            None => "step_failed",
+        };
+        spans::record_error(&span, kind);
+    }
+    result
+}
+
+async fn attempt(
+    args: StepArgs,
+    store: Arc<dyn StepStore>,
+    span: &tracing::Span,
+) -> anyhow::Result<()> {
     let lease = acquire(&*store, &args).await?;
     failpoint::hit("after-lease");
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
@@ -94,9 +114,12 @@ pub async fn run_on(args: StepArgs, store: Arc<dyn StepStore>) -> anyhow::Result
 
     let work = async {
         let mut runner = Runner::load(store.clone(), &args, lease.clone()).await?;
-        runner
+        let replayed = runner.head.len;
+        let driven = runner
             .drive(Duration::from_secs(args.time_slice_seconds))
-            .await
+            .await;
+        spans::record_log(span, replayed, runner.head.len - replayed);
+        driven
     };
     let result = tokio::select! {
         result = work => result,
@@ -476,7 +499,15 @@ impl Runner {
             self.yielding = true;
             return Ok(None);
         }
-        match client.complete(request).await {
+        let span = spans::chat(client, request);
+        let answer = client.complete(request).instrument(span.clone()).await;
+        spans::record_chat(&span, &answer);
+        // The span ends before the answer is recorded, and leaves before
+        // then too: a crash after the record loses no span, and a call the
+        // log lacks is asked again and reported again, as it happened again.
+        drop(span);
+        trace::flush().await;
+        match answer {
             Ok(response) => {
                 failpoint::hit("after-model-call");
                 Ok(Some(response))
@@ -531,7 +562,7 @@ impl Runner {
             || !tools.contains(&intent.tool);
         let (outcome, recovery) = if !recovering || repeat_safe {
             self.hold_lease("before-tool-call").await?;
-            let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
+            let outcome = call_tool(&tools, &intent, &ctx).await;
             failpoint::hit("after-tool-call");
             (outcome, recovering.then_some(Recovery::RetriedWithSameKey))
         } else {
@@ -542,7 +573,7 @@ impl Runner {
                 }
                 LookupOutcome::NotDone => {
                     self.hold_lease("before-tool-call").await?;
-                    let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
+                    let outcome = call_tool(&tools, &intent, &ctx).await;
                     failpoint::hit("after-tool-call");
                     (outcome, Some(Recovery::LookupFoundNothing))
                 }
@@ -686,6 +717,20 @@ impl Runner {
 }
 
 /// The `Observation` asking the controller to end the run with `finished`.
+/// Calls the tool in its `execute_tool` span, which has left before the
+/// result is recorded (as a model call's span has).
+async fn call_tool(tools: &Toolbox, intent: &ToolIntent, ctx: &CallContext) -> ToolOutcome {
+    let span = spans::execute_tool(&intent.tool, &intent.call_id, &intent.arguments);
+    let outcome = tools
+        .call(&intent.tool, &intent.arguments, ctx)
+        .instrument(span.clone())
+        .await;
+    spans::record_tool(&span, &outcome);
+    drop(span);
+    trace::flush().await;
+    outcome
+}
+
 fn stop_step(finished: RunFinished) -> Step {
     Step::Observation(Observation {
         text: finished.error.clone().unwrap_or_default(),

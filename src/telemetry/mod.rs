@@ -1,9 +1,12 @@
 //! Logging setup shared by every binary: JSON logs for machines, plain for
-//! people, and a log level that can be changed while the process runs.
+//! people, a log level that can be changed while the process runs, and
+//! OpenTelemetry traces when an OTLP endpoint is configured ([`trace`]).
 
 use std::sync::{Mutex, OnceLock};
 
-use tracing_subscriber::{EnvFilter, Registry, fmt, prelude::*, reload};
+use tracing_subscriber::{EnvFilter, Layer as _, Registry, fmt, prelude::*, reload};
+
+pub mod trace;
 
 /// The reload handle of the installed filter, and the directives it holds.
 struct Level {
@@ -13,31 +16,35 @@ struct Level {
 
 static LEVEL: OnceLock<Level> = OnceLock::new();
 
-/// Installs the global subscriber. `RUST_LOG` sets the level (default `info`);
-/// `AGENTRUN_LOG_FORMAT=json` switches to structured JSON lines, each with
-/// the fields of its spans (`run`, `namespace`, `step`...).
-pub fn init() {
+/// Installs the global subscriber. `RUST_LOG` sets the level of the logs
+/// (default `info`); `AGENTRUN_LOG_FORMAT=json` switches to structured JSON
+/// lines, each with the fields of its spans (`run`, `namespace`, `step`...).
+/// With an OTLP endpoint configured, spans are exported too ([`trace`]),
+/// whatever the log level; `service` names this process in them.
+pub fn init(service: &str) {
     let directives = std::env::var("RUST_LOG")
         .ok()
         .filter(|d| !d.trim().is_empty() && EnvFilter::try_new(d).is_ok())
         .unwrap_or_else(|| "info".into());
     let (filter, handle) = reload::Layer::new(EnvFilter::new(&directives));
     let json = std::env::var("AGENTRUN_LOG_FORMAT").is_ok_and(|f| f == "json");
-    let registry = tracing_subscriber::registry().with(filter);
-    let installed = if json {
-        registry
-            .with(
-                fmt::layer()
-                    .json()
-                    .with_current_span(true)
-                    .with_span_list(true),
-            )
-            .try_init()
+    let logs = if json {
+        fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .with_filter(filter)
+            .boxed()
     } else {
-        registry
-            .with(fmt::layer().with_writer(std::io::stderr))
-            .try_init()
+        fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed()
     };
+    let installed = tracing_subscriber::registry()
+        .with(logs)
+        .with(trace::layer(service))
+        .try_init();
     if installed.is_ok() {
         let _ = LEVEL.set(Level {
             handle,
