@@ -26,7 +26,7 @@ pub fn step(run_name: &str, run_uid: &str, attempt: u32, pod: &str) -> Span {
         error.type = Empty,
         agentrun.run.name = %run_name,
         agentrun.run.uid = %run_uid,
-        agentrun.step.attempt = attempt,
+        agentrun.step.attempt = i64::from(attempt),
         agentrun.pod = %pod,
         agentrun.log.replayed = Empty,
         agentrun.log.appended = Empty,
@@ -38,8 +38,9 @@ pub fn step(run_name: &str, run_uid: &str, attempt: u32, pod: &str) -> Span {
 /// Records how many records the attempt found (replayed, not re-executed)
 /// and how many it appended.
 pub fn record_log(span: &Span, replayed: u64, appended: u64) {
-    span.record("agentrun.log.replayed", replayed);
-    span.record("agentrun.log.appended", appended);
+    // As i64: tracing-opentelemetry reports other integers as text.
+    span.record("agentrun.log.replayed", replayed as i64);
+    span.record("agentrun.log.appended", appended as i64);
 }
 
 /// Marks the span failed with `kind` (a low-cardinality `error.type`).
@@ -76,7 +77,7 @@ pub fn chat(client: &ModelClient, request: &ModelRequest) -> Span {
         gen_ai.input.messages = Empty,
         gen_ai.output.messages = Empty,
         server.address = server.as_ref().and_then(|u| u.host_str()).unwrap_or(""),
-        server.port = server.as_ref().and_then(|u| u.port_or_known_default()).unwrap_or(0),
+        server.port = server.as_ref().and_then(|u| u.port_or_known_default()).map_or(0, i64::from),
     );
     if trace::capture_content() {
         span.record("gen_ai.system_instructions", request.system.as_str());
@@ -101,8 +102,8 @@ pub fn record_chat(span: &Span, result: &Result<ModelResponse, ModelError>) {
                     format!("[{:?}]", reason).as_str(),
                 );
             }
-            span.record("gen_ai.usage.input_tokens", r.usage.input_tokens);
-            span.record("gen_ai.usage.output_tokens", r.usage.output_tokens);
+            span.record("gen_ai.usage.input_tokens", r.usage.input_tokens as i64);
+            span.record("gen_ai.usage.output_tokens", r.usage.output_tokens as i64);
             if trace::capture_content() {
                 let output = serde_json::json!({"text": r.text, "toolCalls": r.tool_calls});
                 span.record("gen_ai.output.messages", output.to_string().as_str());

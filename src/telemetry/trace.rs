@@ -125,6 +125,9 @@ where
     Some(
         tracing_opentelemetry::layer()
             .with_tracer(tracer)
+            .with_threads(false)
+            .with_location(false)
+            .with_tracked_inactivity(false)
             .with_filter(only_ours),
     )
 }
