@@ -209,6 +209,7 @@ fn full_values() -> Value {
                           "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
                           "controllerEgress": [{"ports": [{"port": 443}, {"port": 6443}, {"port": 5432}, {"port": 53, "protocol": "UDP"}]}]},
         "approverRole": {"name": "runs-approver"},
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318", "captureContent": true},
         "commonLabels": {"cost-center": "42"}
     })
 }
@@ -247,6 +248,10 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
     let image = format!("agentrun:{}", crate_version());
     assert_eq!(c["image"], image.as_str());
     assert_eq!(c["args"][0], "controller");
+    assert!(
+        !has_env(c, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        "traces are off by default"
+    );
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
     assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
@@ -503,6 +508,18 @@ fn non_default_rendering_switches_on_every_option() {
     );
     assert_eq!(env_of(c, "AGENTRUN_WATCH_NAMESPACE")["value"], "runs");
     assert_eq!(env_of(c, "AGENTRUN_METRICS_ADDR")["value"], "0.0.0.0:9090");
+    assert_eq!(
+        env_of(c, "OTEL_EXPORTER_OTLP_ENDPOINT")["value"],
+        "http://otel-collector.observability:4318"
+    );
+    assert_eq!(
+        env_of(c, "OTEL_EXPORTER_OTLP_PROTOCOL")["value"],
+        "http/protobuf"
+    );
+    assert_eq!(
+        env_of(c, "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")["value"],
+        "true"
+    );
     assert_eq!(env_of(c, "AGENTRUN_LOG_FORMAT")["value"], "text");
     let args = c["args"].as_array().unwrap();
     assert!(args.contains(&json!("--lease-name=x")));
