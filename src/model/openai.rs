@@ -100,9 +100,13 @@ pub(crate) fn request_body(
 
 /// Arguments as the JSON string the format carries; raw (malformed) arguments
 /// are sent back exactly as the model produced them.
+/// `function.arguments` for a recorded call. Raw arguments the model sent
+/// that are not JSON (a reply cut off mid-call) go back as a JSON string
+/// holding them: llama.cpp's server refuses a history whose arguments do not
+/// parse (HTTP 500), and the text stays what the model wrote.
 fn arguments_string(v: &Value) -> String {
     match v {
-        Value::String(raw) => raw.clone(),
+        Value::String(raw) if serde_json::from_str::<Value>(raw).is_ok() => raw.clone(),
         other => other.to_string(),
     }
 }
@@ -257,6 +261,19 @@ mod tests {
     use super::*;
     use crate::model::ToolDef;
 
+    #[test]
+    fn arguments_cut_off_mid_call_go_back_as_valid_json_llama_cpp() {
+        // llama-server answers 500 to a history whose arguments do not parse.
+        let cut = r#"{"orderId": "1042""#;
+        let sent = arguments_string(&Value::String(cut.into()));
+        let parsed: Value = serde_json::from_str(&sent).expect("valid JSON");
+        assert_eq!(parsed, Value::String(cut.into()), "the model's text, kept");
+        // Raw text that is JSON (a model's own formatting) goes back as it came.
+        let pretty = "{\n  \"orderId\": \"1042\"\n}";
+        assert_eq!(arguments_string(&Value::String(pretty.into())), pretty);
+        assert_eq!(arguments_string(&json!({"a": 1})), r#"{"a":1}"#);
+    }
+
     fn history() -> ModelRequest {
         ModelRequest {
             system: "You are careful.".into(),
@@ -315,7 +332,7 @@ mod tests {
                     {"role": "user", "content": "Refund order 42"},
                     {"role": "assistant", "content": "Looking it up.", "tool_calls": [
                         {"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments": "{\"order\":42}"}},
-                        {"id": "call_b", "type": "function", "function": {"name": "lookup", "arguments": "{\"order\": 4"}}
+                        {"id": "call_b", "type": "function", "function": {"name": "lookup", "arguments": "\"{\\\"order\\\": 4\""}}
                     ]},
                     {"role": "tool", "tool_call_id": "call_a", "content": "{\"total\": 10}"},
                     {"role": "tool", "tool_call_id": "call_b", "content": "ERROR: arguments are not valid JSON"}
