@@ -8,8 +8,7 @@
 //! ~/.cache/agentrun), as for tests/packaging.rs.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use prometheus_client::registry::Registry;
@@ -17,6 +16,9 @@ use serde::Deserialize as _;
 use serde_json::{Value, json};
 
 use agentrun::controller::metrics;
+
+mod common;
+use common::scripts::helm_run;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const DASHBOARD: &str = "charts/agentrun/dashboards/agentrun.json";
@@ -643,40 +645,6 @@ fn the_dashboard_shows_every_metric_the_controller_exports() {
 }
 
 // --- The chart's ConfigMap -------------------------------------------------
-
-/// helm, as `e2e/build-helm.sh path` prints it (building it if missing).
-fn helm() -> &'static Path {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(root().join("e2e/build-helm.sh"))
-            .arg("path")
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("running e2e/build-helm.sh");
-        assert!(
-            out.status.success(),
-            "e2e/build-helm.sh path failed: these tests need helm, built from its Go module \
-             (Go and the module proxy are needed once; it is cached in ~/.cache/agentrun)"
-        );
-        let path = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-        assert!(path.is_file(), "helm is not at {}", path.display());
-        path
-    })
-}
-
-fn helm_run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm())
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("running helm");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// `helm template` of the chart with `values`: the objects, or helm's error.
 fn render(values: &Value) -> Result<Vec<Value>, String> {

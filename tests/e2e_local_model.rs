@@ -9,28 +9,18 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
 use agentrun::api::Phase;
 use agentrun::runlog::replay::Step;
 use common::world::World;
 use serde_json::{Value, json};
 
 fn e2e_llama(arg: &str) -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/llama");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(arg)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "`e2e/llama {arg}` failed ({}): the local model server is required for this test.\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
+    common::scripts::e2e_script(
+        "llama",
+        arg,
+        &[],
+        "the local model server is required for this test",
+    )
 }
 
 /// Tokens the server has generated since it started (its /metrics).

@@ -5,8 +5,6 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use agentrun::api::Phase;
@@ -18,19 +16,7 @@ use serde_json::{Value, json};
 /// Runs `e2e/jaeger ARG` (starting Jaeger, building it first if needed) and
 /// returns its stdout; fails loudly.
 fn e2e_jaeger(arg: &str) -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/jaeger");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(arg)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "`e2e/jaeger {arg}` failed ({}): Jaeger is required for this test.\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
+    common::scripts::e2e_script("jaeger", arg, &[], "Jaeger is required for this test")
 }
 
 /// One span as Jaeger's query API gives it.

@@ -10,12 +10,14 @@
 //! first, and these tests build them if they are missing.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 
 use serde::Deserialize as _;
 use serde_json::{Value, json};
+
+mod common;
+use common::scripts::{helm, helm_run, helm_tool};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -24,39 +26,6 @@ fn root() -> &'static Path {
 }
 
 /// Runs `e2e/build-helm.sh ARG` and returns the tool path it prints.
-fn tool(arg: &str) -> PathBuf {
-    let out = Command::new("bash")
-        .arg(root().join("e2e/build-helm.sh"))
-        .arg(arg)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("running e2e/build-helm.sh");
-    assert!(
-        out.status.success(),
-        "e2e/build-helm.sh {arg} failed: helm and the Lua runner are built from their Go modules (Go and the module proxy are needed)"
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
-
-fn helm() -> &'static Path {
-    static HELM: OnceLock<PathBuf> = OnceLock::new();
-    HELM.get_or_init(|| tool("path"))
-}
-
-/// `helm ARGS...`: (success, stdout, stderr).
-fn helm_run(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(helm())
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("running helm");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// Parses a multi-document YAML stream into JSON values (empty documents dropped).
 fn docs(yaml: &str) -> Vec<Value> {
     serde_yaml::Deserializer::from_str(yaml)
@@ -756,7 +725,7 @@ fn the_kustomize_bases_are_generated_from_the_chart() {
 
 #[test]
 fn the_argocd_health_check_maps_phases_to_health() {
-    let runner = tool("lua-path");
+    let runner = helm_tool("lua-path");
     let script = root().join("charts/agentrun/files/argocd-health.lua");
     let health = |obj: Value| -> (String, String) {
         let mut child = Command::new(&runner)

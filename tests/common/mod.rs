@@ -6,6 +6,7 @@
 
 pub mod approvals;
 pub mod controller;
+pub mod scripts;
 pub mod standins;
 pub mod store;
 pub mod world;

@@ -14,23 +14,12 @@ pub fn e2e_postgres(arg: &str) -> String {
 
 /// `e2e/postgres ARG` with extra environment (another instance).
 fn e2e_postgres_env(arg: &str, env: &[(&str, &str)]) -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(arg)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "`e2e/postgres {arg}` failed ({}): PostgreSQL is required for these tests.\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .expect("utf-8")
-        .trim()
-        .to_string()
+    super::scripts::e2e_script(
+        "postgres",
+        arg,
+        env,
+        "PostgreSQL is required for these tests",
+    )
 }
 
 /// Superuser URL of the shared test instance (started once per process).
