@@ -224,9 +224,9 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
             Value::Null,
         )
         .await;
-        assert_eq!(job["metadata"]["name"], "r1-s1-a1");
+        assert_eq!(job["metadata"]["name"], "r1-951103-s1-a1");
         let status = expect_status(&mut handle, &sent).await;
-        assert_eq!(status["status"]["step"]["job"], "r1-s1-a1");
+        assert_eq!(status["status"]["step"]["job"], "r1-951103-s1-a1");
         let event = expect(
             &mut handle,
             "POST",
@@ -248,12 +248,14 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
     let run = with_status(run, &status);
     let server = tokio::spawn(async move {
         let job = json!({"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": "r1-s1-a1", "namespace": "ns"},
+            "metadata": {"name": "r1-951103-s1-a1", "namespace": "ns",
+                "ownerReferences": [{"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+                    "name": "r1", "uid": "uid-r1", "controller": true}]},
             "status": {"active": 1, "ready": 1}});
         expect(
             &mut handle,
             "GET",
-            "/apis/batch/v1/namespaces/ns/jobs/r1-s1-a1",
+            "/apis/batch/v1/namespaces/ns/jobs/r1-951103-s1-a1",
             job,
         )
         .await;
@@ -272,13 +274,15 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
     let sent = run.clone();
     let server = tokio::spawn(async move {
         let job = json!({"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": "r1-s1-a1", "namespace": "ns"},
+            "metadata": {"name": "r1-951103-s1-a1", "namespace": "ns",
+                "ownerReferences": [{"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+                    "name": "r1", "uid": "uid-r1", "controller": true}]},
             "status": {"failed": 1, "conditions": [{"type": "Failed", "status": "True",
                 "reason": "DeadlineExceeded", "message": "Job was active longer than specified deadline"}]}});
         expect(
             &mut handle,
             "GET",
-            "/apis/batch/v1/namespaces/ns/jobs/r1-s1-a1",
+            "/apis/batch/v1/namespaces/ns/jobs/r1-951103-s1-a1",
             job,
         )
         .await;
@@ -297,7 +301,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
             Value::Null,
         )
         .await;
-        assert_eq!(job["metadata"]["name"], "r1-s1-a2");
+        assert_eq!(job["metadata"]["name"], "r1-951103-s1-a2");
         expect_status(&mut handle, &sent).await;
     });
     super::reconcile::reconcile(Arc::new(run), ctx.clone())
@@ -409,4 +413,113 @@ async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
     let _ = super::reconcile::reconcile(Arc::new(run), ctx.clone()).await;
     server.await.unwrap();
     assert_eq!(reads(&ctx), (3, head.len), "the whole log read once more");
+}
+
+/// Answers every request (a GET of a Job with `job`, the rest with its own
+/// body) until none comes for a moment; returns what came, in order.
+async fn answer_recording(
+    handle: &mut Handle,
+    run: &AgentRun,
+    job: &Value,
+) -> Vec<(String, Value)> {
+    let mut seen = Vec::new();
+    loop {
+        let next =
+            tokio::time::timeout(std::time::Duration::from_millis(300), handle.next_request());
+        let Ok(Some((request, send))) = next.await else {
+            return seen;
+        };
+        let what = format!("{} {}", request.method(), request.uri().path());
+        let body = request.into_body().collect_bytes().await.unwrap();
+        let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        let reply = if what.ends_with("/clusteragentpolicies") {
+            list("ClusterAgentPolicy")
+        } else if what.ends_with("/agentpolicies") {
+            list("AgentPolicy")
+        } else if what.starts_with("GET /apis/batch/v1/") {
+            job.clone()
+        } else if what.starts_with("GET /api/v1/namespaces/ns/pods") {
+            json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []})
+        } else if what.ends_with("/agentruns/r1/status") {
+            let mut reply = serde_json::to_value(run).unwrap();
+            reply["status"] = body["status"].clone();
+            reply
+        } else if body.is_null() {
+            json!({})
+        } else {
+            body.clone()
+        };
+        send.send_response(
+            Response::builder()
+                .body(Body::from(serde_json::to_vec(&reply).unwrap()))
+                .unwrap(),
+        );
+        seen.push((what, body));
+    }
+}
+
+#[tokio::test]
+async fn a_job_of_the_steps_name_made_by_someone_else_is_never_taken_for_the_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, mut handle) = mocked(dir.path()).await;
+    let mut run = run();
+    let mut status = Value::Null;
+    // Start the run and create its first Job, recording the status sent.
+    for _ in 0..2 {
+        let sent = run.clone();
+        let server = tokio::spawn(async move {
+            let seen = answer_recording(&mut handle, &sent, &Value::Null).await;
+            (handle, seen)
+        });
+        super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+            .await
+            .unwrap();
+        let (h, seen) = server.await.unwrap();
+        handle = h;
+        if let Some((_, s)) = seen.iter().rev().find(|(w, _)| w.ends_with("/status")) {
+            status = s.clone();
+        }
+        run = with_status(run, &status);
+    }
+    assert_eq!(status["status"]["step"]["job"], "r1-951103-s1-a1");
+
+    // A Job of that name, Complete, controlled by another run (or by nobody).
+    for owner in [
+        json!([{"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+                          "name": "r1", "uid": "uid-of-another-r1", "controller": true}]),
+        json!(null),
+    ] {
+        let foreign = json!({"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "r1-951103-s1-a1", "namespace": "ns", "ownerReferences": owner},
+            "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}});
+        let sent = run.clone();
+        let server = tokio::spawn(async move {
+            let seen = answer_recording(&mut handle, &sent, &foreign).await;
+            (handle, seen)
+        });
+        super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+            .await
+            .unwrap();
+        let (h, seen) = server.await.unwrap();
+        handle = h;
+        let created: Vec<&Value> = seen
+            .iter()
+            .filter(|(w, _)| w == "POST /apis/batch/v1/namespaces/ns/jobs")
+            .map(|(_, b)| b)
+            .collect();
+        assert_eq!(created.len(), 1, "the run takes its next attempt: {seen:?}");
+        assert_eq!(created[0]["metadata"]["name"], "r1-951103-s1-a2");
+        // Taken for the run's, a Complete Job that recorded nothing would
+        // count against the retry budget; a Job that is not the run's is
+        // lost to it, which never counts (`stalled`).
+        let st = seen
+            .iter()
+            .rev()
+            .find(|(w, _)| w.ends_with("/status"))
+            .map(|(_, s)| s.clone())
+            .expect("a status write");
+        assert_eq!(st["status"]["step"]["job"], "r1-951103-s1-a2");
+        let stalled = st["status"]["step"]["stalled"].as_u64().unwrap_or(0);
+        assert_eq!(stalled, 0, "{st}");
+    }
 }

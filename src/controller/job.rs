@@ -71,9 +71,13 @@ pub struct JobSettings {
 }
 
 /// Deterministic Job name: creating it twice is harmless, and a retry of the
-/// same step is a different attempt.
+/// same step is a different attempt. It carries a hash of the run's uid, so a
+/// run deleted and created again under its name never meets the Jobs of the
+/// one before (left behind by an orphaning delete, or not yet collected).
 pub fn job_name(run: &AgentRun, seq: u64, attempt: u32) -> String {
-    let suffix = format!("-s{seq}-a{attempt}");
+    let uid = run.uid().unwrap_or_default();
+    let of_run = hex::encode(&Sha256::digest(uid.as_bytes())[..3]);
+    let suffix = format!("-{of_run}-s{seq}-a{attempt}");
     let name = run.name_any();
     if name.len() + suffix.len() <= 63 {
         return format!("{name}{suffix}");
@@ -300,8 +304,16 @@ mod tests {
     #[test]
     fn names_are_deterministic_short_and_distinct_per_attempt() {
         let r = run("refund-order-1042");
-        assert_eq!(job_name(&r, 7, 1), "refund-order-1042-s7-a1");
+        let of_run = hex::encode(&Sha256::digest(r.uid().unwrap().as_bytes())[..3]);
+        assert_eq!(
+            job_name(&r, 7, 1),
+            format!("refund-order-1042-{of_run}-s7-a1")
+        );
         assert_ne!(job_name(&r, 7, 1), job_name(&r, 7, 2));
+        // A run created again under the same name has Jobs of its own.
+        let mut again = run("refund-order-1042");
+        again.metadata.uid = Some("another-uid".into());
+        assert_ne!(job_name(&r, 7, 1), job_name(&again, 7, 1));
         let long = run(&"x".repeat(200));
         let n = job_name(&long, 123456, 3);
         assert!(n.len() <= 63 && n.ends_with("-s123456-a3"), "{n}");

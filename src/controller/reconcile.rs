@@ -855,8 +855,21 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
             what: "step Job",
             source,
         })?;
-    ctx.metrics
-        .observe_job(&run.uid().unwrap_or_default(), job.as_ref());
+    let uid = run.uid().unwrap_or_default();
+    // A Job of that name that this run does not control was made by someone
+    // else: it is no Job of the run's, and its state is never acted on (the
+    // run takes its next attempt under another name).
+    let job = job.filter(|j| {
+        let ours = j
+            .owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && o.uid == uid);
+        if !ours {
+            tracing::warn!(job = %name, "a Job of the step's name is not this run's; ignored");
+        }
+        ours
+    });
+    ctx.metrics.observe_job(&uid, job.as_ref());
     let ended_at = job.as_ref().and_then(|j| j.status.as_ref()).and_then(|s| {
         let failed = s
             .conditions
