@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and etcd
-# from their Go modules, once per version, into ~/.cache/agentrun/.
+# from their Go modules, once per version, into ~/.cache/agentrun/; with
+# `node`, kubelet and kube-proxy too (for e2e/cluster up --node=real).
 # k8s.io/kubernetes cannot be `go install`ed: its go.mod replaces the staging
 # modules with local paths, so we build it from our own main module that
 # replaces each staging module with its published v0.Y.Z tag.
@@ -16,12 +17,24 @@ export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 log() { printf '[build] %s\n' "$*" >&2; }
 
 build_kubernetes() {
-  local cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl) missing=0
+  build_k8s_cmds "kubernetes-$K8S_VERSION" kube-apiserver kube-controller-manager kube-scheduler kubectl
+}
+
+# `node`: the binaries of a real node (e2e/cluster up --node=real), from a
+# build module of their own so the control plane's module and cache check
+# stay as they are.
+build_node_binaries() {
+  build_k8s_cmds "kubernetes-$K8S_VERSION-node" kubelet kube-proxy
+}
+
+build_k8s_cmds() { # build-module-name cmd...
+  local modname=$1; shift
+  local cmds=("$@") missing=0
   for c in "${cmds[@]}"; do [ -x "$K8S_BIN/$c" ] || missing=1; done
-  if [ "$missing" = 0 ]; then log "kubernetes $K8S_VERSION cached in $K8S_BIN"; return; fi
+  if [ "$missing" = 0 ]; then log "kubernetes $K8S_VERSION (${cmds[*]}) cached in $K8S_BIN"; return; fi
 
   command -v go >/dev/null || { log "error: go is required to build the control plane"; exit 1; }
-  local mod="$CACHE/build/kubernetes-$K8S_VERSION" staging_tag
+  local mod="$CACHE/build/$modname" staging_tag
   staging_tag="v0.${K8S_VERSION#v1.}"
   mkdir -p "$mod" "$K8S_BIN"
   log "resolving k8s.io/kubernetes@$K8S_VERSION"
@@ -111,6 +124,7 @@ case "${1:-all}" in
   kubernetes) build_kubernetes ;;
   etcd) build_etcd ;;
   all) build_etcd; build_kubernetes ;;
+  node) build_node_binaries ;;
   paths) echo "K8S_BIN=$K8S_BIN"; echo "ETCD_BIN=$ETCD_BIN" ;;
-  *) echo "usage: $0 [all|kubernetes|etcd|paths]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|kubernetes|etcd|node|paths]" >&2; exit 2 ;;
 esac
