@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use agentrun::controller::metrics;
 
 mod common;
-use common::scripts::helm_run;
+use common::scripts::{helm_lint, helm_run};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const DASHBOARD: &str = "charts/agentrun/dashboards/agentrun.json";
@@ -735,17 +735,8 @@ fn the_chart_ships_the_dashboard_only_when_enabled() {
     assert_eq!(meta["annotations"]["grafana_folder"], "agentrun");
 
     // lint --strict passes with it on.
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("values.json");
     let values = with_store(json!({"grafana": {"dashboard": {"enabled": true}}}));
-    std::fs::write(&file, values.to_string()).unwrap();
-    let (ok, stdout, stderr) = helm_run(&[
-        "lint",
-        "--strict",
-        "charts/agentrun",
-        "--values",
-        file.to_str().unwrap(),
-    ]);
+    let (ok, stdout, stderr) = helm_lint(&values);
     assert!(ok, "helm lint:\n{stdout}\n{stderr}");
 }
 

@@ -17,7 +17,7 @@ use serde::Deserialize as _;
 use serde_json::{Value, json};
 
 mod common;
-use common::scripts::{helm, helm_run, helm_tool};
+use common::scripts::{helm, helm_lint, helm_run, helm_tool};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -186,16 +186,7 @@ fn full_values() -> Value {
 #[test]
 fn helm_lint_passes_with_default_and_non_default_values() {
     for (what, values) in [("default", default_values()), ("full", full_values())] {
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("values.json");
-        std::fs::write(&file, values.to_string()).unwrap();
-        let (ok, stdout, stderr) = helm_run(&[
-            "lint",
-            "--strict",
-            "charts/agentrun",
-            "--values",
-            file.to_str().unwrap(),
-        ]);
+        let (ok, stdout, stderr) = helm_lint(&values);
         assert!(ok, "helm lint ({what} values):\n{stdout}\n{stderr}");
         assert!(stdout.contains("0 chart(s) failed"), "{stdout}");
     }

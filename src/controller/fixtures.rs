@@ -458,23 +458,34 @@ async fn answer_recording(
     }
 }
 
+/// One reconcile of `run` against [`answer_recording`].
+async fn reconcile_recorded(
+    ctx: &Arc<Context>,
+    mut handle: Handle,
+    run: &AgentRun,
+    job: Value,
+) -> (Handle, Vec<(String, Value)>) {
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        let seen = answer_recording(&mut handle, &sent, &job).await;
+        (handle, seen)
+    });
+    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+        .await
+        .unwrap();
+    server.await.unwrap()
+}
+
 #[tokio::test]
 async fn a_job_of_the_steps_name_made_by_someone_else_is_never_taken_for_the_runs() {
     let dir = tempfile::tempdir().unwrap();
     let (ctx, mut handle) = mocked(dir.path()).await;
     let mut run = run();
     let mut status = Value::Null;
+    // (`handle` goes to each reconcile's answering task and comes back.)
     // Start the run and create its first Job, recording the status sent.
     for _ in 0..2 {
-        let sent = run.clone();
-        let server = tokio::spawn(async move {
-            let seen = answer_recording(&mut handle, &sent, &Value::Null).await;
-            (handle, seen)
-        });
-        super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
-            .await
-            .unwrap();
-        let (h, seen) = server.await.unwrap();
+        let (h, seen) = reconcile_recorded(&ctx, handle, &run, Value::Null).await;
         handle = h;
         if let Some((_, s)) = seen.iter().rev().find(|(w, _)| w.ends_with("/status")) {
             status = s.clone();
@@ -492,15 +503,7 @@ async fn a_job_of_the_steps_name_made_by_someone_else_is_never_taken_for_the_run
         let foreign = json!({"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": "r1-951103-s1-a1", "namespace": "ns", "ownerReferences": owner},
             "status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}});
-        let sent = run.clone();
-        let server = tokio::spawn(async move {
-            let seen = answer_recording(&mut handle, &sent, &foreign).await;
-            (handle, seen)
-        });
-        super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
-            .await
-            .unwrap();
-        let (h, seen) = server.await.unwrap();
+        let (h, seen) = reconcile_recorded(&ctx, handle, &run, foreign).await;
         handle = h;
         let created: Vec<&Value> = seen
             .iter()

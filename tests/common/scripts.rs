@@ -72,3 +72,17 @@ pub fn helm_run(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// `helm lint --strict charts/agentrun` with `values`: (success, stdout, stderr).
+pub fn helm_lint(values: &serde_json::Value) -> (bool, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("values.json");
+    std::fs::write(&file, values.to_string()).unwrap();
+    helm_run(&[
+        "lint",
+        "--strict",
+        "charts/agentrun",
+        "--values",
+        file.to_str().unwrap(),
+    ])
+}
