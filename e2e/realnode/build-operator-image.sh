@@ -1,0 +1,298 @@
+#!/usr/bin/env bash
+# Builds the operator image from the project's own Dockerfile without a
+# registry, for the real node of `e2e/cluster up --node=real`:
+#
+#   1. the two base images the Dockerfile's FROM lines name, made locally and
+#      cached (keyed by BASES_VERSION and, for the toolchain, the rustc
+#      version): the runtime base (`debian:bookworm-slim`: a Debian bookworm
+#      minbase root filesystem from debootstrap) and the build image
+#      (`rust:1.95-bookworm`: debootstrap minbase plus gcc, libc6-dev and
+#      ca-certificates, plus a copy of this machine's Rust toolchain);
+#   2. `buildah bud --pull=never --layers` of the Dockerfile, unchanged, into
+#      $IMAGE (agentrun:dev): buildah's layer cache makes an unchanged tree a
+#      cache hit and a changed one a rebuild; cargo's registry is a private
+#      copy of ~/.cargo/registry mounted at the image's CARGO_HOME/registry
+#      (cargo fetches what it lacks from the crate registry);
+#   3. an OCI archive of it (named docker.io/library/agentrun:dev, what the
+#      kubelet asks for when a pod names `agentrun:dev`), imported into the
+#      real node's containerd when that is running, and tagged there with the
+#      crate version too (the chart's default tag).
+#
+#   e2e/realnode/build-operator-image.sh [build]  all of the above
+#   e2e/realnode/build-operator-image.sh bases    only the base images
+#   e2e/realnode/build-operator-image.sh verify   run the built binary in the image
+#   e2e/realnode/build-operator-image.sh import   import the archive into the node
+#   e2e/realnode/build-operator-image.sh paths    shell assignments: archive, names
+#
+# buildah runs as root with the vfs driver and a storage root of its own under
+# the cache dir (not the one of images.sh), so nothing is written to the
+# machine's container storage. The Debian mirror comes from the machine's apt
+# sources. Every wait is bounded (timeout).
+set -euo pipefail
+
+E2E=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$E2E/.." && pwd)
+CACHE="${AGENTRUN_CACHE:-$HOME/.cache/agentrun}"
+DIR="$CACHE/realnode-images"
+WORK="$DIR/operator"
+BASES_VERSION=1  # bump when what the base images contain changes
+IMAGE="${AGENTRUN_OPERATOR_IMAGE:-agentrun:dev}"
+# What a pod naming $IMAGE resolves to in containerd (docker.io/library/...).
+case "${IMAGE%%/*}" in
+  *.*|*:*/*|localhost) FULL_IMAGE=$IMAGE ;;
+  *) if [[ $IMAGE == */* ]]; then FULL_IMAGE="docker.io/$IMAGE"; else FULL_IMAGE="docker.io/library/$IMAGE"; fi ;;
+esac
+ARCHIVE="$DIR/$(echo "${IMAGE}" | tr '/:' '__').oci.tar"
+CRATE_VERSION=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)
+# The real node's containerd (as in e2e/realnode/node.sh).
+STATE="${AGENTRUN_CLUSTER_DIR:-${AGENTRUN_STATE_DIR:-/tmp/agentrun-state}/cluster}"
+CONTAINERD_SOCK="${AGENTRUN_CONTAINERD_SOCK:-$STATE/realnode/containerd/containerd.sock}"
+BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-3600}"  # a cold release build on 2 cores: minutes
+
+log() { printf '[operator-image] %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+BUILDAH=(buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs)
+bah() { buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs "$@"; }
+
+TIMINGS=()
+timed() { # label command...
+  local label=$1 t0=$SECONDS; shift
+  "$@"
+  TIMINGS+=("$(printf '%-40s %4d s' "$label" $((SECONDS - t0)))")
+}
+print_timings() {
+  [ ${#TIMINGS[@]} -gt 0 ] || return 0
+  log "timings:"; local t; for t in "${TIMINGS[@]}"; do log "  $t"; done
+}
+
+# The Dockerfile's FROM images: the first stage's (the toolchain) and the last's.
+from_images() { grep -iE '^[[:space:]]*FROM[[:space:]]' "$ROOT/Dockerfile" | awk '{
+  for (i = 2; i <= NF; i++) if ($i !~ /^--/) { print $i; break } }'; }
+BUILD_BASE=$(from_images | head -1)
+RUNTIME_BASE=$(from_images | tail -1)
+case "$BUILD_BASE" in rust:*-bookworm) ;; *) die "the Dockerfile's build stage is FROM $BUILD_BASE, not rust:VERSION-bookworm" ;; esac
+case "$RUNTIME_BASE" in debian:bookworm*) ;; *) die "the Dockerfile's final stage is FROM $RUNTIME_BASE, not debian:bookworm*" ;; esac
+RUST_WANT=${BUILD_BASE#rust:}; RUST_WANT=${RUST_WANT%-bookworm}  # 1.95
+
+deps() {
+  local need=()
+  command -v buildah >/dev/null || need+=(buildah)
+  command -v debootstrap >/dev/null || need+=(debootstrap)
+  [ ${#need[@]} -eq 0 ] && return 0
+  [ "$(id -u)" -eq 0 ] || die "needs ${need[*]} (install them, or run as root)"
+  log "installing ${need[*]}"
+  DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+}
+
+# The Debian mirror of this machine's apt sources (deb822 .sources or
+# one-line .list), the first one serving bookworm itself (not -security).
+mirror() {
+  [ -n "${AGENTRUN_DEBIAN_MIRROR:-}" ] && { echo "$AGENTRUN_DEBIAN_MIRROR"; return; }
+  local f m
+  for f in /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    m=$(awk 'BEGIN { RS = ""; FS = "\n" } {
+        uris = ""; suites = ""; types = ""
+        for (i = 1; i <= NF; i++) {
+          if ($i ~ /^URIs:/) { uris = $i; sub(/^URIs:[ \t]*/, "", uris) }
+          if ($i ~ /^Suites:/) { suites = " " $i " "; sub(/^ Suites:/, "", suites) }
+          if ($i ~ /^Types:/) types = $i
+        }
+        if (types ~ /[ \t]deb([ \t]|$)/ && suites ~ /[ \t]bookworm[ \t]/) { split(uris, u, /[ \t]+/); print u[1]; exit }
+      }' "$f")
+    [ -n "$m" ] && { echo "$m"; return; }
+  done
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list; do
+    [ -f "$f" ] || continue
+    m=$(awk '$1 == "deb" { i = 2; if ($2 ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+        if ($(i + 1) == "bookworm") { print $i; exit } }' "$f")
+    [ -n "$m" ] && { echo "$m"; return; }
+  done
+  die "no Debian bookworm mirror in /etc/apt/sources.list{,.d/} (set AGENTRUN_DEBIAN_MIRROR)"
+}
+
+# The host toolchain matching the Dockerfile's rust:VERSION tag.
+toolchain() {
+  local home="${RUSTUP_HOME:-$HOME/.rustup}" t v
+  for t in "$home"/toolchains/"$RUST_WANT"*-x86_64-unknown-linux-gnu "$home"/toolchains/stable-x86_64-unknown-linux-gnu \
+    "$(timeout 30 rustc --print sysroot 2>/dev/null || true)"; do
+    [ -x "$t/bin/rustc" ] && [ -x "$t/bin/cargo" ] || continue
+    v=$(timeout 30 "$t/bin/rustc" --version 2>/dev/null) || continue
+    case "$v" in "rustc $RUST_WANT."*) readlink -f "$t"; return ;; esac
+  done
+  die "no Rust $RUST_WANT toolchain under $home/toolchains (the Dockerfile builds FROM $BUILD_BASE)"
+}
+
+image_size() { bah images --noheading --format '{{.Size}}' "$1" 2>/dev/null | head -1; }
+image_exists() { bah inspect --type image "$1" >/dev/null 2>&1; }
+
+CLEANUP=()
+cleanup() { local c; for c in "${CLEANUP[@]}"; do eval "$c" || true; done; }
+trap cleanup EXIT
+
+# debootstrap_image NAME KEY-TAG INCLUDE [toolchain-dir]: a bookworm minbase
+# root filesystem (plus INCLUDE packages and the toolchain), committed as NAME.
+debootstrap_image() {
+  local name=$1 key=$2 include=$3 tc=${4:-} ctr mnt m t0
+  if image_exists "$key"; then
+    log "$name cached ($key)"
+    bah tag "$key" "$name"
+    return
+  fi
+  m=$(mirror)
+  mkdir -p "$WORK/debs"
+  ctr=$(bah from --name "agentrun-base-$$-$RANDOM" scratch)
+  CLEANUP+=("bah rm $ctr >/dev/null 2>&1")
+  mnt=$(bah mount "$ctr")
+  # debootstrap mounts /proc and /sys in the target; never leave them behind.
+  CLEANUP+=("umount -l $mnt/proc $mnt/sys $mnt/dev/pts 2>/dev/null")
+  log "debootstrap bookworm ($name${include:+, with $include}) from $m"
+  t0=$SECONDS
+  timeout 1200 nice -n 19 ionice -c3 debootstrap --variant=minbase --cache-dir="$WORK/debs" \
+    ${include:+--include="$include"} bookworm "$mnt" "$m" >"$WORK/debootstrap.log" 2>&1 ||
+    { tail -20 "$WORK/debootstrap.log" >&2; die "debootstrap failed (log: $WORK/debootstrap.log)"; }
+  TIMINGS+=("$(printf '%-40s %4d s' "debootstrap ($name)" $((SECONDS - t0)))")
+  # As slim as debian:*-slim: no package lists, downloaded packages, docs or
+  # man pages; /dev is the runtime's.
+  rm -rf "$mnt"/var/lib/apt/lists/* "$mnt"/var/cache/apt/*.bin "$mnt"/var/cache/apt/archives/*.deb \
+    "$mnt"/usr/share/doc/* "$mnt"/usr/share/man/* "$mnt"/usr/share/info/* "$mnt"/var/log/*.log \
+    "$mnt"/var/log/apt/* "$mnt"/dev/*
+  local path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+  if [ -n "$tc" ]; then
+    # The official rust image's layout: RUSTUP_HOME=/usr/local/rustup,
+    # CARGO_HOME=/usr/local/cargo (no rustup itself: the one toolchain is on PATH).
+    local tname rv
+    tname=$(basename "$tc")
+    [[ $tname == *-x86_64-unknown-linux-gnu ]] || tname="$RUST_WANT-x86_64-unknown-linux-gnu"
+    rv=$("$tc/bin/rustc" --version | awk '{print $2}')
+    [[ $tname == stable-* ]] && tname="$rv-x86_64-unknown-linux-gnu"
+    mkdir -p "$mnt/usr/local/rustup/toolchains/$tname" "$mnt/usr/local/cargo/bin"
+    # Everything but the documentation (share/doc is most of the toolchain).
+    tar -C "$tc" --exclude=./share/doc -cf - . | tar -C "$mnt/usr/local/rustup/toolchains/$tname" -xf -
+    path="/usr/local/cargo/bin:/usr/local/rustup/toolchains/$tname/bin:$path"
+    bah config --env RUSTUP_HOME=/usr/local/rustup --env CARGO_HOME=/usr/local/cargo \
+      --env RUST_VERSION="$rv" "$ctr"
+  fi
+  bah config --env PATH="$path" --workingdir / --cmd '["bash"]' --os linux --arch amd64 \
+    --created-by "e2e/realnode/build-operator-image.sh (debootstrap minbase bookworm)" "$ctr"
+  bah umount "$ctr" >/dev/null
+  bah commit --quiet --rm "$ctr" "$key" >/dev/null
+  bah tag "$key" "$name"
+  log "built $name ($key): $(image_size "$key")"
+}
+
+bases() {
+  mkdir -p "$WORK"
+  timed "runtime base $RUNTIME_BASE" debootstrap_image "$RUNTIME_BASE" \
+    "localhost/agentrun/base-runtime:bookworm-$BASES_VERSION" ""
+  local tc rv
+  tc=$(toolchain)
+  rv=$("$tc/bin/rustc" --version | awk '{print $2 "-" substr($3, 2)}')  # 1.95.0-59807616e
+  timed "build image $BUILD_BASE" debootstrap_image "$BUILD_BASE" \
+    "localhost/agentrun/base-build:bookworm-$BASES_VERSION-rust-$rv" "gcc,libc6-dev,ca-certificates" "$tc"
+}
+
+# A private copy of the host's cargo registry (index and .crate files), the
+# build stage's $CARGO_HOME/registry; cargo adds what it lacks.
+registry() {
+  local reg="$WORK/cargo-registry" src="${CARGO_HOME:-$HOME/.cargo}/registry"
+  [ -d "$reg" ] && return
+  mkdir -p "$reg.tmp"
+  [ -d "$src/index" ] && cp -a "$src/index" "$reg.tmp/"
+  [ -d "$src/cache" ] && cp -a "$src/cache" "$reg.tmp/"
+  mv "$reg.tmp" "$reg"
+}
+
+operator() {
+  timed "cargo registry copy" registry
+  local t0=$SECONDS
+  log "buildah bud $ROOT/Dockerfile -> $IMAGE (a cold release build takes minutes)"
+  timeout "$BUILD_TIMEOUT" nice -n 19 ionice -c3 \
+    buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs \
+    bud --pull=never --layers --network host --isolation oci \
+      --volume "$WORK/cargo-registry:/usr/local/cargo/registry" \
+      --file "$ROOT/Dockerfile" --tag "$IMAGE" "$ROOT" >"$WORK/bud.log" 2>&1 ||
+    { tail -30 "$WORK/bud.log" >&2; die "buildah bud failed (log: $WORK/bud.log)"; }
+  TIMINGS+=("$(printf '%-40s %4d s' "buildah bud $IMAGE" $((SECONDS - t0)))")
+  log "$(grep -c 'Using cache' "$WORK/bud.log" || true) build steps from buildah's layer cache"
+  # No `rmi --prune` here: the untagged intermediate images ARE buildah's
+  # layer cache (pruning them made every build a cold one).
+  log "$IMAGE: $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE" | cut -c1-12)," \
+    "$(image_size "$IMAGE")"
+}
+
+export_archive() {
+  local id
+  id=$(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE")
+  if [ -f "$ARCHIVE" ] && [ "$(cat "$ARCHIVE.id" 2>/dev/null)" = "$id" ]; then
+    log "$ARCHIVE is up to date"; return
+  fi
+  rm -f "$ARCHIVE.tmp"
+  timeout 600 nice -n 19 ionice -c3 \
+    buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs \
+    push --quiet "$IMAGE" "oci-archive:$ARCHIVE.tmp:$FULL_IMAGE"
+  mv "$ARCHIVE.tmp" "$ARCHIVE"
+  echo "$id" >"$ARCHIVE.id"
+  log "exported $FULL_IMAGE to $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
+}
+
+nctr() { timeout 300 ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+
+import() {
+  if [ ! -S "$CONTAINERD_SOCK" ] || ! timeout 10 ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; then
+    log "the real node's containerd ($CONTAINERD_SOCK) is not running: not imported"
+    return
+  fi
+  [ -f "$ARCHIVE" ] || die "$ARCHIVE missing: run $0 build"
+  nctr images import "$ARCHIVE" >/dev/null
+  local full_version="${FULL_IMAGE%:*}:$CRATE_VERSION"
+  [ "$full_version" = "$FULL_IMAGE" ] || nctr images tag --force "$FULL_IMAGE" "$full_version" >/dev/null
+  log "imported $FULL_IMAGE (and $full_version) into $CONTAINERD_SOCK"
+}
+
+# The binary runs in the image, as the image's (non-root) user.
+verify() {
+  local ctr out
+  ctr=$(bah from --pull=never --name "agentrun-verify-$$-$RANDOM" "$IMAGE")
+  CLEANUP+=("bah rm $ctr >/dev/null 2>&1")
+  log "image user: $(bah inspect --type image --format '{{.OCIv1.Config.User}}' "$IMAGE"), entrypoint:" \
+    "$(bah inspect --type image --format '{{.OCIv1.Config.Entrypoint}}' "$IMAGE")"
+  out=$(timeout 60 "${BUILDAH[@]}" run --isolation oci "$ctr" -- /usr/local/bin/agentrun --help) ||
+    die "agentrun --help failed in $IMAGE"
+  log "agentrun --help: $(echo "$out" | head -1)"
+  out=$(timeout 60 "${BUILDAH[@]}" run --isolation oci "$ctr" -- /usr/local/bin/agentrun crds) ||
+    die "agentrun crds failed in $IMAGE"
+  log "agentrun crds: $(echo "$out" | grep -c '^kind:') objects"
+  timeout 60 "${BUILDAH[@]}" run --isolation oci "$ctr" -- /usr/local/bin/kubectl-agentrun --help >/dev/null ||
+    die "kubectl-agentrun --help failed in $IMAGE"
+  bah rm "$ctr" >/dev/null
+}
+
+lock() {
+  mkdir -p "$WORK"
+  exec 9>"$WORK/lock"
+  flock -w "${AGENTRUN_IMAGE_LOCK_WAIT:-1800}" 9 || die "another build holds $WORK/lock"
+}
+
+case "${1:-build}" in
+  build)
+    [ "$(id -u)" -eq 0 ] || die "buildah with a private vfs root and debootstrap run as root"
+    lock; T0=$SECONDS
+    deps
+    bases
+    timed "operator image $IMAGE" operator
+    timed "OCI archive" export_archive
+    timed "import into the real node" import
+    TIMINGS+=("$(printf '%-40s %4d s' total $((SECONDS - T0)))")
+    print_timings
+    echo "$ARCHIVE" ;;
+  bases) lock; deps; bases; print_timings ;;
+  verify) timed verify verify; print_timings ;;
+  import) timed import import; print_timings ;;
+  paths)
+    echo "OPERATOR_IMAGE=$IMAGE"; echo "OPERATOR_IMAGE_FULL=$FULL_IMAGE"
+    echo "OPERATOR_ARCHIVE=$ARCHIVE" ;;
+  *) echo "usage: $0 [build|bases|verify|import|paths]" >&2; exit 2 ;;
+esac
