@@ -1168,7 +1168,6 @@ fn report_run_span(run: &AgentRun, status: &crate::api::AgentRunStatus) {
         .as_ref()
         .map_or(name.as_str(), |a| a.name.as_str());
     let phase = status.phase.map(|p| format!("{p:?}")).unwrap_or_default();
-    let succeeded = status.phase == Some(crate::api::Phase::Succeeded);
     crate::telemetry::trace::report_finished_run(&crate::telemetry::trace::FinishedRun {
         uid: &run.uid().unwrap_or_default(),
         name: &name,
@@ -1176,7 +1175,7 @@ fn report_run_span(run: &AgentRun, status: &crate::api::AgentRunStatus) {
         agent,
         model: status.pinned.as_ref().map_or("", |p| p.model.as_str()),
         phase: &phase,
-        error: (!succeeded).then(|| status.error.as_deref().unwrap_or("the run did not succeed")),
+        failed: status.phase != Some(crate::api::Phase::Succeeded),
         started,
         finished,
         input_tokens: usage.input_tokens,

@@ -253,7 +253,9 @@ pub struct FinishedRun<'a> {
     pub agent: &'a str,
     pub model: &'a str,
     pub phase: &'a str,
-    pub error: Option<&'a str>,
+    /// Not Succeeded. The run's error text stays off the span: it may quote
+    /// an idempotency key (a call a human must reconcile).
+    pub failed: bool,
     pub started: SystemTime,
     pub finished: SystemTime,
     pub input_tokens: u64,
@@ -280,7 +282,7 @@ pub fn report_finished_run(run: &FinishedRun<'_>) {
         KeyValue::new("agentrun.run.phase", run.phase.to_string()),
         KeyValue::new("agentrun.log.records", run.steps as i64),
     ];
-    if run.error.is_some() {
+    if run.failed {
         attributes.push(KeyValue::new("error.type", run.phase.to_string()));
     }
     let builder = tracer
@@ -291,8 +293,8 @@ pub fn report_finished_run(run: &FinishedRun<'_>) {
     let mut span = RunIds::with_root(run.uid, || {
         builder.start_with_context(&tracer, &Context::new())
     });
-    if let Some(error) = run.error {
-        span.set_status(Status::error(error.to_string()));
+    if run.failed {
+        span.set_status(Status::error(format!("the run ended {}", run.phase)));
     }
     span.end_with_timestamp(run.finished.max(run.started));
 }
