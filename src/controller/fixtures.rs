@@ -526,3 +526,90 @@ async fn a_job_of_the_steps_name_made_by_someone_else_is_never_taken_for_the_run
         assert_eq!(stalled, 0, "{st}");
     }
 }
+
+/// A policy cache whose watches have listed `local` (and no cluster policy),
+/// with the writers that keep it ready.
+fn listed_policies(
+    local: Vec<crate::api::AgentPolicy>,
+) -> (
+    super::platform::PolicyCache,
+    impl Sized, // the writers
+) {
+    use kube::runtime::{reflector, watcher::Event};
+    let (cluster, mut cluster_writer) = reflector::store::<crate::api::ClusterAgentPolicy>();
+    let (local_store, mut local_writer) = reflector::store::<crate::api::AgentPolicy>();
+    cluster_writer.apply_watcher_event(&Event::Init);
+    cluster_writer.apply_watcher_event(&Event::InitDone);
+    local_writer.apply_watcher_event(&Event::Init);
+    for p in local {
+        local_writer.apply_watcher_event(&Event::InitApply(p));
+    }
+    local_writer.apply_watcher_event(&Event::InitDone);
+    let cache = super::platform::PolicyCache {
+        cluster,
+        local: local_store,
+    };
+    (cache, (cluster_writer, local_writer))
+}
+
+/// A policy created together with its run can reach the controller's watch
+/// after the run: a refusal by the cache is checked against the API server
+/// before it ends the run, which then starts.
+#[tokio::test]
+async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let mut ctx = context(kube::Client::new(service, "ns"), dir.path()).await;
+    let (cache, _writers) = listed_policies(Vec::new());
+    ctx.policy_cache = Some(cache);
+    let ctx = Arc::new(ctx);
+    let mut run = run();
+    run.spec.agent.as_mut().unwrap().model.secret_ref =
+        Some(serde_json::from_value(json!({"name": "model-key", "key": "apiKey"})).unwrap());
+
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
+            list("ClusterAgentPolicy"),
+        )
+        .await;
+        let mut policies = list("AgentPolicy");
+        policies["items"] = json!([{
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+            "metadata": {"name": "platform", "namespace": "ns"},
+            "spec": {"allowedSecrets": [{"name": "model-key"}]}
+        }]);
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+            policies,
+        )
+        .await;
+        let status = expect_status(&mut handle, &sent).await;
+        for reason in ["AgentResolved", "RunStarted"] {
+            let event = expect(
+                &mut handle,
+                "POST",
+                "/apis/events.k8s.io/v1/namespaces/ns/events",
+                Value::Null,
+            )
+            .await;
+            assert_eq!(event["reason"], reason);
+        }
+        expect_nothing_more(&mut handle).await;
+        status
+    });
+    super::reconcile::reconcile(Arc::new(run), ctx.clone())
+        .await
+        .unwrap();
+    let status = server.await.unwrap();
+    assert_ne!(status["status"]["phase"], "Failed", "{status}");
+    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(kinds, ["RunStarted"], "the run started, not concluded");
+}

@@ -338,10 +338,23 @@ async fn govern(
     ) {
         return Ok((act, template));
     }
+    let judge = |platform: &super::platform::Platform| {
+        let governed = platform.govern(&template);
+        let refused = platform
+            .refusal(run, &template)
+            .or_else(|| super::platform::Platform::unjudgeable(run, &governed));
+        (governed, refused)
+    };
     let platform = super::platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns).await?;
-    let refused = platform.refusal(run, &template);
-    let template = platform.govern(&template);
-    let refused = refused.or_else(|| super::platform::Platform::unjudgeable(run, &template));
+    let (mut governed, mut refused) = judge(&platform);
+    if refused.is_some() && ctx.policy_cache.is_some() {
+        // A refusal ends the run for good, and the watch cache may not have
+        // seen a policy created together with the run yet: the API server's
+        // own policies decide it.
+        let platform = super::platform::read(&ctx.client, None, ns).await?;
+        (governed, refused) = judge(&platform);
+    }
+    let template = governed;
     let failed = |result, reason| RunFinished {
         outcome: crate::runlog::records::Outcome::Failed,
         result,
