@@ -3,12 +3,21 @@
 # wait_for/client_cert/kc/log/die): containerd (Debian package, private root,
 # state and socket under $STATE/realnode), runc, a CNI bridge with host-local
 # IPAM, and a kubelet built from the k8s.io/kubernetes module, registered as
-# node agentrun-real with the bridge's address as its node IP.
+# node agentrun-real with the bridge's address as its node IP; kube-proxy
+# (iptables mode) for Services, and CoreDNS (e2e/build-coredns.sh) on the
+# node IP as the cluster DNS (cluster.local). The API server listens on all
+# addresses and advertises the node IP, so the `kubernetes` Service
+# (10.0.0.1:443) leads pods to it; an iptables rule of ours drops its port
+# on every interface but loopback and the bridge.
 #
 # What it changes on the machine outside $STATE, all undone by realnode_down:
-# the bridge interface ($REAL_BRIDGE), net.ipv4.ip_forward (the bridge plugin
-# turns it on; restored), the kubelet's kubepods cgroups (removed when
-# empty) and its /var/log/containers symlinks (removed).
+# the bridge interface ($REAL_BRIDGE), the sysctls in REALNODE_SYSCTLS (the
+# bridge plugin turns on ip_forward, we turn on bridge-nf-call-iptables so
+# replies between pods on the bridge pass kube-proxy's NAT; the others are
+# recorded in case kube-proxy touches them; all restored), kube-proxy's
+# iptables chains (`kube-proxy --cleanup`) and our guard chain
+# ($API_GUARD_CHAIN), the kubelet's kubepods cgroups (removed when empty) and
+# its /var/log/containers symlinks (removed).
 
 REAL_NODE_NAME=agentrun-real
 RN="$STATE/realnode"
@@ -16,14 +25,29 @@ REAL_BRIDGE="${AGENTRUN_REALNODE_BRIDGE:-agentrun0}"
 # The bridge's own address (the first of the subnet) is the pods' gateway and
 # the node IP; pods get addresses from the eleventh on.
 REAL_SUBNET=10.88.0.0/16 REAL_NODE_IP=10.88.0.1 REAL_RANGE_START=10.88.0.10
-if [ -n "${AGENTRUN_REALNODE_SUBNET:-}" ]; then
-  REAL_SUBNET=$AGENTRUN_REALNODE_SUBNET
+# AGENTRUN_REALNODE_SUBNET picks another (the default is podman's too: a
+# cni-podman0 bridge left by buildah or podman holds 10.88.0.1). A running
+# node's subnet is recorded in its state, so down/status/env follow it.
+SUBNET_WANTED=${AGENTRUN_REALNODE_SUBNET:-}
+[ -f "$STATE/realnode/subnet" ] && SUBNET_WANTED=$(cat "$STATE/realnode/subnet")
+if [ -n "$SUBNET_WANTED" ]; then
+  REAL_SUBNET=$SUBNET_WANTED
   REAL_NODE_IP=$(python3 -c 'import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[1])' "$REAL_SUBNET")
   REAL_RANGE_START=$(python3 -c 'import ipaddress,sys; print(ipaddress.ip_network(sys.argv[1])[10])' "$REAL_SUBNET")
 fi
 REAL_PREFIX="${REAL_SUBNET#*/}"
 KUBELET_PORT="${AGENTRUN_KUBELET_PORT:-10350}"
 KUBELET_HEALTHZ_PORT="${AGENTRUN_KUBELET_HEALTHZ_PORT:-10348}"
+# Loopback only, away from the defaults (10249, 10256, 8080, 8181).
+KUBE_PROXY_HEALTHZ_PORT="${AGENTRUN_KUBE_PROXY_HEALTHZ_PORT:-10346}"
+KUBE_PROXY_METRICS_PORT="${AGENTRUN_KUBE_PROXY_METRICS_PORT:-10347}"
+COREDNS_HEALTH_PORT="${AGENTRUN_COREDNS_HEALTH_PORT:-10344}"
+COREDNS_READY_PORT="${AGENTRUN_COREDNS_READY_PORT:-10345}"
+CLUSTER_DOMAIN=cluster.local
+API_GUARD_CHAIN=AGENTRUN-APISERVER
+REALNODE_SYSCTLS=(net/ipv4/ip_forward net/bridge/bridge-nf-call-iptables net/bridge/bridge-nf-call-ip6tables
+  net/ipv4/conf/all/route_localnet net/netfilter/nf_conntrack_max
+  net/netfilter/nf_conntrack_tcp_timeout_established net/netfilter/nf_conntrack_tcp_timeout_close_wait)
 CONTAINERD_SOCK="$RN/containerd/containerd.sock"
 REALNODE_CONF="$HERE/realnode"
 eval "$("$REALNODE_CONF/images.sh" paths)"  # PAUSE_IMAGE PAUSE_ARCHIVE TEST_IMAGE TEST_ARCHIVE
@@ -40,6 +64,7 @@ realnode_deps() {
   command -v buildah >/dev/null || need+=(buildah)
   [ -x /bin/busybox ] || need+=(busybox-static)
   command -v ip >/dev/null || need+=(iproute2)
+  command -v iptables >/dev/null || need+=(iptables)
   [ ${#need[@]} -eq 0 ] && return 0
   [ "$(id -u)" -eq 0 ] || die "the real node needs ${need[*]} (install them, or run as root)"
   log "installing ${need[*]}"
@@ -52,12 +77,16 @@ realnode_prepare() {
   stage "Debian packages of the real node" realnode_deps
   stage "kubelet and kube-proxy $K8S_BIN" "$HERE/build-control-plane.sh" node
   stage "the real node's images (pause, busybox)" "$REALNODE_CONF/images.sh" build
+  stage "CoreDNS $("$HERE/build-coredns.sh" bin)" "$HERE/build-coredns.sh" build
 }
 
 # The API server reaches the kubelet at its node IP, checks its serving
 # certificate against the cluster CA, and authenticates with a client
 # certificate the kubelet's Webhook authorization allows (system:masters).
+# It listens on all addresses (guarded: realnode_api_guard) and advertises
+# the node IP, whose endpoint it keeps in the `kubernetes` Service.
 REALNODE_APISERVER_FLAGS=(
+  --bind-address 0.0.0.0 --advertise-address "$REAL_NODE_IP" --endpoint-reconciler-type lease
   --kubelet-preferred-address-types InternalIP
   --kubelet-certificate-authority "$PKI/ca.crt"
   --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt"
@@ -67,6 +96,8 @@ REALNODE_APISERVER_FLAGS=(
 realnode_pki() {
   client_cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters
   client_cert kubelet-client "system:node:$REAL_NODE_NAME" system:nodes
+  client_cert kube-proxy system:kube-proxy
+  client_cert coredns agentrun-e2e:coredns
   [ -f "$PKI/kubelet-serving.crt" ] && return
   openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/kubelet-serving.key" \
     -subj "/O=system:nodes/CN=system:node:$REAL_NODE_NAME" -out "$PKI/kubelet-serving.csr" 2>/dev/null
@@ -80,7 +111,75 @@ render() { # template output
     -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@BRIDGE@|$REAL_BRIDGE|g" -e "s|@SUBNET@|$REAL_SUBNET|g" \
     -e "s|@GATEWAY@|$REAL_NODE_IP|g" -e "s|@RANGE_START@|$REAL_RANGE_START|g" \
     -e "s|@NODE_IP@|$REAL_NODE_IP|g" -e "s|@PORT@|$KUBELET_PORT|g" \
-    -e "s|@HEALTHZ_PORT@|$KUBELET_HEALTHZ_PORT|g" "$1" >"$2"
+    -e "s|@HEALTHZ_PORT@|$KUBELET_HEALTHZ_PORT|g" -e "s|@CLUSTER_DOMAIN@|$CLUSTER_DOMAIN|g" \
+    -e "s|@DNS_HEALTH_PORT@|$COREDNS_HEALTH_PORT|g" -e "s|@DNS_READY_PORT@|$COREDNS_READY_PORT|g" "$1" >"$2"
+}
+
+# --- sysctls ---------------------------------------------------------------------
+
+# The values before the first `up` (kept across a second `up`), restored by down.
+realnode_sysctls_save() {
+  local s
+  [ -f "$RN/sysctl.orig" ] && return
+  for s in "${REALNODE_SYSCTLS[@]}"; do
+    [ -f "/proc/sys/$s" ] && printf '%s %s\n' "$s" "$(cat "/proc/sys/$s")"
+  done >"$RN/sysctl.orig.tmp"
+  mv "$RN/sysctl.orig.tmp" "$RN/sysctl.orig"
+}
+
+realnode_sysctls_restore() {
+  local s v rc=0
+  [ -f "$RN/sysctl.orig" ] || return 0
+  while read -r s v; do
+    [ "$(cat "/proc/sys/$s" 2>/dev/null)" = "$v" ] && continue
+    printf '%s\n' "$v" >"/proc/sys/$s" 2>/dev/null || { log "error: could not restore $s to $v"; rc=1; }
+  done <"$RN/sysctl.orig"
+  return $rc
+}
+
+# --- the API server's guard ------------------------------------------------------
+
+# The API server listens on all addresses; its port answers only on loopback
+# and, for the pods, on the node IP through the bridge.
+realnode_api_guard() {
+  local ipt
+  for ipt in iptables ip6tables; do
+    command -v "$ipt" >/dev/null || continue
+    "$ipt" -w -N "$API_GUARD_CHAIN" 2>/dev/null || "$ipt" -w -F "$API_GUARD_CHAIN"
+    "$ipt" -w -A "$API_GUARD_CHAIN" -i lo -j RETURN
+    if [ "$ipt" = iptables ]; then
+      "$ipt" -w -A "$API_GUARD_CHAIN" -i "$REAL_BRIDGE" -d "$REAL_NODE_IP" -j RETURN
+    fi
+    "$ipt" -w -A "$API_GUARD_CHAIN" -j DROP
+    "$ipt" -w -C INPUT -p tcp --dport "$API_PORT" -j "$API_GUARD_CHAIN" 2>/dev/null ||
+      "$ipt" -w -I INPUT -p tcp --dport "$API_PORT" -j "$API_GUARD_CHAIN"
+  done
+}
+
+realnode_api_unguard() {
+  local ipt
+  for ipt in iptables ip6tables; do
+    command -v "$ipt" >/dev/null || continue
+    "$ipt" -w -S "$API_GUARD_CHAIN" >/dev/null 2>&1 || continue
+    while "$ipt" -w -D INPUT -p tcp --dport "$API_PORT" -j "$API_GUARD_CHAIN" 2>/dev/null; do :; done
+    "$ipt" -w -F "$API_GUARD_CHAIN" && "$ipt" -w -X "$API_GUARD_CHAIN"
+  done
+}
+
+# Before the API server starts: the bridge (the node IP), the sysctls, the guard.
+realnode_net_up() {
+  mkdir -p "$RN"
+  echo "$REAL_SUBNET" >"$RN/subnet"
+  [ -f "$RN/kube-firewall-before" ] ||
+    { iptables-save; ip6tables-save; } 2>/dev/null | grep -c '^:KUBE-FIREWALL ' >"$RN/kube-firewall-before" || true
+  realnode_sysctls_save
+  realnode_bridge
+  if [ ! -f /proc/sys/net/bridge/bridge-nf-call-iptables ]; then
+    modprobe br_netfilter 2>/dev/null ||
+      die "the real node needs br_netfilter (net.bridge.bridge-nf-call-iptables) for Services between pods on one bridge"
+  fi
+  echo 1 >/proc/sys/net/bridge/bridge-nf-call-iptables
+  realnode_api_guard
 }
 
 # --- the bridge ----------------------------------------------------------------
@@ -103,7 +202,6 @@ PY
 
 realnode_bridge() {
   realnode_check_subnet
-  cat /proc/sys/net/ipv4/ip_forward >"$RN/ip_forward.orig"
   ip link show "$REAL_BRIDGE" >/dev/null 2>&1 || ip link add "$REAL_BRIDGE" type bridge
   ip -4 addr show dev "$REAL_BRIDGE" | grep -qF "inet $REAL_NODE_IP/" ||
     ip addr add "$REAL_NODE_IP/$REAL_PREFIX" dev "$REAL_BRIDGE"
@@ -129,8 +227,10 @@ realnode_start_containerd() {
   rctr images tag --force "$TEST_IMAGE" docker.io/library/busybox:1.36 >/dev/null
 }
 
-realnode_kubeconfig() {
-  cat >"$RN/kubelet.kubeconfig" <<EOF
+realnode_kubeconfig() { # name: $PKI/<name>.crt, the kubelet's kubelet-client.crt
+  local name=${1:-kubelet} cert
+  cert="$PKI/$name"; [ "$name" = kubelet ] && cert="$PKI/kubelet-client"
+  cat >"$RN/$name.kubeconfig" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
@@ -139,19 +239,20 @@ clusters:
     server: https://127.0.0.1:$API_PORT
     certificate-authority: $PKI/ca.crt
 users:
-- name: kubelet
+- name: $name
   user:
-    client-certificate: $PKI/kubelet-client.crt
-    client-key: $PKI/kubelet-client.key
+    client-certificate: $cert.crt
+    client-key: $cert.key
 contexts:
-- name: kubelet
-  context: {cluster: agentrun-e2e, user: kubelet}
-current-context: kubelet
+- name: $name
+  context: {cluster: agentrun-e2e, user: $name}
+current-context: $name
 EOF
 }
 
 # The API server runs RBAC only (no Node authorizer): the kubelet's identity
-# gets the system:node ClusterRole.
+# gets the system:node ClusterRole, kube-proxy's system:node-proxier, and
+# CoreDNS a role to read what its kubernetes plugin serves.
 realnode_rbac() {
   kc apply -f - >/dev/null <<EOF
 apiVersion: rbac.authorization.k8s.io/v1
@@ -161,7 +262,58 @@ metadata:
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:node"}
 subjects:
 - {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:node:$REAL_NODE_NAME"}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: agentrun-e2e:kube-proxy
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:node-proxier"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:kube-proxy"}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: agentrun-e2e:coredns
+rules:
+- {apiGroups: [""], resources: [services, namespaces, pods], verbs: [list, watch]}
+- {apiGroups: [discovery.k8s.io], resources: [endpointslices], verbs: [list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: agentrun-e2e:coredns
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "agentrun-e2e:coredns"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "agentrun-e2e:coredns"}
 EOF
+}
+
+realnode_start_kube_proxy() {
+  realnode_kubeconfig kube-proxy
+  # conntrack 0s/0: leave the machine's conntrack settings as they are; no
+  # localhost NodePorts (they need route_localnet); NodePorts on the node IP.
+  start kube-proxy "$K8S_BIN/kube-proxy" --kubeconfig "$RN/kube-proxy.kubeconfig" \
+    --hostname-override "$REAL_NODE_NAME" --cluster-cidr "$REAL_SUBNET" --proxy-mode iptables \
+    --healthz-bind-address "127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT" \
+    --metrics-bind-address "127.0.0.1:$KUBE_PROXY_METRICS_PORT" \
+    --conntrack-max-per-core 0 --conntrack-tcp-timeout-established 0 \
+    --conntrack-tcp-timeout-close-wait 0 --iptables-localhost-nodeports=false \
+    --nodeport-addresses primary --v=1
+}
+
+realnode_start_coredns() {
+  realnode_kubeconfig coredns
+  render "$REALNODE_CONF/Corefile" "$RN/Corefile"
+  start coredns "$("$HERE/build-coredns.sh" bin)" -conf "$RN/Corefile"
+}
+
+# After the node is Ready: kube-proxy has synced its rules, CoreDNS its caches.
+realnode_wait_services() {
+  wait_for "kube-proxy (healthz 127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT)" kube-proxy 60 \
+    curl -sf "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz"
+  wait_for "CoreDNS (ready 127.0.0.1:$COREDNS_READY_PORT)" coredns 60 \
+    curl -sf "http://127.0.0.1:$COREDNS_READY_PORT/ready"
 }
 
 realnode_start_kubelet() {
@@ -174,12 +326,13 @@ realnode_start_kubelet() {
     --node-labels agentrun.dev/node=real --v=1
 }
 
+# After realnode_net_up (e2e/cluster calls it before the API server starts).
 realnode_up() {
-  mkdir -p "$RN"
-  realnode_bridge
   realnode_start_containerd
   realnode_rbac
   realnode_start_kubelet
+  realnode_start_kube_proxy
+  realnode_start_coredns
 }
 
 # --- stop ----------------------------------------------------------------------
@@ -207,6 +360,8 @@ mounts_under_state() { findmnt -rn -o TARGET | grep -F -- "$STATE/" | sort -r; }
 
 realnode_down() {
   local rc=0 id m
+  stop coredns
+  stop kube-proxy
   stop kubelet
   if alive containerd; then
     for id in $(rctr tasks ls -q 2>/dev/null); do rctr tasks kill -s SIGKILL "$id" >/dev/null 2>&1 || true; done
@@ -224,7 +379,8 @@ realnode_down() {
   if ip -4 addr show dev "$REAL_BRIDGE" 2>/dev/null | grep -qF "inet $REAL_NODE_IP/"; then
     ip link del "$REAL_BRIDGE" 2>/dev/null || { log "error: could not delete $REAL_BRIDGE"; rc=1; }
   fi
-  [ -f "$RN/ip_forward.orig" ] && cat "$RN/ip_forward.orig" >/proc/sys/net/ipv4/ip_forward 2>/dev/null || true
+  realnode_iptables_down || rc=1
+  realnode_sysctls_restore || rc=1
   local l
   for l in /var/log/containers/*.log; do
     [ -L "$l" ] && case "$(readlink "$l")" in "$RN"/*) rm -f "$l" ;; esac
@@ -237,15 +393,51 @@ realnode_down() {
   return $rc
 }
 
+# kube-proxy's chains (both families, every mode it knows) and our guard.
+realnode_iptables_down() {
+  local rc=0 left rules
+  rules=$({ iptables-save; ip6tables-save; } 2>/dev/null || true)
+  if [ -x "$K8S_BIN/kube-proxy" ] && grep -q KUBE <<<"$rules"; then
+    "$K8S_BIN/kube-proxy" --cleanup --v=0 >"$RN/kube-proxy-cleanup.log" 2>&1 ||
+      { log "error: kube-proxy --cleanup failed (see $RN/kube-proxy-cleanup.log)"; rc=1; }
+  fi
+  # kube-proxy makes KUBE-FIREWALL (filter, jumped to from INPUT and OUTPUT)
+  # and --cleanup leaves it, as once the kubelet owned it: ours to remove
+  # when the machine had none before `up`.
+  if [ "$(cat "$RN/kube-firewall-before" 2>/dev/null)" = 0 ]; then
+    local ipt chain
+    for ipt in iptables ip6tables; do
+      "$ipt" -w -S KUBE-FIREWALL >/dev/null 2>&1 || continue
+      for chain in INPUT OUTPUT FORWARD; do
+        while "$ipt" -w -D "$chain" -j KUBE-FIREWALL 2>/dev/null; do :; done
+      done
+      "$ipt" -w -F KUBE-FIREWALL && "$ipt" -w -X KUBE-FIREWALL || rc=1
+    done
+  fi
+  realnode_api_unguard || rc=1
+  left=$({ iptables-save; ip6tables-save; } 2>/dev/null | grep -cE "KUBE|$API_GUARD_CHAIN" || true)
+  if [ "$left" != 0 ]; then
+    log "error: $left iptables lines of kube-proxy or ours are left (iptables-save | grep -E 'KUBE|$API_GUARD_CHAIN')"
+    rc=1
+  fi
+  return $rc
+}
+
 realnode_status() {
   local name rc=0
-  for name in containerd kubelet; do
+  for name in containerd kubelet kube-proxy coredns; do
     if alive "$name"; then echo "$name: running (pid $(cat "$STATE/pids/$name"))"
     else echo "$name: stopped"; rc=1; fi
   done
   if [ -f "$KCFG" ] && node_ready "$REAL_NODE_NAME" 2>/dev/null; then
     echo "node $REAL_NODE_NAME: Ready (real node, node IP $REAL_NODE_IP, kubelet port $KUBELET_PORT)"
   else echo "node $REAL_NODE_NAME: not Ready"; rc=1; fi
+  if curl -sf "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" >/dev/null 2>&1; then
+    echo "kube-proxy: healthy (iptables mode, cluster CIDR $REAL_SUBNET)"
+  else echo "kube-proxy: not healthy"; rc=1; fi
+  if curl -sf "http://127.0.0.1:$COREDNS_READY_PORT/ready" >/dev/null 2>&1; then
+    echo "coredns: ready ($REAL_NODE_IP:53, $CLUSTER_DOMAIN)"
+  else echo "coredns: not ready"; rc=1; fi
   return $rc
 }
 
