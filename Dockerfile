@@ -20,7 +20,14 @@ COPY e2e/node ./e2e/node
 COPY e2e/standins ./e2e/standins
 COPY benches ./benches
 ENV CARGO_PROFILE_RELEASE_STRIP=symbols
-RUN cargo build --release --locked --bin agentrun --bin kubectl-agentrun
+# cargo's target directory is a build cache (BuildKit's and buildah's
+# `--mount=type=cache`): a rebuild after a source change compiles only this
+# crate, not every dependency again. The binaries are copied out of it into
+# the layer.
+RUN --mount=type=cache,target=/cargo-target,sharing=locked \
+    CARGO_TARGET_DIR=/cargo-target cargo build --release --locked --bin agentrun --bin kubectl-agentrun \
+    && mkdir -p target/release \
+    && cp /cargo-target/release/agentrun /cargo-target/release/kubectl-agentrun target/release/
 
 FROM debian:bookworm-slim
 # Roots for TLS to model providers and tools (rustls reads the system bundle).

@@ -12,7 +12,9 @@
 #      $IMAGE (agentrun:dev): buildah's layer cache makes an unchanged tree a
 #      cache hit and a changed one a rebuild; cargo's registry is a private
 #      copy of ~/.cargo/registry mounted at the image's CARGO_HOME/registry
-#      (cargo fetches what it lacks from the crate registry);
+#      (cargo fetches what it lacks from the crate registry); the Dockerfile's
+#      cache mount of cargo's target dir lives under $WORK/tmp, so a changed
+#      source tree recompiles only the crate itself;
 #   3. an OCI archive of it (named docker.io/library/agentrun:dev, what the
 #      kubelet asks for when a pod names `agentrun:dev`), imported into the
 #      real node's containerd when that is running, and tagged there with the
@@ -209,7 +211,11 @@ operator() {
   timed "cargo registry copy" registry
   local t0=$SECONDS
   log "buildah bud $ROOT/Dockerfile -> $IMAGE (a cold release build takes minutes)"
-  timeout "$BUILD_TIMEOUT" nice -n 19 ionice -c3 \
+  # buildah keeps `RUN --mount=type=cache` directories (cargo's target dir)
+  # under $TMPDIR: in the cache dir, so they outlive the machine's /var/tmp
+  # cleaning and go with the rest of the cache.
+  mkdir -p "$WORK/tmp"
+  TMPDIR="$WORK/tmp" timeout "$BUILD_TIMEOUT" nice -n 19 ionice -c3 \
     buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs \
     bud --pull=never --layers --network host --isolation oci \
       --volume "$WORK/cargo-registry:/usr/local/cargo/registry" \
@@ -259,13 +265,13 @@ verify() {
   CLEANUP+=("bah rm $ctr >/dev/null 2>&1")
   log "image user: $(bah inspect --type image --format '{{.OCIv1.Config.User}}' "$IMAGE"), entrypoint:" \
     "$(bah inspect --type image --format '{{.OCIv1.Config.Entrypoint}}' "$IMAGE")"
-  out=$(timeout 60 "${BUILDAH[@]}" run --isolation oci "$ctr" -- /usr/local/bin/agentrun --help) ||
+  out=$(timeout 60 "${BUILDAH[@]}" run --isolation oci --network host "$ctr" -- /usr/local/bin/agentrun --help) ||
     die "agentrun --help failed in $IMAGE"
   log "agentrun --help: $(echo "$out" | head -1)"
-  out=$(timeout 60 "${BUILDAH[@]}" run --isolation oci "$ctr" -- /usr/local/bin/agentrun crds) ||
+  out=$(timeout 60 "${BUILDAH[@]}" run --isolation oci --network host "$ctr" -- /usr/local/bin/agentrun crds) ||
     die "agentrun crds failed in $IMAGE"
   log "agentrun crds: $(echo "$out" | grep -c '^kind:') objects"
-  timeout 60 "${BUILDAH[@]}" run --isolation oci "$ctr" -- /usr/local/bin/kubectl-agentrun --help >/dev/null ||
+  timeout 60 "${BUILDAH[@]}" run --isolation oci --network host "$ctr" -- /usr/local/bin/kubectl-agentrun --help >/dev/null ||
     die "kubectl-agentrun --help failed in $IMAGE"
   bah rm "$ctr" >/dev/null
 }

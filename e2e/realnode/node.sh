@@ -24,10 +24,11 @@ RN="$STATE/realnode"
 REAL_BRIDGE="${AGENTRUN_REALNODE_BRIDGE:-agentrun0}"
 # The bridge's own address (the first of the subnet) is the pods' gateway and
 # the node IP; pods get addresses from the eleventh on.
-REAL_SUBNET=10.88.0.0/16 REAL_NODE_IP=10.88.0.1 REAL_RANGE_START=10.88.0.10
-# AGENTRUN_REALNODE_SUBNET picks another (the default is podman's too: a
-# cni-podman0 bridge left by buildah or podman holds 10.88.0.1). A running
-# node's subnet is recorded in its state, so down/status/env follow it.
+# Not 10.88.0.0/16: that is podman's and buildah's default network, whose
+# cni-podman0 bridge (left by any `buildah run` without --network host) holds
+# 10.88.0.1. AGENTRUN_REALNODE_SUBNET picks another. A running node's subnet
+# is recorded in its state, so down/status/env follow it.
+REAL_SUBNET=10.89.0.0/16 REAL_NODE_IP=10.89.0.1 REAL_RANGE_START=10.89.0.10
 SUBNET_WANTED=${AGENTRUN_REALNODE_SUBNET:-}
 [ -f "$STATE/realnode/subnet" ] && SUBNET_WANTED=$(cat "$STATE/realnode/subnet")
 if [ -n "$SUBNET_WANTED" ]; then
@@ -447,4 +448,6 @@ realnode_env() {
   echo "export AGENTRUN_REALNODE_IP=$REAL_NODE_IP"
   echo "export AGENTRUN_REALNODE_TEST_IMAGE=$TEST_IMAGE"
   echo "export AGENTRUN_REALNODE_POD_LOGS=$RN/pod-logs"
+  echo "export AGENTRUN_CONTAINERD_SOCK=$CONTAINERD_SOCK"
+  echo "export AGENTRUN_API_PORT=$API_PORT"
 }

@@ -9,16 +9,22 @@ use serde_json::{Value, json};
 pub struct Standins {
     child: Child,
     _stdout: BufReader<ChildStdout>,
-    /// `http://127.0.0.1:PORT`
+    /// `http://IP:PORT`
     pub base: String,
     pub http: reqwest::Client,
 }
 
 impl Standins {
     pub fn start() -> Standins {
+        Self::start_on("127.0.0.1:0")
+    }
+
+    /// Listening on `addr` (`IP:0` takes a free port): on the real node's
+    /// address, pods reach it.
+    pub fn start_on(addr: &str) -> Standins {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut child = Command::new(env!("CARGO_BIN_EXE_agentrun-standins"))
-            .args(["--addr", "127.0.0.1:0"])
+            .args(["--addr", addr])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

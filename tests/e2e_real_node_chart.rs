@@ -1,0 +1,623 @@
+//! The chart on the real node, as a user installs it: the operator image
+//! built from the project's Dockerfile (`e2e/realnode/build-operator-image.sh`,
+//! the local `docker build` + `kind load`), `helm install` with the in-chart
+//! PostgreSQL (`postgresql.enabled=true`, its image from Debian's package:
+//! `e2e/realnode/build-postgres-image.sh`) on a persistent volume, the
+//! controller as its Deployment in containers, step Jobs as containers. Step
+//! pods reach the controller's step-log gateway, and the model and tool
+//! stand-ins (host processes on the node's address, behind a selector-less
+//! Service), by Service name.
+//!
+//! Run: `AGENTRUN_NODE=real e2e/cluster up && eval "$(e2e/cluster env)" &&
+//! e2e/realnode/build-operator-image.sh && e2e/realnode/build-postgres-image.sh &&
+//! cargo test --test e2e_real_node_chart -- --ignored` (e2e/test does this).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Approval, Phase};
+use common::standins::Standins;
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+const NODE: &str = "agentrun-real";
+const RELEASE: &str = "agentrun";
+const TIMEOUT: Duration = Duration::from_secs(240);
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// `SCRIPT paths` of an e2e/realnode image script: its `KEY=value` lines.
+fn image_paths(script: &str) -> Vec<(String, String)> {
+    let path = Path::new(ROOT).join("e2e/realnode").join(script);
+    let out = Command::new("bash")
+        .arg(&path)
+        .arg("paths")
+        .output()
+        .unwrap_or_else(|e| panic!("running {} paths: {e}", path.display()));
+    assert!(out.status.success(), "{} paths failed", path.display());
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn path_value(paths: &[(String, String)], key: &str) -> String {
+    paths
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("no {key} in {paths:?}"))
+}
+
+/// The real node's containerd socket (`e2e/cluster env` exports it).
+fn containerd_socket() -> PathBuf {
+    if let Some(s) = std::env::var_os("AGENTRUN_CONTAINERD_SOCK").filter(|s| !s.is_empty()) {
+        return PathBuf::from(s);
+    }
+    let state = std::env::var("AGENTRUN_STATE_DIR").unwrap_or_else(|_| "/tmp/agentrun-state".into());
+    Path::new(&state).join("cluster/realnode/containerd/containerd.sock")
+}
+
+fn ctr(args: &[&str]) -> String {
+    let sock = containerd_socket();
+    let out = Command::new("ctr")
+        .arg("--address")
+        .arg(&sock)
+        .args(["--namespace", "k8s.io"])
+        .args(args)
+        .output()
+        .expect("running ctr (containerd's client, installed with the real node)");
+    assert!(
+        out.status.success(),
+        "ctr {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn run_cmd(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// What the namespace holds, for a failure message.
+fn diagnose(ns: &str) -> String {
+    let (_, pods) = run_cmd(Command::new("kubectl").args([
+        "get",
+        "pods,pvc,jobs,agentruns",
+        "-n",
+        ns,
+        "-o",
+        "wide",
+    ]));
+    let (_, events) = run_cmd(Command::new("kubectl").args([
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--sort-by=.lastTimestamp",
+    ]));
+    format!("{pods}\n{events}")
+}
+
+async fn node_ip(client: &kube::Client) -> String {
+    let nodes: Api<Node> = Api::all(client.clone());
+    common::wait_for(&format!("node {NODE} Ready"), Duration::from_secs(60), || async {
+        let n = nodes.get_opt(NODE).await.ok()??;
+        let status = n.status?;
+        let ready = status
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let ip = status
+            .addresses?
+            .into_iter()
+            .find(|a| a.type_ == "InternalIP")?
+            .address;
+        ready.then_some(ip)
+    })
+    .await
+}
+
+/// A selector-less Service `name` whose one endpoint is a process on the
+/// host at `ip:port`: pods reach it by name through kube-proxy.
+async fn expose_host_process(client: &kube::Client, ns: &str, name: &str, ip: &str, port: u16) {
+    let service: Service = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"ports": [{"name": "http", "port": port, "targetPort": port, "protocol": "TCP"}]}
+    }))
+    .unwrap();
+    Api::<Service>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &service)
+        .await
+        .expect("the stand-ins' Service");
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-host"), "labels": {"kubernetes.io/service-name": name}},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}],
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}]
+    }))
+    .unwrap();
+    Api::<EndpointSlice>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &slice)
+        .await
+        .expect("the stand-ins' EndpointSlice");
+}
+
+/// A hostPath PersistentVolume on the real node, bound in advance to the
+/// claim of the chart's PostgreSQL StatefulSet (the cluster has no
+/// provisioner); deleted, with its directory, when dropped.
+struct HostVolume {
+    name: String,
+    dir: PathBuf,
+}
+
+impl HostVolume {
+    async fn for_claim(client: &kube::Client, ns: &str, claim: &str) -> HostVolume {
+        let dir = std::env::temp_dir().join(format!("agentrun-e2e-pv-{ns}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        // The image's postgres user (the chart's runAsUser); fsGroup does
+        // not apply to hostPath volumes.
+        std::os::unix::fs::chown(&dir, Some(999), Some(999)).expect("chown the volume's dir");
+        let name = format!("{ns}-postgresql");
+        let pv: PersistentVolume = serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "claimRef": {"namespace": ns, "name": claim},
+                "hostPath": {"path": dir.to_str().unwrap(), "type": "Directory"},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [NODE]}]}]}}
+            }
+        }))
+        .unwrap();
+        Api::<PersistentVolume>::all(client.clone())
+            .create(&PostParams::default(), &pv)
+            .await
+            .expect("the PostgreSQL volume");
+        HostVolume { name, dir }
+    }
+}
+
+impl Drop for HostVolume {
+    fn drop(&mut self) {
+        let _ = Command::new("kubectl")
+            .args(["delete", "pv", &self.name, "--wait=false"])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `helm uninstall` when dropped.
+struct Release {
+    namespace: String,
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = Command::new(common::scripts::helm())
+            .args(["uninstall", RELEASE, "--namespace", &self.namespace, "--wait"])
+            .args(["--timeout", "120s"])
+            .output();
+    }
+}
+
+fn split_image(image: &str) -> (String, String) {
+    let (repo, tag) = image.rsplit_once(':').expect("IMAGE:TAG");
+    (repo.to_string(), tag.to_string())
+}
+
+/// Applies a sample of config/samples with the stand-ins' address put in.
+fn apply_sample(ns: &str, sample: &str, base: &str) {
+    let text = std::fs::read_to_string(Path::new(ROOT).join("config/samples").join(sample))
+        .unwrap()
+        .replace("http://127.0.0.1:18080", base);
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), text).unwrap();
+    common::kubectl(&["apply", "-n", ns, "-f", file.path().to_str().unwrap()]);
+}
+
+async fn wait_phase(runs: &Api<AgentRun>, ns: &str, name: &str, want: Phase) -> AgentRun {
+    // Ok(Err(..)): ended in another phase, no use waiting on.
+    let found = common::wait_for(&format!("{name} to be {want:?}"), TIMEOUT, || async {
+        let r = runs.get(name).await.map_err(|e| e.to_string())?;
+        match r.status.as_ref().and_then(|s| s.phase.clone()) {
+            Some(p) if p == want => Ok(Ok(r)),
+            Some(p @ (Phase::Failed | Phase::Cancelled | Phase::Succeeded)) => {
+                Ok(Err(format!("{name} ended {p:?}: {:?}", r.status)))
+            }
+            _ => Err(format!("{:?}", r.status)),
+        }
+    })
+    .await;
+    found.unwrap_or_else(|e| panic!("{e}\n{}", diagnose(ns)))
+}
+
+fn step_pods_of(pods: &[Pod], run: &str) -> Vec<Pod> {
+    pods.iter()
+        .filter(|p| {
+            p.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("agentrun.dev/run"))
+                .is_some_and(|r| r == run)
+        })
+        .cloned()
+        .collect()
+}
+
+/// The host PID of a running container (`ctr tasks ls`).
+fn container_pid(container_id: &str) -> u32 {
+    ctr(&["tasks", "ls"])
+        .lines()
+        .find_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            (cols.first() == Some(&container_id)).then(|| cols[1].parse().ok())?
+        })
+        .unwrap_or_else(|| panic!("no running task {container_id} in ctr tasks ls"))
+}
+
+/// What the kernel says about a step container's process, read from the
+/// host: its uid, effective capabilities, whether its root is read-only,
+/// and whether a service-account token is mounted.
+struct Confinement {
+    uid: String,
+    cap_eff: String,
+    root_read_only: bool,
+    token_mounted: bool,
+}
+
+fn confinement(pid: u32) -> Confinement {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    };
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    let root_read_only = mountinfo.lines().any(|l| {
+        let cols: Vec<&str> = l.split_whitespace().collect();
+        cols.get(4) == Some(&"/") && cols.get(5).is_some_and(|o| o.split(',').any(|x| x == "ro"))
+    });
+    Confinement {
+        uid: field("Uid"),
+        cap_eff: field("CapEff"),
+        root_read_only,
+        token_mounted: mountinfo.contains("/var/run/secrets/kubernetes.io/serviceaccount"),
+    }
+}
+
+fn model_turns(request: &Value) -> usize {
+    request["messages"].as_array().map_or(0, Vec::len)
+}
+
+#[tokio::test]
+#[ignore = "needs e2e/cluster up --node=real and the images (e2e/test does both)"]
+async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_killed_step_pod() {
+    let client = common::admin().await;
+    let node_ip = node_ip(&client).await;
+    let ns_guard = common::test_namespace(&client, "rn-chart").await;
+    let ns = ns_guard.name().to_string();
+
+    let operator = path_value(
+        &image_paths("build-operator-image.sh"),
+        "OPERATOR_IMAGE",
+    );
+    let (repo, tag) = split_image(&operator);
+    let pg = image_paths("build-postgres-image.sh");
+    let (pg_repo, pg_tag) = (
+        path_value(&pg, "POSTGRES_IMAGE_REPOSITORY"),
+        path_value(&pg, "POSTGRES_IMAGE_TAG"),
+    );
+
+    // The stand-ins on the node's address, reached by pods as a Service.
+    let standins = Standins::start_on(&format!("{node_ip}:0"));
+    let port: u16 = standins.base.rsplit(':').next().unwrap().parse().unwrap();
+    expose_host_process(&client, &ns, "standins", &node_ip, port).await;
+    let base = format!("http://standins.{ns}.svc:{port}");
+
+    let _volume =
+        HostVolume::for_claim(&client, &ns, &format!("data-{RELEASE}-postgresql-0")).await;
+    let approver_role = format!("{ns}-approver");
+    let values = json!({
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "postgresql": {
+            "enabled": true,
+            "image": {"repository": pg_repo, "tag": pg_tag, "pullPolicy": "Never"},
+            "persistence": {"enabled": true, "size": "1Gi"}
+        },
+        "modelSecrets": [{"name": "model-api-key", "stringData": {"apiKey": "sk-e2e-not-a-real-key"}}],
+        "approverRole": {"name": approver_role},
+        "controller": {"leaseSeconds": 6}
+    });
+    let values_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(values_file.path(), values.to_string()).unwrap();
+    let _release = Release {
+        namespace: ns.clone(),
+    };
+    let installed = std::time::Instant::now();
+    let (ok, out) = run_cmd(
+        Command::new(common::scripts::helm())
+            .current_dir(ROOT)
+            .args(["install", RELEASE, "charts/agentrun", "--namespace", &ns])
+            .arg("--values")
+            .arg(values_file.path())
+            .args(["--wait", "--timeout", "300s"]),
+    );
+    assert!(ok, "helm install failed: {out}\n{}", diagnose(&ns));
+    eprintln!(
+        "real node: helm install --wait in {:.1} s",
+        installed.elapsed().as_secs_f64()
+    );
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let all = pods.list(&ListParams::default()).await.unwrap().items;
+    for p in &all {
+        assert_eq!(
+            p.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+            Some(NODE),
+            "{:?} runs on the real node",
+            p.metadata.name
+        );
+    }
+
+    // The samples, then a second run of the refund agent that needs an
+    // approver, then one whose step container is killed mid-run.
+    standins
+        .script(
+            "refund-demo",
+            json!([
+                {"text": "Let me look the order up first.", "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1042"}}]},
+                {"text": "Refunding the damaged item.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": 40}}]},
+                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 40.00 for order 1042."}}]}
+            ]),
+            json!([]),
+        )
+        .await;
+    standins
+        .script(
+            "refund-big",
+            json!([
+                {"text": "Refunding the whole order.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1043", "amount": 150}}]},
+                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 150.00 for order 1043."}}]}
+            ]),
+            json!([]),
+        )
+        .await;
+    standins
+        .script(
+            "crash",
+            json!([
+                {"text": "Looking it up.", "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1044"}}]},
+                // Killed while it waits for this answer (the pod's
+                // connection goes with it); asked again by the next pod.
+                {"text": "slow", "delayMs": 120000, "toolCalls": [{"name": "finish", "arguments": {"result": "late"}}]},
+                {"toolCalls": [{"name": "finish", "arguments": {"result": "Order 1044 is on its way."}}]}
+            ]),
+            json!([]),
+        )
+        .await;
+    for sample in [
+        "agentpolicy-platform.yaml",
+        "agent-refund-assistant.yaml",
+        "agentrun-refund.yaml",
+    ] {
+        apply_sample(&ns, sample, &base);
+    }
+    let agent_sample: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(Path::new(ROOT).join("config/samples/agent-refund-assistant.yaml"))
+            .unwrap()
+            .replace("http://127.0.0.1:18080", &base)
+            .replace("/scripts/refund-demo/", "/scripts/refund-big/"),
+    )
+    .unwrap();
+    let runs: Api<AgentRun> = Api::namespaced(client.clone(), &ns);
+    let big: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "refund-big"},
+        "spec": {"input": "Refund order 1043 in full.", "agent": agent_sample["spec"]}
+    }))
+    .unwrap();
+    runs.create(&PostParams::default(), &big).await.expect("refund-big");
+    let crash: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "crash"},
+        "spec": {"input": "Where is order 1044?", "agent": {
+            "prompt": {"version": "v1", "system": "Answer with the order's state."},
+            "model": {"provider": "OpenAI", "name": "m", "endpoint": format!("{base}/scripts/crash/v1"),
+                      "secretRef": {"name": "model-api-key", "key": "apiKey"}},
+            "tools": [{"name": "lookup_order", "description": "Looks an order up.",
+                       "http": {"url": format!("{base}/tools/crash/lookup_order"), "idempotent": true}}]
+        }}
+    }))
+    .unwrap();
+    runs.create(&PostParams::default(), &crash).await.expect("crash");
+
+    // The sample, through step pods that reach the gateway and the stand-ins
+    // by Service name.
+    let run = wait_phase(&runs, &ns, "refund-order-1042", Phase::Succeeded).await;
+    assert_eq!(
+        run.status.unwrap().result.as_deref(),
+        Some("Refunded 40.00 for order 1042.")
+    );
+
+    // The step container killed while it waits for the model's second
+    // answer: read its confinement from the kernel, then SIGKILL it.
+    let (killed_pod, container) = common::wait_for(
+        "the crash run's step pod waiting for the second answer",
+        TIMEOUT,
+        || async {
+            if standins.model_requests("crash").await.len() < 2 {
+                return None;
+            }
+            let all = pods.list(&ListParams::default()).await.ok()?.items;
+            step_pods_of(&all, "crash").into_iter().find_map(|p| {
+                let status = p.status.as_ref()?;
+                let c = status.container_statuses.as_ref()?.first()?;
+                c.state.as_ref()?.running.as_ref()?;
+                let id = c.container_id.as_ref()?.strip_prefix("containerd://")?;
+                Some((p.metadata.name.clone()?, id.to_string()))
+            })
+        },
+    )
+    .await;
+    let confined = confinement(container_pid(&container));
+    assert!(
+        confined.uid.split(' ').all(|u| u == "65532"),
+        "the step container's uids: {}",
+        confined.uid
+    );
+    assert_eq!(
+        confined.cap_eff, "0000000000000000",
+        "the step container keeps no capability"
+    );
+    assert!(confined.root_read_only, "the step container's root is read-only");
+    assert!(
+        !confined.token_mounted,
+        "no service-account token in the step container"
+    );
+    ctr(&["tasks", "kill", "--signal", "SIGKILL", &container]);
+
+    // The big refund waits for an approver; alice approves through the
+    // chart's approver ClusterRole bound in the namespace.
+    let approval_name = common::wait_for("refund-big to await approval", TIMEOUT, || async {
+        let r = runs.get("refund-big").await.ok()?;
+        let s = r.status?;
+        match (s.phase, s.approval) {
+            (Some(Phase::AwaitingApproval), Some(a)) => Some(a.name),
+            _ => None,
+        }
+    })
+    .await;
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "finance-approvers"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": approver_role},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "finance-approvers"}]
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::rbac::v1::RoleBinding>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding the approver role");
+    let as_alice: Api<Approval> = Api::namespaced(common::client_as("alice").await, &ns);
+    let approval = common::wait_for("alice to read the Approval", TIMEOUT, || async {
+        as_alice.get(&approval_name).await.ok()
+    })
+    .await;
+    let decision: json_patch::Patch = serde_json::from_value(json!([{
+        "op": "add", "path": "/spec/decisions/-",
+        "value": {"approver": "alice", "verdict": "Approve",
+                  "argumentsHash": approval.spec.arguments_hash, "reason": "damaged, paid in full"}
+    }]))
+    .unwrap();
+    as_alice
+        .patch(&approval_name, &PatchParams::default(), &Patch::<()>::Json(decision))
+        .await
+        .expect("alice approves");
+    let run = wait_phase(&runs, &ns, "refund-big", Phase::Succeeded).await;
+    assert_eq!(
+        run.status.unwrap().result.as_deref(),
+        Some("Refunded 150.00 for order 1043.")
+    );
+    let refunds = standins.effects("refund-big").await;
+    assert_eq!(refunds.len(), 1, "one refund, after the approval: {refunds:?}");
+
+    // The killed run resumed in a new pod from the log: the first answer
+    // and the tool's result were replayed, not asked for again.
+    let run = wait_phase(&runs, &ns, "crash", Phase::Succeeded).await;
+    assert_eq!(
+        run.status.unwrap().result.as_deref(),
+        Some("Order 1044 is on its way.")
+    );
+    let requests = standins.model_requests("crash").await;
+    assert_eq!(requests.len(), 3, "first answer once, the killed one again");
+    let first_turns = model_turns(&requests[0]);
+    assert_eq!(
+        requests.iter().filter(|r| model_turns(r) == first_turns).count(),
+        1,
+        "the recorded first answer was not asked for again"
+    );
+    assert_eq!(
+        model_turns(&requests[1]),
+        model_turns(&requests[2]),
+        "the killed request, asked again with the same history"
+    );
+    assert_eq!(
+        standins.tool_requests("crash").await.len(),
+        1,
+        "the recorded tool result was replayed, not called again"
+    );
+    let all = pods.list(&ListParams::default()).await.unwrap().items;
+    let crash_pods = step_pods_of(&all, "crash");
+    let names: BTreeSet<_> = crash_pods.iter().filter_map(|p| p.metadata.name.clone()).collect();
+    assert!(
+        names.len() >= 2 && names.contains(&killed_pod),
+        "the killed pod and its successor: {names:?}"
+    );
+    let killed = crash_pods
+        .iter()
+        .find(|p| p.metadata.name.as_ref() == Some(&killed_pod))
+        .unwrap();
+    let terminated = killed
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.terminated.as_ref())
+        .expect("the killed container terminated");
+    assert_eq!(terminated.exit_code, 137, "killed by SIGKILL");
+
+    // Every step pod: the step ServiceAccount, no token; `kubectl logs` of
+    // one comes from the kubelet through the API server as JSON lines.
+    let steps: Vec<_> = all
+        .iter()
+        .filter(|p| p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("agentrun.dev/run")))
+        .collect();
+    assert!(steps.len() >= 5, "{} step pods", steps.len());
+    for p in &steps {
+        let spec = p.spec.as_ref().unwrap();
+        assert_eq!(spec.service_account_name.as_deref(), Some("agentrun-step"));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+    }
+    let logged = crash_pods
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .find(|n| n != &killed_pod)
+        .unwrap();
+    let logs = common::kubectl(&["logs", "-n", &ns, &logged]);
+    let lines: Vec<Value> = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(
+        !lines.is_empty(),
+        "kubectl logs {logged}: no JSON lines:\n{logs}"
+    );
+
+    // The chart's PostgreSQL kept the log on the volume.
+    let entries = std::fs::read_dir(&_volume.dir).unwrap().count();
+    assert!(entries > 0, "PostgreSQL's data is on the host volume");
+    drop(_release);
+    let _ = Api::<Pod>::namespaced(client.clone(), &ns)
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+}
