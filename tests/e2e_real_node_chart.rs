@@ -60,7 +60,8 @@ fn containerd_socket() -> PathBuf {
     if let Some(s) = std::env::var_os("AGENTRUN_CONTAINERD_SOCK").filter(|s| !s.is_empty()) {
         return PathBuf::from(s);
     }
-    let state = std::env::var("AGENTRUN_STATE_DIR").unwrap_or_else(|_| "/tmp/agentrun-state".into());
+    let state =
+        std::env::var("AGENTRUN_STATE_DIR").unwrap_or_else(|_| "/tmp/agentrun-state".into());
     Path::new(&state).join("cluster/realnode/containerd/containerd.sock")
 }
 
@@ -82,7 +83,9 @@ fn ctr(args: &[&str]) -> String {
 }
 
 fn run_cmd(cmd: &mut Command) -> (bool, String) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
     (
         out.status.success(),
         format!(
@@ -115,20 +118,24 @@ fn diagnose(ns: &str) -> String {
 
 async fn node_ip(client: &kube::Client) -> String {
     let nodes: Api<Node> = Api::all(client.clone());
-    common::wait_for(&format!("node {NODE} Ready"), Duration::from_secs(60), || async {
-        let n = nodes.get_opt(NODE).await.ok()??;
-        let status = n.status?;
-        let ready = status
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.status == "True");
-        let ip = status
-            .addresses?
-            .into_iter()
-            .find(|a| a.type_ == "InternalIP")?
-            .address;
-        ready.then_some(ip)
-    })
+    common::wait_for(
+        &format!("node {NODE} Ready"),
+        Duration::from_secs(60),
+        || async {
+            let n = nodes.get_opt(NODE).await.ok()??;
+            let status = n.status?;
+            let ready = status
+                .conditions?
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let ip = status
+                .addresses?
+                .into_iter()
+                .find(|a| a.type_ == "InternalIP")?
+                .address;
+            ready.then_some(ip)
+        },
+    )
     .await
 }
 
@@ -212,7 +219,13 @@ struct Release {
 impl Drop for Release {
     fn drop(&mut self) {
         let _ = Command::new(common::scripts::helm())
-            .args(["uninstall", RELEASE, "--namespace", &self.namespace, "--wait"])
+            .args([
+                "uninstall",
+                RELEASE,
+                "--namespace",
+                &self.namespace,
+                "--wait",
+            ])
             .args(["--timeout", "120s"])
             .output();
     }
@@ -317,10 +330,7 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     let ns_guard = common::test_namespace(&client, "rn-chart").await;
     let ns = ns_guard.name().to_string();
 
-    let operator = path_value(
-        &image_paths("build-operator-image.sh"),
-        "OPERATOR_IMAGE",
-    );
+    let operator = path_value(&image_paths("build-operator-image.sh"), "OPERATOR_IMAGE");
     let (repo, tag) = split_image(&operator);
     let pg = image_paths("build-postgres-image.sh");
     let (pg_repo, pg_tag) = (
@@ -423,10 +433,12 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         apply_sample(&ns, sample, &base);
     }
     let agent_sample: Value = serde_yaml::from_str(
-        &std::fs::read_to_string(Path::new(ROOT).join("config/samples/agent-refund-assistant.yaml"))
-            .unwrap()
-            .replace("http://127.0.0.1:18080", &base)
-            .replace("/scripts/refund-demo/", "/scripts/refund-big/"),
+        &std::fs::read_to_string(
+            Path::new(ROOT).join("config/samples/agent-refund-assistant.yaml"),
+        )
+        .unwrap()
+        .replace("http://127.0.0.1:18080", &base)
+        .replace("/scripts/refund-demo/", "/scripts/refund-big/"),
     )
     .unwrap();
     let runs: Api<AgentRun> = Api::namespaced(client.clone(), &ns);
@@ -436,7 +448,9 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         "spec": {"input": "Refund order 1043 in full.", "agent": agent_sample["spec"]}
     }))
     .unwrap();
-    runs.create(&PostParams::default(), &big).await.expect("refund-big");
+    runs.create(&PostParams::default(), &big)
+        .await
+        .expect("refund-big");
     let crash: AgentRun = serde_json::from_value(json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
         "metadata": {"name": "crash"},
@@ -449,7 +463,9 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         }}
     }))
     .unwrap();
-    runs.create(&PostParams::default(), &crash).await.expect("crash");
+    runs.create(&PostParams::default(), &crash)
+        .await
+        .expect("crash");
 
     // The sample, through step pods that reach the gateway and the stand-ins
     // by Service name.
@@ -489,7 +505,10 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         confined.cap_eff, "0000000000000000",
         "the step container keeps no capability"
     );
-    assert!(confined.root_read_only, "the step container's root is read-only");
+    assert!(
+        confined.root_read_only,
+        "the step container's root is read-only"
+    );
     assert!(
         !confined.token_mounted,
         "no service-account token in the step container"
@@ -529,7 +548,11 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     }]))
     .unwrap();
     as_alice
-        .patch(&approval_name, &PatchParams::default(), &Patch::<()>::Json(decision))
+        .patch(
+            &approval_name,
+            &PatchParams::default(),
+            &Patch::<()>::Json(decision),
+        )
         .await
         .expect("alice approves");
     let run = wait_phase(&runs, &ns, "refund-big", Phase::Succeeded).await;
@@ -538,7 +561,11 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         Some("Refunded 150.00 for order 1043.")
     );
     let refunds = standins.effects("refund-big").await;
-    assert_eq!(refunds.len(), 1, "one refund, after the approval: {refunds:?}");
+    assert_eq!(
+        refunds.len(),
+        1,
+        "one refund, after the approval: {refunds:?}"
+    );
 
     // The killed run resumed in a new pod from the log: the first answer
     // and the tool's result were replayed, not asked for again.
@@ -551,7 +578,10 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     assert_eq!(requests.len(), 3, "first answer once, the killed one again");
     let first_turns = model_turns(&requests[0]);
     assert_eq!(
-        requests.iter().filter(|r| model_turns(r) == first_turns).count(),
+        requests
+            .iter()
+            .filter(|r| model_turns(r) == first_turns)
+            .count(),
         1,
         "the recorded first answer was not asked for again"
     );
@@ -567,7 +597,10 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     );
     let all = pods.list(&ListParams::default()).await.unwrap().items;
     let crash_pods = step_pods_of(&all, "crash");
-    let names: BTreeSet<_> = crash_pods.iter().filter_map(|p| p.metadata.name.clone()).collect();
+    let names: BTreeSet<_> = crash_pods
+        .iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
     assert!(
         names.len() >= 2 && names.contains(&killed_pod),
         "the killed pod and its successor: {names:?}"
@@ -590,7 +623,12 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     // one comes from the kubelet through the API server as JSON lines.
     let steps: Vec<_> = all
         .iter()
-        .filter(|p| p.metadata.labels.as_ref().is_some_and(|l| l.contains_key("agentrun.dev/run")))
+        .filter(|p| {
+            p.metadata
+                .labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key("agentrun.dev/run"))
+        })
         .collect();
     assert!(steps.len() >= 5, "{} step pods", steps.len());
     for p in &steps {
