@@ -231,6 +231,31 @@ impl Drop for Release {
     }
 }
 
+/// What an earlier run of this test on the same cluster left: the chart
+/// keeps its CRDs and admission policies on uninstall, owned by a release
+/// whose namespace is gone, and helm refuses to adopt them. Deleted, so
+/// every run installs the chart as a fresh cluster does.
+fn forget_earlier_releases(ns: &str) {
+    let kinds = "customresourcedefinitions,validatingadmissionpolicies,validatingadmissionpolicybindings,\
+                 mutatingadmissionpolicies,mutatingadmissionpolicybindings,clusterroles,clusterrolebindings";
+    let listed: Value =
+        serde_json::from_str(&common::kubectl(&["get", kinds, "-o", "json"])).unwrap();
+    for item in listed["items"].as_array().unwrap() {
+        let annotations = &item["metadata"]["annotations"];
+        let owner = annotations["meta.helm.sh/release-namespace"]
+            .as_str()
+            .unwrap_or("");
+        if annotations["meta.helm.sh/release-name"] == RELEASE
+            && owner.starts_with("e2e-rn-chart-")
+            && owner != ns
+        {
+            let kind = item["kind"].as_str().unwrap().to_lowercase();
+            let name = item["metadata"]["name"].as_str().unwrap();
+            common::kubectl(&["delete", &kind, name, "--ignore-not-found"]);
+        }
+    }
+}
+
 fn split_image(image: &str) -> (String, String) {
     let (repo, tag) = image.rsplit_once(':').expect("IMAGE:TAG");
     (repo.to_string(), tag.to_string())
@@ -347,6 +372,7 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     let _volume =
         HostVolume::for_claim(&client, &ns, &format!("data-{RELEASE}-postgresql-0")).await;
     let approver_role = format!("{ns}-approver");
+    forget_earlier_releases(&ns);
     let values = json!({
         "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
         "postgresql": {
@@ -560,12 +586,19 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         run.status.unwrap().result.as_deref(),
         Some("Refunded 150.00 for order 1043.")
     );
-    let refunds = standins.effects("refund-big").await;
+    // Both runs share the sample agent's tool tenant.
+    let refunds: Vec<Value> = standins
+        .effects("refund-demo")
+        .await
+        .into_iter()
+        .filter(|e| e["tool"] == "issue_refund" && e["args"]["orderId"] == "1043")
+        .collect();
     assert_eq!(
         refunds.len(),
         1,
-        "one refund, after the approval: {refunds:?}"
+        "one refund of 1043, after the approval: {refunds:?}"
     );
+    assert_eq!(refunds[0]["args"]["amount"], 150);
 
     // The killed run resumed in a new pod from the log: the first answer
     // and the tool's result were replayed, not asked for again.

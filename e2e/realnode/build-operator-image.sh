@@ -24,6 +24,7 @@
 #   e2e/realnode/build-operator-image.sh bases    only the base images
 #   e2e/realnode/build-operator-image.sh verify   run the built binary in the image
 #   e2e/realnode/build-operator-image.sh import   import the archive into the node
+#   e2e/realnode/build-operator-image.sh import-if-built   the same when the archive exists
 #   e2e/realnode/build-operator-image.sh paths    shell assignments: archive, names
 #
 # buildah runs as root with the vfs driver and a storage root of its own under
@@ -297,8 +298,10 @@ case "${1:-build}" in
   bases) lock; deps; bases; print_timings ;;
   verify) timed verify verify; print_timings ;;
   import) timed import import; print_timings ;;
+  # From e2e/cluster up --node=real: the archive, if one was built.
+  import-if-built) if [ -f "$ARCHIVE" ]; then import; else log "not built yet: not imported"; fi ;;
   paths)
     echo "OPERATOR_IMAGE=$IMAGE"; echo "OPERATOR_IMAGE_FULL=$FULL_IMAGE"
     echo "OPERATOR_ARCHIVE=$ARCHIVE" ;;
-  *) echo "usage: $0 [build|bases|verify|import|paths]" >&2; exit 2 ;;
+  *) echo "usage: $0 [build|bases|verify|import|import-if-built|paths]" >&2; exit 2 ;;
 esac

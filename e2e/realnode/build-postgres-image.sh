@@ -374,9 +374,11 @@ case "${1:-build}" in
     print_timings
     echo "$ARCHIVE" ;;
   import) timed import import; print_timings ;;
+  # From e2e/cluster up --node=real: the archive, if one was built.
+  import-if-built) if [ -f "$ARCHIVE" ]; then import; else log "not built yet: not imported"; fi ;;
   verify) [ "$(id -u)" -eq 0 ] || die "runc and buildah's vfs root run as root"; lock; timed verify verify; print_timings ;;
   paths)
     echo "POSTGRES_IMAGE_REPOSITORY=$POSTGRES_IMAGE_REPOSITORY"; echo "POSTGRES_IMAGE_TAG=$POSTGRES_IMAGE_TAG"
     echo "POSTGRES_IMAGE=$IMAGE"; echo "POSTGRES_ARCHIVE=$ARCHIVE" ;;
-  *) echo "usage: $0 [build|import|verify|paths]" >&2; exit 2 ;;
+  *) echo "usage: $0 [build|import|import-if-built|verify|paths]" >&2; exit 2 ;;
 esac

@@ -137,7 +137,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
             service_account: "default".into(),
             time_slice_seconds: 60,
             allow_failpoints: false,
-            trace_env: Vec::new(),
+            telemetry_env: Vec::new(),
         },
         signer,
         identity: "controller/test".into(),

@@ -66,8 +66,9 @@ pub struct JobSettings {
     pub time_slice_seconds: u64,
     /// Honour the failpoint annotation (tests only; off in production).
     pub allow_failpoints: bool,
-    /// OpenTelemetry settings handed to step pods (`telemetry::trace::step_env`).
-    pub trace_env: Vec<(String, String)>,
+    /// Log format and OpenTelemetry settings handed to step pods
+    /// (`telemetry::step_env`).
+    pub telemetry_env: Vec<(String, String)>,
 }
 
 /// Deterministic Job name: creating it twice is harmless, and a retry of the
@@ -144,7 +145,12 @@ pub fn build(
     if let Some(key) = &agent.model.secret_ref {
         env.push(secret("AGENTRUN_MODEL_API_KEY", &key.name, &key.key));
     }
-    env.extend(settings.trace_env.iter().map(|(k, v)| plain(k, v.clone())));
+    env.extend(
+        settings
+            .telemetry_env
+            .iter()
+            .map(|(k, v)| plain(k, v.clone())),
+    );
     // A failpoint kills one Job per run, so the next one shows the resume.
     if failed_jobs == 0
         && settings.allow_failpoints
@@ -297,7 +303,7 @@ mod tests {
             service_account: "default".into(),
             time_slice_seconds: 30,
             allow_failpoints: true,
-            trace_env: Vec::new(),
+            telemetry_env: Vec::new(),
         }
     }
 
@@ -323,7 +329,7 @@ mod tests {
     #[test]
     fn step_pods_report_traces_where_the_controller_does() {
         let settings = JobSettings {
-            trace_env: vec![(
+            telemetry_env: vec![(
                 "OTEL_EXPORTER_OTLP_ENDPOINT".into(),
                 "http://collector:4318".into(),
             )],

@@ -224,7 +224,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,
-            trace_env: crate::telemetry::trace::step_env(),
+            telemetry_env: crate::telemetry::step_env(),
         },
         identity: format!("controller/{identity}"),
         http: crate::egress::client()?,

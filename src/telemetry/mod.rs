@@ -27,7 +27,7 @@ pub fn init(service: &str) {
         .filter(|d| !d.trim().is_empty() && EnvFilter::try_new(d).is_ok())
         .unwrap_or_else(|| "info".into());
     let (filter, handle) = reload::Layer::new(EnvFilter::new(&directives));
-    let json = std::env::var("AGENTRUN_LOG_FORMAT").is_ok_and(|f| f == "json");
+    let json = std::env::var(LOG_FORMAT_ENV).is_ok_and(|f| f == "json");
     let logs = if json {
         fmt::layer()
             .json()
@@ -38,6 +38,8 @@ pub fn init(service: &str) {
     } else {
         fmt::layer()
             .with_writer(std::io::stderr)
+            // Colours only on a terminal: a container's log is a file.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_filter(filter)
             .boxed()
     };
@@ -52,6 +54,19 @@ pub fn init(service: &str) {
         });
     }
 }
+
+/// What step Jobs inherit from the controller's environment: the log format
+/// (their logs read like the controller's) and the OpenTelemetry settings of
+/// [`trace::step_env`].
+pub fn step_env() -> Vec<(String, String)> {
+    let format = std::env::var(LOG_FORMAT_ENV)
+        .ok()
+        .filter(|f| !f.is_empty())
+        .map(|f| (LOG_FORMAT_ENV.to_string(), f));
+    format.into_iter().chain(trace::step_env()).collect()
+}
+
+const LOG_FORMAT_ENV: &str = "AGENTRUN_LOG_FORMAT";
 
 /// The filter directives in force (`RUST_LOG` syntax), if [`init`] ran.
 pub fn log_level() -> Option<String> {
