@@ -208,7 +208,29 @@ registry() {
   mv "$reg.tmp" "$reg"
 }
 
+# What the image is made of: the Dockerfile, the files its COPY lines take
+# from the context, and the two bases. An unchanged key skips buildah bud
+# (whose layer cache walk alone takes about a minute with vfs).
+context_key() {
+  local sources
+  sources=$(awk 'toupper($1) == "COPY" && $2 !~ /^--from/ { for (i = 2; i < NF; i++) print $i }' "$ROOT/Dockerfile")
+  {
+    cat "$ROOT/Dockerfile" "$ROOT/.dockerignore"
+    # shellcheck disable=SC2086  # the COPY sources, one word each
+    (cd "$ROOT" && find $sources -type f ! -name '*.rs.bk' -print0 | sort -z | xargs -0 sha256sum)
+    bah inspect --type image --format '{{.FromImageID}}' "$RUNTIME_BASE"
+    bah inspect --type image --format '{{.FromImageID}}' "$BUILD_BASE"
+  } | sha256sum | cut -c1-16
+}
+
 operator() {
+  local key
+  key=$(context_key)
+  if [ -z "${AGENTRUN_IMAGE_REBUILD:-}" ] && image_exists "$IMAGE" &&
+    [ "$(cat "$WORK/image.key" 2>/dev/null)" = "$key $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE")" ]; then
+    log "$IMAGE is up to date (context $key; AGENTRUN_IMAGE_REBUILD=1 runs buildah bud anyway)"
+    return
+  fi
   timed "cargo registry copy" registry
   local t0=$SECONDS
   log "buildah bud $ROOT/Dockerfile -> $IMAGE (a cold release build takes minutes)"
@@ -224,10 +246,35 @@ operator() {
     { tail -30 "$WORK/bud.log" >&2; die "buildah bud failed (log: $WORK/bud.log)"; }
   TIMINGS+=("$(printf '%-40s %4d s' "buildah bud $IMAGE" $((SECONDS - t0)))")
   log "$(grep -c 'Using cache' "$WORK/bud.log" || true) build steps from buildah's layer cache"
-  # No `rmi --prune` here: the untagged intermediate images ARE buildah's
-  # layer cache (pruning them made every build a cold one).
+  # No `rmi --prune` here: the untagged intermediate images of this build
+  # ARE buildah's layer cache (pruning them made every build a cold one);
+  # those of earlier builds are not, and with vfs each is a full copy of the
+  # toolchain image (about 1 GB).
+  prune_stale
+  echo "$key $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE")" >"$WORK/image.key"
   log "$IMAGE: $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE" | cut -c1-12)," \
     "$(image_size "$IMAGE")"
+}
+
+# The intermediate images of earlier operator builds: untagged, not used by
+# the build just made (its `-->` lines), made by this Dockerfile's stages
+# (their history names its WORKDIR or its final USER); never another
+# script's (the PostgreSQL image shares this storage) nor a base.
+prune_stale() {
+  local keep id history n=0 m
+  keep=" $(sed -n 's/^--> \(Using cache \)\{0,1\}\([0-9a-f]\{11,\}\)$/\2/p' "$WORK/bud.log" | tr '\n' ' ') $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE") "
+  for _ in 1 2 3; do  # a parent goes once its children have
+    m=$n
+    for id in $(bah images --all --noheading --no-trunc --format '{{.ID}} {{.Name}}' | awk '$2 == "<none>" || $2 == "" { print $1 }'); do
+      id=${id#sha256:}
+      [[ $keep == *" ${id:0:11}"* ]] && continue
+      history=$(bah inspect --type image --format '{{range .OCIv1.History}}{{.CreatedBy}}|{{end}}' "$id" 2>/dev/null) || continue
+      case "$history" in *"WORKDIR /src"*|*"USER 65532"*) ;; *) continue ;; esac
+      bah rmi "$id" >/dev/null 2>&1 && n=$((n + 1))
+    done
+    [ "$n" -gt "$m" ] || break
+  done
+  [ "$n" -eq 0 ] || log "removed $n intermediate images of earlier builds"
 }
 
 export_archive() {
