@@ -275,7 +275,7 @@ async fn wait_phase(runs: &Api<AgentRun>, ns: &str, name: &str, want: Phase) -> 
     // Ok(Err(..)): ended in another phase, no use waiting on.
     let found = common::wait_for(&format!("{name} to be {want:?}"), TIMEOUT, || async {
         let r = runs.get(name).await.map_err(|e| e.to_string())?;
-        match r.status.as_ref().and_then(|s| s.phase.clone()) {
+        match r.status.as_ref().and_then(|s| s.phase) {
             Some(p) if p == want => Ok(Ok(r)),
             Some(p @ (Phase::Failed | Phase::Cancelled | Phase::Succeeded)) => {
                 Ok(Err(format!("{name} ended {p:?}: {:?}", r.status)))
