@@ -446,17 +446,7 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
     .await;
 
     // A sample run, as in config/samples, against the stand-ins.
-    standins
-        .script(
-            "refund-demo",
-            json!([
-                {"text": "Let me look the order up first.", "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1042"}}]},
-                {"text": "Refunding the damaged item.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": 40}}]},
-                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 40.00 for order 1042."}}]}
-            ]),
-            json!([]),
-        )
-        .await;
+    standins.script_refund_samples().await;
     standins
         .script(
             "slow",
@@ -484,16 +474,6 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         ]));
     }
     // A run of the same agent whose refund needs a finance approver.
-    standins
-        .script(
-            "refund-big",
-            json!([
-                {"text": "Refunding the whole order.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1043", "amount": 150}}]},
-                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 150.00 for order 1043."}}]}
-            ]),
-            json!([]),
-        )
-        .await;
     let agent_sample: Value = serde_yaml::from_str(
         &std::fs::read_to_string(samples.join("agent-refund-assistant.yaml"))
             .unwrap()
@@ -567,45 +547,15 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
 
     // The big refund waits for an approver: alice (group finance-approvers),
     // with the chart's approver ClusterRole bound in the namespace, approves.
-    let approval_name = common::wait_for("refund-big to await approval", TIMEOUT, || async {
-        let r = runs.get("refund-big").await.map_err(|e| e.to_string())?;
-        let s = r.status.clone().unwrap_or_default();
-        match (s.phase, s.approval) {
-            (Some(Phase::AwaitingApproval), Some(a)) => Ok(a.name),
-            _ => Err(format!("{:?}", r.status)),
-        }
-    })
+    let approval_name = common::approvals::awaited_approval(&client, &ns, "refund-big").await;
+    common::approvals::approve_as_alice_through_role(
+        &client,
+        &ns,
+        &approver_role,
+        &approval_name,
+        "damaged, paid in full",
+    )
     .await;
-    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "finance-approvers"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": approver_role},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "finance-approvers"}]
-    }))
-    .unwrap();
-    Api::<k8s_openapi::api::rbac::v1::RoleBinding>::namespaced(client.clone(), &ns)
-        .create(&Default::default(), &binding)
-        .await
-        .expect("binding the approver role");
-    let as_alice: Api<agentrun::api::Approval> =
-        Api::namespaced(common::client_as("alice").await, &ns);
-    let approval = common::wait_for("alice to read the Approval", TIMEOUT, || async {
-        as_alice.get(&approval_name).await
-    })
-    .await;
-    let decision: json_patch::Patch = serde_json::from_value(json!([{
-        "op": "add", "path": "/spec/decisions/-",
-        "value": {"approver": "alice", "verdict": "Approve",
-                  "argumentsHash": approval.spec.arguments_hash, "reason": "damaged, paid in full"}
-    }]))
-    .unwrap();
-    as_alice
-        .patch(
-            &approval_name,
-            &PatchParams::default(),
-            &Patch::<()>::Json(decision),
-        )
-        .await
-        .expect("alice approves through the chart's approver role");
     run_ok(Command::new("kubectl").args([
         "wait",
         "-n",

@@ -10,6 +10,8 @@
 
 mod common;
 
+use common::realnode::{NODE, test_image};
+
 use std::process::Command;
 use std::time::Duration;
 
@@ -17,28 +19,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 
-const NODE: &str = "agentrun-real";
 const POD_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// The test image `e2e/realnode/images.sh` builds and `e2e/cluster up
-/// --node=real` imports (a static busybox with its applets on PATH).
-fn test_image() -> String {
-    if let Some(image) = std::env::var("AGENTRUN_REALNODE_TEST_IMAGE")
-        .ok()
-        .filter(|v| !v.is_empty())
-    {
-        return image;
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/realnode/images.sh");
-    let out = Command::new(script)
-        .arg("paths")
-        .output()
-        .unwrap_or_else(|e| panic!("running {script} paths: {e}"));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("TEST_IMAGE=").map(str::to_string))
-        .unwrap_or_else(|| panic!("{script} paths names no TEST_IMAGE"))
-}
 
 fn ready(node: &Node) -> bool {
     node.status

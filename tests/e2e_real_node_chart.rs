@@ -14,19 +14,20 @@
 
 mod common;
 
+use common::realnode::NODE;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use agentrun::api::{AgentRun, Approval, Phase};
+use agentrun::api::{AgentRun, Phase};
 use common::standins::Standins;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod, Service};
+use k8s_openapi::api::core::v1::{PersistentVolume, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 
-const NODE: &str = "agentrun-real";
 const RELEASE: &str = "agentrun";
 const TIMEOUT: Duration = Duration::from_secs(240);
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
@@ -114,29 +115,6 @@ fn diagnose(ns: &str) -> String {
         "--sort-by=.lastTimestamp",
     ]));
     format!("{pods}\n{events}")
-}
-
-async fn node_ip(client: &kube::Client) -> String {
-    let nodes: Api<Node> = Api::all(client.clone());
-    common::wait_for(
-        &format!("node {NODE} Ready"),
-        Duration::from_secs(60),
-        || async {
-            let n = nodes.get_opt(NODE).await.ok()??;
-            let status = n.status?;
-            let ready = status
-                .conditions?
-                .iter()
-                .any(|c| c.type_ == "Ready" && c.status == "True");
-            let ip = status
-                .addresses?
-                .into_iter()
-                .find(|a| a.type_ == "InternalIP")?
-                .address;
-            ready.then_some(ip)
-        },
-    )
-    .await
 }
 
 /// A selector-less Service `name` whose one endpoint is a process on the
@@ -351,7 +329,7 @@ fn model_turns(request: &Value) -> usize {
 #[ignore = "needs e2e/cluster up --node=real and the images (e2e/test does both)"]
 async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_killed_step_pod() {
     let client = common::admin().await;
-    let node_ip = node_ip(&client).await;
+    let node_ip = common::realnode::node_ip(&client).await.to_string();
     let ns_guard = common::test_namespace(&client, "rn-chart").await;
     let ns = ns_guard.name().to_string();
 
@@ -404,6 +382,40 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         installed.elapsed().as_secs_f64()
     );
 
+    // The step pods' egress policy leaves out the API server, as the
+    // cluster has it (the `kubernetes` Service and its endpoint at the node
+    // IP). Nothing here enforces NetworkPolicies (the bridge plugin has no
+    // policy engine): what is checked is what the chart asks of one.
+    let policy: Value = serde_json::from_str(&common::kubectl(&[
+        "get",
+        "networkpolicy",
+        "-n",
+        &ns,
+        &format!("{RELEASE}-step-egress"),
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let excepted: BTreeSet<String> = policy["spec"]["egress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|rule| rule["to"].as_array().cloned().unwrap_or_default())
+        .flat_map(|peer| {
+            peer["ipBlock"]["except"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|c| c.as_str().map(str::to_string))
+        .collect();
+    for api in ["10.0.0.1/32".to_string(), format!("{node_ip}/32")] {
+        assert!(
+            excepted.contains(&api),
+            "the step egress policy lets step pods reach the API server at {api}: {excepted:?}"
+        );
+    }
+
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let all = pods.list(&ListParams::default()).await.unwrap().items;
     for p in &all {
@@ -417,27 +429,7 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
 
     // The samples, then a second run of the refund agent that needs an
     // approver, then one whose step container is killed mid-run.
-    standins
-        .script(
-            "refund-demo",
-            json!([
-                {"text": "Let me look the order up first.", "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1042"}}]},
-                {"text": "Refunding the damaged item.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": 40}}]},
-                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 40.00 for order 1042."}}]}
-            ]),
-            json!([]),
-        )
-        .await;
-    standins
-        .script(
-            "refund-big",
-            json!([
-                {"text": "Refunding the whole order.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1043", "amount": 150}}]},
-                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 150.00 for order 1043."}}]}
-            ]),
-            json!([]),
-        )
-        .await;
+    standins.script_refund_samples().await;
     standins
         .script(
             "crash",
@@ -543,44 +535,15 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
 
     // The big refund waits for an approver; alice approves through the
     // chart's approver ClusterRole bound in the namespace.
-    let approval_name = common::wait_for("refund-big to await approval", TIMEOUT, || async {
-        let r = runs.get("refund-big").await.ok()?;
-        let s = r.status?;
-        match (s.phase, s.approval) {
-            (Some(Phase::AwaitingApproval), Some(a)) => Some(a.name),
-            _ => None,
-        }
-    })
+    let approval_name = common::approvals::awaited_approval(&client, &ns, "refund-big").await;
+    common::approvals::approve_as_alice_through_role(
+        &client,
+        &ns,
+        &approver_role,
+        &approval_name,
+        "damaged, paid in full",
+    )
     .await;
-    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
-        "metadata": {"name": "finance-approvers"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": approver_role},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "finance-approvers"}]
-    }))
-    .unwrap();
-    Api::<k8s_openapi::api::rbac::v1::RoleBinding>::namespaced(client.clone(), &ns)
-        .create(&PostParams::default(), &binding)
-        .await
-        .expect("binding the approver role");
-    let as_alice: Api<Approval> = Api::namespaced(common::client_as("alice").await, &ns);
-    let approval = common::wait_for("alice to read the Approval", TIMEOUT, || async {
-        as_alice.get(&approval_name).await.ok()
-    })
-    .await;
-    let decision: json_patch::Patch = serde_json::from_value(json!([{
-        "op": "add", "path": "/spec/decisions/-",
-        "value": {"approver": "alice", "verdict": "Approve",
-                  "argumentsHash": approval.spec.arguments_hash, "reason": "damaged, paid in full"}
-    }]))
-    .unwrap();
-    as_alice
-        .patch(
-            &approval_name,
-            &PatchParams::default(),
-            &Patch::<()>::Json(decision),
-        )
-        .await
-        .expect("alice approves");
     let run = wait_phase(&runs, &ns, "refund-big", Phase::Succeeded).await;
     assert_eq!(
         run.status.unwrap().result.as_deref(),

@@ -11,78 +11,22 @@
 
 mod common;
 
+use common::realnode::{NODE, node_ip, test_image};
+
 use std::io::{Read as _, Write as _};
 use std::net::{IpAddr, TcpListener};
 use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
 
-const NODE: &str = "agentrun-real";
 const POD_TIMEOUT: Duration = Duration::from_secs(120);
 /// kube-proxy's and CoreDNS's informers, then kube-proxy's next sync.
 const ROUTE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The test image `e2e/realnode/images.sh` builds and `e2e/cluster up
-/// --node=real` imports (a static busybox with its applets on PATH).
-fn test_image() -> String {
-    if let Some(image) = std::env::var("AGENTRUN_REALNODE_TEST_IMAGE")
-        .ok()
-        .filter(|v| !v.is_empty())
-    {
-        return image;
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/realnode/images.sh");
-    let out = Command::new(script)
-        .arg("paths")
-        .output()
-        .unwrap_or_else(|e| panic!("running {script} paths: {e}"));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("TEST_IMAGE=").map(str::to_string))
-        .unwrap_or_else(|| panic!("{script} paths names no TEST_IMAGE"))
-}
-
-/// The real node's InternalIP (the bridge's address), once it is Ready.
-async fn node_ip(client: &kube::Client) -> IpAddr {
-    let nodes: Api<Node> = Api::all(client.clone());
-    common::wait_for(
-        &format!("node {NODE} Ready with an InternalIP"),
-        Duration::from_secs(60),
-        || async {
-            let node = match nodes.get_opt(NODE).await {
-                Ok(Some(n)) => n,
-                Ok(None) => {
-                    return Err(format!(
-                        "no node {NODE}: is the cluster up with --node=real?"
-                    ));
-                }
-                Err(e) => return Err(e.to_string()),
-            };
-            let status = node.status.unwrap_or_default();
-            let ready = status
-                .conditions
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Ready" && c.status == "True");
-            let ip = status
-                .addresses
-                .unwrap_or_default()
-                .into_iter()
-                .find(|a| a.type_ == "InternalIP")
-                .and_then(|a| a.address.parse::<IpAddr>().ok());
-            match (ready, ip) {
-                (true, Some(ip)) => Ok(ip),
-                (ready, ip) => Err(format!("Ready {ready}, InternalIP {ip:?}")),
-            }
-        },
-    )
-    .await
-}
 
 /// A busybox pod on the real node running `script`; returns once it is Ready
 /// (its readiness probe, if any, passed).

@@ -47,27 +47,10 @@ case "${IMAGE%%/*}" in
 esac
 ARCHIVE="$DIR/$(echo "${IMAGE}" | tr '/:' '__').oci.tar"
 CRATE_VERSION=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)
-# The real node's containerd (as in e2e/realnode/node.sh).
-STATE="${AGENTRUN_CLUSTER_DIR:-${AGENTRUN_STATE_DIR:-/tmp/agentrun-state}/cluster}"
-CONTAINERD_SOCK="${AGENTRUN_CONTAINERD_SOCK:-$STATE/realnode/containerd/containerd.sock}"
 BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-3600}"  # a cold release build on 2 cores: minutes
+LOG_TAG=operator-image BUILDAH_DIR="$WORK/buildah"
+. "$E2E/realnode/image-lib.sh"
 
-log() { printf '[operator-image] %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-BUILDAH=(buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs)
-bah() { buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs "$@"; }
-
-TIMINGS=()
-timed() { # label command...
-  local label=$1 t0=$SECONDS; shift
-  "$@"
-  TIMINGS+=("$(printf '%-40s %4d s' "$label" $((SECONDS - t0)))")
-}
-print_timings() {
-  [ ${#TIMINGS[@]} -gt 0 ] || return 0
-  log "timings:"; local t; for t in "${TIMINGS[@]}"; do log "  $t"; done
-}
 
 # The Dockerfile's FROM images: the first stage's (the toolchain) and the last's.
 from_images() { grep -iE '^[[:space:]]*FROM[[:space:]]' "$ROOT/Dockerfile" | awk '{
@@ -128,12 +111,6 @@ toolchain() {
   die "no Rust $RUST_WANT toolchain under $home/toolchains (the Dockerfile builds FROM $BUILD_BASE)"
 }
 
-image_size() { bah images --noheading --format '{{.Size}}' "$1" 2>/dev/null | head -1; }
-image_exists() { bah inspect --type image "$1" >/dev/null 2>&1; }
-
-CLEANUP=()
-cleanup() { local c; for c in "${CLEANUP[@]}"; do eval "$c" || true; done; }
-trap cleanup EXIT
 
 # debootstrap_image NAME KEY-TAG INCLUDE [toolchain-dir]: a bookworm minbase
 # root filesystem (plus INCLUDE packages and the toolchain), committed as NAME.
@@ -239,8 +216,7 @@ operator() {
   # cleaning and go with the rest of the cache.
   mkdir -p "$WORK/tmp"
   TMPDIR="$WORK/tmp" timeout "$BUILD_TIMEOUT" nice -n 19 ionice -c3 \
-    buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs \
-    bud --pull=never --layers --network host --isolation oci \
+    "${BUILDAH[@]}" bud --pull=never --layers --network host --isolation oci \
       --volume "$WORK/cargo-registry:/usr/local/cargo/registry" \
       --file "$ROOT/Dockerfile" --tag "$IMAGE" "$ROOT" >"$WORK/bud.log" 2>&1 ||
     { tail -30 "$WORK/bud.log" >&2; die "buildah bud failed (log: $WORK/bud.log)"; }
@@ -277,30 +253,8 @@ prune_stale() {
   [ "$n" -eq 0 ] || log "removed $n intermediate images of earlier builds"
 }
 
-export_archive() {
-  local id
-  id=$(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE")
-  if [ -f "$ARCHIVE" ] && [ "$(cat "$ARCHIVE.id" 2>/dev/null)" = "$id" ]; then
-    log "$ARCHIVE is up to date"; return
-  fi
-  rm -f "$ARCHIVE.tmp"
-  timeout 600 nice -n 19 ionice -c3 \
-    buildah --root "$WORK/buildah/root" --runroot "$WORK/buildah/run" --storage-driver vfs \
-    push --quiet "$IMAGE" "oci-archive:$ARCHIVE.tmp:$FULL_IMAGE"
-  mv "$ARCHIVE.tmp" "$ARCHIVE"
-  echo "$id" >"$ARCHIVE.id"
-  log "exported $FULL_IMAGE to $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
-}
-
-nctr() { timeout 300 ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
-
 import() {
-  if [ ! -S "$CONTAINERD_SOCK" ] || ! timeout 10 ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; then
-    log "the real node's containerd ($CONTAINERD_SOCK) is not running: not imported"
-    return
-  fi
-  [ -f "$ARCHIVE" ] || die "$ARCHIVE missing: run $0 build"
-  nctr images import "$ARCHIVE" >/dev/null
+  import_archive "$ARCHIVE" || return 0
   local full_version="${FULL_IMAGE%:*}:$CRATE_VERSION"
   [ "$full_version" = "$FULL_IMAGE" ] || nctr images tag --force "$FULL_IMAGE" "$full_version" >/dev/null
   log "imported $FULL_IMAGE (and $full_version) into $CONTAINERD_SOCK"
@@ -324,11 +278,6 @@ verify() {
   bah rm "$ctr" >/dev/null
 }
 
-lock() {
-  mkdir -p "$WORK"
-  exec 9>"$WORK/lock"
-  flock -w "${AGENTRUN_IMAGE_LOCK_WAIT:-1800}" 9 || die "another build holds $WORK/lock"
-}
 
 case "${1:-build}" in
   build)
@@ -337,7 +286,7 @@ case "${1:-build}" in
     deps
     bases
     timed "operator image $IMAGE" operator
-    timed "OCI archive" export_archive
+    timed "OCI archive" export_archive "$IMAGE" "$ARCHIVE" "$FULL_IMAGE"
     timed "import into the real node" import
     TIMINGS+=("$(printf '%-40s %4d s' total $((SECONDS - T0)))")
     print_timings

@@ -39,42 +39,11 @@ POSTGRES_IMAGE_TAG=15-bookworm
 IMAGE="$POSTGRES_IMAGE_REPOSITORY:$POSTGRES_IMAGE_TAG"
 ARCHIVE="$DIR/postgres-$VERSION.oci.tar"
 BASE=debian:bookworm-slim
-# The real node's containerd (as in e2e/realnode/node.sh and build-operator-image.sh).
-STATE="${AGENTRUN_CLUSTER_DIR:-${AGENTRUN_STATE_DIR:-/tmp/agentrun-state}/cluster}"
-CONTAINERD_SOCK="${AGENTRUN_CONTAINERD_SOCK:-$STATE/realnode/containerd/containerd.sock}"
 BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-1800}"
 VERIFY_PORT="${AGENTRUN_POSTGRES_VERIFY_PORT:-25499}"  # host network: below 32768, nothing's
+LOG_TAG=postgres-image BUILDAH_DIR="$OPERATOR_WORK/buildah"
+. "$HERE/image-lib.sh"
 
-log() { printf '[postgres-image] %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
-
-BUILDAH=(buildah --root "$OPERATOR_WORK/buildah/root" --runroot "$OPERATOR_WORK/buildah/run" --storage-driver vfs)
-bah() { "${BUILDAH[@]}" "$@"; }
-
-TIMINGS=()
-timed() { # label command...
-  local label=$1 t0=$SECONDS; shift
-  "$@"
-  TIMINGS+=("$(printf '%-32s %4d s' "$label" $((SECONDS - t0)))")
-}
-print_timings() {
-  [ ${#TIMINGS[@]} -gt 0 ] || return 0
-  log "timings:"; local t; for t in "${TIMINGS[@]}"; do log "  $t"; done
-}
-
-CLEANUP=()
-cleanup() { local i; for ((i = ${#CLEANUP[@]} - 1; i >= 0; i--)); do eval "${CLEANUP[i]}" || true; done; }
-trap cleanup EXIT
-
-image_exists() { bah inspect --type image "$1" >/dev/null 2>&1; }
-image_id() { bah inspect --type image --format '{{.FromImageID}}' "$1"; }
-image_size() { bah images --noheading --format '{{.Size}}' "$1" 2>/dev/null | head -1; }
-
-lock() {
-  mkdir -p "$WORK"
-  exec 9>"$WORK/lock"
-  flock -w "${AGENTRUN_IMAGE_LOCK_WAIT:-1800}" 9 || die "another build holds $WORK/lock"
-}
 
 base() {
   if image_exists "$BASE"; then log "$BASE is there (build-operator-image.sh's base)"; return; fi
@@ -132,28 +101,8 @@ prune_stale() {
   [ "$n" -eq 0 ] || log "removed $n stale intermediate images of earlier builds"
 }
 
-export_archive() {
-  local id
-  id=$(image_id "$IMAGE")
-  if [ -f "$ARCHIVE" ] && [ "$(cat "$ARCHIVE.id" 2>/dev/null)" = "$id" ]; then
-    log "$ARCHIVE is up to date"; return
-  fi
-  rm -f "$ARCHIVE.tmp"
-  timeout 600 nice -n 19 ionice -c3 "${BUILDAH[@]}" push --quiet "$IMAGE" "oci-archive:$ARCHIVE.tmp:$IMAGE"
-  mv "$ARCHIVE.tmp" "$ARCHIVE"
-  echo "$id" >"$ARCHIVE.id"
-  log "exported $IMAGE to $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
-}
-
-nctr() { timeout 300 ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
-
 import() {
-  if [ ! -S "$CONTAINERD_SOCK" ] || ! timeout 10 ctr --address "$CONTAINERD_SOCK" version >/dev/null 2>&1; then
-    log "the real node's containerd ($CONTAINERD_SOCK) is not running: not imported"
-    return
-  fi
-  [ -f "$ARCHIVE" ] || die "$ARCHIVE missing: run $0 build"
-  nctr images import "$ARCHIVE" >/dev/null
+  import_archive "$ARCHIVE" || return 0
   log "imported $IMAGE into $CONTAINERD_SOCK"
 }
 
@@ -368,7 +317,7 @@ case "${1:-build}" in
     lock; T0=$SECONDS
     timed "base $BASE" base
     timed "image $IMAGE" image
-    timed "OCI archive" export_archive
+    timed "OCI archive" export_archive "$IMAGE" "$ARCHIVE" "$IMAGE"
     timed "import into the real node" import
     TIMINGS+=("$(printf '%-32s %4d s' total $((SECONDS - T0)))")
     print_timings

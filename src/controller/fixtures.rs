@@ -78,6 +78,20 @@ async fn expect_status(handle: &mut Handle, run: &AgentRun) -> Value {
     body
 }
 
+/// The Events a reconcile posts, in order, by reason.
+async fn expect_events(handle: &mut Handle, reasons: &[&str]) {
+    for reason in reasons {
+        let event = expect(
+            handle,
+            "POST",
+            "/apis/events.k8s.io/v1/namespaces/ns/events",
+            Value::Null,
+        )
+        .await;
+        assert_eq!(event["reason"], *reason);
+    }
+}
+
 /// The platform's policies, read (none) before a run starts or a Job is made.
 async fn expect_policies(handle: &mut Handle) {
     for (path, kind) in [
@@ -182,16 +196,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
     let server = tokio::spawn(async move {
         expect_policies(&mut handle).await;
         let status = expect_status(&mut handle, &sent).await;
-        for reason in ["AgentResolved", "RunStarted"] {
-            let event = expect(
-                &mut handle,
-                "POST",
-                "/apis/events.k8s.io/v1/namespaces/ns/events",
-                Value::Null,
-            )
-            .await;
-            assert_eq!(event["reason"], reason);
-        }
+        expect_events(&mut handle, &["AgentResolved", "RunStarted"]).await;
         expect_nothing_more(&mut handle).await;
         (handle, status)
     });
@@ -227,14 +232,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         assert_eq!(job["metadata"]["name"], "r1-951103-s1-a1");
         let status = expect_status(&mut handle, &sent).await;
         assert_eq!(status["status"]["step"]["job"], "r1-951103-s1-a1");
-        let event = expect(
-            &mut handle,
-            "POST",
-            "/apis/events.k8s.io/v1/namespaces/ns/events",
-            Value::Null,
-        )
-        .await;
-        assert_eq!(event["reason"], "StepStarted");
+        expect_events(&mut handle, &["StepStarted"]).await;
         expect_nothing_more(&mut handle).await;
         (handle, status)
     });
@@ -591,16 +589,7 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
         )
         .await;
         let status = expect_status(&mut handle, &sent).await;
-        for reason in ["AgentResolved", "RunStarted"] {
-            let event = expect(
-                &mut handle,
-                "POST",
-                "/apis/events.k8s.io/v1/namespaces/ns/events",
-                Value::Null,
-            )
-            .await;
-            assert_eq!(event["reason"], reason);
-        }
+        expect_events(&mut handle, &["AgentResolved", "RunStarted"]).await;
         expect_nothing_more(&mut handle).await;
         status
     });

@@ -26,11 +26,10 @@ pub fn refund(amount: u64) -> Value {
            "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": amount}}]})
 }
 
-/// Waits for the run to wait on an Approval and returns it.
-pub async fn pending_approval(w: &World, run: &str) -> Approval {
-    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
-    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
-    let name = super::wait_for(&format!("{run} to await approval"), TIMEOUT, || async {
+/// Waits for run `run` in `ns` to wait on an Approval; returns its name.
+pub async fn awaited_approval(client: &kube::Client, ns: &str, run: &str) -> String {
+    let runs: Api<AgentRun> = Api::namespaced(client.clone(), ns);
+    super::wait_for(&format!("{run} to await approval"), TIMEOUT, || async {
         let r = runs.get(run).await.map_err(|e| e.to_string())?;
         let s = r.status.clone().unwrap_or_default();
         match (s.phase, s.approval) {
@@ -38,8 +37,54 @@ pub async fn pending_approval(w: &World, run: &str) -> Approval {
             _ => Err(format!("{:?}", r.status)),
         }
     })
-    .await;
+    .await
+}
+
+/// Waits for the run to wait on an Approval and returns it.
+pub async fn pending_approval(w: &World, run: &str) -> Approval {
+    let name = awaited_approval(&w.client, w.name(), run).await;
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
     approvals.get(&name).await.expect("the Approval exists")
+}
+
+/// What a chart user does: binds the approver ClusterRole `role` to group
+/// finance-approvers in `ns`; then alice, once she can read it, approves
+/// `approval` for the arguments it shows.
+pub async fn approve_as_alice_through_role(
+    client: &kube::Client,
+    ns: &str,
+    role: &str,
+    approval: &str,
+    reason: &str,
+) {
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "finance-approvers"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "finance-approvers"}]
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::rbac::v1::RoleBinding>::namespaced(client.clone(), ns)
+        .create(&Default::default(), &binding)
+        .await
+        .expect("binding the approver role");
+    let as_alice: Api<Approval> = Api::namespaced(super::client_as("alice").await, ns);
+    let read = super::wait_for("alice to read the Approval", TIMEOUT, || async {
+        as_alice.get(approval).await
+    })
+    .await;
+    let decision: json_patch::Patch = serde_json::from_value(json!([{
+        "op": "add", "path": "/spec/decisions/-",
+        "value": entry("alice", "Approve", &read.spec.arguments_hash, reason)
+    }]))
+    .unwrap();
+    as_alice
+        .patch(
+            approval,
+            &PatchParams::default(),
+            &Patch::<()>::Json(decision),
+        )
+        .await
+        .expect("alice approves through the approver role");
 }
 
 /// Adds a decision to an Approval as `user` (what `kubectl agentrun approve` does).

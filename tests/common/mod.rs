@@ -6,6 +6,7 @@
 
 pub mod approvals;
 pub mod controller;
+pub mod realnode;
 pub mod scripts;
 pub mod standins;
 pub mod store;

@@ -65,6 +65,31 @@ impl Standins {
         .await;
     }
 
+    /// The chart tests' model scripts: `refund-demo` (the sample run: a
+    /// lookup, a 40.00 refund, the answer) and `refund-big` (a 150.00 refund
+    /// of order 1043, which needs a finance approver, then the answer).
+    pub async fn script_refund_samples(&self) {
+        self.script(
+            "refund-demo",
+            json!([
+                {"text": "Let me look the order up first.", "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1042"}}]},
+                {"text": "Refunding the damaged item.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": 40}}]},
+                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 40.00 for order 1042."}}]}
+            ]),
+            json!([]),
+        )
+        .await;
+        self.script(
+            "refund-big",
+            json!([
+                {"text": "Refunding the whole order.", "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1043", "amount": 150}}]},
+                {"toolCalls": [{"name": "finish", "arguments": {"result": "Refunded 150.00 for order 1043."}}]}
+            ]),
+            json!([]),
+        )
+        .await;
+    }
+
     async fn put_script(&self, id: &str, body: Value) {
         let resp = self
             .http
