@@ -7,7 +7,8 @@
 #
 # tests/packaging.rs checks this file without a container engine: the build
 # context holds every file the two binaries are compiled from, the binaries
-# copied below are the ones the build stage produces, the final user is not root.
+# copied below are the ones the build stage produces (release by default),
+# the final user is not root.
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
@@ -20,20 +21,25 @@ COPY e2e/node ./e2e/node
 COPY e2e/standins ./e2e/standins
 COPY benches ./benches
 ENV CARGO_PROFILE_RELEASE_STRIP=symbols
+# The cargo profile: release, the image users run. `--build-arg PROFILE=dev`
+# builds the same stages unoptimised, minutes faster (the e2e tests' real
+# node does, see e2e/realnode/build-operator-image.sh).
+ARG PROFILE=release
 # cargo's target directory is a build cache (BuildKit's and buildah's
 # `--mount=type=cache`): a rebuild after a source change compiles only this
 # crate, not every dependency again. The binaries are copied out of it into
-# the layer.
+# the layer, to /src/bin.
 RUN --mount=type=cache,target=/cargo-target,sharing=locked \
-    CARGO_TARGET_DIR=/cargo-target cargo build --release --locked --bin agentrun --bin kubectl-agentrun \
-    && mkdir -p target/release \
-    && cp /cargo-target/release/agentrun /cargo-target/release/kubectl-agentrun target/release/
+    CARGO_TARGET_DIR=/cargo-target cargo build --profile "$PROFILE" --locked --bin agentrun --bin kubectl-agentrun \
+    && out=$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE") \
+    && mkdir -p bin \
+    && cp "/cargo-target/$out/agentrun" "/cargo-target/$out/kubectl-agentrun" bin/
 
 FROM debian:bookworm-slim
 # Roots for TLS to model providers and tools (rustls reads the system bundle).
 COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
-COPY --from=build /src/target/release/agentrun /usr/local/bin/agentrun
-COPY --from=build /src/target/release/kubectl-agentrun /usr/local/bin/kubectl-agentrun
+COPY --from=build /src/bin/agentrun /usr/local/bin/agentrun
+COPY --from=build /src/bin/kubectl-agentrun /usr/local/bin/kubectl-agentrun
 # The uid the chart and the step Jobs run as (runAsNonRoot needs a numeric user).
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/agentrun"]

@@ -985,7 +985,18 @@ fn the_dockerfile_builds_the_shipped_binaries_from_a_complete_context_and_runs_t
         .expect("RUN cargo build");
     let words: Vec<&str> = cargo.split_whitespace().collect();
     assert!(words.contains(&"--locked"), "{cargo}");
-    assert!(words.contains(&"--release"), "{cargo}");
+    // Release unless a build argument says otherwise.
+    let profile_arg = build
+        .instructions
+        .iter()
+        .find(|(k, a)| k == "ARG" && a.starts_with("PROFILE="))
+        .map(|(_, a)| a.clone());
+    assert!(
+        words.contains(&"--release")
+            || (words.windows(2).any(|w| w == ["--profile", "\"$PROFILE\""])
+                && profile_arg.as_deref() == Some("PROFILE=release")),
+        "{cargo}: --release, or --profile \"$PROFILE\" with ARG PROFILE=release ({profile_arg:?})"
+    );
     let built: BTreeSet<String> = words
         .windows(2)
         .filter(|w| w[0] == "--bin")
@@ -1004,9 +1015,12 @@ fn the_dockerfile_builds_the_shipped_binaries_from_a_complete_context_and_runs_t
         );
     }
 
-    // The final stage copies exactly those binaries out of target/release.
+    // The final stage copies exactly those binaries out of the directory the
+    // build step puts them in (the last word of its command, relative to
+    // WORKDIR).
     let last = stages.last().unwrap();
-    let release_dir = format!("{}/target/release/", workdir.trim_end_matches('/'));
+    let out = words.last().unwrap().trim_end_matches('/');
+    let release_dir = format!("{}/{out}/", workdir.trim_end_matches('/'));
     let mut copied = BTreeMap::new();
     for (k, a) in &last.instructions {
         if k == "COPY" && a.starts_with("--from=build") {

@@ -9,7 +9,9 @@
 #      (`rust:1.95-bookworm`: debootstrap minbase plus gcc, libc6-dev and
 #      ca-certificates, plus a copy of this machine's Rust toolchain);
 #   2. `buildah bud --pull=never --layers` of the Dockerfile, unchanged, into
-#      $IMAGE (agentrun:dev): buildah's layer cache makes an unchanged tree a
+#      $IMAGE (agentrun:dev), with its PROFILE build argument from
+#      AGENTRUN_IMAGE_PROFILE (release; the e2e scripts pass dev): buildah's
+#      layer cache makes an unchanged tree a
 #      cache hit and a changed one a rebuild; cargo's registry is a private
 #      copy of ~/.cargo/registry mounted at the image's CARGO_HOME/registry
 #      (cargo fetches what it lacks from the crate registry); the Dockerfile's
@@ -48,6 +50,9 @@ esac
 ARCHIVE="$DIR/$(echo "${IMAGE}" | tr '/:' '__').oci.tar"
 CRATE_VERSION=$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -1)
 BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-3600}"  # a cold release build on 2 cores: minutes
+# The Dockerfile's PROFILE build argument: release (its default, what users
+# run) or dev (unoptimised: what e2e/test and e2e/demo build, minutes faster).
+PROFILE="${AGENTRUN_IMAGE_PROFILE:-release}"
 LOG_TAG=operator-image BUILDAH_DIR="$WORK/buildah"
 . "$E2E/realnode/image-lib.sh"
 
@@ -195,6 +200,7 @@ context_key() {
     cat "$ROOT/Dockerfile" "$ROOT/.dockerignore"
     # shellcheck disable=SC2086  # the COPY sources, one word each
     (cd "$ROOT" && find $sources -type f ! -name '*.rs.bk' -print0 | sort -z | xargs -0 sha256sum)
+    echo "PROFILE=$PROFILE"
     bah inspect --type image --format '{{.FromImageID}}' "$RUNTIME_BASE"
     bah inspect --type image --format '{{.FromImageID}}' "$BUILD_BASE"
   } | sha256sum | cut -c1-16
@@ -210,13 +216,13 @@ operator() {
   fi
   timed "cargo registry copy" registry
   local t0=$SECONDS
-  log "buildah bud $ROOT/Dockerfile -> $IMAGE (a cold release build takes minutes)"
+  log "buildah bud $ROOT/Dockerfile (PROFILE=$PROFILE) -> $IMAGE (a cold build takes minutes)"
   # buildah keeps `RUN --mount=type=cache` directories (cargo's target dir)
   # under $TMPDIR: in the cache dir, so they outlive the machine's /var/tmp
   # cleaning and go with the rest of the cache.
   mkdir -p "$WORK/tmp"
   TMPDIR="$WORK/tmp" timeout "$BUILD_TIMEOUT" nice -n 19 ionice -c3 \
-    "${BUILDAH[@]}" bud --pull=never --layers --network host --isolation oci \
+    "${BUILDAH[@]}" bud --pull=never --layers --network host --isolation oci --build-arg PROFILE="$PROFILE" \
       --volume "$WORK/cargo-registry:/usr/local/cargo/registry" \
       --file "$ROOT/Dockerfile" --tag "$IMAGE" "$ROOT" >"$WORK/bud.log" 2>&1 ||
     { tail -30 "$WORK/bud.log" >&2; die "buildah bud failed (log: $WORK/bud.log)"; }
