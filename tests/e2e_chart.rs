@@ -352,9 +352,10 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         common::wait_established(&client, name).await;
     }
     // The requester stamp the chart installs where the API server serves
-    // MutatingAdmissionPolicy (its template here renders the CRDs only): as
-    // the other suites apply it, so this test does not depend on their order.
-    common::apply_admission_policies(&client).await;
+    // MutatingAdmissionPolicy (the template rendered here holds the CRDs and
+    // the validating policies for this release): applied as the other suites
+    // apply it, so this test does not depend on their order.
+    common::apply_requester_stamp(&client).await;
 
     // helm install: watching only the test namespace, store URL through the
     // chart's Secret, model key through the chart's modelSecrets.

@@ -53,6 +53,7 @@ BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-3600}"  # a cold release build on
 # The Dockerfile's PROFILE build argument: release (its default, what users
 # run) or dev (unoptimised: what e2e/test and e2e/demo build, minutes faster).
 PROFILE="${AGENTRUN_IMAGE_PROFILE:-release}"
+# shellcheck disable=SC2034  # both are read by image-lib.sh
 LOG_TAG=operator-image BUILDAH_DIR="$WORK/buildah"
 . "$E2E/realnode/image-lib.sh"
 
@@ -232,31 +233,19 @@ operator() {
   # ARE buildah's layer cache (pruning them made every build a cold one);
   # those of earlier builds are not, and with vfs each is a full copy of the
   # toolchain image (about 1 GB).
-  prune_stale
+  prune_stale "$IMAGE" own_intermediate
   echo "$key $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE")" >"$WORK/image.key"
   log "$IMAGE: $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE" | cut -c1-12)," \
     "$(image_size "$IMAGE")"
 }
 
-# The intermediate images of earlier operator builds: untagged, not used by
-# the build just made (its `-->` lines), made by this Dockerfile's stages
-# (their history names its WORKDIR or its final USER); never another
-# script's (the PostgreSQL image shares this storage) nor a base.
-prune_stale() {
-  local keep id history n=0 m
-  keep=" $(sed -n 's/^--> \(Using cache \)\{0,1\}\([0-9a-f]\{11,\}\)$/\2/p' "$WORK/bud.log" | tr '\n' ' ') $(bah inspect --type image --format '{{.FromImageID}}' "$IMAGE") "
-  for _ in 1 2 3; do  # a parent goes once its children have
-    m=$n
-    for id in $(bah images --all --noheading --no-trunc --format '{{.ID}} {{.Name}}' | awk '$2 == "<none>" || $2 == "" { print $1 }'); do
-      id=${id#sha256:}
-      [[ $keep == *" ${id:0:11}"* ]] && continue
-      history=$(bah inspect --type image --format '{{range .OCIv1.History}}{{.CreatedBy}}|{{end}}' "$id" 2>/dev/null) || continue
-      case "$history" in *"WORKDIR /src"*|*"USER 65532"*) ;; *) continue ;; esac
-      bah rmi "$id" >/dev/null 2>&1 && n=$((n + 1))
-    done
-    [ "$n" -gt "$m" ] || break
-  done
-  [ "$n" -eq 0 ] || log "removed $n intermediate images of earlier builds"
+# An intermediate image of this Dockerfile's stages: its history names the
+# build stage's WORKDIR or the final USER.
+own_intermediate() {
+  local history
+  history=$(bah inspect --type image --format '{{range .OCIv1.History}}{{.CreatedBy}}|{{end}}' "$1" 2>/dev/null) || return 1
+  case "$history" in *"WORKDIR /src"*|*"USER 65532"*) return 0 ;; esac
+  return 1
 }
 
 import() {

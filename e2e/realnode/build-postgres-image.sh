@@ -41,6 +41,7 @@ ARCHIVE="$DIR/postgres-$VERSION.oci.tar"
 BASE=debian:bookworm-slim
 BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-1800}"
 VERIFY_PORT="${AGENTRUN_POSTGRES_VERIFY_PORT:-25499}"  # host network: below 32768, nothing's
+# shellcheck disable=SC2034  # both are read by image-lib.sh
 LOG_TAG=postgres-image BUILDAH_DIR="$OPERATOR_WORK/buildah"
 . "$HERE/image-lib.sh"
 
@@ -73,32 +74,20 @@ image() {
     { tail -30 "$WORK/bud.log" >&2; die "buildah bud failed (log: $WORK/bud.log)"; }
   TIMINGS+=("$(printf '%-32s %4d s' "buildah bud" $((SECONDS - t0)))")
   echo "$key $(image_id "$IMAGE")" >"$WORK/image.key"
-  prune_stale
+  prune_stale "$IMAGE" own_intermediate
   log "$(grep -c 'Using cache' "$WORK/bud.log" || true) build steps from buildah's layer cache"
   log "$IMAGE: $(image_id "$IMAGE" | cut -c1-12), $(image_size "$IMAGE")," \
     "$(grep -o 'PostgreSQL) [0-9.]*' "$WORK/bud.log" | tail -1 || true)"
 }
 
-# The intermediate images of earlier builds of this Containerfile (buildah's
-# layer cache for sources that are gone: with vfs each is a full copy of the
-# image), never those of the build just made nor anyone else's: only the
-# untagged images labelled as this image or made by its `ARG IMAGE_VERSION`.
-prune_stale() {
-  local keep id info n=0 m
-  keep=" $(sed -n 's/^--> \(Using cache \)\{0,1\}\([0-9a-f]\{11,\}\)$/\2/p' "$WORK/bud.log" | tr '\n' ' ') $(image_id "$IMAGE") "
-  for _ in 1 2 3; do  # a parent goes once its children have
-    m=$n
-    for id in $(bah images --all --noheading --no-trunc --format '{{.ID}} {{.Name}}' | awk '$2 == "<none>" || $2 == "" { print $1 }'); do
-      id=${id#sha256:}
-      [[ $keep == *" ${id:0:11}"* ]] && continue
-      info=$(bah inspect --type image "$id" 2>/dev/null |
-        jq -r '(.OCIv1.config.Labels["org.opencontainers.image.title"] // "") + "|" + ([.OCIv1.history[]?.created_by][-1] // "")') || continue
-      case "$info" in "agentrun e2e postgres|"*|"|/bin/sh -c #(nop) ARG IMAGE_VERSION"*) ;; *) continue ;; esac
-      bah rmi "$id" >/dev/null 2>&1 && n=$((n + 1))
-    done
-    [ "$n" -gt "$m" ] || break
-  done
-  [ "$n" -eq 0 ] || log "removed $n stale intermediate images of earlier builds"
+# An intermediate image of this Containerfile: labelled as this image, or
+# made by its `ARG IMAGE_VERSION` step.
+own_intermediate() {
+  local info
+  info=$(bah inspect --type image "$1" 2>/dev/null |
+    jq -r '(.OCIv1.config.Labels["org.opencontainers.image.title"] // "") + "|" + ([.OCIv1.history[]?.created_by][-1] // "")') || return 1
+  case "$info" in "agentrun e2e postgres|"*|"|/bin/sh -c #(nop) ARG IMAGE_VERSION"*) return 0 ;; esac
+  return 1
 }
 
 import() {

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # What the image scripts of the real node share (sourced by
 # build-operator-image.sh and build-postgres-image.sh once they have set
 # LOG_TAG, WORK (their lock and logs) and BUILDAH_DIR): one buildah storage
@@ -53,6 +54,27 @@ export_archive() {
   mv "$archive.tmp" "$archive"
   echo "$id" >"$archive.id"
   log "exported $name to $archive ($(du -h "$archive" | cut -f1))"
+}
+
+# prune_stale IMAGE OWN: removes the intermediate images of earlier builds
+# (buildah's layer cache for sources that are gone; with vfs each is a full
+# copy of its image): untagged, not used by the build just made (the `-->`
+# lines of $WORK/bud.log, and IMAGE), and this script's by the function OWN
+# (given an image id), never another script's (they share the storage).
+prune_stale() {
+  local image=$1 own=$2 keep id n=0 m
+  keep=" $(sed -n 's/^--> \(Using cache \)\{0,1\}\([0-9a-f]\{11,\}\)$/\2/p' "$WORK/bud.log" | tr '\n' ' ') $(image_id "$image") "
+  for _ in 1 2 3; do  # a parent goes once its children have
+    m=$n
+    for id in $(bah images --all --noheading --no-trunc --format '{{.ID}} {{.Name}}' | awk '$2 == "<none>" || $2 == "" { print $1 }'); do
+      id=${id#sha256:}
+      [[ $keep == *" ${id:0:11}"* ]] && continue
+      "$own" "$id" || continue
+      bah rmi "$id" >/dev/null 2>&1 && n=$((n + 1))
+    done
+    [ "$n" -gt "$m" ] || break
+  done
+  [ "$n" -eq 0 ] || log "removed $n intermediate images of earlier builds"
 }
 
 nctr() { timeout 300 ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }

@@ -330,6 +330,13 @@ pub async fn apply_admission_policies(client: &Client) {
         concat!(env!("CARGO_MANIFEST_DIR"), "/crds/admission.yaml"),
     )
     .await;
+    apply_requester_stamp(client).await;
+}
+
+/// Where the API server serves MutatingAdmissionPolicy, applies
+/// `config/requester-stamp/` and returns once a run created without a
+/// requester would get one stamped.
+pub async fn apply_requester_stamp(client: &Client) {
     if serves_mutating_policies(client).await {
         apply_manifests(
             client,
