@@ -25,7 +25,7 @@ use agentrun::api::{AgentRun, Phase};
 use common::standins::Standins;
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
 const RELEASE: &str = "agentrun";
@@ -347,8 +347,7 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     expose_host_process(&client, &ns, "standins", &node_ip, port).await;
     let base = format!("http://standins.{ns}.svc:{port}");
 
-    let _volume =
-        HostVolume::for_claim(&client, &ns, &format!("data-{RELEASE}-postgresql-0")).await;
+    let volume = HostVolume::for_claim(&client, &ns, &format!("data-{RELEASE}-postgresql-0")).await;
     let approver_role = format!("{ns}-approver");
     forget_earlier_releases(&ns);
     let values = json!({
@@ -648,10 +647,6 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     );
 
     // The chart's PostgreSQL kept the log on the volume.
-    let entries = std::fs::read_dir(&_volume.dir).unwrap().count();
+    let entries = std::fs::read_dir(&volume.dir).unwrap().count();
     assert!(entries > 0, "PostgreSQL's data is on the host volume");
-    drop(_release);
-    let _ = Api::<Pod>::namespaced(client.clone(), &ns)
-        .delete_collection(&DeleteParams::default(), &ListParams::default())
-        .await;
 }

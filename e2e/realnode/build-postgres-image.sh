@@ -83,10 +83,13 @@ image() {
 # An intermediate image of this Containerfile: labelled as this image, or
 # made by its `ARG IMAGE_VERSION` step.
 own_intermediate() {
-  local info
-  info=$(bah inspect --type image "$1" 2>/dev/null |
-    jq -r '(.OCIv1.config.Labels["org.opencontainers.image.title"] // "") + "|" + ([.OCIv1.history[]?.created_by][-1] // "")') || return 1
-  case "$info" in "agentrun e2e postgres|"*|"|/bin/sh -c #(nop) ARG IMAGE_VERSION"*) return 0 ;; esac
+  local title history
+  title=$(bah inspect --type image --format '{{index .OCIv1.Config.Labels "org.opencontainers.image.title"}}' "$1" 2>/dev/null) ||
+    return 1
+  [ "$title" = "agentrun e2e postgres" ] && return 0
+  history=$(bah inspect --type image --format '{{range .OCIv1.History}}{{.CreatedBy}}|{{end}}' "$1" 2>/dev/null) || return 1
+  history=${history%|}
+  case "${history##*|}" in "/bin/sh -c #(nop) ARG IMAGE_VERSION"*) return 0 ;; esac
   return 1
 }
 
