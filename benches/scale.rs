@@ -86,6 +86,10 @@ struct Config {
     idle: Duration,
     approvals: usize,
     baseline_runs: usize,
+    /// Runs holding their step (a tool call that answers after an hour)
+    /// while the probe runs go through theirs: the concurrently active runs
+    /// of the dispatch figure (`dispatch.held<N>`).
+    held: usize,
     /// A second idle window once every step Job is gone (their TTL is 600 s).
     quiet: bool,
     /// Runs that made no progress for this long are reported as stuck.
@@ -137,6 +141,7 @@ impl Config {
                     _ => 10,
                 },
             ),
+            held: env_num("AGENTRUN_SCALE_HELD", active),
             turns: 3,
             stall: Duration::from_secs(env_num("AGENTRUN_SCALE_STALL_SECONDS", 120)),
             quiet: env_num("AGENTRUN_SCALE_QUIET", u8::from(!short && !check)) == 1,
@@ -192,17 +197,41 @@ fn check_figures() {
             failed.push(format!("{what}: {name} = {v}"));
         }
     };
-    // `burst.runs<N>.succeeded` is N.
-    expect(
-        "every run of the burst succeeded",
-        &|n| n.starts_with("burst.runs") && n.ends_with(".succeeded"),
-        &|n, v| {
-            n["burst.runs".len()..]
+    // `<prefix><N>.<figure>` is N.
+    let is_n = |prefix: &'static str| {
+        move |n: &str, v: f64| {
+            n[prefix.len()..]
                 .split('.')
                 .next()
                 .and_then(|c| c.parse().ok())
                 == Some(v)
-        },
+        }
+    };
+    // `burst.runs<N>.succeeded` is N.
+    expect(
+        "every run of the burst succeeded",
+        &|n| n.starts_with("burst.runs") && n.ends_with(".succeeded"),
+        &is_n("burst.runs"),
+    );
+    expect(
+        "every held run held its step while the probes ran",
+        &|n| n.starts_with("held.runs") && n.ends_with(".holding"),
+        &is_n("held.runs"),
+    );
+    expect(
+        "every held run was cancelled",
+        &|n| n.starts_with("held.runs") && n.ends_with(".cancelled"),
+        &is_n("held.runs"),
+    );
+    expect(
+        "every probe run succeeded while the others held",
+        &|n| n.starts_with("held.runs") && n.ends_with(".probes_not_succeeded"),
+        &|_, v| v == 0.0,
+    );
+    expect(
+        "the probe runs' Jobs were dispatched while the others held",
+        &|n| n.starts_with("dispatch.held") && n.ends_with(".samples"),
+        &|_, v| v > 0.0,
     );
     expect(
         "waiting runs hold no pod",
@@ -406,6 +435,15 @@ struct Runs(Arc<Mutex<HashMap<String, RunSeen>>>);
 impl Runs {
     fn get(&self, name: &str) -> Option<RunSeen> {
         self.0.lock().unwrap().get(name).cloned()
+    }
+    /// When any run last changed.
+    fn last_change(&self) -> Option<Instant> {
+        self.0
+            .lock()
+            .unwrap()
+            .values()
+            .filter_map(|r| r.changed_at)
+            .max()
     }
     /// How many of `names` satisfy `pred`, and a phase summary of all of them.
     fn count(&self, names: &[String], pred: impl Fn(&RunSeen) -> bool) -> (usize, String) {
@@ -982,16 +1020,26 @@ impl Ns {
     }
 
     async fn create_runs(&self, bench: &Bench, names: &[String], input: &str) -> Duration {
+        self.create_runs_with(
+            bench,
+            names,
+            json!({"input": input, "agentRef": {"name": "bench"}}),
+        )
+        .await
+    }
+
+    /// Creates runs `names` with `spec`, `create_concurrency` at a time.
+    async fn create_runs_with(&self, bench: &Bench, names: &[String], spec: Value) -> Duration {
         let api: Api<AgentRun> = Api::namespaced(bench.client.clone(), &self.name);
         let start = Instant::now();
         futures::stream::iter(names.iter().cloned())
             .map(|name| {
-                let api = api.clone();
+                let (api, spec) = (api.clone(), spec.clone());
                 async move {
                     let run: AgentRun = serde_json::from_value(json!({
                         "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
                         "metadata": {"name": name},
-                        "spec": {"input": input, "agentRef": {"name": "bench"}}
+                        "spec": spec
                     }))
                     .expect("run manifest");
                     let mut tries = 0;
@@ -1250,30 +1298,16 @@ async fn active(bench: &Bench) {
     // One active run at a time.
     let metrics0 = metrics_text(ns.controller.metrics_port).await;
     let baseline = names("base", cfg.baseline_runs);
-    for name in &baseline {
-        ns.create_runs(bench, std::slice::from_ref(name), "Look the order up.")
-            .await;
-        wait_until(
-            &format!("baseline run {name} to end"),
-            Duration::from_secs(180),
-            || match ns.runs.get(name) {
-                Some(r) if r.done_at.is_some() => Ok(()),
-                other => Err(format!("{:?}", other.map(|r| r.phase))),
-            },
-        )
-        .await;
-    }
-    let base_ms: Vec<f64> = bench
-        .dispatch_ms(&ns, &baseline, "dispatch-active1.csv")
-        .await
-        .into_iter()
-        .map(|(_, ms)| ms)
-        .collect();
-
+    let base_ms = one_at_a_time(bench, &ns, &baseline, "dispatch-active1.csv").await;
     let metrics1 = metrics_text(ns.controller.metrics_port).await;
     controller_dispatch_figures("dispatch.active1", &metrics0, &metrics1);
+    latency_figures("dispatch.active1", &base_ms);
+
+    // The same, while N other runs are active (each holding its step).
+    held(bench, &ns, &base_ms).await;
 
     // N runs started together.
+    let metrics1 = metrics_text(ns.controller.metrics_port).await;
     let burst = names("run", cfg.active);
     let pid = ns.pid();
     let cpu0 = cpu_seconds(pid);
@@ -1348,7 +1382,6 @@ async fn active(bench: &Bench) {
         .collect();
     let retries = jobs.iter().filter(|j| j.attempt > 1).count();
 
-    latency_figures("dispatch.active1", &base_ms);
     latency_figures(&format!("dispatch.active{}", cfg.active), &burst_ms);
     latency_figures(
         &format!("dispatch.active{}.after_all_started", cfg.active),
@@ -1402,6 +1435,277 @@ async fn active(bench: &Bench) {
     cpu_figures(&format!("burst.runs{n}"), &cpu_parts0, &cpu_parts1, wall);
     api_figures(&format!("burst.runs{n}"), &api0, &api1, wall);
     ns.save_log(bench, "").await;
+}
+
+/// Runs `names` one after the other, each to its end; returns the dispatch
+/// samples of their Jobs (ms).
+async fn one_at_a_time(bench: &Bench, ns: &Ns, names: &[String], csv: &str) -> Vec<f64> {
+    for name in names {
+        ns.create_runs(bench, std::slice::from_ref(name), "Look the order up.")
+            .await;
+        wait_until(
+            &format!("run {name} to end"),
+            Duration::from_secs(180),
+            || match ns.runs.get(name) {
+                Some(r) if r.done_at.is_some() => Ok(()),
+                other => Err(format!("{:?}", other.map(|r| r.phase))),
+            },
+        )
+        .await;
+    }
+    bench
+        .dispatch_ms(ns, names, csv)
+        .await
+        .into_iter()
+        .map(|(_, ms)| ms)
+        .collect()
+}
+
+/// How long a held run's tool call takes to answer: longer than any bench.
+const HOLD: Duration = Duration::from_secs(3 * 3600);
+
+/// Figure 1 with N runs concurrently active: N runs each hold a step Job
+/// (a running pod with the run's lease, heartbeating, in a tool call the
+/// stand-in answers after [`HOLD`]), and meanwhile probe runs go through
+/// their steps one at a time, as the baseline's did. Their dispatch against
+/// the baseline's is the controller's overhead of N active runs, apart from
+/// the API server's queueing under a burst (the burst figures below).
+async fn held(bench: &Bench, ns: &Ns, base_ms: &[f64]) {
+    let cfg = &bench.cfg;
+    let n = cfg.held;
+    if n == 0 {
+        return;
+    }
+    let tenant = format!("{}-held", ns.name);
+    bench
+        .standins
+        .script_by_turn(
+            &tenant,
+            json!([{"toolCalls": [{"name": "hold", "arguments": {"what": "the line"}}]}]),
+            json!([{"text": "Held."}]),
+        )
+        .await;
+    bench
+        .standins
+        .configure_tools(
+            &tenant,
+            json!({"delayMs": {"hold": HOLD.as_millis() as u64}}),
+        )
+        .await;
+    let mut spec = bench.agent(&tenant, &tenant, None);
+    spec["tools"].as_array_mut().expect("tools").push(json!({
+        "name": "hold", "description": "Holds the line.",
+        "inputSchema": {"type": "object"},
+        "http": {"url": format!("{}/tools/{tenant}/hold", bench.standins.base),
+                 "idempotent": true, "readOnly": true,
+                 "timeout": format!("{}s", HOLD.as_secs() + 600)}
+    }));
+    let agents: Api<agentrun::api::Agent> = Api::namespaced(bench.client.clone(), &ns.name);
+    agents
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+                "metadata": {"name": "held"}, "spec": spec
+            }))
+            .expect("Agent manifest"),
+        )
+        .await
+        .expect("creating the held Agent");
+
+    let held_runs = names("held", n);
+    let step_timeout = format!("{}s", HOLD.as_secs() + 1200);
+    ns.create_runs_with(
+        bench,
+        &held_runs,
+        json!({"input": "Hold the line.", "agentRef": {"name": "held"},
+               "stepTimeout": step_timeout}),
+    )
+    .await;
+    // Held: the stand-in received the run's call (the step Job is in it).
+    let (holding, _) = wait_settled_async(
+        &format!("{n} runs to hold their step"),
+        n,
+        Duration::from_secs(600 + 2 * n as u64),
+        cfg.stall,
+        || async {
+            let calls: HashSet<String> = bench
+                .standins
+                .tool_requests(&tenant)
+                .await
+                .iter()
+                .filter_map(|r| r["run"].as_str().map(str::to_string))
+                .collect();
+            let seen = ns.runs.count(&held_runs, |r| r.done_at.is_some()).1;
+            (calls.len(), seen)
+        },
+    )
+    .await;
+    wait_quiet(ns, Duration::from_secs(6), Duration::from_secs(120)).await;
+    let pods_running = ns.pods.active();
+    note(&format!(
+        "held: {holding} runs hold their step ({pods_running} pods running); probes one at a time"
+    ));
+
+    let pid = ns.pid();
+    let metrics0 = metrics_text(ns.controller.metrics_port).await;
+    let (cpu0, cpu_parts0, api0) = (
+        cpu_seconds(pid),
+        cpu_by_component(pid),
+        api_requests(&bench.client).await,
+    );
+    let t0 = Instant::now();
+    let probes = names("probe", cfg.baseline_runs);
+    let probe_ms = one_at_a_time(bench, ns, &probes, &format!("dispatch-held{n}.csv")).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let metrics1 = metrics_text(ns.controller.metrics_port).await;
+    let cpu = cpu_seconds(pid) - cpu0;
+    let (cpu_parts1, api1) = (cpu_by_component(pid), api_requests(&bench.client).await);
+    let still = ns.pods.active();
+
+    figure(&format!("held.runs{n}.holding"), holding as f64, "runs");
+    figure(
+        &format!("held.runs{n}.pods_running"),
+        pods_running as f64,
+        "pods",
+    );
+    figure(
+        &format!("held.runs{n}.pods_running_after"),
+        still as f64,
+        "pods",
+    );
+    latency_figures(&format!("dispatch.held{n}"), &probe_ms);
+    controller_dispatch_figures(&format!("dispatch.held{n}"), &metrics0, &metrics1);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    for (q, label) in [(0.5, "p50"), (0.99, "p99")] {
+        figure(
+            &format!("dispatch.ratio_held{n}_vs_1.{label}"),
+            ratio(percentile(&probe_ms, q), percentile(base_ms, q)),
+            "x",
+        );
+    }
+    figure(
+        &format!("held.runs{n}.controller_cpu"),
+        100.0 * cpu / secs,
+        "% of a core",
+    );
+    figure(
+        &format!("held.runs{n}.controller_rss"),
+        status_kb(pid, "VmRSS") as f64 / 1024.0,
+        "MiB",
+    );
+    cpu_figures(&format!("held.runs{n}"), &cpu_parts0, &cpu_parts1, secs);
+    api_figures(&format!("held.runs{n}"), &api0, &api1, secs);
+    let (probes_ok, phases) = ns
+        .runs
+        .count(&probes, |r| r.phase == Some(Phase::Succeeded));
+    if probes_ok < probes.len() {
+        note(&format!("not every probe run succeeded: {phases}"));
+    }
+    figure(
+        &format!("held.runs{n}.probes_not_succeeded"),
+        (probes.len() - probes_ok) as f64,
+        "runs",
+    );
+
+    // Let them go: cancelled, each ends with its partial result.
+    let api: Api<AgentRun> = Api::namespaced(bench.client.clone(), &ns.name);
+    futures::stream::iter(held_runs.iter().cloned())
+        .map(|name| {
+            let api = api.clone();
+            async move {
+                api.patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"cancel": true}})),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("cancelling {name}: {e}"));
+            }
+        })
+        .buffer_unordered(cfg.create_concurrency)
+        .collect::<Vec<()>>()
+        .await;
+    let (cancelled, _) = wait_settled(
+        &format!("{n} held runs to be cancelled"),
+        n,
+        Duration::from_secs(600 + n as u64),
+        cfg.stall,
+        || {
+            ns.runs
+                .count(&held_runs, |r| r.phase == Some(Phase::Cancelled))
+        },
+    )
+    .await;
+    figure(&format!("held.runs{n}.cancelled"), cancelled as f64, "runs");
+}
+
+/// [`wait_settled`] with a probe that has to await (a request to a peer),
+/// polled every second.
+async fn wait_settled_async<F, Fut>(
+    what: &str,
+    total: usize,
+    timeout: Duration,
+    stall: Duration,
+    mut probe: F,
+) -> (usize, Instant)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = (usize, String)>,
+{
+    let start = Instant::now();
+    let (mut last_n, mut last_change, mut told) = (usize::MAX, Instant::now(), Instant::now());
+    loop {
+        let (n, seen) = probe().await;
+        if n != last_n {
+            (last_n, last_change) = (n, Instant::now());
+        }
+        if n >= total {
+            return (n, last_change);
+        }
+        if last_change.elapsed() > stall {
+            note(&format!(
+                "{what}: {n} of {total}, nothing changed for {} s; going on without the rest: {seen}",
+                stall.as_secs()
+            ));
+            return (n, last_change);
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}; last saw: {n} of {total}: {seen}"
+        );
+        if told.elapsed() > Duration::from_secs(30) {
+            note(&format!(
+                "waiting for {what} ({:.0} s): {n} of {total}: {seen}",
+                start.elapsed().as_secs_f64()
+            ));
+            told = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Waits until no run of the namespace changed and no Job was added for
+/// `quiet` (the start-up wave's status writes are over), at most `timeout`.
+async fn wait_quiet(ns: &Ns, quiet: Duration, timeout: Duration) {
+    let start = Instant::now();
+    loop {
+        let last_run = ns.runs.last_change();
+        let last_job = ns.jobs.all().iter().map(|j| j.at).max();
+        let last = [last_run, last_job].into_iter().flatten().max();
+        if last.is_none_or(|t| t.elapsed() >= quiet) {
+            return;
+        }
+        if start.elapsed() > timeout {
+            note(&format!(
+                "the namespace did not go quiet for {} s within {} s; measuring anyway",
+                quiet.as_secs(),
+                timeout.as_secs()
+            ));
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 // --- figures 2 and 3: many runs waiting for approval ----------------------------

@@ -201,6 +201,40 @@ pub struct LogRef {
     /// controller first saw it (those records are kept as they were).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signed_from: Option<u64>,
+    /// Where a controller that does not hold the replayed log resumes
+    /// reading it (long logs only), signed by the controller. The log is
+    /// still verified whole right after that controller's first decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<LogCheckpoint>,
+}
+
+/// What the records before `seq` add up to, for resuming a long log's
+/// replay there: a few records read by seq and the rest from `seq` on.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LogCheckpoint {
+    /// First record read on resuming.
+    pub seq: u64,
+    /// Hash of record `seq - 1`, where the chain read on resuming starts.
+    pub hash: String,
+    /// The records before `seq` that stay in force (the run's start, its
+    /// latest version change, summary and model text), by seq and hash.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pinned: Vec<PinnedRecord>,
+    /// Tokens and cost of the records before `seq`.
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cost_usd: f64,
+    /// The controller's Ed25519 signature over the run's uid and the fields above (hex).
+    pub signature: String,
+}
+
+/// One record by seq and hash.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PinnedRecord {
+    pub seq: u64,
+    pub hash: String,
 }
 
 /// The step being worked on.

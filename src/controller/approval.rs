@@ -336,7 +336,7 @@ pub fn state_of(evaluation: &Evaluation, on_expiry: OnExpiry) -> ApprovalState {
 /// gated alternative never runs unapproved: the request settles back to the
 /// agent (`None`), which may propose it as a call of its own, gated then.
 pub fn alternative_to_run(
-    steps: &[Step],
+    log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
 ) -> Result<Option<Value>, String> {
@@ -345,7 +345,7 @@ pub fn alternative_to_run(
     };
     // An alternative carries no alternative of its own.
     let (arguments, _) = crate::step::approval::split_alternative(alternative);
-    match pinned_gate::classify_at(steps, request_seq, &request.tool, &arguments) {
+    match pinned_gate::classify_at(log, request_seq, &request.tool, &arguments) {
         Classification::Allow => Ok(Some(arguments)),
         Classification::RequireApproval(gate) => Err(format!(
             "the alternative {} {arguments} needs approval itself ({}); it was not run",
@@ -428,20 +428,19 @@ pub(super) async fn handle(
 ) -> Result<Option<Waiting>, Error> {
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
-    let Some(Step::ApprovalRequested(request)) = log.steps.get(request_seq as usize).cloned()
-    else {
+    let Some(Step::ApprovalRequested(request)) = log.step(request_seq).cloned() else {
         return Ok(None);
     };
     let name = approval_name(&run.name_any(), &uid, request_seq);
 
     // The request is the step pod's word: check it against the pinned policy first.
-    if let Err(reason) = pinned_gate::check(&log.steps, request_seq) {
+    if let Err(reason) = pinned_gate::check(log, request_seq) {
         let finished = refused(&request, request_seq, &reason, log, notices);
         append(ctx, &uid, head, Step::RunFinished(finished)).await?;
         return Ok(None);
     }
     // Expired already: what the policy says follows is recorded.
-    if let Some(expired) = log.steps.iter().find_map(|s| match s {
+    if let Some(expired) = log.records_from(request_seq).find_map(|(_, s)| match s {
         Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
         _ => None,
     }) {
@@ -797,8 +796,7 @@ fn decision_record(
                 format!("{name} expired without a decision; onExpiry: {on_expiry:?}"),
             ));
             let arguments = match on_expiry {
-                OnExpiry::Alternative => match alternative_to_run(&log.steps, request_seq, request)
-                {
+                OnExpiry::Alternative => match alternative_to_run(log, request_seq, request) {
                     Ok(args) => args,
                     Err(why) => {
                         notices.push(notice(true, "AlternativeNeedsApproval", why));
@@ -1282,7 +1280,7 @@ mod tests {
             }],
             ..Default::default()
         };
-        let steps = pinned(policy);
+        let steps = RunState::replay(pinned(policy));
         let mut r = request(json!({"amount": 500}));
         r.alternative = Some(json!({"amount": 50_000}));
         let why = alternative_to_run(&steps, 1, &r).unwrap_err();

@@ -14,7 +14,7 @@ use super::metrics::Metrics;
 use crate::api::Agent;
 use crate::runlog::replay::Step;
 use crate::step::failpoint;
-use crate::store::{Head, RecordDraft, StepKind, StepStore, StoreError};
+use crate::store::{Head, RecordDraft, StepStore, StoreError};
 
 /// The one field manager every write of the controller uses.
 pub const FIELD_MANAGER: &str = "agentrun-controller";
@@ -75,10 +75,7 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         .acquire(uid, &ctx.identity, Duration::from_secs(10))
         .await
         .map_err(Error::Store)?;
-    let kind = StepKind::ALL
-        .into_iter()
-        .find(|k| k.as_str() == step.kind())
-        .expect("known kind");
+    let kind = step.store_kind();
     failpoint::hit(&format!("controller:before-append:{kind}"));
     let mut draft = RecordDraft::new(kind, step.payload());
     draft.worker = crate::store::Worker {

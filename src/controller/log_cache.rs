@@ -16,15 +16,15 @@
 //! anchored head). A controller restart starts cold and verifies whole
 //! logs again; step runners verify the whole chain at every Job start.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use kube::runtime::reflector::ObjectRef;
 
 use crate::api::AgentRun;
-use crate::runlog::replay::RunState;
-use crate::store::{Head, HeadEvent};
+use crate::runlog::replay::{RunState, Step};
+use crate::store::{Hash, Head, HeadEvent, Record};
 
 /// A run's log replayed up to `head`.
 pub struct Replayed {
@@ -34,6 +34,13 @@ pub struct Replayed {
     pub head_at: Option<chrono::DateTime<chrono::Utc>>,
     /// The head-event generation it was read under (see [`LogCache::current`]).
     generation: u64,
+    /// Resumed from the run's checkpoint: the records before it are still
+    /// to be verified (once, right after the decision it was read for).
+    pub resumed: bool,
+    /// Hashes of the records a checkpoint may name (see [`RunState::pinned_before`]).
+    hashes: BTreeMap<u64, Hash>,
+    /// The hash each record that may start a window chains from.
+    links: BTreeMap<u64, Hash>,
 }
 
 impl Replayed {
@@ -44,12 +51,73 @@ impl Replayed {
 
     /// The empty log, to be read from the start.
     pub fn empty() -> Replayed {
+        Replayed::at(RunState::default(), Head::EMPTY)
+    }
+
+    /// `state`, replayed up to `head`, read on from there.
+    pub fn at(state: RunState, head: Head) -> Replayed {
         Replayed {
-            state: RunState::default(),
-            head: Head::EMPTY,
+            state,
+            head,
             head_at: None,
             generation: 0,
+            resumed: false,
+            hashes: BTreeMap::new(),
+            links: BTreeMap::new(),
         }
+    }
+
+    /// A log resumed at its checkpoint: read on from there, and verified
+    /// whole once (`resumed`).
+    pub fn resumed(r: super::checkpoint::Resumed) -> Replayed {
+        let mut replayed = Replayed::at(r.state, r.head);
+        replayed.resumed = true;
+        replayed.hashes = r.records.iter().map(|r| (r.seq, r.hash)).collect();
+        replayed.links.insert(r.head.len, r.head.hash);
+        replayed
+    }
+
+    /// Folds in the next record (decoded as `step`), remembering the hashes
+    /// a checkpoint may name.
+    pub fn apply(&mut self, record: &Record, step: Step) {
+        match &step {
+            Step::RunStarted(_) | Step::VersionChanged(_) | Step::Summary(_) => {
+                self.hashes.insert(record.seq, record.hash);
+            }
+            Step::ModelCall(m) => {
+                if m.response.text.as_ref().is_some_and(|t| !t.is_empty()) {
+                    self.hashes.insert(record.seq, record.hash);
+                }
+                self.links.insert(record.seq, record.prev_hash);
+            }
+            Step::ToolIntent(_) => {
+                self.links.insert(record.seq, record.prev_hash);
+            }
+            _ => {}
+        }
+        self.state.apply(step);
+        self.head = record.head();
+    }
+
+    /// Lets go of the records before the state's window and of the hashes
+    /// no checkpoint can name any more.
+    pub fn compact(&mut self) {
+        self.state.compact();
+        let base = self.state.base();
+        let pinned = self.state.pinned_before(base);
+        self.hashes
+            .retain(|seq, _| *seq >= base || pinned.contains(seq));
+        self.links.retain(|seq, _| *seq >= base);
+    }
+
+    /// The hash of record `seq`, if it is one a checkpoint may name.
+    pub fn hash_of(&self, seq: u64) -> Option<Hash> {
+        self.hashes.get(&seq).copied()
+    }
+
+    /// The hash of record `seq - 1`, if `seq` may start a window.
+    pub fn link_into(&self, seq: u64) -> Option<Hash> {
+        self.links.get(&seq).copied()
     }
 }
 
@@ -146,11 +214,15 @@ impl LogCache {
 
     pub fn stamp(&self, state: RunState, head: Head, generation: u64) -> Replayed {
         Replayed {
-            state,
-            head,
-            head_at: None,
             generation,
+            ..Replayed::at(state, head)
         }
+    }
+
+    /// Stamps `replayed` as read under head-event `generation`.
+    pub fn restamp(&self, mut replayed: Replayed, generation: u64) -> Replayed {
+        replayed.generation = generation;
+        replayed
     }
 
     /// Remembers how to reconcile the run when its head moves (unfinished

@@ -3,6 +3,7 @@
 
 pub mod agent;
 pub mod approval;
+mod checkpoint;
 mod context;
 pub mod decide;
 mod error;

@@ -9,22 +9,18 @@ use serde_json::Value;
 use crate::api::AgentTemplate;
 use crate::policy::{Classification, Gate, arguments_hash, classify, declared_read_only};
 use crate::runlog::records::{ApprovalRequested, Verdict};
-use crate::runlog::replay::Step;
+use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ApprovalKind, OnExpiry};
 use crate::step::approval::split_alternative;
 
 /// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
-pub fn pinned_agent(steps: &[Step], seq: u64) -> Option<AgentTemplate> {
-    steps.iter().take(seq as usize).rev().find_map(|s| match s {
-        Step::RunStarted(r) => Some(r.agent.clone().into()),
-        Step::VersionChanged(v) => Some(v.agent.clone().into()),
-        _ => None,
-    })
+pub fn pinned_agent(log: &RunState, seq: u64) -> Option<AgentTemplate> {
+    log.agent_at(seq).cloned()
 }
 
 /// How the pinned agent classifies `tool` with `args` at `seq`.
-pub fn classify_at(steps: &[Step], seq: u64, tool: &str, args: &Value) -> Classification {
-    match pinned_agent(steps, seq) {
+pub fn classify_at(log: &RunState, seq: u64, tool: &str, args: &Value) -> Classification {
+    match pinned_agent(log, seq) {
         Some(agent) => classify(
             agent.approval.as_ref(),
             tool,
@@ -48,8 +44,8 @@ pub fn escalated(request: &ApprovalRequested) -> ApprovalRequested {
 
 /// Checks the request at `request_seq` against the pinned policy and the log.
 /// `Err` says which field is wrong and why.
-pub fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
-    let Some(Step::ApprovalRequested(request)) = steps.get(request_seq as usize) else {
+pub fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
+    let Some(Step::ApprovalRequested(request)) = log.step(request_seq) else {
         return Err(format!("record {request_seq} is not an ApprovalRequested"));
     };
     let hash = arguments_hash(&request.tool, &request.arguments);
@@ -60,11 +56,11 @@ pub fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
         ));
     }
     if request.escalation > 0 {
-        return check_escalation(steps, request_seq, request);
+        return check_escalation(log, request_seq, request);
     }
     let mut expected = match request.kind {
-        ApprovalKind::Call => expected_call_gate(steps, request_seq, request)?,
-        ApprovalKind::Reconcile => expected_reconcile_gate(steps, request_seq, request)?,
+        ApprovalKind::Call => expected_call_gate(log, request_seq, request)?,
+        ApprovalKind::Reconcile => expected_reconcile_gate(log, request_seq, request)?,
     };
     // `because` is prose for people, not policy: its wording may change
     // between versions without failing the runs waiting on an approval.
@@ -83,11 +79,11 @@ pub fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
 
 /// A call's gate: the model proposed exactly this call, and the policy gates it.
 fn expected_call_gate(
-    steps: &[Step],
+    log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
 ) -> Result<Gate, String> {
-    let proposed = match steps.get(request.model_call_seq as usize) {
+    let proposed = match log.step(request.model_call_seq) {
         Some(Step::ModelCall(m)) if request.model_call_seq < request_seq => {
             m.response.tool_calls.get(request.call_index)
         }
@@ -110,7 +106,7 @@ fn expected_call_gate(
             request.model_call_seq, proposed.name
         ));
     }
-    match classify_at(steps, request_seq, &request.tool, &request.arguments) {
+    match classify_at(log, request_seq, &request.tool, &request.arguments) {
         Classification::RequireApproval(gate) => Ok(*gate),
         Classification::Allow => Err(format!(
             "the pinned policy does not gate this {} call: nothing asked for an approval",
@@ -121,12 +117,12 @@ fn expected_call_gate(
 
 /// A reconcile request's gate: about an intent recorded for this very call.
 fn expected_reconcile_gate(
-    steps: &[Step],
+    log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
 ) -> Result<Gate, String> {
     let intent = match request.intent_seq {
-        Some(i) if i < request_seq => match steps.get(i as usize) {
+        Some(i) if i < request_seq => match log.step(i) {
             Some(Step::ToolIntent(intent)) => Some(intent),
             _ => None,
         },
@@ -143,40 +139,41 @@ fn expected_reconcile_gate(
             request.intent_seq, request.tool
         ));
     };
-    let policy = pinned_agent(steps, request_seq).and_then(|a| a.approval);
+    let policy = pinned_agent(log, request_seq).and_then(|a| a.approval);
     crate::policy::reconcile_gate(policy.as_ref(), &intent.tool, &intent.arguments)
         .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
 }
 
 /// An escalation is exactly the expired request, passed on, within its limit.
 fn check_escalation(
-    steps: &[Step],
+    log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
 ) -> Result<(), String> {
-    let previous = steps[..request_seq as usize]
-        .iter()
-        .enumerate()
-        .rev()
-        .find_map(|(seq, s)| match s {
+    let previous = log
+        .records()
+        .take_while(|(seq, _)| *seq < request_seq)
+        .filter_map(|(seq, s)| match s {
             Step::ApprovalRequested(r)
                 if r.model_call_seq == request.model_call_seq
                     && r.call_index == request.call_index
                     && r.kind == request.kind =>
             {
-                Some((seq as u64, r))
+                Some((seq, r))
             }
             _ => None,
-        });
+        })
+        .last();
     let Some((prev_seq, prev)) = previous else {
         return Err(format!(
             "escalation {} follows no earlier request for this call",
             request.escalation
         ));
     };
-    let expired_into_escalation = steps[prev_seq as usize..request_seq as usize]
-        .iter()
-        .any(|s| {
+    let expired_into_escalation = log
+        .records_from(prev_seq)
+        .take_while(|(seq, _)| *seq < request_seq)
+        .any(|(_, s)| {
             matches!(s, Step::ApprovalDecided(d) if d.request_seq == prev_seq
                 && d.verdict == Verdict::Expired
                 && d.on_expiry == Some(OnExpiry::Escalate))
@@ -199,7 +196,7 @@ fn check_escalation(
             request.escalation
         ));
     }
-    check(steps, prev_seq)
+    check(log, prev_seq)
 }
 
 /// The gate fields that differ, each naming the recorded and the pinned value.
@@ -229,6 +226,16 @@ pub fn gate_differences(recorded: &Gate, expected: &Gate) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`super::check`] of a whole log.
+    fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
+        super::check(&RunState::replay(steps.to_vec()), request_seq)
+    }
+
+    /// [`super::classify_at`] in a whole log.
+    fn classify_at(steps: &[Step], seq: u64, tool: &str, args: &Value) -> Classification {
+        super::classify_at(&RunState::replay(steps.to_vec()), seq, tool, args)
+    }
     use crate::api::{ApprovalPolicy, ApprovalRule, Approvers};
     use crate::runlog::records::{ApprovalDecided, ModelCall, RunStarted, ToolIntent};
     use crate::runlog::v1::{ModelResponse, TokenUsage, ToolCall};

@@ -16,6 +16,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use super::approval::Waiting;
+use super::checkpoint;
 use super::context::{Context, FIELD_MANAGER, append, notice};
 use super::decide::{AgentLookup, decide};
 use super::error::Error;
@@ -28,7 +29,7 @@ use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::runlog::replay::{RunState, Step};
 use crate::step::failpoint;
-use crate::store::{Head, StoreError, check_anchor_after, sha256_hex};
+use crate::store::{Head, StoreError, check_anchor, check_anchor_after, sha256_hex};
 use crate::tools::{Toolbox, discover_catalog_with};
 
 /// What the controller read about a run's agent.
@@ -90,20 +91,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     };
     tracing::Span::current().record("step", replayed.head.len);
     let job = read_job(run, ctx, &ns).await?;
-    let lease = match &job {
-        // A Job whose worker recorded something may have given the run back
-        // before its pod was ever counted ready.
-        Some(j) if j.state == JobState::Active && (j.running || replayed.head.len > j.seq) => {
-            Some(probe_lease(ctx, &uid).await?)
-        }
-        _ => {
-            ctx.lease_free_since
-                .lock()
-                .expect("not poisoned")
-                .remove(&uid);
-            None
-        }
-    };
+    let lease = read_lease(ctx, &uid, job.as_ref(), &replayed).await?;
 
     // Decide.
     let now = Timestamp::now();
@@ -124,97 +112,182 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         concluded: None,
         awaiting: None,
         began,
+        idle: false,
+        now,
     };
     let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
-    let idle = act == Act::Idle;
-    let requeue = match act {
-        Act::StartRun => {
-            start_run(
-                run,
-                ctx,
-                &replayed,
-                &template,
-                agent_generation,
-                &mut acting,
-            )
-            .await?
+    acting.idle = act == Act::Idle;
+    let observed = Seen {
+        ns: &ns,
+        uid: &uid,
+        replayed: &replayed,
+        template: &template,
+        agent_generation,
+        job: job.as_ref(),
+        now,
+    };
+    let requeue = act_on(run, ctx, act, &observed, &mut acting).await?;
+
+    // Record: the status, from the log as it is now.
+    record(
+        run,
+        ctx,
+        plan.status,
+        replayed,
+        job.as_ref(),
+        acting,
+        requeue,
+    )
+    .await
+}
+
+/// The lease, read when a live step Job may hold it (a Job whose worker
+/// recorded something may have given the run back before its pod was ever
+/// counted ready).
+async fn read_lease(
+    ctx: &Context,
+    uid: &str,
+    job: Option<&JobView>,
+    replayed: &Replayed,
+) -> Result<Option<LeaseView>, Error> {
+    match job {
+        Some(j) if j.state == JobState::Active && (j.running || replayed.head.len > j.seq) => {
+            Ok(Some(probe_lease(ctx, uid).await?))
         }
+        _ => {
+            ctx.lease_free_since
+                .lock()
+                .expect("not poisoned")
+                .remove(uid);
+            Ok(None)
+        }
+    }
+}
+
+/// What a reconcile read, for acting on its decision.
+struct Seen<'a> {
+    ns: &'a str,
+    uid: &'a str,
+    replayed: &'a Replayed,
+    template: &'a AgentTemplate,
+    agent_generation: Option<i64>,
+    job: Option<&'a JobView>,
+    now: Timestamp,
+}
+
+/// Carries out the decision; returns when to look at the run again
+/// (`Duration::ZERO`: at once, `Duration::MAX`: on a change only).
+async fn act_on(
+    run: &AgentRun,
+    ctx: &Context,
+    act: Act,
+    seen: &Seen<'_>,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
+    let Seen {
+        ns,
+        uid,
+        replayed,
+        template,
+        agent_generation,
+        job,
+        now,
+    } = *seen;
+    Ok(match act {
+        Act::StartRun => start_run(run, ctx, replayed, template, agent_generation, acting).await?,
         Act::FollowAgent => {
-            follow_agent(
-                run,
-                ctx,
-                &replayed,
-                &template,
-                agent_generation,
-                &mut acting,
-            )
-            .await?
+            follow_agent(run, ctx, replayed, template, agent_generation, acting).await?
         }
         Act::CreateJob { seq, attempt } => {
             create_job(
-                run,
-                ctx,
-                &ns,
-                &replayed,
-                &template,
-                job.as_ref(),
-                seq,
-                attempt,
-                now,
-                &mut acting,
+                run, ctx, ns, replayed, template, job, seq, attempt, now, acting,
             )
             .await?
         }
-        Act::DeleteJob { name } => delete_job(ctx, &ns, &uid, &name, &mut acting).await?,
-        Act::Finish(finished) => {
-            match append(ctx, &uid, &replayed.head, Step::RunFinished(finished)).await {
-                Ok(()) => Duration::ZERO,
-                // The step runner that reached the end is still exiting: it
-                // releases the lease in a moment.
-                Err(Error::Store(StoreError::LeaseHeld { .. })) => Duration::from_millis(500),
-                Err(e) => return Err(e),
-            }
-        }
+        Act::DeleteJob { name } => delete_job(ctx, ns, uid, &name, acting).await?,
+        Act::Finish(finished) => finish(ctx, uid, replayed, finished).await?,
         Act::Conclude(finished) => {
             acting.concluded = Some(finished);
             Duration::MAX
         }
         Act::HandleApproval { request_seq } => {
-            let raised = super::approval::handle(
-                run,
-                ctx,
-                &replayed.state,
-                &replayed.head,
-                request_seq,
-                now,
-                &mut acting.notices,
-            )
-            .await?;
-            match raised {
-                Some(waiting) => {
-                    // Nothing but the decision (an event) or the expiry moves it.
-                    let wait = Duration::try_from(waiting.expires_at.duration_since(now))
-                        .unwrap_or_default()
-                        .max(Duration::from_secs(1));
-                    acting.awaiting = Some(waiting);
-                    wait
-                }
-                None => Duration::ZERO,
-            }
+            handle_approval(run, ctx, replayed, request_seq, now, acting).await?
         }
         Act::Wait(d) => d,
         Act::AskToYield => {
-            ctx.store.request_yield(&uid).await.map_err(Error::Store)?;
+            ctx.store.request_yield(uid).await.map_err(Error::Store)?;
             idle_requeue(ctx, run, now)
         }
         Act::Idle => idle_requeue(ctx, run, now),
-    };
+    })
+}
 
-    // Status: from the log as it is now (read only if this reconcile
-    // appended or the head moved meanwhile: a waiting run woken by a Job's
-    // deletion reads nothing).
+/// Appends the run's `RunFinished`.
+async fn finish(
+    ctx: &Context,
+    uid: &str,
+    replayed: &Replayed,
+    finished: RunFinished,
+) -> Result<Duration, Error> {
+    match append(ctx, uid, &replayed.head, Step::RunFinished(finished)).await {
+        Ok(()) => Ok(Duration::ZERO),
+        // The step runner that reached the end is still exiting: it
+        // releases the lease in a moment.
+        Err(Error::Store(StoreError::LeaseHeld { .. })) => Ok(Duration::from_millis(500)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Raises, follows or settles the run's Approval for the request at `request_seq`.
+async fn handle_approval(
+    run: &AgentRun,
+    ctx: &Context,
+    replayed: &Replayed,
+    request_seq: u64,
+    now: Timestamp,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
+    let raised = super::approval::handle(
+        run,
+        ctx,
+        &replayed.state,
+        &replayed.head,
+        request_seq,
+        now,
+        &mut acting.notices,
+    )
+    .await?;
+    Ok(match raised {
+        Some(waiting) => {
+            // Nothing but the decision (an event) or the expiry moves it.
+            let wait = Duration::try_from(waiting.expires_at.duration_since(now))
+                .unwrap_or_default()
+                .max(Duration::from_secs(1));
+            acting.awaiting = Some(waiting);
+            wait
+        }
+        None => Duration::ZERO,
+    })
+}
+
+/// Writes the status from the log as it is after acting (read again only
+/// if this reconcile appended or the head moved meanwhile: a waiting run
+/// woken by a Job's deletion reads nothing), keeps the replayed log for the
+/// next reconcile and says when that is.
+async fn record(
+    run: &AgentRun,
+    ctx: &Context,
+    planned: crate::api::AgentRunStatus,
+    replayed: Replayed,
+    job: Option<&JobView>,
+    acting: Acting,
+    requeue: Duration,
+) -> Result<Action, Error> {
+    let (idle, now) = (acting.idle, acting.now);
+    let uid = run.uid().unwrap_or_default();
+    let ns = run.namespace().unwrap_or_default();
     let reread = acting.concluded.is_none() && (requeue.is_zero() || acting.awaiting.is_some());
-    let replayed = if reread {
+    let mut replayed = if reread {
         match replay(ctx, run, Some(replayed)).await? {
             Ok(replayed) => replayed,
             Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
@@ -222,15 +295,22 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     } else {
         replayed
     };
-    let new_status = status::compose(
+    if replayed.resumed {
+        if let Err(tampered) = verify_whole(ctx, run, &uid).await? {
+            return stop_tampered(run, ctx, &ns, tampered).await;
+        }
+        replayed.resumed = false;
+    }
+    replayed.compact();
+    let mut new_status = status::compose(
         run,
-        plan.status,
+        planned,
         &replayed.state,
         &replayed.head,
         &ctx.store_name,
         acting.step,
         acting.concluded.as_ref(),
-        job.as_ref(),
+        job,
         acting
             .awaiting
             .as_ref()
@@ -238,6 +318,9 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
             .as_ref(),
         now,
     );
+    if let Some(log) = new_status.log.as_mut() {
+        log.checkpoint = checkpoint::make(&ctx.signer, &uid, &replayed);
+    }
     let mut notices = acting.notices;
     let ends_now = new_status
         .phase
@@ -320,6 +403,10 @@ struct Acting {
     awaiting: Option<Waiting>,
     /// When the reconcile began (for `agentrun_dispatch_seconds`).
     began: chrono::DateTime<chrono::Utc>,
+    /// The decision was to do nothing (only progress may be written).
+    idle: bool,
+    /// The time the decision was made for.
+    now: Timestamp,
 }
 
 /// The platform's policies judge starting, following and every Job: a
@@ -673,12 +760,14 @@ async fn replay(
         return Ok(Ok(cached.expect("checked above")));
     }
     let generation = ctx.logs.begin_read(&uid);
-    let Replayed {
-        mut state,
-        head,
-        head_at,
-        ..
-    } = cached.unwrap_or_else(Replayed::empty);
+    let mut replayed = match cached {
+        Some(cached) => cached,
+        None => match resume(ctx, run, &uid).await? {
+            Ok(resumed) => resumed.unwrap_or_else(Replayed::empty),
+            Err(tampered) => return Ok(Err(tampered)),
+        },
+    };
+    let (head, head_at) = (replayed.head, replayed.head_at);
     let records = match ctx.store.read_verified_after(&uid, &head).await {
         Ok(records) => records,
         Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
@@ -692,13 +781,72 @@ async fn replay(
     if let Err(tampered) = checked {
         return Ok(Err(tampered));
     }
-    let head = records.last().map_or(head, |r| r.head());
     for r in &records {
-        state.apply(Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?);
+        replayed.apply(
+            r,
+            Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
+        );
     }
-    let mut replayed = ctx.logs.stamp(state, head, generation);
+    let mut replayed = ctx.logs.restamp(replayed, generation);
     replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
     Ok(Ok(replayed))
+}
+
+/// The run's log resumed at its checkpoint (`Ok(None)`: none this
+/// controller signed, so it is read whole); `Err`: a record the checkpoint
+/// names was rewritten.
+async fn resume(
+    ctx: &Context,
+    run: &AgentRun,
+    uid: &str,
+) -> Result<Result<Option<Replayed>, StoreError>, Error> {
+    let Some(cp) = run
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.checkpoint.as_ref())
+    else {
+        return Ok(Ok(None));
+    };
+    if !checkpoint::trusted(&ctx.verifier, uid, cp, &anchored_head(run)) {
+        tracing::warn!(run = %run.name_any(), "status.log.checkpoint is not this controller's: reading the log whole");
+        return Ok(Ok(None));
+    }
+    match checkpoint::resume(
+        ctx.store.as_ref(),
+        &ctx.verifier,
+        uid,
+        cp,
+        status::signed_from(run),
+    )
+    .await
+    {
+        Ok(Some(resumed)) => {
+            ctx.metrics.observe_read(&resumed.records);
+            Ok(Ok(Some(Replayed::resumed(resumed))))
+        }
+        Ok(None) => Ok(Ok(None)),
+        Err(e @ StoreError::ChainBroken { .. }) => Ok(Err(e)),
+        Err(e) => Err(Error::Store(e)),
+    }
+}
+
+/// Verifies a resumed run's whole log, once, after the decision it was
+/// resumed for (that decision was made on verified records: the window
+/// chained from the checkpoint, the pinned ones by their signed hashes).
+async fn verify_whole(
+    ctx: &Context,
+    run: &AgentRun,
+    uid: &str,
+) -> Result<Result<(), StoreError>, Error> {
+    let records = match ctx.store.read_verified(uid, None).await {
+        Ok(records) => records,
+        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
+        Err(e) => return Err(Error::Store(e)),
+    };
+    ctx.metrics.observe_read(&records);
+    Ok(check_anchor(uid, &records, &anchored_head(run))
+        .and_then(|()| ctx.verifier.check(uid, &records, status::signed_from(run))))
 }
 
 /// Keeps the run's replayed log for its next reconcile, or forgets it: a

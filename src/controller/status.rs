@@ -74,6 +74,8 @@ pub fn compose(
         length: head.len,
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
         signed_from: Some(signed_from(run)),
+        // Set by the reconcile, which holds the signing key.
+        checkpoint: None,
     });
     s.usage = Some(Usage {
         input_tokens: log.spent.input_tokens,

@@ -87,6 +87,15 @@ impl Step {
         }
     }
 
+    /// The record kind, as the store types it.
+    pub fn store_kind(&self) -> crate::store::StepKind {
+        let name = self.kind();
+        crate::store::StepKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == name)
+            .expect("every Step kind is a StepKind")
+    }
+
     /// The payload as JSON.
     pub fn payload(&self) -> Value {
         let v = match self {
@@ -114,6 +123,14 @@ pub struct Spent {
     pub cost_usd: f64,
 }
 
+impl Spent {
+    fn add(&mut self, usage: &super::v1::TokenUsage, cost: f64) {
+        self.input_tokens += usage.input_tokens;
+        self.output_tokens += usage.output_tokens;
+        self.cost_usd += cost;
+    }
+}
+
 /// The agent a run executes now: `RunStarted`, or the latest `VersionChanged`,
 /// converted from the stored types to the ones the runner and controller use.
 #[derive(Clone, Debug, PartialEq)]
@@ -129,13 +146,24 @@ pub struct Snapshot {
 /// A run rebuilt from its log.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RunState {
-    /// Every record, in order; `steps[i]` has seq `i`.
-    pub steps: Vec<Step>,
+    /// Seq of `steps[0]`: the records before it were folded into the
+    /// fields below and let go ([`RunState::compact`]); 0 for a whole log.
+    base: u64,
+    /// The records from `base` on, in order; `steps[i]` has seq `base + i`.
+    steps: Vec<Step>,
     pub snapshot: Option<Snapshot>,
     pub spent: Spent,
     pub finished: Option<RunFinished>,
     /// The latest summary and its seq.
     pub summary: Option<(u64, Summary)>,
+    /// The agent in force from each seq on (`RunStarted`, then every
+    /// `VersionChanged`): what the pinned policy was at any record.
+    agents: Vec<(u64, crate::api::AgentTemplate)>,
+    /// The latest non-empty text of a `ModelCall`, and its seq.
+    last_text: Option<(u64, String)>,
+    /// What the records before `base` spent, summed in order (so that it
+    /// plus the rest, in order, is exactly `spent`).
+    spent_before: Spent,
 }
 
 /// Where one proposed tool call stands.
@@ -208,11 +236,34 @@ impl RunState {
         state
     }
 
+    /// A state that starts at record `base`: the records before it are not
+    /// held, only what they add up to (`spent`) and the few that stay in
+    /// force (`pinned`: `RunStarted`, the latest `VersionChanged`, `Summary`
+    /// and `ModelCall` with text before `base`, each with its seq), as a
+    /// checkpoint keeps them. Fold the records from `base` on with `apply`.
+    pub fn resume_at(base: u64, pinned: Vec<(u64, Step)>, spent: Spent) -> RunState {
+        let mut state = RunState::default();
+        for (seq, step) in pinned {
+            state.fold(seq, &step);
+        }
+        state.base = base;
+        state.spent_before = spent.clone();
+        state.spent = spent;
+        state
+    }
+
     /// Folds one more record into the state (used after each append, too).
     pub fn apply(&mut self, step: Step) {
-        let seq = self.steps.len() as u64;
-        match &step {
+        let seq = self.len();
+        self.fold(seq, &step);
+        self.steps.push(step);
+    }
+
+    /// What record `seq` changes beyond being held.
+    fn fold(&mut self, seq: u64, step: &Step) {
+        match step {
             Step::RunStarted(s) => {
+                self.agents = vec![(seq, s.agent.clone().into())];
                 self.snapshot = Some(Snapshot {
                     run_name: s.run_name.clone(),
                     input: s.input.clone(),
@@ -223,6 +274,7 @@ impl RunState {
                 })
             }
             Step::VersionChanged(v) => {
+                self.agents.push((seq, v.agent.clone().into()));
                 if let Some(snap) = &mut self.snapshot {
                     snap.agent = v.agent.clone().into();
                     snap.tools = v.tools.iter().cloned().map(Into::into).collect();
@@ -230,30 +282,134 @@ impl RunState {
                     snap.versions = v.to.clone();
                 }
             }
-            Step::ModelCall(m) => self.spend(&m.response.usage, m.cost_usd),
+            Step::ModelCall(m) => {
+                self.spent.add(&m.response.usage, m.cost_usd);
+                if let Some(text) = m.response.text.as_ref().filter(|t| !t.is_empty()) {
+                    self.last_text = Some((seq, text.clone()));
+                }
+            }
             Step::Summary(s) => {
-                self.spend(&s.response.usage, s.cost_usd);
+                self.spent.add(&s.response.usage, s.cost_usd);
                 self.summary = Some((seq, s.clone()));
             }
             Step::RunFinished(f) => self.finished = Some(f.clone()),
             _ => {}
         }
-        self.steps.push(step);
     }
 
-    fn spend(&mut self, usage: &super::v1::TokenUsage, cost: f64) {
-        self.spent.input_tokens += usage.input_tokens;
-        self.spent.output_tokens += usage.output_tokens;
-        self.spent.cost_usd += cost;
+    /// Seq of the first record held (0 unless compacted or resumed).
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The records held, from [`RunState::base`] on.
+    pub fn steps(&self) -> &[Step] {
+        &self.steps
+    }
+
+    /// Record `seq`, if held.
+    pub fn step(&self, seq: u64) -> Option<&Step> {
+        self.steps
+            .get(usize::try_from(seq.checked_sub(self.base)?).ok()?)
+    }
+
+    /// The records held with their seqs.
+    pub fn records(&self) -> impl DoubleEndedIterator<Item = (u64, &Step)> {
+        let base = self.base;
+        self.steps
+            .iter()
+            .enumerate()
+            .map(move |(i, s)| (base + i as u64, s))
+    }
+
+    /// The records held from seq `from` on, with their seqs.
+    pub fn records_from(&self, from: u64) -> impl DoubleEndedIterator<Item = (u64, &Step)> {
+        let skip = (from.saturating_sub(self.base) as usize).min(self.steps.len());
+        let first = self.base + skip as u64;
+        self.steps[skip..]
+            .iter()
+            .enumerate()
+            .map(move |(i, s)| (first + i as u64, s))
+    }
+
+    /// The agent in force at `seq`: the latest `RunStarted` or
+    /// `VersionChanged` before it.
+    pub fn agent_at(&self, seq: u64) -> Option<&crate::api::AgentTemplate> {
+        self.agents
+            .iter()
+            .rev()
+            .find(|(at, _)| *at < seq)
+            .map(|(_, a)| a)
+    }
+
+    /// The first record the next step can depend on: the latest `ModelCall`
+    /// (every call it proposed, their intents, requests, decisions and
+    /// results follow it), or an earlier intent still without a result.
+    /// Everything before it is folded into the state's other fields.
+    pub fn window_start(&self) -> u64 {
+        let Some((model_call_seq, _)) = self.last_model_call() else {
+            return self.base;
+        };
+        match self.open_intent() {
+            Some((intent_seq, _)) => intent_seq.min(model_call_seq),
+            None => model_call_seq,
+        }
+    }
+
+    /// Lets go of the records before [`RunState::window_start`]: what the
+    /// controller keeps of a long run between reconciles.
+    pub fn compact(&mut self) {
+        let start = self.window_start();
+        if start > self.base {
+            for step in self.steps.drain(..(start - self.base) as usize) {
+                match &step {
+                    Step::ModelCall(m) => self.spent_before.add(&m.response.usage, m.cost_usd),
+                    Step::Summary(s) => self.spent_before.add(&s.response.usage, s.cost_usd),
+                    _ => {}
+                }
+            }
+            self.base = start;
+        }
+    }
+
+    /// The seqs of the records before the window that the state keeps in
+    /// force (what [`RunState::resume_at`] needs back): `RunStarted`, the
+    /// latest `VersionChanged`, the latest `Summary` and the latest
+    /// `ModelCall` with text.
+    pub fn pinned_before(&self, start: u64) -> Vec<u64> {
+        let mut seqs: Vec<u64> = Vec::new();
+        if let Some((seq, _)) = self.agents.first() {
+            seqs.push(*seq);
+        }
+        if let Some((seq, _)) = self.agents.iter().rev().find(|(at, _)| *at < start)
+            && self.agents.len() > 1
+        {
+            seqs.push(*seq);
+        }
+        if let Some((seq, _)) = self.summary {
+            seqs.push(seq);
+        }
+        if let Some((seq, _)) = self.last_text {
+            seqs.push(seq);
+        }
+        seqs.retain(|s| *s < start);
+        seqs.sort_unstable();
+        seqs.dedup();
+        seqs
+    }
+
+    /// What the records before [`RunState::base`] spent.
+    pub fn spent_before_base(&self) -> &Spent {
+        &self.spent_before
     }
 
     /// Number of records.
     pub fn len(&self) -> u64 {
-        self.steps.len() as u64
+        self.base + self.steps.len() as u64
     }
 
     pub fn is_empty(&self) -> bool {
-        self.steps.is_empty()
+        self.len() == 0
     }
 
     /// The next thing to do, from the log alone.
@@ -306,9 +462,7 @@ impl RunState {
                 CallState::Intended | CallState::Settled => continue,
                 CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
                 CallState::Approved(request_seq, arguments) => {
-                    let Some(Step::ApprovalRequested(request)) =
-                        self.steps.get(request_seq as usize)
-                    else {
+                    let Some(Step::ApprovalRequested(request)) = self.step(request_seq) else {
                         unreachable!("call_state returns the seq of an ApprovalRequested")
                     };
                     return Next::Approved {
@@ -346,13 +500,7 @@ impl RunState {
     /// Where call `index` of the ModelCall at `model_call_seq` stands.
     pub fn call_state(&self, model_call_seq: u64, index: usize) -> CallState {
         let mut state = CallState::Open;
-        for (seq, step) in self
-            .steps
-            .iter()
-            .enumerate()
-            .skip(model_call_seq as usize + 1)
-        {
-            let seq = seq as u64;
+        for (seq, step) in self.records_from(model_call_seq + 1) {
             match step {
                 Step::ToolIntent(i)
                     if i.model_call_seq == model_call_seq && i.call_index == index =>
@@ -384,7 +532,7 @@ impl RunState {
 
     /// Where the call that the request at `request_seq` is about stands.
     pub fn call_state_of(&self, request_seq: u64) -> Option<CallState> {
-        match self.steps.get(request_seq as usize)? {
+        match self.step(request_seq)? {
             Step::ApprovalRequested(r) => Some(self.call_state(r.model_call_seq, r.call_index)),
             _ => None,
         }
@@ -393,7 +541,7 @@ impl RunState {
     /// The request currently waiting for a decision, if any.
     pub fn pending_approval(&self) -> Option<(u64, &ApprovalRequested)> {
         match self.next() {
-            Next::AwaitApproval { request_seq } => match self.steps.get(request_seq as usize) {
+            Next::AwaitApproval { request_seq } => match self.step(request_seq) {
                 Some(Step::ApprovalRequested(r)) => Some((request_seq, r)),
                 _ => None,
             },
@@ -405,10 +553,10 @@ impl RunState {
     /// human said the call happened (`None` while undecided).
     fn reconcile_for(&self, intent_seq: u64) -> Option<(u64, Option<bool>)> {
         let mut found = None;
-        for (seq, step) in self.steps.iter().enumerate().skip(intent_seq as usize + 1) {
+        for (seq, step) in self.records_from(intent_seq + 1) {
             match step {
                 Step::ApprovalRequested(r) if r.intent_seq == Some(intent_seq) => {
-                    found = Some((seq as u64, None))
+                    found = Some((seq, None))
                 }
                 Step::ApprovalDecided(d) if found.is_some_and(|(r, _)| r == d.request_seq) => {
                     // Only a human answers "did it happen?". An expiry is no
@@ -436,21 +584,17 @@ impl RunState {
                 _ => None,
             })
             .collect();
-        self.steps.iter().enumerate().find_map(|(seq, s)| match s {
-            Step::ToolIntent(i) if !answered.contains(&(seq as u64)) => Some((seq as u64, i)),
+        self.records().find_map(|(seq, s)| match s {
+            Step::ToolIntent(i) if !answered.contains(&seq) => Some((seq, i)),
             _ => None,
         })
     }
 
     fn last_model_call(&self) -> Option<(u64, &ModelCall)> {
-        self.steps
-            .iter()
-            .enumerate()
-            .rev()
-            .find_map(|(seq, s)| match s {
-                Step::ModelCall(m) => Some((seq as u64, m)),
-                _ => None,
-            })
+        self.records().rev().find_map(|(seq, s)| match s {
+            Step::ModelCall(m) => Some((seq, m)),
+            _ => None,
+        })
     }
 
     /// The step budget is used up before another call of the same reply.
@@ -494,10 +638,7 @@ impl RunState {
 
     /// The latest thing the agent said: the partial result of a run stopped early.
     pub fn last_text(&self) -> Option<String> {
-        self.steps.iter().rev().find_map(|s| match s {
-            Step::ModelCall(m) => m.response.text.clone().filter(|t| !t.is_empty()),
-            _ => None,
-        })
+        self.last_text.as_ref().map(|(_, t)| t.clone())
     }
 }
 
@@ -511,7 +652,7 @@ fn finish_result(args: &Value) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::runlog::v1::{self, AgentTemplate, ModelResponse, OnExpiry, TokenUsage};
     use serde_json::json;
@@ -598,6 +739,134 @@ mod tests {
             observations_hash: "o".into(),
             on_expiry,
         })
+    }
+
+    /// Several turns: a lookup and a gated refund per reply (approved, or
+    /// edited), a summary, replies without text, and the final answer.
+    pub(crate) fn long_log(turns: u64) -> Vec<Step> {
+        let mut v = started().steps;
+        for turn in 0..turns {
+            let mc = v.len() as u64;
+            let mut call = model_call(&[
+                ("lookup", json!({"id": turn})),
+                ("refund", json!({"amount": 500 + turn})),
+            ]);
+            if turn == 2
+                && let Step::ModelCall(m) = &mut call
+            {
+                m.response.text = None;
+            }
+            v.push(call);
+            for (index, tool, args) in [
+                (0, "lookup", json!({"id": turn})),
+                (1, "refund", json!({"amount": 500 + turn})),
+            ] {
+                if index == 1 {
+                    let req = v.len() as u64;
+                    let Step::ApprovalRequested(mut r) = request() else {
+                        unreachable!()
+                    };
+                    (r.model_call_seq, r.call_index, r.call_id) = (mc, 1, "c1".into());
+                    v.push(Step::ApprovalRequested(r));
+                    let Step::ApprovalDecided(mut d) =
+                        decided(Verdict::Edit, None, Some(json!({"amount": 300})))
+                    else {
+                        unreachable!()
+                    };
+                    d.request_seq = req;
+                    v.push(Step::ApprovalDecided(d));
+                }
+                let intent = v.len() as u64;
+                v.push(Step::ToolIntent(ToolIntent {
+                    model_call_seq: mc,
+                    call_index: index,
+                    call_id: format!("c{index}"),
+                    tool: tool.into(),
+                    arguments: args,
+                    key: format!("k{intent}"),
+                }));
+                v.push(Step::ToolResult(ToolResult {
+                    intent_seq: intent,
+                    call_id: format!("c{index}"),
+                    tool: tool.into(),
+                    outcome: v1::ToolOutcome::Ok(json!({"turn": turn})),
+                    recovery: None,
+                }));
+            }
+            if turn == 1 {
+                let Step::ModelCall(m) = model_call(&[]) else {
+                    unreachable!()
+                };
+                v.push(Step::Summary(Summary {
+                    text: "so far".into(),
+                    through_seq: v.len() as u64 - 1,
+                    response: m.response,
+                    cost_usd: 0.25,
+                }));
+            }
+        }
+        v.push(model_call(&[("finish", json!({"result": "done"}))]));
+        v
+    }
+
+    /// What the controller and the runner read off a state.
+    pub(crate) fn seen(s: &RunState) -> impl PartialEq + std::fmt::Debug {
+        (
+            s.next(),
+            s.len(),
+            s.spent.clone(),
+            s.last_text(),
+            s.summary.clone(),
+            s.snapshot.clone(),
+            s.pending_approval().map(|(seq, r)| (seq, r.clone())),
+            s.agent_at(s.len()).cloned(),
+        )
+    }
+
+    #[test]
+    fn a_compacted_state_decides_as_the_whole_log_at_every_record() {
+        let log = long_log(5);
+        let mut compacted = RunState::default();
+        for n in 0..log.len() {
+            compacted.apply(log[n].clone());
+            compacted.compact();
+            let whole = RunState::replay(log[..=n].to_vec());
+            assert_eq!(seen(&compacted), seen(&whole), "after record {n}");
+            assert!(
+                compacted.steps().len() <= 8,
+                "holds {} records",
+                compacted.steps().len()
+            );
+            assert_eq!(
+                compacted.spent_before_base(),
+                &RunState::replay(log[..compacted.base() as usize].to_vec()).spent
+            );
+        }
+        assert!(compacted.base() > 20);
+    }
+
+    #[test]
+    fn a_state_resumed_at_its_window_decides_as_the_whole_log() {
+        let log = long_log(5);
+        for n in 1..=log.len() {
+            let whole = RunState::replay(log[..n].to_vec());
+            let start = whole.window_start();
+            let pinned = whole
+                .pinned_before(start)
+                .into_iter()
+                .map(|seq| (seq, log[seq as usize].clone()))
+                .collect();
+            let before = RunState::replay(log[..start as usize].to_vec()).spent;
+            let mut resumed = RunState::resume_at(start, pinned, before);
+            for step in &log[start as usize..n] {
+                resumed.apply(step.clone());
+            }
+            assert_eq!(
+                seen(&resumed),
+                seen(&whole),
+                "log of {n} records resumed at {start}"
+            );
+        }
     }
 
     #[test]

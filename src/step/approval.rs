@@ -43,7 +43,7 @@ pub async fn request(
     gate: Gate,
     http: &reqwest::Client,
 ) -> ApprovalRequested {
-    let reason = match state.steps.get(model_call_seq as usize) {
+    let reason = match state.step(model_call_seq) {
         Some(Step::ModelCall(m)) => m.response.text.clone(),
         _ => None,
     };
@@ -104,13 +104,11 @@ pub fn reconcile_request(
 /// The latest tool results, abbreviated, newest last.
 fn recent_results(state: &RunState) -> Vec<ObservedResult> {
     let mut out: Vec<ObservedResult> = state
-        .steps
-        .iter()
-        .enumerate()
+        .records()
         .rev()
         .filter_map(|(seq, s)| match s {
             Step::ToolResult(r) => Some(ObservedResult {
-                seq: seq as u64,
+                seq,
                 tool: r.tool.clone(),
                 summary: abbreviate(&match &r.outcome {
                     ToolOutcome::Ok(v) => v.to_string(),

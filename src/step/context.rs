@@ -73,8 +73,7 @@ pub fn compaction_boundary(state: &RunState, recent: u32) -> Option<u64> {
     let len = state.len();
     let keep_from = len.saturating_sub(recent as u64);
     // The first ModelCall at or after keep_from starts the kept part.
-    let cut =
-        (keep_from..len).find(|&seq| matches!(state.steps[seq as usize], Step::ModelCall(_)))?;
+    let cut = (keep_from..len).find(|&seq| matches!(state.step(seq), Some(Step::ModelCall(_))))?;
     // Compacting only pays if something between the last summary and the cut is a step.
     let through = cut.checked_sub(1)?;
     (through > after).then_some(through)
@@ -119,10 +118,9 @@ fn summary_message(summary: &Summary) -> Message {
 
 /// Appends the messages of records `from..=through`.
 fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, through: u64) {
-    for (seq, step) in state.steps.iter().enumerate() {
-        let seq = seq as u64;
-        if seq < from || seq > through {
-            continue;
+    for (seq, step) in state.records_from(from) {
+        if seq > through {
+            break;
         }
         match step {
             Step::ModelCall(m) => {
@@ -158,7 +156,7 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
             }
             // A call that never ran still gets its answer: why it did not.
             Step::ApprovalDecided(d) if d.settles_without_running() => {
-                if let Some(Step::ApprovalRequested(r)) = state.steps.get(d.request_seq as usize) {
+                if let Some(Step::ApprovalRequested(r)) = state.step(d.request_seq) {
                     messages.push(Message::ToolResult {
                         call_id: r.call_id.clone(),
                         name: r.tool.clone(),
@@ -182,10 +180,8 @@ fn executed_arguments(
     index: usize,
 ) -> Option<serde_json::Value> {
     state
-        .steps
-        .iter()
-        .skip(model_call_seq as usize + 1)
-        .find_map(|s| match s {
+        .records_from(model_call_seq + 1)
+        .find_map(|(_, s)| match s {
             Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
                 Some(i.arguments.clone())
             }
@@ -195,27 +191,29 @@ fn executed_arguments(
 
 /// "bob changed amount from 500 to 300: partial refund", for an edited call.
 fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
-    let Some(Step::ToolIntent(intent)) = state.steps.get(intent_seq as usize) else {
+    let Some(Step::ToolIntent(intent)) = state.step(intent_seq) else {
         return None;
     };
-    let (request, decided) =
-        state.steps[..intent_seq as usize]
-            .iter()
-            .rev()
-            .find_map(|s| match s {
-                Step::ApprovalDecided(d) if d.verdict == Verdict::Edit => {
-                    match state.steps.get(d.request_seq as usize) {
-                        Some(Step::ApprovalRequested(r))
-                            if r.model_call_seq == intent.model_call_seq
-                                && r.call_index == intent.call_index =>
-                        {
-                            Some((r, d))
-                        }
-                        _ => None,
+    let (request, decided) = state
+        .records()
+        .take_while(|(seq, _)| *seq < intent_seq)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .find_map(|(_, s)| match s {
+            Step::ApprovalDecided(d) if d.verdict == Verdict::Edit => {
+                match state.step(d.request_seq) {
+                    Some(Step::ApprovalRequested(r))
+                        if r.model_call_seq == intent.model_call_seq
+                            && r.call_index == intent.call_index =>
+                    {
+                        Some((r, d))
                     }
+                    _ => None,
                 }
-                _ => None,
-            })?;
+            }
+            _ => None,
+        })?;
     let editor = decided
         .decisions
         .iter()

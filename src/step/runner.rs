@@ -17,7 +17,7 @@ use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
 use crate::runlog::records::*;
 use crate::runlog::replay::{Next, RunState, Snapshot, Step};
-use crate::store::{self, Head, Lease, RecordDraft, StepKind, StepStore, StoreError};
+use crate::store::{self, Head, Lease, RecordDraft, StepStore, StoreError};
 use crate::telemetry::trace;
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
 
@@ -645,7 +645,7 @@ impl Runner {
     async fn append(&mut self, step: Step, model_id: Option<String>) -> anyhow::Result<u64> {
         let kind = step.kind();
         failpoint::hit(&format!("before-append:{kind}"));
-        let mut draft = RecordDraft::new(step_kind(kind), step.payload());
+        let mut draft = RecordDraft::new(step.store_kind(), step.payload());
         if let Some(snap) = &self.state.snapshot {
             draft.versions = store::Versions {
                 prompt_version: Some(snap.versions.prompt_version.clone()),
@@ -737,13 +737,6 @@ fn stop_step(finished: RunFinished) -> Step {
         about_seq: None,
         stop: Some(finished),
     })
-}
-
-fn step_kind(name: &str) -> StepKind {
-    StepKind::ALL
-        .into_iter()
-        .find(|k| k.as_str() == name)
-        .expect("every Step kind is a StepKind")
 }
 
 /// Retries an operation while the store is unreachable (a store outage stalls

@@ -59,6 +59,14 @@ impl RecordSigner {
         RecordVerifier(self.0.public_key().as_ref().to_vec())
     }
 
+    /// Signs `message` under `context` (domain separation from records and
+    /// from other messages); the signature in hex.
+    pub fn sign_message(&self, context: &[u8], message: &[u8]) -> String {
+        let mut m = context.to_vec();
+        m.extend_from_slice(message);
+        hex::encode(self.0.sign(&m).as_ref())
+    }
+
     /// Seals `draft` after `head` like [`RecordDraft::seal`], signed when its
     /// kind is a controller kind (its payload must then be an object).
     pub fn seal(&self, draft: RecordDraft, head: &Head) -> Result<Record, StoreError> {
@@ -99,6 +107,18 @@ impl RecordVerifier {
             ));
         }
         Ok(RecordVerifier(key))
+    }
+
+    /// Whether `signature` (hex) is this key's over `message` under `context`.
+    pub fn verify_message(&self, context: &[u8], message: &[u8], signature: &str) -> bool {
+        let Ok(signature) = hex::decode(signature) else {
+            return false;
+        };
+        let mut m = context.to_vec();
+        m.extend_from_slice(message);
+        UnparsedPublicKey::new(&ED25519, &self.0)
+            .verify(&m, &signature)
+            .is_ok()
     }
 
     /// Every controller record of `records` from seq `signed_from` on must
