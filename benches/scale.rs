@@ -261,6 +261,11 @@ fn check_figures() {
         &|_, v| v <= 1.5,
     );
     expect(
+        "the restarted controller resumed the long run at its checkpoint",
+        &|n| n.starts_with("restart.") && n.ends_with(".resumed_at_checkpoint"),
+        &|_, v| v >= 1.0,
+    );
+    expect(
         "the long run succeeded after the controller restart",
         &|n| n.starts_with("restart.") && n.ends_with(".succeeded"),
         &|_, v| v == 1.0,
@@ -2105,10 +2110,16 @@ async fn long(bench: &Bench) {
     let mut replies = lookups(lookups_n);
     replies.push(refund(500));
     replies.push(finish("looked everything up and refunded"));
+    // Check mode's log is short: checkpoints from 50 records, so that the
+    // restart resumes at one as a long log's would.
+    let flags: &[&str] = match cfg.check {
+        true => &["--checkpoint-min-records", "50"],
+        false => &[],
+    };
     let mut ns = bench
         .namespace(
             "long",
-            &[],
+            flags,
             Value::Array(replies),
             Some(json!({"maxTokens": 2000, "recentSteps": 6})),
         )
@@ -2320,6 +2331,20 @@ async fn long(bench: &Bench) {
 
     // Figure 6: restart while the run waits with its full log, decided as
     // the new process starts.
+    let waiting: AgentRun = Api::namespaced(bench.client.clone(), &ns.name)
+        .get(&name)
+        .await
+        .expect("the long run");
+    let checkpoint = waiting
+        .status
+        .and_then(|s| s.log)
+        .and_then(|l| l.checkpoint)
+        .map_or(0, |c| c.seq);
+    figure(
+        &format!("long.records{records}.checkpoint_seq"),
+        checkpoint as f64,
+        "records",
+    );
     ns.save_log(bench, "-1").await;
     let approval = awaiting.approval.clone().expect("waiting on an Approval");
     let before: HashSet<(u64, u32)> = ns
@@ -2347,6 +2372,15 @@ async fn long(bench: &Bench) {
         },
     )
     .await;
+    let resumes = metric_sum(
+        &metrics_text(ns.controller.metrics_port).await,
+        "agentrun_log_resumes_total",
+    );
+    figure(
+        &format!("restart.records{records}.resumed_at_checkpoint"),
+        resumes.unwrap_or(0.0),
+        "replays",
+    );
     let first_write = ns
         .runs
         .get(&name)

@@ -29,18 +29,23 @@ use crate::store::{
 use super::log_cache::Replayed;
 
 /// Logs whose window starts earlier are read whole: cheap, and no checkpoint
-/// to write.
+/// to write (the default of `--checkpoint-min-records`).
 pub const MIN_SEQ: u64 = 1_000;
 
 /// Domain separation of what is signed.
 const CONTEXT: &[u8] = b"agentrun.dev/log-checkpoint/v1\0";
 
 /// The checkpoint of `replayed` (compacted to its window), signed, if its
-/// window starts late enough to be worth one.
-pub fn make(signer: &RecordSigner, uid: &str, replayed: &Replayed) -> Option<LogCheckpoint> {
+/// window starts at `min_seq` or later.
+pub fn make(
+    signer: &RecordSigner,
+    uid: &str,
+    replayed: &Replayed,
+    min_seq: u64,
+) -> Option<LogCheckpoint> {
     let state = &replayed.state;
     let seq = state.base();
-    if seq < MIN_SEQ {
+    if seq < min_seq.max(1) {
         return None;
     }
     let hash = replayed.link_into(seq)?;
@@ -215,7 +220,7 @@ mod tests {
         let log = long_log(150);
         let store = stored(dir.path(), &signer, "uid-long", &log).await;
         let whole = read_whole(&store, "uid-long").await;
-        let cp = make(&signer, "uid-long", &whole).expect("a long log has a checkpoint");
+        let cp = make(&signer, "uid-long", &whole, MIN_SEQ).expect("a long log has a checkpoint");
         assert!(cp.seq >= MIN_SEQ, "{cp:?}");
         assert!(trusted(&signer.verifier(), "uid-long", &cp, &whole.head));
 
@@ -242,7 +247,7 @@ mod tests {
         assert_eq!(seen(&replayed.state), seen(&whole.state));
         // And it writes the same checkpoint again.
         replayed.compact();
-        assert_eq!(make(&signer, "uid-long", &replayed), Some(cp));
+        assert_eq!(make(&signer, "uid-long", &replayed, MIN_SEQ), Some(cp));
     }
 
     #[tokio::test]
@@ -251,7 +256,7 @@ mod tests {
         let signer = RecordSigner::from_seed(&[7; 32]);
         let store = stored(dir.path(), &signer, "uid-a", &long_log(150)).await;
         let whole = read_whole(&store, "uid-a").await;
-        let cp = make(&signer, "uid-a", &whole).unwrap();
+        let cp = make(&signer, "uid-a", &whole, MIN_SEQ).unwrap();
         let verifier = signer.verifier();
         assert!(trusted(&verifier, "uid-a", &cp, &whole.head));
         let other_key = RecordSigner::from_seed(&[8; 32]).verifier();
@@ -291,7 +296,7 @@ mod tests {
         let signer = RecordSigner::from_seed(&[7; 32]);
         let store = stored(dir.path(), &signer, "uid-t", &long_log(150)).await;
         let whole = read_whole(&store, "uid-t").await;
-        let cp = make(&signer, "uid-t", &whole).unwrap();
+        let cp = make(&signer, "uid-t", &whole, MIN_SEQ).unwrap();
         // The run's input rewritten, its hash recomputed (the chain after it
         // would break, but a resume does not read it).
         let record = store

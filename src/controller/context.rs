@@ -55,6 +55,8 @@ pub struct Context {
     pub progress_written: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Failed reconciles in a row, per run uid (the error backoff).
     pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    /// Logs whose window starts earlier get no checkpoint (`--checkpoint-min-records`).
+    pub checkpoint_min: u64,
 }
 
 impl Context {

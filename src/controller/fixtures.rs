@@ -165,6 +165,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         lease_free_since: Default::default(),
         progress_written: Default::default(),
         failures: Default::default(),
+        checkpoint_min: super::checkpoint::MIN_SEQ,
     }
 }
 

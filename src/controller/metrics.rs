@@ -110,6 +110,8 @@ pub struct Metrics {
     pub store_reads: Counter,
     pub store_read_records: Counter,
     pub store_read_bytes: Counter,
+    /// Replays begun at a run's checkpoint rather than its first record.
+    pub log_resumes: Counter,
     shared: Arc<Shared>,
     started: DateTime<Utc>,
 }
@@ -177,6 +179,7 @@ impl Metrics {
             store_reads: Counter::default(),
             store_read_records: Counter::default(),
             store_read_bytes: Counter::default(),
+            log_resumes: Counter::default(),
             shared: Arc::new(Shared::default()),
             started: Utc::now(),
         };
@@ -251,6 +254,11 @@ impl Metrics {
             "agentrun_store_read_bytes",
             "Payload bytes of the step-log records the reconciler read",
             m.store_read_bytes.clone(),
+        );
+        registry.register(
+            "agentrun_log_resumes",
+            "Replays of a run's log begun at its signed checkpoint (status.log.checkpoint) instead of its first record",
+            m.log_resumes.clone(),
         );
         registry.register_collector(Box::new(RunsByPhase(m.shared.clone())));
         m

@@ -3,7 +3,7 @@
 
 pub mod agent;
 pub mod approval;
-mod checkpoint;
+pub mod checkpoint;
 mod context;
 pub mod decide;
 mod error;
@@ -110,6 +110,12 @@ pub struct Options {
     /// Requests the controller's API client may send at once above `--api-qps`.
     #[arg(long, env = "AGENTRUN_API_BURST", default_value_t = 200)]
     pub api_burst: u32,
+    /// A run's log whose window (the records from its latest model call on)
+    /// starts at least this far in gets a signed checkpoint in its status,
+    /// so a controller without its replayed log reads the window, not the
+    /// whole log, before deciding.
+    #[arg(long, env = "AGENTRUN_CHECKPOINT_MIN_RECORDS", default_value_t = checkpoint::MIN_SEQ)]
+    pub checkpoint_min_records: u64,
     /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
     /// kill a step at a chosen boundary. Never in production.
     #[arg(long, env = "AGENTRUN_ALLOW_FAILPOINTS", default_value_t = false)]
@@ -238,6 +244,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         lease_free_since: Default::default(),
         progress_written: Default::default(),
         failures: Default::default(),
+        checkpoint_min: opts.checkpoint_min_records,
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (

@@ -319,7 +319,7 @@ async fn record(
         now,
     );
     if let Some(log) = new_status.log.as_mut() {
-        log.checkpoint = checkpoint::make(&ctx.signer, &uid, &replayed);
+        log.checkpoint = checkpoint::make(&ctx.signer, &uid, &replayed, ctx.checkpoint_min);
     }
     let mut notices = acting.notices;
     let ends_now = new_status
@@ -823,6 +823,7 @@ async fn resume(
     {
         Ok(Some(resumed)) => {
             ctx.metrics.observe_read(&resumed.records);
+            ctx.metrics.log_resumes.inc();
             Ok(Ok(Some(Replayed::resumed(resumed))))
         }
         Ok(None) => Ok(Ok(None)),

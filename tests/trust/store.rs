@@ -272,6 +272,47 @@ async fn store_a_namespace_user_gets_one_runs_token_and_nothing_more() {
     assert!(w.standins.effects(w.name()).await.is_empty());
 }
 
+/// A long log's checkpoint (here from its first model call) lets a
+/// controller without the replayed log start reading at the window; the
+/// records before it that stay in force are checked against the hashes the
+/// controller signed, so a rewritten run start stops the run all the same.
+#[tokio::test]
+async fn store_a_record_rewritten_before_the_checkpoint_stops_the_run() {
+    let w = World::new("trust-ckpt", &["--checkpoint-min-records", "1"]).await;
+    let before = awaiting_run(&w, "pinned").await;
+    let checkpoint = before
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.checkpoint.clone())
+        .expect("the waiting run has a checkpoint");
+    assert!(
+        checkpoint.seq >= 1 && checkpoint.pinned.iter().any(|p| p.seq == 0),
+        "{checkpoint:?}"
+    );
+    let uid = before.metadata.uid.clone().unwrap();
+    let touched = as_superuser(
+        &[
+            "SET session_replication_role = replica",
+            "UPDATE agentrun_steps SET body = replace(body, 'Refund order 1042.', 'Refund order 1043.') WHERE run = $1 AND kind = 'RunStarted'",
+            "SET session_replication_role = DEFAULT",
+        ],
+        &uid,
+    )
+    .await;
+    assert_eq!(touched, 1, "the RunStarted was edited");
+    let after = wait_tampered(&w, "pinned").await;
+    let now = after.status.as_ref().unwrap();
+    assert_eq!(now.phase, Some(Phase::Failed), "{now:?}");
+    let error = now.error.clone().unwrap_or_default();
+    assert!(
+        error.contains("the hash the checkpoint signed")
+            && error.contains("the record was altered"),
+        "status.error {error:?}"
+    );
+    assert!(w.standins.effects(w.name()).await.is_empty());
+}
+
 /// Runs `sql` (with `$1` = the run uid) as the database superuser, on one
 /// connection; returns how many rows the statements naming the run touched.
 async fn as_superuser(sql: &[&'static str], uid: &str) -> u64 {
