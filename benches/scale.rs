@@ -341,10 +341,31 @@ async fn wait_settled(
     stall: Duration,
     mut probe: impl FnMut() -> (usize, String),
 ) -> (usize, Instant) {
+    let every = Duration::from_millis(100);
+    wait_settled_every(what, total, timeout, stall, every, || {
+        std::future::ready(probe())
+    })
+    .await
+}
+
+/// [`wait_settled`] with a probe that has to await (a request to a peer),
+/// polled `every` so often.
+async fn wait_settled_every<F, Fut>(
+    what: &str,
+    total: usize,
+    timeout: Duration,
+    stall: Duration,
+    every: Duration,
+    mut probe: F,
+) -> (usize, Instant)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = (usize, String)>,
+{
     let start = Instant::now();
     let (mut last_n, mut last_change, mut told) = (usize::MAX, Instant::now(), Instant::now());
     loop {
-        let (n, seen) = probe();
+        let (n, seen) = probe().await;
         if n != last_n {
             (last_n, last_change) = (n, Instant::now());
         }
@@ -370,7 +391,7 @@ async fn wait_settled(
             ));
             told = Instant::now();
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -1528,11 +1549,12 @@ async fn held(bench: &Bench, ns: &Ns, base_ms: &[f64]) {
     )
     .await;
     // Held: the stand-in received the run's call (the step Job is in it).
-    let (holding, _) = wait_settled_async(
+    let (holding, _) = wait_settled_every(
         &format!("{n} runs to hold their step"),
         n,
         Duration::from_secs(600 + 2 * n as u64),
         cfg.stall,
+        Duration::from_secs(1),
         || async {
             let calls: HashSet<String> = bench
                 .standins
@@ -1643,51 +1665,6 @@ async fn held(bench: &Bench, ns: &Ns, base_ms: &[f64]) {
     )
     .await;
     figure(&format!("held.runs{n}.cancelled"), cancelled as f64, "runs");
-}
-
-/// [`wait_settled`] with a probe that has to await (a request to a peer),
-/// polled every second.
-async fn wait_settled_async<F, Fut>(
-    what: &str,
-    total: usize,
-    timeout: Duration,
-    stall: Duration,
-    mut probe: F,
-) -> (usize, Instant)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = (usize, String)>,
-{
-    let start = Instant::now();
-    let (mut last_n, mut last_change, mut told) = (usize::MAX, Instant::now(), Instant::now());
-    loop {
-        let (n, seen) = probe().await;
-        if n != last_n {
-            (last_n, last_change) = (n, Instant::now());
-        }
-        if n >= total {
-            return (n, last_change);
-        }
-        if last_change.elapsed() > stall {
-            note(&format!(
-                "{what}: {n} of {total}, nothing changed for {} s; going on without the rest: {seen}",
-                stall.as_secs()
-            ));
-            return (n, last_change);
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}; last saw: {n} of {total}: {seen}"
-        );
-        if told.elapsed() > Duration::from_secs(30) {
-            note(&format!(
-                "waiting for {what} ({:.0} s): {n} of {total}: {seen}",
-                start.elapsed().as_secs_f64()
-            ));
-            told = Instant::now();
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
 }
 
 /// Waits until no run of the namespace changed and no Job was added for

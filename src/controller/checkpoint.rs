@@ -213,14 +213,22 @@ mod tests {
         whole
     }
 
+    /// A long log of run `uid` stored, read whole and checkpointed.
+    async fn checkpointed(
+        dir: &std::path::Path,
+        uid: &str,
+    ) -> (SqliteStore, RecordSigner, Replayed, LogCheckpoint) {
+        let signer = RecordSigner::from_seed(&[7; 32]);
+        let store = stored(dir, &signer, uid, &long_log(150)).await;
+        let whole = read_whole(&store, uid).await;
+        let cp = make(&signer, uid, &whole, MIN_SEQ).expect("a long log has a checkpoint");
+        (store, signer, whole, cp)
+    }
+
     #[tokio::test]
     async fn checkpoint_resumes_a_long_log_reading_its_window_only() {
         let dir = tempfile::tempdir().unwrap();
-        let signer = RecordSigner::from_seed(&[7; 32]);
-        let log = long_log(150);
-        let store = stored(dir.path(), &signer, "uid-long", &log).await;
-        let whole = read_whole(&store, "uid-long").await;
-        let cp = make(&signer, "uid-long", &whole, MIN_SEQ).expect("a long log has a checkpoint");
+        let (store, signer, whole, cp) = checkpointed(dir.path(), "uid-long").await;
         assert!(cp.seq >= MIN_SEQ, "{cp:?}");
         assert!(trusted(&signer.verifier(), "uid-long", &cp, &whole.head));
 
@@ -253,10 +261,7 @@ mod tests {
     #[tokio::test]
     async fn checkpoint_is_trusted_only_as_this_controller_signed_it_for_this_run() {
         let dir = tempfile::tempdir().unwrap();
-        let signer = RecordSigner::from_seed(&[7; 32]);
-        let store = stored(dir.path(), &signer, "uid-a", &long_log(150)).await;
-        let whole = read_whole(&store, "uid-a").await;
-        let cp = make(&signer, "uid-a", &whole, MIN_SEQ).unwrap();
+        let (_store, signer, whole, cp) = checkpointed(dir.path(), "uid-a").await;
         let verifier = signer.verifier();
         assert!(trusted(&verifier, "uid-a", &cp, &whole.head));
         let other_key = RecordSigner::from_seed(&[8; 32]).verifier();
@@ -293,10 +298,7 @@ mod tests {
     #[tokio::test]
     async fn checkpoint_resume_refuses_a_pinned_record_rewritten_in_the_database() {
         let dir = tempfile::tempdir().unwrap();
-        let signer = RecordSigner::from_seed(&[7; 32]);
-        let store = stored(dir.path(), &signer, "uid-t", &long_log(150)).await;
-        let whole = read_whole(&store, "uid-t").await;
-        let cp = make(&signer, "uid-t", &whole, MIN_SEQ).unwrap();
+        let (store, signer, _whole, cp) = checkpointed(dir.path(), "uid-t").await;
         // The run's input rewritten, its hash recomputed (the chain after it
         // would break, but a resume does not read it).
         let record = store

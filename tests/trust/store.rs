@@ -291,13 +291,11 @@ async fn store_a_record_rewritten_before_the_checkpoint_stops_the_run() {
         "{checkpoint:?}"
     );
     let uid = before.metadata.uid.clone().unwrap();
-    let touched = as_superuser(
-        &[
-            "SET session_replication_role = replica",
-            "UPDATE agentrun_steps SET body = replace(body, 'Refund order 1042.', 'Refund order 1043.') WHERE run = $1 AND kind = 'RunStarted'",
-            "SET session_replication_role = DEFAULT",
-        ],
+    let touched = rewrite_body(
         &uid,
+        "RunStarted",
+        "Refund order 1042.",
+        "Refund order 1043.",
     )
     .await;
     assert_eq!(touched, 1, "the RunStarted was edited");
@@ -313,9 +311,27 @@ async fn store_a_record_rewritten_before_the_checkpoint_stops_the_run() {
     assert!(w.standins.effects(w.name()).await.is_empty());
 }
 
+/// Replaces `from` by `to` in the bodies of the run's `kind` records as the
+/// database superuser, with the append-only trigger off; returns how many
+/// records it touched.
+async fn rewrite_body(uid: &str, kind: &str, from: &str, to: &str) -> u64 {
+    let update = format!(
+        "UPDATE agentrun_steps SET body = replace(body, '{from}', '{to}') WHERE run = $1 AND kind = '{kind}'"
+    );
+    as_superuser(
+        &[
+            "SET session_replication_role = replica",
+            &update,
+            "SET session_replication_role = DEFAULT",
+        ],
+        uid,
+    )
+    .await
+}
+
 /// Runs `sql` (with `$1` = the run uid) as the database superuser, on one
 /// connection; returns how many rows the statements naming the run touched.
-async fn as_superuser(sql: &[&'static str], uid: &str) -> u64 {
+async fn as_superuser(sql: &[&str], uid: &str) -> u64 {
     let mut url = url::Url::parse(common::store::pg_admin_url()).unwrap();
     url.set_path("/agentrun_e2e");
     let mut conn = sqlx::PgConnection::connect(url.as_str())
@@ -323,7 +339,7 @@ async fn as_superuser(sql: &[&'static str], uid: &str) -> u64 {
         .expect("connecting as the superuser");
     let mut touched = 0;
     for &q in sql {
-        let query = sqlx::query(q);
+        let query = sqlx::query(sqlx::AssertSqlSafe(q.to_string()));
         let query = if q.contains("$1") {
             query.bind(uid)
         } else {
@@ -389,15 +405,7 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
     // 1. History edited by the superuser with the append-only trigger off:
     //    the model's proposed refund becomes 50 (under the approval threshold).
     let uid = edited.metadata.uid.clone().unwrap();
-    let touched = as_superuser(
-        &[
-            "SET session_replication_role = replica",
-            "UPDATE agentrun_steps SET body = replace(body, '\"amount\":500', '\"amount\":50') WHERE run = $1 AND kind = 'ModelCall'",
-            "SET session_replication_role = DEFAULT",
-        ],
-        &uid,
-    )
-    .await;
+    let touched = rewrite_body(&uid, "ModelCall", "\"amount\":500", "\"amount\":50").await;
     assert_eq!(touched, 1, "the ModelCall was edited");
     // 2. The tail deleted as the retention role (the chain that is left verifies).
     let uid_cut = cut.metadata.uid.clone().unwrap();
