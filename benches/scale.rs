@@ -9,11 +9,17 @@
 //!   appended (PostgreSQL's clock, same machine). The controller runs with
 //!   `--time-slice-seconds 0`, so every step is one Job: a model call, or a
 //!   tool call with its intent. `active1` from runs started one after the
-//!   other, `activeN` from N runs started together (N = ACTIVE).
+//!   other; `heldN` from the same, while N other runs are active (each
+//!   holds a step Job: a running pod with the run's lease, heartbeating, in
+//!   a tool call answered after hours), the controller's overhead of N
+//!   active runs apart from the API server's queueing; `activeN` from N
+//!   runs started together (N = ACTIVE), which is that queueing.
 //!   `*.controller.{reconcile_started,job_created}.*` are the controller's
 //!   own view (`agentrun_dispatch_seconds`): record S stored → the reconcile
 //!   acting on it began / its Job create returned, without this harness's
 //!   watch; quantiles interpolated within the histogram's buckets (1.5x apart).
+//! - `scale.held.*`: the N held runs: pods running, controller CPU and RSS,
+//!   API requests while the probes ran; all cancelled afterwards.
 //! - `scale.burst.*`: those N runs of 5 steps (5 Jobs) each, started
 //!   together: time to all Succeeded, steps/s, controller CPU and peak RSS.
 //! - `scale.approval.*`: with W runs waiting for approval (W = WAITING), a
@@ -32,7 +38,8 @@
 //!   its full log; its Approval is decided as the new process starts:
 //!   process start → the run's next Job ADDED.
 //!
-//! Environment: AGENTRUN_SCALE_ACTIVE (1000), AGENTRUN_SCALE_WAITING
+//! Environment: AGENTRUN_SCALE_ACTIVE (1000; 0: no burst),
+//! AGENTRUN_SCALE_HELD (as ACTIVE), AGENTRUN_SCALE_WAITING
 //! (10000), AGENTRUN_SCALE_LONG_STEPS (100000), AGENTRUN_SCALE_IDLE_SECONDS
 //! (60), AGENTRUN_SCALE_APPROVALS (30), AGENTRUN_SCALE_BASELINE_RUNS (10);
 //! AGENTRUN_SCALE_SHORT=1 or `--short`: 50 active, 200 waiting, 2,000-record
@@ -1332,7 +1339,11 @@ async fn active(bench: &Bench) {
     // The same, while N other runs are active (each holding its step).
     held(bench, &ns, &base_ms).await;
 
-    // N runs started together.
+    // N runs started together (AGENTRUN_SCALE_ACTIVE=0: none, the held part only).
+    if cfg.active == 0 {
+        ns.save_log(bench, "").await;
+        return;
+    }
     let metrics1 = metrics_text(ns.controller.metrics_port).await;
     let burst = names("run", cfg.active);
     let pid = ns.pid();
