@@ -70,6 +70,9 @@ RUST_WANT=${BUILD_BASE#rust:}; RUST_WANT=${RUST_WANT%-bookworm}  # 1.95
 deps() {
   local need=()
   command -v buildah >/dev/null || need+=(buildah)
+  # buildah only recommends an OCI runtime, and its RUN steps need one: a
+  # fresh machine builds these images before the real node installs runc.
+  command -v runc >/dev/null || need+=(runc)
   command -v debootstrap >/dev/null || need+=(debootstrap)
   [ ${#need[@]} -eq 0 ] && return 0
   [ "$(id -u)" -eq 0 ] || die "needs ${need[*]} (install them, or run as root)"

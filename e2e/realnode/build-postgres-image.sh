@@ -306,6 +306,11 @@ case "${1:-build}" in
   build)
     [ "$(id -u)" -eq 0 ] || die "buildah with a private vfs root runs as root"
     command -v buildah >/dev/null || die "needs buildah (apt-get install buildah)"
+    # Its RUN steps need an OCI runtime, which buildah only recommends.
+    if ! command -v runc >/dev/null; then
+      DEBIAN_FRONTEND=noninteractive timeout 600 apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends runc >/dev/null
+    fi
     lock; T0=$SECONDS
     timed "base $BASE" base
     timed "image $IMAGE" image
