@@ -14,11 +14,12 @@
 //! Trust: the checkpoint is in the run's status, which only the controller
 //! should write; the signature makes that a fact, not a hope (a forged or
 //! stale-key checkpoint is ignored and the log read whole). A record it
-//! names that no longer has its signed hash is a rewritten log. Records
-//! before the window are verified whole right after the first decision
-//! ([`crate::controller`]'s reconcile), so a log rewritten in the database
-//! is still caught at the first reconcile that holds no replayed log; and
-//! step runners verify the whole chain before acting on any of it.
+//! names that no longer has its signed hash is a rewritten log. The whole
+//! log is verified right after the decision (by the reconcile that hands
+//! the run over to a Job, a human or its end), so a log rewritten in the
+//! database is still caught when a controller that held no replayed log
+//! looks at the run; and step runners verify the whole chain before acting
+//! on any of it.
 
 use crate::api::{LogCheckpoint, PinnedRecord};
 use crate::runlog::replay::{RunState, Spent, Step};

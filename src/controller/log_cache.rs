@@ -35,7 +35,8 @@ pub struct Replayed {
     /// The head-event generation it was read under (see [`LogCache::current`]).
     generation: u64,
     /// Resumed from the run's checkpoint: the records before it are still
-    /// to be verified (once, right after the decision it was read for).
+    /// to be verified (once, by the first reconcile after the decision it
+    /// was read for that does not go straight on to another).
     pub resumed: bool,
     /// Hashes of the records a checkpoint may name (see [`RunState::pinned_before`]).
     hashes: BTreeMap<u64, Hash>,

@@ -295,7 +295,10 @@ async fn record(
     } else {
         replayed
     };
-    if replayed.resumed {
+    // Not while the run has more to do at once (its next Job follows an
+    // appended decision): the reconcile that hands it over to a Job, a
+    // human or its end does it.
+    if replayed.resumed && !requeue.is_zero() {
         if let Err(tampered) = verify_whole(ctx, run, &uid).await? {
             return stop_tampered(run, ctx, &ns, tampered).await;
         }
