@@ -37,12 +37,15 @@ pub const MIN_SEQ: u64 = 1_000;
 const CONTEXT: &[u8] = b"agentrun.dev/log-checkpoint/v1\0";
 
 /// The checkpoint of `replayed` (compacted to its window), signed, if its
-/// window starts at `min_seq` or later.
+/// window starts at `min_seq` or later. `previous` (the status's) is
+/// returned as it is when nothing in it changed: most reconciles of a long
+/// run sign nothing.
 pub fn make(
     signer: &RecordSigner,
     uid: &str,
     replayed: &Replayed,
     min_seq: u64,
+    previous: Option<&LogCheckpoint>,
 ) -> Option<LogCheckpoint> {
     let state = &replayed.state;
     let seq = state.base();
@@ -70,6 +73,12 @@ pub fn make(
         cost_usd: spent.cost_usd,
         signature: String::new(),
     };
+    if let Some(previous) = previous {
+        checkpoint.signature.clone_from(&previous.signature);
+        if checkpoint == *previous {
+            return Some(checkpoint);
+        }
+    }
     checkpoint.signature = signer.sign_message(CONTEXT, &message(uid, &checkpoint));
     Some(checkpoint)
 }
@@ -222,7 +231,7 @@ mod tests {
         let signer = RecordSigner::from_seed(&[7; 32]);
         let store = stored(dir, &signer, uid, &long_log(150)).await;
         let whole = read_whole(&store, uid).await;
-        let cp = make(&signer, uid, &whole, MIN_SEQ).expect("a long log has a checkpoint");
+        let cp = make(&signer, uid, &whole, MIN_SEQ, None).expect("a long log has a checkpoint");
         (store, signer, whole, cp)
     }
 
@@ -256,7 +265,21 @@ mod tests {
         assert_eq!(seen(&replayed.state), seen(&whole.state));
         // And it writes the same checkpoint again.
         replayed.compact();
-        assert_eq!(make(&signer, "uid-long", &replayed, MIN_SEQ), Some(cp));
+        assert_eq!(
+            make(&signer, "uid-long", &replayed, MIN_SEQ, None),
+            Some(cp.clone())
+        );
+        // Unchanged, the status's is kept; another window is signed anew.
+        assert_eq!(
+            make(&signer, "uid-long", &replayed, MIN_SEQ, Some(&cp)),
+            Some(cp.clone())
+        );
+        let mut stale = cp.clone();
+        stale.seq -= 7;
+        assert_eq!(
+            make(&signer, "uid-long", &replayed, MIN_SEQ, Some(&stale)),
+            Some(cp)
+        );
     }
 
     #[tokio::test]

@@ -213,15 +213,8 @@ impl LogCache {
         generation
     }
 
-    pub fn stamp(&self, state: RunState, head: Head, generation: u64) -> Replayed {
-        Replayed {
-            generation,
-            ..Replayed::at(state, head)
-        }
-    }
-
     /// Stamps `replayed` as read under head-event `generation`.
-    pub fn restamp(&self, mut replayed: Replayed, generation: u64) -> Replayed {
+    pub fn stamp(&self, mut replayed: Replayed, generation: u64) -> Replayed {
         replayed.generation = generation;
         replayed
     }
@@ -317,7 +310,7 @@ mod tests {
         let cache = LogCache::default();
         cache.follow("u1", run("r1"));
         let generation = cache.begin_read("u1");
-        let entry = cache.stamp(RunState::default(), Head::EMPTY, generation);
+        let entry = cache.stamp(Replayed::empty(), generation);
         // Without head events nothing is known to be current.
         assert!(!cache.current("u1", &entry));
         cache.set_pushed();
@@ -332,7 +325,7 @@ mod tests {
         );
         assert!(!cache.current("u1", &entry));
         let generation = cache.begin_read("u1");
-        let entry = cache.stamp(RunState::default(), Head::EMPTY, generation);
+        let entry = cache.stamp(Replayed::empty(), generation);
         assert!(cache.current("u1", &entry));
     }
 
@@ -340,7 +333,7 @@ mod tests {
     fn log_cache_entry_is_not_current_after_the_controller_appends() {
         let cache = LogCache::default();
         cache.set_pushed();
-        let entry = cache.stamp(RunState::default(), Head::EMPTY, cache.begin_read("u1"));
+        let entry = cache.stamp(Replayed::empty(), cache.begin_read("u1"));
         assert!(cache.current("u1", &entry));
         cache.mark_changed("u1");
         assert!(!cache.current("u1", &entry));
@@ -352,7 +345,7 @@ mod tests {
         cache.set_pushed();
         cache.follow("u1", run("r1"));
         cache.follow("u2", run("r2"));
-        let entry = cache.stamp(RunState::default(), Head::EMPTY, cache.begin_read("u1"));
+        let entry = cache.stamp(Replayed::empty(), cache.begin_read("u1"));
         let mut woken = cache.on_event(HeadEvent::Resync);
         woken.sort_by_key(|r| r.name.clone());
         assert_eq!(woken, vec![run("r1"), run("r2")]);

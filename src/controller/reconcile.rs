@@ -322,7 +322,13 @@ async fn record(
         now,
     );
     if let Some(log) = new_status.log.as_mut() {
-        log.checkpoint = checkpoint::make(&ctx.signer, &uid, &replayed, ctx.checkpoint_min);
+        let previous = run
+            .status
+            .as_ref()
+            .and_then(|s| s.log.as_ref())
+            .and_then(|l| l.checkpoint.as_ref());
+        log.checkpoint =
+            checkpoint::make(&ctx.signer, &uid, &replayed, ctx.checkpoint_min, previous);
     }
     let mut notices = acting.notices;
     let ends_now = new_status
@@ -790,7 +796,7 @@ async fn replay(
             Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
         );
     }
-    let mut replayed = ctx.logs.restamp(replayed, generation);
+    let mut replayed = ctx.logs.stamp(replayed, generation);
     replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
     Ok(Ok(replayed))
 }

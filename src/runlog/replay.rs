@@ -360,6 +360,13 @@ impl RunState {
     /// controller keeps of a long run between reconciles.
     pub fn compact(&mut self) {
         let start = self.window_start();
+        // The run's start (its snapshot's input), the agent in force at the
+        // window's start and later ones: not every version in between.
+        if let Some(first) = self.agents.iter().rposition(|(at, _)| *at < start)
+            && first > 1
+        {
+            self.agents.drain(1..first);
+        }
         if start > self.base {
             for step in self.steps.drain(..(start - self.base) as usize) {
                 match &step {
@@ -791,6 +798,18 @@ pub(crate) mod tests {
                     tool: tool.into(),
                     outcome: v1::ToolOutcome::Ok(json!({"turn": turn})),
                     recovery: None,
+                }));
+            }
+            if turn % 2 == 0 {
+                // FollowLatest: a new agent version at a step boundary.
+                let mut agent = AgentTemplate::default();
+                agent.prompt.version = format!("v{turn}");
+                v.push(Step::VersionChanged(VersionChanged {
+                    agent,
+                    tools: vec![],
+                    mcp: Default::default(),
+                    from: Versions::default(),
+                    to: Versions::default(),
                 }));
             }
             if turn == 1 {
