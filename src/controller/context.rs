@@ -57,6 +57,9 @@ pub struct Context {
     pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
     /// Logs whose window starts earlier get no checkpoint (`--checkpoint-min-records`).
     pub checkpoint_min: u64,
+    /// Runs this process has reported with a broken log (counted once,
+    /// however many reconciles see the break before the status says so).
+    pub tampered: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Context {

@@ -166,6 +166,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         progress_written: Default::default(),
         failures: Default::default(),
         checkpoint_min: super::checkpoint::MIN_SEQ,
+        tampered: Default::default(),
     }
 }
 

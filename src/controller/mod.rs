@@ -245,6 +245,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         progress_written: Default::default(),
         failures: Default::default(),
         checkpoint_min: opts.checkpoint_min_records,
+        tampered: Default::default(),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (

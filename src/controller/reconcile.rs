@@ -1291,7 +1291,17 @@ async fn stop_tampered(
         return Ok(Action::await_change());
     }
     tracing::error!(run = %run.name_any(), namespace = %ns, error = %tampered, "step log failed verification; stopping the run");
-    ctx.metrics.log_integrity_failures.inc();
+    // A reconcile that starts before this one's status write is seen finds
+    // the same break: one run, one count.
+    let uid = run.uid().unwrap_or_default();
+    if ctx
+        .tampered
+        .lock()
+        .expect("not poisoned")
+        .insert(uid.clone())
+    {
+        ctx.metrics.log_integrity_failures.inc();
+    }
     let now = Timestamp::now();
     let message = format!("the step log failed verification: {tampered}");
     let generation = run.metadata.generation;
@@ -1315,7 +1325,7 @@ async fn stop_tampered(
     if let Some(name) = status.step.as_ref().and_then(|s| s.job.clone()) {
         delete_step_job(ctx, ns, &name).await?;
     }
-    ctx.logs.forget(&run.uid().unwrap_or_default());
+    ctx.logs.forget(&uid);
     let notice = notice(true, "LogTampered", truncate(&message, 900));
     write_status(run, ctx, &status, vec![notice]).await?;
     Ok(Action::await_change())
