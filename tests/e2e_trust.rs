@@ -11,3 +11,5 @@ mod admission;
 mod approvals;
 #[path = "trust/store.rs"]
 mod store;
+#[path = "trust/timing.rs"]
+mod timing;
