@@ -693,6 +693,10 @@ pub(crate) mod wire_compare {
         /// Keys the client sends that the documentation leaves out, with the
         /// value that makes that harmless (the documented default).
         pub ours_default: &'a [(&'a str, Value)],
+        /// Keys the documentation shows as `null` and the client sends as
+        /// this value, equivalent for the provider (and taken by servers
+        /// that refuse the null).
+        pub null_sent_as: &'a [(&'a str, Value)],
     }
 
     /// Every difference between `doc` and `ours`, as `path: what`. Objects
@@ -725,6 +729,11 @@ pub(crate) mod wire_compare {
         out: &mut Vec<String>,
     ) {
         match (doc, ours) {
+            (Value::Null, o)
+                if allow
+                    .null_sent_as
+                    .iter()
+                    .any(|(name, v)| key == Some(*name) && v == o) => {}
             (Value::Object(d), Value::Object(o)) => {
                 for (k, dv) in d {
                     let p = format!("{path}.{k}");

@@ -33,9 +33,12 @@ pub(crate) fn request_body(
                 continue;
             }
             Message::Assistant { text, tool_calls } => {
+                // A string, never null: OpenAI allows null beside tool calls,
+                // but llama-cpp-python's server (content: NotRequired[str])
+                // refuses it with 500; "" is a string every server takes.
                 let mut msg = json!({
                     "role": "assistant",
-                    "content": text.as_deref().filter(|t| !t.is_empty()),
+                    "content": text.as_deref().unwrap_or(""),
                 });
                 if !tool_calls.is_empty() {
                     msg["tool_calls"] = tool_calls
@@ -543,7 +546,13 @@ mod tests {
             max_output_tokens: None,
         };
         let ours = official_client("gpt-4o").request_body(&req);
-        crate::model::wire_compare::assert_matches(&fixture, &ours, &Default::default());
+        // The reference sends the answer's `content: null` back; we send ""
+        // (the schema's "string", which llama-cpp-python requires).
+        let allow = crate::model::wire_compare::Allow {
+            null_sent_as: &[("content", json!(""))],
+            ..Default::default()
+        };
+        crate::model::wire_compare::assert_matches(&fixture, &ours, &allow);
         assert_eq!(
             ours["messages"][2]["tool_call_id"],
             ours["messages"][1]["tool_calls"][0]["id"]
@@ -681,8 +690,13 @@ mod tests {
             tools: vec![],
             max_output_tokens: None,
         };
-        let args = &request_body("m", &req, None, false)["messages"][0]["tool_calls"][0]["function"]
-            ["arguments"];
+        let sent = &request_body("m", &req, None, false)["messages"][0];
+        assert_eq!(
+            sent["content"],
+            json!(""),
+            "a tool-call turn without text sends a string, not null"
+        );
+        let args = &sent["tool_calls"][0]["function"]["arguments"];
         assert_eq!(
             serde_json::from_str::<Value>(args.as_str().unwrap()).unwrap(),
             json!({"location": "Paris", "unit": "celsius"})
