@@ -13,3 +13,5 @@ mod approvals;
 mod store;
 #[path = "trust/timing.rs"]
 mod timing;
+#[path = "trust/upgrade.rs"]
+mod upgrade;

@@ -10,7 +10,7 @@ use futures::StreamExt;
 use jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
-use kube::runtime::{Controller, watcher};
+use kube::runtime::{Controller, WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
@@ -83,13 +83,24 @@ async fn reconcile(agent: Arc<Agent>, client: Arc<kube::Client>) -> Result<Actio
     Ok(Action::await_change())
 }
 
-/// Runs the Agent status controller until `stop` completes.
+/// Runs the Agent status controller until `stop` completes; its watch
+/// reports to `watches`.
 pub async fn run(
     agents: Api<Agent>,
     client: kube::Client,
+    watches: &super::watches::Watches,
     stop: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    Controller::new(agents, watcher::Config::default())
+    let (cache, writer) = reflector::store();
+    let events = watches
+        .follow(
+            "agents (status)",
+            watcher(agents, watcher::Config::default()),
+        )
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects();
+    Controller::for_stream(events, cache)
         .graceful_shutdown_on(stop)
         .run(
             reconcile,

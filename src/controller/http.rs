@@ -18,6 +18,9 @@ pub struct Health {
     /// Set once the CRDs are established and the client works; a standby
     /// replica is ready too (it serves probes and waits for the lease).
     pub ready: Arc<AtomicBool>,
+    /// The watches (and waits) that keep the controller from acting, named
+    /// with their errors by `/readyz`.
+    pub watches: super::watches::Watches,
 }
 
 pub fn router(health: Health) -> Router {
@@ -59,11 +62,16 @@ async fn metrics(
     }
 }
 
-async fn readyz(State(h): State<Health>) -> (StatusCode, &'static str) {
-    if h.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ok")
+async fn readyz(State(h): State<Health>) -> (StatusCode, String) {
+    if let Some(why) = h.watches.unready() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready:\n{why}\n"),
+        )
+    } else if h.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ok".into())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready".into())
     }
 }
 

@@ -23,6 +23,7 @@ pub mod run_index;
 pub mod status;
 pub mod step_token;
 mod throttle;
+pub mod watches;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -140,10 +141,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
+    let watches = watches::Watches::new(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
     let health = http::Health {
         registry: Arc::new(registry),
         ready: ready.clone(),
+        watches: watches.clone(),
     };
     let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
@@ -180,7 +183,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     })?;
     let step_api_url = step_api_url(&opts, served)?;
     tracing::info!(addr = %served, url = %step_api_url, "serving the step-log gateway");
-    wait_for_crds(&client).await?;
+    wait_for_crds(&client, &watches).await?;
     ready.store(true, Ordering::Relaxed);
 
     let mut shutdown = Box::pin(shutdown_signal());
@@ -204,8 +207,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Head events (PostgreSQL LISTEN/NOTIFY) wake the runs whose log grew or
     // whose worker gave the run back; without them running runs are polled.
     let head_events = store.head_events().await?;
-    let policies = platform::PolicyCache::follow(&client, opts.namespace.as_deref());
-    tracing::info!("waiting for the platform policies to be listed");
+    let policies = platform::PolicyCache::follow(&client, opts.namespace.as_deref(), &watches);
+    tracing::info!("waiting for the platform policies to be listed (/readyz names what fails)");
     policies.ready().await?;
     let store_pushes = head_events.is_some();
     let sweep_store = store.clone();
@@ -262,7 +265,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ),
     };
     let (cache, runs_writer) = reflector::store::<AgentRun>();
-    let run_events = watcher(runs, watcher::Config::default())
+    let run_events = watches
+        .follow("agentruns", watcher(runs, watcher::Config::default()))
         .default_backoff()
         .modify(slim_run)
         .reflect(runs_writer)
@@ -310,12 +314,20 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     };
     // Only the operator's own Jobs, without their pod templates or field
     // ownership: thousands of step Jobs stay small in memory.
-    let job_events = watcher(jobs, watcher::Config::default().labels(job::RUN_LABEL))
+    let job_events = watches
+        .follow(
+            "jobs",
+            watcher(jobs, watcher::Config::default().labels(job::RUN_LABEL)),
+        )
         .default_backoff()
         .modify(job::slim)
         .reflect(job_writer)
         .touched_objects();
-    let agent_events = watcher(agents.clone(), watcher::Config::default())
+    let agent_events = watches
+        .follow(
+            "agents",
+            watcher(agents.clone(), watcher::Config::default()),
+        )
         .default_backoff()
         .reflect(agent_writer)
         .touched_objects();
@@ -323,7 +335,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .owns_stream(job_events)
         // Approvals wake their run; their content is read when it is judged.
         .owns_stream(
-            watcher(approvals, watcher::Config::default())
+            watches
+                .follow("approvals", watcher(approvals, watcher::Config::default()))
                 .default_backoff()
                 .touched_objects(),
         )
@@ -334,7 +347,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .for_each(|_| async {});
     tokio::join!(
         runs_controller,
-        agent::run(agents, client.clone(), stopped(stop_rx))
+        agent::run(agents, client.clone(), &watches, stopped(stop_rx))
     );
     if let Some(l) = leadership {
         l.release().await;
@@ -429,13 +442,17 @@ fn step_api_url(opts: &Options, served: SocketAddr) -> anyhow::Result<String> {
     Ok(format!("http://{served}"))
 }
 
-/// Waits until the agentrun CRDs are installed and established.
-async fn wait_for_crds(client: &Client) -> anyhow::Result<()> {
+/// Waits until the agentrun CRDs are installed and established (`/readyz`
+/// names the one waited for).
+async fn wait_for_crds(client: &Client, watches: &watches::Watches) -> anyhow::Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in crate::api::crds() {
         let name = crd.name_any();
         tracing::info!(crd = %name, "waiting for CRD to be established");
+        let wait = format!("crd/{name}");
+        watches.waiting(&wait, "not established yet (install crds/)");
         await_condition(crds.clone(), &name, conditions::is_crd_established()).await?;
+        watches.done(&wait);
     }
     Ok(())
 }

@@ -36,7 +36,11 @@ pub struct PolicyCache {
 impl PolicyCache {
     /// Starts following both kinds of policy (namespace-scoped ones in `ns`
     /// only, when the controller watches one namespace).
-    pub fn follow(client: &kube::Client, ns: Option<&str>) -> PolicyCache {
+    pub fn follow(
+        client: &kube::Client,
+        ns: Option<&str>,
+        watches: &super::watches::Watches,
+    ) -> PolicyCache {
         let (cluster, cluster_writer) = reflector::store();
         let (local, local_writer) = reflector::store();
         let local_api: Api<AgentPolicy> = match ns {
@@ -45,12 +49,20 @@ impl PolicyCache {
         };
         let cluster_api: Api<ClusterAgentPolicy> = Api::all(client.clone());
         tokio::spawn(drain(
-            watcher(cluster_api, watcher::Config::default())
+            watches
+                .follow(
+                    "clusteragentpolicies",
+                    watcher(cluster_api, watcher::Config::default()),
+                )
                 .default_backoff()
                 .reflect(cluster_writer),
         ));
         tokio::spawn(drain(
-            watcher(local_api, watcher::Config::default())
+            watches
+                .follow(
+                    "agentpolicies",
+                    watcher(local_api, watcher::Config::default()),
+                )
                 .default_backoff()
                 .reflect(local_writer),
         ));
@@ -66,6 +78,7 @@ impl PolicyCache {
     }
 }
 
+/// Polls a watch to its end; its errors are reported by `Watches::follow`.
 async fn drain<S: futures::Stream + Send>(stream: S) {
     futures::pin_mut!(stream);
     while stream.next().await.is_some() {}

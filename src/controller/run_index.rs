@@ -8,6 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use kube::api::PartialObjectMeta;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
 use kube::{Api, Client};
 
@@ -101,7 +102,10 @@ impl RunIndex {
     pub async fn follow(self, client: Client) {
         // Metadata only: uids and deletion timestamps are all it needs.
         let runs: Api<PartialObjectMeta<AgentRun>> = Api::all(client);
-        let mut events = watcher(runs, watcher::Config::default()).boxed();
+        // With backoff: a list refused (RBAC) is retried, not hammered.
+        let mut events = watcher(runs, watcher::Config::default())
+            .default_backoff()
+            .boxed();
         while let Some(event) = events.next().await {
             match event {
                 Ok(e) => self.apply(e),
