@@ -18,7 +18,7 @@ use crate::api::{
     AgentRun, Approval, ApprovalSpec, ApprovalState, Observations, OnExpiry, ProposedCall, RunRef,
     Verdict as ApiVerdict,
 };
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 use super::context::{Context, FIELD_MANAGER, append, notice};
@@ -117,7 +117,7 @@ pub fn build(
     );
     approval.metadata.namespace = run.namespace();
     approval.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
-    approval.metadata.labels = Some([("agentrun.dev/run".to_string(), run.name_any())].into());
+    approval.metadata.labels = Some([(RUN_LABEL.to_string(), run.name_any())].into());
     approval
 }
 
@@ -431,7 +431,6 @@ pub(super) async fn handle(
     let Some(Step::ApprovalRequested(request)) = log.step(request_seq).cloned() else {
         return Ok(None);
     };
-    let name = approval_name(&run.name_any(), &uid, request_seq);
 
     // The request is the step pod's word: check it against the pinned policy first.
     if let Err(reason) = pinned_gate::check(log, request_seq) {
@@ -439,6 +438,12 @@ pub(super) async fn handle(
         append(ctx, &uid, head, Step::RunFinished(finished)).await?;
         return Ok(None);
     }
+    let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
+    let existing = existing(&approvals, run, request_seq, &request).await?;
+    let name = existing.as_ref().map_or_else(
+        || approval_name(&run.name_any(), &uid, request_seq),
+        ResourceExt::name_any,
+    );
     // Expired already: what the policy says follows is recorded.
     if let Some(expired) = log.records_from(request_seq).find_map(|(_, s)| match s {
         Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
@@ -457,8 +462,10 @@ pub(super) async fn handle(
         &request,
         requested_at(ctx, &uid, request_seq).await?,
     );
-    let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
-    let found = find_or_raise(run, ctx, &approvals, &expected, &name, &request, notices).await?;
+    let found = match existing {
+        Some(found) => found,
+        None => raise_missing(run, ctx, &approvals, &expected, &name, &request, notices).await?,
+    };
     let judged = judge(
         &expected,
         &found,
@@ -580,9 +587,73 @@ fn after_expiry(
     })
 }
 
-/// The run's Approval for the request, raised (again, with its original
-/// expiry, if someone deleted it) when it is missing.
-async fn find_or_raise(
+/// The Approval already raised for the request at `request_seq` of `run`,
+/// under whatever name the release that raised it gave it: the one this
+/// release names, else the one the run's status points to, else one
+/// labelled with the run that its controlling owner (the run's uid), its
+/// step and the exact call (tool and arguments hash) tie to the request.
+/// An upgraded controller thus continues on the Approval people have in
+/// front of them, and never raises a second one beside it.
+async fn existing(
+    approvals: &Api<Approval>,
+    run: &AgentRun,
+    request_seq: u64,
+    request: &ApprovalRequested,
+) -> Result<Option<Approval>, Error> {
+    let uid = run.uid().unwrap_or_default();
+    let named = approval_name(&run.name_any(), &uid, request_seq);
+    if let Some(found) = get_approval(approvals, &named).await? {
+        return Ok(Some(found));
+    }
+    let shown = run.status.as_ref().and_then(|s| s.approval.as_ref());
+    if let Some(shown) = shown.filter(|a| a.name != named)
+        && let Some(found) = get_approval(approvals, &shown.name).await?
+        && raised_for(&found, &uid, request_seq, request)
+    {
+        return Ok(Some(found));
+    }
+    // A label value has at most 63 characters: a longer run name never got one.
+    if run.name_any().len() > 63 {
+        return Ok(None);
+    }
+    let labelled = approvals
+        .list(&ListParams::default().labels(&format!("{RUN_LABEL}={}", run.name_any())))
+        .await
+        .map_err(|source| Error::Read {
+            what: "approvals",
+            source,
+        })?;
+    let mut tied: Vec<Approval> = labelled
+        .items
+        .into_iter()
+        .filter(|a| raised_for(a, &uid, request_seq, request))
+        .collect();
+    // Two would be one release's bug; the oldest is the one people saw first.
+    tied.sort_by_key(|a| (a.metadata.creation_timestamp.clone(), a.name_any()));
+    Ok(tied.into_iter().next())
+}
+
+/// Label an Approval carries with its run's name (every release has set it).
+const RUN_LABEL: &str = "agentrun.dev/run";
+
+/// Whether `a` was raised by the run with `uid` for the request at
+/// `request_seq`: controlled by that run, for that step and exactly that
+/// call. Whether its decisions count is judged after, as for any Approval.
+fn raised_for(a: &Approval, uid: &str, request_seq: u64, request: &ApprovalRequested) -> bool {
+    let controlled = a
+        .owner_references()
+        .iter()
+        .any(|o| o.controller == Some(true) && o.uid == uid);
+    controlled
+        && a.spec.run_ref.uid.as_deref() == Some(uid)
+        && a.spec.step == request_seq
+        && a.spec.tool == request.tool
+        && a.spec.arguments_hash == request.arguments_hash
+}
+
+/// Raises the run's Approval for the request, none being there (again, with
+/// its original expiry, if someone deleted it).
+async fn raise_missing(
     run: &AgentRun,
     ctx: &Context,
     approvals: &Api<Approval>,
@@ -591,9 +662,6 @@ async fn find_or_raise(
     request: &ApprovalRequested,
     notices: &mut Vec<super::decide::Notice>,
 ) -> Result<Approval, Error> {
-    if let Some(found) = get_approval(approvals, name).await? {
-        return Ok(found);
-    }
     let raised = raise(approvals, expected, name).await?;
     // The run already waited on it: someone deleted it.
     let again = run
@@ -1215,6 +1283,29 @@ mod tests {
         assert_eq!(first.spec.expires_at, again.spec.expires_at);
         assert_eq!(first.spec.expires_at.0, t(600), "whole seconds, rounded up");
         assert!(mismatches(&first, &again).is_empty());
+    }
+
+    #[test]
+    fn an_approval_of_an_earlier_release_is_found_by_its_run_step_and_call() {
+        let r = request(json!({"amount": 500}));
+        let mut earlier = build(&run("refund", "u1"), 2, &r, t(0));
+        earlier.metadata.name = Some("refund-approval-2".into());
+        assert!(raised_for(&earlier, "u1", 2, &r));
+        // Not another run's, step's or call's, whatever its name.
+        assert!(!raised_for(&earlier, "u2", 2, &r));
+        assert!(!raised_for(&earlier, "u1", 3, &r));
+        assert!(!raised_for(
+            &earlier,
+            "u1",
+            2,
+            &request(json!({"amount": 50_000}))
+        ));
+        // Only its controlling owner ties it to a run.
+        let mut borrowed = earlier.clone();
+        for o in borrowed.metadata.owner_references.iter_mut().flatten() {
+            o.controller = Some(false);
+        }
+        assert!(!raised_for(&borrowed, "u1", 2, &r));
     }
 
     #[test]

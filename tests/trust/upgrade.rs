@@ -6,13 +6,15 @@
 
 use std::time::Duration;
 
-use agentrun::api::Phase;
+use agentrun::api::{AgentRun, Approval, Phase};
+use agentrun::runlog::replay::Step;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 use super::common::{
     self,
+    approvals::{decide, entry, gated_agent, grant_approver_role, pending_approval, refund},
     controller::http_get,
     world::{World, finish},
 };
@@ -69,6 +71,14 @@ async fn watch_errors(port: u16, watch: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// `agentrun_watch_listed{watch="<watch>"}` on the controller's /metrics.
+async fn listed(port: u16, watch: &str) -> Option<f64> {
+    let (_, text) = http_get(port, "/metrics").await;
+    let prefix = format!("agentrun_watch_listed{{watch=\"{watch}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
 }
 
 #[tokio::test]
@@ -132,18 +142,7 @@ async fn a_policy_watch_refused_by_rbac_says_why_and_recovers_when_allowed() {
         watch_errors(port, "agentpolicies").await >= 1.0,
         "the refused list is counted"
     );
-    // A run created meanwhile waits: nothing runs unjudged by the platform.
-    w.standins
-        .script("watch", json!([finish("done")]), json!([]))
-        .await;
-    w.create_run(
-        "while-refused",
-        json!({"input": "Say done.", "agent": w.agent("watch")}),
-        json!({}),
-    )
-    .await;
-
-    // The namespace admin grants the missing rule: the watch lists, the run runs.
+    // The namespace admin grants the missing rule: the watch lists.
     let ns = w.name();
     let ns_roles: Api<Role> = Api::namespaced(admin.clone(), ns);
     ns_roles
@@ -176,8 +175,112 @@ async fn a_policy_watch_refused_by_rbac_says_why_and_recovers_when_allowed() {
         (code == 200).then_some(()).ok_or(format!("{code} {body}"))
     })
     .await;
-    w.wait_phase("while-refused", Phase::Succeeded).await;
+    // Its watches listed, the controller acts (its status writes are the
+    // chart's identity's only, so this test's user stops here).
+    assert_eq!(listed(port, "agentpolicies").await, Some(1.0));
+    assert_eq!(listed(port, "agentruns").await, Some(1.0));
 
     let _ = bindings.delete(&user, &DeleteParams::default()).await;
     let _ = roles.delete(&user, &DeleteParams::default()).await;
+}
+
+/// What an earlier release left of a run waiting for approval: its Approval
+/// under that release's name (its spec, owner and label as raised), and the
+/// run's status pointing to it. Played with the controller stopped.
+async fn as_an_earlier_release_named_it(w: &World, run: &str, approval: &Approval, old: &str) {
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let name = approval.metadata.name.clone().unwrap();
+    approvals
+        .delete(&name, &DeleteParams::default())
+        .await
+        .expect("deleting the Approval");
+    let mut earlier = Approval::new(old, approval.spec.clone());
+    earlier.metadata.namespace = approval.metadata.namespace.clone();
+    earlier.metadata.labels = approval.metadata.labels.clone();
+    earlier.metadata.owner_references = approval.metadata.owner_references.clone();
+    approvals
+        .create(&PostParams::default(), &earlier)
+        .await
+        .expect("the earlier release's Approval");
+    let status = json!({"status": {"state": "Pending"}});
+    approvals
+        .patch_status(old, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("its status");
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let pointer = json!({"status": {"approval": {"name": old}}});
+    runs.patch_status(run, &PatchParams::default(), &Patch::Merge(&pointer))
+        .await
+        .expect("the run's status points to it");
+}
+
+#[tokio::test]
+async fn a_waiting_run_continues_on_the_approval_an_earlier_release_raised() {
+    let mut w = World::new("tr-adopt", &[]).await;
+    grant_approver_role(&w).await;
+    w.standins
+        .script("adopt", json!([refund(500), finish("refunded")]), json!([]))
+        .await;
+    let run = "waits-across-upgrade";
+    w.create_run(
+        run,
+        json!({"input": "Refund.", "agent": gated_agent(&w, "adopt", json!({}))}),
+        json!({}),
+    )
+    .await;
+    let raised = pending_approval(&w, run).await;
+    w.stop_controller();
+    let old = format!("{run}-approval-{}", raised.spec.step);
+    as_an_earlier_release_named_it(&w, run, &raised, &old).await;
+
+    // The upgraded controller starts; the approver decides on the Approval
+    // in front of her, the earlier release's.
+    w.restart_controller().await;
+    decide(
+        &w,
+        "alice",
+        &old,
+        entry("alice", "Approve", &raised.spec.arguments_hash, "ok"),
+    )
+    .await
+    .expect("alice approves");
+    let done = w.wait_phase(run, Phase::Succeeded).await;
+
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let names: Vec<String> = approvals
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|a| a.metadata.name)
+        .collect();
+    assert_eq!(names, vec![old.clone()], "no second Approval beside it");
+    let decided = approvals.get(&old).await.unwrap();
+    assert_eq!(
+        decided.status.and_then(|s| s.state),
+        Some(agentrun::api::ApprovalState::Approved)
+    );
+    let log: Vec<Step> = w.log(&done).await.into_iter().map(|(_, s)| s).collect();
+    let decisions: Vec<&str> = log
+        .iter()
+        .filter_map(|s| match s {
+            Step::ApprovalDecided(d) => Some(d.approval.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        decisions,
+        vec![old.as_str()],
+        "the log names the Approval decided"
+    );
+    let refunds: Vec<Value> = w
+        .standins
+        .effects(w.name())
+        .await
+        .into_iter()
+        .filter(|e| e["tool"] == "issue_refund")
+        .map(|e| e["args"]["amount"].clone())
+        .collect();
+    assert_eq!(refunds, vec![json!(500)], "refunded once");
 }
