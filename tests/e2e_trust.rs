@@ -9,6 +9,8 @@ mod common;
 mod admission;
 #[path = "trust/approvals.rs"]
 mod approvals;
+#[path = "trust/egress.rs"]
+mod egress;
 #[path = "trust/store.rs"]
 mod store;
 #[path = "trust/timing.rs"]

@@ -165,7 +165,9 @@ fn full_values() -> Value {
         "watchNamespace": "runs",
         "image": {"repository": "example/agentrun", "tag": "1.2.3"},
         "controller": {"replicas": 3, "logFormat": "text", "extraArgs": ["--lease-name=x"],
-                        "podAnnotations": {"team": "ml"}},
+                        "podAnnotations": {"team": "ml"},
+                        "userUrls": {"allow": ["10.20.0.0/16", "mcp.tools.svc:8080"],
+                                     "deny": ["10.20.9.0/24"], "public": false}},
         "stepRunner": {"serviceAccount": {"name": "steps", "namespaces": ["runs", "more-runs"]}},
         "store": {"migrate": false},
         "postgresql": {"enabled": true, "password": "s3cret/+x", "persistence": {"size": "1Gi"}},
@@ -240,6 +242,13 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
             .as_array()
             .unwrap()
             .contains(&json!("--step-service-account=agentrun-step"))
+    );
+    // User-chosen URLs: public addresses only, by default.
+    assert!(
+        c["args"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("--user-url-public=true"))
     );
     assert_eq!(
         c["ports"][0],
@@ -484,6 +493,14 @@ fn non_default_rendering_switches_on_every_option() {
     let args = c["args"].as_array().unwrap();
     assert!(args.contains(&json!("--lease-name=x")));
     assert!(args.contains(&json!("--step-service-account=steps")));
+    for flag in [
+        "--user-url-allow=10.20.0.0/16",
+        "--user-url-allow=mcp.tools.svc:8080",
+        "--user-url-deny=10.20.9.0/24",
+        "--user-url-public=false",
+    ] {
+        assert!(args.contains(&json!(flag)), "{flag} in {args:?}");
+    }
     assert!(pod["initContainers"].is_null(), "store.migrate=false");
     assert_eq!(
         deploy["spec"]["template"]["metadata"]["annotations"]["team"],

@@ -182,6 +182,7 @@ fn abbreviate(s: &str, max: usize) -> String {
 /// `decided`, `expired`), best effort: a webhook never holds a run up.
 pub fn notify(
     http: &reqwest::Client,
+    user_urls: &crate::egress::Policy,
     run: &AgentRun,
     approval: &str,
     request: &ApprovalRequested,
@@ -191,7 +192,7 @@ pub fn notify(
     let Some(url) = request.gate.notify_webhook.clone() else {
         return;
     };
-    if let Err(e) = crate::egress::check_url(&url) {
+    if let Err(e) = user_urls.check_url(&url) {
         tracing::warn!(error = %e, "approval webhook refused");
         return;
     }
@@ -487,7 +488,15 @@ pub(super) async fn handle(
         };
         let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
         append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
-        notify(&ctx.http, run, &name, &request, event, detail);
+        notify(
+            &ctx.http,
+            &ctx.user_urls,
+            run,
+            &name,
+            &request,
+            event,
+            detail,
+        );
     }
     if judged.status_behind {
         write_approval_status(&approvals, &name, &judged.evaluation, judged.state, now).await?;
@@ -547,6 +556,7 @@ fn after_expiry(
         ));
         notify(
             &ctx.http,
+            &ctx.user_urls,
             run,
             name,
             &next,
@@ -681,6 +691,7 @@ async fn raise_missing(
     } else {
         notify(
             &ctx.http,
+            &ctx.user_urls,
             run,
             name,
             request,

@@ -38,6 +38,9 @@ pub struct Context {
     pub identity: String,
     /// For user-chosen addresses (approval webhooks, MCP discovery): egress-guarded.
     pub http: reqwest::Client,
+    /// Which addresses `http` may reach (`--user-url-allow`): check a URL
+    /// with it first, as IP literals bypass the client's resolver.
+    pub user_urls: Arc<crate::egress::Policy>,
     /// Each run's replayed log, extended by what its head events announce.
     pub logs: super::log_cache::LogCache,
     /// Whether the store pushes head events (else running runs are polled).

@@ -156,6 +156,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         signer,
         identity: "controller/test".into(),
         http: reqwest::Client::new(),
+        user_urls: Default::default(),
         logs: Default::default(),
         store_pushes: false,
         job_cache: None,

@@ -117,6 +117,28 @@ pub struct Options {
     /// whole log, before deciding.
     #[arg(long, env = "AGENTRUN_CHECKPOINT_MIN_RECORDS", default_value_t = checkpoint::MIN_SEQ)]
     pub checkpoint_min_records: u64,
+    /// Addresses the controller may reach for users (MCP discovery, approval
+    /// webhooks) although they are cluster-internal: CIDR ranges or
+    /// `host[:port]` names (`*.example.com` for subdomains). Repeatable or
+    /// comma-separated. Loopback, private (RFC 1918), CGNAT and unique-local
+    /// addresses are refused unless listed; link-local and metadata addresses always.
+    #[arg(
+        long = "user-url-allow",
+        env = "AGENTRUN_USER_URL_ALLOW",
+        value_delimiter = ','
+    )]
+    pub user_url_allow: Vec<crate::egress::Entry>,
+    /// Ranges never reached for users, even when listed in `--user-url-allow`
+    /// (e.g. the cluster's Service CIDR when it is not a private range).
+    #[arg(
+        long = "user-url-deny",
+        env = "AGENTRUN_USER_URL_DENY",
+        value_delimiter = ','
+    )]
+    pub user_url_deny: Vec<ipnet::IpNet>,
+    /// Whether public addresses may be reached for users without being listed.
+    #[arg(long = "user-url-public", env = "AGENTRUN_USER_URL_PUBLIC", default_value_t = true, action = clap::ArgAction::Set)]
+    pub user_url_public: bool,
     /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
     /// kill a step at a chosen boundary. Never in production.
     #[arg(long, env = "AGENTRUN_ALLOW_FAILPOINTS", default_value_t = false)]
@@ -215,6 +237,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // The watches' caches: reconciles read Jobs and Agents from memory.
     let (job_cache, job_writer) = reflector::store::<Job>();
     let (agent_cache, agent_writer) = reflector::store::<Agent>();
+    let user_urls = Arc::new(crate::egress::Policy::new(
+        opts.user_url_allow.clone(),
+        opts.user_url_deny.clone(),
+        opts.user_url_public,
+    ));
     let ctx = Arc::new(context::Context {
         client: client.clone(),
         reporter: Reporter {
@@ -237,7 +264,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             telemetry_env: crate::telemetry::step_env(),
         },
         identity: format!("controller/{identity}"),
-        http: crate::egress::client()?,
+        http: crate::egress::client(user_urls.clone())?,
+        user_urls,
         logs: Default::default(),
         job_cache: Some(job_cache.clone()),
         agent_cache: Some(agent_cache.clone()),

@@ -477,7 +477,7 @@ async fn start_run(
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
     let uid = run.uid().unwrap_or_default();
-    match snapshot(run, template, agent_generation, &ctx.http).await {
+    match snapshot(run, template, agent_generation, &ctx.http, &ctx.user_urls).await {
         Ok(started) => {
             append(ctx, &uid, &replayed.head, Step::RunStarted(started)).await?;
             acting.notices.push(notice(
@@ -517,7 +517,7 @@ async fn follow_agent(
         .as_ref()
         .map(|s| s.versions.clone())
         .unwrap_or_default();
-    match snapshot(run, template, agent_generation, &ctx.http).await {
+    match snapshot(run, template, agent_generation, &ctx.http, &ctx.user_urls).await {
         Ok(now_agent) => {
             let msg = format!(
                 "following the Agent from generation {:?} to {:?}",
@@ -1179,10 +1179,15 @@ async fn snapshot(
     template: &AgentTemplate,
     generation: Option<i64>,
     http: &reqwest::Client,
+    user_urls: &crate::egress::Policy,
 ) -> Result<RunStarted, String> {
-    // Discovery connects from the controller's pod: never to metadata addresses.
-    for tool in template.tools.iter().filter_map(|t| t.mcp.as_ref()) {
-        crate::egress::check_url(&tool.url).map_err(|e| format!("spec.tools: {e}"))?;
+    // Discovery connects from the controller's pod: only where the platform allows.
+    for (i, tool) in template.tools.iter().enumerate() {
+        if let Some(mcp) = &tool.mcp {
+            user_urls
+                .check_url(&mcp.url)
+                .map_err(|e| format!("spec.tools[{i}].mcp.url (tool {:?}): {e}", tool.name))?;
+        }
     }
     let mcp = discover_catalog_with(http, &template.tools)
         .await

@@ -65,15 +65,120 @@ fn client_config() -> ClientConfig {
 }
 
 async fn connect(client: &reqwest::Client, url: &str) -> Result<Session, String> {
+    open_session(client, url)
+        .await
+        .map_err(|e| format!("initialize failed: {e}"))
+}
+
+async fn open_session(
+    client: &reqwest::Client,
+    url: &str,
+) -> Result<Session, rmcp::service::ClientInitializeError> {
     let transport = StreamableHttpClientTransport::with_client(
         client.clone(),
         StreamableHttpClientTransportConfig::with_uri(url.to_string()),
     );
-    client_config()
-        .serve(transport)
-        .await
-        .map(Arc::new)
-        .map_err(|e| format!("initialize failed: {e}"))
+    client_config().serve(transport).await.map(Arc::new)
+}
+
+/// What a failed discovery request says, without the server's words: the
+/// controller writes it to the run's status and Events, and a user may
+/// point discovery at any server the platform allows, so a reply body (or a
+/// JSON-RPC error message, or a content type) could carry what that server
+/// holds. Only a status code and a fixed reason are kept; the full error
+/// goes to the controller's log at debug level, cut short.
+fn plain_failure(stage: &str, e: &(dyn std::error::Error + 'static)) -> String {
+    tracing::debug!(stage, error = %excerpt(&e.to_string(), 512), "MCP discovery failed");
+    let why =
+        describe(e).unwrap_or_else(|| "the server's answer was not a usable MCP reply".into());
+    format!("{stage} failed: {why}")
+}
+
+/// The first failure along `e`'s sources that [`known_failure`] knows.
+fn describe(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if let Some(why) = known_failure(e) {
+            return Some(why);
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// A fixed description of `e`, if it is one of the failures the MCP client
+/// reports (the others are looked for in its source).
+fn known_failure(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    use rmcp::service::ClientInitializeError as Init;
+    use rmcp::transport::streamable_http_client::StreamableHttpError as Http;
+    if let Some(refused) = e.downcast_ref::<crate::egress::Refused>() {
+        return Some(refused.to_string());
+    }
+    if let Some(e) = e.downcast_ref::<reqwest::Error>() {
+        return Some(match () {
+            _ if e.is_timeout() => "no answer in time".into(),
+            _ if e.is_connect() => refusal_in(e).unwrap_or_else(|| "could not connect".into()),
+            _ => match e.status() {
+                Some(status) => format!("HTTP {}", status.as_u16()),
+                None => "the connection failed".into(),
+            },
+        });
+    }
+    if let Some(e) = e.downcast_ref::<Http<reqwest::Error>>() {
+        return match e {
+            Http::HttpStatus(s) => Some(format!("HTTP {}", s.status)),
+            // rmcp writes `HTTP <status>: <body>`: the status is kept, the body not.
+            Http::UnexpectedServerResponse(text) => Some(
+                leading_status(text)
+                    .map_or("an unexpected reply".into(), |code| format!("HTTP {code}")),
+            ),
+            Http::UnexpectedContentType(_) => {
+                Some("a reply that is neither JSON nor an event stream".into())
+            }
+            Http::Deserialize(_) => Some("a reply that is not JSON-RPC".into()),
+            Http::ResponseBodyTooLarge { max_size } => {
+                Some(format!("a reply larger than {max_size} bytes"))
+            }
+            Http::Client(e) => describe(e),
+            Http::Io(_) | Http::Sse(_) => Some("the connection failed".into()),
+            _ => Some("a transport error".into()),
+        };
+    }
+    if let Some(e) = e.downcast_ref::<Init>() {
+        return match e {
+            Init::JsonRpcError(data) => Some(format!("JSON-RPC error {}", data.code.0)),
+            // Not marked as its source: followed by hand.
+            Init::TransportError { error, .. } => describe(&*error.error),
+            _ => Some("an unexpected reply to initialize".into()),
+        };
+    }
+    if let Some(e) = e.downcast_ref::<ServiceError>() {
+        return match e {
+            ServiceError::McpError(data) => Some(format!("JSON-RPC error {}", data.code.0)),
+            ServiceError::TransportSend(_) => None,
+            ServiceError::Timeout { .. } => Some("no answer in time".into()),
+            _ => Some("the session ended unexpectedly".into()),
+        };
+    }
+    None
+}
+
+/// The egress guard's refusal among `e`'s sources, in its own words.
+fn refusal_in(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = e.source();
+    while let Some(e) = next {
+        if let Some(refused) = e.downcast_ref::<crate::egress::Refused>() {
+            return Some(refused.to_string());
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// The status code at the start of `HTTP 403 Forbidden: ...`.
+fn leading_status(text: &str) -> Option<u16> {
+    let code = text.strip_prefix("HTTP ")?.get(..3)?;
+    code.parse().ok().filter(|c| (100..600).contains(c))
 }
 
 /// Lists the tools of the MCP server at `url` (`initialize` + `tools/list`).
@@ -88,11 +193,13 @@ async fn discover_with(client: &reqwest::Client, url: &str) -> Result<Vec<McpToo
         reason,
     };
     let work = async {
-        let session = connect(client, url).await.map_err(err)?;
+        let session = open_session(client, url)
+            .await
+            .map_err(|e| err(plain_failure("initialize", &e)))?;
         let tools = session
             .list_all_tools()
             .await
-            .map_err(|e| err(format!("tools/list failed: {e}")))?;
+            .map_err(|e| err(plain_failure("tools/list", &e)))?;
         if let Ok(session) = Arc::try_unwrap(session) {
             let _ = session.cancel().await;
         }
@@ -347,5 +454,87 @@ mod tests {
         assert_eq!(params["_meta"][MCP_META_KEY], json!("k".repeat(64)));
         assert_eq!(params["_meta"][MCP_META_RUN], "run-9");
         assert_eq!(params["_meta"][MCP_META_STEP], 12);
+    }
+}
+
+#[cfg(test)]
+mod discovery_failures {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server that answers every request with `reply` (a raw HTTP response).
+    async fn answering(reply: &'static str) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut buf = vec![0u8; 16 * 1024];
+                let _ = conn.read(&mut buf).await;
+                let _ = conn.write_all(reply.as_bytes()).await;
+                let _ = conn.shutdown().await;
+            }
+        });
+        format!("http://{addr}/mcp")
+    }
+
+    fn http(status: &str, content_type: &str, body: &str) -> &'static str {
+        Box::leak(
+            format!(
+                "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_boxed_str(),
+        )
+    }
+
+    #[tokio::test]
+    async fn no_reply_text_reaches_the_error_only_a_status_and_a_fixed_reason() {
+        let secret = "password=hunter2";
+        let rpc_error =
+            format!(r#"{{"jsonrpc":"2.0","id":0,"error":{{"code":-32000,"message":"{secret}"}}}}"#);
+        let cases = [
+            (http("403 Forbidden", "text/plain", secret), "HTTP 403"),
+            (
+                http("500 Internal Server Error", "text/plain", secret),
+                "HTTP 500",
+            ),
+            (
+                http("200 OK", &format!("text/{secret}"), secret),
+                "neither JSON",
+            ),
+            (
+                http("200 OK", "application/json", &format!("{{{secret}")),
+                "an unexpected reply",
+            ),
+            (
+                http("200 OK", "application/json", &rpc_error),
+                "JSON-RPC error -32000",
+            ),
+        ];
+        let policy = Arc::new(crate::egress::Policy::new(
+            vec!["127.0.0.1".parse().unwrap()],
+            vec![],
+            true,
+        ));
+        let client = crate::egress::client(policy).unwrap();
+        for (reply, want) in cases {
+            let url = answering(reply).await;
+            let err = discover_with(&client, &url)
+                .await
+                .expect_err("fails")
+                .to_string();
+            assert!(!err.contains("hunter2"), "{err}");
+            assert!(err.contains(want), "{want}: {err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_name_the_guard_refuses_is_reported_in_its_words() {
+        let client = crate::egress::client(Default::default()).unwrap();
+        let err = discover_with(&client, "http://localhost:9/mcp")
+            .await
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains("not on the platform's allow-list"), "{err}");
     }
 }

@@ -87,6 +87,9 @@ impl ControllerProcess {
             .args(extra)
             .env("AGENTRUN_STORE_URL", store_url)
             .env("AGENTRUN_STEP_TOKEN_KEY", step_token_key())
+            // The stand-ins (MCP servers, webhooks) listen on 127.0.0.1 only,
+            // a loopback address the controller refuses unless allowed.
+            .env("AGENTRUN_USER_URL_ALLOW", "127.0.0.1/32")
             .env("RUST_LOG", "info,agentrun=debug")
             .envs(env.iter().copied())
             .stdout(Stdio::null())
