@@ -215,5 +215,14 @@ async fn a_failing_mcp_servers_reply_never_reaches_status_or_events() {
         let everything = format!("{status} {events:?}");
         assert!(!everything.contains("hunter2"), "{name}: {everything}");
     }
-    assert!(!leaky.seen().is_empty(), "the allowed server was asked");
+    // The allowed server was asked, at the URLs given, with no credential.
+    let seen = leaky.seen();
+    assert!(!seen.is_empty());
+    for s in &seen {
+        assert!(
+            ["/forbidden", "/text", "/rpc"].contains(&s.path.as_str()),
+            "{s:?}"
+        );
+        assert!(s.authorization.is_none() && s.api_key.is_none(), "{s:?}");
+    }
 }
