@@ -3,6 +3,7 @@
 //! confirmation of a graceful deletion.
 
 use std::{
+    collections::BTreeMap,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     sync::Arc,
@@ -29,6 +30,15 @@ pub fn image_name(image: &str) -> &str {
     let image = image.split('@').next().unwrap_or(image);
     let last = image.rsplit('/').next().unwrap_or(image);
     last.split(':').next().unwrap_or(last)
+}
+
+/// The binaries' dir of `image`: the one given for its last path component
+/// with its tag (`agentrun:391b983`, an earlier release's build), else for
+/// its repository name (`agentrun`).
+fn image_bin_dir<'a>(bins: &'a BTreeMap<String, PathBuf>, image: &str) -> Option<&'a PathBuf> {
+    let image = image.split('@').next().unwrap_or(image);
+    let tagged = image.rsplit('/').next().unwrap_or(image);
+    bins.get(tagged).or_else(|| bins.get(image_name(image)))
 }
 
 /// Copies an image's binary into a world-readable dir of the node, keyed by
@@ -388,10 +398,7 @@ impl PodRun {
         };
         let namespace = self.pod.metadata.namespace.as_deref().unwrap_or("default");
         let image = container.image.clone().unwrap_or_default();
-        let image_dir = self
-            .ctx
-            .image_bins
-            .get(image_name(&image))
+        let image_dir = image_bin_dir(&self.ctx.image_bins, &image)
             .map(|dir| stage_binary(&self.ctx.state_dir, dir, image_name(&image)));
 
         let mut base = Env::default();
@@ -525,7 +532,7 @@ async fn sleep_until(deadline: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
-    use super::image_name;
+    use super::{image_bin_dir, image_name};
 
     #[test]
     fn image_names_ignore_registry_and_tag() {
@@ -534,5 +541,17 @@ mod tests {
         assert_eq!(image_name("localhost:5000/agentrun"), "agentrun");
         assert_eq!(image_name("busybox:1.36"), "busybox");
         assert_eq!(image_name("x/agentrun@sha256:abc"), "agentrun");
+    }
+
+    #[test]
+    fn a_tagged_image_bin_is_chosen_before_the_untagged_one() {
+        let bins = [("agentrun", "/new"), ("agentrun:391b983", "/old")]
+            .map(|(n, d)| (n.to_string(), std::path::PathBuf::from(d)))
+            .into();
+        let dir = |image| image_bin_dir(&bins, image).map(|d| d.to_str().unwrap());
+        assert_eq!(dir("agentrun:391b983"), Some("/old"));
+        assert_eq!(dir("registry.example/agentrun:391b983"), Some("/old"));
+        assert_eq!(dir("agentrun:dev"), Some("/new"));
+        assert_eq!(dir("busybox"), None);
     }
 }

@@ -35,6 +35,8 @@ struct Args {
     state_dir: PathBuf,
     /// `NAME=DIR`: containers whose image repository ends in NAME run with DIR
     /// first in PATH, and with DIR/NAME as entrypoint when they set no command.
+    /// NAME may carry a tag (`agentrun:391b983`): that image's own binaries,
+    /// chosen before the untagged NAME's.
     #[arg(long = "image-bin", value_parser = parse_image_bin)]
     image_bins: Vec<(String, PathBuf)>,
     /// The cluster CA, written into the kubeconfigs handed to pods.

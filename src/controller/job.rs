@@ -129,7 +129,10 @@ pub fn build(
         ),
         plain(LOG_ANCHOR_ENV, format!("{}:{}", anchor.len, anchor.hash)),
         plain(CONTROLLER_KEY_ENV, settings.controller_key.clone()),
-        plain(SIGNED_FROM_ENV, super::status::signed_from(run).to_string()),
+        plain(
+            SIGNED_FROM_ENV,
+            super::status::signed_from_at(run, anchor.len).to_string(),
+        ),
         EnvVar {
             name: "POD_NAME".into(),
             value_from: Some(EnvVarSource {

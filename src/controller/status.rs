@@ -43,12 +43,39 @@ pub const SUCCEEDED: &str = "Succeeded";
 
 /// From which record on the run's controller records must be signed: every
 /// record of a run whose log this release anchored from the start, and the
-/// records past its anchor for a run an older, unsigning release began
-/// (its `status.log` has no `signedFrom`).
+/// records past `signedFrom` for a run an older, unsigning release began.
+/// Such a run has no `signedFrom` until a status of this release fixes it
+/// ([`signed_from_to_write`]); until then nothing is checked (`u64::MAX`):
+/// the earlier release's step worker, still running across the upgrade,
+/// appends unsigned records of kinds that are the controller's now (its
+/// `RunFinished`), as that release did.
 pub fn signed_from(run: &AgentRun) -> u64 {
     match run.status.as_ref().and_then(|s| s.log.as_ref()) {
         None => 0,
-        Some(log) => log.signed_from.unwrap_or(log.length),
+        Some(log) => log.signed_from.unwrap_or(u64::MAX),
+    }
+}
+
+/// [`signed_from`], for a run not fixed yet the head `len` it continues
+/// from (what a new step Job of this release is given).
+pub fn signed_from_at(run: &AgentRun, len: u64) -> u64 {
+    match signed_from(run) {
+        u64::MAX => len,
+        n => n,
+    }
+}
+
+/// The `signedFrom` a status written now records: kept once set; for a run
+/// an earlier release began, the head once no step Job runs (a running one
+/// is the earlier release's worker, or this release's first, and both have
+/// ended before the next status fixes it).
+fn signed_from_to_write(run: &AgentRun, head: &Head, job: Option<&JobView>) -> Option<u64> {
+    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
+        None => Some(0),
+        Some(log) => log.signed_from.or_else(|| {
+            let working = job.is_some_and(|j| j.state == JobState::Active);
+            (!working).then_some(head.len)
+        }),
     }
 }
 
@@ -73,7 +100,7 @@ pub fn compose(
         run_key: run.metadata.uid.clone().unwrap_or_default(),
         length: head.len,
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
-        signed_from: Some(signed_from(run)),
+        signed_from: signed_from_to_write(run, head, job),
         // Set by the reconcile, which holds the signing key.
         checkpoint: None,
     });

@@ -105,6 +105,46 @@ impl ControllerProcess {
         }
     }
 
+    /// A replica of an earlier release's controller, binary `bin`, with the
+    /// flags that release had (no step-log gateway: its step pods get the
+    /// store URL) and its step Jobs' image `step_image`.
+    pub fn start_release(
+        bin: &std::path::Path,
+        namespace: &str,
+        identity: &str,
+        store_url: &str,
+        step_image: &str,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let log = dir.path().join("controller.log");
+        let out = std::fs::File::create(&log).expect("log file");
+        let metrics_port = free_port();
+        let child = Command::new(bin)
+            .args([
+                "controller",
+                "--namespace",
+                namespace,
+                "--identity",
+                identity,
+            ])
+            .args(["--lease-seconds", "6", "--step-image", step_image])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .arg("--allow-failpoints")
+            .env("AGENTRUN_STORE_URL", store_url)
+            .env("RUST_LOG", "info,agentrun=debug")
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+        ControllerProcess {
+            child: Some(child),
+            log,
+            _dir: dir,
+            metrics_port,
+            step_api_port: step_api_port(namespace),
+        }
+    }
+
     /// The replica's process id, while it runs (for /proc figures).
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)

@@ -292,7 +292,17 @@ pub async fn wait_established(client: &Client, crd_name: &str) {
 /// Installs (server-side applies) the project's CRDs from `crds/crds.yaml`
 /// and waits until they are served. Safe to call from tests in parallel.
 pub async fn install_crds(client: &Client) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/crds.yaml");
+    apply_crds(
+        client,
+        concat!(env!("CARGO_MANIFEST_DIR"), "/crds/crds.yaml"),
+    )
+    .await;
+    apply_admission_policies(client).await;
+}
+
+/// Server-side applies the CRDs in the file at `path` (another release's,
+/// for the upgrade test) and waits until they are established.
+pub async fn apply_crds(client: &Client, path: &str) {
     let yaml = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let params = PatchParams::apply("agentrun-e2e").force();
@@ -317,7 +327,6 @@ pub async fn install_crds(client: &Client) {
     for name in names {
         wait_established(client, &name).await;
     }
-    apply_admission_policies(client).await;
 }
 
 /// Applies `crds/admission.yaml` (the ValidatingAdmissionPolicies that guard
@@ -390,7 +399,7 @@ async fn wait_requester_stamped(client: &Client) {
 }
 
 /// Server-side applies every object of a YAML file (cluster-scoped kinds).
-async fn apply_manifests(client: &Client, path: &str) {
+pub async fn apply_manifests(client: &Client, path: &str) {
     let yaml = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
     for doc in serde_yaml::Deserializer::from_str(&yaml) {
         let value = serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{path}: {e}"));

@@ -46,11 +46,33 @@ impl World {
         World::build(prefix, controller_flags, &store_url, env).await
     }
 
+    /// A world on the store at `store_url` whose first controller is
+    /// `start(namespace)` (an earlier release's); later ones are this one's.
+    pub async fn with_first_controller(
+        prefix: &str,
+        store_url: &str,
+        start: impl FnOnce(&str) -> ControllerProcess,
+    ) -> World {
+        World::build_with(prefix, &[], store_url, |ns| start(ns)).await
+    }
+
     async fn build(
         prefix: &str,
         controller_flags: &[&str],
         store_url: &str,
         env: &[(&str, &str)],
+    ) -> World {
+        World::build_with(prefix, controller_flags, store_url, |ns| {
+            ControllerProcess::start_env(ns, "ctrl", controller_flags, store_url, env)
+        })
+        .await
+    }
+
+    async fn build_with(
+        prefix: &str,
+        controller_flags: &[&str],
+        store_url: &str,
+        start: impl FnOnce(&str) -> ControllerProcess,
     ) -> World {
         let client = super::admin().await;
         super::install_crds(&client).await;
@@ -66,8 +88,7 @@ impl World {
             .await
             .expect("model key Secret");
         super::allow_secrets(&client, ns.name(), &["model-key"]).await;
-        let controller =
-            ControllerProcess::start_env(ns.name(), "ctrl", controller_flags, store_url, env);
+        let controller = start(ns.name());
         World {
             client,
             ns,
