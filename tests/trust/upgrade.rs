@@ -170,15 +170,17 @@ async fn a_policy_watch_refused_by_rbac_says_why_and_recovers_when_allowed() {
         .await
         .expect("RoleBinding");
     // Within the watch's backoff (at most 30 s between retries).
-    common::wait_for("/readyz to recover", Duration::from_secs(60), || async {
-        let (code, body) = readyz(port).await;
-        (code == 200).then_some(()).ok_or(format!("{code} {body}"))
-    })
-    .await;
     // Its watches listed, the controller acts (its status writes are the
     // chart's identity's only, so this test's user stops here).
+    common::wait_for("/readyz to recover", Duration::from_secs(60), || async {
+        let (code, body) = readyz(port).await;
+        let runs = listed(port, "agentruns").await;
+        (code == 200 && runs == Some(1.0))
+            .then_some(())
+            .ok_or(format!("{code} {body}; agentruns listed: {runs:?}"))
+    })
+    .await;
     assert_eq!(listed(port, "agentpolicies").await, Some(1.0));
-    assert_eq!(listed(port, "agentruns").await, Some(1.0));
 
     let _ = bindings.delete(&user, &DeleteParams::default()).await;
     let _ = roles.delete(&user, &DeleteParams::default()).await;
