@@ -6,6 +6,7 @@ pub mod approval;
 pub mod checkpoint;
 mod context;
 pub mod decide;
+mod endpoint;
 mod error;
 #[cfg(test)]
 mod fixtures;

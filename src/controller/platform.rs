@@ -181,10 +181,18 @@ impl Platform {
                     crate::api::Provider::Anthropic => crate::model::ANTHROPIC_DEFAULT_ENDPOINT,
                 });
         if !allowed.endpoints.is_empty()
+            && let Err(why) = super::endpoint::normalize(endpoint)
+        {
+            return Some(format!(
+                "spec.model.endpoint: Secret {:?} may only be sent to {:?}, and the endpoint is ambiguous: {why}",
+                key.name, allowed.endpoints
+            ));
+        }
+        if !allowed.endpoints.is_empty()
             && !allowed
                 .endpoints
                 .iter()
-                .any(|p| endpoint_within(endpoint, p))
+                .any(|p| super::endpoint::within(endpoint, p))
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
@@ -222,22 +230,6 @@ impl Platform {
         governed.approval = effective_policy(template.approval.as_ref(), &self.approval);
         governed
     }
-}
-
-/// Is `endpoint` at or below `allowed`: same scheme, host and port, and a
-/// path under the allowed one segment by segment. A plain string prefix
-/// would let `https://api.openai.com.evil.example/` pass for
-/// `https://api.openai.com`.
-fn endpoint_within(endpoint: &str, allowed: &str) -> bool {
-    let (Ok(e), Ok(a)) = (url::Url::parse(endpoint), url::Url::parse(allowed)) else {
-        return false;
-    };
-    let base = a.path().trim_end_matches('/');
-    e.scheme() == a.scheme()
-        && e.host() == a.host()
-        && e.port_or_known_default() == a.port_or_known_default()
-        && e.username().is_empty()
-        && (e.path() == base || e.path().starts_with(&format!("{base}/")) || base.is_empty())
 }
 
 /// Platform rules first (named after their policy), then the agent's; the
@@ -395,8 +387,14 @@ mod tests {
                 "{lookalike} passed as the allowed endpoint"
             );
         }
-        assert!(endpoint_within("https://h/v1/chat", "https://h/v1"));
-        assert!(!endpoint_within("https://h/v10", "https://h/v1"));
+        assert!(super::super::endpoint::within(
+            "https://h/v1/chat",
+            "https://h/v1"
+        ));
+        assert!(!super::super::endpoint::within(
+            "https://h/v10",
+            "https://h/v1"
+        ));
     }
 
     #[test]

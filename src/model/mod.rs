@@ -184,6 +184,23 @@ impl ModelError {
     }
 }
 
+/// The error of a model endpoint that answered with a redirect: not
+/// followed, as the request carries the key (also within the same host,
+/// where another path may be another service).
+fn redirected(status: u16, headers: &reqwest::header::HeaderMap) -> ModelError {
+    let to = headers
+        .get(reqwest::header::LOCATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|l| format!(" to {:?}", excerpt(l, 200)))
+        .unwrap_or_default();
+    ModelError::Rejected {
+        status,
+        message: format!(
+            "the endpoint redirected{to}; redirects are not followed, so the API key is only ever sent to the endpoint itself"
+        ),
+    }
+}
+
 /// Largest model reply read: a reply is recorded in the log and fed to later
 /// requests, and a provider (or whoever answers at the endpoint) is untrusted.
 pub const MAX_REPLY_BYTES: usize = 4 << 20;
@@ -323,6 +340,9 @@ impl ModelClient {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .connect_timeout(options.timeout.min(Duration::from_secs(30)))
+            // The key goes to the endpoint the platform allowed, never to
+            // where a reply points: a 3xx is the provider's error.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ModelError::Config(format!("building the HTTP client: {e}")))?;
         Ok(ModelClient {
@@ -457,6 +477,9 @@ impl ModelClient {
             Err(e) => return Err(self.transport_error(e)),
         };
         let status = resp.status().as_u16();
+        if (300..400).contains(&status) {
+            return Err(Attempt::Fatal(redirected(status, resp.headers())));
+        }
         let retry_after = retry_after(resp.headers());
         let text = match read_capped(resp, MAX_REPLY_BYTES).await {
             Ok(Some(t)) => t,
@@ -1015,6 +1038,41 @@ mod tests {
             sock.shutdown().await.ok();
         });
         format!("http://{addr}")
+    }
+
+    #[tokio::test]
+    async fn a_redirect_is_a_providers_error_never_followed() {
+        for provider in [Provider::OpenAI, Provider::Anthropic] {
+            let endpoint = answer_once(
+                "307 Temporary Redirect\r\nlocation: http://127.0.0.1:1/steal",
+                "{}",
+            )
+            .await;
+            let spec = ModelSpec {
+                provider,
+                name: "m".into(),
+                endpoint: Some(endpoint),
+                ..Default::default()
+            };
+            let c = ModelClient::new(&spec, Some("sk-test".into())).unwrap();
+            let err = c
+                .complete(&ModelRequest {
+                    system: String::new(),
+                    messages: vec![Message::user("hi")],
+                    tools: vec![],
+                    max_output_tokens: None,
+                })
+                .await
+                .unwrap_err();
+            match &err {
+                ModelError::Rejected { status, message } => {
+                    assert_eq!(*status, 307);
+                    assert!(message.contains("redirects are not followed"), "{message}");
+                    assert!(message.contains("127.0.0.1:1/steal"), "{message}");
+                }
+                other => panic!("{provider:?}: {other:?}"),
+            }
+        }
     }
 
     #[tokio::test]

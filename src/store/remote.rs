@@ -231,6 +231,8 @@ impl RemoteStore {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .timeout(timeout)
+            // The step token goes to the gateway only, never where a reply points.
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| StoreError::InvalidUrl {
                 url: url.to_string(),

@@ -226,3 +226,81 @@ async fn a_failing_mcp_servers_reply_never_reaches_status_or_events() {
         assert!(s.authorization.is_none() && s.api_key.is_none(), "{s:?}");
     }
 }
+
+/// Lets the World's model key go only to endpoints below `prefix`.
+async fn allow_key_only_below(w: &World, prefix: &str) {
+    let api: Api<agentrun::api::AgentPolicy> = Api::namespaced(w.client.clone(), w.name());
+    let policy = json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+        "metadata": {"name": "e2e-secrets"},
+        "spec": {"allowedSecrets": [{"name": "model-key", "endpoints": [prefix]}]}});
+    api.patch(
+        "e2e-secrets",
+        &PatchParams::apply("agentrun-e2e").force(),
+        &Patch::Apply(&policy),
+    )
+    .await
+    .expect("AgentPolicy");
+}
+
+#[tokio::test]
+async fn a_model_key_never_follows_a_redirect_off_its_allowed_endpoint() {
+    let w = World::new("egress-redirect", &[]).await;
+    grant_run_creator(&w, "carol").await;
+    // Where a hostile endpoint would send the key: another host...
+    let elsewhere = Server::start("127.0.0.2:0", |_| {
+        axum::Json(json!({"error": "not a model"})).into_response()
+    })
+    .await;
+    let steal = format!("{}/steal", elsewhere.base);
+    // ...and a path of the allowed host outside the allowed prefix.
+    let allowed = Server::start("127.0.0.1:0", move |path| {
+        let to = if path.contains("/host/") {
+            steal.clone()
+        } else if path.contains("/path/") {
+            "/outside/steal".to_string()
+        } else {
+            return axum::Json(json!({"error": "not a model"})).into_response();
+        };
+        (StatusCode::TEMPORARY_REDIRECT, [(header::LOCATION, to)]).into_response()
+    })
+    .await;
+    allow_key_only_below(&w, &format!("{}/allowed/", allowed.base)).await;
+    let cases = [
+        ("openai-host", "OpenAI", "host"),
+        ("openai-path", "OpenAI", "path"),
+        ("anthropic-host", "Anthropic", "host"),
+        ("anthropic-path", "Anthropic", "path"),
+    ];
+    for (name, provider, to) in cases {
+        let mut agent = w.agent("redirect");
+        agent["model"]["provider"] = json!(provider);
+        agent["model"]["endpoint"] = json!(format!("{}/allowed/{to}/{name}", allowed.base));
+        create_as(&w, "carol", name, agent).await;
+    }
+    for (name, _, _) in cases {
+        let run = w.wait_phase(name, Phase::Failed).await;
+        let error = run.status.and_then(|s| s.error).unwrap_or_default();
+        assert!(error.contains("HTTP 307"), "{name}: {error}");
+        assert!(
+            error.contains("redirects are not followed"),
+            "{name}: {error}"
+        );
+    }
+    // The key reached the allowed endpoint, in both wire formats...
+    let seen = allowed.seen();
+    let key = "sk-e2e-not-a-real-key";
+    assert!(
+        seen.iter()
+            .any(|s| s.authorization.as_deref() == Some(&format!("Bearer {key}"))),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter().any(|s| s.api_key.as_deref() == Some(key)),
+        "{seen:?}"
+    );
+    // ...and nothing else: no request outside the prefix, none elsewhere.
+    for s in &seen {
+        assert!(s.path.starts_with("/allowed/"), "{s:?}");
+    }
+    assert!(elsewhere.seen().is_empty(), "{:?}", elsewhere.seen());
+}
