@@ -11,6 +11,8 @@ mod admission;
 mod approvals;
 #[path = "trust/egress.rs"]
 mod egress;
+#[path = "trust/servers.rs"]
+mod servers;
 #[path = "trust/store.rs"]
 mod store;
 #[path = "trust/timing.rs"]

@@ -17,6 +17,14 @@
 //! It runs on its own runtime and threads ([`spawn`]), with its own database
 //! pool, so heartbeats are never queued behind the reconciler's work.
 //!
+//! Before authentication a client gets nothing but a slot and a few seconds
+//! ([`super::server`]: connection limit, header, idle and body timeouts). The
+//! token is checked from the headers before any body is read ([`gate`]), and
+//! an authenticated body is read only within [`MAX_BODY`] and a byte budget
+//! shared by all requests in flight ([`GatewayLimits::body_budget`]), so
+//! neither an unauthenticated client nor a token holder makes the controller
+//! buffer more than that budget at once.
+//!
 //! Everything else goes to the store as is: appends stay fenced by the lease
 //! epoch, first-writer-wins, chained.
 
@@ -25,19 +33,47 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::Semaphore;
+
 use super::run_index::{RunIndex, RunPresence};
 use super::step_token::TokenKey;
 use crate::store::{
     AcquireBody, AppendBody, Lease, OpenOptions, StepKind, StepStore, StoreError, WireError,
 };
-use axum::extract::{DefaultBodyLimit, Path, RawQuery, State};
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 
 /// Largest request body (a model reply with its context can be large).
-const MAX_BODY: usize = 16 << 20;
+pub const MAX_BODY: usize = 16 << 20;
+/// How long an authenticated request waits for room in the body budget
+/// before it is told to retry (503).
+const BUDGET_WAIT: Duration = Duration::from_secs(5);
+
+/// The bounds of the gateway's server.
+#[derive(Clone, Copy, Debug)]
+pub struct GatewayLimits {
+    /// Connections, timeouts (before authentication).
+    pub server: super::server::Limits,
+    /// Body bytes all authenticated requests may hold at once.
+    pub body_budget: usize,
+}
+
+impl Default for GatewayLimits {
+    fn default() -> Self {
+        GatewayLimits {
+            server: super::server::Limits {
+                max_connections: 4096,
+                header_timeout: Duration::from_secs(10),
+                body_timeout: Duration::from_secs(60),
+            },
+            body_budget: 2 * MAX_BODY,
+        }
+    }
+}
 /// Longest lease a step pod may ask for.
 const MAX_TTL: Duration = Duration::from_secs(300);
 
@@ -64,22 +100,34 @@ pub struct Gateway {
     runs: RunIndex,
     /// Runs seen finished (a finished run never reopens).
     finished: Arc<Mutex<HashSet<String>>>,
+    /// Body bytes in flight, in KiB permits ([`GatewayLimits::body_budget`]).
+    bodies: Arc<Semaphore>,
 }
 
 impl Gateway {
     pub fn new(store: Arc<dyn StepStore>, key: TokenKey, runs: RunIndex) -> Gateway {
+        Gateway::with_budget(store, key, runs, GatewayLimits::default().body_budget)
+    }
+
+    /// A gateway whose requests in flight hold at most `body_budget` bytes of body.
+    pub fn with_budget(
+        store: Arc<dyn StepStore>,
+        key: TokenKey,
+        runs: RunIndex,
+        body_budget: usize,
+    ) -> Gateway {
         Gateway {
             store,
             key,
             runs,
             finished: Default::default(),
+            bodies: Arc::new(Semaphore::new(kib(body_budget.max(MAX_BODY)))),
         }
     }
 
-    /// Checks the bearer token against `run`, that the run exists and that
-    /// it is not finished.
-    async fn admit(&self, run: &str, headers: &HeaderMap) -> Result<(), Refusal> {
-        self.authenticate(run, headers)?;
+    /// Checks that `run` exists and is not finished (its token was checked
+    /// by [`gate`]).
+    async fn admit(&self, run: &str) -> Result<(), Refusal> {
         match self.runs.presence(run) {
             RunPresence::Live => {}
             RunPresence::Gone => {
@@ -204,6 +252,8 @@ impl IntoResponse for Refusal {
 
 type Reply<T> = Result<Json<T>, Refusal>;
 
+/// Every `/v1/runs/{run}/…` route is behind [`gate`]: no handler (and no
+/// extractor reading a body) runs for a request without the run's token.
 pub fn router(gateway: Gateway) -> Router {
     Router::new()
         .route("/v1/runs/{run}/records", get(read).post(append))
@@ -211,9 +261,76 @@ pub fn router(gateway: Gateway) -> Router {
         .route("/v1/runs/{run}/lease", post(acquire))
         .route("/v1/runs/{run}/lease/renew", post(renew))
         .route("/v1/runs/{run}/lease/release", post(release))
+        .route_layer(axum::middleware::from_fn_with_state(gateway.clone(), gate))
         .route("/healthz", get(|| async { "ok" }))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(gateway)
+}
+
+/// Authenticates a request from its headers alone, then reserves room for
+/// the body it announces in the body budget and holds it until the reply.
+/// A body announced over [`MAX_BODY`] is refused unread (413); one without a
+/// length reserves [`MAX_BODY`] (the router's limit cuts it there).
+async fn gate(
+    State(g): State<Gateway>,
+    Path(run): Path<String>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Err(refusal) = g.authenticate(&run, req.headers()) {
+        return refusal.into_response();
+    }
+    let announced = match announced_body(req.headers()) {
+        Ok(n) => n,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let _room = match announced {
+        0 => None,
+        n => match tokio::time::timeout(
+            BUDGET_WAIT,
+            g.bodies.clone().acquire_many_owned(kib(n) as u32),
+        )
+        .await
+        {
+            Ok(Ok(permit)) => Some(permit),
+            _ => {
+                return Refusal::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "unavailable",
+                    format!("run {run}: the gateway is reading other bodies; retry"),
+                )
+                .into_response();
+            }
+        },
+    };
+    next.run(req).await
+}
+
+/// The body size a request announces: its `Content-Length`, [`MAX_BODY`]
+/// for a chunked body, 0 for none.
+fn announced_body(headers: &HeaderMap) -> Result<usize, Refusal> {
+    let length = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let n = match length {
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        None if headers.contains_key(header::TRANSFER_ENCODING) => MAX_BODY,
+        None => 0,
+    };
+    if n > MAX_BODY {
+        return Err(Refusal::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request",
+            format!("a request body of {n} bytes is over the gateway's limit of {MAX_BODY}"),
+        ));
+    }
+    Ok(n)
+}
+
+/// Bytes as KiB permits, rounded up.
+fn kib(bytes: usize) -> usize {
+    bytes.div_ceil(1024)
 }
 
 /// Serves the gateway from a runtime of its own (two threads), with its own
@@ -224,6 +341,7 @@ pub async fn spawn(
     store_url: String,
     pool: OpenOptions,
     key: TokenKey,
+    limits: GatewayLimits,
 ) -> anyhow::Result<SocketAddr> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
@@ -242,7 +360,7 @@ pub async fn spawn(
                 }
             };
             rt.block_on(async move {
-                let started = start(addr, &store_url, &pool, key).await;
+                let started = start(addr, &store_url, &pool, key, limits).await;
                 let up = started.is_ok();
                 let _ = tx.send(started);
                 if up {
@@ -258,17 +376,23 @@ async fn start(
     store_url: &str,
     pool: &OpenOptions,
     key: TokenKey,
+    limits: GatewayLimits,
 ) -> anyhow::Result<SocketAddr> {
     let store = crate::store::open_with(store_url, pool).await?;
     let client = kube::Client::try_default().await?;
     let runs = RunIndex::default();
     tokio::spawn(runs.clone().follow(client));
-    Ok(serve(addr, Gateway::new(store, key, runs)).await?)
+    let gateway = Gateway::with_budget(store, key, runs, limits.body_budget);
+    Ok(serve(addr, gateway, limits.server).await?)
 }
 
 /// Binds `addr` with SO_REUSEPORT (replicas sharing one host's network, as
 /// on the e2e process node, can all serve) and serves until the process ends.
-pub async fn serve(addr: SocketAddr, gateway: Gateway) -> std::io::Result<SocketAddr> {
+pub async fn serve(
+    addr: SocketAddr,
+    gateway: Gateway,
+    limits: super::server::Limits,
+) -> std::io::Result<SocketAddr> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
@@ -279,11 +403,7 @@ pub async fn serve(addr: SocketAddr, gateway: Gateway) -> std::io::Result<Socket
     socket.bind(addr)?;
     let listener = socket.listen(1024)?;
     let local = listener.local_addr()?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router(gateway)).await {
-            tracing::error!(error = %e, "step-log gateway stopped");
-        }
-    });
+    tokio::spawn(super::server::serve(listener, router(gateway), limits));
     Ok(local)
 }
 
@@ -311,9 +431,8 @@ async fn read(
     State(g): State<Gateway>,
     Path(run): Path<String>,
     RawQuery(query): RawQuery,
-    headers: HeaderMap,
 ) -> Reply<Vec<crate::store::Record>> {
-    g.admit(&run, &headers).await?;
+    g.admit(&run).await?;
     let (from, to) = range(query.as_deref())?;
     let records = g
         .store
@@ -323,22 +442,17 @@ async fn read(
     Ok(Json(records))
 }
 
-async fn head(
-    State(g): State<Gateway>,
-    Path(run): Path<String>,
-    headers: HeaderMap,
-) -> Reply<crate::store::Head> {
-    g.admit(&run, &headers).await?;
+async fn head(State(g): State<Gateway>, Path(run): Path<String>) -> Reply<crate::store::Head> {
+    g.admit(&run).await?;
     Ok(Json(g.store.head(&run).await.map_err(Refusal::store)?))
 }
 
 async fn append(
     State(g): State<Gateway>,
     Path(run): Path<String>,
-    headers: HeaderMap,
     Json(body): Json<AppendBody>,
 ) -> Reply<crate::store::Record> {
-    g.admit(&run, &headers).await?;
+    g.admit(&run).await?;
     let kind = body.record.kind;
     if !runner_may_write(kind) {
         return Err(Refusal::new(
@@ -365,10 +479,9 @@ fn ttl(millis: u64) -> Duration {
 async fn acquire(
     State(g): State<Gateway>,
     Path(run): Path<String>,
-    headers: HeaderMap,
     Json(body): Json<AcquireBody>,
 ) -> Reply<Lease> {
-    g.admit(&run, &headers).await?;
+    g.admit(&run).await?;
     let lease = g
         .store
         .acquire(&run, &body.holder, ttl(body.ttl_millis))
@@ -391,12 +504,10 @@ fn same_run(run: &str, lease: &Lease) -> Result<(), Refusal> {
 async fn renew(
     State(g): State<Gateway>,
     Path(run): Path<String>,
-    headers: HeaderMap,
     Json(body): Json<crate::store::RenewBody>,
 ) -> Reply<Lease> {
     // Heartbeats are the bulk of the traffic: no log read. A lease on a
     // finished run opens nothing (reads and appends check).
-    g.authenticate(&run, &headers)?;
     same_run(&run, &body.lease)?;
     let lease = g
         .store
@@ -409,10 +520,8 @@ async fn renew(
 async fn release(
     State(g): State<Gateway>,
     Path(run): Path<String>,
-    headers: HeaderMap,
     Json(lease): Json<Lease>,
 ) -> Reply<serde_json::Value> {
-    g.authenticate(&run, &headers)?;
     same_run(&run, &lease)?;
     g.store.release(&lease).await.map_err(Refusal::store)?;
     Ok(Json(serde_json::json!({})))
@@ -441,6 +550,7 @@ mod tests {
         let addr = serve(
             "127.0.0.1:0".parse().unwrap(),
             Gateway::new(store.clone(), key.clone(), runs.clone()),
+            GatewayLimits::default().server,
         )
         .await
         .unwrap();
@@ -493,6 +603,36 @@ mod tests {
         // No token at all.
         let e = client(addr, "").head("run-a").await.unwrap_err();
         assert_eq!(e.metric_label(), "permission_denied", "{e}");
+    }
+
+    /// Sends a request head only; returns the status of the reply.
+    async fn status_of_head(addr: SocketAddr, head: String) -> u16 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut reply = vec![0u8; 512];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut reply))
+            .await
+            .expect("a reply without the body")
+            .unwrap();
+        let reply = String::from_utf8_lossy(&reply[..n]).into_owned();
+        reply.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn gateway_refuses_from_the_headers_before_reading_a_body() {
+        let (addr, key, _dir) = gateway().await;
+        let post = |token: &str, length: usize| {
+            format!(
+                "POST /v1/runs/run-a/records HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer {token}\r\n\
+                 Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+            )
+        };
+        // No body byte is sent: the replies come from the headers alone.
+        assert_eq!(status_of_head(addr, post("forged", MAX_BODY)).await, 403);
+        let token = key.mint("run-a");
+        assert_eq!(status_of_head(addr, post(&token, MAX_BODY + 1)).await, 413);
+        assert_eq!(status_of_head(addr, post(&token, 1 << 40)).await, 413);
     }
 
     #[tokio::test]

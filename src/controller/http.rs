@@ -29,16 +29,16 @@ pub fn router(health: Health) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/loglevel", get(get_log_level).put(put_log_level))
+        // A log filter is a line; nothing here reads more.
+        .layer(axum::extract::DefaultBodyLimit::max(4096))
         .with_state(health)
 }
 
-/// Serves the router on `listener` (with the peer address, for `/loglevel`).
-pub async fn serve(listener: tokio::net::TcpListener, health: Health) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        router(health).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .await
+/// Serves the router on `listener` (with the peer address, for `/loglevel`),
+/// on a listener and slots of its own: an attack on the step-log gateway
+/// never takes the probes' connections.
+pub async fn serve(listener: tokio::net::TcpListener, health: Health) {
+    super::server::serve(listener, router(health), super::server::Limits::PROBES).await
 }
 
 async fn metrics(

@@ -21,6 +21,7 @@ pub mod pinned_gate;
 pub mod platform;
 mod reconcile;
 pub mod run_index;
+pub mod server;
 pub mod status;
 pub mod step_token;
 mod throttle;
@@ -87,6 +88,25 @@ pub struct Options {
     /// Database connections of the step-log gateway (its own pool).
     #[arg(long, env = "AGENTRUN_STEP_API_CONNECTIONS", default_value_t = 64)]
     pub step_api_connections: u32,
+    /// Client connections the gateway serves at once (more are closed on
+    /// arrival); lowered to fit the open-files limit.
+    #[arg(
+        long,
+        env = "AGENTRUN_STEP_API_MAX_CONNECTIONS",
+        default_value_t = 4096
+    )]
+    pub step_api_max_connections: usize,
+    /// Seconds a gateway client has to send a request's head (also how long
+    /// an idle keep-alive connection stays open).
+    #[arg(long, env = "AGENTRUN_STEP_API_HEADER_TIMEOUT", default_value_t = 10)]
+    pub step_api_header_timeout_seconds: u64,
+    /// Seconds a gateway client has to send a request's body after its head.
+    #[arg(long, env = "AGENTRUN_STEP_API_BODY_TIMEOUT", default_value_t = 60)]
+    pub step_api_body_timeout_seconds: u64,
+    /// MiB of request bodies the gateway reads at once, over all clients
+    /// (at least one largest body, 16 MiB).
+    #[arg(long, env = "AGENTRUN_STEP_API_BODY_BUDGET_MIB", default_value_t = 32)]
+    pub step_api_body_budget_mib: usize,
     /// File holding the key step tokens are HMACs of (shared by all replicas).
     #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY_FILE")]
     pub step_token_key_file: Option<std::path::PathBuf>,
@@ -171,6 +191,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ready: ready.clone(),
         watches: watches.clone(),
     };
+    let open_files = server::raise_open_files_limit();
     let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
     tokio::spawn(http::serve(listener, health));
@@ -196,6 +217,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.store_url.clone(),
         gateway_pool,
         tokens.clone(),
+        gateway_limits(&opts, open_files),
     )
     .await
     .map_err(|e| {
@@ -452,6 +474,29 @@ fn wake_runs(
 const SWEEP_EVERY: Duration = Duration::from_secs(2);
 
 /// The gateway URL step pods are given.
+/// The gateway's bounds from the flags, its connection slots fitted in the
+/// open-files limit (an exhausted descriptor table would silence the probes too).
+fn gateway_limits(opts: &Options, open_files: Option<u64>) -> gateway::GatewayLimits {
+    let wanted = opts.step_api_max_connections.max(1);
+    let max_connections = server::fitting_connections(wanted, open_files);
+    if max_connections < wanted {
+        tracing::warn!(
+            wanted,
+            max_connections,
+            open_files,
+            "--step-api-max-connections lowered to fit the open-files limit"
+        );
+    }
+    gateway::GatewayLimits {
+        server: server::Limits {
+            max_connections,
+            header_timeout: Duration::from_secs(opts.step_api_header_timeout_seconds.max(1)),
+            body_timeout: Duration::from_secs(opts.step_api_body_timeout_seconds.max(1)),
+        },
+        body_budget: opts.step_api_body_budget_mib.saturating_mul(1 << 20),
+    }
+}
+
 fn step_api_url(opts: &Options, served: SocketAddr) -> anyhow::Result<String> {
     if let Some(url) = &opts.step_api_url {
         let parsed =

@@ -163,6 +163,11 @@ impl World {
         }
     }
 
+    /// The process id of the world's first controller, while it runs.
+    pub fn controller_pid(&self) -> Option<u32> {
+        self.controller.pid()
+    }
+
     /// Port of the running controller's /metrics.
     pub fn metrics_port(&self) -> u16 {
         self.controller.metrics_port
