@@ -169,7 +169,10 @@ async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
     live.push(format!("{prefix}-hb"));
     let gw = Gateway::new(behind, key.clone(), RunIndex::with_live(live));
     let minting = key.clone();
-    let addr = serve("127.0.0.1:0".parse().unwrap(), gw).await.unwrap();
+    let limits = agentrun::controller::gateway::GatewayLimits::default().server;
+    let addr = serve("127.0.0.1:0".parse().unwrap(), gw, limits)
+        .await
+        .unwrap();
     let store_for = move |run: &str| -> Arc<dyn StepStore> {
         Arc::new(
             store::RemoteStore::new(
