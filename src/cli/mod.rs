@@ -408,7 +408,10 @@ fn abbreviate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {
-        format!("{}…", s.chars().take(n - 1).collect::<String>())
+        format!(
+            "{}…",
+            s.chars().take(n.saturating_sub(1)).collect::<String>()
+        )
     }
 }
 
@@ -643,7 +646,12 @@ pub fn audit_line(r: &crate::store::Record) -> String {
             "calling {}({}) key {}",
             p["tool"].as_str().unwrap_or("?"),
             p["arguments"],
-            &p["key"].as_str().unwrap_or("")[..12.min(p["key"].as_str().unwrap_or("").len())]
+            p["key"]
+                .as_str()
+                .unwrap_or("")
+                .chars()
+                .take(12)
+                .collect::<String>()
         ),
         "ToolResult" => format!(
             "{} returned {}",
@@ -697,6 +705,25 @@ pub fn audit_line(r: &crate::store::Record) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cut_texts_end_on_a_character_boundary() {
+        // A key and an outcome a token holder wrote, multi-byte at the cut.
+        let key = "ab🦀🦀🦀🦀🦀🦀🦀🦀🦀🦀🦀";
+        let intent = crate::store::RecordDraft::new(
+            crate::store::StepKind::ToolIntent,
+            json!({"tool": "t", "arguments": {}, "key": key}),
+        )
+        .seal(&crate::store::Head::EMPTY)
+        .unwrap();
+        let line = audit_line(&intent);
+        assert!(line.contains("key ab🦀🦀🦀🦀🦀🦀🦀🦀🦀🦀"), "{line}");
+        assert!(!line.contains(key), "{line}");
+        let cjk = "退款".repeat(100);
+        let cut = abbreviate(&cjk, 7);
+        assert_eq!(cut, "退款退款退款…", "seven characters in all");
+        assert_eq!(abbreviate("🦀🦀", 0), "…");
+    }
 
     #[test]
     fn edits_set_json_values_and_strings() {

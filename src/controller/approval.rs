@@ -463,6 +463,14 @@ pub(super) async fn handle(
         &request,
         requested_at(ctx, &uid, request_seq).await?,
     );
+    if existing.is_none()
+        && let Err(reason) = fits_in_the_api(&expected)
+    {
+        // Creating it would be refused every time: the run ends instead.
+        let finished = refused(&request, request_seq, &reason, log, notices);
+        append(ctx, &uid, head, Step::RunFinished(finished)).await?;
+        return Ok(None);
+    }
     let found = match existing {
         Some(found) => found,
         None => raise_missing(run, ctx, &approvals, &expected, &name, &request, notices).await?,
@@ -641,6 +649,23 @@ async fn existing(
     // Two would be one release's bug; the oldest is the one people saw first.
     tied.sort_by_key(|a| (a.metadata.creation_timestamp.clone(), a.name_any()));
     Ok(tied.into_iter().next())
+}
+
+/// Largest Approval the controller raises, as JSON: a third of the API
+/// server's 1.5 MiB object limit, leaving room for approvers' decisions
+/// (an edit repeats the arguments) and the status.
+pub const MAX_APPROVAL_BYTES: usize = 512 << 10;
+
+/// Whether `approval` is small enough to raise; the error names its size.
+pub fn fits_in_the_api(approval: &Approval) -> Result<(), String> {
+    let size = serde_json::to_vec(approval).map_or(usize::MAX, |v| v.len());
+    if size <= MAX_APPROVAL_BYTES {
+        return Ok(());
+    }
+    Err(format!(
+        "its Approval would be {size} bytes (arguments {} bytes), over the limit of {MAX_APPROVAL_BYTES} bytes an Approval may have",
+        serde_json::to_vec(&approval.spec.arguments).map_or(0, |v| v.len())
+    ))
 }
 
 /// Label an Approval carries with its run's name (every release has set it).
@@ -1240,6 +1265,19 @@ mod tests {
         r.metadata.namespace = Some("shop".into());
         r.metadata.uid = Some(uid.into());
         r
+    }
+
+    #[test]
+    fn an_approval_too_large_for_the_api_server_is_refused_with_its_size() {
+        let small = build(&run("r", "u"), 3, &request(json!({"a": 1})), t(0));
+        assert!(fits_in_the_api(&small).is_ok());
+        let huge = "x".repeat(MAX_APPROVAL_BYTES);
+        let big = build(&run("r", "u"), 3, &request(json!({"a": huge})), t(0));
+        let why = fits_in_the_api(&big).unwrap_err();
+        assert!(
+            why.contains(&format!("limit of {MAX_APPROVAL_BYTES} bytes")),
+            "{why}"
+        );
     }
 
     #[test]
