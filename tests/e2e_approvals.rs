@@ -561,8 +561,22 @@ async fn a_changed_dependency_voids_the_approval_and_asks_again() {
             && text.contains("bob Approve (checked the new state)"),
         "{text}"
     );
-    let (ok, text) = plugin(&w, "alice", &["verify", "stale", "--store-url", &store]);
-    assert!(ok && text.contains("chain intact"), "{text}");
+    let (ok, text) = plugin(
+        &w,
+        "alice",
+        &[
+            "verify",
+            "stale",
+            "--store-url",
+            &store,
+            "--controller-namespace",
+            w.name(),
+        ],
+    );
+    assert!(
+        ok && text.contains("chain intact") && text.contains("ApprovalDecided: signature valid"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

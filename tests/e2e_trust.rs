@@ -13,6 +13,8 @@ mod approvals;
 mod egress;
 #[path = "trust/servers.rs"]
 mod servers;
+#[path = "trust/keys.rs"]
+mod keys;
 #[path = "trust/store.rs"]
 mod store;
 #[path = "trust/timing.rs"]

@@ -201,6 +201,13 @@ pub struct LogRef {
     /// controller first saw it (those records are kept as they were).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signed_from: Option<u64>,
+    /// First record whose controller signature must bind it to this run and
+    /// seq (signature scheme v2). 0 for runs started by a binding release;
+    /// for a run started before, the length its log had when a binding
+    /// controller first saw it: the legacy (v1) signatures before it are
+    /// accepted as they were, none after it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound_from: Option<u64>,
     /// Where a controller that does not hold the replayed log resumes
     /// reading it (long logs only), signed by the controller. The log is
     /// still verified whole right after that controller's first decision.

@@ -79,11 +79,21 @@ enum Command {
         #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
         store_url: String,
     },
-    /// Check a run's hash chain ends at the head recorded in its status.
+    /// Check a run's hash chain ends at the head recorded in its status, and
+    /// every controller record's signature with the controller's published
+    /// public keys (bound to this run and seq).
     Verify {
         run: String,
         #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
         store_url: String,
+        /// Namespace of the controller, where it publishes its public keys
+        /// (ConfigMap `agentrun-controller-keys`).
+        #[arg(
+            long,
+            env = "AGENTRUN_CONTROLLER_NAMESPACE",
+            default_value = "agentrun-system"
+        )]
+        controller_namespace: String,
     },
     /// Cancel a run (it stops at the next step boundary).
     Cancel { run: String },
@@ -112,7 +122,11 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             reason,
         } => edit(&k, &approval, &set, file.as_deref(), reason, &mut out).await,
         Command::Log { run, store_url } => log(&k, &run, &store_url, &mut out).await,
-        Command::Verify { run, store_url } => verify(&k, &run, &store_url, &mut out).await,
+        Command::Verify {
+            run,
+            store_url,
+            controller_namespace,
+        } => verify(&k, &run, &store_url, &controller_namespace, &mut out).await,
         Command::Cancel { run } => cancel(&k, &run, &mut out).await,
     }
 }
@@ -254,27 +268,68 @@ async fn log(k: &Kube, run: &str, store_url: &str, out: &mut impl Write) -> anyh
     Ok(())
 }
 
-async fn verify(k: &Kube, run: &str, store_url: &str, out: &mut impl Write) -> anyhow::Result<()> {
+/// Verifies the chain against `status.log.headHash` and prints one line per
+/// controller record (valid, by a retired key, legacy, invalid, missing);
+/// fails naming every record that may not be acted on.
+async fn verify(
+    k: &Kube,
+    run: &str,
+    store_url: &str,
+    controller_namespace: &str,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
     let r = k.run(run).await?;
     let head = r
         .status
         .as_ref()
         .and_then(|s| s.log.as_ref())
         .and_then(|l| l.head_hash.clone());
-    let head = head.context("the run has no recorded head hash yet")?;
-    let expected: crate::store::Hash = head
-        .parse()
+    let expected: Option<crate::store::Hash> = head
+        .as_deref()
+        .map(str::parse)
+        .transpose()
         .map_err(|e| anyhow::anyhow!("status.log.headHash: {e:?}"))?;
+    let keys = crate::controller::published_keys::read(&k.client, controller_namespace).await?;
     let store = crate::store::open(store_url).await?;
-    let verified = store
-        .verify(&r.metadata.uid.unwrap_or_default(), Some(&expected))
-        .await?;
-    writeln!(
-        out,
-        "ok: {} records, chain intact, ends at the recorded head {head}",
-        verified.len
-    )?;
-    Ok(())
+    let uid = r.metadata.uid.clone().unwrap_or_default();
+    let records = store.read_all(&uid).await?;
+    let rules = crate::controller::status::signature_rules(&r);
+    let audit = crate::store::audit::Audit::of(&uid, &records, expected.as_ref(), &keys, rules);
+    for s in &audit.signed {
+        writeln!(out, "seq {} {}: {}", s.seq, s.kind, s.check)?;
+    }
+    let refused: Vec<String> = audit
+        .refused()
+        .map(|s| format!("seq {} ({})", s.seq, s.kind))
+        .collect();
+    match (&audit.chain, refused.is_empty()) {
+        (Ok(h), true) => {
+            let anchored = match &head {
+                Some(head) => format!("ends at the recorded head {head}"),
+                None => "no head recorded in the status yet".into(),
+            };
+            writeln!(
+                out,
+                "ok: {} records, chain intact, {anchored}, {} controller records signed",
+                h.len,
+                audit.signed.len()
+            )?;
+            Ok(())
+        }
+        (chain, _) => {
+            if let Err(e) = chain {
+                writeln!(out, "FAILED: {e}")?;
+            }
+            if !refused.is_empty() {
+                writeln!(
+                    out,
+                    "FAILED: controller signatures refused at {}",
+                    refused.join(", ")
+                )?;
+            }
+            bail!("run {run} does not verify")
+        }
+    }
 }
 
 async fn cancel(k: &Kube, run: &str, out: &mut impl Write) -> anyhow::Result<()> {

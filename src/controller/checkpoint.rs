@@ -122,7 +122,7 @@ pub async fn resume(
     verifier: &RecordVerifier,
     uid: &str,
     checkpoint: &LogCheckpoint,
-    signed_from: u64,
+    rules: crate::store::SignatureRules,
 ) -> Result<Option<Resumed>, StoreError> {
     let Ok(link) = checkpoint.hash.parse::<Hash>() else {
         return Ok(None);
@@ -155,7 +155,7 @@ pub async fn resume(
                 p.seq, p.hash
             )));
         }
-        verifier.check(uid, std::slice::from_ref(&record), signed_from)?;
+        verifier.check(uid, std::slice::from_ref(&record), rules)?;
         let Ok(step) = Step::decode(record.seq, record.kind.as_str(), &record.payload) else {
             return Ok(None);
         };
@@ -201,7 +201,11 @@ mod tests {
         let mut head = Head::EMPTY;
         for step in log {
             let record = signer
-                .seal(RecordDraft::new(step.store_kind(), step.payload()), &head)
+                .seal(
+                    uid,
+                    RecordDraft::new(step.store_kind(), step.payload()),
+                    &head,
+                )
                 .unwrap();
             head = store
                 .append(uid, lease.epoch, &record)
@@ -242,10 +246,16 @@ mod tests {
         assert!(cp.seq >= MIN_SEQ, "{cp:?}");
         assert!(trusted(&signer.verifier(), "uid-long", &cp, &whole.head));
 
-        let resumed = resume(&store, &signer.verifier(), "uid-long", &cp, 0)
-            .await
-            .unwrap()
-            .expect("resumed");
+        let resumed = resume(
+            &store,
+            &signer.verifier(),
+            "uid-long",
+            &cp,
+            crate::store::SignatureRules::STRICT,
+        )
+        .await
+        .unwrap()
+        .expect("resumed");
         assert!(
             resumed.records.len() <= 4,
             "{} pinned",
@@ -343,7 +353,15 @@ mod tests {
             .execute(store.pool())
             .await
             .unwrap();
-        let err = match resume(&store, &signer.verifier(), "uid-t", &cp, 0).await {
+        let err = match resume(
+            &store,
+            &signer.verifier(),
+            "uid-t",
+            &cp,
+            crate::store::SignatureRules::STRICT,
+        )
+        .await
+        {
             Err(e) => e,
             Ok(r) => panic!("resumed: {:?}", r.map(|r| r.head)),
         };

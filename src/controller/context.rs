@@ -91,7 +91,7 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
         attempt: 0,
     };
     let started = Instant::now();
-    let result = match ctx.signer.seal(draft, head) {
+    let result = match ctx.signer.seal(uid, draft, head) {
         Ok(record) => ctx
             .store
             .append(uid, lease.epoch, &record)

@@ -42,6 +42,9 @@ pub const CONTROLLER_KEY_ENV: &str = "AGENTRUN_CONTROLLER_KEY";
 /// Environment variable carrying `status.log.signedFrom`: controller
 /// records before it predate signing.
 pub const SIGNED_FROM_ENV: &str = "AGENTRUN_SIGNED_FROM";
+/// Environment variable carrying `status.log.boundFrom`: controller records
+/// from there on must carry signatures bound to their run and seq.
+pub const BOUND_FROM_ENV: &str = "AGENTRUN_BOUND_FROM";
 /// Environment variable carrying the log head the controller anchored
 /// (`<length>:<hash hex>`): the runner refuses a log that does not extend it.
 pub const LOG_ANCHOR_ENV: &str = "AGENTRUN_LOG_ANCHOR";
@@ -132,6 +135,10 @@ pub fn build(
         plain(
             SIGNED_FROM_ENV,
             super::status::signed_from_at(run, anchor.len).to_string(),
+        ),
+        plain(
+            BOUND_FROM_ENV,
+            super::status::bound_from_at(run, anchor.len).to_string(),
         ),
         EnvVar {
             name: "POD_NAME".into(),

@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod phase;
 pub mod pinned_gate;
 pub mod platform;
+pub mod published_keys;
 mod reconcile;
 pub mod run_index;
 pub mod server;
@@ -67,6 +68,11 @@ pub struct Options {
     /// Namespace of the Lease (the watched namespace, else the pod's, else `default`).
     #[arg(long, env = "POD_NAMESPACE")]
     pub lease_namespace: Option<String>,
+    /// Namespace of the ConfigMap the controller publishes its public keys
+    /// in (`agentrun-controller-keys`, read by `kubectl agentrun verify`):
+    /// the pod's, else the watched namespace, else `default`.
+    #[arg(long, env = "AGENTRUN_KEYS_NAMESPACE")]
+    pub keys_namespace: Option<String>,
     /// Identity of this replica in the Lease and in Events.
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
@@ -203,7 +209,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.step_token_key.as_deref(),
     )?;
     let signer = tokens.record_signer();
-    let controller_key = signer.public_key_hex();
+    let verifier = signer.verifier();
     // The gateway's own pool: step pods' traffic never starves the reconciler's.
     let gateway_pool = crate::store::OpenOptions {
         max_connections: opts.step_api_connections,
@@ -230,6 +236,13 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     tracing::info!(addr = %served, url = %step_api_url, "serving the step-log gateway");
     wait_for_crds(&client, &watches).await?;
     ready.store(true, Ordering::Relaxed);
+    let keys_namespace = opts
+        .keys_namespace
+        .clone()
+        .or_else(|| opts.lease_namespace.clone())
+        .or_else(|| opts.namespace.clone())
+        .unwrap_or_else(|| "default".into());
+    published_keys::spawn_publish(client.clone(), keys_namespace, verifier.clone());
 
     let mut shutdown = Box::pin(shutdown_signal());
     let leadership = if opts.leader_elect {
@@ -274,13 +287,13 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         metrics,
         store_name: "default".into(),
         tokens,
-        verifier: signer.verifier(),
+        verifier: verifier.clone(),
         signer,
         store,
         jobs: job::JobSettings {
             image: opts.step_image.clone(),
             store_url: step_api_url,
-            controller_key: controller_key.clone(),
+            controller_key: verifier.to_hex(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,

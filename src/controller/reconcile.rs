@@ -785,8 +785,10 @@ async fn replay(
     ctx.metrics.observe_read(&records);
     ctx.metrics.observe_log(&uid, &records);
     let anchor = anchored_head(run);
-    let checked = check_anchor_after(&uid, &head, &records, &anchor)
-        .and_then(|()| ctx.verifier.check(&uid, &records, status::signed_from(run)));
+    let checked = check_anchor_after(&uid, &head, &records, &anchor).and_then(|()| {
+        ctx.verifier
+            .check(&uid, &records, status::signature_rules(run))
+    });
     if let Err(tampered) = checked {
         return Ok(Err(tampered));
     }
@@ -826,7 +828,7 @@ async fn resume(
         &ctx.verifier,
         uid,
         cp,
-        status::signed_from(run),
+        status::signature_rules(run),
     )
     .await
     {
@@ -855,8 +857,12 @@ async fn verify_whole(
         Err(e) => return Err(Error::Store(e)),
     };
     ctx.metrics.observe_read(&records);
-    Ok(check_anchor(uid, &records, &anchored_head(run))
-        .and_then(|()| ctx.verifier.check(uid, &records, status::signed_from(run))))
+    Ok(
+        check_anchor(uid, &records, &anchored_head(run)).and_then(|()| {
+            ctx.verifier
+                .check(uid, &records, status::signature_rules(run))
+        }),
+    )
 }
 
 /// Keeps the run's replayed log for its next reconcile, or forgets it: a

@@ -79,6 +79,44 @@ fn signed_from_to_write(run: &AgentRun, head: &Head, job: Option<&JobView>) -> O
     }
 }
 
+/// From which record on the run's controller signatures must bind their
+/// place (v2): as [`signed_from`], for the release that began binding
+/// (`u64::MAX` until fixed: legacy v1 signatures of an earlier release's
+/// run count until its status records the head it had then).
+pub fn bound_from(run: &AgentRun) -> u64 {
+    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
+        None => 0,
+        Some(log) => log.bound_from.unwrap_or(u64::MAX),
+    }
+}
+
+/// [`bound_from`] for a new step Job continuing from head `len`.
+pub fn bound_from_at(run: &AgentRun, len: u64) -> u64 {
+    match bound_from(run) {
+        u64::MAX => len,
+        n => n,
+    }
+}
+
+/// The `boundFrom` a status written now records: as [`signed_from_to_write`].
+fn bound_from_to_write(run: &AgentRun, head: &Head, job: Option<&JobView>) -> Option<u64> {
+    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
+        None => Some(0),
+        Some(log) => log.bound_from.or_else(|| {
+            let working = job.is_some_and(|j| j.state == JobState::Active);
+            (!working).then_some(head.len)
+        }),
+    }
+}
+
+/// The signature rules of the run's log (see [`crate::store::SignatureRules`]).
+pub fn signature_rules(run: &AgentRun) -> crate::store::SignatureRules {
+    crate::store::SignatureRules {
+        signed_from: signed_from(run),
+        bound_from: bound_from(run),
+    }
+}
+
 /// The status a run should have now.
 #[allow(clippy::too_many_arguments)]
 pub fn compose(
@@ -101,6 +139,7 @@ pub fn compose(
         length: head.len,
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
         signed_from: signed_from_to_write(run, head, job),
+        bound_from: bound_from_to_write(run, head, job),
         // Set by the reconcile, which holds the signing key.
         checkpoint: None,
     });

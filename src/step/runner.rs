@@ -42,13 +42,18 @@ pub struct StepArgs {
     /// read here must extend it.
     #[arg(long, env = "AGENTRUN_LOG_ANCHOR")]
     pub log_anchor: Option<String>,
-    /// The controller's public key (hex): controller records (decisions
-    /// among them) are acted on only with its signature.
+    /// The controller's public keys (hex, comma-separated, the current one
+    /// first): controller records (decisions among them) are acted on only
+    /// with a signature by one of them, bound to this run and seq.
     #[arg(long, env = "AGENTRUN_CONTROLLER_KEY")]
     pub controller_key: Option<String>,
     /// Controller records before this seq predate signing (`status.log.signedFrom`).
     #[arg(long, env = "AGENTRUN_SIGNED_FROM", default_value_t = 0)]
     pub signed_from: u64,
+    /// Controller records from this seq on must be signed for this run and
+    /// seq (`status.log.boundFrom`); before it legacy signatures count.
+    #[arg(long, env = "AGENTRUN_BOUND_FROM", default_value_t = 0)]
+    pub bound_from: u64,
     #[arg(long, env = "AGENTRUN_MODEL_API_KEY", hide_env_values = true)]
     pub model_api_key: Option<String>,
     /// Worker identity (the pod's name).
@@ -223,7 +228,14 @@ impl Runner {
         if let Some(key) = &args.controller_key {
             store::RecordVerifier::from_hex(key)
                 .map_err(|e| anyhow::anyhow!("AGENTRUN_CONTROLLER_KEY: {e}"))?
-                .check(&args.run_uid, &records, args.signed_from)
+                .check(
+                    &args.run_uid,
+                    &records,
+                    store::SignatureRules {
+                        signed_from: args.signed_from,
+                        bound_from: args.bound_from,
+                    },
+                )
                 .context("checking the controller's signatures in the step log")?;
         }
         let mut steps = Vec::with_capacity(records.len());

@@ -35,6 +35,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+pub mod audit;
 pub mod cli;
 mod error;
 mod postgres;
@@ -51,7 +52,10 @@ pub use record::{
     verify_chain, verify_extension,
 };
 pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
-pub use signature::{RecordSigner, RecordVerifier, SIGNATURE_FIELD, controller_only};
+pub use signature::{
+    PublicKey, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureCheck, SignatureRules,
+    controller_only, key_id,
+};
 pub use sqlite::SqliteStore;
 
 /// Environment variable holding the store URL (`--store-url` overrides it).

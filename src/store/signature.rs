@@ -3,20 +3,39 @@
 //! that not even a holder of a database credential can forge one: the chain
 //! alone is an unkeyed hash anyone can recompute.
 //!
-//! The signature is Ed25519 over the hash the record would have without it,
-//! carried in the payload under [`SIGNATURE_FIELD`] (so it is chained like
-//! the rest of the record and the storage format is unchanged). The step
-//! runner gets the public key in its Job and checks every such record it
-//! replays; the controller checks them on every read.
+//! The signature is Ed25519, carried in the payload under
+//! [`SIGNATURE_FIELD`] (so it is chained like the rest of the record and the
+//! storage format is unchanged), in one of two schemes:
+//!
+//! - **v2** (`v2:<key id>:<hex>`), what this code writes: over the run's uid,
+//!   the record's seq and kind and the hash the record would have without
+//!   the signature. A record copied into another run's log, or moved to
+//!   another seq, no longer verifies, even where the chains around it are
+//!   byte-identical. The key id names which of the controller's keys signed
+//!   (the current one, or one a rotation retired).
+//! - **v1** (bare hex), what releases before 2026-12 wrote: over the unsigned
+//!   hash only. Such a signature is *legacy*: accepted only before
+//!   `status.log.boundFrom` (the records a run had when a binding controller
+//!   first saw it, all anchored by `status.log.headHash`), refused anywhere
+//!   else, so a v1 record transplanted into a newer log stops the run.
+//!
+//! The step runner gets the public keys in its Job and checks every such
+//! record it replays; the controller checks them on every read; `kubectl
+//! agentrun verify` checks them with the keys the controller publishes.
 
 use ring::signature::{ED25519, Ed25519KeyPair, KeyPair, UnparsedPublicKey};
+use sha2::{Digest, Sha256};
 
 use super::{Hash, Head, Record, RecordDraft, StepKind, StoreError};
 
-/// Payload field of a controller record that holds its signature (hex).
+/// Payload field of a controller record that holds its signature.
 pub const SIGNATURE_FIELD: &str = "controllerSignature";
-/// Domain separation of what is signed.
-const CONTEXT: &[u8] = b"agentrun.dev/controller-record/v1\0";
+/// Domain separation of what v1 signed (the unsigned hash alone).
+const CONTEXT_V1: &[u8] = b"agentrun.dev/controller-record/v1\0";
+/// Domain separation of what v2 signs (run, seq, kind, unsigned hash).
+const CONTEXT_V2: &[u8] = b"agentrun.dev/controller-record/v2\0";
+/// Prefix of a v2 signature in [`SIGNATURE_FIELD`].
+const V2_PREFIX: &str = "v2:";
 
 /// Whether only the controller may write records of `kind`.
 pub fn controller_only(kind: StepKind) -> bool {
@@ -29,34 +48,92 @@ pub fn controller_only(kind: StepKind) -> bool {
     )
 }
 
-fn message(unsigned: &Hash) -> Vec<u8> {
-    let mut m = CONTEXT.to_vec();
+fn message_v1(unsigned: &Hash) -> Vec<u8> {
+    let mut m = CONTEXT_V1.to_vec();
     m.extend_from_slice(&unsigned.0);
     m
 }
 
+/// What v2 signs: every part length-prefixed, so no two places share bytes.
+fn message_v2(run: &str, seq: u64, kind: StepKind, unsigned: &Hash) -> Vec<u8> {
+    let mut m = CONTEXT_V2.to_vec();
+    for part in [run.as_bytes(), kind.as_str().as_bytes()] {
+        m.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        m.extend_from_slice(part);
+    }
+    m.extend_from_slice(&seq.to_be_bytes());
+    m.extend_from_slice(&unsigned.0);
+    m
+}
+
+/// The id of a public key: the first 8 bytes of its sha256, hex. Short
+/// enough to read in a ConfigMap and a signature, and computed, so a
+/// published id cannot name another key.
+pub fn key_id(public: &[u8]) -> String {
+    hex::encode(&Sha256::digest(public)[..8])
+}
+
+/// Where a run's signatures must follow which scheme (from `status.log`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SignatureRules {
+    /// Controller records before this seq predate signing (`signedFrom`).
+    pub signed_from: u64,
+    /// Controller records before this seq may carry a legacy v1 signature
+    /// (`boundFrom`); from it on only v2 counts.
+    pub bound_from: u64,
+}
+
+impl SignatureRules {
+    /// A run begun by this release: every controller record signed, bound.
+    pub const STRICT: SignatureRules = SignatureRules {
+        signed_from: 0,
+        bound_from: 0,
+    };
+}
+
 /// The controller's signing key.
-pub struct RecordSigner(Ed25519KeyPair);
+pub struct RecordSigner {
+    pair: Ed25519KeyPair,
+    id: String,
+}
 
 impl std::fmt::Debug for RecordSigner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RecordSigner(public {})", self.public_key_hex())
+        write!(f, "RecordSigner({} {})", self.id, self.public_key_hex())
     }
 }
 
 impl RecordSigner {
     /// The key pair of a 32-byte seed (derived from the replicas' shared key).
     pub fn from_seed(seed: &[u8; 32]) -> RecordSigner {
-        RecordSigner(Ed25519KeyPair::from_seed_unchecked(seed).expect("any 32 bytes are a seed"))
+        let pair = Ed25519KeyPair::from_seed_unchecked(seed).expect("any 32 bytes are a seed");
+        let id = key_id(pair.public_key().as_ref());
+        RecordSigner { pair, id }
     }
 
     pub fn public_key_hex(&self) -> String {
-        hex::encode(self.0.public_key().as_ref())
+        hex::encode(self.pair.public_key().as_ref())
     }
 
-    /// The verifier of this key's signatures.
+    /// The id of this key (see [`key_id`]).
+    pub fn key_id(&self) -> &str {
+        &self.id
+    }
+
+    /// The public half, as a verifier knows it.
+    pub fn public_key(&self, retired: bool) -> PublicKey {
+        PublicKey {
+            id: self.id.clone(),
+            key: self.pair.public_key().as_ref().to_vec(),
+            retired,
+        }
+    }
+
+    /// The verifier of this key's signatures alone.
     pub fn verifier(&self) -> RecordVerifier {
-        RecordVerifier(self.0.public_key().as_ref().to_vec())
+        RecordVerifier {
+            keys: vec![self.public_key(false)],
+        }
     }
 
     /// Signs `message` under `context` (domain separation from records and
@@ -64,17 +141,23 @@ impl RecordSigner {
     pub fn sign_message(&self, context: &[u8], message: &[u8]) -> String {
         let mut m = context.to_vec();
         m.extend_from_slice(message);
-        hex::encode(self.0.sign(&m).as_ref())
+        hex::encode(self.pair.sign(&m).as_ref())
     }
 
-    /// Seals `draft` after `head` like [`RecordDraft::seal`], signed when its
-    /// kind is a controller kind (its payload must then be an object).
-    pub fn seal(&self, draft: RecordDraft, head: &Head) -> Result<Record, StoreError> {
+    /// Seals `draft` after `head` in run `run` like [`RecordDraft::seal`],
+    /// signed (v2) when its kind is a controller kind (its payload must then
+    /// be an object).
+    pub fn seal(&self, run: &str, draft: RecordDraft, head: &Head) -> Result<Record, StoreError> {
         if !controller_only(draft.kind) {
             return draft.seal(head);
         }
         let unsigned = draft.clone().seal(head)?;
-        let signature = self.0.sign(&message(&unsigned.hash));
+        let signature = self.pair.sign(&message_v2(
+            run,
+            unsigned.seq,
+            unsigned.kind,
+            &unsigned.hash,
+        ));
         let mut draft = draft;
         let Some(payload) = draft.payload.as_object_mut() else {
             return Err(StoreError::InvalidRecord {
@@ -86,19 +169,40 @@ impl RecordSigner {
         };
         payload.insert(
             SIGNATURE_FIELD.into(),
-            hex::encode(signature.as_ref()).into(),
+            format!("{V2_PREFIX}{}:{}", self.id, hex::encode(signature.as_ref())).into(),
         );
+        draft.seal(head)
+    }
+
+    /// Seals like releases before 2026-12 did (v1: not bound to the run):
+    /// for tests of the legacy rules only.
+    #[doc(hidden)]
+    pub fn seal_v1(&self, draft: RecordDraft, head: &Head) -> Result<Record, StoreError> {
+        let unsigned = draft.clone().seal(head)?;
+        let signature = self.pair.sign(&message_v1(&unsigned.hash));
+        let mut draft = draft;
+        if let Some(payload) = draft.payload.as_object_mut() {
+            payload.insert(
+                SIGNATURE_FIELD.into(),
+                hex::encode(signature.as_ref()).into(),
+            );
+        }
         draft.seal(head)
     }
 }
 
-/// Checks controller signatures with the controller's public key.
-#[derive(Clone, Debug)]
-pub struct RecordVerifier(Vec<u8>);
+/// One of the controller's public keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublicKey {
+    pub id: String,
+    pub key: Vec<u8>,
+    /// Retired by a rotation: its signatures still verify, it signs no more.
+    pub retired: bool,
+}
 
-impl RecordVerifier {
-    /// From the hex public key (`AGENTRUN_CONTROLLER_KEY` in a step Job).
-    pub fn from_hex(s: &str) -> Result<RecordVerifier, String> {
+impl PublicKey {
+    /// From its hex form (32 bytes).
+    pub fn from_hex(s: &str, retired: bool) -> Result<PublicKey, String> {
         let key = hex::decode(s.trim()).map_err(|e| format!("controller public key: {e}"))?;
         if key.len() != 32 {
             return Err(format!(
@@ -106,60 +210,234 @@ impl RecordVerifier {
                 key.len()
             ));
         }
-        Ok(RecordVerifier(key))
+        Ok(PublicKey {
+            id: key_id(&key),
+            key,
+            retired,
+        })
     }
 
-    /// Whether `signature` (hex) is this key's over `message` under `context`.
+    pub fn to_hex(&self) -> String {
+        hex::encode(&self.key)
+    }
+
+    fn verifies(&self, message: &[u8], signature: &[u8]) -> bool {
+        UnparsedPublicKey::new(&ED25519, &self.key)
+            .verify(message, signature)
+            .is_ok()
+    }
+}
+
+/// What one controller record's signature is worth.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SignatureCheck {
+    /// Bound to this run and seq, by key `key` (`retired`: by a key a
+    /// rotation retired, which signed it before that).
+    Valid { key: String, retired: bool },
+    /// A v1 signature, not bound to its place, where it is still accepted
+    /// (before `boundFrom`).
+    Legacy { key: String, retired: bool },
+    /// No signature, before `signedFrom`: the record predates signing.
+    PredatesSigning,
+    /// No signature where one is required.
+    Missing,
+    /// A signature that does not verify here (the reason says why).
+    Invalid(String),
+}
+
+impl SignatureCheck {
+    /// Whether the record may be acted on.
+    pub fn accepted(&self) -> bool {
+        matches!(
+            self,
+            SignatureCheck::Valid { .. }
+                | SignatureCheck::Legacy { .. }
+                | SignatureCheck::PredatesSigning
+        )
+    }
+}
+
+impl std::fmt::Display for SignatureCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let by = |retired: &bool| if *retired { "retired key" } else { "key" };
+        match self {
+            SignatureCheck::Valid { key, retired } => {
+                write!(f, "signature valid ({} {key})", by(retired))
+            }
+            SignatureCheck::Legacy { key, retired } => write!(
+                f,
+                "legacy v1 signature ({} {key}), not bound to run and seq; accepted before boundFrom",
+                by(retired)
+            ),
+            SignatureCheck::PredatesSigning => f.write_str("unsigned, predates signing"),
+            SignatureCheck::Missing => f.write_str("signature MISSING (required)"),
+            SignatureCheck::Invalid(reason) => write!(f, "signature INVALID: {reason}"),
+        }
+    }
+}
+
+/// Checks controller signatures with the controller's public keys: the
+/// current one and those retired by rotations.
+#[derive(Clone, Debug)]
+pub struct RecordVerifier {
+    keys: Vec<PublicKey>,
+}
+
+impl RecordVerifier {
+    /// From public keys (none retired first is the convention, not a rule).
+    pub fn new(keys: Vec<PublicKey>) -> Result<RecordVerifier, String> {
+        if keys.is_empty() {
+            return Err("no controller public key".into());
+        }
+        Ok(RecordVerifier { keys })
+    }
+
+    /// From `AGENTRUN_CONTROLLER_KEY` in a step Job: hex public keys,
+    /// comma-separated, the current one first (one key alone is what
+    /// releases before rotation passed).
+    pub fn from_hex(s: &str) -> Result<RecordVerifier, String> {
+        let keys = s
+            .split(',')
+            .filter(|k| !k.trim().is_empty())
+            .enumerate()
+            .map(|(i, k)| PublicKey::from_hex(k, i > 0))
+            .collect::<Result<Vec<_>, _>>()?;
+        RecordVerifier::new(keys)
+    }
+
+    /// The form [`RecordVerifier::from_hex`] reads.
+    pub fn to_hex(&self) -> String {
+        self.keys
+            .iter()
+            .map(PublicKey::to_hex)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    pub fn keys(&self) -> &[PublicKey] {
+        &self.keys
+    }
+
+    /// Whether `signature` (hex) is one of these keys' over `message` under
+    /// `context`.
     pub fn verify_message(&self, context: &[u8], message: &[u8], signature: &str) -> bool {
         let Ok(signature) = hex::decode(signature) else {
             return false;
         };
         let mut m = context.to_vec();
         m.extend_from_slice(message);
-        UnparsedPublicKey::new(&ED25519, &self.0)
-            .verify(&m, &signature)
-            .is_ok()
+        self.keys.iter().any(|k| k.verifies(&m, &signature))
     }
 
-    /// Every controller record of `records` from seq `signed_from` on must
-    /// carry a valid signature (earlier ones predate signing: see
-    /// `status.log.signedFrom`); otherwise [`StoreError::ChainBroken`]
-    /// naming the first bad seq.
-    pub fn check(&self, run: &str, records: &[Record], signed_from: u64) -> Result<(), StoreError> {
-        for r in records
-            .iter()
-            .filter(|r| r.seq >= signed_from && controller_only(r.kind))
-        {
-            self.check_one(r)
-                .map_err(|reason| StoreError::ChainBroken {
+    /// Every controller record of `records` must be accepted under `rules`
+    /// (see [`RecordVerifier::classify`]); otherwise
+    /// [`StoreError::ChainBroken`] naming the first bad seq.
+    pub fn check(
+        &self,
+        run: &str,
+        records: &[Record],
+        rules: SignatureRules,
+    ) -> Result<(), StoreError> {
+        for r in records {
+            let Some(check) = self.classify(run, r, rules) else {
+                continue;
+            };
+            if !check.accepted() {
+                let reason = match check {
+                    SignatureCheck::Missing => {
+                        format!("the {} record is not signed by the controller", r.kind)
+                    }
+                    other => format!("the {} record's {other}", r.kind),
+                };
+                return Err(StoreError::ChainBroken {
                     run: run.to_string(),
                     seq: r.seq,
                     reason,
-                })?;
+                });
+            }
         }
         Ok(())
     }
 
-    fn check_one(&self, r: &Record) -> Result<(), String> {
-        let signature = r
-            .payload
-            .get(SIGNATURE_FIELD)
-            .and_then(|s| s.as_str())
-            .ok_or_else(|| format!("the {} record is not signed by the controller", r.kind))?;
-        let signature = hex::decode(signature)
-            .map_err(|_| format!("the {} record's signature is not hex", r.kind))?;
+    /// What the signature of record `r` of run `run` is worth; `None` for a
+    /// runner's record (never signed).
+    pub fn classify(&self, run: &str, r: &Record, rules: SignatureRules) -> Option<SignatureCheck> {
+        if !controller_only(r.kind) {
+            return None;
+        }
+        let Some(field) = r.payload.get(SIGNATURE_FIELD) else {
+            return Some(if r.seq < rules.signed_from {
+                SignatureCheck::PredatesSigning
+            } else {
+                SignatureCheck::Missing
+            });
+        };
+        let Some(field) = field.as_str() else {
+            return Some(SignatureCheck::Invalid("not a string".into()));
+        };
         let mut unsigned = r.clone();
         if let Some(p) = unsigned.payload.as_object_mut() {
             p.remove(SIGNATURE_FIELD);
         }
-        UnparsedPublicKey::new(&ED25519, &self.0)
-            .verify(&message(&unsigned.compute_hash()), &signature)
-            .map_err(|_| {
-                format!(
-                    "the {} record's signature does not verify: it was not written by the controller",
-                    r.kind
-                )
-            })
+        let unsigned = unsigned.compute_hash();
+        Some(match field.strip_prefix(V2_PREFIX) {
+            Some(v2) => self.classify_v2(run, r, &unsigned, v2),
+            None => self.classify_v1(r, &unsigned, field, rules),
+        })
+    }
+
+    fn classify_v2(&self, run: &str, r: &Record, unsigned: &Hash, v2: &str) -> SignatureCheck {
+        let Some((id, signature)) = v2.split_once(':') else {
+            return SignatureCheck::Invalid("a v2 signature is `v2:<key id>:<hex>`".into());
+        };
+        let Ok(signature) = hex::decode(signature) else {
+            return SignatureCheck::Invalid("the signature is not hex".into());
+        };
+        let Some(key) = self.keys.iter().find(|k| k.id == id) else {
+            return SignatureCheck::Invalid(format!(
+                "signed by key {id}, which is not one of the controller's published keys"
+            ));
+        };
+        if key.verifies(&message_v2(run, r.seq, r.kind, unsigned), &signature) {
+            return SignatureCheck::Valid {
+                key: key.id.clone(),
+                retired: key.retired,
+            };
+        }
+        SignatureCheck::Invalid(format!(
+            "does not verify for run {run} at seq {}: the record was signed for another run \
+             or position, or not by the controller",
+            r.seq
+        ))
+    }
+
+    fn classify_v1(
+        &self,
+        r: &Record,
+        unsigned: &Hash,
+        field: &str,
+        rules: SignatureRules,
+    ) -> SignatureCheck {
+        let Ok(signature) = hex::decode(field) else {
+            return SignatureCheck::Invalid("the signature is not hex".into());
+        };
+        let message = message_v1(unsigned);
+        let Some(key) = self.keys.iter().find(|k| k.verifies(&message, &signature)) else {
+            return SignatureCheck::Invalid(
+                "does not verify: it was not written by the controller".into(),
+            );
+        };
+        if r.seq >= rules.bound_from {
+            return SignatureCheck::Invalid(format!(
+                "is a legacy v1 signature, which does not bind a record to its run and seq: \
+                 accepted only before seq {} (status.log.boundFrom)",
+                rules.bound_from
+            ));
+        }
+        SignatureCheck::Legacy {
+            key: key.id.clone(),
+            retired: key.retired,
+        }
     }
 }
 
@@ -172,36 +450,135 @@ mod tests {
         RecordSigner::from_seed(&[b; 32])
     }
 
-    #[test]
-    fn store_controller_records_are_signed_and_verify() {
-        let s = signer(1);
+    /// RunStarted, an Observation and an ApprovalDecided of run `run`.
+    fn log(s: &RecordSigner, run: &str) -> Vec<Record> {
         let started = s
             .seal(
+                run,
                 RecordDraft::new(StepKind::RunStarted, json!({"agent": {}})),
                 &Head::EMPTY,
             )
             .unwrap();
-        assert!(started.payload[SIGNATURE_FIELD].is_string());
         let obs = s
             .seal(
+                run,
                 RecordDraft::new(StepKind::Observation, json!({"text": "x"})),
                 &started.head(),
             )
             .unwrap();
-        assert!(
-            obs.payload.get(SIGNATURE_FIELD).is_none(),
-            "runner kinds are not signed"
-        );
         let decided = s
             .seal(
+                run,
                 RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Approve"})),
                 &obs.head(),
             )
             .unwrap();
-        let log = vec![started, obs, decided];
+        vec![started, obs, decided]
+    }
+
+    #[test]
+    fn store_controller_records_are_signed_and_verify() {
+        let s = signer(1);
+        let log = log(&s, "r");
+        assert!(
+            log[0].payload[SIGNATURE_FIELD]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("v2:{}:", s.key_id()))
+        );
+        assert!(
+            log[1].payload.get(SIGNATURE_FIELD).is_none(),
+            "runner kinds are not signed"
+        );
         super::super::verify_chain("r", &log, None).unwrap();
         let v = RecordVerifier::from_hex(&s.public_key_hex()).unwrap();
-        v.check("r", &log, 0).unwrap();
+        v.check("r", &log, SignatureRules::STRICT).unwrap();
+        assert_eq!(
+            v.classify("r", &log[2], SignatureRules::STRICT),
+            Some(SignatureCheck::Valid {
+                key: s.key_id().into(),
+                retired: false
+            })
+        );
+    }
+
+    #[test]
+    fn store_a_record_copied_to_another_run_or_seq_is_refused() {
+        let s = signer(1);
+        let v = s.verifier();
+        // Byte-identical chains in two runs (a whole log copied): the
+        // records hash the same, but the signatures name run "a".
+        let copied = log(&s, "a");
+        let e = v.check("b", &copied, SignatureRules::STRICT).unwrap_err();
+        assert!(matches!(&e, StoreError::ChainBroken { seq: 0, .. }), "{e}");
+        assert!(e.to_string().contains("signed for another run"), "{e}");
+        // The decision re-linked at another seq of its own run, its
+        // signature kept: the chain verifies, the signature does not.
+        let mut moved = log(&s, "a");
+        let decided = moved.pop().unwrap();
+        let mut again = decided.clone();
+        again.seq = 3;
+        again.prev_hash = decided.hash;
+        again.hash = again.compute_hash();
+        moved.extend([decided, again]);
+        super::super::verify_chain("a", &moved, None).unwrap();
+        let e = v.check("a", &moved, SignatureRules::STRICT).unwrap_err();
+        assert!(matches!(e, StoreError::ChainBroken { seq: 3, .. }), "{e}");
+    }
+
+    #[test]
+    fn store_legacy_signatures_count_only_before_bound_from() {
+        let s = signer(1);
+        let v = s.verifier();
+        let old = s
+            .seal_v1(
+                RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Approve"})),
+                &Head::EMPTY,
+            )
+            .unwrap();
+        let rules = SignatureRules {
+            signed_from: 0,
+            bound_from: 1,
+        };
+        assert_eq!(
+            v.classify("r", &old, rules),
+            Some(SignatureCheck::Legacy {
+                key: s.key_id().into(),
+                retired: false
+            })
+        );
+        v.check("r", std::slice::from_ref(&old), rules).unwrap();
+        let e = v
+            .check("r", std::slice::from_ref(&old), SignatureRules::STRICT)
+            .unwrap_err();
+        assert!(e.to_string().contains("legacy v1 signature"), "{e}");
+    }
+
+    #[test]
+    fn store_a_retired_key_still_verifies_what_it_signed() {
+        let (old, new) = (signer(1), signer(2));
+        let records = log(&old, "r");
+        let ring = RecordVerifier::new(vec![new.public_key(false), old.public_key(true)]).unwrap();
+        let round = RecordVerifier::from_hex(&ring.to_hex()).unwrap();
+        assert_eq!(round.keys(), ring.keys());
+        ring.check("r", &records, SignatureRules::STRICT).unwrap();
+        assert_eq!(
+            ring.classify("r", &records[0], SignatureRules::STRICT),
+            Some(SignatureCheck::Valid {
+                key: old.key_id().into(),
+                retired: true
+            })
+        );
+        // Without the retired key: named as unknown.
+        let e = new
+            .verifier()
+            .check("r", &records, SignatureRules::STRICT)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not one of the controller's published keys"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -212,32 +589,55 @@ mod tests {
         let forged = RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Approve"}))
             .seal(&Head::EMPTY)
             .unwrap();
-        let e = v.check("r", std::slice::from_ref(&forged), 0).unwrap_err();
+        let e = v
+            .check("r", std::slice::from_ref(&forged), SignatureRules::STRICT)
+            .unwrap_err();
         assert!(
             e.to_string().contains("not signed by the controller"),
             "{e}"
         );
-        // Signed by another key.
+        // Signed by another key, under its own id or claiming ours.
         let other = signer(2)
             .seal(
+                "r",
                 RecordDraft::new(StepKind::RunFinished, json!({})),
                 &Head::EMPTY,
             )
             .unwrap();
-        let e = v.check("r", &[other], 0).unwrap_err();
+        assert!(
+            v.check("r", std::slice::from_ref(&other), SignatureRules::STRICT)
+                .is_err()
+        );
+        let mut claimed = other.clone();
+        let sig = claimed.payload[SIGNATURE_FIELD]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let forged_id = format!("v2:{}:{}", s.key_id(), sig.rsplit(':').next().unwrap());
+        claimed.payload[SIGNATURE_FIELD] = json!(forged_id);
+        claimed.hash = claimed.compute_hash();
+        let e = v
+            .check("r", &[claimed], SignatureRules::STRICT)
+            .unwrap_err();
         assert!(e.to_string().contains("does not verify"), "{e}");
         // A signed decision whose verdict was changed (and re-hashed).
         let mut d = s
             .seal(
+                "r",
                 RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Reject"})),
                 &Head::EMPTY,
             )
             .unwrap();
         d.payload["verdict"] = json!("Approve");
         d.hash = d.compute_hash();
-        assert!(v.check("r", &[d], 0).is_err());
+        assert!(v.check("r", &[d], SignatureRules::STRICT).is_err());
         assert!(RecordVerifier::from_hex("abcd").is_err());
+        assert!(RecordVerifier::from_hex("").is_err());
         // Records before `signedFrom` predate signing: kept as they were.
-        v.check("r", &[forged], 1).unwrap();
+        let rules = SignatureRules {
+            signed_from: 1,
+            bound_from: 1,
+        };
+        v.check("r", &[forged], rules).unwrap();
     }
 }

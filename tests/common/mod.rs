@@ -474,3 +474,35 @@ pub fn api_error_code<T>(result: &Result<T, kube::Error>) -> Option<u16> {
         _ => None,
     }
 }
+
+/// As the chart does in the controller's namespace: every authenticated user
+/// may read the ConfigMap of the controller's public keys (public, and what
+/// `kubectl agentrun verify` checks signatures with).
+pub async fn publish_keys_to_everyone(client: &Client, namespace: &str) {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let role: Role = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "agentrun-controller-keys-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"],
+                   "resourceNames": [agentrun::controller::published_keys::CONFIGMAP], "verbs": ["get"]}]
+    }))
+    .expect("role");
+    let binding: RoleBinding = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "agentrun-controller-keys-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "agentrun-controller-keys-reader"},
+        "subjects": [{"kind": "Group", "name": "system:authenticated", "apiGroup": "rbac.authorization.k8s.io"}]
+    }))
+    .expect("binding");
+    let pp = PatchParams::apply("agentrun-e2e").force();
+    Api::<Role>::namespaced(client.clone(), namespace)
+        .patch("agentrun-controller-keys-reader", &pp, &Patch::Apply(&role))
+        .await
+        .expect("keys reader Role");
+    Api::<RoleBinding>::namespaced(client.clone(), namespace)
+        .patch(
+            "agentrun-controller-keys-reader",
+            &pp,
+            &Patch::Apply(&binding),
+        )
+        .await
+        .expect("keys reader RoleBinding");
+}

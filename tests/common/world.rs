@@ -88,6 +88,7 @@ impl World {
             .await
             .expect("model key Secret");
         super::allow_secrets(&client, ns.name(), &["model-key"]).await;
+        super::publish_keys_to_everyone(&client, ns.name()).await;
         let controller = start(ns.name());
         World {
             client,

@@ -1,0 +1,259 @@
+//! Signatures bind their place (issue 25): a controller record copied from
+//! one run's log into another's, or moved to another seq of its own run,
+//! with a database credential, is refused by the controller, by the step
+//! runner replaying the log, and by `kubectl agentrun verify`, which checks
+//! every controller signature with the public keys the controller publishes.
+//! Played as the holder of the step log's writer credential (mallory).
+
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Phase};
+use agentrun::store::{Record, RecordDraft, StepKind, StepStore};
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::json;
+
+use super::common::{
+    self,
+    approvals::{
+        decide, entry, gated_agent, grant_approver_role, pending_approval, plugin, refund,
+    },
+    world::{TIMEOUT, World, finish},
+};
+
+/// A run whose refund of 500 waits for finance; scripted under `script`.
+async fn gated_run(w: &World, name: &str, script: &str) -> AgentRun {
+    w.create_run(
+        name,
+        json!({"input": "Refund order 1042.", "agent": gated_agent(w, script, json!({}))}),
+        json!({}),
+    )
+    .await
+}
+
+async fn script(w: &World, name: &str) {
+    w.standins
+        .script(name, json!([refund(500), finish("done")]), json!([]))
+        .await;
+}
+
+/// Appends `records` to run `uid`'s log as mallory, with the writer credential.
+async fn append_as_mallory(store: &dyn StepStore, uid: &str, records: &[Record]) {
+    let lease = store
+        .acquire(uid, "mallory", Duration::from_secs(10))
+        .await
+        .expect("the writer credential takes any run's lease");
+    for r in records {
+        store
+            .append(uid, lease.epoch, r)
+            .await
+            .unwrap_or_else(|e| panic!("appending seq {} to {uid}: {e}", r.seq));
+    }
+    store.release(&lease).await.unwrap();
+}
+
+/// Waits until the controller stops run `name` for its log; returns it.
+async fn wait_tampered(w: &World, name: &str) -> AgentRun {
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    runs.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"annotations": {"test/poke": "1"}}})),
+    )
+    .await
+    .unwrap();
+    common::wait_for(&format!("{name} to stop for its log"), TIMEOUT, || async {
+        let r = runs.get(name).await.map_err(|e| e.to_string())?;
+        let s = r.status.clone().unwrap_or_default();
+        match s.conditions.iter().find(|c| c.type_ == "LogIntact") {
+            Some(c) if c.status == "False" && c.reason == "LogTampered" => Ok(r),
+            _ => Err(format!("{:?}", r.status)),
+        }
+    })
+    .await
+}
+
+/// `kubectl agentrun verify` as alice (an approver, no store role of the
+/// controller's), with the keys the world's controller published.
+fn verify(w: &World, run: &str, store: &str) -> (bool, String) {
+    plugin(
+        w,
+        "alice",
+        &[
+            "verify",
+            run,
+            "--store-url",
+            store,
+            "--controller-namespace",
+            w.name(),
+        ],
+    )
+}
+
+/// Runs one step of run `uid` as its Job would (its own gateway token,
+/// the controller's published keys), outside any Job.
+async fn replay_as_step(w: &World, uid: &str, keys: &str) -> (bool, String) {
+    let token = agentrun::controller::step_token::TokenKey::new(
+        common::controller::step_token_key().as_bytes(),
+    )
+    .unwrap()
+    .mint(uid);
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentrun"))
+        .arg("step")
+        .env("AGENTRUN_RUN_UID", uid)
+        .env("AGENTRUN_STORE_URL", w.step_api_url())
+        .env("AGENTRUN_STORE_TOKEN", token)
+        .env("AGENTRUN_CONTROLLER_KEY", keys)
+        .env("AGENTRUN_MODEL_API_KEY", "sk-e2e-not-a-real-key")
+        .env("AGENTRUN_TIME_SLICE_SECONDS", "20")
+        .env("POD_NAME", "replay-check")
+        .output()
+        .await
+        .expect("running agentrun step");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The controller's keys as its step Jobs get them.
+async fn published_keys(w: &World) -> String {
+    let keys = common::wait_for("the controller's published keys", TIMEOUT, || async {
+        agentrun::controller::published_keys::read(&w.client, w.name())
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    keys.to_hex()
+}
+
+#[tokio::test]
+async fn keys_a_decision_copied_into_another_runs_log_is_refused() {
+    let mut w = World::new("trust-keys-copy", &[]).await;
+    grant_approver_role(&w).await;
+    let store_url = common::store::e2e_store_url().await;
+    let db = agentrun::store::open(&store_url).await.unwrap();
+
+    // Run 1 is approved by alice and refunds once.
+    script(&w, "first").await;
+    gated_run(&w, "first", "first").await;
+    let approval = pending_approval(&w, "first").await;
+    decide(
+        &w,
+        "alice",
+        &approval.metadata.name.clone().unwrap(),
+        entry("alice", "Approve", &approval.spec.arguments_hash, "ok"),
+    )
+    .await
+    .expect("alice approves");
+    let first = w.wait_phase("first", Phase::Succeeded).await;
+    assert_eq!(w.standins.effects(w.name()).await.len(), 1);
+    let log1: Vec<Record> = w.log(&first).await.into_iter().map(|(r, _)| r).collect();
+    let decided = log1
+        .iter()
+        .position(|r| r.kind == StepKind::ApprovalDecided)
+        .expect("run 1 was decided");
+    let (ok, text) = verify(&w, "first", &store_url);
+    assert!(
+        ok && text.contains(&format!("seq {decided} ApprovalDecided: signature valid")),
+        "{text}"
+    );
+
+    // Run 2 is created while no controller runs; mallory fills its log with
+    // run 1's history up to and including the signed decision: a chain that
+    // verifies by itself, byte for byte what the controller once signed.
+    w.stop_controller();
+    script(&w, "second").await;
+    let second = gated_run(&w, "second", "second").await;
+    let uid2 = second.metadata.uid.clone().unwrap();
+    append_as_mallory(db.as_ref(), &uid2, &log1[..=decided]).await;
+    w.restart_controller().await;
+
+    // The controller stops run 2: its first controller record is run 1's.
+    let after = wait_tampered(&w, "second").await;
+    let error = after
+        .status
+        .as_ref()
+        .and_then(|s| s.error.clone())
+        .unwrap_or_default();
+    assert!(
+        error.contains("broken at seq 0") && error.contains("signed for another run"),
+        "status.error {error:?}"
+    );
+
+    // A step runner replaying run 2's log refuses it before acting.
+    let keys = published_keys(&w).await;
+    let (ran, stderr) = replay_as_step(&w, &uid2, &keys).await;
+    assert!(!ran, "the runner went on: {stderr}");
+    assert!(
+        stderr.contains("checking the controller's signatures in the step log")
+            && stderr.contains("signed for another run"),
+        "{stderr}"
+    );
+    assert_eq!(
+        w.standins.effects(w.name()).await.len(),
+        1,
+        "no second refund under run 2's key"
+    );
+
+    // The auditor's verify names the copied decision (and every other
+    // controller record of run 1).
+    let (ok, text) = verify(&w, "second", &store_url);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(&format!("seq {decided} ApprovalDecided: signature INVALID"))
+            && text.contains("seq 0 RunStarted: signature INVALID")
+            && text.contains(&format!("seq {decided} (ApprovalDecided)")),
+        "{text}"
+    );
+    // Run 1's own log still verifies.
+    let (ok, text) = verify(&w, "first", &store_url);
+    assert!(ok, "{text}");
+}
+
+#[tokio::test]
+async fn keys_a_record_moved_to_another_seq_of_its_run_is_refused() {
+    let w = World::new("trust-keys-move", &[]).await;
+    grant_approver_role(&w).await;
+    let store_url = common::store::e2e_store_url().await;
+    let db = agentrun::store::open(&store_url).await.unwrap();
+    script(&w, "moved").await;
+    let run = gated_run(&w, "moved", "moved").await;
+    pending_approval(&w, "moved").await;
+    let uid = run.metadata.uid.clone().unwrap();
+
+    // Mallory re-appends the run's own signed RunStarted at the end (a fresh
+    // start on top of the history), its signature kept, the chain re-linked.
+    let log = db.read_all(&uid).await.unwrap();
+    let head = log.last().unwrap().head();
+    let started = &log[0];
+    let mut draft = RecordDraft::new(started.kind, started.payload.clone());
+    draft.versions = started.versions.clone();
+    draft.worker = started.worker.clone();
+    let moved = draft.seal(&head).unwrap();
+    append_as_mallory(db.as_ref(), &uid, std::slice::from_ref(&moved)).await;
+
+    let after = wait_tampered(&w, "moved").await;
+    let error = after
+        .status
+        .as_ref()
+        .and_then(|s| s.error.clone())
+        .unwrap_or_default();
+    assert!(
+        error.contains(&format!("broken at seq {}", moved.seq)),
+        "status.error {error:?}"
+    );
+    assert_eq!(
+        after.status.as_ref().unwrap().phase,
+        Some(Phase::Failed),
+        "{:?}",
+        after.status
+    );
+    let (ok, text) = verify(&w, "moved", &store_url);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(&format!("seq {} RunStarted: signature INVALID", moved.seq))
+            && text.contains("seq 0 RunStarted: signature valid"),
+        "{text}"
+    );
+    assert!(w.standins.effects(w.name()).await.is_empty());
+}
