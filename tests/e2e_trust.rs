@@ -11,10 +11,10 @@ mod admission;
 mod approvals;
 #[path = "trust/egress.rs"]
 mod egress;
-#[path = "trust/servers.rs"]
-mod servers;
 #[path = "trust/keys.rs"]
 mod keys;
+#[path = "trust/servers.rs"]
+mod servers;
 #[path = "trust/store.rs"]
 mod store;
 #[path = "trust/timing.rs"]
