@@ -11,6 +11,8 @@ mod admission;
 mod approvals;
 #[path = "trust/egress.rs"]
 mod egress;
+#[path = "trust/gates.rs"]
+mod gates;
 #[path = "trust/keys.rs"]
 mod keys;
 #[path = "trust/servers.rs"]

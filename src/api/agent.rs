@@ -5,6 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::common::{Approvers, DURATION_RULE, SecretKeyRef};
+use super::policy::{CallMatch, PlatformDefault};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
 /// An Agent is a reusable template an AgentRun names in `spec.agentRef`:
@@ -200,7 +201,8 @@ pub struct HttpTool {
     /// with a given key already happened (GET with `Idempotency-Key`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lookup: Option<String>,
-    /// The call modifies nothing (classification default for the approval policy).
+    /// The call modifies nothing: the agent's own `defaultAction` lets it
+    /// through. A platform policy never takes the author's word for it.
     #[serde(default)]
     pub read_only: bool,
     /// Per-call timeout.
@@ -222,6 +224,12 @@ pub struct McpTool {
     /// Tool name on that server, when it differs from `name`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool: Option<String>,
+    /// The server honours the idempotency key agentrun sends in `_meta`
+    /// (`agentrun.dev/idempotencyKey`): a call cut by a crash is made again
+    /// with the same key instead of stopping the run for a human. Used for
+    /// crash recovery only; no approval rule reads it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idempotent: bool,
 }
 
 /// What happens to a risky call that nobody decides in time. There is no
@@ -270,6 +278,11 @@ pub struct ApprovalPolicy {
     /// decided or expires.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify_webhook: Option<String>,
+    /// The platform's default, set by the controller when it pins the run
+    /// (not part of the Agent's schema: the API server prunes it there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
+    pub platform_default: Option<PlatformDefault>,
 }
 
 /// A rule making matching tool calls wait for a human decision.
@@ -286,6 +299,11 @@ pub struct ApprovalRule {
     /// Tool name the rule applies to (`*` for every tool).
     #[schemars(length(min = 1))]
     pub tool: String,
+    /// The endpoints a platform rule selects, set by the controller when it
+    /// pins the run (not part of the Agent's schema).
+    #[serde(rename = "match", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
+    pub selector: Option<CallMatch>,
     /// Optional CEL condition over the call's arguments, e.g. `args.amount > 100`
     /// (at most 1024 bytes, 16 levels of nesting and 64 operators).
     #[serde(default, skip_serializing_if = "Option::is_none")]

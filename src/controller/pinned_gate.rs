@@ -7,7 +7,7 @@
 use serde_json::Value;
 
 use crate::api::AgentTemplate;
-use crate::policy::{Classification, Gate, arguments_hash, classify, declared_read_only};
+use crate::policy::{Call, Classification, Gate, arguments_hash, classify};
 use crate::runlog::records::{ApprovalRequested, Verdict};
 use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ApprovalKind, OnExpiry};
@@ -21,12 +21,7 @@ pub fn pinned_agent(log: &RunState, seq: u64) -> Option<AgentTemplate> {
 /// How the pinned agent classifies `tool` with `args` at `seq`.
 pub fn classify_at(log: &RunState, seq: u64, tool: &str, args: &Value) -> Classification {
     match pinned_agent(log, seq) {
-        Some(agent) => classify(
-            agent.approval.as_ref(),
-            tool,
-            args,
-            declared_read_only(&agent, tool),
-        ),
+        Some(agent) => classify(agent.approval.as_ref(), &Call::of(&agent, tool), args),
         // No pinned agent: nothing may run without a human.
         None => Classification::RequireApproval(Box::default()),
     }
@@ -139,8 +134,9 @@ fn expected_reconcile_gate(
             request.intent_seq, request.tool
         ));
     };
-    let policy = pinned_agent(log, request_seq).and_then(|a| a.approval);
-    crate::policy::reconcile_gate(policy.as_ref(), &intent.tool, &intent.arguments)
+    let agent = pinned_agent(log, request_seq).unwrap_or_default();
+    let call = Call::of(&agent, &intent.tool);
+    crate::policy::reconcile_gate(agent.approval.as_ref(), &call, &intent.arguments)
         .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
 }
 

@@ -11,7 +11,7 @@ use super::error::Error;
 use crate::api::REQUESTER_ANNOTATION as REQUESTER;
 use crate::api::{
     AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
-    DefaultAction, PlatformApproval,
+    DefaultAction, PlatformApproval, PlatformDefault, PlatformReadOnly, PlatformRule,
 };
 
 /// The policies that apply to one namespace, in the order they are checked.
@@ -233,7 +233,10 @@ impl Platform {
 }
 
 /// Platform rules first (named after their policy), then the agent's; the
-/// stricter default action and separation of duties win.
+/// stricter default action and separation of duties win. A platform rule
+/// selects calls by endpoint only (`tool` is `*` in the pinned form: the
+/// agent author chooses tool names), and the platform's default is pinned
+/// with its own read-only list beside the agent's default.
 fn effective_policy(
     agent: Option<&ApprovalPolicy>,
     platform: &[(String, PlatformApproval)],
@@ -242,29 +245,68 @@ fn effective_policy(
         return agent.cloned();
     }
     let mut policy = agent.cloned().unwrap_or_default();
+    let agent_action = policy.default_action;
+    let mut by = Vec::new();
     let mut rules: Vec<ApprovalRule> = Vec::new();
     for (source, p) in platform {
-        rules.extend(p.rules.iter().map(|r| ApprovalRule {
-            name: format!("{source}/{}", r.name),
-            ..r.clone()
-        }));
+        rules.extend(p.rules.iter().map(|r| pinned_rule(source, r)));
         policy.separation_of_duties |= p.separation_of_duties;
-        if p.default_action == Some(DefaultAction::RequireApprovalForMutating)
-            && policy.default_action != DefaultAction::RequireApprovalForMutating
-        {
-            policy.default_action = DefaultAction::RequireApprovalForMutating;
-            policy.default_approvers = p.default_approvers.clone().or(policy.default_approvers);
+        if p.default_action == Some(DefaultAction::RequireApprovalForMutating) {
+            by.push(PlatformReadOnly {
+                policy: source.clone(),
+                read_only: p.read_only.clone(),
+            });
+            // The stricter action, for any reader of the log that does not
+            // know `platformDefault` (it then trusts `readOnly`, as before).
+            if policy.default_action != DefaultAction::RequireApprovalForMutating {
+                policy.default_action = DefaultAction::RequireApprovalForMutating;
+                policy.default_approvers = p.default_approvers.clone().or(policy.default_approvers);
+            }
         }
     }
+    policy.platform_default = (!by.is_empty()).then_some(PlatformDefault { agent_action, by });
     rules.append(&mut policy.rules);
     policy.rules = rules;
     Some(policy)
 }
 
+/// A platform rule as the run pins it. A rule written before `tool` was
+/// restricted to `*` (the CRD refuses other names now) still names a tool:
+/// since that name proves nothing about the call, it applies to every call.
+fn pinned_rule(source: &str, r: &PlatformRule) -> ApprovalRule {
+    let PlatformRule {
+        name,
+        tool: _,
+        selector,
+        when,
+        approvers,
+        required_approvals,
+        expires_after,
+        on_expiry,
+        escalate_to,
+        max_escalations,
+        dependencies,
+    } = r.clone();
+    ApprovalRule {
+        name: format!("{source}/{name}"),
+        tool: "*".into(),
+        selector,
+        when,
+        approvers,
+        required_approvals,
+        expires_after,
+        on_expiry,
+        escalate_to,
+        max_escalations,
+        dependencies,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{AllowedSecret, Approvers, SecretKeyRef};
+    use crate::api::{AllowedSecret, Approvers, CallMatch, EndpointMatch, McpMatch, SecretKeyRef};
+    use crate::policy::{Call, Classification};
     use serde_json::json;
 
     fn rule(name: &str, tool: &str, when: Option<&str>) -> ApprovalRule {
@@ -304,6 +346,55 @@ mod tests {
         r
     }
 
+    fn platform_rule(name: &str, selector: Option<CallMatch>) -> PlatformRule {
+        PlatformRule {
+            name: name.into(),
+            selector,
+            approvers: Approvers {
+                users: vec!["alice".into()],
+                groups: vec![],
+            },
+            required_approvals: 1,
+            expires_after: "1h".into(),
+            ..Default::default()
+        }
+    }
+
+    fn endpoints(urls: &[&str]) -> CallMatch {
+        CallMatch {
+            endpoints: urls
+                .iter()
+                .map(|u| EndpointMatch { url: u.to_string() })
+                .collect(),
+            mcp: vec![],
+        }
+    }
+
+    fn finance(p: PlatformApproval) -> Platform {
+        Platform {
+            approval: vec![("ClusterAgentPolicy/finance".into(), p)],
+            ..Default::default()
+        }
+    }
+
+    fn classify(governed: &AgentTemplate, tool: &str) -> Classification {
+        let call = Call::of(governed, tool);
+        crate::policy::classify(governed.approval.as_ref(), &call, &json!({"amount": 5000}))
+    }
+
+    /// The agent of the attack: the refund endpoint under another name,
+    /// claimed read-only, and an MCP ticket tool under a local name.
+    fn renaming_agent() -> AgentTemplate {
+        let mut t = template(None, None);
+        t.tools = serde_json::from_value(json!([
+            {"name": "refund_customer", "http": {"url": "https://pay.example/v1/%72efunds", "readOnly": true}},
+            {"name": "lookup_order", "http": {"url": "https://pay.example/v1/orders", "readOnly": true}},
+            {"name": "open_case", "mcp": {"url": "https://mcp.example/mcp", "tool": "create_ticket"}}
+        ]))
+        .expect("tools");
+        t
+    }
+
     #[test]
     fn platform_rules_judge_before_the_agents_and_cannot_be_weakened() {
         let mut agent = template(None, None);
@@ -311,29 +402,19 @@ mod tests {
             rules: vec![rule("small", "issue_refund", Some("args.amount > 1000"))],
             ..Default::default()
         });
-        let platform = Platform {
-            approval: vec![(
-                "ClusterAgentPolicy/finance".into(),
-                PlatformApproval {
-                    rules: vec![rule("any-refund", "issue_refund", None)],
-                    separation_of_duties: true,
-                    ..Default::default()
-                },
-            )],
+        let platform = finance(PlatformApproval {
+            rules: vec![platform_rule("any-call", None)],
+            separation_of_duties: true,
             ..Default::default()
-        };
+        });
         let governed = platform.govern(&agent).approval.expect("a policy");
         assert!(governed.separation_of_duties);
         let names: Vec<&str> = governed.rules.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(names, ["ClusterAgentPolicy/finance/any-refund", "small"]);
-        match crate::policy::classify(
-            Some(&governed),
-            "issue_refund",
-            &json!({"amount": 5}),
-            false,
-        ) {
-            crate::policy::Classification::RequireApproval(g) => {
-                assert_eq!(g.rule, "ClusterAgentPolicy/finance/any-refund")
+        assert_eq!(names, ["ClusterAgentPolicy/finance/any-call", "small"]);
+        let call = Call::named("issue_refund", false);
+        match crate::policy::classify(Some(&governed), &call, &json!({"amount": 5})) {
+            Classification::RequireApproval(g) => {
+                assert_eq!(g.rule, "ClusterAgentPolicy/finance/any-call")
             }
             other => panic!("a small refund escaped the platform rule: {other:?}"),
         }
@@ -341,6 +422,98 @@ mod tests {
         assert!(platform.govern(&template(None, None)).approval.is_some());
         // No platform policy: the agent's own, unchanged.
         assert_eq!(Platform::default().govern(&agent), agent);
+    }
+
+    #[test]
+    fn a_platform_rule_follows_the_endpoint_whatever_the_tool_is_called() {
+        let platform = finance(PlatformApproval {
+            rules: vec![platform_rule(
+                "refunds",
+                Some(CallMatch {
+                    endpoints: vec![EndpointMatch {
+                        url: "https://pay.example/v1/refunds".into(),
+                    }],
+                    mcp: vec![McpMatch {
+                        server: "https://mcp.example/mcp".into(),
+                        tool: Some("create_ticket".into()),
+                    }],
+                }),
+            )],
+            ..Default::default()
+        });
+        let governed = platform.govern(&renaming_agent());
+        for tool in ["refund_customer", "open_case"] {
+            assert!(
+                matches!(classify(&governed, tool), Classification::RequireApproval(g)
+                    if g.rule == "ClusterAgentPolicy/finance/refunds"),
+                "{tool} escaped the rule on its endpoint"
+            );
+        }
+        assert_eq!(classify(&governed, "lookup_order"), Classification::Allow);
+    }
+
+    #[test]
+    fn the_platform_default_believes_only_the_platforms_read_only_list() {
+        let mut platform = finance(PlatformApproval {
+            default_action: Some(DefaultAction::RequireApprovalForMutating),
+            ..Default::default()
+        });
+        let governed = platform.govern(&renaming_agent());
+        // The author's readOnly counts for nothing here.
+        for tool in [
+            "refund_customer",
+            "lookup_order",
+            "open_case",
+            "no_such_tool",
+        ] {
+            assert!(
+                matches!(classify(&governed, tool), Classification::RequireApproval(g)
+                    if g.rule == "ClusterAgentPolicy/finance/default"),
+                "{tool} passed the platform's default"
+            );
+        }
+        platform.approval[0].1.read_only = Some(endpoints(&["https://pay.example/v1/orders"]));
+        let governed = platform.govern(&renaming_agent());
+        assert_eq!(classify(&governed, "lookup_order"), Classification::Allow);
+        assert!(matches!(
+            classify(&governed, "refund_customer"),
+            Classification::RequireApproval(_)
+        ));
+        // An older reader of the log still sees the stricter default.
+        let pinned = governed.approval.expect("policy");
+        assert_eq!(
+            pinned.default_action,
+            DefaultAction::RequireApprovalForMutating
+        );
+        // The agent's own default still gates what the agent does not
+        // declare read-only, even where the platform lists it.
+        let mut agent = renaming_agent();
+        agent.tools[1].http.as_mut().unwrap().read_only = false;
+        agent.approval = Some(ApprovalPolicy {
+            default_action: DefaultAction::RequireApprovalForMutating,
+            ..Default::default()
+        });
+        let governed = platform.govern(&agent);
+        assert!(
+            matches!(classify(&governed, "lookup_order"), Classification::RequireApproval(g) if g.rule == "default")
+        );
+    }
+
+    #[test]
+    fn a_name_only_platform_rule_from_before_applies_to_every_call() {
+        let mut legacy = platform_rule("every-refund", None);
+        legacy.tool = Some("issue_refund".into());
+        let governed = finance(PlatformApproval {
+            rules: vec![legacy],
+            ..Default::default()
+        })
+        .govern(&renaming_agent());
+        for tool in ["refund_customer", "lookup_order"] {
+            assert!(matches!(
+                classify(&governed, tool),
+                Classification::RequireApproval(_)
+            ));
+        }
     }
 
     #[test]

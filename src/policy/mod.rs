@@ -3,12 +3,14 @@
 //! model; a condition that cannot be evaluated asks for approval (fail closed).
 
 pub mod condition;
+pub mod endpoint;
 
 use serde_json::Value;
 
-use crate::api::{ApprovalPolicy, ApprovalRule, DefaultAction};
+use crate::api::{ApprovalPolicy, ApprovalRule, CallMatch, DefaultAction};
 pub use crate::runlog::records::Gate;
 use crate::runlog::v1;
+pub use endpoint::Reading;
 
 /// What a call needs before it may run.
 #[derive(Clone, Debug, PartialEq)]
@@ -17,16 +19,82 @@ pub enum Classification {
     RequireApproval(Box<Gate>),
 }
 
-/// Classifies a proposed call. `read_only` is the tool's declaration (never a hint).
-pub fn classify(
-    policy: Option<&ApprovalPolicy>,
-    tool: &str,
-    args: &Value,
-    read_only: bool,
-) -> Classification {
+/// A proposed call as the policy sees it: the name the model used, where
+/// the call goes (from the pinned agent's tool declaration) and what the
+/// agent author claims about it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Call<'a> {
+    pub name: &'a str,
+    pub target: Target,
+    /// The author's `readOnly`: honoured by the agent's own default only.
+    pub author_read_only: bool,
+}
+
+/// Where a call goes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Target {
+    /// An HTTP tool's URL.
+    Http(String),
+    /// An MCP server and the tool name it is asked to run.
+    Mcp { server: String, tool: String },
+    /// No tool of that name (the call fails without reaching anything).
+    Unknown,
+}
+
+impl<'a> Call<'a> {
+    /// The call of `tool` as the agent declares it.
+    pub fn of(agent: &crate::api::AgentTemplate, tool: &'a str) -> Call<'a> {
+        let spec = agent.tools.iter().find(|t| t.name == tool);
+        let target = match spec.map(|t| (&t.http, &t.mcp)) {
+            Some((Some(h), _)) => Target::Http(h.url.clone()),
+            Some((None, Some(m))) => Target::Mcp {
+                server: m.url.clone(),
+                tool: m.tool.clone().unwrap_or_else(|| tool.to_string()),
+            },
+            _ => Target::Unknown,
+        };
+        Call {
+            name: tool,
+            target,
+            author_read_only: declared_read_only(agent, tool),
+        }
+    }
+
+    /// A call to `name` known by name only (unit tests, unknown tools).
+    pub fn named(name: &'a str, author_read_only: bool) -> Call<'a> {
+        Call {
+            name,
+            target: Target::Unknown,
+            author_read_only,
+        }
+    }
+}
+
+/// Does `m` select calls to `target`? `reading` says how doubtful spellings
+/// count: `Any` for gates (over-match), `Every` for exemptions.
+pub fn selects(m: &CallMatch, target: &Target, reading: Reading) -> bool {
+    match target {
+        Target::Http(url) => m
+            .endpoints
+            .iter()
+            .any(|e| endpoint::within(url, &e.url, reading)),
+        Target::Mcp { server, tool } => m.mcp.iter().any(|e| {
+            endpoint::within(server, &e.server, reading)
+                && e.tool
+                    .as_deref()
+                    .is_none_or(|t| endpoint::same_tool(tool, t, reading))
+        }),
+        Target::Unknown => false,
+    }
+}
+
+/// Classifies a proposed call. Rules select by name and, for platform
+/// rules, by endpoint; the defaults decide what no rule matched.
+pub fn classify(policy: Option<&ApprovalPolicy>, call: &Call<'_>, args: &Value) -> Classification {
     let Some(policy) = policy else {
         return Classification::Allow;
     };
+    let tool = call.name;
     if tool == crate::runlog::replay::FINISH_TOOL {
         return Classification::Allow;
     }
@@ -34,8 +102,13 @@ pub fn classify(
         if rule.tool != tool && rule.tool != "*" {
             continue;
         }
+        if let Some(m) = &rule.selector
+            && !selects(m, &call.target, Reading::Any)
+        {
+            continue;
+        }
         let because = match &rule.when {
-            None => format!("rule {} applies to every {tool} call", rule.name),
+            None => every_call(rule, call),
             Some(expr) => match evaluate(expr, args) {
                 Ok(true) => format!("rule {}: {expr}", rule.name),
                 Ok(false) => continue,
@@ -47,29 +120,91 @@ pub fn classify(
         };
         return Classification::RequireApproval(Box::new(gate(policy, rule, because)));
     }
-    if policy.default_action == DefaultAction::RequireApprovalForMutating && !read_only {
-        let rule = ApprovalRule {
-            name: "default".into(),
-            tool: tool.into(),
-            approvers: policy.default_approvers.clone().unwrap_or_default(),
-            required_approvals: 1,
-            expires_after: "1h".into(),
-            ..Default::default()
-        };
-        let because = format!(
-            "{tool} is not declared read-only and the policy asks for approval of every such call"
-        );
-        return Classification::RequireApproval(Box::new(gate(policy, &rule, because)));
+    match default_gate(policy, call) {
+        Some((rule, because)) => {
+            let rule = ApprovalRule {
+                name: rule,
+                tool: tool.into(),
+                approvers: policy.default_approvers.clone().unwrap_or_default(),
+                required_approvals: 1,
+                expires_after: "1h".into(),
+                ..Default::default()
+            };
+            Classification::RequireApproval(Box::new(gate(policy, &rule, because)))
+        }
+        None => Classification::Allow,
     }
-    Classification::Allow
+}
+
+/// Why a rule without a condition gates the call, for the approver.
+fn every_call(rule: &ApprovalRule, call: &Call<'_>) -> String {
+    let reaches = match &call.target {
+        Target::Http(url) => format!(" (it reaches {url})"),
+        Target::Mcp { server, tool } => format!(" (it runs {tool} on {server})"),
+        Target::Unknown => String::new(),
+    };
+    match (&rule.selector, rule.tool.as_str()) {
+        (Some(_), _) => format!(
+            "rule {} applies to every call to the endpoints it names{reaches}",
+            rule.name
+        ),
+        (None, "*") => format!("rule {} applies to every call", rule.name),
+        (None, tool) => format!("rule {} applies to every {tool} call", rule.name),
+    }
+}
+
+/// Whether a default action gates a call no rule matched: (rule name, why).
+/// A platform's default believes only the platform's own `readOnly` list;
+/// the agent's own default believes the agent's `readOnly`.
+fn default_gate(policy: &ApprovalPolicy, call: &Call<'_>) -> Option<(String, String)> {
+    let tool = call.name;
+    let agent_action = match &policy.platform_default {
+        Some(platform) => {
+            let unlisted = platform.by.iter().find(|p| {
+                !p.read_only
+                    .as_ref()
+                    .is_some_and(|m| selects(m, &call.target, Reading::Every))
+            });
+            if let Some(p) = unlisted {
+                return Some((
+                    format!("{}/default", p.policy),
+                    format!(
+                        "{tool} reaches an endpoint {} does not list as read-only, and it asks for approval \
+                         of every other call (the agent's own readOnly does not count)",
+                        p.policy
+                    ),
+                ));
+            }
+            platform.agent_action
+        }
+        None => policy.default_action,
+    };
+    (agent_action == DefaultAction::RequireApprovalForMutating && !call.author_read_only).then(
+        || {
+            (
+                "default".into(),
+                format!(
+                    "{tool} is not declared read-only and the policy asks for approval of every such call"
+                ),
+            )
+        },
+    )
 }
 
 /// Who may say whether a call with an unknowable outcome happened: the gate
 /// the policy puts on the call, else its default approvers (`None`: nobody is
 /// named, and the run stops for a human). Nobody answering is never taken as
 /// either answer, so the gate always fails on expiry.
-pub fn reconcile_gate(policy: Option<&ApprovalPolicy>, tool: &str, args: &Value) -> Option<Gate> {
-    let mut gate = match classify(policy, tool, args, false) {
+pub fn reconcile_gate(
+    policy: Option<&ApprovalPolicy>,
+    call: &Call<'_>,
+    args: &Value,
+) -> Option<Gate> {
+    let call = Call {
+        author_read_only: false,
+        ..call.clone()
+    };
+    let mut gate = match classify(policy, &call, args) {
         Classification::RequireApproval(gate) => *gate,
         Classification::Allow => {
             let p = policy?;
@@ -159,10 +294,18 @@ mod tests {
     fn a_condition_over_the_arguments_decides() {
         let p = policy(Some("args.amount > 100"));
         assert_eq!(
-            classify(Some(&p), "issue_refund", &json!({"amount": 40}), false),
+            classify(
+                Some(&p),
+                &Call::named("issue_refund", false),
+                &json!({"amount": 40})
+            ),
             Classification::Allow
         );
-        match classify(Some(&p), "issue_refund", &json!({"amount": 500}), false) {
+        match classify(
+            Some(&p),
+            &Call::named("issue_refund", false),
+            &json!({"amount": 500}),
+        ) {
             Classification::RequireApproval(g) => {
                 assert_eq!((g.rule.as_str(), g.required_approvals), ("large-refund", 2));
                 assert!(g.because.contains("args.amount > 100"));
@@ -171,7 +314,11 @@ mod tests {
         }
         // Floats and ints compare alike.
         assert!(matches!(
-            classify(Some(&p), "issue_refund", &json!({"amount": 100.5}), false),
+            classify(
+                Some(&p),
+                &Call::named("issue_refund", false),
+                &json!({"amount": 100.5})
+            ),
             Classification::RequireApproval(_)
         ));
     }
@@ -180,19 +327,23 @@ mod tests {
     fn other_tools_and_finish_pass_and_no_policy_allows() {
         let p = policy(None);
         assert_eq!(
-            classify(Some(&p), "lookup_order", &json!({}), false),
+            classify(Some(&p), &Call::named("lookup_order", false), &json!({})),
             Classification::Allow
         );
         assert_eq!(
-            classify(Some(&p), "finish", &json!({}), false),
+            classify(Some(&p), &Call::named("finish", false), &json!({})),
             Classification::Allow
         );
         assert_eq!(
-            classify(None, "issue_refund", &json!({"amount": 1e9}), false),
+            classify(
+                None,
+                &Call::named("issue_refund", false),
+                &json!({"amount": 1e9})
+            ),
             Classification::Allow
         );
         assert!(matches!(
-            classify(Some(&p), "issue_refund", &json!({}), false),
+            classify(Some(&p), &Call::named("issue_refund", false), &json!({})),
             Classification::RequireApproval(_)
         ));
     }
@@ -200,7 +351,11 @@ mod tests {
     #[test]
     fn a_condition_that_cannot_be_evaluated_asks() {
         let p = policy(Some("args.amount > 100"));
-        match classify(Some(&p), "issue_refund", &json!({"orderId": "1"}), false) {
+        match classify(
+            Some(&p),
+            &Call::named("issue_refund", false),
+            &json!({"orderId": "1"}),
+        ) {
             Classification::RequireApproval(g) => assert!(
                 g.because.contains("could not be evaluated"),
                 "{}",
@@ -210,7 +365,11 @@ mod tests {
         }
         let broken = policy(Some("args.amount >"));
         assert!(matches!(
-            classify(Some(&broken), "issue_refund", &json!({"amount": 1}), false),
+            classify(
+                Some(&broken),
+                &Call::named("issue_refund", false),
+                &json!({"amount": 1})
+            ),
             Classification::RequireApproval(_)
         ));
     }
@@ -222,11 +381,11 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            classify(Some(&p), "lookup_order", &json!({}), true),
+            classify(Some(&p), &Call::named("lookup_order", true), &json!({})),
             Classification::Allow
         );
         assert!(
-            matches!(classify(Some(&p), "delete_account", &json!({}), false), Classification::RequireApproval(g) if g.rule == "default")
+            matches!(classify(Some(&p), &Call::named("delete_account", false), &json!({})), Classification::RequireApproval(g) if g.rule == "default")
         );
     }
 
@@ -234,21 +393,27 @@ mod tests {
     fn a_reconcile_gate_always_fails_on_expiry_and_needs_someone_named() {
         let mut p = policy(None);
         p.rules[0].on_expiry = OnExpiry::Alternative;
-        let g = reconcile_gate(Some(&p), "issue_refund", &json!({})).unwrap();
+        let g = reconcile_gate(Some(&p), &Call::named("issue_refund", false), &json!({})).unwrap();
         assert_eq!(
             (g.rule.as_str(), g.on_expiry),
             ("large-refund", v1::OnExpiry::Fail)
         );
-        assert_eq!(reconcile_gate(Some(&p), "page", &json!({})), None);
+        assert_eq!(
+            reconcile_gate(Some(&p), &Call::named("page", false), &json!({})),
+            None
+        );
         p.default_approvers = Some(Approvers {
             users: vec!["oncall".into()],
             groups: vec![],
         });
-        let g = reconcile_gate(Some(&p), "page", &json!({})).unwrap();
+        let g = reconcile_gate(Some(&p), &Call::named("page", false), &json!({})).unwrap();
         assert_eq!(
             (g.rule.as_str(), g.on_expiry),
             ("reconcile", v1::OnExpiry::Fail)
         );
-        assert_eq!(reconcile_gate(None, "page", &json!({})), None);
+        assert_eq!(
+            reconcile_gate(None, &Call::named("page", false), &json!({})),
+            None
+        );
     }
 }

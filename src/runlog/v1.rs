@@ -131,6 +131,10 @@ pub struct McpTool {
     pub url: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool: Option<String>,
+    // Added within format 1 (absent from every record written before, and
+    // omitted when false): old records decode and re-encode unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idempotent: bool,
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -162,6 +166,49 @@ pub struct ApprovalPolicy {
     pub separation_of_duties: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify_webhook: Option<String>,
+    // Added within format 1, omitted when absent (see `McpTool::idempotent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform_default: Option<PlatformDefault>,
+}
+
+/// The platform's default as a run pins it (added within format 1).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PlatformDefault {
+    pub agent_action: DefaultAction,
+    pub by: Vec<PlatformReadOnly>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PlatformReadOnly {
+    pub policy: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<CallMatch>,
+}
+
+/// Calls selected by endpoint (added within format 1).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CallMatch {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<EndpointMatch>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp: Vec<McpMatch>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointMatch {
+    pub url: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct McpMatch {
+    pub server: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
@@ -169,6 +216,9 @@ pub struct ApprovalPolicy {
 pub struct ApprovalRule {
     pub name: String,
     pub tool: String,
+    // Added within format 1, omitted when absent (see `McpTool::idempotent`).
+    #[serde(rename = "match", default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<CallMatch>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub when: Option<String>,
     pub approvers: Approvers,

@@ -277,10 +277,9 @@ impl Runner {
                     call,
                 } => {
                     // Our code classifies the call from the pinned policy; the model has no say.
+                    // What the call is comes from the pinned tool declaration
+                    // (its endpoint), never from the name the model used alone.
                     let snap = self.snapshot()?;
-                    let (stamp, tools) = self.take_toolbox()?;
-                    let read_only = tools.is_read_only(&call.name);
-                    self.tools = Some((stamp, tools));
                     let (arguments, alternative) = approval::split_alternative(&call.arguments);
                     // Arguments that are not a JSON object never reach a tool
                     // (its own check refuses them before any request, and the
@@ -288,9 +287,8 @@ impl Runner {
                     let classification = if call.arguments_are_valid() {
                         classify(
                             snap.agent.approval.as_ref(),
-                            &call.name,
+                            &crate::policy::Call::of(&snap.agent, &call.name),
                             &arguments,
-                            read_only,
                         )
                     } else {
                         Classification::Allow
@@ -595,7 +593,7 @@ impl Runner {
                     // Who can say whether it happened: the approvers the policy names for this tool.
                     let gate = crate::policy::reconcile_gate(
                         snap.agent.approval.as_ref(),
-                        &intent.tool,
+                        &crate::policy::Call::of(&snap.agent, &intent.tool),
                         &intent.arguments,
                     );
                     let step = match gate {

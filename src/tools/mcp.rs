@@ -444,6 +444,7 @@ mod tests {
         let tool = McpKind {
             url: "http://127.0.0.1:9/mcp".into(),
             remote: "create_ticket".into(),
+            idempotent: false,
             hints: None,
             timeout: Duration::from_secs(1),
         };

@@ -181,6 +181,8 @@ struct McpKind {
     url: String,
     /// The tool's name on the server.
     remote: String,
+    /// Declared by the agent author: the server honours the key in `_meta`.
+    idempotent: bool,
     hints: Option<McpAnnotations>,
     timeout: Duration,
 }
@@ -302,6 +304,7 @@ impl Toolbox {
                     let kind = Kind::Mcp(McpKind {
                         url: m.url.clone(),
                         remote: m.tool.clone().unwrap_or_else(|| name.to_string()),
+                        idempotent: m.idempotent,
                         hints: info.map(|i| i.annotations.clone()),
                         timeout: DEFAULT_TIMEOUT,
                     });
@@ -380,11 +383,14 @@ impl Toolbox {
     }
 
     /// The tool honours idempotency keys, so a call whose result was not
-    /// recorded may be made again with the same key. Only HTTP tools can
-    /// declare it; MCP annotations are hints and are not trusted for this.
+    /// recorded may be made again with the same key: the agent author's
+    /// declaration (`http.idempotent`, `mcp.idempotent`, which sends the key
+    /// in `_meta`), for crash recovery only. An MCP server's own
+    /// `idempotentHint` is a hint and is not trusted for this.
     pub fn is_idempotent(&self, name: &str) -> bool {
         match self.tool(name).map(|t| &t.kind) {
             Some(Kind::Http(h)) => h.idempotent,
+            Some(Kind::Mcp(m)) => m.idempotent,
             Some(Kind::Finish) => true,
             _ => false,
         }
@@ -546,6 +552,7 @@ mod tests {
         both.mcp = Some(McpTool {
             url: "http://127.0.0.1:9/mcp".into(),
             tool: None,
+            idempotent: false,
         });
         assert!(Toolbox::new(&[both], &catalog).is_err());
         let mut bad_timeout = http_spec("a", None);
@@ -620,10 +627,30 @@ mod tests {
             mcp: Some(McpTool {
                 url: "http://127.0.0.1:9/mcp".into(),
                 tool: Some("get_weather".into()),
+                idempotent: false,
+            }),
+            ..Default::default()
+        };
+        // The author says the server honours the key in `_meta`.
+        let keyed = ToolSpec {
+            name: "ticket".into(),
+            mcp: Some(McpTool {
+                url: "http://127.0.0.1:9/mcp".into(),
+                tool: Some("create_ticket".into()),
+                idempotent: true,
             }),
             ..Default::default()
         };
         let mut catalog = McpCatalog::new();
+        catalog.insert(
+            "ticket".into(),
+            McpToolInfo {
+                name: "create_ticket".into(),
+                description: "Opens a ticket".into(),
+                input_schema: json!({"type": "object"}),
+                annotations: McpAnnotations::default(),
+            },
+        );
         catalog.insert(
             "weather".into(),
             McpToolInfo {
@@ -637,7 +664,8 @@ mod tests {
                 },
             },
         );
-        let tb = Toolbox::new(&[http_spec("write", None), ro, mcp], &catalog).unwrap();
+        let tb = Toolbox::new(&[http_spec("write", None), ro, mcp, keyed], &catalog).unwrap();
+        assert!(tb.is_idempotent("ticket") && !tb.is_read_only("ticket"));
         assert!(tb.is_idempotent("write") && !tb.is_read_only("write") && !tb.has_lookup("write"));
         assert!(!tb.is_idempotent("read") && tb.is_read_only("read") && tb.has_lookup("read"));
         // Hints are exposed but not trusted.

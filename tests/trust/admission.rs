@@ -298,10 +298,12 @@ async fn secrets_reach_a_step_pod_only_when_the_platform_opted_them_in() {
 async fn the_platform_policy_judges_every_run_and_can_forbid_inline_agents() {
     let w = World::new("platform", &[]).await;
     let policies: Api<agentrun::api::AgentPolicy> = Api::namespaced(w.client.clone(), w.name());
+    let refunds = format!("{}/tools/{}/issue_refund", w.standins.base, w.name());
     let gate: agentrun::api::AgentPolicy = serde_json::from_value(json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
         "metadata": {"name": "finance"},
-        "spec": {"approval": {"separationOfDuties": true, "rules": [{"name": "every-refund", "tool": "issue_refund",
+        "spec": {"approval": {"separationOfDuties": true, "rules": [{"name": "every-refund",
+            "match": {"endpoints": [{"url": refunds}]},
             "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "10m"}]}}
     }))
     .expect("policy");

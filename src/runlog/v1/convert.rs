@@ -275,15 +275,31 @@ impl From<HttpTool> for api::HttpTool {
 
 impl From<api::McpTool> for McpTool {
     fn from(m: api::McpTool) -> Self {
-        let api::McpTool { url, tool } = m;
-        McpTool { url, tool }
+        let api::McpTool {
+            url,
+            tool,
+            idempotent,
+        } = m;
+        McpTool {
+            url,
+            tool,
+            idempotent,
+        }
     }
 }
 
 impl From<McpTool> for api::McpTool {
     fn from(m: McpTool) -> Self {
-        let McpTool { url, tool } = m;
-        api::McpTool { url, tool }
+        let McpTool {
+            url,
+            tool,
+            idempotent,
+        } = m;
+        api::McpTool {
+            url,
+            tool,
+            idempotent,
+        }
     }
 }
 
@@ -339,6 +355,7 @@ impl From<api::ApprovalPolicy> for ApprovalPolicy {
             default_approvers,
             separation_of_duties,
             notify_webhook,
+            platform_default,
         } = p;
         ApprovalPolicy {
             rules: rules.into_iter().map(Into::into).collect(),
@@ -346,6 +363,7 @@ impl From<api::ApprovalPolicy> for ApprovalPolicy {
             default_approvers: default_approvers.map(Into::into),
             separation_of_duties,
             notify_webhook,
+            platform_default: platform_default.map(Into::into),
         }
     }
 }
@@ -358,6 +376,7 @@ impl From<ApprovalPolicy> for api::ApprovalPolicy {
             default_approvers,
             separation_of_duties,
             notify_webhook,
+            platform_default,
         } = p;
         api::ApprovalPolicy {
             rules: rules.into_iter().map(Into::into).collect(),
@@ -365,6 +384,7 @@ impl From<ApprovalPolicy> for api::ApprovalPolicy {
             default_approvers: default_approvers.map(Into::into),
             separation_of_duties,
             notify_webhook,
+            platform_default: platform_default.map(Into::into),
         }
     }
 }
@@ -374,6 +394,7 @@ impl From<api::ApprovalRule> for ApprovalRule {
         let api::ApprovalRule {
             name,
             tool,
+            selector,
             when,
             approvers,
             required_approvals,
@@ -386,6 +407,7 @@ impl From<api::ApprovalRule> for ApprovalRule {
         ApprovalRule {
             name,
             tool,
+            selector: selector.map(Into::into),
             when,
             approvers: approvers.into(),
             required_approvals,
@@ -403,6 +425,7 @@ impl From<ApprovalRule> for api::ApprovalRule {
         let ApprovalRule {
             name,
             tool,
+            selector,
             when,
             approvers,
             required_approvals,
@@ -415,6 +438,7 @@ impl From<ApprovalRule> for api::ApprovalRule {
         api::ApprovalRule {
             name,
             tool,
+            selector: selector.map(Into::into),
             when,
             approvers: approvers.into(),
             required_approvals,
@@ -423,6 +447,78 @@ impl From<ApprovalRule> for api::ApprovalRule {
             escalate_to: escalate_to.map(Into::into),
             max_escalations,
             dependencies: dependencies.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl From<api::PlatformDefault> for PlatformDefault {
+    fn from(d: api::PlatformDefault) -> Self {
+        let api::PlatformDefault { agent_action, by } = d;
+        PlatformDefault {
+            agent_action: agent_action.into(),
+            by: by.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl From<api::PlatformReadOnly> for PlatformReadOnly {
+    fn from(r: api::PlatformReadOnly) -> Self {
+        let api::PlatformReadOnly { policy, read_only } = r;
+        PlatformReadOnly {
+            policy,
+            read_only: read_only.map(Into::into),
+        }
+    }
+}
+
+impl From<api::CallMatch> for CallMatch {
+    fn from(m: api::CallMatch) -> Self {
+        let api::CallMatch { endpoints, mcp } = m;
+        CallMatch {
+            endpoints: endpoints
+                .into_iter()
+                .map(|api::EndpointMatch { url }| EndpointMatch { url })
+                .collect(),
+            mcp: mcp
+                .into_iter()
+                .map(|api::McpMatch { server, tool }| McpMatch { server, tool })
+                .collect(),
+        }
+    }
+}
+
+impl From<PlatformDefault> for api::PlatformDefault {
+    fn from(d: PlatformDefault) -> Self {
+        let PlatformDefault { agent_action, by } = d;
+        api::PlatformDefault {
+            agent_action: agent_action.into(),
+            by: by.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl From<PlatformReadOnly> for api::PlatformReadOnly {
+    fn from(r: PlatformReadOnly) -> Self {
+        let PlatformReadOnly { policy, read_only } = r;
+        api::PlatformReadOnly {
+            policy,
+            read_only: read_only.map(Into::into),
+        }
+    }
+}
+
+impl From<CallMatch> for api::CallMatch {
+    fn from(m: CallMatch) -> Self {
+        let CallMatch { endpoints, mcp } = m;
+        api::CallMatch {
+            endpoints: endpoints
+                .into_iter()
+                .map(|EndpointMatch { url }| api::EndpointMatch { url })
+                .collect(),
+            mcp: mcp
+                .into_iter()
+                .map(|McpMatch { server, tool }| api::McpMatch { server, tool })
+                .collect(),
         }
     }
 }
