@@ -98,6 +98,7 @@ impl Standins {
             mcp: Some(McpTool {
                 url: self.url(&format!("/mcp/{tenant}")),
                 tool: remote.map(str::to_string),
+                idempotent: false,
             }),
             ..Default::default()
         }
