@@ -12,4 +12,5 @@ pub mod runlog;
 pub mod step;
 pub mod store;
 pub mod telemetry;
+pub mod text;
 pub mod tools;

@@ -45,8 +45,12 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Step(args) => {
             agentrun::telemetry::init("agentrun-step");
+            termination::on_panic();
             let result = agentrun::step::runner::run(args).await;
             agentrun::telemetry::trace::shutdown().await;
+            if let Err(e) = &result {
+                termination::write(&format!("{e:#}"));
+            }
             // A worker whose lease was taken over exits with its own code.
             if let Err(e) = &result
                 && e.downcast_ref::<agentrun::step::runner::LeaseLost>()
@@ -57,5 +61,30 @@ async fn main() -> anyhow::Result<()> {
             result
         }
         Command::Store(args) => agentrun::store::cli::main(args).await,
+    }
+}
+
+/// The step container's termination message: the controller quotes it when
+/// a step fails, so the cause outlives the pod and its log.
+mod termination {
+    /// Where the kubelet mounts the container's termination message file.
+    /// Written only where it exists (in a pod): never created elsewhere.
+    const PATH: &str = "/dev/termination-log";
+    /// The kubelet keeps at most 4096 bytes of it.
+    const MAX_BYTES: usize = 4096;
+
+    pub fn write(message: &str) {
+        if std::path::Path::new(PATH).exists() {
+            let _ = std::fs::write(PATH, agentrun::text::prefix(message, MAX_BYTES));
+        }
+    }
+
+    /// A panic's message goes there too (the default hook still prints it).
+    pub fn on_panic() {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            write(&format!("panicked: {info}"));
+            default(info);
+        }));
     }
 }

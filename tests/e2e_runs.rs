@@ -782,24 +782,23 @@ async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends()
     assert!(store.renew(&takeover, Duration::from_secs(5)).await.is_ok());
 }
 
-/// A step that keeps failing without recording anything (here: a model that
-/// answers 503 every time) fails the run after the Agent's
-/// `retry.maxAttemptsWithoutProgress` attempts, with the reason.
+/// A step that keeps failing without recording anything (here: a runner
+/// that panics before every model call) fails the run after the Agent's
+/// `retry.maxAttemptsWithoutProgress` attempts, with the reason and the
+/// panic's message (the container's termination message), so nobody needs
+/// the pod's log.
 #[tokio::test]
 async fn a_step_failing_without_progress_ends_the_run_by_its_retry_policy() {
     let w = World::new("crashloop", &[]).await;
-    let outage: Vec<Value> = (0..64)
-        .map(|_| json!({"status": 503, "message": "overloaded"}))
-        .collect();
     w.standins
-        .script("crashloop", Value::Array(outage), json!([]))
+        .script("crashloop", json!([finish("unreachable")]), json!([]))
         .await;
     let mut agent = w.agent("crashloop");
     agent["retry"] = json!({"maxAttemptsWithoutProgress": 2, "backoffSeconds": 0});
     w.create_run(
         "crashloop",
         json!({"input": "Anything.", "agent": agent}),
-        json!({}),
+        json!({"agentrun.dev/failpoint": "every-attempt:panic:before-model-call"}),
     )
     .await;
     let run = w.wait_phase("crashloop", Phase::Failed).await;
@@ -813,5 +812,133 @@ async fn a_step_failing_without_progress_ends_the_run_by_its_retry_policy() {
         error.contains("PodFailurePolicy"),
         "a crash is told apart from a disruption by the Job's pod failure policy: {error}"
     );
+    assert!(
+        error.contains("failpoint before-model-call reached: panicking"),
+        "the run's status quotes the step's own last words: {error}"
+    );
     assert_eq!(status.step.map(|s| s.attempt), Some(2));
+    assert!(w.standins.model_requests("crashloop").await.is_empty());
+}
+
+/// A transient provider failure is retried inside the step: one recorded
+/// answer, no pod crash, no second attempt.
+#[tokio::test]
+async fn a_provider_answering_500_twice_then_200_is_one_answer_without_a_crash() {
+    let w = World::new("flaky", &[]).await;
+    let busy = json!({"status": 500, "message": "busy"});
+    w.standins
+        .script("flaky", json!([busy, busy, finish("done")]), json!([]))
+        .await;
+    let agent = w.agent("flaky");
+    w.create_run(
+        "flaky",
+        json!({"input": "Anything.", "agent": agent}),
+        json!({}),
+    )
+    .await;
+    let run = w.wait_phase("flaky", Phase::Succeeded).await;
+    assert_eq!(
+        run.status
+            .as_ref()
+            .and_then(|s| s.step.as_ref())
+            .map(|s| s.attempt),
+        Some(1),
+        "no pod crashed"
+    );
+    assert_eq!(w.standins.model_requests("flaky").await.len(), 3);
+    let log = w.log(&run).await;
+    let calls = log
+        .iter()
+        .filter(|(_, s)| matches!(s, Step::ModelCall(_)))
+        .count();
+    assert_eq!(calls, 1, "{:?}", kinds(&log));
+}
+
+/// A provider's refusal (llama-cpp-python's validation error, here as a
+/// 400) ends the run at once with who said what: in `status.error`, a
+/// Warning Event and the log; never a crash loop.
+#[tokio::test]
+async fn a_provider_refusing_the_request_stops_the_run_with_its_message() {
+    let w = World::new("refused", &[]).await;
+    let refusal = json!({"status": 400, "message": "messages[2].content: Input should be a valid string\u{1b}[31m"});
+    w.standins
+        .script("refused", json!([refusal]), json!([]))
+        .await;
+    let agent = w.agent("refused");
+    w.create_run(
+        "refused",
+        json!({"input": "Anything.", "agent": agent}),
+        json!({}),
+    )
+    .await;
+    let run = w.wait_phase("refused", Phase::Failed).await;
+    let status = run.status.clone().unwrap();
+    let error = status.error.unwrap_or_default();
+    for part in [
+        "OpenAI-format model server http://127.0.0.1",
+        "refused the request",
+        "HTTP 400",
+        "messages[2].content: Input should be a valid string",
+    ] {
+        assert!(error.contains(part), "{part:?} missing from {error}");
+    }
+    assert!(
+        !error.contains('\u{1b}'),
+        "control characters are escaped: {error:?}"
+    );
+    assert_eq!(status.step.map(|s| s.attempt), Some(1), "no pod crashed");
+    assert_eq!(
+        w.standins.model_requests("refused").await.len(),
+        1,
+        "not asked again"
+    );
+    let log = w.log(&run).await;
+    let tail: Vec<_> = kinds(&log).into_iter().rev().take(2).collect();
+    assert_eq!(tail, vec!["RunFinished", "Observation"]);
+    match &log[log.len() - 2].1 {
+        Step::Observation(o) => assert!(o.text.contains("HTTP 400"), "{}", o.text),
+        other => panic!("{other:?}"),
+    }
+    let events: Api<k8s_openapi::api::core::v1::Event> =
+        Api::namespaced(w.client.clone(), w.name());
+    let warned = common::wait_for(
+        "a RunFailed Warning naming the provider",
+        TIMEOUT,
+        || async {
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items.into_iter().find(|e| {
+                e.type_.as_deref() == Some("Warning")
+                    && e.involved_object.name.as_deref() == Some("refused")
+                    && e.message.as_deref().is_some_and(|m| m.contains("HTTP 400"))
+            })
+        },
+    )
+    .await;
+    assert_eq!(warned.reason.as_deref(), Some("RunFailed"));
+}
+
+/// A model server that never answers is cut by the step's own timeout,
+/// early enough to record why: the run fails with that, not with a killed pod.
+#[tokio::test]
+async fn a_model_server_that_hangs_is_cut_by_the_step_timeout() {
+    let w = World::new("hung", &[]).await;
+    let hang = json!({"delayMs": 600_000, "text": "too late"});
+    w.standins.script("hung", json!([hang]), json!([])).await;
+    let agent = w.agent("hung");
+    w.create_run(
+        "hung",
+        json!({"input": "Anything.", "agent": agent, "stepTimeout": "12s"}),
+        json!({}),
+    )
+    .await;
+    let run = w.wait_phase("hung", Phase::Failed).await;
+    let status = run.status.clone().unwrap();
+    let error = status.error.unwrap_or_default();
+    assert!(error.contains("did not answer in time"), "{error}");
+    assert!(error.contains("timed out"), "{error}");
+    assert_eq!(
+        status.step.map(|s| s.attempt),
+        Some(1),
+        "the pod was not killed"
+    );
 }

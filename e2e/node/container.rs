@@ -263,5 +263,28 @@ async fn run(
         }
     };
     info!(pod = spec.pod.metadata.name.as_deref().unwrap_or(""), container = %spec.container.name, pid, exit_code = code, "container exited");
-    Terminated::exited(code, started_at, pid)
+    let mut terminated = Terminated::exited(code, started_at, pid);
+    terminated.message = fallback_message(spec, code);
+    terminated
+}
+
+/// What a kubelet reports under `terminationMessagePolicy:
+/// FallbackToLogsOnError` when the container wrote no termination file
+/// (none exists here): the last lines of a failed container's log, at most
+/// 80 lines and 2048 bytes.
+fn fallback_message(spec: &Spec, code: i32) -> Option<String> {
+    let wanted =
+        spec.container.termination_message_policy.as_deref() == Some("FallbackToLogsOnError");
+    if code == 0 || !wanted {
+        return None;
+    }
+    let log = std::fs::read(&spec.log).ok()?;
+    let text = String::from_utf8_lossy(&log);
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines[lines.len().saturating_sub(80)..].join("\n");
+    let mut start = tail.len().saturating_sub(2048);
+    while !tail.is_char_boundary(start) {
+        start += 1;
+    }
+    Some(tail[start..].to_string()).filter(|t| !t.is_empty())
 }

@@ -94,6 +94,7 @@ fn from_env(env: &Env) -> Option<StepArgs> {
         attempt: get("AGENTRUN_ATTEMPT").map_or(Some(1), |v| v.parse().ok())?,
         time_slice_seconds: get("AGENTRUN_TIME_SLICE_SECONDS")
             .map_or(Some(60), |v| v.parse().ok())?,
+        step_timeout_seconds: get("AGENTRUN_STEP_TIMEOUT_SECONDS").and_then(|v| v.parse().ok()),
     })
 }
 
@@ -160,24 +161,36 @@ pub async fn run(
         let store = open_store(&args.store_url, token.as_deref()).await?;
         agentrun::step::runner::run_on(args, store).await
     });
-    let (code, outcome) = tokio::select! {
+    // The message is what `agentrun step` writes to its termination log
+    // (src/main.rs): its error, or its panic.
+    let (code, outcome, message) = tokio::select! {
         joined = &mut task => match joined {
-            Ok(Ok(())) => (0, "finished".to_string()),
+            Ok(Ok(())) => (0, "finished".to_string(), None),
             Ok(Err(e)) if e.downcast_ref::<LeaseLost>().is_some() => {
-                (LEASE_LOST_EXIT_CODE, format!("stopped: {e:#}"))
+                (LEASE_LOST_EXIT_CODE, format!("stopped: {e:#}"), Some(format!("{e:#}")))
             }
-            Ok(Err(e)) => (1, format!("failed: {e:#}")),
+            Ok(Err(e)) => (1, format!("failed: {e:#}"), Some(format!("{e:#}"))),
             // Rust's exit code for a panicking main.
-            Err(e) if e.is_panic() => (101, "panicked".to_string()),
-            Err(_) => (137, "cancelled".to_string()),
+            Err(e) if e.is_panic() => {
+                let payload = e.into_panic();
+                let text = payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                (101, "panicked".to_string(), Some(format!("panicked: {text}")))
+            }
+            Err(_) => (137, "cancelled".to_string(), None),
         },
         s = next_stop(stop) => {
             task.abort();
             let _ = task.await;
-            (128 + libc::SIGTERM, format!("aborted ({:?})", s.reason))
+            (128 + libc::SIGTERM, format!("aborted ({:?})", s.reason), None)
         }
     };
     log_line(spec, &format!("runner {outcome}; exit code {code}"));
     info!(pod = %pod, container = %spec.container.name, id, exit_code = code, "container exited (in process)");
-    Terminated::exited(code, started_at, id)
+    let mut terminated = Terminated::exited(code, started_at, id);
+    terminated.message = message;
+    terminated
 }

@@ -41,12 +41,9 @@ pub use crate::api::REQUESTER_ANNOTATION;
 pub fn approval_name(run_name: &str, uid: &str, request_seq: u64) -> String {
     let digest = crate::store::sha256_hex(uid.as_bytes());
     let suffix = format!("-a{request_seq}-{}", &digest[..8]);
-    let keep = 63usize.saturating_sub(suffix.len()).min(run_name.len());
-    let mut cut = keep;
-    while !run_name.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}{suffix}", run_name[..cut].trim_end_matches(['-', '.']))
+    let keep = 63usize.saturating_sub(suffix.len());
+    let kept = crate::text::prefix(run_name, keep);
+    format!("{}{suffix}", kept.trim_end_matches(['-', '.']))
 }
 
 /// When the request raised at `requested_at` expires: the same instant

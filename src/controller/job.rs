@@ -123,6 +123,10 @@ pub fn build(
             "AGENTRUN_TIME_SLICE_SECONDS",
             settings.time_slice_seconds.to_string(),
         ),
+        plain(
+            "AGENTRUN_STEP_TIMEOUT_SECONDS",
+            step_timeout_seconds.to_string(),
+        ),
         // The gateway, not a database: the pod's only store credential is its run's token.
         plain(crate::store::STORE_URL_ENV, settings.store_url.clone()),
         secret(
@@ -161,12 +165,16 @@ pub fn build(
             .iter()
             .map(|(k, v)| plain(k, v.clone())),
     );
-    // A failpoint kills one Job per run, so the next one shows the resume.
-    if failed_jobs == 0
-        && settings.allow_failpoints
+    // A failpoint kills one Job per run, so the next one shows the resume;
+    // `every-attempt:` arms it for each (a crash loop).
+    if settings.allow_failpoints
         && let Some(fp) = run.annotations().get(FAILPOINT_ANNOTATION)
     {
-        env.push(plain("AGENTRUN_FAILPOINT", fp.clone()));
+        match fp.strip_prefix("every-attempt:") {
+            Some(every) => env.push(plain("AGENTRUN_FAILPOINT", every)),
+            None if failed_jobs == 0 => env.push(plain("AGENTRUN_FAILPOINT", fp.clone())),
+            None => {}
+        }
     }
     Job {
         metadata: ObjectMeta {
@@ -233,6 +241,9 @@ pub fn build(
                         image: Some(settings.image.clone()),
                         command: Some(vec!["agentrun".into(), "step".into()]),
                         env: Some(env),
+                        // The runner writes its last error there; a crash
+                        // that could not is told by the log's last lines.
+                        termination_message_policy: Some("FallbackToLogsOnError".into()),
                         security_context: Some(SecurityContext {
                             read_only_root_filesystem: Some(true),
                             allow_privilege_escalation: Some(false),

@@ -1074,12 +1074,20 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
                 JobState::Succeeded
             } else if let Some(c) = is("Failed") {
                 let reason = c.reason.clone().unwrap_or_default();
+                // A timeout is the step's own; otherwise a pod that is
+                // gone or was deleted was lost, not crashed.
+                let pods = match reason.as_str() {
+                    "DeadlineExceeded" => FailedPods::default(),
+                    _ => failed_pods(ctx, ns, &name).await?,
+                };
+                let mut reason = format!("{reason}: {}", c.message.clone().unwrap_or_default());
+                if let Some(said) = &pods.message {
+                    reason.push_str("; the step said: ");
+                    reason.push_str(said);
+                }
                 JobState::Failed {
-                    // A timeout is the step's own; otherwise a pod that is
-                    // gone or was deleted was lost, not crashed.
-                    disrupted: reason != "DeadlineExceeded"
-                        && pods_were_lost(ctx, ns, &name).await?,
-                    reason: format!("{reason}: {}", c.message.clone().unwrap_or_default()),
+                    disrupted: pods.lost,
+                    reason,
                 }
             } else {
                 JobState::Active
@@ -1097,11 +1105,23 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
     }))
 }
 
-/// Whether the pods of failed Job `job` were lost rather than crashed: none
-/// is left (deleted, or collected with a lost node), or each carries a
-/// deletion timestamp or a `DisruptionTarget` condition. A pod that failed
-/// in place (an exit code, OOM-killed in its own limit) crashed.
-async fn pods_were_lost(ctx: &Context, ns: &str, job: &str) -> Result<bool, Error> {
+/// What the pods of a failed Job tell.
+#[derive(Default)]
+struct FailedPods {
+    /// Lost rather than crashed: none is left (deleted, or collected with a
+    /// lost node), or each carries a deletion timestamp or a
+    /// `DisruptionTarget` condition. A pod that failed in place (an exit
+    /// code, OOM-killed in its own limit) crashed.
+    lost: bool,
+    /// The step container's termination message (the runner's last error,
+    /// or its log's last lines), escaped, its end kept.
+    message: Option<String>,
+}
+
+/// Longest termination message quoted in a run's status.
+const MAX_QUOTED_BYTES: usize = 1024;
+
+async fn failed_pods(ctx: &Context, ns: &str, job: &str) -> Result<FailedPods, Error> {
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
     let list = pods
         .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
@@ -1110,7 +1130,7 @@ async fn pods_were_lost(ctx: &Context, ns: &str, job: &str) -> Result<bool, Erro
             what: "step pods",
             source,
         })?;
-    Ok(list.items.iter().all(|p| {
+    let lost = list.items.iter().all(|p| {
         p.metadata.deletion_timestamp.is_some()
             || p.status
                 .as_ref()
@@ -1119,7 +1139,25 @@ async fn pods_were_lost(ctx: &Context, ns: &str, job: &str) -> Result<bool, Erro
                     cs.iter()
                         .any(|c| c.type_ == "DisruptionTarget" && c.status == "True")
                 })
-    }))
+    });
+    let message = list.items.iter().find_map(termination_message);
+    Ok(FailedPods { lost, message })
+}
+
+/// The `step` container's termination message, if it left one.
+fn termination_message(pod: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    let step = statuses.iter().find(|c| c.name == "step")?;
+    let text = step
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()?
+        .message
+        .as_deref()?;
+    let text = text.trim();
+    (!text.is_empty())
+        .then(|| crate::text::tail(&crate::text::escape_controls(text), MAX_QUOTED_BYTES))
 }
 
 /// The run's failed step Jobs so far, counting `previous` if it failed or vanished.

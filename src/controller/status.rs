@@ -23,13 +23,9 @@ pub fn excerpt(text: &str) -> String {
     if text.len() <= MAX_TEXT_BYTES {
         return text.to_string();
     }
-    let mut end = MAX_TEXT_BYTES;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
     format!(
         "{}… [{} bytes in all; the full text is in the step log's RunFinished record: kubectl agentrun log]",
-        &text[..end],
+        crate::text::prefix(text, MAX_TEXT_BYTES),
         text.len()
     )
 }

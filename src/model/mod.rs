@@ -372,6 +372,37 @@ impl ModelClient {
         &self.url
     }
 
+    /// Who answered, for a person reading an error: the wire format, the
+    /// endpoint (without query or credentials) and the model asked.
+    pub fn describe(&self) -> String {
+        let format = match self.provider {
+            Provider::OpenAI => "OpenAI-format",
+            Provider::Anthropic => "Anthropic-format",
+        };
+        let endpoint = match url::Url::parse(&self.url) {
+            Ok(u) => {
+                format!(
+                    "{}://{}{}",
+                    u.scheme(),
+                    u.host_str().unwrap_or(""),
+                    u.port().map(|p| format!(":{p}")).unwrap_or_default()
+                ) + u.path()
+            }
+            Err(_) => "(unparsable endpoint)".into(),
+        };
+        format!("{format} model server {endpoint} (model {})", self.model)
+    }
+
+    /// The same client with each attempt and all retries cut at `deadline`
+    /// (the step's own timeout): the answer, or why there is none, is then
+    /// recorded before the pod's deadline kills it.
+    pub fn within(mut self, deadline: Instant) -> Self {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.options.timeout = self.options.timeout.min(left).max(Duration::from_millis(1));
+        self.options.retry.max_total = self.options.retry.max_total.min(left);
+        self
+    }
+
     /// The JSON body this client sends for `req` (the provider's wire format).
     pub fn request_body(&self, req: &ModelRequest) -> serde_json::Value {
         let max = req.max_output_tokens.or(self.max_output_tokens);
@@ -619,14 +650,7 @@ fn error_message(body: &str) -> String {
 
 /// At most `max` bytes of `s`, cut on a character boundary.
 fn excerpt(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
+    crate::text::excerpt(s, max)
 }
 
 /// Tool-call arguments as received in a JSON string (OpenAI): an object when

@@ -3,7 +3,10 @@
 //! side effect. Switched on by `AGENTRUN_FAILPOINT=<name>`: the process
 //! aborts (no cleanup, lease left to expire) the first time it reaches it.
 //! `AGENTRUN_FAILPOINT=hang:<name>` freezes the whole process there instead
-//! (SIGSTOP): a worker that is alive but lost, which only its lease tells.
+//! (SIGSTOP): a worker that is alive but lost, which only its lease tells;
+//! `panic:<name>` panics there (a bug in the runner, which must name itself).
+//! The controller arms a run's failpoint for its first Job only, or for
+//! every attempt with the prefix `every-attempt:` (a crash loop).
 //!
 //! The controller has failpoints too ([`controller_all`], named
 //! `controller:...`), armed the same way in its own environment and only
@@ -84,8 +87,15 @@ pub fn hit(name: &str) {
         Some(point) => (true, point),
         None => (false, armed),
     };
+    let (panics, point) = match point.strip_prefix("panic:") {
+        Some(point) => (true, point),
+        None => (false, point),
+    };
     if point != name || FIRED.swap(true, Ordering::SeqCst) {
         return;
+    }
+    if panics {
+        panic!("failpoint {name} reached: panicking");
     }
     if hang {
         eprintln!("agentrun step: failpoint {name} reached: freezing");

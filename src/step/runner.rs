@@ -64,6 +64,23 @@ pub struct StepArgs {
     /// Keep taking further steps for this long, then exit.
     #[arg(long, env = "AGENTRUN_TIME_SLICE_SECONDS", default_value_t = 60)]
     pub time_slice_seconds: u64,
+    /// The Job's deadline (the agent's step timeout): a model call and its
+    /// retries end early enough to record why before the pod is killed.
+    #[arg(long, env = "AGENTRUN_STEP_TIMEOUT_SECONDS")]
+    pub step_timeout_seconds: Option<u64>,
+}
+
+/// Time kept back from the step timeout to record a failed model call.
+const RECORD_MARGIN: Duration = Duration::from_secs(5);
+
+impl StepArgs {
+    /// When model calls must have ended, counted from `started`.
+    fn model_deadline(&self, started: Instant) -> Option<Instant> {
+        let timeout = Duration::from_secs(self.step_timeout_seconds?);
+        // A short timeout keeps at least half of itself for the call.
+        let margin = RECORD_MARGIN.min(timeout / 2);
+        Some(started + timeout - margin)
+    }
 }
 
 /// The worker lost the run's lease while it ran (its heartbeat was refused:
@@ -90,7 +107,10 @@ pub async fn run(args: StepArgs) -> anyhow::Result<()> {
 #[tracing::instrument(name = "step_job", skip_all, fields(run = %args.run_name, run_uid = %args.run_uid, attempt = args.attempt, pod = %args.worker))]
 pub async fn run_on(args: StepArgs, store: Arc<dyn StepStore>) -> anyhow::Result<()> {
     let span = spans::step(&args.run_name, &args.run_uid, args.attempt, &args.worker);
-    let result = attempt(args, store, &span).instrument(span.clone()).await;
+    let started = Instant::now();
+    let result = attempt(args, store, &span, started)
+        .instrument(span.clone())
+        .await;
     if let Err(e) = &result {
         let kind = match e.downcast_ref::<LeaseLost>() {
             Some(_) => "lease_lost",
@@ -105,6 +125,7 @@ async fn attempt(
     args: StepArgs,
     store: Arc<dyn StepStore>,
     span: &tracing::Span,
+    started: Instant,
 ) -> anyhow::Result<()> {
     let lease = acquire(&*store, &args).await?;
     failpoint::hit("after-lease");
@@ -118,7 +139,7 @@ async fn attempt(
     )));
 
     let work = async {
-        let mut runner = Runner::load(store.clone(), &args, lease.clone()).await?;
+        let mut runner = Runner::load(store.clone(), &args, lease.clone(), started).await?;
         let replayed = runner.head.len;
         let driven = runner
             .drive(Duration::from_secs(args.time_slice_seconds))
@@ -205,6 +226,8 @@ struct Runner {
     http: reqwest::Client,
     /// The controller asked this worker to stop at the next step boundary.
     yielding: bool,
+    /// When this process started (its pod's deadline counts from about then).
+    started: Instant,
 }
 
 impl Runner {
@@ -212,6 +235,7 @@ impl Runner {
         store: Arc<dyn StepStore>,
         args: &StepArgs,
         lease: Lease,
+        started: Instant,
     ) -> anyhow::Result<Runner> {
         // The whole chain is verified, and it must extend what the controller anchored.
         let anchor = match &args.log_anchor {
@@ -257,6 +281,7 @@ impl Runner {
                 .timeout(Duration::from_secs(15))
                 .build()?,
             yielding: false,
+            started,
         })
     }
 
@@ -456,7 +481,10 @@ impl Runner {
             self.stop(finished).await?;
             return Ok(());
         }
-        let client = ModelClient::new(&snap.agent.model, self.args.model_api_key.clone())?;
+        let mut client = ModelClient::new(&snap.agent.model, self.args.model_api_key.clone())?;
+        if let Some(deadline) = self.args.model_deadline(self.started) {
+            client = client.within(deadline);
+        }
         match plan(&self.state, &snap) {
             ContextPlan::Compact {
                 request,
@@ -538,17 +566,42 @@ impl Runner {
                 .await?;
                 Ok(None)
             }
-            Err(e) if e.is_retryable() => Err(e).context("the model is unavailable"),
             Err(e) => {
-                let finished = RunFinished {
-                    outcome: Outcome::Failed,
-                    result: self.state.last_text(),
-                    error: Some(format!("the model refused the request: {e}")),
-                };
-                self.stop(finished).await?;
+                self.provider_failed(client, &e).await?;
                 Ok(None)
             }
         }
+    }
+
+    /// A provider's refusal, or an outage that outlasted the retries (and the
+    /// step's time): recorded with who answered what, and the run stops. A
+    /// pod crash would say nothing, and asking again would get the same.
+    async fn provider_failed(
+        &mut self,
+        client: &ModelClient,
+        e: &ModelError,
+    ) -> anyhow::Result<()> {
+        let why = match e {
+            ModelError::Unavailable { .. } => "did not answer in time",
+            ModelError::Config(_) => "could not be called",
+            _ => "refused the request",
+        };
+        let text = crate::text::escape_controls(&format!("the {} {why}: {e}", client.describe()));
+        self.append(
+            Step::Observation(Observation {
+                text: text.clone(),
+                about_seq: None,
+                stop: None,
+            }),
+            None,
+        )
+        .await?;
+        let finished = RunFinished {
+            outcome: Outcome::Failed,
+            result: self.state.last_text(),
+            error: Some(text),
+        };
+        self.stop(finished).await
     }
 
     /// The toolbox of the current snapshot, taken out of `self` while in use
@@ -767,5 +820,33 @@ where
             }
             other => return other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_calls_end_before_the_step_timeout() {
+        let mut args = StepArgs {
+            run_uid: "u".into(),
+            run_name: String::new(),
+            store_url: String::new(),
+            log_anchor: None,
+            controller_key: None,
+            signed_from: 0,
+            model_api_key: None,
+            worker: "w".into(),
+            attempt: 1,
+            time_slice_seconds: 60,
+            step_timeout_seconds: None,
+        };
+        let t0 = Instant::now();
+        assert_eq!(args.model_deadline(t0), None);
+        args.step_timeout_seconds = Some(300);
+        assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(295)));
+        args.step_timeout_seconds = Some(4);
+        assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(2)));
     }
 }

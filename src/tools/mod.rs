@@ -482,15 +482,7 @@ impl Toolbox {
 
 /// Cuts a text for an observation.
 pub(crate) fn excerpt(text: &str, max: usize) -> String {
-    let text = text.trim();
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &text[..end])
+    crate::text::excerpt(text.trim(), max)
 }
 
 #[cfg(test)]

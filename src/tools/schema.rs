@@ -65,15 +65,7 @@ pub(crate) fn check_object(tool: &str, args: &Value) -> Result<(), String> {
         Value::String(_) => "a string (malformed JSON?)",
         Value::Array(_) => "an array",
     };
-    let mut shown = args.to_string();
-    if shown.len() > 200 {
-        let mut end = 200;
-        while !shown.is_char_boundary(end) {
-            end -= 1;
-        }
-        shown.truncate(end);
-        shown.push('…');
-    }
+    let shown = crate::text::excerpt(&args.to_string(), 200);
     Err(format!(
         "{tool}: arguments invalid: expected a JSON object, got {kind}: {shown}"
     ))
