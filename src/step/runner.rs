@@ -836,6 +836,7 @@ mod tests {
             log_anchor: None,
             controller_key: None,
             signed_from: 0,
+            bound_from: Default::default(),
             model_api_key: None,
             worker: "w".into(),
             attempt: 1,
