@@ -12,12 +12,20 @@
 //! `GET /mcp-effects/{tenant}` returns `{"tickets": [...], "calls": [...]}`:
 //! every ticket really created, and every `tools/call` seen with its `_meta`
 //! key, run and step.
+//!
+//! Bad servers, for discovery's bounds, by query parameters of the MCP URL:
+//! `?delayMs=N` answers every request N ms late, `?hang=1` never answers,
+//! `?extraTools=N&pad=K` lists N more tools with K-character descriptions.
+//! `GET /mcp-requests/{tenant}` returns `{"requests": n}`: every HTTP
+//! request the tenant's MCP URL received, answered or not.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
 use axum::routing::get;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ListToolsResult,
@@ -41,6 +49,47 @@ struct Tenant {
 }
 
 type Tenants = Arc<Mutex<HashMap<String, Tenant>>>;
+type Requests = Arc<Mutex<HashMap<String, u64>>>;
+
+/// The query parameter `name` of a request's URI.
+fn query(uri: &axum::http::Uri, name: &str) -> Option<u64> {
+    uri.query()?.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k == name).then(|| v.parse().ok()).flatten()
+    })
+}
+
+/// Counts the request, then answers it late or never when asked to.
+async fn misbehave(State(requests): State<Requests>, request: Request, next: Next) -> Response {
+    let tenant = request
+        .uri()
+        .path()
+        .strip_prefix("/mcp/")
+        .unwrap_or_default()
+        .to_string();
+    *requests
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(tenant)
+        .or_default() += 1;
+    if query(request.uri(), "hang").is_some() {
+        std::future::pending::<()>().await;
+    }
+    if let Some(ms) = query(request.uri(), "delayMs") {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    }
+    next.run(request).await
+}
+
+async fn requests(State(requests): State<Requests>, Path(tenant): Path<String>) -> Json<Value> {
+    let n = requests
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&tenant)
+        .copied()
+        .unwrap_or_default();
+    Json(json!({ "requests": n }))
+}
 
 fn with_tenant<R>(tenants: &Tenants, tenant: &str, f: impl FnOnce(&mut Tenant) -> R) -> R {
     let mut all = tenants.lock().unwrap_or_else(|e| e.into_inner());
@@ -100,9 +149,22 @@ impl ServerHandler for Standin {
     async fn list_tools(
         &self,
         _request: Option<PaginatedRequestParams>,
-        _ctx: RequestContext<RoleServer>,
+        ctx: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        serde_json::from_value(json!({"tools": tools()}))
+        let mut tools = tools();
+        let uri = ctx
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .map(|p| p.uri.clone())
+            .unwrap_or_default();
+        let pad = "x".repeat(query(&uri, "pad").unwrap_or(0) as usize);
+        for i in 0..query(&uri, "extraTools").unwrap_or(0) {
+            tools.as_array_mut().expect("a list").push(json!({
+                "name": format!("bulk_{i}"), "description": pad,
+                "inputSchema": {"type": "object"}
+            }));
+        }
+        serde_json::from_value(json!({ "tools": tools }))
             .map_err(|e| ErrorData::internal_error(e.to_string(), None))
     }
 
@@ -203,7 +265,13 @@ pub fn router() -> axum::Router {
         .disable_allowed_hosts();
     let service: StreamableHttpService<Standin, LocalSessionManager> =
         StreamableHttpService::new(move || Ok(handler.clone()), Default::default(), config);
+    let counted = Requests::default();
     axum::Router::new()
         .route_service("/mcp/{tenant}", service)
+        .route_layer(axum::middleware::from_fn_with_state(
+            counted.clone(),
+            misbehave,
+        ))
         .route("/mcp-effects/{tenant}", get(effects).with_state(tenants))
+        .route("/mcp-requests/{tenant}", get(requests).with_state(counted))
 }

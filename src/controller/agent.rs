@@ -29,6 +29,9 @@ pub fn check(t: &AgentTemplate) -> Option<String> {
             ));
         }
     }
+    if let Some(refused) = super::discovery::too_many(&t.tools, "spec.tools") {
+        return Some(refused);
+    }
     for (i, tool) in t.tools.iter().enumerate() {
         if let Some(schema) = &tool.input_schema
             && let Err(e) = jsonschema::validator_for(schema)

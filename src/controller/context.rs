@@ -63,6 +63,13 @@ pub struct Context {
     /// Runs this process has reported with a broken log (counted once,
     /// however many reconciles see the break before the status says so).
     pub tampered: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// MCP discovery, done outside the reconciles.
+    pub discovery: super::discovery::Discovery,
+    /// Reconcile slots, shared fairly between namespaces.
+    pub slots: super::slots::Slots,
+    /// The runs as the controller's watch has them (a reconcile that waited
+    /// for its slot reads its run again from here).
+    pub run_cache: Option<kube::runtime::reflector::Store<crate::api::AgentRun>>,
 }
 
 impl Context {

@@ -168,6 +168,14 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         failures: Default::default(),
         checkpoint_min: super::checkpoint::MIN_SEQ,
         tampered: Default::default(),
+        discovery: super::discovery::Discovery::new(
+            reqwest::Client::new(),
+            Default::default(),
+            super::discovery::Limits::default(),
+        )
+        .0,
+        slots: super::slots::Slots::new(0, 0),
+        run_cache: None,
     }
 }
 

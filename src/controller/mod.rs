@@ -7,6 +7,7 @@ pub mod checkpoint;
 mod context;
 pub mod decide;
 mod endpoint;
+pub mod discovery;
 mod error;
 #[cfg(test)]
 mod fixtures;
@@ -23,6 +24,7 @@ pub mod published_keys;
 mod reconcile;
 pub mod run_index;
 pub mod server;
+mod slots;
 pub mod status;
 pub mod step_token;
 mod throttle;
@@ -131,6 +133,39 @@ pub struct Options {
     /// AgentRuns reconciled at once (0: unbounded).
     #[arg(long, env = "AGENTRUN_RECONCILE_CONCURRENCY", default_value_t = 32)]
     pub reconcile_concurrency: u16,
+    /// AgentRuns of one namespace reconciled at once (0: unbounded). Default:
+    /// a quarter of `--reconcile-concurrency` when watching all namespaces,
+    /// unbounded when watching one.
+    #[arg(long, env = "AGENTRUN_RECONCILE_NAMESPACE_CONCURRENCY")]
+    pub reconcile_namespace_concurrency: Option<u16>,
+    /// Reconcile only the AgentRuns with these labels (a label selector), e.g.
+    /// to shard runs between controllers.
+    #[arg(long, env = "AGENTRUN_RUN_SELECTOR")]
+    pub run_selector: Option<String>,
+    /// Seconds MCP discovery may take for one server.
+    #[arg(
+        long,
+        env = "AGENTRUN_DISCOVERY_SERVER_TIMEOUT_SECONDS",
+        default_value_t = 10
+    )]
+    pub discovery_server_timeout_seconds: u64,
+    /// Seconds MCP discovery may take for one run, all its servers together.
+    #[arg(
+        long,
+        env = "AGENTRUN_DISCOVERY_DEADLINE_SECONDS",
+        default_value_t = 30
+    )]
+    pub discovery_deadline_seconds: u64,
+    /// Runs whose MCP servers are discovered at once.
+    #[arg(long, env = "AGENTRUN_DISCOVERY_CONCURRENCY", default_value_t = 8)]
+    pub discovery_concurrency: u16,
+    /// Runs of one namespace whose MCP servers are discovered at once.
+    #[arg(
+        long,
+        env = "AGENTRUN_DISCOVERY_NAMESPACE_CONCURRENCY",
+        default_value_t = 2
+    )]
+    pub discovery_namespace_concurrency: u16,
     /// Requests per second the controller's API client sends on average
     /// (0: no limit).
     #[arg(long, env = "AGENTRUN_API_QPS", default_value_t = 100)]
@@ -270,6 +305,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     policies.ready().await?;
     let store_pushes = head_events.is_some();
     let sweep_store = store.clone();
+    let (cache, runs_writer) = reflector::store::<AgentRun>();
     // The watches' caches: reconciles read Jobs and Agents from memory.
     let (job_cache, job_writer) = reflector::store::<Job>();
     let (agent_cache, agent_writer) = reflector::store::<Agent>();
@@ -278,6 +314,16 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.user_url_deny.clone(),
         opts.user_url_public,
     ));
+    let (discovery, discovered) = discovery::Discovery::new(
+        crate::egress::client(user_urls.clone())?,
+        user_urls.clone(),
+        discovery::Limits {
+            per_server: Duration::from_secs(opts.discovery_server_timeout_seconds),
+            deadline: Duration::from_secs(opts.discovery_deadline_seconds),
+            concurrency: opts.discovery_concurrency.into(),
+            namespace_concurrency: opts.discovery_namespace_concurrency.into(),
+        },
+    );
     let ctx = Arc::new(context::Context {
         client: client.clone(),
         reporter: Reporter {
@@ -313,6 +359,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         failures: Default::default(),
         checkpoint_min: opts.checkpoint_min_records,
         tampered: Default::default(),
+        discovery,
+        slots: slots::Slots::new(
+            opts.reconcile_concurrency.into(),
+            namespace_slots(&opts).into(),
+        ),
+        run_cache: Some(cache.clone()),
     });
     let (runs, jobs, approvals, agents) = match &opts.namespace {
         Some(ns) => (
@@ -328,16 +380,18 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             Api::all(client.clone()),
         ),
     };
-    let (cache, runs_writer) = reflector::store::<AgentRun>();
+    let mut watched = watcher::Config::default();
+    if let Some(selector) = &opts.run_selector {
+        watched = watched.labels(selector);
+    }
     let run_events = watches
-        .follow("agentruns", watcher(runs, watcher::Config::default()))
+        .follow("agentruns", watcher(runs, watched))
         .default_backoff()
         .modify(slim_run)
         .reflect(runs_writer)
         .applied_objects();
-    let controller = Controller::for_stream(run_events, cache.clone()).with_config(
-        kube::runtime::controller::Config::default().concurrency(opts.reconcile_concurrency),
-    );
+    // Unbounded here: `Slots` bounds reconciles, fairly between namespaces.
+    let controller = Controller::for_stream(run_events, cache.clone());
     let wake = wake_runs(ctx.clone(), head_events, sweep_store, cache.clone());
     ctx.metrics.watch_runs(cache.clone());
     // When an Agent appears or changes, the runs naming it are reconciled at once.
@@ -405,6 +459,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                 .touched_objects(),
         )
         .reconcile_on(wake)
+        .reconcile_on(futures::stream::unfold(discovered, |mut rx| async move {
+            rx.recv().await.map(|r| (r, rx))
+        }))
         .watches_stream(agent_events, runs_of_agent)
         .graceful_shutdown_on(stopped(stop_rx.clone()))
         .run(reconcile::reconcile, reconcile::error_policy, ctx)
@@ -481,6 +538,15 @@ fn wake_runs(
         }
     });
     futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
+}
+
+/// Reconciles of one namespace at once (see `--reconcile-namespace-concurrency`).
+fn namespace_slots(opts: &Options) -> u16 {
+    match (opts.reconcile_namespace_concurrency, &opts.namespace) {
+        (Some(n), _) => n,
+        (None, Some(_)) => 0,
+        (None, None) => (opts.reconcile_concurrency / 4).max(1),
+    }
 }
 
 /// How often the store is asked for lapsed leases.

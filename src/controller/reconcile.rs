@@ -19,6 +19,7 @@ use super::approval::Waiting;
 use super::checkpoint;
 use super::context::{Context, FIELD_MANAGER, append, notice};
 use super::decide::{AgentLookup, decide};
+use super::discovery::Answer;
 use super::error::Error;
 use super::job;
 use super::log_cache::{Asleep, Replayed};
@@ -30,7 +31,7 @@ use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::runlog::replay::{RunState, Step};
 use crate::step::failpoint;
 use crate::store::{Head, StoreError, check_anchor, check_anchor_after, sha256_hex};
-use crate::tools::{Toolbox, discover_catalog_with};
+use crate::tools::{McpCatalog, Toolbox};
 
 /// What the controller read about a run's agent.
 struct Resolved {
@@ -38,8 +39,24 @@ struct Resolved {
     template: Option<AgentTemplate>,
 }
 
-#[tracing::instrument(name = "reconcile", skip_all, fields(run = %run.name_any(), namespace = run.namespace().unwrap_or_default(), step = tracing::field::Empty))]
+/// Reconciles `run` in its turn ([`super::slots`]). The work is boxed: a
+/// reconcile waiting for its slot is a small future.
 pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = run.namespace().unwrap_or_default();
+    let _slot = ctx.slots.enter(&ns).await;
+    // The run may have changed while this waited: read it as the watch has it now.
+    let run = match ctx.run_cache.as_ref() {
+        Some(cache) => match cache.get(&ObjectRef::from_obj(&*run)) {
+            Some(now) => now,
+            None => return Ok(Action::await_change()),
+        },
+        None => run,
+    };
+    Box::pin(reconcile_now(run, ctx)).await
+}
+
+#[tracing::instrument(name = "reconcile", skip_all, fields(run = %run.name_any(), namespace = run.namespace().unwrap_or_default(), step = tracing::field::Empty))]
+async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
     let result = reconcile_inner(&run, &ctx).await;
@@ -477,9 +494,14 @@ async fn start_run(
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
     let uid = run.uid().unwrap_or_default();
-    match snapshot(run, template, agent_generation, &ctx.http, &ctx.user_urls).await {
+    let mcp = match discovered(run, ctx, template) {
+        Answer::Pending => return Ok(DISCOVERY_RECHECK),
+        Answer::Ready(mcp) => mcp,
+    };
+    match mcp.and_then(|mcp| snapshot(run, template, agent_generation, mcp)) {
         Ok(started) => {
             append(ctx, &uid, &replayed.head, Step::RunStarted(started)).await?;
+            ctx.discovery.forget(&uid);
             acting.notices.push(notice(
                 false,
                 "RunStarted",
@@ -488,6 +510,7 @@ async fn start_run(
             Ok(Duration::ZERO)
         }
         Err(reason) => {
+            ctx.discovery.forget(&uid);
             acting
                 .notices
                 .push(notice(true, "InvalidAgent", reason.clone()));
@@ -499,6 +522,20 @@ async fn start_run(
             Ok(Duration::MAX)
         }
     }
+}
+
+/// How long a run whose catalog is being discovered waits before it is
+/// looked at again, should the worker's wake-up be missed.
+const DISCOVERY_RECHECK: Duration = Duration::from_secs(60);
+
+/// The MCP catalog of the run's agent, from the discovery worker (never
+/// discovered here: see [`super::discovery`]).
+fn discovered(run: &AgentRun, ctx: &Context, template: &AgentTemplate) -> Answer {
+    let field = match (&run.spec.agent, &run.spec.agent_ref) {
+        (None, Some(r)) => format!("Agent {}: spec.tools", r.name),
+        _ => "spec.agent.tools".to_string(),
+    };
+    ctx.discovery.catalog(run, &template.tools, &field)
 }
 
 /// Appends `VersionChanged` to the Agent's current version (FollowLatest).
@@ -517,7 +554,11 @@ async fn follow_agent(
         .as_ref()
         .map(|s| s.versions.clone())
         .unwrap_or_default();
-    match snapshot(run, template, agent_generation, &ctx.http, &ctx.user_urls).await {
+    let mcp = match discovered(run, ctx, template) {
+        Answer::Pending => return Ok(DISCOVERY_RECHECK),
+        Answer::Ready(mcp) => mcp,
+    };
+    match mcp.and_then(|mcp| snapshot(run, template, agent_generation, mcp)) {
         Ok(now_agent) => {
             let msg = format!(
                 "following the Agent from generation {:?} to {:?}",
@@ -531,11 +572,30 @@ async fn follow_agent(
                 to: now_agent.versions,
             };
             append(ctx, &uid, &replayed.head, Step::VersionChanged(changed)).await?;
+            ctx.discovery.forget(&uid);
             acting.notices.push(notice(false, "VersionChanged", msg));
+            Ok(Duration::ZERO)
         }
-        Err(reason) => acting.notices.push(notice(true, "InvalidAgent", reason)),
+        // The run follows the Agent and cannot: it ends, once (asking again
+        // would discover again at every reconcile).
+        Err(reason) => {
+            let reason = format!(
+                "following the Agent from generation {:?} to {agent_generation:?}: {reason}",
+                from.agent_generation
+            );
+            acting
+                .notices
+                .push(notice(true, "InvalidAgent", reason.clone()));
+            let failed = RunFinished {
+                outcome: crate::runlog::records::Outcome::Failed,
+                result: replayed.state.last_text(),
+                error: Some(reason),
+            };
+            let next = finish(ctx, &uid, replayed, failed).await?;
+            ctx.discovery.forget(&uid);
+            Ok(next)
+        }
     }
-    Ok(Duration::ZERO)
 }
 
 /// Creates the Job of step `seq` (and, once, the run's step credential).
@@ -1217,25 +1277,14 @@ async fn fence_lost_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
     }
 }
 
-/// Resolves everything the run will execute with, for `RunStarted`.
-async fn snapshot(
+/// Resolves everything the run will execute with, for `RunStarted`, from
+/// the catalog discovery found.
+fn snapshot(
     run: &AgentRun,
     template: &AgentTemplate,
     generation: Option<i64>,
-    http: &reqwest::Client,
-    user_urls: &crate::egress::Policy,
+    mcp: McpCatalog,
 ) -> Result<RunStarted, String> {
-    // Discovery connects from the controller's pod: only where the platform allows.
-    for (i, tool) in template.tools.iter().enumerate() {
-        if let Some(mcp) = &tool.mcp {
-            user_urls
-                .check_url(&mcp.url)
-                .map_err(|e| format!("spec.tools[{i}].mcp.url (tool {:?}): {e}", tool.name))?;
-        }
-    }
-    let mcp = discover_catalog_with(http, &template.tools)
-        .await
-        .map_err(|e| format!("discovering MCP tools: {e}"))?;
     let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
     let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
     Ok(RunStarted {

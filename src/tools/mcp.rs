@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use rmcp::model::{
     CallToolRequestParams, CallToolResult, ClientCapabilities, ClientConfig, ContentBlock,
-    Implementation, RequestMetaObject,
+    Implementation, PaginatedRequestParams, RequestMetaObject,
 };
 use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
 use rmcp::transport::StreamableHttpClientTransport;
@@ -21,6 +21,26 @@ use super::{
 
 /// Time allowed to connect to an MCP server and list its tools.
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Tools taken from one server at most (`tools/list` pages are read until
+/// this many are seen, then discovery stops with an error).
+pub const MAX_TOOLS_PER_SERVER: usize = 256;
+
+/// How far discovery goes for one server: the time it may take and how many
+/// tools it may list.
+#[derive(Clone, Copy, Debug)]
+pub struct DiscoveryBounds {
+    pub per_server: Duration,
+    pub max_tools: usize,
+}
+
+impl Default for DiscoveryBounds {
+    fn default() -> Self {
+        DiscoveryBounds {
+            per_server: DISCOVERY_TIMEOUT,
+            max_tools: MAX_TOOLS_PER_SERVER,
+        }
+    }
+}
 /// How much text of an error result an observation quotes.
 const QUOTED_TEXT: usize = 2000;
 
@@ -184,10 +204,39 @@ fn leading_status(text: &str) -> Option<u16> {
 /// Lists the tools of the MCP server at `url` (`initialize` + `tools/list`).
 pub async fn discover_mcp(url: &str) -> Result<Vec<McpToolInfo>, ToolError> {
     let client = super::build_client()?;
-    discover_with(&client, url).await
+    discover_with(&client, url, DiscoveryBounds::default()).await
 }
 
-async fn discover_with(client: &reqwest::Client, url: &str) -> Result<Vec<McpToolInfo>, ToolError> {
+/// Every page of the server's `tools/list`, stopping once more than
+/// `max_tools` were listed (a server paging forever is cut there, or by the
+/// caller's timeout).
+async fn list_tools(session: &Session, max_tools: usize) -> Result<Vec<rmcp::model::Tool>, String> {
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    loop {
+        let params = PaginatedRequestParams::default().with_cursor(cursor);
+        let page = session
+            .list_tools(Some(params))
+            .await
+            .map_err(|e| plain_failure("tools/list", &e))?;
+        tools.extend(page.tools);
+        if tools.len() > max_tools {
+            return Err(format!(
+                "it lists more than {max_tools} tools, the most discovery takes from one server"
+            ));
+        }
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => return Ok(tools),
+        }
+    }
+}
+
+async fn discover_with(
+    client: &reqwest::Client,
+    url: &str,
+    bounds: DiscoveryBounds,
+) -> Result<Vec<McpToolInfo>, ToolError> {
     let err = |reason: String| ToolError::Mcp {
         url: url.to_string(),
         reason,
@@ -196,18 +245,16 @@ async fn discover_with(client: &reqwest::Client, url: &str) -> Result<Vec<McpToo
         let session = open_session(client, url)
             .await
             .map_err(|e| err(plain_failure("initialize", &e)))?;
-        let tools = session
-            .list_all_tools()
-            .await
-            .map_err(|e| err(plain_failure("tools/list", &e)))?;
+        let tools = list_tools(&session, bounds.max_tools).await.map_err(err)?;
         if let Ok(session) = Arc::try_unwrap(session) {
             let _ = session.cancel().await;
         }
         Ok::<_, ToolError>(tools)
     };
-    let tools = tokio::time::timeout(DISCOVERY_TIMEOUT, work)
+    let limit = bounds.per_server;
+    let tools = tokio::time::timeout(limit, work)
         .await
-        .map_err(|_| err(format!("no answer within {DISCOVERY_TIMEOUT:?}")))??;
+        .map_err(|_| err(format!("no answer within {limit:?}")))??;
     Ok(tools
         .into_iter()
         .map(|tool| {
@@ -235,20 +282,22 @@ async fn discover_with(client: &reqwest::Client, url: &str) -> Result<Vec<McpToo
 /// returns them keyed by the agent's tool name. A tool missing from its server
 /// is an error.
 pub async fn discover_catalog(specs: &[ToolSpec]) -> Result<McpCatalog, ToolError> {
-    discover_catalog_with(&super::build_client()?, specs).await
+    discover_catalog_with(&super::build_client()?, specs, DiscoveryBounds::default()).await
 }
 
-/// The same with the caller's client (the controller's guards its egress).
+/// The same with the caller's client (the controller's guards its egress)
+/// and bounds.
 pub async fn discover_catalog_with(
     client: &reqwest::Client,
     specs: &[ToolSpec],
+    bounds: DiscoveryBounds,
 ) -> Result<McpCatalog, ToolError> {
     let mut servers: HashMap<&str, Vec<McpToolInfo>> = HashMap::new();
     let mut catalog = McpCatalog::new();
     for spec in specs {
         let Some(mcp) = &spec.mcp else { continue };
         if !servers.contains_key(mcp.url.as_str()) {
-            let tools = discover_with(client, &mcp.url).await?;
+            let tools = discover_with(client, &mcp.url, bounds).await?;
             servers.insert(mcp.url.as_str(), tools);
         }
         let remote = mcp.tool.as_deref().unwrap_or(&spec.name);

@@ -25,7 +25,8 @@ use crate::api::ToolSpec;
 
 pub use key::{idempotency_key, schema_hash};
 pub use mcp::{
-    McpAnnotations, McpCatalog, McpToolInfo, discover_catalog, discover_catalog_with, discover_mcp,
+    DiscoveryBounds, MAX_TOOLS_PER_SERVER, McpAnnotations, McpCatalog, McpToolInfo,
+    discover_catalog, discover_catalog_with, discover_mcp,
 };
 
 use schema::ArgSchema;

@@ -1,0 +1,416 @@
+//! MCP discovery outside the reconcile: a reconcile asks for a run's catalog
+//! and gets either the answer or "pending"; a worker task does the I/O and
+//! wakes the run when it is done. So no reconcile ever waits on a URL a user
+//! chose, and what discovery costs is bounded:
+//!
+//! - in time: each server gets `--discovery-server-timeout-seconds`, and a
+//!   run's whole discovery `--discovery-deadline-seconds` (counted once it
+//!   has its turn);
+//! - in concurrency: `--discovery-concurrency` discoveries at once, of which
+//!   one namespace holds `--discovery-namespace-concurrency` at most (a
+//!   namespace queues for its own permits before the shared ones, so the
+//!   shared queue never holds more than that many of one namespace);
+//! - in count: [`MAX_MCP_SERVERS`] servers per agent (refused before any
+//!   request, naming the field), [`crate::tools::MAX_TOOLS_PER_SERVER`]
+//!   tools per server.
+//!
+//! A result (catalog or failure) is kept until the run records it
+//! ([`Discovery::forget`]): one discovery per run and agent version, never
+//! a retry loop. Only the controller's memory holds it; the log keeps the
+//! catalog the run pinned (`RunStarted`, `VersionChanged`).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kube::ResourceExt;
+use kube::runtime::reflector::ObjectRef;
+use tokio::sync::{Semaphore, mpsc};
+
+use crate::api::{AgentRun, ToolSpec};
+use crate::egress::Policy;
+use crate::tools::{DiscoveryBounds, McpCatalog, discover_catalog_with};
+
+/// Distinct MCP servers one agent may name.
+pub const MAX_MCP_SERVERS: usize = 8;
+/// How long a result nobody collected is kept (its run was deleted).
+const UNCOLLECTED_TTL: Duration = Duration::from_secs(15 * 60);
+
+/// The bounds of discovery (controller flags).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub per_server: Duration,
+    pub deadline: Duration,
+    pub concurrency: usize,
+    pub namespace_concurrency: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            per_server: Duration::from_secs(10),
+            deadline: Duration::from_secs(30),
+            concurrency: 8,
+            namespace_concurrency: 2,
+        }
+    }
+}
+
+/// What a reconcile gets when it asks for a catalog.
+#[derive(Debug, PartialEq)]
+pub enum Answer {
+    /// The catalog, or why there is none (naming the field or the server).
+    Ready(Result<McpCatalog, String>),
+    /// Being discovered: the run is woken when the answer is there.
+    Pending,
+}
+
+enum State {
+    Running(tokio::task::AbortHandle),
+    Done(Result<McpCatalog, String>),
+}
+
+struct Ask {
+    /// Which MCP tools were asked for (a changed agent asks anew).
+    key: String,
+    state: State,
+    since: Instant,
+}
+
+struct Shared {
+    http: reqwest::Client,
+    policy: Arc<Policy>,
+    limits: Limits,
+    global: Arc<Semaphore>,
+    namespaces: Mutex<HashMap<String, Arc<Semaphore>>>,
+    asks: Mutex<HashMap<String, Ask>>,
+    wake: mpsc::UnboundedSender<ObjectRef<AgentRun>>,
+}
+
+/// The discovery worker (cheap to clone).
+#[derive(Clone)]
+pub struct Discovery {
+    shared: Arc<Shared>,
+}
+
+/// Why an agent names too many MCP servers, naming the field (`spec.tools`,
+/// `spec.agent.tools`).
+pub fn too_many(tools: &[ToolSpec], field: &str) -> Option<String> {
+    let servers: BTreeSet<&str> = tools
+        .iter()
+        .filter_map(|t| t.mcp.as_ref().map(|m| m.url.as_str()))
+        .collect();
+    if servers.len() > MAX_MCP_SERVERS {
+        return Some(format!(
+            "{field}: {} distinct MCP servers (mcp.url), at most {MAX_MCP_SERVERS} per agent",
+            servers.len()
+        ));
+    }
+    None
+}
+
+/// Why an agent's MCP servers cannot be discovered before any request is
+/// made: too many, or an address the platform does not allow.
+pub fn refuse(tools: &[ToolSpec], field: &str, policy: &Policy) -> Option<String> {
+    if let Some(why) = too_many(tools, field) {
+        return Some(why);
+    }
+    for (i, tool) in tools.iter().enumerate() {
+        if let Some(mcp) = &tool.mcp
+            && let Err(e) = policy.check_url(&mcp.url)
+        {
+            return Some(format!("{field}[{i}].mcp.url (tool {:?}): {e}", tool.name));
+        }
+    }
+    None
+}
+
+impl Discovery {
+    /// The worker, and the stream of runs whose answer became ready (for
+    /// the controller's `reconcile_on`).
+    pub fn new(
+        http: reqwest::Client,
+        policy: Arc<Policy>,
+        limits: Limits,
+    ) -> (Discovery, mpsc::UnboundedReceiver<ObjectRef<AgentRun>>) {
+        let (wake, woken) = mpsc::unbounded_channel();
+        let shared = Shared {
+            http,
+            policy,
+            limits,
+            global: Arc::new(Semaphore::new(limits.concurrency.max(1))),
+            namespaces: Mutex::default(),
+            asks: Mutex::default(),
+            wake,
+        };
+        (
+            Discovery {
+                shared: Arc::new(shared),
+            },
+            woken,
+        )
+    }
+
+    /// The catalog of `tools` for `run`: at once when no MCP server is
+    /// named or the tools are refused, else once discovered.
+    pub fn catalog(&self, run: &AgentRun, tools: &[ToolSpec], field: &str) -> Answer {
+        if tools.iter().all(|t| t.mcp.is_none()) {
+            return Answer::Ready(Ok(McpCatalog::new()));
+        }
+        if let Some(refused) = refuse(tools, field, &self.shared.policy) {
+            return Answer::Ready(Err(refused));
+        }
+        let uid = run.uid().unwrap_or_default();
+        let key = ask_key(tools);
+        let mut asks = self.shared.asks.lock().expect("not poisoned");
+        if let Some(ask) = asks.get(&uid).filter(|a| a.key == key) {
+            return match &ask.state {
+                State::Done(result) => Answer::Ready(result.clone()),
+                State::Running(_) => Answer::Pending,
+            };
+        }
+        // Asked for other tools before (the agent changed): that answer is moot.
+        if let Some(Ask {
+            state: State::Running(task),
+            ..
+        }) = asks.remove(&uid)
+        {
+            task.abort();
+        }
+        asks.retain(|_, a| {
+            matches!(a.state, State::Running(_)) || a.since.elapsed() < UNCOLLECTED_TTL
+        });
+        let task = tokio::spawn(self.clone().discover(
+            ObjectRef::from_obj(run),
+            uid.clone(),
+            key.clone(),
+            tools.to_vec(),
+        ));
+        asks.insert(
+            uid,
+            Ask {
+                key,
+                state: State::Running(task.abort_handle()),
+                since: Instant::now(),
+            },
+        );
+        Answer::Pending
+    }
+
+    /// Drops the run's answer once the run recorded it (or ended).
+    pub fn forget(&self, uid: &str) {
+        let mut asks = self.shared.asks.lock().expect("not poisoned");
+        if let Some(Ask {
+            state: State::Running(task),
+            ..
+        }) = asks.remove(uid)
+        {
+            task.abort();
+        }
+    }
+
+    /// Runs one discovery in its turn and wakes the run with the answer.
+    async fn discover(
+        self,
+        run: ObjectRef<AgentRun>,
+        uid: String,
+        key: String,
+        tools: Vec<ToolSpec>,
+    ) {
+        let ns = run.namespace.clone().unwrap_or_default();
+        let _turn = self.turn(&ns).await;
+        let limits = self.shared.limits;
+        let bounds = DiscoveryBounds {
+            per_server: limits.per_server,
+            ..Default::default()
+        };
+        let work = discover_catalog_with(&self.shared.http, &tools, bounds);
+        let result = match tokio::time::timeout(limits.deadline, work).await {
+            Ok(Ok(catalog)) => Ok(catalog),
+            Ok(Err(e)) => Err(format!("discovering MCP tools: {e}")),
+            Err(_) => Err(format!(
+                "discovering MCP tools: not done within {:?} (--discovery-deadline-seconds)",
+                limits.deadline
+            )),
+        };
+        if let Some(ask) = self
+            .shared
+            .asks
+            .lock()
+            .expect("not poisoned")
+            .get_mut(&uid)
+            .filter(|a| a.key == key)
+        {
+            ask.state = State::Done(result);
+            ask.since = Instant::now();
+        }
+        let _ = self.shared.wake.send(run);
+    }
+
+    /// Waits for a permit of the namespace, then for a shared one.
+    async fn turn(
+        &self,
+        ns: &str,
+    ) -> (
+        tokio::sync::OwnedSemaphorePermit,
+        tokio::sync::OwnedSemaphorePermit,
+    ) {
+        let own = {
+            let mut namespaces = self.shared.namespaces.lock().expect("not poisoned");
+            // Namespaces nobody waits in are dropped (the map stays small).
+            namespaces.retain(|_, s| Arc::strong_count(s) > 1);
+            namespaces
+                .entry(ns.to_string())
+                .or_insert_with(|| {
+                    Arc::new(Semaphore::new(
+                        self.shared.limits.namespace_concurrency.max(1),
+                    ))
+                })
+                .clone()
+        };
+        let own = own.acquire_owned().await.expect("never closed");
+        let shared = self
+            .shared
+            .global
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
+        (own, shared)
+    }
+}
+
+/// What identifies a request for discovery: the MCP tools asked for.
+fn ask_key(tools: &[ToolSpec]) -> String {
+    let wanted: Vec<_> = tools
+        .iter()
+        .filter_map(|t| t.mcp.as_ref().map(|m| (&t.name, &m.url, &m.tool)))
+        .collect();
+    serde_json::to_string(&wanted).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mcp(name: &str, url: &str) -> ToolSpec {
+        serde_json::from_value(serde_json::json!({"name": name, "mcp": {"url": url}})).unwrap()
+    }
+
+    fn http() -> reqwest::Client {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    }
+
+    fn run(uid: &str, ns: &str) -> AgentRun {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": uid, "namespace": ns, "uid": uid},
+            "spec": {"input": "x", "agentRef": {"name": "a"}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn too_many_servers_are_refused_naming_the_field() {
+        let tools: Vec<_> = (0..=MAX_MCP_SERVERS)
+            .map(|i| mcp(&format!("t{i}"), &format!("http://10.0.0.{i}/mcp")))
+            .collect();
+        let why = too_many(&tools, "spec.agent.tools").unwrap();
+        assert!(
+            why.starts_with("spec.agent.tools: 9 distinct MCP servers"),
+            "{why}"
+        );
+        // Many tools of one server are one server.
+        let same: Vec<_> = (0..20)
+            .map(|i| mcp(&format!("t{i}"), "http://h/mcp"))
+            .collect();
+        assert_eq!(refuse(&same, "spec.tools"), None);
+        let metadata = [mcp("t", "http://169.254.169.254/mcp")];
+        assert!(
+            refuse(&metadata, "spec.tools")
+                .unwrap()
+                .starts_with("spec.tools[0].mcp.url:")
+        );
+    }
+
+    /// A server that accepts connections and never answers.
+    async fn hanging_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = seen.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                held.push(conn);
+            }
+        });
+        (format!("http://{addr}/mcp"), seen)
+    }
+
+    #[tokio::test]
+    async fn a_hanging_server_ends_in_one_recorded_failure_and_the_run_is_woken() {
+        let (url, seen) = hanging_server().await;
+        let limits = Limits {
+            per_server: Duration::from_millis(200),
+            deadline: Duration::from_secs(5),
+            ..Default::default()
+        };
+        let (d, mut woken) = Discovery::new(http(), Arc::default(), limits);
+        let r = run("u1", "a");
+        let tools = [mcp("t", &url)];
+        assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
+        assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
+        let woke = tokio::time::timeout(Duration::from_secs(5), woken.recv()).await;
+        assert_eq!(woke.unwrap().unwrap().name, "u1");
+        let Answer::Ready(Err(why)) = d.catalog(&r, &tools, "spec.tools") else {
+            panic!("no failure recorded");
+        };
+        assert!(
+            why.contains(&url) && why.contains("no answer within"),
+            "{why}"
+        );
+        // Asking again gives the same answer, without another request.
+        assert!(matches!(
+            d.catalog(&r, &tools, "spec.tools"),
+            Answer::Ready(Err(_))
+        ));
+        assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn one_namespace_holds_at_most_its_share_of_the_permits() {
+        let (url, _) = hanging_server().await;
+        let limits = Limits {
+            per_server: Duration::from_secs(30),
+            deadline: Duration::from_secs(30),
+            concurrency: 3,
+            namespace_concurrency: 2,
+        };
+        let (d, _woken) = Discovery::new(http(), Arc::default(), limits);
+        for i in 0..10 {
+            d.catalog(&run(&format!("a{i}"), "a"), &[mcp("t", &url)], "spec.tools");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Ten runs of one namespace wait; one shared permit is left for others.
+        assert_eq!(d.shared.global.available_permits(), 1);
+        let (b, _) = hanging_server().await;
+        d.catalog(&run("b", "b"), &[mcp("t", &b)], "spec.tools");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(d.shared.global.available_permits(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_agent_without_mcp_servers_gets_its_empty_catalog_at_once() {
+        let (d, _woken) = Discovery::new(http(), Arc::default(), Limits::default());
+        let http: ToolSpec =
+            serde_json::from_value(serde_json::json!({"name": "h", "http": {"url": "http://h/x"}}))
+                .unwrap();
+        assert_eq!(
+            d.catalog(&run("u", "a"), &[http], "spec.tools"),
+            Answer::Ready(Ok(McpCatalog::new()))
+        );
+    }
+}
