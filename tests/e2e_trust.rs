@@ -9,6 +9,8 @@ mod common;
 mod admission;
 #[path = "trust/approvals.rs"]
 mod approvals;
+#[path = "trust/discovery.rs"]
+mod discovery;
 #[path = "trust/egress.rs"]
 mod egress;
 #[path = "trust/gates.rs"]

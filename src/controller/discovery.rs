@@ -222,10 +222,13 @@ impl Discovery {
         let limits = self.shared.limits;
         let bounds = DiscoveryBounds {
             per_server: limits.per_server,
+            total: limits.deadline,
             ..Default::default()
         };
         let work = discover_catalog_with(&self.shared.http, &tools, bounds);
-        let result = match tokio::time::timeout(limits.deadline, work).await {
+        // A backstop: each server's own timeout ends within the deadline.
+        let backstop = limits.deadline.saturating_add(Duration::from_secs(1));
+        let result = match tokio::time::timeout(backstop, work).await {
             Ok(Ok(catalog)) => Ok(catalog),
             Ok(Err(e)) => Err(format!("discovering MCP tools: {e}")),
             Err(_) => Err(format!(
@@ -302,6 +305,12 @@ mod tests {
         reqwest::Client::new()
     }
 
+    /// The test servers' address, allowed as `--user-url-allow` would.
+    fn loopback() -> Arc<Policy> {
+        let allow = vec!["127.0.0.1/32".parse().unwrap()];
+        Arc::new(Policy::new(allow, Vec::new(), true))
+    }
+
     fn run(uid: &str, ns: &str) -> AgentRun {
         serde_json::from_value(serde_json::json!({
             "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
@@ -325,13 +334,10 @@ mod tests {
         let same: Vec<_> = (0..20)
             .map(|i| mcp(&format!("t{i}"), "http://h/mcp"))
             .collect();
-        assert_eq!(refuse(&same, "spec.tools"), None);
+        assert_eq!(too_many(&same, "spec.tools"), None);
         let metadata = [mcp("t", "http://169.254.169.254/mcp")];
-        assert!(
-            refuse(&metadata, "spec.tools")
-                .unwrap()
-                .starts_with("spec.tools[0].mcp.url:")
-        );
+        let why = refuse(&metadata, "spec.tools", &Policy::default()).unwrap();
+        assert!(why.starts_with("spec.tools[0].mcp.url"), "{why}");
     }
 
     /// A server that accepts connections and never answers.
@@ -358,7 +364,7 @@ mod tests {
             deadline: Duration::from_secs(5),
             ..Default::default()
         };
-        let (d, mut woken) = Discovery::new(http(), Arc::default(), limits);
+        let (d, mut woken) = Discovery::new(http(), loopback(), limits);
         let r = run("u1", "a");
         let tools = [mcp("t", &url)];
         assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
@@ -389,7 +395,7 @@ mod tests {
             concurrency: 3,
             namespace_concurrency: 2,
         };
-        let (d, _woken) = Discovery::new(http(), Arc::default(), limits);
+        let (d, _woken) = Discovery::new(http(), loopback(), limits);
         for i in 0..10 {
             d.catalog(&run(&format!("a{i}"), "a"), &[mcp("t", &url)], "spec.tools");
         }
@@ -404,7 +410,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_agent_without_mcp_servers_gets_its_empty_catalog_at_once() {
-        let (d, _woken) = Discovery::new(http(), Arc::default(), Limits::default());
+        let (d, _woken) = Discovery::new(http(), loopback(), Limits::default());
         let http: ToolSpec =
             serde_json::from_value(serde_json::json!({"name": "h", "http": {"url": "http://h/x"}}))
                 .unwrap();

@@ -6,8 +6,8 @@ pub mod approval;
 pub mod checkpoint;
 mod context;
 pub mod decide;
-mod endpoint;
 pub mod discovery;
+mod endpoint;
 mod error;
 #[cfg(test)]
 mod fixtures;

@@ -25,11 +25,12 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// this many are seen, then discovery stops with an error).
 pub const MAX_TOOLS_PER_SERVER: usize = 256;
 
-/// How far discovery goes for one server: the time it may take and how many
-/// tools it may list.
+/// How far discovery goes: the time one server may take, the time all of
+/// an agent's servers may take together, and how many tools one may list.
 #[derive(Clone, Copy, Debug)]
 pub struct DiscoveryBounds {
     pub per_server: Duration,
+    pub total: Duration,
     pub max_tools: usize,
 }
 
@@ -37,6 +38,7 @@ impl Default for DiscoveryBounds {
     fn default() -> Self {
         DiscoveryBounds {
             per_server: DISCOVERY_TIMEOUT,
+            total: Duration::MAX,
             max_tools: MAX_TOOLS_PER_SERVER,
         }
     }
@@ -251,10 +253,15 @@ async fn discover_with(
         }
         Ok::<_, ToolError>(tools)
     };
-    let limit = bounds.per_server;
-    let tools = tokio::time::timeout(limit, work)
-        .await
-        .map_err(|_| err(format!("no answer within {limit:?}")))??;
+    let limit = bounds.per_server.min(bounds.total);
+    let tools = tokio::time::timeout(limit, work).await.map_err(|_| {
+        err(match limit < bounds.per_server {
+            true => {
+                format!("no answer within {limit:?}, the rest of the agent's discovery deadline")
+            }
+            false => format!("no answer within {limit:?}"),
+        })
+    })??;
     Ok(tools
         .into_iter()
         .map(|tool| {
@@ -294,9 +301,17 @@ pub async fn discover_catalog_with(
 ) -> Result<McpCatalog, ToolError> {
     let mut servers: HashMap<&str, Vec<McpToolInfo>> = HashMap::new();
     let mut catalog = McpCatalog::new();
+    let started = tokio::time::Instant::now();
     for spec in specs {
         let Some(mcp) = &spec.mcp else { continue };
         if !servers.contains_key(mcp.url.as_str()) {
+            // Each server gets what is left of the total, so a deadline
+            // passed names the server that was being asked.
+            let left = bounds.total.saturating_sub(started.elapsed());
+            let bounds = DiscoveryBounds {
+                total: left,
+                ..bounds
+            };
             let tools = discover_with(client, &mcp.url, bounds).await?;
             servers.insert(mcp.url.as_str(), tools);
         }
@@ -569,7 +584,7 @@ mod discovery_failures {
         let client = crate::egress::client(policy).unwrap();
         for (reply, want) in cases {
             let url = answering(reply).await;
-            let err = discover_with(&client, &url)
+            let err = discover_with(&client, &url, DiscoveryBounds::default())
                 .await
                 .expect_err("fails")
                 .to_string();
@@ -581,10 +596,14 @@ mod discovery_failures {
     #[tokio::test]
     async fn a_name_the_guard_refuses_is_reported_in_its_words() {
         let client = crate::egress::client(Default::default()).unwrap();
-        let err = discover_with(&client, "http://localhost:9/mcp")
-            .await
-            .expect_err("refused")
-            .to_string();
+        let err = discover_with(
+            &client,
+            "http://localhost:9/mcp",
+            DiscoveryBounds::default(),
+        )
+        .await
+        .expect_err("refused")
+        .to_string();
         assert!(err.contains("not on the platform's allow-list"), "{err}");
     }
 }

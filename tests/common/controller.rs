@@ -66,21 +66,47 @@ impl ControllerProcess {
         store_url: &str,
         env: &[(&str, &str)],
     ) -> Self {
+        Self::spawn(
+            &["--namespace", namespace],
+            namespace,
+            identity,
+            extra,
+            store_url,
+            env,
+        )
+    }
+
+    /// A replica watching every namespace but reconciling only the runs
+    /// labelled `selector` (so other tests' runs are left to their own
+    /// controllers), electing through a Lease in `lease_namespace`.
+    pub async fn start_selecting(lease_namespace: &str, selector: &str, extra: &[&str]) -> Self {
+        let store_url = super::store::e2e_store_url().await;
+        let scope = [
+            "--lease-namespace",
+            lease_namespace,
+            "--run-selector",
+            selector,
+        ];
+        Self::spawn(&scope, lease_namespace, "ctrl", extra, &store_url, &[])
+    }
+
+    fn spawn(
+        scope: &[&str],
+        namespace: &str,
+        identity: &str,
+        extra: &[&str],
+        store_url: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
         let metrics_port = free_port();
         let step_api_port = step_api_port(namespace);
         let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
-            .args([
-                "controller",
-                "--namespace",
-                namespace,
-                "--identity",
-                identity,
-                "--lease-seconds",
-                "6",
-            ])
+            .arg("controller")
+            .args(scope)
+            .args(["--identity", identity, "--lease-seconds", "6"])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--step-api-addr", &format!("127.0.0.1:{step_api_port}")])
             .arg("--allow-failpoints")
