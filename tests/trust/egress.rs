@@ -168,7 +168,7 @@ async fn a_run_creators_mcp_url_on_an_internal_address_is_never_contacted() {
         let (status, events) = failed_without_a_job(&w, name).await;
         let error = status["error"].as_str().unwrap_or_default();
         assert!(
-            error.starts_with("spec.tools[0].mcp.url (tool \"tickets\"): "),
+            error.starts_with("spec.agent.tools[0].mcp.url (tool \"tickets\"): "),
             "{error}"
         );
         assert!(
