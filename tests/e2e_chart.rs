@@ -765,7 +765,8 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
     };
     let cluster_role = role_json("clusterrole", &format!("{release}-{ns}-controller"), None);
     let lease_role = role_json("role", &format!("{release}-leader-election"), Some(&ns));
-    for role in [&cluster_role, &lease_role] {
+    let keys_role = role_json("role", &format!("{release}-controller-keys"), Some(&ns));
+    for role in [&cluster_role, &lease_role, &keys_role] {
         for rule in role["rules"].as_array().unwrap() {
             for g in rule["apiGroups"].as_array().unwrap() {
                 for r in rule["resources"].as_array().unwrap() {
