@@ -672,6 +672,7 @@ fn render(values: &Value) -> Result<Vec<Value>, String> {
 
 fn with_store(mut values: Value) -> Value {
     values["store"] = json!({"existingSecret": "agentrun-store"});
+    values["controller"]["stepTokenKey"] = json!({"existingSecret": "agentrun-step-token-key"});
     values
 }
 

@@ -29,7 +29,7 @@ use common::standins::Standins;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
@@ -112,6 +112,56 @@ fn helm_template(release: &str, ns: &str, values: &Value) -> Vec<Value> {
     ))
 }
 
+/// The step-token key the chart generated at install is the same after a
+/// `helm upgrade`; after `kubectl agentrun rotate-key` the next upgrade keeps
+/// the new key and the retired one (the chart reads both from the cluster).
+async fn generated_key_survives_upgrades_and_rotations(
+    client: &kube::Client,
+    release: &str,
+    ns: &str,
+) {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let name = format!("{release}-step-token-key");
+    let data = || async {
+        let s = secrets.get(&name).await.expect("the generated key Secret");
+        s.data.unwrap_or_default()
+    };
+    let upgrade = || {
+        run_ok(
+            Command::new(helm())
+                .current_dir(ROOT)
+                .args(["upgrade", release, "charts/agentrun", "--namespace", ns])
+                .args(["--reuse-values", "--wait", "--timeout", "180s"]),
+        )
+    };
+    let installed = data().await;
+    assert!(
+        installed["key"].0.len() >= 64,
+        "a random key of 64 characters"
+    );
+    assert!(!installed.contains_key("retired"));
+    upgrade();
+    assert_eq!(
+        data().await,
+        installed,
+        "helm upgrade kept the generated key"
+    );
+
+    let out = run_ok(Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun")).args([
+        "rotate-key",
+        "--controller-namespace",
+        ns,
+        "--secret",
+        &name,
+    ]));
+    assert!(out.contains("rotated"), "{out}");
+    let rotated = data().await;
+    assert_ne!(rotated["key"], installed["key"], "a new current key");
+    assert_eq!(rotated["retired"], installed["key"], "the old key retired");
+    upgrade();
+    assert_eq!(data().await, rotated, "helm upgrade kept the rotation");
+}
+
 /// `kubectl apply --server-side --dry-run=server` of `objs` (as a v1 List).
 fn dry_run_apply(objs: &[Value]) -> String {
     let dir = tempfile::tempdir().unwrap();
@@ -154,7 +204,8 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
     let objs = helm_template(
         &release,
         ns.name(),
-        &json!({"store": {"existingSecret": "agentrun-store"}}),
+        &json!({"store": {"existingSecret": "agentrun-store"},
+                "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}}}),
     );
     assert!(objs.len() >= 12, "{} objects", objs.len());
     assert_all_applied(&dry_run_apply(&objs), &objs);
@@ -167,8 +218,8 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         ns.name(),
         &json!({
             "watchNamespace": ns.name(),
-            "controller": {"replicas": 3},
-            "postgresql": {"enabled": true},
+            "controller": {"replicas": 3, "stepTokenKey": {"existingSecret": "token-key"}},
+            "postgresql": {"enabled": true, "password": "e2e"},
             "modelSecrets": [{"name": "openai", "stringData": {"apiKey": "sk-x"}}],
             "metrics": {"serviceMonitor": {"enabled": true}},
             "networkPolicy": {"enabled": true, "controllerEgress": [{"ports": [{"port": 443}]}]},
@@ -330,6 +381,8 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
             .args([
                 "--set",
                 "store.existingSecret=x",
+                "--set",
+                "controller.stepTokenKey.existingSecret=x",
                 "--show-only",
                 "templates/crds.yaml",
             ]),
@@ -812,6 +865,8 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         !audit.contains(&format!("\"system:serviceaccount:{ns}:agentrun-step\"")),
         "a step pod called the API server"
     );
+
+    generated_key_survives_upgrades_and_rotations(&client, &release, &ns).await;
 
     // helm uninstall removes the cluster-scoped objects of the release.
     drop(guard);

@@ -155,8 +155,24 @@ fn the_chart_version_follows_the_crate() {
     assert_eq!(chart["appVersion"].as_str(), Some(crate_version()));
 }
 
+/// The least a render without the cluster (`helm template`, as Argo CD
+/// renders) needs: the store and the step-token key, both existing Secrets.
 fn default_values() -> Value {
-    json!({"store": {"existingSecret": "agentrun-store"}})
+    json!({"store": {"existingSecret": "agentrun-store"},
+           "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}}})
+}
+
+/// `values` with the step-token key's existing Secret, unless they name one.
+fn with_key(mut values: Value) -> Value {
+    let c = values
+        .as_object_mut()
+        .unwrap()
+        .entry("controller")
+        .or_insert_with(|| json!({}));
+    if c.get("stepTokenKey").is_none() {
+        c["stepTokenKey"] = json!({"existingSecret": "token-key"});
+    }
+    values
 }
 
 /// Values that switch on everything optional.
@@ -165,6 +181,7 @@ fn full_values() -> Value {
         "watchNamespace": "runs",
         "image": {"repository": "example/agentrun", "tag": "1.2.3"},
         "controller": {"replicas": 3, "logFormat": "text", "extraArgs": ["--lease-name=x"],
+                        "stepTokenKey": {"existingSecret": "ops-token-key"},
                         "podAnnotations": {"team": "ml"},
                         "userUrls": {"allow": ["10.20.0.0/16", "mcp.tools.svc:8080"],
                                      "deny": ["10.20.9.0/24"], "public": false}},
@@ -394,16 +411,17 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
         "http://agentrun-controller.agentrun-system.svc:8081"
     );
     assert_eq!(env_of(c, "AGENTRUN_STEP_API_ADDR")["value"], "0.0.0.0:8081");
+    // The key (and the ones a rotation retired) from the existing Secret:
+    // a render without the cluster invents none.
     assert_eq!(
         env_of(c, "AGENTRUN_STEP_TOKEN_KEY")["valueFrom"]["secretKeyRef"],
         json!({"name": "agentrun-step-token-key", "key": "key"})
     );
-    let secrets = all(&objs, "Secret");
-    assert_eq!(secrets.len(), 1, "only the token key Secret by default");
-    assert_eq!(secrets[0]["metadata"]["name"], "agentrun-step-token-key");
-    assert_eq!(secrets[0]["metadata"]["namespace"], "agentrun-system");
-    let key = secrets[0]["data"]["key"].as_str().unwrap();
-    assert!(key.len() >= 64, "a random key of 64 characters (base64)");
+    assert_eq!(
+        env_of(c, "AGENTRUN_STEP_TOKEN_RETIRED_KEYS")["valueFrom"]["secretKeyRef"],
+        json!({"name": "agentrun-step-token-key", "key": "retired", "optional": true})
+    );
+    assert!(all(&objs, "Secret").is_empty(), "no Secret by default");
 
     // Step pods' egress: DNS, the gateway, anything but link-local addresses.
     let policies = all(&objs, "NetworkPolicy");
@@ -676,7 +694,7 @@ fn the_values_schema_and_the_chart_refuse_wrong_values() {
         ),
     ];
     for (values, field) in cases {
-        match render("x", "x", &values) {
+        match render("x", "x", &with_key(values.clone())) {
             Ok(_) => panic!("{values} was accepted"),
             Err(e) => assert!(
                 e.contains(field),
@@ -688,10 +706,49 @@ fn the_values_schema_and_the_chart_refuse_wrong_values() {
     render(
         "x",
         "x",
-        &json!({"store": {"url": "postgres://a:b@db/agentrun"}}),
+        &with_key(json!({"store": {"url": "postgres://a:b@db/agentrun"}})),
     )
     .expect("store.url");
-    render("x", "x", &json!({"postgresql": {"enabled": true}})).expect("quick start");
+    render(
+        "x",
+        "x",
+        &with_key(json!({"postgresql": {"enabled": true, "password": "p"}})),
+    )
+    .expect("quick start");
+}
+
+/// Argo CD renders with `helm template` at every sync: a key or password
+/// the chart generated there would change every time (breaking running
+/// steps, recorded signatures, the database's login). So a render that
+/// cannot see the cluster refuses to invent one, naming the value to set,
+/// and what it does render is the same every time.
+#[test]
+fn a_render_without_the_cluster_invents_no_key_or_password_and_repeats_itself() {
+    let store = json!({"existingSecret": "s"});
+    for (values, field) in [
+        (
+            json!({"store": store}),
+            "controller.stepTokenKey.existingSecret",
+        ),
+        (
+            with_key(json!({"postgresql": {"enabled": true}})),
+            "postgresql.password",
+        ),
+    ] {
+        let e = render("x", "x", &values).expect_err(&values.to_string());
+        assert!(
+            e.contains(field),
+            "{values}: error does not name {field}: {e}"
+        );
+        assert!(e.contains("cannot see the cluster"), "{e}");
+    }
+    for values in [default_values(), full_values()] {
+        assert_eq!(
+            render("x", "x", &values).unwrap(),
+            render("x", "x", &values).unwrap(),
+            "rendered twice, {values}"
+        );
+    }
 }
 
 #[test]

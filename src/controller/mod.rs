@@ -121,6 +121,13 @@ pub struct Options {
     /// The key itself, when not in a file (e.g. from a Secret through the environment).
     #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY", hide_env_values = true)]
     pub step_token_key: Option<String>,
+    /// File of keys a rotation retired, one per line: tokens they minted
+    /// still open their runs, records they signed still verify.
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_RETIRED_KEYS_FILE")]
+    pub step_token_retired_keys_file: Option<std::path::PathBuf>,
+    /// The retired keys themselves, one per line (from the Secret's `retired`).
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_RETIRED_KEYS", hide_env_values = true)]
+    pub step_token_retired_keys: Option<String>,
     /// Image of the step Jobs (the operator's own image).
     #[arg(long, env = "AGENTRUN_STEP_IMAGE", default_value = "agentrun:dev")]
     pub step_image: String,
@@ -242,9 +249,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let tokens = step_token::TokenKey::load(
         opts.step_token_key_file.as_deref(),
         opts.step_token_key.as_deref(),
+        opts.step_token_retired_keys_file.as_deref(),
+        opts.step_token_retired_keys.as_deref(),
     )?;
     let signer = tokens.record_signer();
-    let verifier = signer.verifier();
+    let verifier = tokens.record_verifier();
     // The gateway's own pool: step pods' traffic never starves the reconciler's.
     let gateway_pool = crate::store::OpenOptions {
         max_connections: opts.step_api_connections,

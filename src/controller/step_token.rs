@@ -3,6 +3,13 @@
 //! or `--step-token-key-file`, from a Secret in the controller's own
 //! namespace), so any replica's gateway accepts a token another minted. A
 //! token names one run: it opens that run's log and nothing else.
+//!
+//! Rotation: a new key becomes current and the earlier ones are listed as
+//! retired (`--step-token-retired-keys`, the Secret's `retired`, one per
+//! line). Tokens are minted with the current key only; tokens of a retired
+//! key (runs started before the rotation hold them in their credential
+//! Secret) keep opening their run, and records signed with a retired key's
+//! signing key keep verifying: its public key stays published.
 
 use ring::hmac;
 
@@ -11,9 +18,13 @@ const CONTEXT: &[u8] = b"agentrun.dev/step-token/v1\0";
 /// Shortest key accepted (bytes).
 pub const MIN_KEY_LEN: usize = 32;
 
-/// The HMAC key step tokens are minted and checked with.
+/// The HMAC keys step tokens are minted (current) and checked (current and
+/// retired) with.
 #[derive(Clone)]
-pub struct TokenKey(hmac::Key);
+pub struct TokenKey {
+    current: hmac::Key,
+    retired: Vec<hmac::Key>,
+}
 
 impl std::fmt::Debug for TokenKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -32,46 +43,101 @@ impl TokenKey {
                 secret.len()
             ));
         }
-        Ok(TokenKey(hmac::Key::new(hmac::HMAC_SHA256, secret)))
+        Ok(TokenKey {
+            current: hmac::Key::new(hmac::HMAC_SHA256, secret),
+            retired: Vec::new(),
+        })
     }
 
-    /// Reads the key from `--step-token-key-file` or `--step-token-key`.
-    pub fn load(file: Option<&std::path::Path>, inline: Option<&str>) -> anyhow::Result<TokenKey> {
+    /// This key with `retired` (keys a rotation replaced, one per line;
+    /// blank lines ignored) still accepted for tokens and signatures.
+    pub fn with_retired(mut self, retired: &[u8]) -> Result<TokenKey, String> {
+        for (i, line) in retired.split(|b| *b == b'\n').enumerate() {
+            if line.trim_ascii().is_empty() {
+                continue;
+            }
+            let key =
+                TokenKey::new(line).map_err(|e| format!("retired key (line {}): {e}", i + 1))?;
+            self.retired.push(key.current);
+        }
+        Ok(self)
+    }
+
+    /// Reads the key from `--step-token-key-file` or `--step-token-key`,
+    /// and the retired ones from `--step-token-retired-keys-file` or
+    /// `--step-token-retired-keys` (optional).
+    pub fn load(
+        file: Option<&std::path::Path>,
+        inline: Option<&str>,
+        retired_file: Option<&std::path::Path>,
+        retired_inline: Option<&str>,
+    ) -> anyhow::Result<TokenKey> {
         let secret = match (file, inline) {
-            (Some(path), _) => std::fs::read(path).map_err(|e| {
-                anyhow::anyhow!("reading --step-token-key-file {}: {e}", path.display())
-            })?,
+            (Some(path), _) => read(path, "--step-token-key-file")?,
             (None, Some(key)) => key.as_bytes().to_vec(),
             (None, None) => anyhow::bail!(
                 "no step token key: set --step-token-key-file or AGENTRUN_STEP_TOKEN_KEY \
                  (the chart shares one from a Secret in the controller's namespace)"
             ),
         };
-        TokenKey::new(&secret).map_err(|e| anyhow::anyhow!("--step-token-key: {e}"))
+        let retired = match (retired_file, retired_inline) {
+            (Some(path), _) => read(path, "--step-token-retired-keys-file")?,
+            (None, Some(keys)) => keys.as_bytes().to_vec(),
+            (None, None) => Vec::new(),
+        };
+        TokenKey::new(&secret)
+            .map_err(|e| anyhow::anyhow!("--step-token-key: {e}"))?
+            .with_retired(&retired)
+            .map_err(|e| anyhow::anyhow!("--step-token-retired-keys: {e}"))
     }
 
-    /// The controller's record-signing key, derived from this key (so the
-    /// replicas share it without another Secret).
+    /// The controller's record-signing key, derived from the current key (so
+    /// the replicas share it without another Secret).
     pub fn record_signer(&self) -> crate::store::RecordSigner {
-        let tag = hmac::sign(&self.0, b"agentrun.dev/record-signing-seed/v1");
-        let seed: [u8; 32] = tag.as_ref()[..32]
-            .try_into()
-            .expect("HMAC-SHA256 gives 32 bytes");
-        crate::store::RecordSigner::from_seed(&seed)
+        signer_of(&self.current)
     }
 
-    /// The token of run `uid`.
+    /// The public keys controller signatures are checked with: the current
+    /// signing key's, then the retired keys' (marked retired).
+    pub fn record_verifier(&self) -> crate::store::RecordVerifier {
+        let mut keys = vec![self.record_signer().public_key(false)];
+        for key in &self.retired {
+            let public = signer_of(key).public_key(true);
+            if !keys.iter().any(|k| k.id == public.id) {
+                keys.push(public);
+            }
+        }
+        crate::store::RecordVerifier::new(keys).expect("the current key is always there")
+    }
+
+    /// The token of run `uid` (by the current key).
     pub fn mint(&self, uid: &str) -> String {
-        hex::encode(hmac::sign(&self.0, &message(uid)).as_ref())
+        hex::encode(hmac::sign(&self.current, &message(uid)).as_ref())
     }
 
-    /// Whether `token` is run `uid`'s, compared in constant time.
+    /// Whether `token` is run `uid`'s under the current or a retired key,
+    /// compared in constant time.
     pub fn verify(&self, uid: &str, token: &str) -> bool {
         let Ok(tag) = hex::decode(token.trim()) else {
             return false;
         };
-        hmac::verify(&self.0, &message(uid), &tag).is_ok()
+        let m = message(uid);
+        std::iter::once(&self.current)
+            .chain(&self.retired)
+            .any(|k| hmac::verify(k, &m, &tag).is_ok())
     }
+}
+
+fn read(path: &std::path::Path, flag: &str) -> anyhow::Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| anyhow::anyhow!("reading {flag} {}: {e}", path.display()))
+}
+
+fn signer_of(key: &hmac::Key) -> crate::store::RecordSigner {
+    let tag = hmac::sign(key, b"agentrun.dev/record-signing-seed/v1");
+    let seed: [u8; 32] = tag.as_ref()[..32]
+        .try_into()
+        .expect("HMAC-SHA256 gives 32 bytes");
+    crate::store::RecordSigner::from_seed(&seed)
 }
 
 fn message(uid: &str) -> Vec<u8> {
@@ -124,10 +190,49 @@ mod tests {
     }
 
     #[test]
+    fn a_rotation_keeps_old_tokens_and_signatures_and_mints_with_the_new_key() {
+        let old = key(7);
+        let old_token = old.mint("r");
+        let old_signer = old.record_signer();
+        let new = TokenKey::new(&[8; 32])
+            .unwrap()
+            .with_retired(&[b"\n".as_slice(), &[7; 32], b"\n"].concat())
+            .unwrap();
+        assert!(
+            new.verify("r", &old_token),
+            "a run started before the rotation"
+        );
+        assert_eq!(new.mint("r"), key(8).mint("r"), "minted with the new key");
+        assert!(!key(8).verify("r", &old_token), "without the retired list");
+        let v = new.record_verifier();
+        let ids: Vec<(&str, bool)> = v
+            .keys()
+            .iter()
+            .map(|k| (k.id.as_str(), k.retired))
+            .collect();
+        assert_eq!(
+            ids,
+            vec![
+                (new.record_signer().key_id(), false),
+                (old_signer.key_id(), true)
+            ]
+        );
+        let sig = old_signer.sign_message(b"ctx", b"m");
+        assert!(
+            v.verify_message(b"ctx", b"m", &sig),
+            "old signatures verify"
+        );
+        let e = key(8).with_retired(b"short").unwrap_err();
+        assert!(e.contains("line 1") && e.contains("at least 32"), "{e}");
+    }
+
+    #[test]
     fn short_keys_are_refused() {
         assert!(TokenKey::new(b"short").unwrap_err().contains("at least 32"));
         assert!(TokenKey::new(format!("{}\n", "k".repeat(32)).as_bytes()).is_ok());
-        let e = TokenKey::load(None, None).unwrap_err().to_string();
+        let e = TokenKey::load(None, None, None, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--step-token-key-file"), "{e}");
     }
 }

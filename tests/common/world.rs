@@ -106,6 +106,15 @@ impl World {
         self.controller = self.replica("ctrl-2");
     }
 
+    /// Stops the controller (SIGTERM) and starts one with extra environment
+    /// variables (a rotated key), as a rollout would.
+    pub fn restart_controller_env(&mut self, env: &[(&str, &str)]) {
+        self.controller.stop();
+        let flags: Vec<&str> = self.controller_flags.iter().map(String::as_str).collect();
+        self.controller =
+            ControllerProcess::start_env(self.ns.name(), "ctrl-2", &flags, &self.store_url, env);
+    }
+
     /// Another replica of this world's controller (same flags and store),
     /// electing through the same Lease.
     pub fn replica(&self, identity: &str) -> ControllerProcess {

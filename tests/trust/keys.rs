@@ -257,3 +257,107 @@ async fn keys_a_record_moved_to_another_seq_of_its_run_is_refused() {
     );
     assert!(w.standins.effects(w.name()).await.is_empty());
 }
+
+/// The signing key id of step-token key `key`.
+fn signing_key_id(key: &str) -> String {
+    agentrun::controller::step_token::TokenKey::new(key.as_bytes())
+        .unwrap()
+        .record_signer()
+        .key_id()
+        .to_string()
+}
+
+/// A key rotated on purpose (the Secret's `key` replaced, the old one in
+/// `retired`, the controller restarted): a run waiting for approval and a
+/// run whose step pod is mid-call at the rotation both finish on their old
+/// tokens, nothing is asked or done twice, and every record verifies: the
+/// ones signed before by the retired key, the ones after by the new key,
+/// both published.
+#[tokio::test]
+async fn keys_a_rotation_keeps_waiting_and_running_runs_and_old_signatures() {
+    let mut w = World::new("trust-keys-rotate", &[]).await;
+    grant_approver_role(&w).await;
+    let store_url = common::store::e2e_store_url().await;
+    let old = common::controller::step_token_key();
+    let new = format!("rotated-{old}");
+    let (old_id, new_id) = (signing_key_id(old), signing_key_id(&new));
+
+    // "waiting" waits for finance under the old key.
+    script(&w, "waiting").await;
+    gated_run(&w, "waiting", "waiting").await;
+    let approval = pending_approval(&w, "waiting").await;
+    // "running" has a step pod in a slow model call when the key rotates.
+    let mut slow = finish("done");
+    slow["delayMs"] = json!(8000);
+    w.standins.script("running", json!([slow]), json!([])).await;
+    w.create_run(
+        "running",
+        json!({"input": "Say done.", "agent": w.agent("running")}),
+        json!({}),
+    )
+    .await;
+    common::wait_for("the running run's model call", TIMEOUT, || async {
+        match w.standins.model_requests("running").await.len() {
+            0 => Err("no request yet".to_string()),
+            _ => Ok(()),
+        }
+    })
+    .await;
+
+    // The rotation, as `kubectl agentrun rotate-key` and a rollout do it.
+    w.restart_controller_env(&[
+        ("AGENTRUN_STEP_TOKEN_KEY", &new),
+        ("AGENTRUN_STEP_TOKEN_RETIRED_KEYS", &format!("{old}\n")),
+    ]);
+    let running = w.wait_phase("running", Phase::Succeeded).await;
+    decide(
+        &w,
+        "alice",
+        &approval.metadata.name.clone().unwrap(),
+        entry("alice", "Approve", &approval.spec.arguments_hash, "ok"),
+    )
+    .await
+    .expect("alice approves after the rotation");
+    let waiting = w.wait_phase("waiting", Phase::Succeeded).await;
+    assert_eq!(w.standins.effects(w.name()).await.len(), 1, "one refund");
+    assert_eq!(
+        w.standins.model_requests("running").await.len(),
+        1,
+        "the mid-call answer was recorded, not asked again"
+    );
+
+    // Both keys are published, the old one as retired.
+    let published = common::wait_for("both keys published", TIMEOUT, || async {
+        let keys = agentrun::controller::published_keys::read(&w.client, w.name())
+            .await
+            .map_err(|e| e.to_string())?;
+        let ids: Vec<(String, bool)> = keys
+            .keys()
+            .iter()
+            .map(|k| (k.id.clone(), k.retired))
+            .collect();
+        if ids.len() == 2 {
+            Ok(ids)
+        } else {
+            Err(format!("{ids:?}"))
+        }
+    })
+    .await;
+    assert_eq!(
+        published,
+        vec![(new_id.clone(), false), (old_id.clone(), true)]
+    );
+
+    // Every record verifies for the auditor; the waiting run's holds both.
+    for run in [&running, &waiting] {
+        let name = run.metadata.name.clone().unwrap();
+        let (ok, text) = verify(&w, &name, &store_url);
+        assert!(ok, "{name}: {text}");
+    }
+    let (_, text) = verify(&w, "waiting", &store_url);
+    assert!(
+        text.contains(&format!("signature valid (retired key {old_id})"))
+            && text.contains(&format!("signature valid (key {new_id})")),
+        "records before and after the rotation: {text}"
+    );
+}

@@ -100,7 +100,17 @@ agentrun-controller
 {{- end }}
 {{- end }}
 
-{{/* The in-chart PostgreSQL's password: the value, else the one already in the cluster, else a new one. */}}
+{{/* "true" when the render sees the cluster (helm install/upgrade; not helm template or Argo CD, whose lookups find nothing). */}}
+{{- define "agentrun.seesCluster" -}}
+{{- if lookup "v1" "Namespace" "" "kube-system" }}true{{ end }}
+{{- end }}
+
+{{/* The Secret of the step-token key (and the keys a rotation retired). */}}
+{{- define "agentrun.stepTokenKeySecret" -}}
+{{- default (printf "%s-step-token-key" (include "agentrun.fullname" .)) .Values.controller.stepTokenKey.existingSecret }}
+{{- end }}
+
+{{/* The in-chart PostgreSQL's password: the value, else the one already in the cluster, else a new one where the next render will find it. */}}
 {{- define "agentrun.postgresqlPassword" -}}
 {{- if .Values.postgresql.password }}
 {{- .Values.postgresql.password }}
@@ -108,6 +118,8 @@ agentrun-controller
 {{- $existing := lookup "v1" "Secret" .Release.Namespace (printf "%s-postgresql" (include "agentrun.fullname" .)) }}
 {{- if and $existing $existing.data (hasKey $existing.data "password") }}
 {{- index $existing.data "password" | b64dec }}
+{{- else if not (include "agentrun.seesCluster" .) }}
+{{- fail "postgresql.password: this render cannot see the cluster (helm template, Argo CD, a client-side dry run), so a password generated here would change at every render while the database keeps the first; set postgresql.password, or use store.existingSecret with a PostgreSQL of your own" }}
 {{- else }}
 {{- /* Stable within one render (the store URL and the server must agree). */}}
 {{- $cache := .Values.postgresql }}
