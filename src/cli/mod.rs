@@ -393,13 +393,15 @@ fn random_key() -> anyhow::Result<[u8; 32]> {
     Ok(key)
 }
 
+type SecretData = BTreeMap<String, k8s_openapi::ByteString>;
+
 /// The Secret `data` after a rotation to `fresh`: `key` = `fresh`, `retired`
 /// = the old key then the keys retired before; and the signing key ids
 /// (new, old). Refuses data with no valid `key`.
 fn rotated_key_data(
-    data: &BTreeMap<String, k8s_openapi::ByteString>,
+    data: &SecretData,
     fresh: &str,
-) -> Result<(BTreeMap<String, k8s_openapi::ByteString>, (String, String)), String> {
+) -> Result<(SecretData, (String, String)), String> {
     use crate::controller::step_token::TokenKey;
     let old = data
         .get("key")
