@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Builds llama-server (CPU only, statically linked against llama/ggml) and fetches
-# a small GGUF model, once per version, into ~/.cache/agentrun/, for the
-# end-to-end tests that need a real model server (see e2e/llama).
+# Builds llama.cpp (CPU only) as shared libraries with llama-server linked to
+# them, and fetches a small GGUF model, once per version, into ~/.cache/agentrun/,
+# for the end-to-end tests that need a real model server (see e2e/llama and
+# e2e/llama-python).
 #
 #   e2e/build-llama.sh [all|server|model|paths]   (model = GGUF + chat template)
 #
 # llama-server comes from the llama.cpp sources vendored in the llama-cpp-python
 # source distribution (vendor/llama.cpp, tools/server); only the llama-server
-# target is built, without CUDA/Metal/HTTPS/web UI downloads.
+# target (and the libraries it links: libllama, libggml*, libmtmd) is built,
+# without CUDA/Metal/HTTPS/web UI downloads. The libraries are shared, not
+# static, so that llama-cpp-python's server (e2e/build-llama-python.sh) loads
+# these very ones instead of compiling llama.cpp a second time: the compile is
+# most of a cold CI machine's setup. Layout: $LLAMA_HOME/bin/llama-server,
+# $LLAMA_HOME/lib/lib*.so* (llama-server finds them by its rpath $ORIGIN/../lib).
 # The model (Gemma 3 270M, Q4_K_M) is published as four chunk packages plus
 # an assembler package; they go into a private --target directory, the
 # package's assemble() joins the chunks and checks the sha256, and the directory
@@ -25,7 +31,11 @@ LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 GEMMA_GGUF_VERSION="${GEMMA_GGUF_VERSION:-1.0.0}"
 JOBS="${LLAMA_BUILD_JOBS:-2}"
 CACHE="${AGENTRUN_CACHE:-$HOME/.cache/agentrun}"
-LLAMA_BIN="$CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION/bin"
+# "-shared": the layout above. The older key (llama-cpp-python-VERSION/bin, one
+# static llama-server) is left alone and no longer used.
+LLAMA_HOME="$CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-shared"
+LLAMA_BIN="$LLAMA_HOME/bin"
+LLAMA_LIB="$LLAMA_HOME/lib"
 LLAMA_SERVER="$LLAMA_BIN/llama-server"
 MODEL="$CACHE/models/gemma3-270m-q4_k_m-$GEMMA_GGUF_VERSION.gguf"
 # The GGUF is the *base* google/gemma-3-270m and carries no chat template (llama-server
@@ -41,14 +51,18 @@ die() { log "error: $*"; exit 1; }
 
 PYTHON="${PYTHON:-$(command -v python3 || true)}"
 
+# Complete only with the server and the library llama-cpp-python loads; both are
+# moved in last, after they ran/loaded.
+server_ready() { [ -x "$LLAMA_SERVER" ] && [ -f "$LLAMA_LIB/libllama.so" ]; }
+
 build_server() {
-  if [ -x "$LLAMA_SERVER" ]; then log "llama-server (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION) cached in $LLAMA_BIN"; return; fi
+  if server_ready; then log "llama-server and libllama (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION) cached in $LLAMA_HOME"; return; fi
   command -v cmake >/dev/null || die "cmake is required to build llama-server"
   command -v c++ >/dev/null || die "a C++ compiler is required to build llama-server"
   [ -n "$PYTHON" ] || die "python3 (with pip) is required to fetch the llama-cpp-python sources"
   local work="$CACHE/build/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION" t0=$SECONDS
   local src="$work/src" sdist
-  mkdir -p "$work/dl" "$LLAMA_BIN"
+  mkdir -p "$work/dl"
 
   sdist=$(ls "$work/dl"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION".tar.gz 2>/dev/null || true)
   if [ -z "$sdist" ]; then
@@ -70,9 +84,13 @@ build_server() {
   command -v ninja >/dev/null && gen=(-G Ninja)
   log "configuring llama.cpp (from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION)"
   # No web UI: LLAMA_USE_PREBUILT_UI would download it at build time.
+  # The install rpath is written at link time (BUILD_WITH_INSTALL_RPATH): the
+  # files are copied, not `cmake --install`ed (that wants every tool built).
+  rm -rf "$work/cmake"
   cmake -S "$src/vendor/llama.cpp" -B "$work/cmake" "${gen[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=OFF \
+    -DBUILD_SHARED_LIBS=ON \
+    -DCMAKE_INSTALL_RPATH='$ORIGIN/../lib' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
@@ -83,12 +101,23 @@ build_server() {
   log "building llama-server with $JOBS jobs (cold: several minutes)"
   cmake --build "$work/cmake" --target llama-server -j "$JOBS" >"$work/cmake-build.log" 2>&1 ||
     { tail -n 30 "$work/cmake-build.log" >&2; die "llama-server build failed; read $work/cmake-build.log"; }
-  install -m 0755 "$work/cmake/bin/llama-server" "$LLAMA_SERVER.tmp"
-  "$LLAMA_SERVER.tmp" --version >/dev/null 2>&1 || die "the built llama-server does not run ($LLAMA_SERVER.tmp --version)"
-  mv "$LLAMA_SERVER.tmp" "$LLAMA_SERVER"
+  install_server "$work/cmake/bin"
   log "built llama-server in $((SECONDS - start)) s ($((SECONDS - t0)) s with download)"
   # The build tree is large; the sdist stays for a rebuild.
   rm -rf "$work/cmake" "$src"
+}
+
+# Into a fresh $LLAMA_HOME.tmp (symlinks kept: libllama.so -> libllama.so.0 -> ...),
+# checked there, then renamed: an interrupted run leaves no half cache.
+install_server() {
+  local built=$1 tmp="$LLAMA_HOME.tmp"
+  rm -rf "$tmp" && mkdir -p "$tmp/bin" "$tmp/lib"
+  install -m 0755 "$built/llama-server" "$tmp/bin/llama-server"
+  cp -P "$built"/lib*.so* "$tmp/lib/"
+  [ -f "$tmp/lib/libllama.so" ] || die "the build made no libllama.so in $built"
+  "$tmp/bin/llama-server" --version >/dev/null 2>&1 ||
+    die "the built llama-server does not run ($tmp/bin/llama-server --version; ldd it)"
+  rm -rf "$LLAMA_HOME" && mv "$tmp" "$LLAMA_HOME"
 }
 
 model_ok() {
@@ -122,7 +151,7 @@ case "${1:-all}" in
   server) build_server ;;
   model) fetch_model ;;
   all) fetch_model; build_server ;;
-  paths) echo "LLAMA_SERVER=$LLAMA_SERVER"; echo "LLAMA_MODEL=$MODEL"; echo "LLAMA_CHAT_TEMPLATE=$HERE/gemma3-tools.jinja"; exit 0 ;;
+  paths) echo "LLAMA_SERVER=$LLAMA_SERVER"; echo "LLAMA_LIB=$LLAMA_LIB"; echo "LLAMA_MODEL=$MODEL"; echo "LLAMA_CHAT_TEMPLATE=$HERE/gemma3-tools.jinja"; exit 0 ;;
   *) echo "usage: $0 [all|server|model|paths]" >&2; exit 2 ;;
 esac
 log "llama ready in $((SECONDS - t_all)) s"

@@ -852,6 +852,25 @@ async fn a_provider_answering_500_twice_then_200_is_one_answer_without_a_crash()
         .filter(|(_, s)| matches!(s, Step::ModelCall(_)))
         .count();
     assert_eq!(calls, 1, "{:?}", kinds(&log));
+    // The step pod that retried is gone: the controller counts the attempts
+    // from the record, and a scrape of its /metrics shows all three.
+    let port = w.metrics_port();
+    let attempts = |outcome: &'static str| {
+        let name =
+            format!(r#"agentrun_model_attempts_total{{provider="OpenAI",outcome="{outcome}"}}"#);
+        async move { common::controller::metric(port, &name).await }
+    };
+    common::wait_for(
+        "the controller to count the model attempts",
+        Duration::from_secs(30),
+        || async {
+            let (failed, ok) = (attempts("5xx").await, attempts("ok").await);
+            (failed == Some(2.0) && ok == Some(1.0))
+                .then_some(())
+                .ok_or_else(|| format!("5xx {failed:?}, ok {ok:?}"))
+        },
+    )
+    .await;
 }
 
 /// A provider's refusal (llama-cpp-python's validation error, here as a

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use agentrun::api::{ModelSpec, Provider};
 use agentrun::model::{
-    ClientOptions, Message, ModelClient, ModelError, ModelRequest, RetryPolicy, ToolCall, ToolDef,
+    AttemptOutcome, ClientOptions, Message, ModelClient, ModelError, ModelRequest, RetryPolicy,
+    ToolCall, ToolDef,
 };
 use serde_json::{Value, json};
 
@@ -408,11 +409,16 @@ async fn case_server_error_then_success_is_retried(p: Provider) {
         json!([{"status": 500}, {"text": "recovered", "inputTokens": 7, "outputTokens": 3}]),
     )
     .await;
-    let r = s
+    let (r, attempts) = s
         .client(p, id, Some(KEY))
-        .complete(&simple_request())
-        .await
-        .expect("retried to success");
+        .complete_counted(&simple_request())
+        .await;
+    let r = r.expect("retried to success");
+    assert_eq!(
+        attempts,
+        [AttemptOutcome::ServerError, AttemptOutcome::Ok],
+        "each attempt is told, by class"
+    );
     assert_eq!(r.text.as_deref(), Some("recovered"));
     assert_eq!((r.usage.input_tokens, r.usage.output_tokens), (7, 3));
     let (count, requests) = s.calls(id).await;
@@ -429,12 +435,13 @@ async fn case_rate_limit_honours_retry_after(p: Provider) {
     )
     .await;
     let start = Instant::now();
-    let r = s
+    let (r, attempts) = s
         .client(p, id, Some(KEY))
-        .complete(&simple_request())
-        .await
-        .expect("retried after Retry-After");
+        .complete_counted(&simple_request())
+        .await;
+    let r = r.expect("retried after Retry-After");
     let waited = start.elapsed();
+    assert_eq!(attempts, [AttemptOutcome::RateLimited, AttemptOutcome::Ok]);
     assert_eq!(r.text.as_deref(), Some("after the wait"));
     // The policy's own backoff is 20 ms: only Retry-After explains a 1 s wait.
     assert!(waited >= Duration::from_millis(950), "{waited:?}");
@@ -449,11 +456,12 @@ async fn case_bad_request_is_not_retried(p: Provider) {
         json!([{"status": 400, "message": "prompt is too long"}, {"text": "must not be reached"}]),
     )
     .await;
-    let err = s
+    let (err, attempts) = s
         .client(p, id, Some(KEY))
-        .complete(&simple_request())
-        .await
-        .expect_err("400 fails");
+        .complete_counted(&simple_request())
+        .await;
+    let err = err.expect_err("400 fails");
+    assert_eq!(attempts, [AttemptOutcome::ClientError]);
     match &err {
         ModelError::Rejected { status, message } => {
             assert_eq!(*status, 400);
@@ -500,10 +508,9 @@ async fn case_timeout_is_retried(p: Provider) {
     opts.timeout = Duration::from_millis(400);
     let client = ModelClient::with_options(&s.spec(p, id), Some(KEY.into()), opts).unwrap();
     let start = Instant::now();
-    let r = client
-        .complete(&simple_request())
-        .await
-        .expect("second attempt answers");
+    let (r, attempts) = client.complete_counted(&simple_request()).await;
+    let r = r.expect("second attempt answers");
+    assert_eq!(attempts, [AttemptOutcome::Timeout, AttemptOutcome::Ok]);
     assert_eq!(r.text.as_deref(), Some("quick"));
     assert!(start.elapsed() < Duration::from_millis(2500));
     assert_eq!(s.calls(id).await.0, 2);

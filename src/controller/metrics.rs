@@ -8,12 +8,16 @@
 //! | `agentrun_approval_wait_seconds` | histogram | `verdict` | approval raised to decided ([`Metrics::observe_approval_wait`]) |
 //! | `agentrun_model_tokens_total` | counter | `direction`, `model` | usage of observed `ModelCall`/`Summary` records |
 //! | `agentrun_model_cost_usd_total` | counter | `model` | same, cost |
+//! | `agentrun_model_attempts_total` | counter | `provider`, `outcome` | HTTP attempts of model calls, retries included, as the step recorded them in `ModelCall`/`Summary`/`Observation` records ([`crate::runlog::records::ModelAttempts`]) |
 //! | `agentrun_store_append_duration_seconds` | histogram | `outcome` | the controller's own appends |
 //! | `agentrun_dispatch_seconds` | histogram | `stage` | the record a first-attempt step Job follows stored → its reconcile started / the Job created ([`Metrics::observe_dispatch`]) |
 //! | `agentrun_reconciliations_total`, `agentrun_reconcile_errors_total`, `agentrun_reconcile_duration_seconds` | | `reason` | the reconciler |
 //!
 //! Records and Jobs that ended before this process started are not counted:
-//! the replica that led then counted them.
+//! the replica that led then counted them. So a record is counted at most
+//! once across restarts and replicas, and these counters are this process's
+//! (they start at zero with it, like any Prometheus counter); a record
+//! appended while no controller ran is not counted by any.
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
@@ -33,7 +37,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use crate::api::{AgentRun, Phase};
-use crate::store::Record;
+use crate::runlog::records::ModelAttempts;
+use crate::store::{Record, StepKind};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
@@ -64,6 +69,12 @@ pub struct TokenLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ModelLabel {
     pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AttemptLabel {
+    pub provider: String,
+    pub outcome: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -100,6 +111,8 @@ pub struct Metrics {
     pub approval_wait: HistogramFamily<VerdictLabel>,
     pub model_tokens: Family<TokenLabel, Counter>,
     pub model_cost: Family<ModelLabel, Counter<f64, AtomicU64>>,
+    /// HTTP attempts of model calls, from the records that carry them.
+    pub model_attempts: Family<AttemptLabel, Counter>,
     pub store_append: HistogramFamily<OutcomeLabel>,
     /// From the record a step Job follows being stored to its reconcile
     /// starting and to its Job being created ([`Metrics::observe_dispatch`]).
@@ -173,6 +186,7 @@ impl Metrics {
             approval_wait: Family::new_with_constructor(approval_buckets),
             model_tokens: Family::default(),
             model_cost: Family::default(),
+            model_attempts: Family::default(),
             store_append: Family::new_with_constructor(append_buckets),
             dispatch: Family::new_with_constructor(dispatch_buckets),
             log_integrity_failures: Counter::default(),
@@ -227,6 +241,12 @@ impl Metrics {
             "agentrun_model_cost_usd",
             "Model cost recorded in step logs, in the prices' currency (USD by convention)",
             m.model_cost.clone(),
+        );
+        registry.register(
+            "agentrun_model_attempts",
+            "HTTP attempts of model calls (retries inside a step included), by provider \
+             (wire format) and outcome (ok, malformed, 3xx, 4xx, 429, 5xx, timeout, transport)",
+            m.model_attempts.clone(),
         );
         registry.register(
             "agentrun_store_append_duration_seconds",
@@ -303,6 +323,7 @@ impl Metrics {
                     .get_or_create(&ModelLabel { model })
                     .inc_by(r.usage.cost_micros as f64 / 1e6);
             }
+            self.count_attempts(r);
         }
         let end = records.last().map_or(0, |r| r.seq as usize + 1);
         seen.log_len.insert(uid.to_string(), end.max(from));
@@ -311,6 +332,33 @@ impl Metrics {
             if let Some(runs) = runs.as_ref() {
                 seen.prune(runs);
             }
+        }
+    }
+
+    /// The model attempts a record carries (only model-call records do; older
+    /// ones carry none).
+    fn count_attempts(&self, r: &Record) {
+        if !matches!(
+            r.kind,
+            StepKind::ModelCall | StepKind::Summary | StepKind::Observation
+        ) {
+            return;
+        }
+        // Only this field is decoded: the rest of the payload is not needed here.
+        let Some(attempts) = r
+            .payload
+            .get("attempts")
+            .and_then(|a| serde_json::from_value::<ModelAttempts>(a.clone()).ok())
+        else {
+            return;
+        };
+        for outcome in attempts.outcomes {
+            self.model_attempts
+                .get_or_create(&AttemptLabel {
+                    provider: attempts.provider.clone(),
+                    outcome,
+                })
+                .inc();
         }
     }
 
@@ -477,7 +525,7 @@ fn phase_name(phase: Phase) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{Hash, StepKind, Usage, Versions, Worker};
+    use crate::store::{Hash, Usage, Versions, Worker};
     use serde_json::json;
 
     fn record(
@@ -548,6 +596,40 @@ mod tests {
             t.contains(r#"agentrun_model_cost_usd_total{model="m1"} 0.00025"#),
             "{t}"
         );
+    }
+
+    #[test]
+    fn counts_the_model_attempts_records_carry_once_each() {
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        let before = m.started - chrono::Duration::seconds(60);
+        let after = m.started + chrono::Duration::seconds(1);
+        let with = |seq, kind, outcomes: serde_json::Value, at| {
+            let mut r = record(seq, kind, (0, 0), 0, at);
+            r.payload = json!({"attempts": {"provider": "OpenAI", "outcomes": outcomes}});
+            r
+        };
+        let mut log = vec![
+            record(0, StepKind::RunStarted, (0, 0), 0, before),
+            // Counted by the controller that ran then.
+            with(1, StepKind::ModelCall, json!(["5xx", "ok"]), before),
+            // Written before attempts were recorded: nothing to count.
+            record(2, StepKind::ModelCall, (1, 1), 0, after),
+            with(3, StepKind::ModelCall, json!(["5xx", "5xx", "ok"]), after),
+        ];
+        m.observe_log("u1", &log);
+        m.observe_log("u1", &log);
+        log.push(with(4, StepKind::Observation, json!(["4xx"]), after));
+        // Only model-call records carry attempts.
+        log.push(with(5, StepKind::ToolResult, json!(["ok"]), after));
+        m.observe_log("u1", &log);
+        let t = text(&registry);
+        for (outcome, n) in [("5xx", 2), ("ok", 1), ("4xx", 1)] {
+            let sample = format!(
+                r#"agentrun_model_attempts_total{{provider="OpenAI",outcome="{outcome}"}} {n}"#
+            );
+            assert!(t.contains(&sample), "{sample} in {t}");
+        }
     }
 
     #[test]

@@ -453,6 +453,7 @@ mod tests {
         log.apply(Step::Observation(crate::runlog::records::Observation {
             text: "the model refused the request".into(),
             about_seq: None,
+            attempts: None,
             stop: Some(RunFinished {
                 outcome: Outcome::Failed,
                 result: None,
@@ -483,6 +484,7 @@ mod tests {
             text: "x".into(),
             about_seq: None,
             stop: None,
+            attempts: None,
         }));
         let act = decide_at(
             &run(),
@@ -695,6 +697,7 @@ mod tests {
             text: "x".into(),
             about_seq: None,
             stop: None,
+            attempts: None,
         }));
         assert_eq!(
             decide_at(&r, &log, job(1, 1, JobState::Active, None), Some(true), 1),
@@ -799,6 +802,7 @@ mod tests {
             text: "x".into(),
             about_seq: None,
             stop: None,
+            attempts: None,
         }));
         // Recorded and released: the next step starts though the pod has
         // not exited (or was never counted ready).

@@ -289,6 +289,7 @@ mod tests {
                 },
                 cost_usd: 0.0,
                 context: Default::default(),
+                attempts: None,
             }),
         ]
     }

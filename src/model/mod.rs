@@ -445,6 +445,27 @@ impl ModelClient {
 
     /// Calls the model once (retrying transient failures per the policy).
     pub async fn complete(&self, req: &ModelRequest) -> Result<ModelResponse, ModelError> {
+        self.complete_counted(req).await.0
+    }
+
+    /// [`ModelClient::complete`], with how each HTTP attempt ended, in order
+    /// (empty when no request was sent). The retries happen here, inside a
+    /// short-lived step process: the caller records these so that the
+    /// controller can count them ([`AttemptOutcome`]).
+    pub async fn complete_counted(
+        &self,
+        req: &ModelRequest,
+    ) -> (Result<ModelResponse, ModelError>, Vec<AttemptOutcome>) {
+        let mut attempts = Vec::new();
+        let result = self.call_with_retries(req, &mut attempts).await;
+        (result, attempts)
+    }
+
+    async fn call_with_retries(
+        &self,
+        req: &ModelRequest,
+        attempts: &mut Vec<AttemptOutcome>,
+    ) -> Result<ModelResponse, ModelError> {
         let body = serde_json::to_vec(&self.request_body(req))
             .map_err(|e| ModelError::Config(format!("encoding the request: {e}")))?;
         let policy = &self.options.retry;
@@ -459,13 +480,16 @@ impl ModelClient {
                 .timeout
                 .min(remaining)
                 .max(Duration::from_millis(1));
-            let failure = match self.attempt(&body, timeout).await {
+            let result = self.attempt(&body, timeout).await;
+            attempts.push(AttemptOutcome::of(&result));
+            let failure = match result {
                 Ok(resp) => return Ok(resp),
                 Err(Attempt::Fatal(e)) => return Err(e),
                 Err(Attempt::Transient {
                     status,
                     message,
                     retry_after,
+                    ..
                 }) => (status, message, retry_after),
             };
             let (status, message, retry_after) = failure;
@@ -540,6 +564,7 @@ impl ModelClient {
         if status == 429 || status == 408 || status >= 500 {
             Err(Attempt::Transient {
                 status: Some(status),
+                timed_out: false,
                 message: format!("HTTP {status}: {message}"),
                 retry_after,
             })
@@ -561,6 +586,7 @@ impl ModelClient {
         // even be built would fail the same way again, but cannot happen here.
         Attempt::Transient {
             status: None,
+            timed_out: e.is_timeout(),
             message: self.redact(&format!("{kind}: {}", error_chain(&e))),
             retry_after: None,
         }
@@ -579,9 +605,80 @@ enum Attempt {
     Fatal(ModelError),
     Transient {
         status: Option<u16>,
+        /// No status: the attempt's timeout passed (else the connection failed).
+        timed_out: bool,
         message: String,
         retry_after: Option<Duration>,
     },
+}
+
+/// How one HTTP attempt of a model call ended, by class: few enough values
+/// for a metric label (`agentrun_model_attempts_total{outcome}`), and what
+/// an operator tells apart (throttled, the server failing, the request refused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// A 2xx reply that was read.
+    Ok,
+    /// A reply that is not the expected JSON (or too large).
+    Malformed,
+    /// 3xx: not followed.
+    Redirect,
+    /// 4xx other than 429 (408 included: retried, but the client's side).
+    ClientError,
+    /// 429.
+    RateLimited,
+    /// 5xx.
+    ServerError,
+    /// No answer within the attempt's timeout.
+    Timeout,
+    /// The connection failed (refused, reset, a truncated body).
+    Transport,
+}
+
+impl AttemptOutcome {
+    /// The label value: `ok`, `malformed`, `3xx`, `4xx`, `429`, `5xx`,
+    /// `timeout`, `transport`.
+    pub fn label(self) -> &'static str {
+        match self {
+            AttemptOutcome::Ok => "ok",
+            AttemptOutcome::Malformed => "malformed",
+            AttemptOutcome::Redirect => "3xx",
+            AttemptOutcome::ClientError => "4xx",
+            AttemptOutcome::RateLimited => "429",
+            AttemptOutcome::ServerError => "5xx",
+            AttemptOutcome::Timeout => "timeout",
+            AttemptOutcome::Transport => "transport",
+        }
+    }
+
+    fn of(result: &Result<ModelResponse, Attempt>) -> Self {
+        match result {
+            Ok(_) => AttemptOutcome::Ok,
+            Err(Attempt::Fatal(ModelError::Malformed { .. })) => AttemptOutcome::Malformed,
+            Err(Attempt::Fatal(e)) => Self::of_status(e.status()),
+            Err(Attempt::Transient {
+                status: Some(s), ..
+            }) => Self::of_status(Some(*s)),
+            Err(Attempt::Transient { timed_out, .. }) => {
+                if *timed_out {
+                    AttemptOutcome::Timeout
+                } else {
+                    AttemptOutcome::Transport
+                }
+            }
+        }
+    }
+
+    fn of_status(status: Option<u16>) -> Self {
+        match status {
+            Some(429) => AttemptOutcome::RateLimited,
+            Some(s) if (300..400).contains(&s) => AttemptOutcome::Redirect,
+            Some(s) if s >= 500 => AttemptOutcome::ServerError,
+            // Fatal errors without a status are not HTTP attempts' (a config
+            // error happens before any); a 1xx is nobody's.
+            _ => AttemptOutcome::ClientError,
+        }
+    }
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -60,6 +60,21 @@ pub struct ContextInfo {
     pub estimated_tokens: u64,
 }
 
+/// The HTTP attempts one model call took. The retries happen inside the
+/// step process, which is gone before anything scrapes it: recorded with the
+/// answer (or the failure), the controller counts them when it reads the log
+/// (`agentrun_model_attempts_total`). Absent from records written before
+/// attempts were recorded, and where no request was sent.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelAttempts {
+    /// The wire format asked: `OpenAI` or `Anthropic` (as in the agent's spec).
+    pub provider: String,
+    /// How each attempt ended, in order: `ok`, `malformed`, `3xx`, `4xx`,
+    /// `429`, `5xx`, `timeout`, `transport`.
+    pub outcomes: Vec<String>,
+}
+
 /// The model's answer, recorded before anything acts on it.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -67,6 +82,8 @@ pub struct ModelCall {
     pub response: v1::ModelResponse,
     pub cost_usd: f64,
     pub context: ContextInfo,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<ModelAttempts>,
 }
 
 /// A tool call about to be made, with the key that makes repeating it safe.
@@ -116,6 +133,8 @@ pub struct Summary {
     pub through_seq: u64,
     pub response: v1::ModelResponse,
     pub cost_usd: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<ModelAttempts>,
 }
 
 /// Something the model must be told (a malformed reply, a refused call...),
@@ -129,6 +148,10 @@ pub struct Observation {
     pub about_seq: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop: Option<RunFinished>,
+    /// The model call this observes the failure of (a malformed reply, a
+    /// refusal, an outage), when it is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<ModelAttempts>,
 }
 
 /// How a run ended.

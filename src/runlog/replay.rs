@@ -698,6 +698,7 @@ pub(crate) mod tests {
             },
             cost_usd: 0.5,
             context: ContextInfo::default(),
+            attempts: None,
         })
     }
 
@@ -821,6 +822,7 @@ pub(crate) mod tests {
                     through_seq: v.len() as u64 - 1,
                     response: m.response,
                     cost_usd: 0.25,
+                    attempts: None,
                 }));
             }
         }

@@ -422,4 +422,34 @@ mod tests {
         }
         assert_eq!(kinds.len(), 11, "one record of every kind: {kinds:?}");
     }
+
+    /// Model attempts (recorded since format 1 was fixed) are optional: the
+    /// fixture's model calls have none, and a record with them keeps them.
+    #[test]
+    fn model_attempts_are_optional_and_round_trip() {
+        let fixture: Vec<Value> =
+            serde_json::from_str(include_str!("testdata/format1.json")).unwrap();
+        let record = fixture
+            .iter()
+            .find(|r| r["kind"] == "ModelCall")
+            .expect("a ModelCall in the fixture");
+        let Step::ModelCall(mut call) = Step::decode(1, "ModelCall", &record["payload"]).unwrap()
+        else {
+            panic!("not a ModelCall")
+        };
+        assert_eq!(call.attempts, None);
+        call.attempts = Some(crate::runlog::records::ModelAttempts {
+            provider: "OpenAI".into(),
+            outcomes: vec!["5xx".into(), "ok".into()],
+        });
+        let payload = Step::ModelCall(call.clone()).payload();
+        assert_eq!(
+            payload["attempts"],
+            serde_json::json!({"provider": "OpenAI", "outcomes": ["5xx", "ok"]})
+        );
+        match Step::decode(1, "ModelCall", &payload).unwrap() {
+            Step::ModelCall(back) => assert_eq!(back, call),
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -13,7 +13,7 @@ use super::approval;
 use super::context::{ContextPlan, plan};
 use super::failpoint;
 use super::spans;
-use crate::model::{ModelClient, ModelError, ModelResponse, cost_usd};
+use crate::model::{AttemptOutcome, ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
 use crate::runlog::records::*;
 use crate::runlog::replay::{Next, RunState, Snapshot, Step};
@@ -490,7 +490,7 @@ impl Runner {
                 request,
                 through_seq,
             } => {
-                let Some(response) = self.ask(&client, &request).await? else {
+                let Some((response, attempts)) = self.ask(&client, &request).await? else {
                     return Ok(());
                 };
                 let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
@@ -500,11 +500,12 @@ impl Runner {
                     through_seq,
                     response: response.into(),
                     cost_usd: cost,
+                    attempts: Some(attempts),
                 };
                 self.append(Step::Summary(summary), None).await?;
             }
             ContextPlan::Call(request, context) => {
-                let Some(response) = self.ask(&client, &request).await? else {
+                let Some((response, attempts)) = self.ask(&client, &request).await? else {
                     return Ok(());
                 };
                 let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
@@ -514,6 +515,7 @@ impl Runner {
                         response: response.into(),
                         cost_usd: cost,
                         context,
+                        attempts: Some(attempts),
                     }),
                     Some(model_id),
                 )
@@ -523,13 +525,15 @@ impl Runner {
         Ok(())
     }
 
-    /// Calls the model. A reply the model could not give (bad request, bad
-    /// key) ends the run; an outage ends this attempt so the controller retries.
+    /// Calls the model: its answer, with the attempts it took (for the record
+    /// the caller appends). A reply that cannot be read is recorded and told to
+    /// the model; a refusal (bad request, bad key) or an outage that outlasted
+    /// the retries is recorded and ends the run.
     async fn ask(
         &mut self,
         client: &ModelClient,
         request: &crate::model::ModelRequest,
-    ) -> anyhow::Result<Option<ModelResponse>> {
+    ) -> anyhow::Result<Option<(ModelResponse, ModelAttempts)>> {
         self.hold_lease("before-model-call").await?;
         // A model call starts a step: where a FollowLatest run moves to its
         // Agent's new version, never with the old prompt asked once more.
@@ -538,7 +542,11 @@ impl Runner {
             return Ok(None);
         }
         let span = spans::chat(client, request);
-        let answer = client.complete(request).instrument(span.clone()).await;
+        let (answer, outcomes) = client
+            .complete_counted(request)
+            .instrument(span.clone())
+            .await;
+        let attempts = recorded_attempts(client, &outcomes);
         spans::record_chat(&span, &answer);
         // The span ends before the answer is recorded, and leaves before
         // then too: a crash after the record loses no span, and a call the
@@ -548,7 +556,7 @@ impl Runner {
         match answer {
             Ok(response) => {
                 failpoint::hit("after-model-call");
-                Ok(Some(response))
+                Ok(Some((response, attempts)))
             }
             Err(e @ ModelError::Malformed { .. }) => {
                 // Recorded and fed back: the model sees what went wrong on its next turn.
@@ -560,6 +568,7 @@ impl Runner {
                         text,
                         about_seq: None,
                         stop: None,
+                        attempts: Some(attempts),
                     }),
                     None,
                 )
@@ -567,7 +576,7 @@ impl Runner {
                 Ok(None)
             }
             Err(e) => {
-                self.provider_failed(client, &e).await?;
+                self.provider_failed(client, &e, attempts).await?;
                 Ok(None)
             }
         }
@@ -580,6 +589,7 @@ impl Runner {
         &mut self,
         client: &ModelClient,
         e: &ModelError,
+        attempts: ModelAttempts,
     ) -> anyhow::Result<()> {
         let why = match e {
             ModelError::Unavailable { .. } => "did not answer in time",
@@ -592,6 +602,8 @@ impl Runner {
                 text: text.clone(),
                 about_seq: None,
                 stop: None,
+                // A configuration error sent nothing: no attempts to count.
+                attempts: (!attempts.outcomes.is_empty()).then_some(attempts),
             }),
             None,
         )
@@ -799,7 +811,20 @@ fn stop_step(finished: RunFinished) -> Step {
         text: finished.error.clone().unwrap_or_default(),
         about_seq: None,
         stop: Some(finished),
+        attempts: None,
     })
+}
+
+/// The attempts of one model call as the log records them.
+fn recorded_attempts(client: &ModelClient, outcomes: &[AttemptOutcome]) -> ModelAttempts {
+    let provider = match client.provider() {
+        crate::api::Provider::OpenAI => "OpenAI",
+        crate::api::Provider::Anthropic => "Anthropic",
+    };
+    ModelAttempts {
+        provider: provider.into(),
+        outcomes: outcomes.iter().map(|o| o.label().to_string()).collect(),
+    }
 }
 
 /// Retries an operation while the store is unreachable (a store outage stalls
