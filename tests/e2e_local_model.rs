@@ -38,25 +38,9 @@ async fn tokens_predicted(base: &str) -> u64 {
         .unwrap_or_else(|| panic!("no llamacpp:tokens_predicted_total in {text}"))
 }
 
+/// The model may call its tool over and over: the budget ends the run then.
 fn local_agent(w: &World, provider: &str, endpoint: &str) -> Value {
-    let base = &w.standins.base;
-    let t = w.name();
-    json!({
-        "prompt": {"version": "v1", "system": "You are a support agent."},
-        "model": {
-            "provider": provider, "name": "gemma-3-270m", "endpoint": endpoint,
-            "secretRef": {"name": "model-key", "key": "apiKey"},
-            "prices": {"inputPerMillion": 1.0, "outputPerMillion": 4.0},
-            "maxOutputTokens": 128
-        },
-        "tools": [
-            {"name": "lookup_order", "description": "Looks an order up by id.",
-             "inputSchema": {"type": "object", "required": ["orderId"], "properties": {"orderId": {"type": "string"}}},
-             "http": {"url": format!("{base}/tools/{t}/lookup_order"), "idempotent": true, "readOnly": true}}
-        ],
-        // The model may call its tool over and over: the budget ends the run then.
-        "budgets": {"maxSteps": 24}
-    })
+    common::world::local_model_agent(w, provider, endpoint, 24)
 }
 
 /// One run through `provider`, its first step pod killed right after it

@@ -40,28 +40,12 @@ fn answered(log: &str) -> usize {
         .count()
 }
 
+/// The server's template does not show the model tool results, so it may
+/// call its tool again and again: seven records (start, call, intent,
+/// result, call, intent, result) and the budget ends the run before a third
+/// model call, after the two this test needs.
 fn agent(w: &World, endpoint: &str) -> Value {
-    let base = &w.standins.base;
-    let t = w.name();
-    json!({
-        "prompt": {"version": "v1", "system": "You are a support agent."},
-        "model": {
-            "provider": "OpenAI", "name": "gemma-3-270m", "endpoint": endpoint,
-            "secretRef": {"name": "model-key", "key": "apiKey"},
-            "prices": {"inputPerMillion": 1.0, "outputPerMillion": 4.0},
-            "maxOutputTokens": 128
-        },
-        "tools": [
-            {"name": "lookup_order", "description": "Looks an order up by id.",
-             "inputSchema": {"type": "object", "required": ["orderId"], "properties": {"orderId": {"type": "string"}}},
-             "http": {"url": format!("{base}/tools/{t}/lookup_order"), "idempotent": true, "readOnly": true}}
-        ],
-        // The server's template does not show the model tool results, so it
-        // may call its tool again and again: seven records (start, call,
-        // intent, result, call, intent, result) and the budget ends the run
-        // before a third model call, after the two this test needs.
-        "budgets": {"maxSteps": 7}
-    })
+    common::world::local_model_agent(w, "OpenAI", endpoint, 7)
 }
 
 /// The run once it has ended, whichever way (a model call takes seconds on

@@ -301,3 +301,26 @@ pub fn call(name: &str, args: Value) -> Value {
 pub fn finish(result: &str) -> Value {
     call("finish", json!({"result": result}))
 }
+
+/// The agent of the real-model tests (Gemma 3 270M behind `endpoint`, in
+/// `provider`'s wire format): one read-only, idempotent lookup tool, at most
+/// `max_steps` records (a base model may call its tool over and over).
+pub fn local_model_agent(w: &World, provider: &str, endpoint: &str, max_steps: u32) -> Value {
+    let base = &w.standins.base;
+    let t = w.name();
+    json!({
+        "prompt": {"version": "v1", "system": "You are a support agent."},
+        "model": {
+            "provider": provider, "name": "gemma-3-270m", "endpoint": endpoint,
+            "secretRef": {"name": "model-key", "key": "apiKey"},
+            "prices": {"inputPerMillion": 1.0, "outputPerMillion": 4.0},
+            "maxOutputTokens": 128
+        },
+        "tools": [
+            {"name": "lookup_order", "description": "Looks an order up by id.",
+             "inputSchema": {"type": "object", "required": ["orderId"], "properties": {"orderId": {"type": "string"}}},
+             "http": {"url": format!("{base}/tools/{t}/lookup_order"), "idempotent": true, "readOnly": true}}
+        ],
+        "budgets": {"maxSteps": max_steps}
+    })
+}

@@ -36,6 +36,18 @@ async fn script(w: &World, name: &str) {
         .await;
 }
 
+/// alice (finance) approves `approval` as shown.
+async fn alice_approves(w: &World, approval: &agentrun::api::Approval) {
+    decide(
+        w,
+        "alice",
+        &approval.metadata.name.clone().unwrap(),
+        entry("alice", "Approve", &approval.spec.arguments_hash, "ok"),
+    )
+    .await
+    .expect("alice approves");
+}
+
 /// Appends `records` to run `uid`'s log as mallory, with the writer credential.
 async fn append_as_mallory(store: &dyn StepStore, uid: &str, records: &[Record]) {
     let lease = store
@@ -137,14 +149,7 @@ async fn keys_a_decision_copied_into_another_runs_log_is_refused() {
     script(&w, "first").await;
     gated_run(&w, "first", "first").await;
     let approval = pending_approval(&w, "first").await;
-    decide(
-        &w,
-        "alice",
-        &approval.metadata.name.clone().unwrap(),
-        entry("alice", "Approve", &approval.spec.arguments_hash, "ok"),
-    )
-    .await
-    .expect("alice approves");
+    alice_approves(&w, &approval).await;
     let first = w.wait_phase("first", Phase::Succeeded).await;
     assert_eq!(w.standins.effects(w.name()).await.len(), 1);
     let log1: Vec<Record> = w.log(&first).await.into_iter().map(|(r, _)| r).collect();
@@ -310,14 +315,7 @@ async fn keys_a_rotation_keeps_waiting_and_running_runs_and_old_signatures() {
         ("AGENTRUN_STEP_TOKEN_RETIRED_KEYS", &format!("{old}\n")),
     ]);
     let running = w.wait_phase("running", Phase::Succeeded).await;
-    decide(
-        &w,
-        "alice",
-        &approval.metadata.name.clone().unwrap(),
-        entry("alice", "Approve", &approval.spec.arguments_hash, "ok"),
-    )
-    .await
-    .expect("alice approves after the rotation");
+    alice_approves(&w, &approval).await;
     let waiting = w.wait_phase("waiting", Phase::Succeeded).await;
     assert_eq!(w.standins.effects(w.name()).await.len(), 1, "one refund");
     assert_eq!(
