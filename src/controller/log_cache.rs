@@ -11,6 +11,12 @@
 //! found waiting then, its head where the status anchors it, gets a token
 //! without its log being read.
 //!
+//! Memory: the cache holds at most its budget of record bytes (payload
+//! sizes, estimated), and one run at most a quarter of it; a run over that
+//! is not kept, and keeping one evicts others until it fits. A run without
+//! an entry is read again from the store (or its checkpoint), as after a
+//! restart: bounded memory costs reads, never correctness.
+//!
 //! Trust: every record is verified once, when it is first read (its chain
 //! link from the cached head, its hash, the controller's signature and the
 //! anchored head). A controller restart starts cold and verifies whole
@@ -42,6 +48,8 @@ pub struct Replayed {
     hashes: BTreeMap<u64, Hash>,
     /// The hash each record that may start a window chains from.
     links: BTreeMap<u64, Hash>,
+    /// Estimated bytes of each record the state still holds.
+    sizes: BTreeMap<u64, usize>,
 }
 
 impl Replayed {
@@ -65,6 +73,7 @@ impl Replayed {
             resumed: false,
             hashes: BTreeMap::new(),
             links: BTreeMap::new(),
+            sizes: BTreeMap::new(),
         }
     }
 
@@ -74,6 +83,7 @@ impl Replayed {
         let mut replayed = Replayed::at(r.state, r.head);
         replayed.resumed = true;
         replayed.hashes = r.records.iter().map(|r| (r.seq, r.hash)).collect();
+        replayed.sizes = r.records.iter().map(|r| (r.seq, record_bytes(r))).collect();
         replayed.links.insert(r.head.len, r.head.hash);
         replayed
     }
@@ -81,6 +91,7 @@ impl Replayed {
     /// Folds in the next record (decoded as `step`), remembering the hashes
     /// a checkpoint may name.
     pub fn apply(&mut self, record: &Record, step: Step) {
+        self.sizes.insert(record.seq, record_bytes(record));
         match &step {
             Step::RunStarted(_) | Step::VersionChanged(_) | Step::Summary(_) => {
                 self.hashes.insert(record.seq, record.hash);
@@ -109,6 +120,13 @@ impl Replayed {
         self.hashes
             .retain(|seq, _| *seq >= base || pinned.contains(seq));
         self.links.retain(|seq, _| *seq >= base);
+        self.sizes
+            .retain(|seq, _| *seq >= base || pinned.contains(seq));
+    }
+
+    /// Estimated bytes of the records it holds.
+    pub fn bytes(&self) -> usize {
+        self.sizes.values().sum()
     }
 
     /// The hash of record `seq`, if it is one a checkpoint may name.
@@ -120,6 +138,21 @@ impl Replayed {
     pub fn link_into(&self, seq: u64) -> Option<Hash> {
         self.links.get(&seq).copied()
     }
+}
+
+/// A record's estimated size in memory: its payload's strings and numbers,
+/// plus a fixed cost per record and per JSON node.
+fn record_bytes(record: &Record) -> usize {
+    fn walk(v: &serde_json::Value) -> usize {
+        use serde_json::Value::*;
+        16 + match v {
+            String(s) => s.len(),
+            Array(a) => a.iter().map(walk).sum(),
+            Object(o) => o.iter().map(|(k, v)| k.len() + walk(v)).sum(),
+            Null | Bool(_) | Number(_) => 0,
+        }
+    }
+    256 + walk(&record.payload)
 }
 
 /// What a waiting run was last found waiting on. While none of it changes
@@ -142,7 +175,9 @@ pub struct Asleep {
 /// Replayed logs by run uid, and what the head events said since.
 #[derive(Default)]
 pub struct LogCache {
-    entries: Mutex<HashMap<String, Replayed>>,
+    entries: Mutex<Entries>,
+    /// Bytes of records all entries may hold; 0: unbounded.
+    budget: usize,
     asleep: Mutex<HashMap<String, Asleep>>,
     /// Runs announced changed since their entry was read.
     dirty: Mutex<HashSet<String>>,
@@ -155,18 +190,60 @@ pub struct LogCache {
     refs: Mutex<HashMap<String, ObjectRef<AgentRun>>>,
 }
 
+/// The replayed logs and the bytes they hold.
+#[derive(Default)]
+struct Entries {
+    map: HashMap<String, (Replayed, usize)>,
+    bytes: usize,
+}
+
+impl Entries {
+    fn remove(&mut self, uid: &str) -> Option<Replayed> {
+        let (replayed, bytes) = self.map.remove(uid)?;
+        self.bytes -= bytes;
+        Some(replayed)
+    }
+}
+
 impl LogCache {
+    /// A cache holding at most `budget` bytes of records (0: unbounded).
+    pub fn with_budget(budget: usize) -> LogCache {
+        LogCache {
+            budget,
+            ..Default::default()
+        }
+    }
+
+    /// Estimated bytes of records held.
+    pub fn bytes(&self) -> usize {
+        self.entries.lock().expect("not poisoned").bytes
+    }
+
     /// Takes the run's entry out for the reconcile (kube-runtime never runs
     /// two reconciles of one run at once); [`LogCache::keep`] puts it back.
     pub fn take(&self, uid: &str) -> Option<Replayed> {
         self.entries.lock().expect("not poisoned").remove(uid)
     }
 
+    /// Puts the run's entry back, within the budget: a run over a quarter
+    /// of it is not kept; others are evicted until it fits.
     pub fn keep(&self, uid: &str, replayed: Replayed) {
-        self.entries
-            .lock()
-            .expect("not poisoned")
-            .insert(uid.to_string(), replayed);
+        let bytes = replayed.bytes();
+        let mut entries = self.entries.lock().expect("not poisoned");
+        entries.remove(uid);
+        if self.budget > 0 {
+            if bytes > self.budget / 4 {
+                return;
+            }
+            while entries.bytes + bytes > self.budget {
+                let Some(victim) = entries.map.keys().next().cloned() else {
+                    break;
+                };
+                entries.remove(&victim);
+            }
+        }
+        entries.bytes += bytes;
+        entries.map.insert(uid.to_string(), (replayed, bytes));
     }
 
     /// Whether `replayed` is known to be the run's whole log: head events
@@ -246,10 +323,17 @@ impl LogCache {
     pub fn retain(&self, exists: impl Fn(&ObjectRef<AgentRun>) -> bool) {
         let mut refs = self.refs.lock().expect("not poisoned");
         refs.retain(|_, r| exists(r));
-        self.entries
-            .lock()
-            .expect("not poisoned")
-            .retain(|uid, _| refs.contains_key(uid));
+        let mut entries = self.entries.lock().expect("not poisoned");
+        let gone: Vec<String> = entries
+            .map
+            .keys()
+            .filter(|uid| !refs.contains_key(*uid))
+            .cloned()
+            .collect();
+        for uid in gone {
+            entries.remove(&uid);
+        }
+        drop(entries);
         self.asleep
             .lock()
             .expect("not poisoned")
@@ -289,7 +373,7 @@ impl LogCache {
 
     /// How many replayed logs are held (for tests and the scale benchmark).
     pub fn len(&self) -> usize {
-        self.entries.lock().expect("not poisoned").len()
+        self.entries.lock().expect("not poisoned").map.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -363,5 +447,52 @@ mod tests {
         assert_eq!(cache.len(), 1);
         assert!(cache.take("u1").is_none());
         assert!(cache.refs_of(&["u1".into(), "u2".into()]) == vec![run("r2")]);
+    }
+
+    fn holding(bytes: usize) -> Replayed {
+        let mut r = Replayed::empty();
+        r.sizes.insert(0, bytes);
+        r
+    }
+
+    #[test]
+    fn log_cache_holds_at_most_its_budget_in_bytes() {
+        let cache = LogCache::with_budget(1000);
+        cache.keep("u1", holding(200));
+        cache.keep("u2", holding(200));
+        assert_eq!(cache.bytes(), 400);
+        // A run over a quarter of the budget is read again, never held.
+        cache.keep("big", holding(251));
+        assert!(cache.take("big").is_none());
+        assert_eq!(cache.bytes(), 400);
+        // Keeping more evicts others until it fits.
+        for i in 0..10 {
+            cache.keep(&format!("more-{i}"), holding(250));
+            assert!(cache.bytes() <= 1000, "{} bytes held", cache.bytes());
+        }
+        assert!(cache.bytes() > 750, "evicted only what was needed");
+        // Taking, keeping again and forgetting keep the count exact.
+        let held = cache.bytes();
+        let r = cache.take("more-9").expect("the last one kept");
+        assert_eq!(cache.bytes(), held - 250);
+        cache.keep("more-9", r);
+        assert_eq!(cache.bytes(), held);
+        cache.forget("more-9");
+        assert_eq!(cache.bytes(), held - 250);
+    }
+
+    #[test]
+    fn a_records_size_grows_with_its_payload() {
+        let record = |text: &str| {
+            crate::store::RecordDraft::new(
+                crate::store::StepKind::Observation,
+                serde_json::json!({"text": text}),
+            )
+            .seal(&Head::EMPTY)
+            .unwrap()
+        };
+        let small = record_bytes(&record("x"));
+        let big = record_bytes(&record(&"x".repeat(1 << 20)));
+        assert!(big - small >= (1 << 20) - 1, "{small} {big}");
     }
 }

@@ -128,6 +128,10 @@ pub struct Options {
     /// The retired keys themselves, one per line (from the Secret's `retired`).
     #[arg(long, env = "AGENTRUN_STEP_TOKEN_RETIRED_KEYS", hide_env_values = true)]
     pub step_token_retired_keys: Option<String>,
+    /// MiB of log records the controller keeps replayed between reconciles
+    /// (one run at most a quarter); runs beyond are read again from the store.
+    #[arg(long, env = "AGENTRUN_LOG_CACHE_MIB", default_value_t = 64)]
+    pub log_cache_mib: usize,
     /// Image of the step Jobs (the operator's own image).
     #[arg(long, env = "AGENTRUN_STEP_IMAGE", default_value = "agentrun:dev")]
     pub step_image: String,
@@ -357,7 +361,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         identity: format!("controller/{identity}"),
         http: crate::egress::client(user_urls.clone())?,
         user_urls,
-        logs: Default::default(),
+        logs: log_cache::LogCache::with_budget(opts.log_cache_mib << 20),
         job_cache: Some(job_cache.clone()),
         agent_cache: Some(agent_cache.clone()),
         policy_cache: Some(policies.clone()),
