@@ -175,6 +175,60 @@ fn abbreviate(s: &str, max: usize) -> String {
     }
 }
 
+/// Deliveries in flight, at most [`WEBHOOK_GLOBAL`] in all and
+/// [`WEBHOOK_PER_NAMESPACE`] for one namespace's runs: a tenant whose
+/// webhook hangs holds a few sockets for 5 s each, never the controller's
+/// file descriptors, and never another namespace's share.
+static WEBHOOK_SLOTS: std::sync::LazyLock<WebhookSlots> =
+    std::sync::LazyLock::new(|| WebhookSlots::new(WEBHOOK_GLOBAL, WEBHOOK_PER_NAMESPACE));
+const WEBHOOK_GLOBAL: usize = 64;
+const WEBHOOK_PER_NAMESPACE: usize = 4;
+
+/// Slots for webhook deliveries: global and per namespace.
+struct WebhookSlots {
+    global: std::sync::Arc<tokio::sync::Semaphore>,
+    per_namespace: usize,
+    namespaces:
+        std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Semaphore>>>,
+}
+
+/// A delivery's slots, given back when it ends.
+struct WebhookPermit {
+    _global: tokio::sync::OwnedSemaphorePermit,
+    _namespace: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl WebhookSlots {
+    fn new(global: usize, per_namespace: usize) -> WebhookSlots {
+        WebhookSlots {
+            global: std::sync::Arc::new(tokio::sync::Semaphore::new(global)),
+            per_namespace,
+            namespaces: Default::default(),
+        }
+    }
+
+    /// Slots for one delivery of `namespace`'s, or `None` when either is full
+    /// (notifications are best effort: dropped, never queued without bound).
+    fn try_acquire(&self, namespace: &str) -> Option<WebhookPermit> {
+        let ns = {
+            let mut map = self.namespaces.lock().expect("not poisoned");
+            // Namespaces with nothing in flight are forgotten.
+            map.retain(|_, s| s.available_permits() < self.per_namespace);
+            map.entry(namespace.to_string())
+                .or_insert_with(|| {
+                    std::sync::Arc::new(tokio::sync::Semaphore::new(self.per_namespace))
+                })
+                .clone()
+        };
+        let namespace = ns.try_acquire_owned().ok()?;
+        let global = self.global.clone().try_acquire_owned().ok()?;
+        Some(WebhookPermit {
+            _global: global,
+            _namespace: namespace,
+        })
+    }
+}
+
 /// Tells the policy's webhook about an approval event (`raised`, `escalated`,
 /// `decided`, `expired`), best effort: a webhook never holds a run up.
 pub fn notify(
@@ -205,8 +259,13 @@ pub fn notify(
         "approvers": request.gate.approvers,
         "detail": detail,
     });
+    let Some(permit) = WEBHOOK_SLOTS.try_acquire(&run.namespace().unwrap_or_default()) else {
+        tracing::warn!(%url, event, "approval webhook dropped: too many deliveries in flight");
+        return;
+    };
     let http = http.clone();
     tokio::spawn(async move {
+        let _permit = permit;
         let sent = http
             .post(&url)
             .json(&body)
@@ -945,6 +1004,26 @@ async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<A
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn webhook_deliveries_are_capped_per_namespace_and_in_all() {
+        let slots = WebhookSlots::new(5, 2);
+        let a: Vec<_> = (0..2).map(|_| slots.try_acquire("a").unwrap()).collect();
+        assert!(slots.try_acquire("a").is_none(), "a's share is full");
+        let b: Vec<_> = (0..2).map(|_| slots.try_acquire("b").unwrap()).collect();
+        let c = slots
+            .try_acquire("c")
+            .expect("another namespace still gets one");
+        assert!(slots.try_acquire("d").is_none(), "all slots in use");
+        drop(a);
+        assert!(
+            slots.try_acquire("a").is_some(),
+            "given back when delivered"
+        );
+        drop((b, c));
+        assert_eq!(slots.global.available_permits(), 5);
+    }
+
     use super::*;
     use crate::api::{Approvers, Decision, OnExpiry};
     use serde_json::json;
