@@ -130,6 +130,16 @@ fn abbreviate(s: &str) -> String {
     }
 }
 
+/// The client dependency lookups go out with: no redirects (a lookup URL
+/// the agent author chose must not be bounced to an address nobody chose;
+/// a 3xx reads as unreadable), short timeouts.
+pub fn lookup_client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(std::time::Duration::from_secs(15))
+        .build()
+}
+
 /// Reads each dependency's current version through its read-only lookup.
 /// `{name}` in a lookup URL is replaced by the call's argument `name`.
 pub async fn read_dependencies(
@@ -217,6 +227,37 @@ pub fn changed(before: &[DependencyVersion], now: &[DependencyVersion]) -> Optio
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[tokio::test]
+    async fn a_lookup_that_redirects_is_unreadable_never_followed() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let served = tokio::spawn(async move {
+            let mut hits = 0;
+            while let Ok(Ok((mut conn, _))) =
+                tokio::time::timeout(std::time::Duration::from_millis(500), listener.accept()).await
+            {
+                hits += 1;
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf).await;
+                let reply = format!(
+                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://{addr}/elsewhere\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                conn.write_all(reply.as_bytes()).await.unwrap();
+            }
+            hits
+        });
+        let deps = vec![Dependency {
+            name: "order".into(),
+            lookup: format!("http://{addr}/orders/{{orderId}}"),
+        }];
+        let got =
+            read_dependencies(&deps, &json!({"orderId": "1"}), &lookup_client().unwrap()).await;
+        assert_eq!(got[0].version, format!("{UNREADABLE}: HTTP 307"));
+        assert_eq!(served.await.unwrap(), 1, "the redirect was not followed");
+    }
 
     fn v(name: &str, version: &str) -> DependencyVersion {
         DependencyVersion {

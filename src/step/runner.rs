@@ -277,9 +277,7 @@ impl Runner {
             state,
             own_intents: HashSet::new(),
             tools: None,
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(15))
-                .build()?,
+            http: approval::lookup_client()?,
             yielding: false,
             started,
         })
