@@ -130,6 +130,10 @@ fn abbreviate(s: &str) -> String {
     }
 }
 
+/// Largest lookup reply read: a version is small, and whoever answers is
+/// untrusted (a reply over this reads as unreadable).
+const MAX_LOOKUP_BYTES: usize = 1 << 20;
+
 /// The client dependency lookups go out with: no redirects (a lookup URL
 /// the agent author chose must not be bounced to an address nobody chose;
 /// a 3xx reads as unreadable), short timeouts.
@@ -150,14 +154,19 @@ pub async fn read_dependencies(
     let mut out = Vec::with_capacity(deps.len());
     for dep in deps {
         let version = match http.get(fill(&dep.lookup, args)).send().await {
-            Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
-                Ok(body) => match body.get("version") {
-                    Some(Value::String(v)) => v.clone(),
-                    Some(v) => v.to_string(),
-                    None => crate::store::sha256_hex(&crate::store::canonical_json(&body)),
-                },
-                Err(e) => format!("{UNREADABLE}: {e}"),
-            },
+            Ok(resp) if resp.status().is_success() => {
+                match crate::tools::read_body(resp, MAX_LOOKUP_BYTES)
+                    .await
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()))
+                {
+                    Ok(body) => match body.get("version") {
+                        Some(Value::String(v)) => v.clone(),
+                        Some(v) => v.to_string(),
+                        None => crate::store::sha256_hex(&crate::store::canonical_json(&body)),
+                    },
+                    Err(e) => format!("{UNREADABLE}: {e}"),
+                }
+            }
             Ok(resp) => format!("{UNREADABLE}: HTTP {}", resp.status().as_u16()),
             Err(e) => format!("{UNREADABLE}: {e}"),
         };
@@ -228,8 +237,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    #[tokio::test]
-    async fn a_lookup_that_redirects_is_unreadable_never_followed() {
+    /// A server answering every request with `reply(addr)`; counts them
+    /// (until half a second passes with none).
+    async fn serve(
+        reply: impl Fn(std::net::SocketAddr) -> Vec<u8> + Send + 'static,
+    ) -> (std::net::SocketAddr, tokio::task::JoinHandle<usize>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let _ = rustls::crypto::ring::default_provider().install_default();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -242,21 +254,56 @@ mod tests {
                 hits += 1;
                 let mut buf = [0u8; 1024];
                 let _ = conn.read(&mut buf).await;
-                let reply = format!(
-                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://{addr}/elsewhere\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                );
-                conn.write_all(reply.as_bytes()).await.unwrap();
+                let _ = conn.write_all(&reply(addr)).await;
             }
             hits
         });
+        (addr, served)
+    }
+
+    async fn lookup(addr: std::net::SocketAddr) -> String {
         let deps = vec![Dependency {
             name: "order".into(),
             lookup: format!("http://{addr}/orders/{{orderId}}"),
         }];
         let got =
             read_dependencies(&deps, &json!({"orderId": "1"}), &lookup_client().unwrap()).await;
-        assert_eq!(got[0].version, format!("{UNREADABLE}: HTTP 307"));
+        got[0].version.clone()
+    }
+
+    #[tokio::test]
+    async fn a_lookup_that_redirects_is_unreadable_never_followed() {
+        let (addr, served) = serve(|addr| {
+            format!(
+                "HTTP/1.1 307 Temporary Redirect\r\nLocation: http://{addr}/elsewhere\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .into_bytes()
+        })
+        .await;
+        assert_eq!(lookup(addr).await, format!("{UNREADABLE}: HTTP 307"));
         assert_eq!(served.await.unwrap(), 1, "the redirect was not followed");
+    }
+
+    #[tokio::test]
+    async fn a_lookup_reply_over_the_cap_is_unreadable() {
+        let (addr, served) = serve(|_| {
+            let body = format!("{{\"version\": \"{}\"}}", "v".repeat(MAX_LOOKUP_BYTES));
+            let mut r = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            r.extend_from_slice(body.as_bytes());
+            r
+        })
+        .await;
+        let version = lookup(addr).await;
+        assert!(
+            version.starts_with(UNREADABLE) && version.contains("larger than"),
+            "{}",
+            crate::text::prefix(&version, 200)
+        );
+        served.await.unwrap();
     }
 
     fn v(name: &str, version: &str) -> DependencyVersion {

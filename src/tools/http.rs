@@ -45,7 +45,7 @@ async fn attempt(request: reqwest::RequestBuilder) -> Attempt {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("no content type")
         .to_string();
-    let body = match read_body(response).await {
+    let body = match read_body(response, MAX_BODY).await {
         Ok(body) => body,
         Err(reason) => return Attempt::Transient { reason, sent: true },
     };
@@ -64,13 +64,17 @@ async fn attempt(request: reqwest::RequestBuilder) -> Attempt {
     }
 }
 
-async fn read_body(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
+/// The body, or an error once it passes `cap` bytes (read no further).
+pub(crate) async fn read_body(
+    mut response: reqwest::Response,
+    cap: usize,
+) -> Result<Vec<u8>, String> {
     let mut body = Vec::new();
     loop {
         match response.chunk().await {
             Ok(Some(chunk)) => {
-                if body.len() + chunk.len() > MAX_BODY {
-                    return Err(format!("response larger than {MAX_BODY} bytes"));
+                if body.len() + chunk.len() > cap {
+                    return Err(format!("response larger than {cap} bytes"));
                 }
                 body.extend_from_slice(&chunk);
             }

@@ -11,6 +11,8 @@
 //! Idempotency keys, request bodies and results are never logged.
 
 mod http;
+/// Reads a reply body up to a cap (shared with the step's dependency lookups).
+pub(crate) use http::read_body;
 mod key;
 mod mcp;
 mod schema;
