@@ -764,3 +764,65 @@ async fn a_request_whose_gate_the_pinned_policy_does_not_give_stops_the_run() {
     assert!(refunds(&w).await.is_empty());
     verified_log(&w, "gate").await;
 }
+
+/// A model reply within the reply cap (4 MiB) whose gated call carries 700 KiB
+/// of arguments: its Approval would be over what an Approval may hold. The run
+/// ends once, saying why and how large, with no Approval raised, no retry and
+/// nothing done; the reply itself is kept in the verified log.
+#[tokio::test]
+async fn a_gated_call_too_large_for_an_approval_ends_the_run_once_naming_its_size() {
+    let w = World::new("tr-huge", &[]).await;
+    grant_approver_role(&w).await;
+    let huge = "9".repeat(700 << 10);
+    let reply = json!({"text": "Refunding.",
+        "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": huge, "amount": 500}}]});
+    w.standins
+        .script("huge", json!([reply, finish("unreachable")]), json!([]))
+        .await;
+    w.create_run(
+        "huge",
+        json!({"input": "Refund.", "agent": gated_agent(&w, "huge", json!({}))}),
+        json!({}),
+    )
+    .await;
+
+    let run = w.wait_phase("huge", Phase::Failed).await;
+    let error = run.status.clone().unwrap().error.unwrap_or_default();
+    assert!(
+        error.contains("over the limit of 524288 bytes an Approval may have"),
+        "{error}"
+    );
+    assert!(
+        error.len() <= 4096,
+        "status.error is bounded: {} bytes",
+        error.len()
+    );
+    warning(&w, "huge", "ApprovalRequestRefused").await;
+    let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
+    let raised = approvals
+        .list(&ListParams::default().labels("agentrun.dev/run=huge"))
+        .await
+        .unwrap();
+    assert!(raised.items.is_empty(), "no Approval was raised");
+    assert_eq!(
+        w.standins.model_requests("huge").await.len(),
+        1,
+        "the model was asked once"
+    );
+    assert!(w.standins.tool_requests(w.name()).await.is_empty());
+    let log = verified_log(&w, "huge").await;
+    let finished: Vec<_> = log
+        .iter()
+        .filter(|s| matches!(s, Step::RunFinished(_)))
+        .collect();
+    assert_eq!(finished.len(), 1, "the run ended once: {finished:?}");
+    let proposed = log.iter().find_map(|s| match s {
+        Step::ModelCall(c) => c.response.tool_calls.first().map(|t| t.arguments.clone()),
+        _ => None,
+    });
+    assert_eq!(
+        proposed.and_then(|a| a["orderId"].as_str().map(str::len)),
+        Some(700 << 10),
+        "the proposal is in the log, whole"
+    );
+}
