@@ -149,9 +149,9 @@ where
 /// The gateway in front of `url`, over HTTP on a local port, and a client
 /// store per run (each with that run's own token).
 async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
-    use agentrun::controller::gateway::{Gateway, serve};
-    use agentrun::controller::run_index::RunIndex;
-    use agentrun::controller::step_token::TokenKey;
+    use agentrun::controller::servers::gateway::{Gateway, serve};
+    use agentrun::controller::servers::run_index::RunIndex;
+    use agentrun::controller::servers::step_token::TokenKey;
     let behind = store::open_with(
         url,
         &OpenOptions {
@@ -169,7 +169,7 @@ async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
     live.push(format!("{prefix}-hb"));
     let gw = Gateway::new(behind, key.clone(), RunIndex::with_live(live));
     let minting = key.clone();
-    let limits = agentrun::controller::gateway::GatewayLimits::default().server;
+    let limits = agentrun::controller::servers::gateway::GatewayLimits::default().server;
     let addr = serve("127.0.0.1:0".parse().unwrap(), gw, limits)
         .await
         .unwrap();

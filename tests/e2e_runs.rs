@@ -561,7 +561,7 @@ async fn a_lost_worker_is_noticed_by_its_lease_and_replaced() {
 async fn step_pods_deleted_after_progress_never_fail_the_run() {
     use k8s_openapi::api::core::v1::Pod;
     use kube::api::{DeleteParams, ListParams};
-    const DELETIONS: usize = agentrun::controller::phase::MAX_ATTEMPTS as usize + 2;
+    const DELETIONS: usize = agentrun::controller::reconciler::phase::MAX_ATTEMPTS as usize + 2;
     let w = World::new("disrupt", &[]).await;
     let mut replies: Vec<Value> = (0..DELETIONS + 1)
         .map(|i| call("lookup_order", json!({"orderId": format!("{i}")})))

@@ -310,11 +310,12 @@ async fn verify(
         .map(str::parse)
         .transpose()
         .map_err(|e| anyhow::anyhow!("status.log.headHash: {e:?}"))?;
-    let keys = crate::controller::published_keys::read(&k.client, controller_namespace).await?;
+    let keys =
+        crate::controller::servers::published_keys::read(&k.client, controller_namespace).await?;
     let store = crate::store::open(store_url).await?;
     let uid = r.metadata.uid.clone().unwrap_or_default();
     let records = store.read_all(&uid).await?;
-    let rules = crate::controller::status::signature_rules(&r);
+    let rules = crate::controller::reconciler::status::signature_rules(&r);
     let audit = crate::store::audit::Audit::of(&uid, &records, expected.as_ref(), &keys, rules);
     for s in &audit.signed {
         writeln!(out, "seq {} {}: {}", s.seq, s.kind, s.check)?;
@@ -402,7 +403,7 @@ fn rotated_key_data(
     data: &SecretData,
     fresh: &str,
 ) -> Result<(SecretData, (String, String)), String> {
-    use crate::controller::step_token::TokenKey;
+    use crate::controller::servers::step_token::TokenKey;
     let old = data
         .get("key")
         .ok_or("no `key` entry to rotate")?
@@ -863,7 +864,7 @@ mod tests {
 
     #[test]
     fn a_rotation_retires_the_old_key_first_and_keeps_earlier_ones() {
-        use crate::controller::step_token::TokenKey;
+        use crate::controller::servers::step_token::TokenKey;
         use k8s_openapi::ByteString;
         let (a, b, c) = ("a".repeat(32), "b".repeat(32), "c".repeat(32));
         let data = BTreeMap::from([("key".to_string(), ByteString(format!("{a}\n").into_bytes()))]);

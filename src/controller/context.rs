@@ -8,16 +8,12 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::batch::v1::Job;
 use kube::runtime::events::{Recorder, Reporter};
 
-use super::error::Error;
-use super::job::JobSettings;
-use super::metrics::Metrics;
 use crate::api::Agent;
+use crate::controller::error::Error;
+use crate::controller::metrics::Metrics;
 use crate::runlog::replay::Step;
 use crate::step::failpoint;
 use crate::store::{Head, RecordDraft, StepStore, StoreError};
-
-/// The one field manager every write of the controller uses.
-pub const FIELD_MANAGER: &str = "agentrun-controller";
 
 /// Shared state of the reconciler.
 pub struct Context {
@@ -29,7 +25,7 @@ pub struct Context {
     /// Name of the store in `status.log.store`.
     pub store_name: String,
     /// Mints each run's step-log gateway token (handed over in a per-run Secret).
-    pub tokens: super::step_token::TokenKey,
+    pub tokens: crate::controller::servers::step_token::TokenKey,
     /// Signs the controller's own records; the verifier checks them on every read.
     pub signer: crate::store::RecordSigner,
     pub verifier: crate::store::RecordVerifier,
@@ -41,32 +37,22 @@ pub struct Context {
     /// Which addresses `http` may reach (`--user-url-allow`): check a URL
     /// with it first, as IP literals bypass the client's resolver.
     pub user_urls: Arc<crate::egress::Policy>,
-    /// Each run's replayed log, extended by what its head events announce.
-    pub logs: super::log_cache::LogCache,
+    /// What the reconciler remembers about each run between reconciles
+    /// (its replayed log among it), forgotten in one place.
+    pub memory: crate::controller::memory::RunMemory,
     /// Whether the store pushes head events (else running runs are polled).
     pub store_pushes: bool,
-    /// Since when each run's lease has been seen free while its step runs.
-    pub lease_free_since: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
     /// Step Jobs and Agents as the controller's watches last saw them (a
     /// name missing there is read from the API server before it counts as gone).
     pub job_cache: Option<kube::runtime::reflector::Store<Job>>,
     pub agent_cache: Option<kube::runtime::reflector::Store<Agent>>,
-    pub policy_cache: Option<super::platform::PolicyCache>,
-    /// Runs whose step credential Secret this process created or found.
-    pub credentials: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// When each running run's progress was last written to its status.
-    pub progress_written: std::sync::Mutex<std::collections::HashMap<String, Instant>>,
-    /// Failed reconciles in a row, per run uid (the error backoff).
-    pub failures: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+    pub policy_cache: Option<crate::controller::watchers::platform::PolicyCache>,
     /// Logs whose window starts earlier get no checkpoint (`--checkpoint-min-records`).
     pub checkpoint_min: u64,
-    /// Runs this process has reported with a broken log (counted once,
-    /// however many reconciles see the break before the status says so).
-    pub tampered: std::sync::Mutex<std::collections::HashSet<String>>,
     /// MCP discovery, done outside the reconciles.
-    pub discovery: super::discovery::Discovery,
+    pub discovery: crate::controller::watchers::discovery::Discovery,
     /// Reconcile slots, shared fairly between namespaces.
-    pub slots: super::slots::Slots,
+    pub slots: crate::controller::slots::Slots,
     /// The runs as the controller's watch has them (a reconcile that waited
     /// for its slot reads its run again from here).
     pub run_cache: Option<kube::runtime::reflector::Store<crate::api::AgentRun>>,
@@ -84,7 +70,7 @@ impl Context {
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
 /// RunFinished), under the run's lease like any worker.
-pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
+pub(crate) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
     let lease = ctx
         .store
         .acquire(uid, &ctx.identity, Duration::from_secs(10))
@@ -113,7 +99,7 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
     let _ = ctx.store.release(&lease).await;
     if matches!(result, Ok(()) | Err(StoreError::Conflict { .. })) {
         // The head moved under the run's cached log: read past it next time.
-        ctx.logs.mark_changed(uid);
+        ctx.memory.mark_changed(uid);
     }
     match result {
         // Someone recorded that seq first: reconcile again from the new head.
@@ -122,14 +108,36 @@ pub(super) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) ->
     }
 }
 
-pub(super) fn notice(
-    warning: bool,
-    reason: &'static str,
-    message: String,
-) -> super::decide::Notice {
-    super::decide::Notice {
+/// A Kubernetes Event to publish on the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Notice {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+pub(crate) fn notice(warning: bool, reason: &'static str, message: String) -> Notice {
+    Notice {
         warning,
         reason,
         message,
     }
+}
+
+/// Controller settings that shape step Jobs.
+#[derive(Clone, Debug)]
+pub struct JobSettings {
+    pub image: String,
+    /// The step-log gateway's URL, as step pods reach it.
+    pub store_url: String,
+    /// The controller's record-signing public key (hex).
+    pub controller_key: String,
+    pub service_account: String,
+    /// How long one Job may keep taking further steps before it exits.
+    pub time_slice_seconds: u64,
+    /// Honour the failpoint annotation (tests only; off in production).
+    pub allow_failpoints: bool,
+    /// Log format and OpenTelemetry settings handed to step pods
+    /// (`telemetry::step_env`).
+    pub telemetry_env: Vec<(String, String)>,
 }

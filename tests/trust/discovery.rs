@@ -162,7 +162,10 @@ async fn a_noisy_namespace_does_not_delay_another_namespaces_first_job() {
     )
     .await;
     let jobs: Api<Job> = Api::namespaced(client.clone(), b);
-    let selector = format!("{}=ordinary", agentrun::controller::job::RUN_LABEL);
+    let selector = format!(
+        "{}=ordinary",
+        agentrun::controller::reconciler::job::RUN_LABEL
+    );
     loop {
         let found = jobs.list(&ListParams::default().labels(&selector)).await;
         if found.is_ok_and(|l| !l.items.is_empty()) {
@@ -279,7 +282,7 @@ async fn a_followed_agent_that_gains_a_hanging_tool_fails_the_run_once() {
 #[tokio::test]
 async fn too_many_mcp_servers_are_refused_naming_the_field() {
     let w = World::new("mcp-count", &[]).await;
-    let n = agentrun::controller::discovery::MAX_MCP_SERVERS + 1;
+    let n = agentrun::controller::watchers::discovery::MAX_MCP_SERVERS + 1;
     let servers: Vec<_> = (0..n)
         .map(|i| {
             (

@@ -104,7 +104,7 @@ fn verify(w: &World, run: &str, store: &str) -> (bool, String) {
 /// Runs one step of run `uid` as its Job would (its own gateway token,
 /// the controller's published keys), outside any Job.
 async fn replay_as_step(w: &World, uid: &str, keys: &str) -> (bool, String) {
-    let token = agentrun::controller::step_token::TokenKey::new(
+    let token = agentrun::controller::servers::step_token::TokenKey::new(
         common::controller::step_token_key().as_bytes(),
     )
     .unwrap()
@@ -130,7 +130,7 @@ async fn replay_as_step(w: &World, uid: &str, keys: &str) -> (bool, String) {
 /// The controller's keys as its step Jobs get them.
 async fn published_keys(w: &World) -> String {
     let keys = common::wait_for("the controller's published keys", TIMEOUT, || async {
-        agentrun::controller::published_keys::read(&w.client, w.name())
+        agentrun::controller::servers::published_keys::read(&w.client, w.name())
             .await
             .map_err(|e| e.to_string())
     })
@@ -265,7 +265,7 @@ async fn keys_a_record_moved_to_another_seq_of_its_run_is_refused() {
 
 /// The signing key id of step-token key `key`.
 fn signing_key_id(key: &str) -> String {
-    agentrun::controller::step_token::TokenKey::new(key.as_bytes())
+    agentrun::controller::servers::step_token::TokenKey::new(key.as_bytes())
         .unwrap()
         .record_signer()
         .key_id()
@@ -326,7 +326,7 @@ async fn keys_a_rotation_keeps_waiting_and_running_runs_and_old_signatures() {
 
     // Both keys are published, the old one as retired.
     let published = common::wait_for("both keys published", TIMEOUT, || async {
-        let keys = agentrun::controller::published_keys::read(&w.client, w.name())
+        let keys = agentrun::controller::servers::published_keys::read(&w.client, w.name())
             .await
             .map_err(|e| e.to_string())?;
         let ids: Vec<(String, bool)> = keys

@@ -1,6 +1,7 @@
 //! The Job that runs one step of a run (DESIGN.md section 4). Pure: built
 //! from the run and the controller's settings, applied by the reconciler.
 
+use crate::controller::context::JobSettings;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{
@@ -54,24 +55,6 @@ pub const LOG_ANCHOR_ENV: &str = "AGENTRUN_LOG_ANCHOR";
 /// same name never meets an old credential.
 pub fn credential_secret(run_uid: &str) -> String {
     format!("agentrun-step-{run_uid}")
-}
-
-/// Controller settings that shape step Jobs.
-#[derive(Clone, Debug)]
-pub struct JobSettings {
-    pub image: String,
-    /// The step-log gateway's URL, as step pods reach it.
-    pub store_url: String,
-    /// The controller's record-signing public key (hex).
-    pub controller_key: String,
-    pub service_account: String,
-    /// How long one Job may keep taking further steps before it exits.
-    pub time_slice_seconds: u64,
-    /// Honour the failpoint annotation (tests only; off in production).
-    pub allow_failpoints: bool,
-    /// Log format and OpenTelemetry settings handed to step pods
-    /// (`telemetry::step_env`).
-    pub telemetry_env: Vec<(String, String)>,
 }
 
 /// Deterministic Job name: creating it twice is harmless, and a retry of the
@@ -138,11 +121,11 @@ pub fn build(
         plain(CONTROLLER_KEY_ENV, settings.controller_key.clone()),
         plain(
             SIGNED_FROM_ENV,
-            super::status::signed_from_at(run, anchor.len).to_string(),
+            crate::controller::reconciler::status::signed_from_at(run, anchor.len).to_string(),
         ),
         plain(
             BOUND_FROM_ENV,
-            super::status::bound_from_at(run, anchor.len).to_string(),
+            crate::controller::reconciler::status::bound_from_at(run, anchor.len).to_string(),
         ),
         EnvVar {
             name: "POD_NAME".into(),

@@ -27,7 +27,7 @@ use crate::store::{
     Hash, Head, Record, RecordSigner, RecordVerifier, StepStore, StoreError, canonical_json,
 };
 
-use super::log_cache::Replayed;
+use crate::controller::memory::Replayed;
 
 /// Logs whose window starts earlier are read whole: cheap, and no checkpoint
 /// to write (the default of `--checkpoint-min-records`).
@@ -261,7 +261,7 @@ mod tests {
             "{} pinned",
             resumed.records.len()
         );
-        let mut replayed = Replayed::resumed(resumed);
+        let mut replayed = Replayed::resumed(resumed.state, resumed.head, &resumed.records);
         let window = store
             .read_verified_after("uid-long", &replayed.head)
             .await

@@ -12,9 +12,9 @@ use kube::runtime::events::Reporter;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 
-use super::context::Context;
-use super::job::JobSettings;
 use crate::api::AgentRun;
+use crate::controller::context::Context;
+use crate::controller::context::JobSettings;
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
@@ -129,8 +129,10 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
     let store = crate::store::open(&format!("sqlite://{}", dir.join("log.db").display()))
         .await
         .unwrap();
-    let tokens =
-        super::step_token::TokenKey::new(b"a key of the reconcile test, 32 bytes or more").unwrap();
+    let tokens = crate::controller::servers::step_token::TokenKey::new(
+        b"a key of the reconcile test, 32 bytes or more",
+    )
+    .unwrap();
     let signer = tokens.record_signer();
     let mut registry = Registry::default();
     Context {
@@ -139,7 +141,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
             instance: None,
         },
         client,
-        metrics: super::metrics::Metrics::new(&mut registry),
+        metrics: crate::controller::metrics::Metrics::new(&mut registry),
         store,
         store_name: "default".into(),
         tokens,
@@ -157,24 +159,19 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         identity: "controller/test".into(),
         http: reqwest::Client::new(),
         user_urls: Default::default(),
-        logs: Default::default(),
+        memory: Default::default(),
         store_pushes: false,
         job_cache: None,
         agent_cache: None,
         policy_cache: None,
-        credentials: Default::default(),
-        lease_free_since: Default::default(),
-        progress_written: Default::default(),
-        failures: Default::default(),
-        checkpoint_min: super::checkpoint::MIN_SEQ,
-        tampered: Default::default(),
-        discovery: super::discovery::Discovery::new(
+        checkpoint_min: crate::controller::reconciler::checkpoint::MIN_SEQ,
+        discovery: crate::controller::watchers::discovery::Discovery::new(
             reqwest::Client::new(),
             Default::default(),
-            super::discovery::Limits::default(),
+            crate::controller::watchers::discovery::Limits::default(),
         )
         .0,
-        slots: super::slots::Slots::new(0, 0),
+        slots: crate::controller::slots::Slots::new(0, 0),
         run_cache: None,
     }
 }
@@ -211,7 +208,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         expect_nothing_more(&mut handle).await;
         (handle, status)
     });
-    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+    crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
         .await
         .unwrap();
     let (mut handle, status) = server.await.unwrap();
@@ -247,7 +244,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         expect_nothing_more(&mut handle).await;
         (handle, status)
     });
-    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+    crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
         .await
         .unwrap();
     let (mut handle, status) = server.await.unwrap();
@@ -271,7 +268,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         expect_nothing_more(&mut handle).await;
         handle
     });
-    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+    crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
         .await
         .unwrap();
     let mut handle = server.await.unwrap();
@@ -313,7 +310,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         assert_eq!(job["metadata"]["name"], "r1-951103-s1-a2");
         expect_status(&mut handle, &sent).await;
     });
-    super::reconcile::reconcile(Arc::new(run), ctx.clone())
+    crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone())
         .await
         .unwrap();
     server.await.unwrap();
@@ -404,7 +401,7 @@ async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
             expect_nothing_more(&mut handle).await;
             handle
         });
-        let action = super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+        let action = crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
             .await
             .unwrap();
         handle = server.await.unwrap();
@@ -419,7 +416,7 @@ async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
     // Someone changed the run: it is read whole.
     run.metadata.resource_version = Some("8".into());
     let server = tokio::spawn(async move { answer_everything(&mut handle).await });
-    let _ = super::reconcile::reconcile(Arc::new(run), ctx.clone()).await;
+    let _ = crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone()).await;
     server.await.unwrap();
     assert_eq!(reads(&ctx), (3, head.len), "the whole log read once more");
 }
@@ -479,7 +476,7 @@ async fn reconcile_recorded(
         let seen = answer_recording(&mut handle, &sent, &job).await;
         (handle, seen)
     });
-    super::reconcile::reconcile(Arc::new(run.clone()), ctx.clone())
+    crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
         .await
         .unwrap();
     server.await.unwrap()
@@ -541,7 +538,7 @@ async fn a_job_of_the_steps_name_made_by_someone_else_is_never_taken_for_the_run
 fn listed_policies(
     local: Vec<crate::api::AgentPolicy>,
 ) -> (
-    super::platform::PolicyCache,
+    crate::controller::watchers::platform::PolicyCache,
     impl Sized, // the writers
 ) {
     use kube::runtime::{reflector, watcher::Event};
@@ -554,7 +551,7 @@ fn listed_policies(
         local_writer.apply_watcher_event(&Event::InitApply(p));
     }
     local_writer.apply_watcher_event(&Event::InitDone);
-    let cache = super::platform::PolicyCache {
+    let cache = crate::controller::watchers::platform::PolicyCache {
         cluster,
         local: local_store,
     };
@@ -604,7 +601,7 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
         expect_nothing_more(&mut handle).await;
         status
     });
-    super::reconcile::reconcile(Arc::new(run), ctx.clone())
+    crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone())
         .await
         .unwrap();
     let status = server.await.unwrap();

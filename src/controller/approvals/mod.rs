@@ -10,6 +10,8 @@
 //! exactly that, owned by the run. A deleted Approval is raised again with
 //! the same expiry; a look-alike is never acted on.
 
+pub mod pinned_gate;
+
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Resource, ResourceExt};
@@ -21,9 +23,10 @@ use crate::api::{
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
-use super::context::{Context, FIELD_MANAGER, append, notice};
-use super::error::Error;
-use super::pinned_gate;
+use crate::controller::FIELD_MANAGER;
+use crate::controller::context::{Context, append, notice};
+use crate::controller::error::Error;
+
 use crate::policy::Classification;
 use crate::runlog::records::{
     ApprovalDecided, ApprovalRequested, RecordedDecision, RunFinished, Verdict,
@@ -481,7 +484,7 @@ pub(super) async fn handle(
     head: &Head,
     request_seq: u64,
     now: Timestamp,
-    notices: &mut Vec<super::decide::Notice>,
+    notices: &mut Vec<crate::controller::context::Notice>,
 ) -> Result<Option<Waiting>, Error> {
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
@@ -581,7 +584,7 @@ fn refused(
     request_seq: u64,
     reason: &str,
     log: &RunState,
-    notices: &mut Vec<super::decide::Notice>,
+    notices: &mut Vec<crate::controller::context::Notice>,
 ) -> RunFinished {
     let error = format!(
         "the approval request at log record {request_seq} ({}) was refused: {reason}; the call was not made",
@@ -604,7 +607,7 @@ fn after_expiry(
     expired: &ApprovalDecided,
     name: &str,
     log: &RunState,
-    notices: &mut Vec<super::decide::Notice>,
+    notices: &mut Vec<crate::controller::context::Notice>,
 ) -> Step {
     use crate::runlog::records::Outcome;
     let escalate = expired.on_expiry == Some(v1::OnExpiry::Escalate);
@@ -751,7 +754,7 @@ async fn raise_missing(
     expected: &Approval,
     name: &str,
     request: &ApprovalRequested,
-    notices: &mut Vec<super::decide::Notice>,
+    notices: &mut Vec<crate::controller::context::Notice>,
 ) -> Result<Approval, Error> {
     let raised = raise(approvals, expected, name).await?;
     // The run already waited on it: someone deleted it.
@@ -813,7 +816,7 @@ fn judge(
     request_seq: u64,
     name: &str,
     now: Timestamp,
-    notices: &mut Vec<super::decide::Notice>,
+    notices: &mut Vec<crate::controller::context::Notice>,
 ) -> Judged {
     let wrong = mismatches(expected, found);
     let bound = wrong.is_empty();
@@ -919,7 +922,7 @@ fn decision_record(
     log: &RunState,
     request_seq: u64,
     name: &str,
-    notices: &mut Vec<super::decide::Notice>,
+    notices: &mut Vec<crate::controller::context::Notice>,
 ) -> Option<crate::runlog::records::ApprovalDecided> {
     use crate::runlog::records::ApprovalDecided;
     let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(

@@ -20,7 +20,7 @@ pub struct Health {
     pub ready: Arc<AtomicBool>,
     /// The watches (and waits) that keep the controller from acting, named
     /// with their errors by `/readyz`.
-    pub watches: super::watches::Watches,
+    pub watches: crate::controller::watchers::health::Watches,
 }
 
 pub fn router(health: Health) -> Router {
@@ -38,7 +38,12 @@ pub fn router(health: Health) -> Router {
 /// on a listener and slots of its own: an attack on the step-log gateway
 /// never takes the probes' connections.
 pub async fn serve(listener: tokio::net::TcpListener, health: Health) {
-    super::server::serve(listener, router(health), super::server::Limits::PROBES).await
+    crate::controller::servers::bounded::serve(
+        listener,
+        router(health),
+        crate::controller::servers::bounded::Limits::PROBES,
+    )
+    .await
 }
 
 async fn metrics(

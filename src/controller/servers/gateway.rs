@@ -3,7 +3,7 @@
 //! [`crate::store::RemoteStore`].
 //!
 //! Each request carries `Authorization: Bearer <token>` where the token is
-//! the HMAC of the run uid in the path ([`super::step_token`]). The gateway
+//! the HMAC of the run uid in the path ([`crate::controller::servers::step_token`]). The gateway
 //! refuses:
 //! - a missing or malformed token (401), another run's token (403);
 //! - records only the controller writes (`RunStarted`, `VersionChanged`,
@@ -18,7 +18,7 @@
 //! pool, so heartbeats are never queued behind the reconciler's work.
 //!
 //! Before authentication a client gets nothing but a slot and a few seconds
-//! ([`super::server`]: connection limit, header, idle and body timeouts). The
+//! ([`crate::controller::servers::bounded`]: connection limit, header, idle and body timeouts). The
 //! token is checked from the headers before any body is read ([`gate`]), and
 //! an authenticated body is read only within [`MAX_BODY`] and a byte budget
 //! shared by all requests in flight ([`GatewayLimits::body_budget`]), so
@@ -35,8 +35,8 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use super::run_index::{RunIndex, RunPresence};
-use super::step_token::TokenKey;
+use crate::controller::servers::run_index::{RunIndex, RunPresence};
+use crate::controller::servers::step_token::TokenKey;
 use crate::store::{
     AcquireBody, AppendBody, Lease, OpenOptions, StepKind, StepStore, StoreError, WireError,
 };
@@ -57,7 +57,7 @@ const BUDGET_WAIT: Duration = Duration::from_secs(5);
 #[derive(Clone, Copy, Debug)]
 pub struct GatewayLimits {
     /// Connections, timeouts (before authentication).
-    pub server: super::server::Limits,
+    pub server: crate::controller::servers::bounded::Limits,
     /// Body bytes all authenticated requests may hold at once.
     pub body_budget: usize,
 }
@@ -65,7 +65,7 @@ pub struct GatewayLimits {
 impl Default for GatewayLimits {
     fn default() -> Self {
         GatewayLimits {
-            server: super::server::Limits {
+            server: crate::controller::servers::bounded::Limits {
                 max_connections: 4096,
                 header_timeout: Duration::from_secs(10),
                 body_timeout: Duration::from_secs(60),
@@ -391,7 +391,7 @@ async fn start(
 pub async fn serve(
     addr: SocketAddr,
     gateway: Gateway,
-    limits: super::server::Limits,
+    limits: crate::controller::servers::bounded::Limits,
 ) -> std::io::Result<SocketAddr> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
@@ -403,7 +403,11 @@ pub async fn serve(
     socket.bind(addr)?;
     let listener = socket.listen(1024)?;
     let local = listener.local_addr()?;
-    tokio::spawn(super::server::serve(listener, router(gateway), limits));
+    tokio::spawn(crate::controller::servers::bounded::serve(
+        listener,
+        router(gateway),
+        limits,
+    ));
     Ok(local)
 }
 

@@ -14,9 +14,9 @@ use kube::runtime::{Controller, WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use super::context::FIELD_MANAGER;
-use super::decide::{condition, set_condition};
 use crate::api::{Agent, AgentStatus, AgentTemplate};
+use crate::controller::FIELD_MANAGER;
+use crate::controller::conditions::{condition, set_condition};
 
 /// Why a template cannot be used, naming the field; `None` when it can.
 pub fn check(t: &AgentTemplate) -> Option<String> {
@@ -29,7 +29,8 @@ pub fn check(t: &AgentTemplate) -> Option<String> {
             ));
         }
     }
-    if let Some(refused) = super::discovery::too_many(&t.tools, "spec.tools") {
+    if let Some(refused) = crate::controller::watchers::discovery::too_many(&t.tools, "spec.tools")
+    {
         return Some(refused);
     }
     for (i, tool) in t.tools.iter().enumerate() {
@@ -91,7 +92,7 @@ async fn reconcile(agent: Arc<Agent>, client: Arc<kube::Client>) -> Result<Actio
 pub async fn run(
     agents: Api<Agent>,
     client: kube::Client,
-    watches: &super::watches::Watches,
+    watches: &crate::controller::watchers::health::Watches,
     stop: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let (cache, writer) = reflector::store();

@@ -4,11 +4,11 @@
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::decide::{condition, set_condition};
-use super::phase::{JobState, JobView, deadline, phase_of};
 use crate::api::{
     AgentRun, AgentRunStatus, CurrentStep, LogRef, PendingApproval, Phase, PinnedVersions, Usage,
 };
+use crate::controller::conditions::{condition, set_condition};
+use crate::controller::reconciler::phase::{JobState, JobView, deadline, phase_of};
 use crate::runlog::records::{Outcome, RunFinished};
 use crate::runlog::replay::RunState;
 use crate::store::Head;

@@ -3,9 +3,10 @@
 //! branch is unit-tested without a cluster.
 
 use jiff::Timestamp;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::api::{AgentRun, AgentRunStatus, AgentTemplate, Phase};
+use crate::controller::conditions::{condition, set_condition};
+use crate::controller::context::Notice;
 
 /// Condition type telling whether the run's agent could be resolved.
 pub const AGENT_RESOLVED: &str = "AgentResolved";
@@ -21,14 +22,6 @@ pub enum AgentLookup {
     NotFound { name: String },
 }
 
-/// A Kubernetes Event to publish on the run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Notice {
-    pub warning: bool,
-    pub reason: &'static str,
-    pub message: String,
-}
-
 /// The outcome of deciding: the desired status and what to tell the user.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -37,7 +30,7 @@ pub struct Plan {
 }
 
 /// Decides the desired status of `run`.
-pub fn decide(run: &AgentRun, agent: &AgentLookup, now: Timestamp) -> Plan {
+pub fn plan(run: &AgentRun, agent: &AgentLookup, now: Timestamp) -> Plan {
     let old = run.status.clone().unwrap_or_default();
     let mut status = old.clone();
     let mut notices = Vec::new();
@@ -112,43 +105,11 @@ pub fn inline_agent(run: &AgentRun) -> Option<&AgentTemplate> {
     run.spec.agent.as_ref()
 }
 
-/// Builds a condition stamped `now`.
-pub fn condition(
-    type_: &str,
-    ok: bool,
-    reason: &str,
-    message: &str,
-    generation: Option<i64>,
-    now: Timestamp,
-) -> Condition {
-    Condition {
-        type_: type_.to_string(),
-        status: if ok { "True" } else { "False" }.to_string(),
-        reason: reason.to_string(),
-        message: message.to_string(),
-        observed_generation: generation,
-        last_transition_time: Time(now),
-    }
-}
-
-/// Inserts or replaces a condition by type, keeping `lastTransitionTime` when
-/// the status did not change (Kubernetes convention).
-pub fn set_condition(conditions: &mut Vec<Condition>, mut new: Condition) {
-    match conditions.iter_mut().find(|c| c.type_ == new.type_) {
-        Some(existing) => {
-            if existing.status == new.status {
-                new.last_transition_time = existing.last_transition_time.clone();
-            }
-            *existing = new;
-        }
-        None => conditions.push(new),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::api::{AgentRunSpec, LocalRef};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn run(agent_ref: Option<&str>) -> AgentRun {
         let mut run = AgentRun::new(
@@ -171,7 +132,7 @@ mod tests {
 
     #[test]
     fn missing_agent_is_reported_with_field_and_namespace() {
-        let plan = decide(
+        let plan = plan(
             &run(Some("refunds")),
             &AgentLookup::NotFound {
                 name: "refunds".into(),
@@ -201,7 +162,7 @@ mod tests {
     fn found_agent_resolves_and_clears_waiting() {
         let mut r = run(Some("refunds"));
         r.status = Some(
-            decide(
+            plan(
                 &r,
                 &AgentLookup::NotFound {
                     name: "refunds".into(),
@@ -210,7 +171,7 @@ mod tests {
             )
             .status,
         );
-        let plan = decide(
+        let plan = plan(
             &r,
             &AgentLookup::Found {
                 generation: Some(1),
@@ -233,7 +194,7 @@ mod tests {
 
     #[test]
     fn inline_agent_resolves() {
-        let plan = decide(&run(None), &AgentLookup::Inline, t(5));
+        let plan = plan(&run(None), &AgentLookup::Inline, t(5));
         assert_eq!(plan.status.conditions[0].reason, "Inline");
         assert!(inline_agent(&run(None)).is_some());
     }
@@ -241,9 +202,9 @@ mod tests {
     #[test]
     fn unchanged_decision_is_idempotent_and_silent() {
         let mut r = run(Some("a"));
-        let first = decide(&r, &AgentLookup::Found { generation: None }, t(10));
+        let first = plan(&r, &AgentLookup::Found { generation: None }, t(10));
         r.status = Some(first.status.clone());
-        let second = decide(&r, &AgentLookup::Found { generation: None }, t(99));
+        let second = plan(&r, &AgentLookup::Found { generation: None }, t(99));
         assert_eq!(
             second.status, first.status,
             "a repeat reconcile must not move lastTransitionTime"
@@ -259,7 +220,7 @@ mod tests {
             waiting_on: Some("job/x".into()),
             ..Default::default()
         });
-        let plan = decide(&r, &AgentLookup::Inline, t(1));
+        let plan = plan(&r, &AgentLookup::Inline, t(1));
         assert_eq!(plan.status.phase, Some(Phase::Running));
         assert_eq!(plan.status.waiting_on.as_deref(), Some("job/x"));
     }

@@ -7,12 +7,12 @@ use kube::api::{Api, ListParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
-use super::error::Error;
 use crate::api::REQUESTER_ANNOTATION as REQUESTER;
 use crate::api::{
     AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
     DefaultAction, PlatformApproval, PlatformDefault, PlatformReadOnly, PlatformRule,
 };
+use crate::controller::error::Error;
 
 /// The policies that apply to one namespace, in the order they are checked.
 #[derive(Clone, Debug, Default)]
@@ -39,7 +39,7 @@ impl PolicyCache {
     pub fn follow(
         client: &kube::Client,
         ns: Option<&str>,
-        watches: &super::watches::Watches,
+        watches: &crate::controller::watchers::health::Watches,
     ) -> PolicyCache {
         let (cluster, cluster_writer) = reflector::store();
         let (local, local_writer) = reflector::store();
@@ -181,7 +181,7 @@ impl Platform {
                     crate::api::Provider::Anthropic => crate::model::ANTHROPIC_DEFAULT_ENDPOINT,
                 });
         if !allowed.endpoints.is_empty()
-            && let Err(why) = super::endpoint::normalize(endpoint)
+            && let Err(why) = crate::controller::watchers::endpoint::normalize(endpoint)
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, and the endpoint is ambiguous: {why}",
@@ -192,7 +192,7 @@ impl Platform {
             && !allowed
                 .endpoints
                 .iter()
-                .any(|p| super::endpoint::within(endpoint, p))
+                .any(|p| crate::controller::watchers::endpoint::within(endpoint, p))
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
@@ -560,11 +560,11 @@ mod tests {
                 "{lookalike} passed as the allowed endpoint"
             );
         }
-        assert!(super::super::endpoint::within(
+        assert!(crate::controller::watchers::endpoint::within(
             "https://h/v1/chat",
             "https://h/v1"
         ));
-        assert!(!super::super::endpoint::within(
+        assert!(!crate::controller::watchers::endpoint::within(
             "https://h/v10",
             "https://h/v1"
         ));

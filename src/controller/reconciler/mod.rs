@@ -1,6 +1,14 @@
 //! Reconcile one AgentRun: read (run, agent, log, Job, lease) → decide (pure,
 //! in `decide` and `phase`) → act → write status.
 
+pub mod checkpoint;
+pub mod job;
+pub mod phase;
+pub mod plan;
+pub mod status;
+#[cfg(test)]
+mod tests;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,23 +23,21 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use super::approval::Waiting;
-use super::checkpoint;
-use super::context::{Context, FIELD_MANAGER, append, notice};
-use super::decide::{AgentLookup, decide};
-use super::discovery::Answer;
-use super::error::Error;
-use super::job;
-use super::log_cache::{Asleep, Replayed};
-use super::metrics::ReasonLabel;
-use super::phase::{self, Act, JobState, JobView, LeaseView, Observed};
-use super::status;
 use crate::api::{Agent, AgentRun, AgentTemplate};
+use crate::controller::FIELD_MANAGER;
+use crate::controller::approvals::Waiting;
+use crate::controller::context::{Context, append, notice};
+use crate::controller::error::Error;
+use crate::controller::memory::{Asleep, Replayed};
+use crate::controller::metrics::ReasonLabel;
+use crate::controller::watchers::discovery::Answer;
 use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::runlog::replay::{RunState, Step};
 use crate::step::failpoint;
 use crate::store::{Head, StoreError, check_anchor, check_anchor_after, sha256_hex};
 use crate::tools::{McpCatalog, Toolbox};
+use phase::{Act, JobState, JobView, LeaseView, Observed};
+use plan::{AgentLookup, plan};
 
 /// What the controller read about a run's agent.
 struct Resolved {
@@ -39,7 +45,7 @@ struct Resolved {
     template: Option<AgentTemplate>,
 }
 
-/// Reconciles `run` in its turn ([`super::slots`]). The work is boxed: a
+/// Reconciles `run` in its turn ([`crate::controller::slots`]). The work is boxed: a
 /// reconcile waiting for its slot is a small future.
 pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = run.namespace().unwrap_or_default();
@@ -64,7 +70,7 @@ async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
         Err(e) => report_stalled(&run, &ctx, e).await,
         Ok(_) => {
             let uid = run.uid().unwrap_or_default();
-            ctx.failures.lock().expect("not poisoned").remove(&uid);
+            ctx.memory.succeeded(&uid);
         }
     }
     ctx.metrics
@@ -80,7 +86,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
 
     // Read: the agent.
     let resolved = resolve_agent(run, ctx, &ns).await?;
-    let mut plan = decide(run, &resolved.lookup, Timestamp::now());
+    let mut plan = plan(run, &resolved.lookup, Timestamp::now());
     let Some(template) = resolved.template else {
         write_status(run, ctx, &plan.status, plan.notices).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
@@ -91,7 +97,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     };
 
     // A waiting run with nothing to decide is not read (see `still_asleep`).
-    let cached = ctx.logs.take(&uid);
+    let cached = ctx.memory.take(&uid);
     if cached.is_none()
         && plan.notices.is_empty()
         && let Some(wait) = still_asleep(run, ctx, &uid).await?
@@ -172,10 +178,7 @@ async fn read_lease(
             Ok(Some(probe_lease(ctx, uid).await?))
         }
         _ => {
-            ctx.lease_free_since
-                .lock()
-                .expect("not poisoned")
-                .remove(uid);
+            ctx.memory.lease_free_for(uid, false);
             Ok(None)
         }
     }
@@ -264,7 +267,7 @@ async fn handle_approval(
     now: Timestamp,
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
-    let raised = super::approval::handle(
+    let raised = crate::controller::approvals::handle(
         run,
         ctx,
         &replayed.state,
@@ -408,22 +411,12 @@ fn only_progress(run: &AgentRun, new: &crate::api::AgentRunStatus) -> bool {
 /// `None` when the run's progress may be written now (and notes it was);
 /// otherwise how long until it may.
 fn progress_due(ctx: &Context, uid: &str) -> Option<Duration> {
-    let mut written = ctx.progress_written.lock().expect("not poisoned");
-    let now = Instant::now();
-    match written.get(uid) {
-        Some(at) if now.duration_since(*at) < PROGRESS_EVERY => {
-            Some(PROGRESS_EVERY - now.duration_since(*at))
-        }
-        _ => {
-            written.insert(uid.to_string(), now);
-            None
-        }
-    }
+    ctx.memory.progress_due(uid, PROGRESS_EVERY)
 }
 
 /// What acting on a decision adds to the status.
 struct Acting {
-    notices: Vec<super::decide::Notice>,
+    notices: Vec<crate::controller::context::Notice>,
     step: Option<crate::api::CurrentStep>,
     concluded: Option<RunFinished>,
     awaiting: Option<Waiting>,
@@ -451,20 +444,22 @@ async fn govern(
     ) {
         return Ok((act, template));
     }
-    let judge = |platform: &super::platform::Platform| {
+    let judge = |platform: &crate::controller::watchers::platform::Platform| {
         let governed = platform.govern(&template);
-        let refused = platform
-            .refusal(run, &template)
-            .or_else(|| super::platform::Platform::unjudgeable(run, &governed));
+        let refused = platform.refusal(run, &template).or_else(|| {
+            crate::controller::watchers::platform::Platform::unjudgeable(run, &governed)
+        });
         (governed, refused)
     };
-    let platform = super::platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns).await?;
+    let platform =
+        crate::controller::watchers::platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns)
+            .await?;
     let (mut governed, mut refused) = judge(&platform);
     if refused.is_some() && ctx.policy_cache.is_some() {
         // A refusal ends the run for good, and the watch cache may not have
         // seen a policy created together with the run yet: the API server's
         // own policies decide it.
-        let platform = super::platform::read(&ctx.client, None, ns).await?;
+        let platform = crate::controller::watchers::platform::read(&ctx.client, None, ns).await?;
         (governed, refused) = judge(&platform);
     }
     let template = governed;
@@ -529,7 +524,7 @@ async fn start_run(
 const DISCOVERY_RECHECK: Duration = Duration::from_secs(60);
 
 /// The MCP catalog of the run's agent, from the discovery worker (never
-/// discovered here: see [`super::discovery`]).
+/// discovered here: see [`crate::controller::watchers::discovery`]).
 fn discovered(run: &AgentRun, ctx: &Context, template: &AgentTemplate) -> Answer {
     let field = match (&run.spec.agent, &run.spec.agent_ref) {
         (None, Some(r)) => format!("Agent {}: spec.tools", r.name),
@@ -616,7 +611,7 @@ async fn create_job(
     if attempt > 1 {
         // A failed attempt may have been a pod that could not mount the
         // credential (someone deleted the Secret): make sure it is there.
-        ctx.credentials.lock().expect("not poisoned").remove(&uid);
+        ctx.memory.set_credential(&uid, false);
     }
     ensure_credential(run, ctx, ns, &uid).await?;
     let timeout = crate::api::parse_duration(&run.spec.step_timeout)
@@ -737,10 +732,10 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
 /// (whole, and verified, for a waiting run).
 async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option<Duration>, Error> {
     let now = Timestamp::now();
-    let known = match ctx.logs.take_asleep(uid) {
+    let known = match ctx.memory.take_asleep(uid) {
         Some(t) if t.run_version == run.resource_version() && now < t.wake_at => Some(t),
         Some(_) => return Ok(None),
-        None if !ctx.logs.follows(uid) && waits_as_left(run) => None,
+        None if !ctx.memory.follows(uid) && waits_as_left(run) => None,
         None => return Ok(None),
     };
     let deadline = phase::deadline(run);
@@ -748,9 +743,9 @@ async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option
         return Ok(None);
     }
     let (head, generation) = match &known {
-        Some(t) if ctx.logs.unchanged_since(uid, t.generation) => (t.head, t.generation),
+        Some(t) if ctx.memory.unchanged_since(uid, t.generation) => (t.head, t.generation),
         _ => {
-            let generation = ctx.logs.begin_read(uid);
+            let generation = ctx.memory.begin_read(uid);
             let head = ctx.store.head(uid).await.map_err(Error::Store)?;
             ctx.metrics.observe_read(&[]);
             (head, generation)
@@ -766,7 +761,7 @@ async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option
     if head != expected_head {
         return Ok(None);
     }
-    let Some(waiting) = super::approval::pending(run, ctx, &name, now).await? else {
+    let Some(waiting) = crate::controller::approvals::pending(run, ctx, &name, now).await? else {
         return Ok(None);
     };
     if known.is_some_and(|t| t.approval_generation != waiting.generation) {
@@ -774,8 +769,8 @@ async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option
     }
     let asleep = asleep(run, head, generation, &waiting, run.resource_version());
     let wait = Duration::try_from(asleep.wake_at.duration_since(now)).unwrap_or_default();
-    ctx.logs.follow(uid, ObjectRef::from_obj(run));
-    ctx.logs.put_asleep(uid, asleep);
+    ctx.memory.follow(uid, ObjectRef::from_obj(run));
+    ctx.memory.put_asleep(uid, asleep);
     Ok(Some(wait.max(Duration::from_secs(1))))
 }
 
@@ -825,10 +820,10 @@ async fn replay(
     cached: Option<Replayed>,
 ) -> Result<Result<Replayed, StoreError>, Error> {
     let uid = run.uid().unwrap_or_default();
-    if cached.as_ref().is_some_and(|c| ctx.logs.current(&uid, c)) {
+    if cached.as_ref().is_some_and(|c| ctx.memory.current(&uid, c)) {
         return Ok(Ok(cached.expect("checked above")));
     }
-    let generation = ctx.logs.begin_read(&uid);
+    let generation = ctx.memory.begin_read(&uid);
     let mut replayed = match cached {
         Some(cached) => cached,
         None => match resume(ctx, run, &uid).await? {
@@ -858,7 +853,7 @@ async fn replay(
             Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
         );
     }
-    let mut replayed = ctx.logs.stamp(replayed, generation);
+    let mut replayed = ctx.memory.stamp(replayed, generation);
     replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
     Ok(Ok(replayed))
 }
@@ -895,7 +890,11 @@ async fn resume(
         Ok(Some(resumed)) => {
             ctx.metrics.observe_read(&resumed.records);
             ctx.metrics.log_resumes.inc();
-            Ok(Ok(Some(Replayed::resumed(resumed))))
+            Ok(Ok(Some(Replayed::resumed(
+                resumed.state,
+                resumed.head,
+                &resumed.records,
+            ))))
         }
         Ok(None) => Ok(Ok(None)),
         Err(e @ StoreError::ChainBroken { .. }) => Ok(Err(e)),
@@ -938,21 +937,16 @@ fn keep_replayed(
     asleep: Option<Asleep>,
 ) {
     if finished {
-        ctx.logs.forget(uid);
-        ctx.credentials.lock().expect("not poisoned").remove(uid);
-        ctx.progress_written
-            .lock()
-            .expect("not poisoned")
-            .remove(uid);
+        ctx.memory.forget(uid);
         return;
     }
-    ctx.logs.follow(uid, ObjectRef::from_obj(run));
+    ctx.memory.follow(uid, ObjectRef::from_obj(run));
     // A waiting run's log is read and verified whole when it wakes: a log
     // rewritten in the database while it waited is caught then (parking it
     // within a budget saved those reads but missed that).
     match asleep {
-        Some(asleep) => ctx.logs.put_asleep(uid, asleep),
-        None => ctx.logs.keep(uid, replayed),
+        Some(asleep) => ctx.memory.put_asleep(uid, asleep),
+        None => ctx.memory.keep(uid, replayed),
     }
 }
 
@@ -977,9 +971,9 @@ async fn report_stalled(run: &AgentRun, ctx: &Context, error: &Error) {
     // one field manager (so the next successful apply clears both).
     let mut status = old;
     status.error = Some(message.clone());
-    super::decide::set_condition(
+    crate::controller::conditions::set_condition(
         &mut status.conditions,
-        super::decide::condition(
+        crate::controller::conditions::condition(
             status::STALLED,
             true,
             "ReconcileFailed",
@@ -1011,10 +1005,7 @@ pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Act
         })
         .inc();
     let uid = run.uid().unwrap_or_default();
-    let mut failures = ctx.failures.lock().expect("not poisoned");
-    let n = failures.entry(uid).or_default();
-    *n = n.saturating_add(1);
-    Action::requeue(error_backoff(*n))
+    Action::requeue(error_backoff(ctx.memory.failed(&uid)))
 }
 
 /// 1 s after the first failure in a row, doubling up to 5 minutes.
@@ -1240,16 +1231,7 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
     let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
     let live = lease.as_ref().is_some_and(|l| !l.expired);
     let released = lease.as_ref().is_some_and(|l| l.released);
-    let mut free_since = ctx.lease_free_since.lock().expect("not poisoned");
-    let free_for = if live {
-        free_since.remove(uid);
-        Duration::ZERO
-    } else {
-        let since = *free_since
-            .entry(uid.to_string())
-            .or_insert_with(Instant::now);
-        since.elapsed()
-    };
+    let free_for = ctx.memory.lease_free_for(uid, !live);
     Ok(LeaseView {
         live,
         free_for,
@@ -1313,7 +1295,7 @@ async fn ensure_credential(
     ns: &str,
     uid: &str,
 ) -> Result<(), Error> {
-    if ctx.credentials.lock().expect("not poisoned").contains(uid) {
+    if ctx.memory.has_credential(uid) {
         return Ok(());
     }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
@@ -1347,10 +1329,7 @@ async fn ensure_credential(
             });
         }
     }
-    ctx.credentials
-        .lock()
-        .expect("not poisoned")
-        .insert(uid.to_string());
+    ctx.memory.set_credential(uid, true);
     Ok(())
 }
 
@@ -1386,18 +1365,15 @@ async fn stop_tampered(
             .any(|c| c.type_ == LOG_INTACT && c.status == "False")
     });
     if already {
+        // Its status says so: nothing more to remember about it.
+        ctx.memory.forget(&run.uid().unwrap_or_default());
         return Ok(Action::await_change());
     }
     tracing::error!(run = %run.name_any(), namespace = %ns, error = %tampered, "step log failed verification; stopping the run");
     // A reconcile that starts before this one's status write is seen finds
     // the same break: one run, one count.
     let uid = run.uid().unwrap_or_default();
-    if ctx
-        .tampered
-        .lock()
-        .expect("not poisoned")
-        .insert(uid.clone())
-    {
+    if ctx.memory.first_tamper(&uid) {
         ctx.metrics.log_integrity_failures.inc();
     }
     let now = Timestamp::now();
@@ -1415,15 +1391,24 @@ async fn stop_tampered(
         conditions.push(status::SUCCEEDED);
     }
     for type_ in conditions {
-        super::decide::set_condition(
+        crate::controller::conditions::set_condition(
             &mut status.conditions,
-            super::decide::condition(type_, false, "LogTampered", &message, generation, now),
+            crate::controller::conditions::condition(
+                type_,
+                false,
+                "LogTampered",
+                &message,
+                generation,
+                now,
+            ),
         );
     }
     if let Some(name) = status.step.as_ref().and_then(|s| s.job.clone()) {
         delete_step_job(ctx, ns, &name).await?;
     }
-    ctx.logs.forget(&uid);
+    // Its broken log is let go; that it was counted is kept until its
+    // status says so (then it is forgotten whole).
+    drop((ctx.memory.take(&uid), ctx.memory.take_asleep(&uid)));
     let notice = notice(true, "LogTampered", truncate(&message, 900));
     write_status(run, ctx, &status, vec![notice]).await?;
     Ok(Action::await_change())
@@ -1467,7 +1452,7 @@ async fn write_status(
     run: &AgentRun,
     ctx: &Context,
     status: &crate::api::AgentRunStatus,
-    notices: Vec<super::decide::Notice>,
+    notices: Vec<crate::controller::context::Notice>,
 ) -> Result<Option<String>, Error> {
     let ns = run.namespace().unwrap_or_default();
     let mut version = run.resource_version();

@@ -1,0 +1,632 @@
+//! One controller process: its clients, caches and watches, the servers it
+//! hosts, leadership, and the controller loops.
+
+mod leader;
+mod throttle;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::PartialObjectMeta;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::events::Reporter;
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::wait::{await_condition, conditions};
+use kube::runtime::{Controller, watcher};
+use kube::{Api, Client, ResourceExt};
+use prometheus_client::registry::Registry;
+
+use super::memory;
+use super::reconciler::{self, job};
+use super::servers::{gateway, probes as http, published_keys, step_token};
+use super::watchers::{agent_status as agent, discovery, health as watches, platform};
+use super::{FIELD_MANAGER, context, metrics, slots};
+
+use crate::api::{Agent, AgentRun, Approval};
+
+/// Flags of `agentrun controller`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Options {
+    /// Watch only this namespace (all namespaces when omitted).
+    #[arg(long, env = "AGENTRUN_WATCH_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "AGENTRUN_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+    /// Elect one active replica through a coordination.k8s.io Lease.
+    #[arg(long, env = "AGENTRUN_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "agentrun-controller")]
+    pub lease_name: String,
+    /// Namespace of the Lease (the watched namespace, else the pod's, else `default`).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+    /// Namespace of the ConfigMap the controller publishes its public keys
+    /// in (`agentrun-controller-keys`, read by `kubectl agentrun verify`):
+    /// the pod's, else the watched namespace, else `default`.
+    #[arg(long, env = "AGENTRUN_KEYS_NAMESPACE")]
+    pub keys_namespace: Option<String>,
+    /// Identity of this replica in the Lease and in Events.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Seconds a leader holds the Lease without renewing it.
+    #[arg(long, default_value_t = 15)]
+    pub lease_seconds: u64,
+    /// Step-log store the controller reads and appends to.
+    #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
+    pub store_url: String,
+    /// Address of the step-log gateway step pods read and append through
+    /// (served by every replica, leader or not).
+    #[arg(long, env = "AGENTRUN_STEP_API_ADDR", default_value = "0.0.0.0:8081")]
+    pub step_api_addr: SocketAddr,
+    /// URL of that gateway as step pods reach it (e.g.
+    /// `http://agentrun-controller.<ns>.svc:8081`). Default: `http://` plus
+    /// `--step-api-addr`, when that is not a wildcard address.
+    #[arg(long, env = "AGENTRUN_STEP_API_URL")]
+    pub step_api_url: Option<String>,
+    /// Database connections of the step-log gateway (its own pool).
+    #[arg(long, env = "AGENTRUN_STEP_API_CONNECTIONS", default_value_t = 64)]
+    pub step_api_connections: u32,
+    /// Client connections the gateway serves at once (more are closed on
+    /// arrival); lowered to fit the open-files limit.
+    #[arg(
+        long,
+        env = "AGENTRUN_STEP_API_MAX_CONNECTIONS",
+        default_value_t = 4096
+    )]
+    pub step_api_max_connections: usize,
+    /// Seconds a gateway client has to send a request's head (also how long
+    /// an idle keep-alive connection stays open).
+    #[arg(long, env = "AGENTRUN_STEP_API_HEADER_TIMEOUT", default_value_t = 10)]
+    pub step_api_header_timeout_seconds: u64,
+    /// Seconds a gateway client has to send a request's body after its head.
+    #[arg(long, env = "AGENTRUN_STEP_API_BODY_TIMEOUT", default_value_t = 60)]
+    pub step_api_body_timeout_seconds: u64,
+    /// MiB of request bodies the gateway reads at once, over all clients
+    /// (at least one largest body, 16 MiB).
+    #[arg(long, env = "AGENTRUN_STEP_API_BODY_BUDGET_MIB", default_value_t = 32)]
+    pub step_api_body_budget_mib: usize,
+    /// File holding the key step tokens are HMACs of (shared by all replicas).
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY_FILE")]
+    pub step_token_key_file: Option<std::path::PathBuf>,
+    /// The key itself, when not in a file (e.g. from a Secret through the environment).
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY", hide_env_values = true)]
+    pub step_token_key: Option<String>,
+    /// File of keys a rotation retired, one per line: tokens they minted
+    /// still open their runs, records they signed still verify.
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_RETIRED_KEYS_FILE")]
+    pub step_token_retired_keys_file: Option<std::path::PathBuf>,
+    /// The retired keys themselves, one per line (from the Secret's `retired`).
+    #[arg(long, env = "AGENTRUN_STEP_TOKEN_RETIRED_KEYS", hide_env_values = true)]
+    pub step_token_retired_keys: Option<String>,
+    /// MiB of log records the controller keeps replayed between reconciles
+    /// (one run at most a quarter); runs beyond are read again from the store.
+    #[arg(long, env = "AGENTRUN_LOG_CACHE_MIB", default_value_t = 64)]
+    pub log_cache_mib: usize,
+    /// Image of the step Jobs (the operator's own image).
+    #[arg(long, env = "AGENTRUN_STEP_IMAGE", default_value = "agentrun:dev")]
+    pub step_image: String,
+    /// Service account of step pods (its token is never mounted).
+    #[arg(long, default_value = "default")]
+    pub step_service_account: String,
+    /// How long one step Job keeps taking further steps before it exits.
+    #[arg(long, default_value_t = 60)]
+    pub time_slice_seconds: u64,
+    /// AgentRuns reconciled at once (0: unbounded).
+    #[arg(long, env = "AGENTRUN_RECONCILE_CONCURRENCY", default_value_t = 32)]
+    pub reconcile_concurrency: u16,
+    /// AgentRuns of one namespace reconciled at once (0: unbounded). Default:
+    /// a quarter of `--reconcile-concurrency` when watching all namespaces,
+    /// unbounded when watching one.
+    #[arg(long, env = "AGENTRUN_RECONCILE_NAMESPACE_CONCURRENCY")]
+    pub reconcile_namespace_concurrency: Option<u16>,
+    /// Reconcile only the AgentRuns with these labels (a label selector), e.g.
+    /// to shard runs between controllers.
+    #[arg(long, env = "AGENTRUN_RUN_SELECTOR")]
+    pub run_selector: Option<String>,
+    /// Seconds MCP discovery may take for one server.
+    #[arg(
+        long,
+        env = "AGENTRUN_DISCOVERY_SERVER_TIMEOUT_SECONDS",
+        default_value_t = 10
+    )]
+    pub discovery_server_timeout_seconds: u64,
+    /// Seconds MCP discovery may take for one run, all its servers together.
+    #[arg(
+        long,
+        env = "AGENTRUN_DISCOVERY_DEADLINE_SECONDS",
+        default_value_t = 30
+    )]
+    pub discovery_deadline_seconds: u64,
+    /// Runs whose MCP servers are discovered at once.
+    #[arg(long, env = "AGENTRUN_DISCOVERY_CONCURRENCY", default_value_t = 8)]
+    pub discovery_concurrency: u16,
+    /// Runs of one namespace whose MCP servers are discovered at once.
+    #[arg(
+        long,
+        env = "AGENTRUN_DISCOVERY_NAMESPACE_CONCURRENCY",
+        default_value_t = 2
+    )]
+    pub discovery_namespace_concurrency: u16,
+    /// Requests per second the controller's API client sends on average
+    /// (0: no limit).
+    #[arg(long, env = "AGENTRUN_API_QPS", default_value_t = 100)]
+    pub api_qps: u32,
+    /// Requests the controller's API client may send at once above `--api-qps`.
+    #[arg(long, env = "AGENTRUN_API_BURST", default_value_t = 200)]
+    pub api_burst: u32,
+    /// A run's log whose window (the records from its latest model call on)
+    /// starts at least this far in gets a signed checkpoint in its status,
+    /// so a controller without its replayed log reads the window, not the
+    /// whole log, before deciding.
+    #[arg(long, env = "AGENTRUN_CHECKPOINT_MIN_RECORDS", default_value_t = reconciler::checkpoint::MIN_SEQ)]
+    pub checkpoint_min_records: u64,
+    /// Addresses the controller may reach for users (MCP discovery, approval
+    /// webhooks) although they are cluster-internal: CIDR ranges or
+    /// `host[:port]` names (`*.example.com` for subdomains). Repeatable or
+    /// comma-separated. Loopback, private (RFC 1918), CGNAT and unique-local
+    /// addresses are refused unless listed; link-local and metadata addresses always.
+    #[arg(
+        long = "user-url-allow",
+        env = "AGENTRUN_USER_URL_ALLOW",
+        value_delimiter = ','
+    )]
+    pub user_url_allow: Vec<crate::egress::Entry>,
+    /// Ranges never reached for users, even when listed in `--user-url-allow`
+    /// (e.g. the cluster's Service CIDR when it is not a private range).
+    #[arg(
+        long = "user-url-deny",
+        env = "AGENTRUN_USER_URL_DENY",
+        value_delimiter = ','
+    )]
+    pub user_url_deny: Vec<ipnet::IpNet>,
+    /// Whether public addresses may be reached for users without being listed.
+    #[arg(long = "user-url-public", env = "AGENTRUN_USER_URL_PUBLIC", default_value_t = true, action = clap::ArgAction::Set)]
+    pub user_url_public: bool,
+    /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
+    /// kill a step at a chosen boundary. Never in production.
+    #[arg(long, env = "AGENTRUN_ALLOW_FAILPOINTS", default_value_t = false)]
+    pub allow_failpoints: bool,
+}
+
+/// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    if !opts.allow_failpoints {
+        crate::step::failpoint::disable();
+    }
+    // reqwest and kube share rustls; pick ring once for the whole process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let config = kube::Config::infer().await?;
+    let client = kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&throttle::ThrottleLayer::new(opts.api_qps, opts.api_burst))
+        .build();
+    let identity = opts.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+
+    let mut registry = Registry::default();
+    let metrics = metrics::Metrics::new(&mut registry);
+    let watches = watches::Watches::new(&mut registry);
+    let ready = Arc::new(AtomicBool::new(false));
+    let health = http::Health {
+        registry: Arc::new(registry),
+        ready: ready.clone(),
+        watches: watches.clone(),
+    };
+    let open_files = super::servers::bounded::raise_open_files_limit();
+    let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
+    tokio::spawn(http::serve(listener, health));
+
+    let store = crate::store::open(&opts.store_url).await?;
+    tracing::info!(store = %store.url(), "step store opened");
+    let tokens = step_token::TokenKey::load(
+        opts.step_token_key_file.as_deref(),
+        opts.step_token_key.as_deref(),
+        opts.step_token_retired_keys_file.as_deref(),
+        opts.step_token_retired_keys.as_deref(),
+    )?;
+    let signer = tokens.record_signer();
+    let verifier = tokens.record_verifier();
+    // The gateway's own pool: step pods' traffic never starves the reconciler's.
+    let gateway_pool = crate::store::OpenOptions {
+        max_connections: opts.step_api_connections,
+        // Under a burst of step pods a request waits for a connection
+        // rather than failing: the runner's HTTP timeout is longer.
+        acquire_timeout: Duration::from_secs(25),
+        ..Default::default()
+    };
+    let served = gateway::spawn(
+        opts.step_api_addr,
+        opts.store_url.clone(),
+        gateway_pool,
+        tokens.clone(),
+        gateway_limits(&opts, open_files),
+    )
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "serving the step-log gateway on --step-api-addr {}: {e:#}",
+            opts.step_api_addr
+        )
+    })?;
+    let step_api_url = step_api_url(&opts, served)?;
+    tracing::info!(addr = %served, url = %step_api_url, "serving the step-log gateway");
+    wait_for_crds(&client, &watches).await?;
+    ready.store(true, Ordering::Relaxed);
+    let keys_namespace = opts
+        .keys_namespace
+        .clone()
+        .or_else(|| opts.lease_namespace.clone())
+        .or_else(|| opts.namespace.clone())
+        .unwrap_or_else(|| "default".into());
+    published_keys::spawn_publish(client.clone(), keys_namespace, verifier.clone());
+
+    let mut shutdown = Box::pin(shutdown_signal());
+    let leadership = if opts.leader_elect {
+        let ns = opts
+            .namespace
+            .clone()
+            .or_else(|| opts.lease_namespace.clone())
+            .unwrap_or_else(|| "default".into());
+        tracing::info!(%identity, lease = %opts.lease_name, namespace = %ns, "waiting for leadership");
+        let lead = tokio::select! {
+            l = leader::acquire(client.clone(), &ns, &opts.lease_name, &identity, opts.lease_seconds) => l?,
+            _ = &mut shutdown => return Ok(()),
+        };
+        tracing::info!(%identity, "became leader");
+        Some(lead)
+    } else {
+        None
+    };
+
+    // Head events (PostgreSQL LISTEN/NOTIFY) wake the runs whose log grew or
+    // whose worker gave the run back; without them running runs are polled.
+    let head_events = store.head_events().await?;
+    let policies = platform::PolicyCache::follow(&client, opts.namespace.as_deref(), &watches);
+    tracing::info!("waiting for the platform policies to be listed (/readyz names what fails)");
+    policies.ready().await?;
+    let store_pushes = head_events.is_some();
+    let sweep_store = store.clone();
+    let (cache, runs_writer) = reflector::store::<AgentRun>();
+    // The watches' caches: reconciles read Jobs and Agents from memory.
+    let (job_cache, job_writer) = reflector::store::<Job>();
+    let (agent_cache, agent_writer) = reflector::store::<Agent>();
+    let user_urls = Arc::new(crate::egress::Policy::new(
+        opts.user_url_allow.clone(),
+        opts.user_url_deny.clone(),
+        opts.user_url_public,
+    ));
+    let (discovery, discovered) = discovery::Discovery::new(
+        crate::egress::client(user_urls.clone())?,
+        user_urls.clone(),
+        discovery::Limits {
+            per_server: Duration::from_secs(opts.discovery_server_timeout_seconds),
+            deadline: Duration::from_secs(opts.discovery_deadline_seconds),
+            concurrency: opts.discovery_concurrency.into(),
+            namespace_concurrency: opts.discovery_namespace_concurrency.into(),
+        },
+    );
+    let ctx = Arc::new(context::Context {
+        client: client.clone(),
+        reporter: Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: Some(identity.clone()),
+        },
+        metrics,
+        store_name: "default".into(),
+        tokens,
+        verifier: verifier.clone(),
+        signer,
+        store,
+        jobs: context::JobSettings {
+            image: opts.step_image.clone(),
+            store_url: step_api_url,
+            controller_key: verifier.to_hex(),
+            service_account: opts.step_service_account.clone(),
+            time_slice_seconds: opts.time_slice_seconds,
+            allow_failpoints: opts.allow_failpoints,
+            telemetry_env: crate::telemetry::step_env(),
+        },
+        identity: format!("controller/{identity}"),
+        http: crate::egress::client(user_urls.clone())?,
+        user_urls,
+        memory: memory::RunMemory::with_budget(opts.log_cache_mib << 20),
+        job_cache: Some(job_cache.clone()),
+        agent_cache: Some(agent_cache.clone()),
+        policy_cache: Some(policies.clone()),
+        store_pushes,
+        checkpoint_min: opts.checkpoint_min_records,
+        discovery,
+        slots: slots::Slots::new(
+            opts.reconcile_concurrency.into(),
+            namespace_slots(&opts).into(),
+        ),
+        run_cache: Some(cache.clone()),
+    });
+    let (runs, jobs, approvals, agents) = match &opts.namespace {
+        Some(ns) => (
+            Api::<AgentRun>::namespaced(client.clone(), ns),
+            Api::<Job>::namespaced(client.clone(), ns),
+            Api::<PartialObjectMeta<Approval>>::namespaced(client.clone(), ns),
+            Api::<Agent>::namespaced(client.clone(), ns),
+        ),
+        None => (
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+            Api::all(client.clone()),
+        ),
+    };
+    let mut watched = watcher::Config::default();
+    if let Some(selector) = &opts.run_selector {
+        watched = watched.labels(selector);
+    }
+    let run_events = watches
+        .follow("agentruns", watcher(runs, watched))
+        .default_backoff()
+        .modify(slim_run)
+        .reflect(runs_writer)
+        .applied_objects();
+    // Unbounded here: `Slots` bounds reconciles, fairly between namespaces.
+    let controller = Controller::for_stream(run_events, cache.clone());
+    let wake = wake_runs(ctx.clone(), head_events, sweep_store, cache.clone());
+    ctx.metrics.watch_runs(cache.clone());
+    // When an Agent appears or changes, the runs naming it are reconciled at once.
+    let runs_of_agent = move |agent: Agent| {
+        let ns = agent.namespace();
+        cache
+            .state()
+            .into_iter()
+            .filter(|run| {
+                run.namespace() == ns
+                    && run
+                        .spec
+                        .agent_ref
+                        .as_ref()
+                        .is_some_and(|r| r.name == agent.name_any())
+            })
+            .map(|run| ObjectRef::from_obj(&*run))
+            .collect::<Vec<_>>()
+    };
+    let lost = leadership.as_ref().map(|l| l.lost());
+    let lost = async move {
+        match lost {
+            Some(lost) => lost.await,
+            None => std::future::pending().await,
+        }
+    };
+    // One stop signal for both controllers.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = shutdown => tracing::info!("shutting down"),
+            _ = lost => tracing::error!("leadership lost; stopping"),
+        }
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    // Only the operator's own Jobs, without their pod templates or field
+    // ownership: thousands of step Jobs stay small in memory.
+    let job_events = watches
+        .follow(
+            "jobs",
+            watcher(jobs, watcher::Config::default().labels(job::RUN_LABEL)),
+        )
+        .default_backoff()
+        .modify(job::slim)
+        .reflect(job_writer)
+        .touched_objects();
+    let agent_events = watches
+        .follow(
+            "agents",
+            watcher(agents.clone(), watcher::Config::default()),
+        )
+        .default_backoff()
+        .reflect(agent_writer)
+        .touched_objects();
+    let runs_controller = controller
+        .owns_stream(job_events)
+        // Approvals wake their run; their content is read when it is judged.
+        .owns_stream(
+            watches
+                .follow("approvals", watcher(approvals, watcher::Config::default()))
+                .default_backoff()
+                .touched_objects(),
+        )
+        .reconcile_on(wake)
+        .reconcile_on(futures::stream::unfold(discovered, |mut rx| async move {
+            rx.recv().await.map(|r| (r, rx))
+        }))
+        .watches_stream(agent_events, runs_of_agent)
+        .graceful_shutdown_on(stopped(stop_rx.clone()))
+        .run(reconciler::reconcile, reconciler::error_policy, ctx)
+        .for_each(|_| async {});
+    tokio::join!(
+        runs_controller,
+        agent::run(agents, client.clone(), &watches, stopped(stop_rx))
+    );
+    if let Some(l) = leadership {
+        l.release().await;
+    }
+    tracing::info!("controller stopped");
+    Ok(())
+}
+
+/// What the controller keeps of a run in its watch cache: no field ownership
+/// and no copy of the manifest `kubectl apply` leaves in an annotation
+/// (nothing reads them), so ten thousand waiting runs stay small in memory.
+fn slim_run(run: &mut AgentRun) {
+    run.metadata.managed_fields = None;
+    if let Some(a) = run.metadata.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+}
+
+/// The runs to reconcile besides what the API server's watches say: those
+/// whose log head moved (head events), those whose worker's lease lapsed
+/// (one store query every [`SWEEP_EVERY`] for all runs), and every run
+/// followed when head events may have been missed. Also forgets the
+/// replayed logs of runs deleted unfinished.
+fn wake_runs(
+    ctx: Arc<context::Context>,
+    head_events: Option<tokio::sync::mpsc::Receiver<crate::store::HeadEvent>>,
+    store: Arc<dyn crate::store::StepStore>,
+    runs: kube::runtime::reflector::Store<AgentRun>,
+) -> impl futures::Stream<Item = ObjectRef<AgentRun>> + Send + 'static {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    if let Some(mut events) = head_events {
+        let (ctx, tx) = (ctx.clone(), tx.clone());
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                if event == crate::store::HeadEvent::Resync {
+                    ctx.memory.set_pushed();
+                }
+                for run in ctx.memory.on_event(event) {
+                    if tx.send(run).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    tokio::spawn(async move {
+        let mut since = chrono::Utc::now() - chrono::Duration::seconds(30);
+        let mut ticks = tokio::time::interval(SWEEP_EVERY);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for n in 0u64.. {
+            ticks.tick().await;
+            match store.lapsed_leases(since).await {
+                Ok((lapsed, now)) => {
+                    since = now;
+                    for run in ctx.memory.refs_of(&lapsed) {
+                        if tx.send(run).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "looking for lapsed step leases"),
+            }
+            // Runs deleted before they finished leave nothing behind.
+            if n % 30 == 29 && runs.wait_until_ready().await.is_ok() {
+                let live: std::collections::HashSet<String> =
+                    runs.state().iter().filter_map(|r| r.uid()).collect();
+                ctx.memory.retain(|uid| live.contains(uid));
+            }
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) })
+}
+
+/// Reconciles of one namespace at once (see `--reconcile-namespace-concurrency`).
+fn namespace_slots(opts: &Options) -> u16 {
+    match (opts.reconcile_namespace_concurrency, &opts.namespace) {
+        (Some(n), _) => n,
+        (None, Some(_)) => 0,
+        (None, None) => (opts.reconcile_concurrency / 4).max(1),
+    }
+}
+
+/// How often the store is asked for lapsed leases.
+const SWEEP_EVERY: Duration = Duration::from_secs(2);
+
+/// The gateway URL step pods are given.
+/// The gateway's bounds from the flags, its connection slots fitted in the
+/// open-files limit (an exhausted descriptor table would silence the probes too).
+fn gateway_limits(opts: &Options, open_files: Option<u64>) -> gateway::GatewayLimits {
+    let wanted = opts.step_api_max_connections.max(1);
+    let max_connections = super::servers::bounded::fitting_connections(wanted, open_files);
+    if max_connections < wanted {
+        tracing::warn!(
+            wanted,
+            max_connections,
+            open_files,
+            "--step-api-max-connections lowered to fit the open-files limit"
+        );
+    }
+    gateway::GatewayLimits {
+        server: super::servers::bounded::Limits {
+            max_connections,
+            header_timeout: Duration::from_secs(opts.step_api_header_timeout_seconds.max(1)),
+            body_timeout: Duration::from_secs(opts.step_api_body_timeout_seconds.max(1)),
+        },
+        body_budget: opts.step_api_body_budget_mib.saturating_mul(1 << 20),
+    }
+}
+
+fn step_api_url(opts: &Options, served: SocketAddr) -> anyhow::Result<String> {
+    if let Some(url) = &opts.step_api_url {
+        let parsed =
+            url::Url::parse(url).map_err(|e| anyhow::anyhow!("--step-api-url {url:?}: {e}"))?;
+        anyhow::ensure!(
+            matches!(parsed.scheme(), "http" | "https"),
+            "--step-api-url {url:?}: expected an http:// or https:// URL"
+        );
+        return Ok(url.trim_end_matches('/').to_string());
+    }
+    anyhow::ensure!(
+        !opts.step_api_addr.ip().is_unspecified(),
+        "--step-api-url is required when --step-api-addr ({}) is a wildcard address: \
+         step pods need the address they reach the gateway at",
+        opts.step_api_addr
+    );
+    Ok(format!("http://{served}"))
+}
+
+/// Waits until the agentrun CRDs are installed and established (`/readyz`
+/// names the one waited for).
+async fn wait_for_crds(client: &Client, watches: &watches::Watches) -> anyhow::Result<()> {
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in crate::api::crds() {
+        let name = crd.name_any();
+        tracing::info!(crd = %name, "waiting for CRD to be established");
+        let wait = format!("crd/{name}");
+        watches.waiting(&wait, "not established yet (install crds/)");
+        await_condition(crds.clone(), &name, conditions::is_crd_established()).await?;
+        watches.done(&wait);
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term.recv() => {},
+    }
+    // Give in-flight reconciles a moment; kube-runtime waits for them too.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_cached_run_keeps_its_own_annotations_but_not_kubectls_copy_of_the_manifest() {
+        let mut run: super::AgentRun = serde_json::from_value(serde_json::json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": "r", "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": "{\"spec\":{}}",
+                "agentrun.dev/requester": "alice"},
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
+            "spec": {"input": "x", "agentRef": {"name": "a"}}
+        }))
+        .unwrap();
+        super::slim_run(&mut run);
+        let annotations = run.metadata.annotations.unwrap();
+        assert_eq!(
+            annotations.keys().collect::<Vec<_>>(),
+            ["agentrun.dev/requester"]
+        );
+        assert!(run.metadata.managed_fields.is_none());
+    }
+}
