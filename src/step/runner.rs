@@ -847,30 +847,4 @@ where
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_calls_end_before_the_step_timeout() {
-        let mut args = StepArgs {
-            run_uid: "u".into(),
-            run_name: String::new(),
-            store_url: String::new(),
-            log_anchor: None,
-            controller_key: None,
-            signed_from: 0,
-            bound_from: Default::default(),
-            model_api_key: None,
-            worker: "w".into(),
-            attempt: 1,
-            time_slice_seconds: 60,
-            step_timeout_seconds: None,
-        };
-        let t0 = Instant::now();
-        assert_eq!(args.model_deadline(t0), None);
-        args.step_timeout_seconds = Some(300);
-        assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(295)));
-        args.step_timeout_seconds = Some(4);
-        assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(2)));
-    }
-}
+mod tests;
