@@ -253,6 +253,8 @@ async fn resume_after_every_record(took_effect: bool) {
     standins.script(&history);
     for n in 1..=history.len() {
         let prefix = &history[..n];
+        // What the dead worker's calls did: those with a recorded result took
+        // effect, and the one whose intent ends the log did if `took_effect`.
         let done = prefix.iter().enumerate().filter_map(|(seq, s)| match s {
             Step::ToolIntent(i) if seq + 1 < n || took_effect => Some(i.key.clone()),
             _ => None,
