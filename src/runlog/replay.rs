@@ -455,6 +455,13 @@ impl RunState {
         let Some((model_call_seq, call)) = self.last_model_call() else {
             return Next::CallModel;
         };
+        self.next_of_reply(model_call_seq, call)
+    }
+
+    /// What the latest model reply (at `model_call_seq`) asks for next: the
+    /// end of the run for a plain answer, else its first call not yet
+    /// intended or settled, or the model again once every call is.
+    fn next_of_reply(&self, model_call_seq: u64, call: &ModelCall) -> Next {
         let calls = &call.response.tool_calls;
         if calls.is_empty() {
             // A plain answer with no tool call is the agent's final answer.

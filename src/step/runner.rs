@@ -213,6 +213,16 @@ async fn heartbeat(
     }
 }
 
+/// Whether [`Runner::drive`] goes on after [`Runner::take_step`].
+enum Flow {
+    /// A step was taken: go on unless this is where to leave.
+    Stepped,
+    /// Nothing that counts as a step was taken: decide again at once.
+    Again,
+    /// The run needs the controller (or is at its end): leave.
+    Exit,
+}
+
 struct Runner {
     store: Arc<dyn StepStore>,
     args: StepArgs,
@@ -283,162 +293,185 @@ impl Runner {
         })
     }
 
+    /// Takes steps until one needs the controller, the agent changes, or the
+    /// time slice is over.
     async fn drive(&mut self, slice: Duration) -> anyhow::Result<()> {
         let until = Instant::now() + slice;
         loop {
-            let next = self.state.next();
-            match next {
-                Next::Done => return Ok(()),
-                Next::NotStarted => bail!(
-                    "the log of run {} has no RunStarted record",
-                    self.args.run_uid
-                ),
-                Next::CallModel => self.model_step().await?,
-                Next::RecordIntent {
-                    model_call_seq,
-                    call_index,
-                    call,
-                } => {
-                    // Our code classifies the call from the pinned policy; the model has no say.
-                    // What the call is comes from the pinned tool declaration
-                    // (its endpoint), never from the name the model used alone.
-                    let snap = self.snapshot()?;
-                    let (arguments, alternative) = approval::split_alternative(&call.arguments);
-                    // Arguments that are not a JSON object never reach a tool
-                    // (its own check refuses them before any request, and the
-                    // model is told): no Approval is raised for them.
-                    let classification = if call.arguments_are_valid() {
-                        classify(
-                            snap.agent.approval.as_ref(),
-                            &crate::policy::Call::of(&snap.agent, &call.name),
-                            &arguments,
-                        )
-                    } else {
-                        Classification::Allow
-                    };
-                    match classification {
-                        Classification::Allow => {
-                            self.intend(
-                                model_call_seq,
-                                call_index,
-                                &call.id,
-                                &call.name,
-                                call.arguments.clone(),
-                            )
-                            .await?
-                        }
-                        Classification::RequireApproval(gate) => {
-                            let request = approval::request(
-                                &self.state,
-                                model_call_seq,
-                                call_index,
-                                &call,
-                                arguments,
-                                alternative,
-                                *gate,
-                                &self.http,
-                            )
-                            .await;
-                            tracing::info!(tool = %call.name, rule = %request.gate.rule, "call needs approval; stopping");
-                            self.append(Step::ApprovalRequested(request), None).await?;
-                            return Ok(());
-                        }
-                    }
-                }
-                Next::Reconciled {
-                    intent_seq,
-                    intent,
-                    happened,
-                    decided_seq,
-                } => {
-                    let (outcome, recovery) = if happened {
-                        let note = format!(
-                            "a human confirmed the call happened (decision at record {decided_seq})"
-                        );
-                        (
-                            ToolOutcome::Ok(serde_json::json!({ "reconciled": note })),
-                            Recovery::HumanConfirmedDone,
-                        )
-                    } else {
-                        let ctx = CallContext::new(
-                            self.args.run_uid.clone(),
-                            intent_seq,
-                            intent.key.clone(),
-                        );
-                        let (stamp, tools) = self.take_toolbox()?;
-                        self.hold_lease("before-tool-call").await?;
-                        let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
-                        failpoint::hit("after-tool-call");
-                        self.tools = Some((stamp, tools));
-                        (outcome, Recovery::HumanConfirmedNotDone)
-                    };
-                    let result = ToolResult {
-                        intent_seq,
-                        call_id: intent.call_id,
-                        tool: intent.tool,
-                        outcome: outcome.into(),
-                        recovery: Some(recovery),
-                    };
-                    self.append(Step::ToolResult(result), None).await?;
-                }
-                Next::AwaitApproval { request_seq } => {
-                    tracing::info!(request_seq, "waiting for an approval decision; exiting");
-                    return Ok(());
-                }
-                Next::Approved {
-                    request_seq,
-                    request,
-                    arguments,
-                } => {
-                    // Staleness: what the approver saw must still be true.
-                    let now = approval::read_dependencies(
-                        &request.gate.dependencies,
-                        &arguments,
-                        &self.http,
-                    )
-                    .await;
-                    if let Some(reason) = approval::changed(&request.dependencies, &now) {
-                        tracing::info!(request_seq, %reason, "approval voided");
-                        let voided = ApprovalVoided {
-                            request_seq,
-                            reason,
-                            dependencies: now,
-                        };
-                        self.append(Step::ApprovalVoided(voided), None).await?;
-                        continue;
-                    }
-                    self.intend(
-                        request.model_call_seq,
-                        request.call_index,
-                        &request.call_id,
-                        &request.tool,
-                        arguments,
-                    )
-                    .await?
-                }
-                Next::ExecuteTool { intent_seq, intent } => {
-                    self.tool_step(intent_seq, intent).await?
-                }
-                Next::Finish { .. } | Next::Stop(_) => {
-                    tracing::info!("the run is at its end; the controller records it");
-                    return Ok(());
-                }
-            }
-            if self.yielding {
-                tracing::info!(
-                    records = self.state.len(),
-                    "the agent changed; yielding at this step boundary for the next Job"
-                );
-                return Ok(());
-            }
-            if Instant::now() >= until && !matches!(self.state.next(), Next::ExecuteTool { .. }) {
-                tracing::info!(
-                    records = self.state.len(),
-                    "time slice over; exiting for the next Job"
-                );
-                return Ok(());
+            match self.take_step(self.state.next()).await? {
+                Flow::Exit => return Ok(()),
+                Flow::Again => {}
+                Flow::Stepped if self.at_exit_boundary(until) => return Ok(()),
+                Flow::Stepped => {}
             }
         }
+    }
+
+    /// Does what the log says comes next, and says whether to go on.
+    async fn take_step(&mut self, next: Next) -> anyhow::Result<Flow> {
+        match next {
+            Next::Done => return Ok(Flow::Exit),
+            Next::NotStarted => bail!(
+                "the log of run {} has no RunStarted record",
+                self.args.run_uid
+            ),
+            Next::CallModel => self.model_step().await?,
+            Next::RecordIntent {
+                model_call_seq,
+                call_index,
+                call,
+            } => return self.record_intent(model_call_seq, call_index, call).await,
+            Next::Reconciled {
+                intent_seq,
+                intent,
+                happened,
+                decided_seq,
+            } => {
+                self.reconciled(intent_seq, intent, happened, decided_seq)
+                    .await?
+            }
+            Next::AwaitApproval { request_seq } => {
+                tracing::info!(request_seq, "waiting for an approval decision; exiting");
+                return Ok(Flow::Exit);
+            }
+            Next::Approved {
+                request_seq,
+                request,
+                arguments,
+            } => return self.approved(request_seq, *request, arguments).await,
+            Next::ExecuteTool { intent_seq, intent } => self.tool_step(intent_seq, intent).await?,
+            Next::Finish { .. } | Next::Stop(_) => {
+                tracing::info!("the run is at its end; the controller records it");
+                return Ok(Flow::Exit);
+            }
+        }
+        Ok(Flow::Stepped)
+    }
+
+    /// Whether to leave after a step: the agent changed (the next Job runs
+    /// its new version), or the slice is over. A slice never ends between an
+    /// intent and its call, so that the next Job does not start with a recovery.
+    fn at_exit_boundary(&self, until: Instant) -> bool {
+        if self.yielding {
+            tracing::info!(
+                records = self.state.len(),
+                "the agent changed; yielding at this step boundary for the next Job"
+            );
+            return true;
+        }
+        if Instant::now() >= until && !matches!(self.state.next(), Next::ExecuteTool { .. }) {
+            tracing::info!(
+                records = self.state.len(),
+                "time slice over; exiting for the next Job"
+            );
+            return true;
+        }
+        false
+    }
+
+    /// Records the intent to make the model's next call, or, when the
+    /// pinned policy gates it, asks for approval and exits: the decision is
+    /// the controller's, and a later Job goes on from it.
+    async fn record_intent(
+        &mut self,
+        model_call_seq: u64,
+        call_index: usize,
+        call: crate::model::ToolCall,
+    ) -> anyhow::Result<Flow> {
+        let snap = self.snapshot()?;
+        let (arguments, alternative) = approval::split_alternative(&call.arguments);
+        match classification(&snap, &call, &arguments) {
+            Classification::Allow => {
+                let arguments = call.arguments.clone();
+                self.intend(model_call_seq, call_index, &call.id, &call.name, arguments)
+                    .await?;
+                Ok(Flow::Stepped)
+            }
+            Classification::RequireApproval(gate) => {
+                let request = approval::request(
+                    &self.state,
+                    model_call_seq,
+                    call_index,
+                    &call,
+                    arguments,
+                    alternative,
+                    *gate,
+                    &self.http,
+                )
+                .await;
+                tracing::info!(tool = %call.name, rule = %request.gate.rule, "call needs approval; stopping");
+                self.append(Step::ApprovalRequested(request), None).await?;
+                Ok(Flow::Exit)
+            }
+        }
+    }
+
+    /// A human said whether a call of unknowable outcome happened: recorded
+    /// as its result if it did, made now (with its key) if it did not.
+    async fn reconciled(
+        &mut self,
+        intent_seq: u64,
+        intent: ToolIntent,
+        happened: bool,
+        decided_seq: u64,
+    ) -> anyhow::Result<()> {
+        let (outcome, recovery) = if happened {
+            let note =
+                format!("a human confirmed the call happened (decision at record {decided_seq})");
+            (
+                ToolOutcome::Ok(serde_json::json!({ "reconciled": note })),
+                Recovery::HumanConfirmedDone,
+            )
+        } else {
+            let ctx = CallContext::new(self.args.run_uid.clone(), intent_seq, intent.key.clone());
+            let (stamp, tools) = self.take_toolbox()?;
+            self.hold_lease("before-tool-call").await?;
+            let outcome = tools.call(&intent.tool, &intent.arguments, &ctx).await;
+            failpoint::hit("after-tool-call");
+            self.tools = Some((stamp, tools));
+            (outcome, Recovery::HumanConfirmedNotDone)
+        };
+        let result = ToolResult {
+            intent_seq,
+            call_id: intent.call_id,
+            tool: intent.tool,
+            outcome: outcome.into(),
+            recovery: Some(recovery),
+        };
+        self.append(Step::ToolResult(result), None).await?;
+        Ok(())
+    }
+
+    /// An approved call runs only if what the approver saw is still true
+    /// (its dependencies' versions): else the approval is voided, which is
+    /// no step, and the call is decided again at once.
+    async fn approved(
+        &mut self,
+        request_seq: u64,
+        request: ApprovalRequested,
+        arguments: serde_json::Value,
+    ) -> anyhow::Result<Flow> {
+        let now =
+            approval::read_dependencies(&request.gate.dependencies, &arguments, &self.http).await;
+        if let Some(reason) = approval::changed(&request.dependencies, &now) {
+            tracing::info!(request_seq, %reason, "approval voided");
+            let voided = ApprovalVoided {
+                request_seq,
+                reason,
+                dependencies: now,
+            };
+            self.append(Step::ApprovalVoided(voided), None).await?;
+            return Ok(Flow::Again);
+        }
+        self.intend(
+            request.model_call_seq,
+            request.call_index,
+            &request.call_id,
+            &request.tool,
+            arguments,
+        )
+        .await?;
+        Ok(Flow::Stepped)
     }
 
     /// Records the intent to make a call, with its idempotency key.
@@ -789,7 +822,26 @@ impl Runner {
     }
 }
 
-/// The `Observation` asking the controller to end the run with `finished`.
+/// How the pinned policy classes a call. Our code classifies it; the model
+/// has no say. What the call is comes from the pinned tool declaration (its
+/// endpoint), never from the name the model used alone. Arguments that are
+/// not a JSON object never reach a tool (its own check refuses them before
+/// any request, and the model is told): no Approval is raised for them.
+fn classification(
+    snap: &Snapshot,
+    call: &crate::model::ToolCall,
+    arguments: &serde_json::Value,
+) -> Classification {
+    if !call.arguments_are_valid() {
+        return Classification::Allow;
+    }
+    classify(
+        snap.agent.approval.as_ref(),
+        &crate::policy::Call::of(&snap.agent, &call.name),
+        arguments,
+    )
+}
+
 /// Calls the tool in its `execute_tool` span, which has left before the
 /// result is recorded (as a model call's span has).
 async fn call_tool(tools: &Toolbox, intent: &ToolIntent, ctx: &CallContext) -> ToolOutcome {
@@ -804,6 +856,7 @@ async fn call_tool(tools: &Toolbox, intent: &ToolIntent, ctx: &CallContext) -> T
     outcome
 }
 
+/// The `Observation` asking the controller to end the run with `finished`.
 fn stop_step(finished: RunFinished) -> Step {
     Step::Observation(Observation {
         text: finished.error.clone().unwrap_or_default(),
@@ -847,30 +900,4 @@ where
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn model_calls_end_before_the_step_timeout() {
-        let mut args = StepArgs {
-            run_uid: "u".into(),
-            run_name: String::new(),
-            store_url: String::new(),
-            log_anchor: None,
-            controller_key: None,
-            signed_from: 0,
-            bound_from: Default::default(),
-            model_api_key: None,
-            worker: "w".into(),
-            attempt: 1,
-            time_slice_seconds: 60,
-            step_timeout_seconds: None,
-        };
-        let t0 = Instant::now();
-        assert_eq!(args.model_deadline(t0), None);
-        args.step_timeout_seconds = Some(300);
-        assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(295)));
-        args.step_timeout_seconds = Some(4);
-        assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(2)));
-    }
-}
+mod tests;

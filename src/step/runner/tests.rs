@@ -1,0 +1,361 @@
+//! The runner in process, replaying canned histories (as Temporal's
+//! sdk-core replay tests do): a real SQLite step log holding a prefix of a
+//! recorded run, and in-process stand-ins for the model and the tools
+//! ([`standins`]). A worker that resumes after any record must ask only for
+//! what the log lacks and finish the same run.
+
+mod standins;
+
+use std::collections::HashMap;
+
+use serde_json::{Value, json};
+
+use super::*;
+use crate::runlog::v1;
+use standins::Standins;
+
+const RUN: &str = "run-uid-1";
+
+fn step_args() -> StepArgs {
+    StepArgs {
+        run_uid: RUN.into(),
+        run_name: "r1".into(),
+        // Unused: the tests hand the runner its store.
+        store_url: String::new(),
+        log_anchor: None,
+        controller_key: None,
+        signed_from: 0,
+        bound_from: Default::default(),
+        model_api_key: None,
+        worker: "w".into(),
+        attempt: 1,
+        time_slice_seconds: 60,
+        step_timeout_seconds: None,
+    }
+}
+
+#[test]
+fn model_calls_end_before_the_step_timeout() {
+    let mut args = step_args();
+    let t0 = Instant::now();
+    assert_eq!(args.model_deadline(t0), None);
+    args.step_timeout_seconds = Some(300);
+    assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(295)));
+    args.step_timeout_seconds = Some(4);
+    assert_eq!(args.model_deadline(t0), Some(t0 + Duration::from_secs(2)));
+}
+
+/// The agent of the canned run: an OpenAI-style model and two HTTP tools
+/// at the stand-ins. `search` is read-only (repeating it is harmless);
+/// `refund` is neither idempotent nor read-only, and declares a lookup.
+fn run_started(base: &str) -> Step {
+    let agent: v1::AgentTemplate = serde_json::from_value(json!({
+        "prompt": {"version": "v1", "system": "Refund what the order shows, no more."},
+        "model": {"provider": "OpenAI", "name": "stand-in", "endpoint": format!("{base}/v1")},
+        "tools": [
+            {"name": "search", "http": {"url": format!("{base}/tools/search"), "readOnly": true}},
+            {"name": "refund", "http": {"url": format!("{base}/tools/refund"),
+                                        "lookup": format!("{base}/tools/refund/lookup")}},
+        ],
+    }))
+    .unwrap();
+    Step::RunStarted(RunStarted {
+        run_name: "r1".into(),
+        namespace: "ns".into(),
+        input: "Refund order A-7.".into(),
+        agent,
+        tools: vec![],
+        mcp: Default::default(),
+        versions: Versions::default(),
+    })
+}
+
+/// One model reply of the canned run: its text, and its calls with the
+/// result each got (none for `finish`, which ends the run).
+type Turn = (Option<&'static str>, Vec<(&'static str, Value, Value)>);
+
+fn turns() -> Vec<Turn> {
+    vec![
+        (
+            Some("Looking the order up, then refunding it."),
+            vec![
+                (
+                    "search",
+                    json!({"order": "A-7"}),
+                    json!({"order": "A-7", "total": 25}),
+                ),
+                (
+                    "refund",
+                    json!({"order": "A-7", "amount": 25}),
+                    json!({"refund": "R-1"}),
+                ),
+            ],
+        ),
+        (
+            None,
+            vec![(
+                "search",
+                json!({"refund": "R-1"}),
+                json!({"status": "settled"}),
+            )],
+        ),
+        (
+            Some("Done."),
+            vec![(
+                "finish",
+                json!({"result": "Refunded 25 on A-7 (R-1)."}),
+                Value::Null,
+            )],
+        ),
+    ]
+}
+
+/// The canned history: a whole run as a worker records it, up to the
+/// `finish` call after which the controller appends `RunFinished`.
+fn history(base: &str) -> Vec<Step> {
+    let mut log = vec![run_started(base)];
+    for (text, calls) in turns() {
+        let model_call_seq = log.len() as u64;
+        let tool_calls = calls
+            .iter()
+            .enumerate()
+            .map(|(index, (tool, args, _))| v1::ToolCall {
+                id: format!("call_{model_call_seq}_{index}"),
+                name: tool.to_string(),
+                arguments: args.clone(),
+            });
+        log.push(Step::ModelCall(ModelCall {
+            response: v1::ModelResponse {
+                text: text.map(str::to_string),
+                tool_calls: tool_calls.collect(),
+                usage: v1::TokenUsage {
+                    input_tokens: 100,
+                    output_tokens: 20,
+                },
+                model_id: "stand-in-2026".into(),
+                stop_reason: Some("tool_calls".into()),
+            },
+            cost_usd: 0.0,
+            context: ContextInfo::default(),
+            attempts: None,
+        }));
+        for (index, (tool, arguments, result)) in calls.into_iter().enumerate() {
+            if tool == crate::runlog::replay::FINISH_TOOL {
+                continue;
+            }
+            let intent_seq = log.len() as u64;
+            let call_id = format!("call_{model_call_seq}_{index}");
+            log.push(Step::ToolIntent(ToolIntent {
+                model_call_seq,
+                call_index: index,
+                call_id: call_id.clone(),
+                tool: tool.into(),
+                arguments,
+                key: idempotency_key(RUN, model_call_seq, index),
+            }));
+            log.push(Step::ToolResult(ToolResult {
+                intent_seq,
+                call_id,
+                tool: tool.into(),
+                outcome: v1::ToolOutcome::Ok(result),
+                recovery: None,
+            }));
+        }
+    }
+    log
+}
+
+/// A step log holding `prefix`, as a worker that died after its last
+/// record left it. (Its lease is released: a dead worker's would expire,
+/// which the runner waits out, slowly.)
+async fn log_with(dir: &std::path::Path, prefix: &[Step]) -> Arc<dyn StepStore> {
+    // The binaries install it at start; the runner's clients need one.
+    crate::tools::ensure_crypto_provider();
+    let url = format!("sqlite://{}", dir.join("log.db").display());
+    let store = store::open(&url).await.unwrap();
+    let lease = store.acquire(RUN, "crashed", LEASE_TTL).await.unwrap();
+    let mut head = Head::EMPTY;
+    for step in prefix {
+        let record = RecordDraft::new(step.store_kind(), step.payload())
+            .seal(&head)
+            .unwrap();
+        head = store
+            .append(RUN, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    store.release(&lease).await.unwrap();
+    store
+}
+
+async fn read_log(store: &dyn StepStore) -> Vec<Step> {
+    let records = store.read_verified(RUN, None).await.unwrap();
+    let decoded = records
+        .iter()
+        .map(|r| Step::decode(r.seq, r.kind.as_str(), &r.payload));
+    decoded.collect::<Result<_, _>>().unwrap()
+}
+
+/// A record without what depends on the worker that wrote it (its context
+/// estimate, the attempts it took, how it recovered a call): what any
+/// worker must record the same.
+fn essence(step: &Step) -> Step {
+    let mut step = step.clone();
+    match &mut step {
+        Step::ModelCall(m) => {
+            m.context = ContextInfo::default();
+            m.attempts = None;
+        }
+        Step::ToolResult(r) => r.recovery = None,
+        _ => {}
+    }
+    step
+}
+
+fn model_calls(log: &[Step]) -> usize {
+    log.iter()
+        .filter(|s| matches!(s, Step::ModelCall(_)))
+        .count()
+}
+
+/// What a resumed worker must do about one recorded call: its POSTs, its
+/// lookups, and the recovery its result names.
+fn expected_call(
+    prefix: &[Step],
+    intent_seq: usize,
+    took_effect: bool,
+) -> (u32, u32, Option<Recovery>) {
+    let Some(Step::ToolIntent(intent)) = prefix.get(intent_seq) else {
+        // Not yet intended: this worker makes the call, once.
+        return (1, 0, None);
+    };
+    if intent_seq + 1 < prefix.len() {
+        // Its result is recorded: nothing is asked again.
+        return (0, 0, None);
+    }
+    // The intent is the last record: the call may have happened.
+    match intent.tool.as_str() {
+        // Read-only: made again with the same key.
+        "search" => (1, 0, Some(Recovery::RetriedWithSameKey)),
+        // The lookup tells: made only if it had not taken effect.
+        _ if took_effect => (0, 1, Some(Recovery::LookupFoundResult)),
+        _ => (1, 1, Some(Recovery::LookupFoundNothing)),
+    }
+}
+
+/// Resumes the canned run after each of its records in turn. `took_effect`:
+/// whether a call whose intent is the last record had reached its tool
+/// before the worker died.
+async fn resume_after_every_record(took_effect: bool) {
+    let standins = Standins::start().await;
+    let history = history(&standins.base);
+    standins.script(&history);
+    for n in 1..=history.len() {
+        let prefix = &history[..n];
+        // What the dead worker's calls did: those with a recorded result took
+        // effect, and the one whose intent ends the log did if `took_effect`.
+        let done = prefix.iter().enumerate().filter_map(|(seq, s)| match s {
+            Step::ToolIntent(i) if seq + 1 < n || took_effect => Some(i.key.clone()),
+            _ => None,
+        });
+        standins.reset(done);
+        let dir = tempfile::tempdir().unwrap();
+        let store = log_with(dir.path(), prefix).await;
+        tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+            .await
+            .unwrap_or_else(|_| panic!("resumed after {n} records: no end in 30 s"))
+            .unwrap_or_else(|e| panic!("resumed after {n} records: {e:#}"));
+
+        let log = read_log(&*store).await;
+        let kinds = |l: &[Step]| l.iter().map(Step::kind).collect::<Vec<_>>();
+        assert_eq!(kinds(&log), kinds(&history), "resumed after {n} records");
+        let same: Vec<Step> = log.iter().map(essence).collect();
+        assert_eq!(
+            same,
+            history.iter().map(essence).collect::<Vec<_>>(),
+            "resumed after {n}"
+        );
+        assert_eq!(
+            &log[..n],
+            prefix,
+            "resumed after {n} records: the prefix changed"
+        );
+
+        let counts = standins.counts();
+        assert_eq!(
+            counts.model_requests,
+            model_calls(&history) - model_calls(prefix),
+            "resumed after {n} records: model requests"
+        );
+        check_calls(&history, prefix, &log, &counts, took_effect);
+    }
+}
+
+/// Every call of the run, as the stand-in tools counted it after a resume.
+fn check_calls(
+    history: &[Step],
+    prefix: &[Step],
+    log: &[Step],
+    counts: &standins::Counts,
+    took_effect: bool,
+) {
+    let n = prefix.len();
+    let mut keys = HashMap::new();
+    for (seq, step) in history.iter().enumerate() {
+        let Step::ToolIntent(intent) = step else {
+            continue;
+        };
+        let (posts, lookups, recovery) = expected_call(prefix, seq, took_effect);
+        let key = &intent.key;
+        let at = format!("resumed after {n} records, call at {seq} ({})", intent.tool);
+        assert_eq!(
+            counts.posts.get(key).copied().unwrap_or(0),
+            posts,
+            "{at}: POSTs"
+        );
+        assert_eq!(
+            counts.lookups.get(key).copied().unwrap_or(0),
+            lookups,
+            "{at}: lookups"
+        );
+        let Some(Step::ToolResult(result)) = log.get(seq + 1) else {
+            panic!("{at}: no result after the intent");
+        };
+        assert_eq!(result.recovery, recovery, "{at}: recovery");
+        if intent.tool == "refund" {
+            // Not repeatable: it took effect exactly once, whoever made it.
+            assert_eq!(counts.effects.get(key).copied(), Some(1), "{at}: effects");
+        }
+        keys.insert(key.clone(), seq);
+    }
+    // Every request carried the key of a call of this run.
+    for key in counts.posts.keys().chain(counts.lookups.keys()) {
+        assert!(
+            keys.contains_key(key),
+            "resumed after {n} records: unknown key {key}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn resumed_after_any_record_it_asks_only_for_what_the_log_lacks() {
+    resume_after_every_record(false).await;
+}
+
+#[tokio::test]
+async fn resumed_after_a_call_took_effect_it_looks_the_call_up_not_makes_it_again() {
+    resume_after_every_record(true).await;
+}
+
+#[tokio::test]
+async fn a_log_without_run_started_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), &[]).await;
+    let err = run_on(step_args(), store.clone()).await.unwrap_err();
+    assert!(
+        err.to_string().contains("has no RunStarted record"),
+        "{err:#}"
+    );
+    assert!(read_log(&*store).await.is_empty());
+}
