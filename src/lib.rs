@@ -6,6 +6,7 @@ pub mod api;
 pub mod cli;
 pub mod controller;
 pub mod egress;
+pub mod failpoint;
 pub mod model;
 pub mod policy;
 pub mod runlog;

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentrun::api::{Agent, AgentRun, Approval, ApprovalKind, Phase};
-use agentrun::step::failpoint;
+use agentrun::failpoint;
 use agentrun::store::StepKind;
 use common::approvals::{decide, entry, grant_approver_role};
 use common::store::PrivatePostgres;

@@ -11,8 +11,8 @@ use kube::runtime::events::{Recorder, Reporter};
 use crate::api::Agent;
 use crate::controller::error::Error;
 use crate::controller::metrics::Metrics;
+use crate::failpoint;
 use crate::runlog::replay::Step;
-use crate::step::failpoint;
 use crate::store::{Head, RecordDraft, StepStore, StoreError};
 
 /// Shared state of the reconciler.

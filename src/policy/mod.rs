@@ -266,6 +266,20 @@ pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
     condition::evaluate(expr, args)
 }
 
+/// Key under which an agent may propose a safe alternative next to a risky call.
+pub const ALTERNATIVE_KEY: &str = "_alternative";
+/// Splits the agent's proposed alternative off the call's arguments.
+pub fn split_alternative(args: &Value) -> (Value, Option<Value>) {
+    match args {
+        Value::Object(map) if map.contains_key(ALTERNATIVE_KEY) => {
+            let mut map = map.clone();
+            let alternative = map.remove(ALTERNATIVE_KEY);
+            (Value::Object(map), alternative)
+        }
+        other => (other.clone(), None),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use tracing::Instrument as _;
 
-use super::approval;
-use super::context::{ContextPlan, plan};
-use super::failpoint;
+use super::approval_request;
+use super::prompt::{ContextPlan, plan};
 use super::spans;
+use crate::failpoint;
 use crate::model::{AttemptOutcome, ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
 use crate::runlog::records::*;
@@ -287,7 +287,7 @@ impl Runner {
             state,
             own_intents: HashSet::new(),
             tools: None,
-            http: approval::lookup_client()?,
+            http: approval_request::lookup_client()?,
             yielding: false,
             started,
         })
@@ -379,7 +379,7 @@ impl Runner {
         call: crate::model::ToolCall,
     ) -> anyhow::Result<Flow> {
         let snap = self.snapshot()?;
-        let (arguments, alternative) = approval::split_alternative(&call.arguments);
+        let (arguments, alternative) = crate::policy::split_alternative(&call.arguments);
         match classification(&snap, &call, &arguments) {
             Classification::Allow => {
                 let arguments = call.arguments.clone();
@@ -388,7 +388,7 @@ impl Runner {
                 Ok(Flow::Stepped)
             }
             Classification::RequireApproval(gate) => {
-                let request = approval::request(
+                let request = approval_request::request(
                     &self.state,
                     model_call_seq,
                     call_index,
@@ -452,8 +452,9 @@ impl Runner {
         arguments: serde_json::Value,
     ) -> anyhow::Result<Flow> {
         let now =
-            approval::read_dependencies(&request.gate.dependencies, &arguments, &self.http).await;
-        if let Some(reason) = approval::changed(&request.dependencies, &now) {
+            approval_request::read_dependencies(&request.gate.dependencies, &arguments, &self.http)
+                .await;
+        if let Some(reason) = approval_request::changed(&request.dependencies, &now) {
             tracing::info!(request_seq, %reason, "approval voided");
             let voided = ApprovalVoided {
                 request_seq,
@@ -693,7 +694,7 @@ impl Runner {
                         &intent.arguments,
                     );
                     let step = match gate {
-                        Some(gate) => Step::ApprovalRequested(approval::reconcile_request(
+                        Some(gate) => Step::ApprovalRequested(approval_request::reconcile_request(
                             &self.state,
                             intent_seq,
                             &intent,

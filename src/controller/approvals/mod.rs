@@ -404,7 +404,7 @@ pub fn alternative_to_run(
         return Ok(None);
     };
     // An alternative carries no alternative of its own.
-    let (arguments, _) = crate::step::approval::split_alternative(alternative);
+    let (arguments, _) = crate::policy::split_alternative(alternative);
     match pinned_gate::classify_at(log, request_seq, &request.tool, &arguments) {
         Classification::Allow => Ok(Some(arguments)),
         Classification::RequireApproval(gate) => Err(format!(
@@ -989,7 +989,7 @@ async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<A
     };
     match api.create(&params, expected).await {
         Ok(a) => {
-            crate::step::failpoint::hit("controller:after-create:Approval");
+            crate::failpoint::hit("controller:after-create:Approval");
             Ok(a)
         }
         Err(kube::Error::Api(e)) if e.code == 409 => {

@@ -7,11 +7,11 @@
 use serde_json::Value;
 
 use crate::api::AgentTemplate;
+use crate::policy::split_alternative;
 use crate::policy::{Call, Classification, Gate, arguments_hash, classify};
 use crate::runlog::records::{ApprovalRequested, Verdict};
 use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ApprovalKind, OnExpiry};
-use crate::step::approval::split_alternative;
 
 /// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
 pub fn pinned_agent(log: &RunState, seq: u64) -> Option<AgentTemplate> {

@@ -198,7 +198,7 @@ pub struct Options {
 /// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     if !opts.allow_failpoints {
-        crate::step::failpoint::disable();
+        crate::failpoint::disable();
     }
     // reqwest and kube share rustls; pick ring once for the whole process.
     let _ = rustls::crypto::ring::default_provider().install_default();

@@ -12,24 +12,10 @@ use crate::runlog::v1::{
     ApprovalKind, Dependency, DependencyVersion, ObservedResult, OnExpiry, ToolOutcome,
 };
 
-/// Key under which an agent may propose a safe alternative next to a risky call.
-pub const ALTERNATIVE_KEY: &str = "_alternative";
 /// Tool results shown to the approver.
 const OBSERVED_RESULTS: usize = 3;
 /// A dependency version that could not be read.
 const UNREADABLE: &str = "unreadable";
-
-/// Splits the agent's proposed alternative off the call's arguments.
-pub fn split_alternative(args: &Value) -> (Value, Option<Value>) {
-    match args {
-        Value::Object(map) if map.contains_key(ALTERNATIVE_KEY) => {
-            let mut map = map.clone();
-            let alternative = map.remove(ALTERNATIVE_KEY);
-            (Value::Object(map), alternative)
-        }
-        other => (other.clone(), None),
-    }
-}
 
 /// Builds the request for call `call_index` of the ModelCall at `model_call_seq`.
 #[allow(clippy::too_many_arguments)]
@@ -235,6 +221,7 @@ pub fn changed(before: &[DependencyVersion], now: &[DependencyVersion]) -> Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::split_alternative;
     use serde_json::json;
 
     /// A server answering every request with `reply(addr)`; counts them
