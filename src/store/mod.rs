@@ -35,6 +35,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+mod append;
 pub mod audit;
 pub mod cli;
 mod error;
