@@ -143,6 +143,36 @@ pub struct ModelResponse {
     pub stop_reason: Option<String>,
 }
 
+/// Why a 2xx reply is not the provider's response format: the wire modules
+/// say what is wrong, the client turns it into [`ModelError::Malformed`] with
+/// an excerpt of the body.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReplyError {
+    /// The body does not parse at all (an HTML error page, a cut-off reply).
+    #[error("not JSON: {0}")]
+    NotJson(#[from] serde_json::Error),
+    /// The provider answered an error with a 2xx status (some compatible
+    /// servers and proxies do); `kind` is the error's type where it has one.
+    #[error("the provider reported an error{}: {message}", kind_suffix(.kind))]
+    Reported {
+        kind: Option<String>,
+        message: String,
+    },
+    /// JSON, but a field the format requires is missing or of another type.
+    #[error("{0}")]
+    Shape(String),
+}
+
+impl From<&str> for ReplyError {
+    fn from(what: &str) -> Self {
+        ReplyError::Shape(what.to_string())
+    }
+}
+
+fn kind_suffix(kind: &Option<String>) -> String {
+    kind.as_ref().map(|k| format!(" ({k})")).unwrap_or_default()
+}
+
 /// Why a model call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
