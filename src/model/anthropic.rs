@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 
 use super::{
     ANTHROPIC_DEFAULT_MAX_TOKENS, Message, ModelRequest, ModelResponse, ReplyError, TokenUsage,
-    ToolCall, schema_or_object,
+    ToolCall, reply_model, schema_or_object, usage_count,
 };
 
 /// The request body. Consecutive messages of one role are merged into one
@@ -140,12 +140,7 @@ pub(crate) fn parse_response(
         text: Some(texts.join("\n")).filter(|t| !t.is_empty()),
         tool_calls,
         usage: usage(&v),
-        model_id: v
-            .get("model")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty())
-            .unwrap_or(configured_model)
-            .to_string(),
+        model_id: reply_model(&v, configured_model),
         stop_reason: v
             .get("stop_reason")
             .and_then(Value::as_str)
@@ -198,13 +193,7 @@ fn tool_use(block: &Value, i: usize) -> Result<ToolCall, ReplyError> {
 
 /// Token counts; cached input is still input the run consumed.
 fn usage(v: &Value) -> TokenUsage {
-    let usage = v.get("usage");
-    let tokens = |k: &str| {
-        usage
-            .and_then(|u| u.get(k))
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-    };
+    let tokens = |k: &str| usage_count(v, k);
     TokenUsage {
         input_tokens: tokens("input_tokens")
             + tokens("cache_creation_input_tokens")

@@ -792,6 +792,26 @@ pub(crate) fn arguments_from_str(raw: &str) -> serde_json::Value {
     }
 }
 
+/// The model a reply names, else the configured one: some compatible
+/// servers name none, and the log must still say which model answered.
+pub(crate) fn reply_model(reply: &serde_json::Value, configured: &str) -> String {
+    reply
+        .get("model")
+        .and_then(serde_json::Value::as_str)
+        .filter(|s| !s.is_empty())
+        .unwrap_or(configured)
+        .to_string()
+}
+
+/// One of a reply's `usage` counts; a server that reports none counts zero.
+pub(crate) fn usage_count(reply: &serde_json::Value, key: &str) -> u64 {
+    reply
+        .get("usage")
+        .and_then(|u| u.get(key))
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0)
+}
+
 /// The schema sent for a tool (an object schema when none is given).
 pub(crate) fn schema_or_object(schema: &serde_json::Value) -> serde_json::Value {
     if schema.is_null() {

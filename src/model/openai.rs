@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 
 use super::{
     Message, ModelRequest, ModelResponse, ReplyError, TokenUsage, ToolCall, ToolDef,
-    arguments_from_str, schema_or_object,
+    arguments_from_str, reply_model, schema_or_object, usage_count,
 };
 
 /// Prefix put before the content of a failed tool's result (the format has no
@@ -187,12 +187,7 @@ pub(crate) fn parse_response(
         text,
         tool_calls,
         usage: usage(&v),
-        model_id: v
-            .get("model")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty())
-            .unwrap_or(configured_model)
-            .to_string(),
+        model_id: reply_model(&v, configured_model),
         stop_reason: choice
             .get("finish_reason")
             .and_then(Value::as_str)
@@ -283,13 +278,7 @@ fn message_tool_calls(
 
 /// Token counts; a server that reports none counts as zero.
 fn usage(v: &Value) -> TokenUsage {
-    let usage = v.get("usage");
-    let tokens = |k: &str| {
-        usage
-            .and_then(|u| u.get(k))
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-    };
+    let tokens = |k: &str| usage_count(v, k);
     TokenUsage {
         input_tokens: tokens("prompt_tokens"),
         output_tokens: tokens("completion_tokens"),
