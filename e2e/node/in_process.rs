@@ -24,10 +24,11 @@ use tokio::runtime::Handle;
 use tracing::info;
 
 use crate::{
-    container::{Event, Spec, StopRx, next_stop},
     env::Env,
+    image::image_name,
     process::Launch,
     status::{State, Terminated, now},
+    supervision::{Event, Spec, StopRx, next_stop},
 };
 
 /// The runtime step tasks run on: its own threads, below the control
@@ -57,7 +58,7 @@ pub fn runtime() -> anyhow::Result<Handle> {
 /// process.
 pub fn step_args(spec: &Spec, launch: &Launch) -> Option<(StepArgs, Option<String>)> {
     let image = spec.container.image.as_deref().unwrap_or("");
-    if crate::lifecycle::image_name(image) != "agentrun" {
+    if image_name(image) != "agentrun" {
         return None;
     }
     let program = std::path::Path::new(&launch.program).file_name()?;

@@ -18,19 +18,13 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::{
-    NodeCtx,
-    container::{self, Event, Restart, Slot, Stop, StopReason, StopRx, next_stop},
+    NodeCtx, container,
     env::Env,
     identity::{self, Identity},
+    image::image_name,
     status::{ContainerStatus, Phase, PodStatus, State, now},
+    supervision::{self, Event, Restart, Slot, Stop, StopReason, StopRx, next_stop},
 };
-
-/// The image repository's last path component: `registry.example/x/agentrun:0.1` → `agentrun`.
-pub fn image_name(image: &str) -> &str {
-    let image = image.split('@').next().unwrap_or(image);
-    let last = image.rsplit('/').next().unwrap_or(image);
-    last.split(':').next().unwrap_or(last)
-}
 
 /// The binaries' dir of `image`: the one given for its last path component
 /// with its tag (`agentrun:391b983`, an earlier release's build), else for
@@ -427,7 +421,7 @@ impl PodRun {
             (true, Restart::Always) => Restart::OnFailure,
             (_, r) => r,
         };
-        let spec = container::Spec {
+        let spec = supervision::Spec {
             entrypoint: image_dir.map(|d| d.join(image_name(&image))),
             log: self
                 .ctx

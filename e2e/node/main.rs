@@ -10,12 +10,14 @@
 mod container;
 mod env;
 mod identity;
+mod image;
 mod in_process;
 mod lifecycle;
 mod node;
 mod pods;
 mod process;
 mod status;
+mod supervision;
 
 use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
 

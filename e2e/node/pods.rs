@@ -18,10 +18,9 @@ use tokio::{sync::watch, task::JoinHandle, time::Instant};
 use tracing::{info, warn};
 
 use crate::{
-    NodeCtx,
-    container::{Stop, StopReason},
-    lifecycle,
+    NodeCtx, lifecycle,
     status::{NODE_IP, now},
+    supervision::{Stop, StopReason},
 };
 
 enum Tracked {

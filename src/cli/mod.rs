@@ -15,6 +15,8 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::{Value, json};
 
 use crate::api::{AgentRun, Approval, ApprovalState, Verdict};
+use crate::runlog::records::ApprovalDecided;
+use crate::runlog::replay::Step;
 
 #[derive(Parser)]
 #[command(
@@ -663,9 +665,27 @@ pub fn side_by_side(columns: &[(String, &Value)]) -> String {
 /// The `show` text. Every string that a model, a tool or a user wrote is
 /// escaped with [`visible`].
 pub fn describe(a: &Approval) -> String {
-    let s = &a.spec;
     let mut out = String::new();
-    let mut line = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
+    describe_call(a, &mut out);
+    let columns = alternatives(&a.spec);
+    if columns.len() > 1 {
+        out.push_str("Compare:\n");
+        out.push_str(&side_by_side(&columns));
+    }
+    describe_context(a, &mut out);
+    describe_decisions(a, &mut out);
+    out
+}
+
+/// One `show` line: the label in a fixed column, then the value.
+fn push_line(out: &mut String, k: &str, v: String) {
+    out.push_str(&format!("{k:<14} {v}\n"));
+}
+
+/// What is asked: the approval, its run, the call and its arguments.
+fn describe_call(a: &Approval, out: &mut String) {
+    let s = &a.spec;
+    let mut line = |k: &str, v: String| push_line(out, k, v);
     line(
         "Approval:",
         visible(&a.metadata.name.clone().unwrap_or_default()),
@@ -694,7 +714,11 @@ pub fn describe(a: &Approval) -> String {
             .join("\n               "),
     );
     line("Hash:", visible(&s.arguments_hash));
-    // Everything that could run instead of the proposal, next to it.
+}
+
+/// Everything that could run instead of the proposal, next to it: the
+/// alternative on expiry and every approver's edit.
+fn alternatives(s: &crate::api::ApprovalSpec) -> Vec<(String, &Value)> {
     let mut columns: Vec<(String, &Value)> = vec![("proposed".into(), &s.arguments)];
     if let Some(alt) = &s.alternative {
         columns.push((
@@ -707,11 +731,14 @@ pub fn describe(a: &Approval) -> String {
             columns.push((format!("{}'s edit", d.approver), edited));
         }
     }
-    if columns.len() > 1 {
-        out.push_str("Compare:\n");
-        out.push_str(&side_by_side(&columns));
-    }
-    let mut line = |k: &str, v: String| out.push_str(&format!("{k:<14} {v}\n"));
+    columns
+}
+
+/// What the decision may rest on: the agent's reason, recent results and
+/// dependency versions; then who decides and by when.
+fn describe_context(a: &Approval, out: &mut String) {
+    let s = &a.spec;
+    let mut line = |k: &str, v: String| push_line(out, k, v);
     line(
         "Agent reason:",
         visible(s.observations.reason.as_deref().unwrap_or("(none given)")),
@@ -752,13 +779,19 @@ pub fn describe(a: &Approval) -> String {
             s.on_expiry
         ),
     );
-    let by: BTreeMap<_, _> = s
+}
+
+/// The decisions so far, one line per approver (the last one counts).
+fn describe_decisions(a: &Approval, out: &mut String) {
+    let by: BTreeMap<_, _> = a
+        .spec
         .decisions
         .iter()
         .map(|d| (d.approver.clone(), d))
         .collect();
     for (who, d) in by {
-        line(
+        push_line(
+            out,
             "Decision:",
             format!(
                 "{}: {:?}{}{}",
@@ -775,81 +808,18 @@ pub fn describe(a: &Approval) -> String {
             ),
         );
     }
-    out
 }
 
-/// One readable line of the audit trail.
+/// One readable line of the audit trail. The payload is read through the
+/// log's record types, so the trail means what replay means; a payload that
+/// does not decode is shown raw (abbreviated), as a kind this code does not
+/// describe.
 pub fn audit_line(r: &crate::store::Record) -> String {
-    let p = &r.payload;
-    let what = match r.kind.as_str() {
-        "ModelCall" => {
-            let calls: Vec<String> = p["response"]["toolCalls"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|c| format!("{}({})", c["name"].as_str().unwrap_or("?"), c["arguments"]))
-                .collect();
-            format!(
-                "model {} proposed {}",
-                p["response"]["modelId"].as_str().unwrap_or("?"),
-                if calls.is_empty() {
-                    "an answer".into()
-                } else {
-                    calls.join(", ")
-                }
-            )
-        }
-        "ToolIntent" => format!(
-            "calling {}({}) key {}",
-            p["tool"].as_str().unwrap_or("?"),
-            p["arguments"],
-            p["key"]
-                .as_str()
-                .unwrap_or("")
-                .chars()
-                .take(12)
-                .collect::<String>()
-        ),
-        "ToolResult" => format!(
-            "{} returned {}",
-            p["tool"].as_str().unwrap_or("?"),
-            abbreviate(&p["outcome"].to_string(), 100)
-        ),
-        "ApprovalRequested" => format!(
-            "approval requested for {}({}) by rule {}",
-            p["tool"].as_str().unwrap_or("?"),
-            p["arguments"],
-            p["gate"]["rule"].as_str().unwrap_or("?")
-        ),
-        "ApprovalDecided" => {
-            let who: Vec<String> = p["decisions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|d| {
-                    format!(
-                        "{} {} ({})",
-                        d["approver"].as_str().unwrap_or("?"),
-                        d["verdict"].as_str().unwrap_or("?"),
-                        d["reason"].as_str().unwrap_or("")
-                    )
-                })
-                .collect();
-            format!(
-                "{} {}: {}",
-                p["approval"].as_str().unwrap_or("?"),
-                p["verdict"].as_str().unwrap_or("?"),
-                who.join("; ")
-            )
-        }
-        "ApprovalVoided" => format!("approval voided: {}", p["reason"].as_str().unwrap_or("?")),
-        "RunFinished" => format!(
-            "{}: {}",
-            p["outcome"].as_str().unwrap_or("?"),
-            p["result"].as_str().or(p["error"].as_str()).unwrap_or("")
-        ),
-        _ => abbreviate(&p.to_string(), 100),
-    };
+    let what = match Step::decode(r.seq, r.kind.as_str(), &r.payload) {
+        Ok(step) => describe_step(&step),
+        Err(_) => None,
+    }
+    .unwrap_or_else(|| abbreviate(&r.payload.to_string(), 100));
     format!(
         "{:>4} {:<18} {:<28} {}",
         r.seq,
@@ -857,6 +827,83 @@ pub fn audit_line(r: &crate::store::Record) -> String {
         visible(&format!("{}#{}", r.worker.pod, r.worker.attempt)),
         visible(&what)
     )
+}
+
+/// What a step did, in a few words; `None` for kinds shown as their payload.
+fn describe_step(step: &Step) -> Option<String> {
+    Some(match step {
+        Step::ModelCall(c) => {
+            let calls: Vec<String> = c
+                .response
+                .tool_calls
+                .iter()
+                .map(|c| format!("{}({})", c.name, c.arguments))
+                .collect();
+            format!(
+                "model {} proposed {}",
+                c.response.model_id,
+                if calls.is_empty() {
+                    "an answer".into()
+                } else {
+                    calls.join(", ")
+                }
+            )
+        }
+        Step::ToolIntent(i) => format!(
+            "calling {}({}) key {}",
+            i.tool,
+            i.arguments,
+            i.key.chars().take(12).collect::<String>()
+        ),
+        Step::ToolResult(t) => format!(
+            "{} returned {}",
+            t.tool,
+            abbreviate(&json_text(&t.outcome), 100)
+        ),
+        Step::ApprovalRequested(a) => format!(
+            "approval requested for {}({}) by rule {}",
+            a.tool, a.arguments, a.gate.rule
+        ),
+        Step::ApprovalDecided(d) => decided_text(d),
+        Step::ApprovalVoided(v) => format!("approval voided: {}", v.reason),
+        Step::RunFinished(f) => format!(
+            "{}: {}",
+            name_of(&f.outcome),
+            f.result.as_deref().or(f.error.as_deref()).unwrap_or("")
+        ),
+        _ => return None,
+    })
+}
+
+/// `approval verdict: approver verdict (reason); ...`
+fn decided_text(d: &ApprovalDecided) -> String {
+    let who: Vec<String> = d
+        .decisions
+        .iter()
+        .map(|d| {
+            format!(
+                "{} {} ({})",
+                d.approver,
+                name_of(&d.verdict),
+                d.reason.as_deref().unwrap_or("")
+            )
+        })
+        .collect();
+    format!("{} {}: {}", d.approval, name_of(&d.verdict), who.join("; "))
+}
+
+/// A stored value as the JSON text the log holds (keys sorted, as in the
+/// payload it was read from).
+fn json_text(v: &impl serde::Serialize) -> String {
+    serde_json::to_value(v).map_or_else(|_| "?".into(), |v| v.to_string())
+}
+
+/// An enum's name as the log spells it (`Approve`, `Succeeded`...).
+fn name_of(v: &impl serde::Serialize) -> String {
+    match serde_json::to_value(v) {
+        Ok(Value::String(s)) => s,
+        _ => "?".into(),
+    }
 }
 
 #[cfg(test)]
@@ -889,6 +936,7 @@ mod tests {
     }
 
     use super::*;
+    use crate::store::{Hash, Head, Record, RecordDraft, StepKind};
 
     #[test]
     fn cut_texts_end_on_a_character_boundary() {
@@ -896,7 +944,8 @@ mod tests {
         let key = "ab🦀🦀🦀🦀🦀🦀🦀🦀🦀🦀🦀";
         let intent = crate::store::RecordDraft::new(
             crate::store::StepKind::ToolIntent,
-            json!({"tool": "t", "arguments": {}, "key": key}),
+            // A whole ToolIntent: the trail reads records through their types.
+            json!({"modelCallSeq": 1, "callIndex": 0, "callId": "c", "tool": "t", "arguments": {}, "key": key}),
         )
         .seal(&crate::store::Head::EMPTY)
         .unwrap();
@@ -993,5 +1042,180 @@ mod tests {
         );
         let order = compare.iter().find(|l| l.contains("orderId")).unwrap();
         assert!(!order.contains('*'), "{order}");
+    }
+
+    /// A stored record of `kind` carrying `payload`, written by pod `p-0`.
+    fn stored(seq: u64, kind: StepKind, payload: Value) -> Record {
+        let mut draft = RecordDraft::new(kind, payload);
+        draft.worker.pod = "p-0".into();
+        draft.worker.attempt = 2;
+        let head = Head {
+            len: seq,
+            hash: Hash::ZERO,
+        };
+        draft.seal(&head).unwrap()
+    }
+
+    fn typed(v: impl serde::Serialize) -> Value {
+        serde_json::to_value(v).unwrap()
+    }
+
+    fn audit_records() -> Vec<Record> {
+        use crate::runlog::records::*;
+        use crate::runlog::v1;
+        let response = v1::ModelResponse {
+            text: None,
+            tool_calls: vec![v1::ToolCall {
+                id: "c1".into(),
+                name: "issue_refund".into(),
+                arguments: json!({"orderId": "1042", "amount": 500}),
+            }],
+            usage: v1::TokenUsage::default(),
+            model_id: "gpt-x".into(),
+            stop_reason: None,
+        };
+        let model_call = ModelCall {
+            response: response.clone(),
+            cost_usd: 0.0,
+            context: ContextInfo::default(),
+            attempts: None,
+        };
+        let answer = ModelCall {
+            response: v1::ModelResponse {
+                tool_calls: vec![],
+                text: Some("done".into()),
+                ..response
+            },
+            ..model_call.clone()
+        };
+        let requested = ApprovalRequested {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c1".into(),
+            tool: "issue_refund".into(),
+            arguments: json!({"amount": 500}),
+            arguments_hash: "h".into(),
+            reason: None,
+            observations: vec![],
+            dependencies: vec![],
+            gate: Gate {
+                rule: "big-refunds".into(),
+                ..Gate::default()
+            },
+            escalation: 0,
+            alternative: None,
+            kind: v1::ApprovalKind::Call,
+            intent_seq: None,
+        };
+        let decided = ApprovalDecided {
+            request_seq: 2,
+            approval: "r-a2".into(),
+            verdict: Verdict::Approve,
+            decisions: vec![
+                RecordedDecision {
+                    approver: "bob".into(),
+                    verdict: v1::Verdict::Approve,
+                    arguments_hash: "h".into(),
+                    arguments: None,
+                    reason: Some("checked \u{1b}[2K".into()),
+                },
+                RecordedDecision {
+                    approver: "carol".into(),
+                    verdict: v1::Verdict::Edit,
+                    arguments_hash: "h".into(),
+                    arguments: Some(json!({"amount": 300})),
+                    reason: None,
+                },
+            ],
+            arguments: None,
+            observations_hash: "o".into(),
+            on_expiry: None,
+        };
+        let intent = ToolIntent {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "c1".into(),
+            tool: "issue_refund".into(),
+            arguments: json!({"amount": 300}),
+            key: "0123456789abcdef".into(),
+        };
+        let result = ToolResult {
+            intent_seq: 4,
+            call_id: "c1".into(),
+            tool: "issue_refund".into(),
+            outcome: v1::ToolOutcome::Ok(json!({"refunded": 300, "id": "rf-1"})),
+            recovery: None,
+        };
+        let failed = ToolResult {
+            outcome: v1::ToolOutcome::Failed {
+                observation: "x".repeat(200),
+            },
+            ..result.clone()
+        };
+        let voided = ApprovalVoided {
+            request_seq: 2,
+            reason: "order-1042 changed".into(),
+            dependencies: vec![],
+        };
+        let observation = Observation {
+            text: "malformed reply".into(),
+            about_seq: Some(1),
+            stop: None,
+            attempts: None,
+        };
+        let finished = RunFinished {
+            outcome: Outcome::Succeeded,
+            result: None,
+            error: Some("no result".into()),
+        };
+        vec![
+            stored(1, StepKind::ModelCall, typed(&model_call)),
+            stored(2, StepKind::ApprovalRequested, typed(&requested)),
+            stored(3, StepKind::ApprovalDecided, typed(&decided)),
+            stored(4, StepKind::ToolIntent, typed(&intent)),
+            stored(5, StepKind::ToolResult, typed(&result)),
+            stored(6, StepKind::ToolResult, typed(&failed)),
+            stored(7, StepKind::ApprovalVoided, typed(&voided)),
+            stored(8, StepKind::Observation, typed(&observation)),
+            stored(9, StepKind::ModelCall, typed(&answer)),
+            stored(10, StepKind::RunFinished, typed(&finished)),
+            // Not a ModelCall's payload: shown raw rather than guessed at.
+            stored(11, StepKind::ModelCall, json!({"response": "cut"})),
+        ]
+    }
+
+    #[test]
+    fn audit_lines_describe_typed_records_and_show_the_rest_raw() {
+        let lines: Vec<String> = audit_records().iter().map(audit_line).collect();
+        let what: Vec<&str> = lines.iter().map(|l| &l[53..]).collect();
+        assert_eq!(
+            lines[0],
+            format!(
+                "{:>4} {:<18} {:<28} {}",
+                1,
+                "ModelCall",
+                "p-0#2",
+                r#"model gpt-x proposed issue_refund({"amount":500,"orderId":"1042"})"#
+            )
+        );
+        assert_eq!(
+            what,
+            [
+                r#"model gpt-x proposed issue_refund({"amount":500,"orderId":"1042"})"#,
+                r#"approval requested for issue_refund({"amount":500}) by rule big-refunds"#,
+                r"r-a2 Approve: bob Approve (checked \u{1b}[2K); carol Edit ()",
+                r#"calling issue_refund({"amount":300}) key 0123456789ab"#,
+                r#"issue_refund returned {"Ok":{"id":"rf-1","refunded":300}}"#,
+                &format!(
+                    r#"issue_refund returned {{"Failed":{{"observation":"{}…"#,
+                    "x".repeat(73)
+                ),
+                "approval voided: order-1042 changed",
+                r#"{"aboutSeq":1,"text":"malformed reply"}"#,
+                "model gpt-x proposed an answer",
+                "Succeeded: no result",
+                r#"{"response":"cut"}"#,
+            ]
+        );
     }
 }

@@ -3,8 +3,8 @@
 use serde_json::{Value, json};
 
 use super::{
-    ANTHROPIC_DEFAULT_MAX_TOKENS, Message, ModelRequest, ModelResponse, TokenUsage, ToolCall,
-    schema_or_object,
+    ANTHROPIC_DEFAULT_MAX_TOKENS, Message, ModelRequest, ModelResponse, ReplyError, TokenUsage,
+    ToolCall, reply_model, schema_or_object, usage_count,
 };
 
 /// The request body. Consecutive messages of one role are merged into one
@@ -15,63 +15,10 @@ pub(crate) fn request_body(
     req: &ModelRequest,
     max_output_tokens: Option<u32>,
 ) -> Value {
-    let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
-    for m in &req.messages {
-        let (role, blocks) = match m {
-            Message::User { text } => ("user", vec![json!({"type": "text", "text": text})]),
-            Message::Assistant { text, tool_calls } => {
-                let mut blocks = Vec::new();
-                if let Some(t) = text.as_deref().filter(|t| !t.trim().is_empty()) {
-                    blocks.push(json!({"type": "text", "text": t}));
-                }
-                for c in tool_calls {
-                    blocks.push(json!({
-                        "type": "tool_use",
-                        "id": c.id,
-                        "name": c.name,
-                        "input": tool_input(&c.arguments),
-                    }));
-                }
-                ("assistant", blocks)
-            }
-            Message::ToolResult {
-                call_id,
-                content,
-                is_error,
-                ..
-            } => (
-                "user",
-                vec![json!({
-                    "type": "tool_result",
-                    "tool_use_id": call_id,
-                    "content": content,
-                    "is_error": is_error,
-                })],
-            ),
-        };
-        if blocks.is_empty() {
-            // An empty turn is refused by the API; it carries nothing anyway.
-            continue;
-        }
-        match turns.last_mut() {
-            Some((r, existing)) if *r == role => existing.extend(blocks),
-            _ => turns.push((role, blocks)),
-        }
-    }
-    let messages: Vec<Value> = turns
-        .into_iter()
-        .map(|(role, mut blocks)| {
-            if role == "user" {
-                // Stable: tool results first, everything else after, in order.
-                blocks.sort_by_key(|b| b["type"] != "tool_result");
-            }
-            json!({"role": role, "content": blocks})
-        })
-        .collect();
     let mut body = json!({
         "model": model,
         "max_tokens": max_output_tokens.unwrap_or(ANTHROPIC_DEFAULT_MAX_TOKENS),
-        "messages": messages,
+        "messages": turns(&req.messages),
     });
     if !req.system.is_empty() {
         body["system"] = json!(req.system);
@@ -92,6 +39,69 @@ pub(crate) fn request_body(
     body
 }
 
+/// The history as alternating turns: consecutive messages of one role merged,
+/// empty ones dropped, tool results first in a user turn.
+fn turns(history: &[Message]) -> Vec<Value> {
+    let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
+    for m in history {
+        let (role, blocks) = blocks_of(m);
+        if blocks.is_empty() {
+            // An empty turn is refused by the API; it carries nothing anyway.
+            continue;
+        }
+        match turns.last_mut() {
+            Some((r, existing)) if *r == role => existing.extend(blocks),
+            _ => turns.push((role, blocks)),
+        }
+    }
+    turns
+        .into_iter()
+        .map(|(role, mut blocks)| {
+            if role == "user" {
+                // Stable: tool results first, everything else after, in order.
+                blocks.sort_by_key(|b| b["type"] != "tool_result");
+            }
+            json!({"role": role, "content": blocks})
+        })
+        .collect()
+}
+
+/// The role a message speaks in and its content blocks.
+fn blocks_of(m: &Message) -> (&'static str, Vec<Value>) {
+    match m {
+        Message::User { text } => ("user", vec![json!({"type": "text", "text": text})]),
+        Message::Assistant { text, tool_calls } => {
+            let mut blocks = Vec::new();
+            if let Some(t) = text.as_deref().filter(|t| !t.trim().is_empty()) {
+                blocks.push(json!({"type": "text", "text": t}));
+            }
+            for c in tool_calls {
+                blocks.push(json!({
+                    "type": "tool_use",
+                    "id": c.id,
+                    "name": c.name,
+                    "input": tool_input(&c.arguments),
+                }));
+            }
+            ("assistant", blocks)
+        }
+        Message::ToolResult {
+            call_id,
+            content,
+            is_error,
+            ..
+        } => (
+            "user",
+            vec![json!({
+                "type": "tool_result",
+                "tool_use_id": call_id,
+                "content": content,
+                "is_error": is_error,
+            })],
+        ),
+    }
+}
+
 /// `tool_use.input` must be an object: malformed (raw) arguments are sent as
 /// an empty object; the matching tool result tells the model what was wrong.
 fn tool_input(v: &Value) -> Value {
@@ -99,22 +109,14 @@ fn tool_input(v: &Value) -> Value {
 }
 
 /// Parses a 2xx body. `Err` explains why it is not a Messages response.
-pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<ModelResponse, String> {
-    let v: Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
+pub(crate) fn parse_response(
+    body: &str,
+    configured_model: &str,
+) -> Result<ModelResponse, ReplyError> {
+    let v: Value = serde_json::from_str(body)?;
     if v.get("type").and_then(Value::as_str) == Some("error") {
         // The documented error shape, should it ever come with a 2xx status.
-        let err = v.get("error");
-        let kind = err
-            .and_then(|e| e.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("error");
-        let message = err
-            .and_then(|e| e.get("message"))
-            .and_then(Value::as_str)
-            .unwrap_or("(no message)");
-        return Err(format!(
-            "the provider reported an error ({kind}): {message}"
-        ));
+        return Err(reported_error(v.get("error")));
     }
     let content = v
         .get("content")
@@ -129,63 +131,75 @@ pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<Model
                     texts.push(t);
                 }
             }
-            Some("tool_use") => {
-                let name = block
-                    .get("name")
-                    .and_then(Value::as_str)
-                    .ok_or_else(|| format!("content[{i}] tool_use has no name"))?;
-                let id = block
-                    .get("id")
-                    .and_then(Value::as_str)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_string)
-                    .unwrap_or_else(|| format!("toolu_{i}"));
-                let arguments = match block.get("input") {
-                    None | Some(Value::Null) => Value::Object(Default::default()),
-                    Some(o @ Value::Object(_)) => o.clone(),
-                    // Not an object: keep it raw for the caller to report.
-                    Some(Value::String(raw)) => Value::String(raw.clone()),
-                    Some(other) => Value::String(other.to_string()),
-                };
-                tool_calls.push(ToolCall {
-                    id,
-                    name: name.to_string(),
-                    arguments,
-                });
-            }
+            Some("tool_use") => tool_calls.push(tool_use(block, i)?),
             // thinking, redacted_thinking, server tool blocks...: not ours.
             _ => {}
         }
     }
-    let text = Some(texts.join("\n")).filter(|t| !t.is_empty());
-    let usage = v.get("usage");
-    let tokens = |k: &str| {
-        usage
-            .and_then(|u| u.get(k))
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-    };
     Ok(ModelResponse {
-        text,
+        text: Some(texts.join("\n")).filter(|t| !t.is_empty()),
         tool_calls,
-        usage: TokenUsage {
-            // Cached input is still input the run consumed.
-            input_tokens: tokens("input_tokens")
-                + tokens("cache_creation_input_tokens")
-                + tokens("cache_read_input_tokens"),
-            output_tokens: tokens("output_tokens"),
-        },
-        model_id: v
-            .get("model")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty())
-            .unwrap_or(configured_model)
-            .to_string(),
+        usage: usage(&v),
+        model_id: reply_model(&v, configured_model),
         stop_reason: v
             .get("stop_reason")
             .and_then(Value::as_str)
             .map(str::to_string),
     })
+}
+
+/// The documented `{"type": "error", "error": {type, message}}`.
+fn reported_error(err: Option<&Value>) -> ReplyError {
+    let kind = err
+        .and_then(|e| e.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("error");
+    let message = err
+        .and_then(|e| e.get("message"))
+        .and_then(Value::as_str)
+        .unwrap_or("(no message)");
+    ReplyError::Reported {
+        kind: Some(kind.to_string()),
+        message: message.to_string(),
+    }
+}
+
+/// A `tool_use` block (content index `i`) as a call. Without an id one is
+/// derived from the position, so the same reply always yields the same id.
+fn tool_use(block: &Value, i: usize) -> Result<ToolCall, ReplyError> {
+    let name = block
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ReplyError::Shape(format!("content[{i}] tool_use has no name")))?;
+    let id = block
+        .get("id")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("toolu_{i}"));
+    let arguments = match block.get("input") {
+        None | Some(Value::Null) => Value::Object(Default::default()),
+        Some(o @ Value::Object(_)) => o.clone(),
+        // Not an object: keep it raw for the caller to report.
+        Some(Value::String(raw)) => Value::String(raw.clone()),
+        Some(other) => Value::String(other.to_string()),
+    };
+    Ok(ToolCall {
+        id,
+        name: name.to_string(),
+        arguments,
+    })
+}
+
+/// Token counts; cached input is still input the run consumed.
+fn usage(v: &Value) -> TokenUsage {
+    let tokens = |k: &str| usage_count(v, k);
+    TokenUsage {
+        input_tokens: tokens("input_tokens")
+            + tokens("cache_creation_input_tokens")
+            + tokens("cache_read_input_tokens"),
+        output_tokens: tokens("output_tokens"),
+    }
 }
 
 #[cfg(test)]
@@ -547,7 +561,9 @@ mod tests {
             "The requested resource could not be found."
         );
         // And should it come with a 2xx status, it is no empty reply.
-        let err = parse_response(DOC_ERROR_RESPONSE, "m").unwrap_err();
+        let err = parse_response(DOC_ERROR_RESPONSE, "m")
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("not_found_error") && err.contains("could not be found"),
             "{err}"

@@ -143,6 +143,36 @@ pub struct ModelResponse {
     pub stop_reason: Option<String>,
 }
 
+/// Why a 2xx reply is not the provider's response format: the wire modules
+/// say what is wrong, the client turns it into [`ModelError::Malformed`] with
+/// an excerpt of the body.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ReplyError {
+    /// The body does not parse at all (an HTML error page, a cut-off reply).
+    #[error("not JSON: {0}")]
+    NotJson(#[from] serde_json::Error),
+    /// The provider answered an error with a 2xx status (some compatible
+    /// servers and proxies do); `kind` is the error's type where it has one.
+    #[error("the provider reported an error{}: {message}", kind_suffix(.kind))]
+    Reported {
+        kind: Option<String>,
+        message: String,
+    },
+    /// JSON, but a field the format requires is missing or of another type.
+    #[error("{0}")]
+    Shape(String),
+}
+
+impl From<&str> for ReplyError {
+    fn from(what: &str) -> Self {
+        ReplyError::Shape(what.to_string())
+    }
+}
+
+fn kind_suffix(kind: &Option<String>) -> String {
+    kind.as_ref().map(|k| format!(" ({k})")).unwrap_or_default()
+}
+
 /// Why a model call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -760,6 +790,26 @@ pub(crate) fn arguments_from_str(raw: &str) -> serde_json::Value {
         Ok(v @ serde_json::Value::Object(_)) => v,
         _ => serde_json::Value::String(raw.to_string()),
     }
+}
+
+/// The model a reply names, else the configured one: some compatible
+/// servers name none, and the log must still say which model answered.
+pub(crate) fn reply_model(reply: &serde_json::Value, configured: &str) -> String {
+    reply
+        .get("model")
+        .and_then(serde_json::Value::as_str)
+        .filter(|s| !s.is_empty())
+        .unwrap_or(configured)
+        .to_string()
+}
+
+/// One of a reply's `usage` counts; a server that reports none counts zero.
+pub(crate) fn usage_count(reply: &serde_json::Value, key: &str) -> u64 {
+    reply
+        .get("usage")
+        .and_then(|u| u.get(key))
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(0)
 }
 
 /// The schema sent for a tool (an object schema when none is given).

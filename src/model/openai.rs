@@ -3,8 +3,8 @@
 use serde_json::{Value, json};
 
 use super::{
-    Message, ModelRequest, ModelResponse, TokenUsage, ToolCall, arguments_from_str,
-    schema_or_object,
+    Message, ModelRequest, ModelResponse, ReplyError, TokenUsage, ToolCall, ToolDef,
+    arguments_from_str, reply_model, schema_or_object, usage_count,
 };
 
 /// Prefix put before the content of a failed tool's result (the format has no
@@ -23,68 +23,10 @@ pub(crate) fn request_body(
     if !req.system.is_empty() {
         messages.push(json!({"role": "system", "content": req.system}));
     }
-    for m in &req.messages {
-        messages.push(match m {
-            Message::User { text } => json!({"role": "user", "content": text}),
-            Message::Assistant { text, tool_calls }
-                if tool_calls.is_empty() && text.as_deref().is_none_or(str::is_empty) =>
-            {
-                // Content is required without tool calls; an empty turn says nothing.
-                continue;
-            }
-            Message::Assistant { text, tool_calls } => {
-                // A string, never null: OpenAI allows null beside tool calls,
-                // but llama-cpp-python's server (content: NotRequired[str])
-                // refuses it with 500; "" is a string every server takes.
-                let mut msg = json!({
-                    "role": "assistant",
-                    "content": text.as_deref().unwrap_or(""),
-                });
-                if !tool_calls.is_empty() {
-                    msg["tool_calls"] = tool_calls
-                        .iter()
-                        .map(|c| {
-                            json!({
-                                "id": c.id,
-                                "type": "function",
-                                "function": {"name": c.name, "arguments": arguments_string(&c.arguments)},
-                            })
-                        })
-                        .collect();
-                }
-                msg
-            }
-            Message::ToolResult {
-                call_id,
-                content,
-                is_error,
-                ..
-            } => {
-                let content = if *is_error {
-                    format!("{ERROR_PREFIX}{content}")
-                } else {
-                    content.clone()
-                };
-                json!({"role": "tool", "tool_call_id": call_id, "content": content})
-            }
-        });
-    }
+    messages.extend(req.messages.iter().filter_map(message_json));
     let mut body = json!({"model": model, "messages": messages});
     if !req.tools.is_empty() {
-        body["tools"] = req
-            .tools
-            .iter()
-            .map(|t| {
-                json!({
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "description": t.description,
-                        "parameters": schema_or_object(&t.input_schema),
-                    },
-                })
-            })
-            .collect();
+        body["tools"] = req.tools.iter().map(tool_json).collect();
         // `auto` is what OpenAI assumes whenever tools are present, so saying
         // it changes nothing there; llama-cpp-python's server
         // (`chatml-function-calling`) ignores `tools` unless it is said.
@@ -99,6 +41,69 @@ pub(crate) fn request_body(
         body[field] = json!(max);
     }
     body
+}
+
+/// One history message on the wire; `None` for an assistant turn that says
+/// nothing (content is required without tool calls, and would be empty).
+fn message_json(m: &Message) -> Option<Value> {
+    Some(match m {
+        Message::User { text } => json!({"role": "user", "content": text}),
+        Message::Assistant { text, tool_calls }
+            if tool_calls.is_empty() && text.as_deref().is_none_or(str::is_empty) =>
+        {
+            return None;
+        }
+        Message::Assistant { text, tool_calls } => assistant_json(text.as_deref(), tool_calls),
+        Message::ToolResult {
+            call_id,
+            content,
+            is_error,
+            ..
+        } => {
+            let content = if *is_error {
+                format!("{ERROR_PREFIX}{content}")
+            } else {
+                content.clone()
+            };
+            json!({"role": "tool", "tool_call_id": call_id, "content": content})
+        }
+    })
+}
+
+/// An assistant turn, with the calls it made.
+fn assistant_json(text: Option<&str>, tool_calls: &[ToolCall]) -> Value {
+    // A string, never null: OpenAI allows null beside tool calls,
+    // but llama-cpp-python's server (content: NotRequired[str])
+    // refuses it with 500; "" is a string every server takes.
+    let mut msg = json!({
+        "role": "assistant",
+        "content": text.unwrap_or(""),
+    });
+    if !tool_calls.is_empty() {
+        msg["tool_calls"] = tool_calls
+            .iter()
+            .map(|c| {
+                json!({
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": arguments_string(&c.arguments)},
+                })
+            })
+            .collect();
+    }
+    msg
+}
+
+/// A tool offered to the model, as a `function` tool.
+fn tool_json(t: &ToolDef) -> Value {
+    json!({
+        "type": "function",
+        "function": {
+            "name": t.name,
+            "description": t.description,
+            "parameters": schema_or_object(&t.input_schema),
+        },
+    })
 }
 
 /// Arguments as the JSON string the format carries; raw (malformed) arguments
@@ -125,11 +130,11 @@ fn function_to_call(
     response_id: Option<&str>,
     index: usize,
     what: &str,
-) -> Result<ToolCall, String> {
+) -> Result<ToolCall, ReplyError> {
     let name = f
         .get("name")
         .and_then(Value::as_str)
-        .ok_or_else(|| format!("{what} has no name"))?;
+        .ok_or_else(|| ReplyError::Shape(format!("{what} has no name")))?;
     let arguments = match f.get("arguments") {
         None | Some(Value::Null) => Value::Object(Default::default()),
         Some(Value::String(raw)) => arguments_from_str(raw),
@@ -153,20 +158,15 @@ fn function_to_call(
 }
 
 /// Parses a 2xx body. `Err` explains why it is not a chat completion.
-pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<ModelResponse, String> {
-    let v: Value = serde_json::from_str(body).map_err(|e| format!("not JSON: {e}"))?;
+pub(crate) fn parse_response(
+    body: &str,
+    configured_model: &str,
+) -> Result<ModelResponse, ReplyError> {
+    let v: Value = serde_json::from_str(body)?;
     if v.get("choices").is_none()
         && let Some(err) = v.get("error").filter(|e| !e.is_null())
     {
-        // Some compatible servers and proxies answer an error with a 2xx status.
-        let message = match err {
-            Value::String(s) => s.as_str(),
-            _ => err
-                .get("message")
-                .and_then(Value::as_str)
-                .unwrap_or("(no message)"),
-        };
-        return Err(format!("the provider reported an error: {message}"));
+        return Err(reported_error(err));
     }
     let choice = v
         .get("choices")
@@ -177,7 +177,43 @@ pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<Model
         .get("message")
         .filter(|m| m.is_object())
         .ok_or("no choices[0].message")?;
-    let text = match message.get("content") {
+    let text = message_text(message)?;
+    let response_id = v
+        .get("id")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty());
+    let tool_calls = message_tool_calls(message, response_id)?;
+    Ok(ModelResponse {
+        text,
+        tool_calls,
+        usage: usage(&v),
+        model_id: reply_model(&v, configured_model),
+        stop_reason: choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .map(str::to_string),
+    })
+}
+
+/// An error object (or string) some compatible servers and proxies answer
+/// with a 2xx status.
+fn reported_error(err: &Value) -> ReplyError {
+    let message = match err {
+        Value::String(s) => s.as_str(),
+        _ => err
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("(no message)"),
+    };
+    ReplyError::Reported {
+        kind: None,
+        message: message.to_string(),
+    }
+}
+
+/// The message's text: its content, else a refusal; `None` when empty.
+fn message_text(message: &Value) -> Result<Option<String>, ReplyError> {
+    let content = match message.get("content") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         // Some compatible servers send content parts.
@@ -189,18 +225,23 @@ pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<Model
                 .join(""),
         ),
         Some(_) => return Err("choices[0].message.content is neither text nor parts".into()),
-    }
-    .or_else(|| {
-        message
-            .get("refusal")
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    })
-    .filter(|t| !t.is_empty());
-    let response_id = v
-        .get("id")
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty());
+    };
+    Ok(content
+        .or_else(|| {
+            message
+                .get("refusal")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .filter(|t| !t.is_empty()))
+}
+
+/// The calls the message makes: `tool_calls`, else the legacy single
+/// `function_call`.
+fn message_tool_calls(
+    message: &Value,
+    response_id: Option<&str>,
+) -> Result<Vec<ToolCall>, ReplyError> {
     let mut tool_calls = Vec::new();
     match message.get("tool_calls") {
         None | Some(Value::Null) => {}
@@ -209,7 +250,7 @@ pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<Model
                 let f = c
                     .get("function")
                     .filter(|f| f.is_object())
-                    .ok_or_else(|| format!("tool_calls[{i}] has no function"))?;
+                    .ok_or_else(|| ReplyError::Shape(format!("tool_calls[{i}] has no function")))?;
                 tool_calls.push(function_to_call(
                     f,
                     c.get("id"),
@@ -232,31 +273,16 @@ pub(crate) fn parse_response(body: &str, configured_model: &str) -> Result<Model
     {
         tool_calls.push(function_to_call(f, None, response_id, 0, "function_call")?);
     }
-    let usage = v.get("usage");
-    let tokens = |k: &str| {
-        usage
-            .and_then(|u| u.get(k))
-            .and_then(Value::as_u64)
-            .unwrap_or(0)
-    };
-    Ok(ModelResponse {
-        text,
-        tool_calls,
-        usage: TokenUsage {
-            input_tokens: tokens("prompt_tokens"),
-            output_tokens: tokens("completion_tokens"),
-        },
-        model_id: v
-            .get("model")
-            .and_then(Value::as_str)
-            .filter(|s| !s.is_empty())
-            .unwrap_or(configured_model)
-            .to_string(),
-        stop_reason: choice
-            .get("finish_reason")
-            .and_then(Value::as_str)
-            .map(str::to_string),
-    })
+    Ok(tool_calls)
+}
+
+/// Token counts; a server that reports none counts as zero.
+fn usage(v: &Value) -> TokenUsage {
+    let tokens = |k: &str| usage_count(v, k);
+    TokenUsage {
+        input_tokens: tokens("prompt_tokens"),
+        output_tokens: tokens("completion_tokens"),
+    }
 }
 
 #[cfg(test)]
@@ -792,9 +818,12 @@ mod tests {
             r#"{"error": {"message": "model 'x' not found", "type": "invalid_request_error", "param": null, "code": null}}"#,
             "m",
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("model 'x' not found"), "{err}");
-        let err = parse_response(r#"{"error": "backend crashed"}"#, "m").unwrap_err();
+        let err = parse_response(r#"{"error": "backend crashed"}"#, "m")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("backend crashed"), "{err}");
     }
 }

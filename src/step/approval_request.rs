@@ -143,6 +143,7 @@ pub async fn read_dependencies(
             Ok(resp) if resp.status().is_success() => {
                 match crate::tools::read_body(resp, MAX_LOOKUP_BYTES)
                     .await
+                    .map_err(|e| e.to_string())
                     .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()))
                 {
                     Ok(body) => match body.get("version") {

@@ -35,6 +35,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+mod append;
 pub mod audit;
 pub mod cli;
 mod error;
@@ -44,7 +45,7 @@ mod remote;
 mod signature;
 mod sqlite;
 
-pub use error::StoreError;
+pub use error::{AnchorError, KeyError, StoreError, UnreadableRecord};
 pub use postgres::PgStore;
 pub use record::{
     FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft, StepKind, Usage,

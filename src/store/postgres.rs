@@ -15,8 +15,11 @@ use chrono::{DateTime, Utc};
 use futures::TryStreamExt;
 use sqlx::Row;
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 
+use super::append::{
+    adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at,
+};
 use super::record::{Hash, Head, Record, StepKind, StoredChain};
 use super::{
     HeadEvent, Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url,
@@ -255,21 +258,90 @@ impl PgStore {
         StoreError::from_sqlx(&self.url, e)
     }
 
-    fn decode(
+    /// Run the one-statement append (see [`APPEND_SQL`]): it inserts, or
+    /// returns what explains why it did not.
+    async fn append_row(
         &self,
         run: &str,
-        seq: u64,
-        body: &str,
-        hash: &[u8],
-        created_at: DateTime<Utc>,
-    ) -> Result<Record, StoreError> {
-        let corrupt = |reason: String| StoreError::Corrupt {
-            run: run.to_string(),
-            seq,
-            reason,
+        epoch: u64,
+        record: &Record,
+        body: &[u8],
+    ) -> Result<PgRow, StoreError> {
+        let body_str = std::str::from_utf8(body).expect("canonical JSON is UTF-8");
+        let seq = to_i64("seq", record.seq)?;
+        sqlx::query(APPEND_SQL)
+            .bind(run)
+            .bind(to_i64("epoch", epoch)?)
+            .bind(seq)
+            .bind(record.format as i32)
+            .bind(record.kind.as_str())
+            .bind(&record.prev_hash.0[..])
+            .bind(&record.hash.0[..])
+            .bind(body_str)
+            .bind(&Hash::ZERO.0[..])
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))
+    }
+
+    /// Refuse a writer whose lease the append's row found missing, taken
+    /// over, or lapsed.
+    fn check_lease_row(&self, row: &PgRow, run: &str, epoch: u64) -> Result<(), StoreError> {
+        let get_err = |e| StoreError::from_sqlx(&self.url, e);
+        let lease_ok: bool = row.try_get("lease_ok").map_err(get_err)?;
+        if lease_ok {
+            return Ok(());
+        }
+        let current: Option<i64> = row.try_get("current_epoch").map_err(get_err)?;
+        let expired: Option<bool> = row.try_get("current_expired").map_err(get_err)?;
+        let own_lapsed = current == Some(epoch as i64) && expired.unwrap_or(true);
+        Err(stale_epoch(run, epoch, current, own_lapsed))
+    }
+
+    /// Refuse a record that does not extend the chain the append's row saw:
+    /// a hole before it, or a previous hash other than its predecessor's.
+    fn check_chain_row(&self, row: &PgRow, run: &str, record: &Record) -> Result<(), StoreError> {
+        let get_err = |e| StoreError::from_sqlx(&self.url, e);
+        let len: i64 = row
+            .try_get::<Option<i64>, _>("len")
+            .map_err(get_err)?
+            .unwrap_or(0);
+        if len < to_i64("seq", record.seq)? {
+            return Err(gap(run, record, len as u64));
+        }
+        let expected = if record.seq > 0 {
+            let prev: Option<Vec<u8>> = row.try_get("prev_hash").map_err(get_err)?;
+            prev.as_deref()
+                .and_then(Hash::from_slice)
+                .unwrap_or(Hash::ZERO)
+        } else {
+            Hash::ZERO
         };
-        let hash = Hash::from_slice(hash).ok_or_else(|| corrupt("hash is not 32 bytes".into()))?;
-        Record::from_canonical(body.as_bytes(), hash, Some(created_at)).map_err(corrupt)
+        check_prev_hash(run, record, expected)
+    }
+
+    /// Lease fine, predecessor fine, nothing visible at seq, yet nothing
+    /// inserted: the seq was taken by a writer that committed concurrently,
+    /// after the statement's snapshot. Its record decides, as for a retry.
+    async fn adopt_concurrent(
+        &self,
+        run: &str,
+        record: &Record,
+        body: &[u8],
+    ) -> Result<Record, StoreError> {
+        match self.fetch_recorded(run, record.seq).await? {
+            Some(recorded) => {
+                let recorded_body = recorded.canonical_bytes();
+                adopt_or_conflict(run, record, body, recorded, &recorded_body)
+            }
+            None => Err(StoreError::Database {
+                url: self.url.clone(),
+                reason: format!(
+                    "append of run {run} seq {} inserted nothing and no record is there",
+                    record.seq
+                ),
+            }),
+        }
     }
 
     async fn fetch_recorded(&self, run: &str, seq: u64) -> Result<Option<Record>, StoreError> {
@@ -285,28 +357,9 @@ impl PgStore {
                 let body: String = row.try_get("body").map_err(|e| self.err(e))?;
                 let hash: Vec<u8> = row.try_get("hash").map_err(|e| self.err(e))?;
                 let at: DateTime<Utc> = row.try_get("created_at").map_err(|e| self.err(e))?;
-                Ok(Some(self.decode(run, seq, &body, &hash, at)?))
+                Ok(Some(decode_stored(run, seq, &body, &hash, at)?))
             }
         }
-    }
-}
-
-/// Decide between "identical retry" and "conflict" for a recorded seq.
-pub(crate) fn adopt_or_conflict(
-    run: &str,
-    record: &Record,
-    body: &[u8],
-    recorded: Record,
-    recorded_body: &[u8],
-) -> Result<Record, StoreError> {
-    if recorded.hash == record.hash && recorded_body == body {
-        Ok(recorded)
-    } else {
-        Err(StoreError::Conflict {
-            run: run.to_string(),
-            seq: record.seq,
-            recorded: Box::new(recorded),
-        })
     }
 }
 
@@ -332,99 +385,28 @@ impl StepStore for PgStore {
 
     async fn append(&self, run: &str, epoch: u64, record: &Record) -> Result<Record, StoreError> {
         let body = check_record(record)?;
-        let body_str = std::str::from_utf8(&body).expect("canonical JSON is UTF-8");
-        let seq = to_i64("seq", record.seq)?;
-        let row = sqlx::query(APPEND_SQL)
-            .bind(run)
-            .bind(to_i64("epoch", epoch)?)
-            .bind(seq)
-            .bind(record.format as i32)
-            .bind(record.kind.as_str())
-            .bind(&record.prev_hash.0[..])
-            .bind(&record.hash.0[..])
-            .bind(body_str)
-            .bind(&Hash::ZERO.0[..])
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.err(e))?;
+        let row = self.append_row(run, epoch, record, &body).await?;
         let get_err = |e| StoreError::from_sqlx(&self.url, e);
-
         if let Some(at) = row
             .try_get::<Option<DateTime<Utc>>, _>("inserted_at")
             .map_err(get_err)?
         {
-            let mut stored = record.clone();
-            stored.created_at = Some(at);
-            return Ok(stored);
+            return Ok(stored_at(record, at));
         }
-        let lease_ok: bool = row.try_get("lease_ok").map_err(get_err)?;
-        if !lease_ok {
-            let current: Option<i64> = row.try_get("current_epoch").map_err(get_err)?;
-            let expired: Option<bool> = row.try_get("current_expired").map_err(get_err)?;
-            return Err(StoreError::StaleEpoch {
-                run: run.to_string(),
-                epoch,
-                current: current.map(|e| e as u64),
-                expired: current == Some(epoch as i64) && expired.unwrap_or(true),
-            });
-        }
+        // Nothing inserted: the same row says why, checked in the order a
+        // writer can act on (lease first, then what is at seq, then the chain).
+        self.check_lease_row(&row, run, epoch)?;
         if let Some(rec_body) = row
             .try_get::<Option<String>, _>("rec_body")
             .map_err(get_err)?
         {
             let rec_hash: Vec<u8> = row.try_get("rec_hash").map_err(get_err)?;
             let at: DateTime<Utc> = row.try_get("rec_created_at").map_err(get_err)?;
-            let recorded = self.decode(run, record.seq, &rec_body, &rec_hash, at)?;
+            let recorded = decode_stored(run, record.seq, &rec_body, &rec_hash, at)?;
             return adopt_or_conflict(run, record, &body, recorded, rec_body.as_bytes());
         }
-        let len: i64 = row
-            .try_get::<Option<i64>, _>("len")
-            .map_err(get_err)?
-            .unwrap_or(0);
-        if len < seq {
-            return Err(StoreError::Gap {
-                run: run.to_string(),
-                seq: record.seq,
-                len: len as u64,
-            });
-        }
-        if record.seq > 0 {
-            let prev: Option<Vec<u8>> = row.try_get("prev_hash").map_err(get_err)?;
-            let expected = prev
-                .as_deref()
-                .and_then(Hash::from_slice)
-                .unwrap_or(Hash::ZERO);
-            if expected != record.prev_hash {
-                return Err(StoreError::PrevHashMismatch {
-                    run: run.to_string(),
-                    seq: record.seq,
-                    expected,
-                    got: record.prev_hash,
-                });
-            }
-        } else if !record.prev_hash.is_zero() {
-            return Err(StoreError::PrevHashMismatch {
-                run: run.to_string(),
-                seq: 0,
-                expected: Hash::ZERO,
-                got: record.prev_hash,
-            });
-        }
-        // Lease fine, predecessor fine, nothing visible at seq, yet nothing
-        // inserted: the seq was taken by a writer that committed concurrently.
-        match self.fetch_recorded(run, record.seq).await? {
-            Some(recorded) => {
-                let recorded_body = recorded.canonical_bytes();
-                adopt_or_conflict(run, record, &body, recorded, &recorded_body)
-            }
-            None => Err(StoreError::Database {
-                url: self.url.clone(),
-                reason: format!(
-                    "append of run {run} seq {} inserted nothing and no record is there",
-                    record.seq
-                ),
-            }),
-        }
+        self.check_chain_row(&row, run, record)?;
+        self.adopt_concurrent(run, record, &body).await
     }
 
     async fn read_range(
@@ -449,7 +431,7 @@ impl StepStore for PgStore {
             let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
             let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
             let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(self.decode(run, seq as u64, body, hash, at)?);
+            out.push(decode_stored(run, seq as u64, body, hash, at)?);
         }
         Ok(out)
     }

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::StoreError;
+use super::error::{AnchorError, UnreadableRecord};
 
 /// The record format this code writes. Records of an older format stay readable.
 pub const FORMAT: u32 = 1;
@@ -305,7 +306,7 @@ impl Record {
         body: &[u8],
         hash: Hash,
         created_at: Option<DateTime<Utc>>,
-    ) -> Result<Record, String> {
+    ) -> Result<Record, UnreadableRecord> {
         #[derive(Deserialize)]
         struct FormatOnly {
             format: u32,
@@ -314,19 +315,13 @@ impl Record {
             Ok(r) => r,
             Err(e) => {
                 return Err(match serde_json::from_slice::<FormatOnly>(body) {
-                    Ok(f) if f.format > FORMAT => format!(
-                        "record format {} is newer than this code reads (≤ {FORMAT})",
-                        f.format
-                    ),
-                    _ => format!("undecodable record: {e}"),
+                    Ok(f) if f.format > FORMAT => UnreadableRecord::Newer(f.format),
+                    _ => UnreadableRecord::Undecodable(e),
                 });
             }
         };
         if record.format == 0 || record.format > FORMAT {
-            return Err(format!(
-                "record format {} is not one this code reads (1..={FORMAT})",
-                record.format
-            ));
+            return Err(UnreadableRecord::Unsupported(record.format));
         }
         record.hash = hash;
         record.created_at = created_at;
@@ -536,15 +531,19 @@ pub fn check_anchor_after(
 
 impl Head {
     /// Parses an anchor written as `<length>:<hash hex>` (see [`Head::anchor`]).
-    pub fn parse_anchor(s: &str) -> Result<Head, String> {
+    pub fn parse_anchor(s: &str) -> Result<Head, AnchorError> {
         let (len, hash) = s
             .trim()
             .split_once(':')
-            .ok_or_else(|| format!("log anchor {s:?}: expected <length>:<hash>"))?;
-        let len = len
-            .parse()
-            .map_err(|_| format!("log anchor {s:?}: length {len:?} is not a number"))?;
-        let hash = hash.parse().map_err(|e| format!("log anchor {s:?}: {e}"))?;
+            .ok_or_else(|| AnchorError::Shape(s.to_string()))?;
+        let len = len.parse().map_err(|_| AnchorError::Length {
+            anchor: s.to_string(),
+            len: len.to_string(),
+        })?;
+        let hash = hash.parse().map_err(|source| AnchorError::Hash {
+            anchor: s.to_string(),
+            source,
+        })?;
         Ok(Head { len, hash })
     }
 
@@ -648,7 +647,8 @@ impl<'a> StoredChain<'a> {
         let hash =
             Hash::from_slice(hash).ok_or_else(|| broken("stored hash is not 32 bytes".into()))?;
         let computed = chain_hash(&self.head.hash, body);
-        let record = Record::from_canonical(body, hash, created_at).map_err(&broken)?;
+        let record =
+            Record::from_canonical(body, hash, created_at).map_err(|e| broken(e.to_string()))?;
         if record.seq != seq {
             return Err(broken(format!(
                 "record at position {seq} says seq {}",
@@ -872,7 +872,9 @@ mod tests {
         assert_eq!(back.canonical_bytes(), r.canonical_bytes());
 
         let newer = br#"{"format":2,"seq":0}"#;
-        let err = Record::from_canonical(newer, Hash::ZERO, None).unwrap_err();
+        let err = Record::from_canonical(newer, Hash::ZERO, None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("format 2"), "{err}");
     }
 

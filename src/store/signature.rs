@@ -26,7 +26,7 @@
 use ring::signature::{ED25519, Ed25519KeyPair, KeyPair, UnparsedPublicKey};
 use sha2::{Digest, Sha256};
 
-use super::{Hash, Head, Record, RecordDraft, StepKind, StoreError};
+use super::{Hash, Head, KeyError, Record, RecordDraft, StepKind, StoreError};
 
 /// Payload field of a controller record that holds its signature.
 pub const SIGNATURE_FIELD: &str = "controllerSignature";
@@ -202,13 +202,10 @@ pub struct PublicKey {
 
 impl PublicKey {
     /// From its hex form (32 bytes).
-    pub fn from_hex(s: &str, retired: bool) -> Result<PublicKey, String> {
-        let key = hex::decode(s.trim()).map_err(|e| format!("controller public key: {e}"))?;
+    pub fn from_hex(s: &str, retired: bool) -> Result<PublicKey, KeyError> {
+        let key = hex::decode(s.trim())?;
         if key.len() != 32 {
-            return Err(format!(
-                "controller public key: {} bytes, an Ed25519 key has 32",
-                key.len()
-            ));
+            return Err(KeyError::Length(key.len()));
         }
         Ok(PublicKey {
             id: key_id(&key),
@@ -285,9 +282,9 @@ pub struct RecordVerifier {
 
 impl RecordVerifier {
     /// From public keys (none retired first is the convention, not a rule).
-    pub fn new(keys: Vec<PublicKey>) -> Result<RecordVerifier, String> {
+    pub fn new(keys: Vec<PublicKey>) -> Result<RecordVerifier, KeyError> {
         if keys.is_empty() {
-            return Err("no controller public key".into());
+            return Err(KeyError::NoKey);
         }
         Ok(RecordVerifier { keys })
     }
@@ -295,7 +292,7 @@ impl RecordVerifier {
     /// From `AGENTRUN_CONTROLLER_KEY` in a step Job: hex public keys,
     /// comma-separated, the current one first (one key alone is what
     /// releases before rotation passed).
-    pub fn from_hex(s: &str) -> Result<RecordVerifier, String> {
+    pub fn from_hex(s: &str) -> Result<RecordVerifier, KeyError> {
         let keys = s
             .split(',')
             .filter(|k| !k.trim().is_empty())

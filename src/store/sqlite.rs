@@ -16,12 +16,17 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use super::postgres::adopt_or_conflict;
+use super::append::{
+    adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at,
+};
 use super::record::{Hash, Head, Record, StoredChain};
 use super::{
     Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64,
     ttl_micros,
 };
+
+/// A write transaction on the writer connection.
+type WriteTx<'c> = sqlx::Transaction<'c, sqlx::Sqlite>;
 
 const MIGRATIONS_TABLE: &str = "agentrun_store_migrations";
 const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -131,11 +136,117 @@ impl SqliteStore {
 
     /// A write transaction that takes SQLite's write lock at once, so
     /// concurrent writers queue (busy timeout) instead of failing mid-way.
-    async fn begin_write(&self) -> Result<sqlx::Transaction<'_, sqlx::Sqlite>, StoreError> {
+    async fn begin_write(&self) -> Result<WriteTx<'_>, StoreError> {
         self.writer
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(|e| self.err(e))
+    }
+
+    /// The writer must hold the run's lease at `epoch`, unexpired at `now`.
+    async fn check_lease(
+        &self,
+        tx: &mut WriteTx<'_>,
+        run: &str,
+        epoch: u64,
+        now: i64,
+    ) -> Result<(), StoreError> {
+        let epoch_i = to_i64("epoch", epoch)?;
+        let lease = sqlx::query("SELECT epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+            .bind(run)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        let (current, expires): (Option<i64>, i64) = match &lease {
+            Some(row) => (
+                Some(row.try_get(0).map_err(|e| self.err(e))?),
+                row.try_get(1).map_err(|e| self.err(e))?,
+            ),
+            None => (None, 0),
+        };
+        if current != Some(epoch_i) || expires <= now {
+            return Err(stale_epoch(run, epoch, current, current == Some(epoch_i)));
+        }
+        Ok(())
+    }
+
+    /// The record already at `seq`, with its body as stored (a retry is
+    /// adopted only if it is byte for byte the same).
+    async fn recorded(
+        &self,
+        tx: &mut WriteTx<'_>,
+        run: &str,
+        seq: u64,
+    ) -> Result<Option<(Record, String)>, StoreError> {
+        let seq_i = to_i64("seq", seq)?;
+        let existing = sqlx::query(
+            "SELECT body, hash, created_at FROM agentrun_steps WHERE run = ?1 AND seq = ?2",
+        )
+        .bind(run)
+        .bind(seq_i)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        let Some(row) = existing else {
+            return Ok(None);
+        };
+        let rec_body: String = row.try_get(0).map_err(|e| self.err(e))?;
+        let rec_hash: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
+        let at: i64 = row.try_get(2).map_err(|e| self.err(e))?;
+        let recorded = decode_row(run, seq_i, &rec_body, &rec_hash, at)?;
+        Ok(Some((recorded, rec_body)))
+    }
+
+    /// The run's head as the write transaction sees it.
+    async fn head_in(&self, tx: &mut WriteTx<'_>, run: &str) -> Result<Head, StoreError> {
+        let last = sqlx::query(
+            "SELECT seq, hash FROM agentrun_steps WHERE run = ?1 ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(run)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(match last {
+            Some(row) => {
+                let s: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+                let h: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
+                Head {
+                    len: s as u64 + 1,
+                    hash: Hash::from_slice(&h).unwrap_or(Hash::ZERO),
+                }
+            }
+            None => Head::EMPTY,
+        })
+    }
+
+    /// Insert the checked record, stamped with `now`.
+    async fn insert(
+        &self,
+        tx: &mut WriteTx<'_>,
+        run: &str,
+        epoch: u64,
+        record: &Record,
+        body: &[u8],
+        now: i64,
+    ) -> Result<(), StoreError> {
+        let body_str = std::str::from_utf8(body).expect("canonical JSON is UTF-8");
+        sqlx::query(
+            "INSERT INTO agentrun_steps (run, seq, format, kind, prev_hash, hash, body, epoch, created_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )
+        .bind(run)
+        .bind(to_i64("seq", record.seq)?)
+        .bind(record.format as i64)
+        .bind(record.kind.as_str())
+        .bind(&record.prev_hash.0[..])
+        .bind(&record.hash.0[..])
+        .bind(body_str)
+        .bind(to_i64("epoch", epoch)?)
+        .bind(now)
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(())
     }
 
     fn err(&self, e: sqlx::Error) -> StoreError {
@@ -155,13 +266,7 @@ fn decode_row(
     hash: &[u8],
     created_at: i64,
 ) -> Result<Record, StoreError> {
-    let corrupt = |reason: String| StoreError::Corrupt {
-        run: run.to_string(),
-        seq: seq as u64,
-        reason,
-    };
-    let hash = Hash::from_slice(hash).ok_or_else(|| corrupt("hash is not 32 bytes".into()))?;
-    Record::from_canonical(body.as_bytes(), hash, Some(from_micros(created_at))).map_err(corrupt)
+    decode_stored(run, seq as u64, body, hash, from_micros(created_at))
 }
 
 #[async_trait]
@@ -200,102 +305,25 @@ impl StepStore for SqliteStore {
 
     async fn append(&self, run: &str, epoch: u64, record: &Record) -> Result<Record, StoreError> {
         let body = check_record(record)?;
-        let body_str = std::str::from_utf8(&body).expect("canonical JSON is UTF-8");
-        let seq = to_i64("seq", record.seq)?;
-        let epoch_i = to_i64("epoch", epoch)?;
+        // Out-of-range numbers are refused before the write lock is taken.
+        to_i64("seq", record.seq)?;
+        to_i64("epoch", epoch)?;
         let mut tx = self.begin_write().await?;
-        let now = Utc::now();
-
-        let lease = sqlx::query("SELECT epoch, expires_at FROM agentrun_leases WHERE run = ?1")
-            .bind(run)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| self.err(e))?;
-        let (current, expires): (Option<i64>, i64) = match &lease {
-            Some(row) => (
-                Some(row.try_get(0).map_err(|e| self.err(e))?),
-                row.try_get(1).map_err(|e| self.err(e))?,
-            ),
-            None => (None, 0),
-        };
-        if current != Some(epoch_i) || expires <= micros(now) {
-            return Err(StoreError::StaleEpoch {
-                run: run.to_string(),
-                epoch,
-                current: current.map(|e| e as u64),
-                expired: current == Some(epoch_i),
-            });
+        let now = micros(Utc::now());
+        // All checks and the insert share one write transaction, so no other
+        // writer can slip in between them.
+        self.check_lease(&mut tx, run, epoch, now).await?;
+        if let Some((recorded, recorded_body)) = self.recorded(&mut tx, run, record.seq).await? {
+            return adopt_or_conflict(run, record, &body, recorded, recorded_body.as_bytes());
         }
-
-        let existing = sqlx::query(
-            "SELECT body, hash, created_at FROM agentrun_steps WHERE run = ?1 AND seq = ?2",
-        )
-        .bind(run)
-        .bind(seq)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(|e| self.err(e))?;
-        if let Some(row) = existing {
-            let rec_body: String = row.try_get(0).map_err(|e| self.err(e))?;
-            let rec_hash: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
-            let at: i64 = row.try_get(2).map_err(|e| self.err(e))?;
-            let recorded = decode_row(run, seq, &rec_body, &rec_hash, at)?;
-            return adopt_or_conflict(run, record, &body, recorded, rec_body.as_bytes());
-        }
-
-        let last = sqlx::query(
-            "SELECT seq, hash FROM agentrun_steps WHERE run = ?1 ORDER BY seq DESC LIMIT 1",
-        )
-        .bind(run)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(|e| self.err(e))?;
-        let head = match last {
-            Some(row) => {
-                let s: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-                let h: Vec<u8> = row.try_get(1).map_err(|e| self.err(e))?;
-                Head {
-                    len: s as u64 + 1,
-                    hash: Hash::from_slice(&h).unwrap_or(Hash::ZERO),
-                }
-            }
-            None => Head::EMPTY,
-        };
+        let head = self.head_in(&mut tx, run).await?;
         if head.len != record.seq {
-            return Err(StoreError::Gap {
-                run: run.to_string(),
-                seq: record.seq,
-                len: head.len,
-            });
+            return Err(gap(run, record, head.len));
         }
-        if head.hash != record.prev_hash {
-            return Err(StoreError::PrevHashMismatch {
-                run: run.to_string(),
-                seq: record.seq,
-                expected: head.hash,
-                got: record.prev_hash,
-            });
-        }
-        sqlx::query(
-            "INSERT INTO agentrun_steps (run, seq, format, kind, prev_hash, hash, body, epoch, created_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        )
-        .bind(run)
-        .bind(seq)
-        .bind(record.format as i64)
-        .bind(record.kind.as_str())
-        .bind(&record.prev_hash.0[..])
-        .bind(&record.hash.0[..])
-        .bind(body_str)
-        .bind(epoch_i)
-        .bind(micros(now))
-        .execute(&mut *tx)
-        .await
-        .map_err(|e| self.err(e))?;
+        check_prev_hash(run, record, head.hash)?;
+        self.insert(&mut tx, run, epoch, record, &body, now).await?;
         tx.commit().await.map_err(|e| self.err(e))?;
-        let mut stored = record.clone();
-        stored.created_at = Some(from_micros(micros(now)));
-        Ok(stored)
+        Ok(stored_at(record, from_micros(now)))
     }
 
     async fn read_range(

@@ -47,7 +47,12 @@ async fn attempt(request: reqwest::RequestBuilder) -> Attempt {
         .to_string();
     let body = match read_body(response, MAX_BODY).await {
         Ok(body) => body,
-        Err(reason) => return Attempt::Transient { reason, sent: true },
+        Err(e) => {
+            return Attempt::Transient {
+                reason: e.to_string(),
+                sent: true,
+            };
+        }
     };
     if status.is_success() {
         Attempt::Success(body, content_type)
@@ -64,22 +69,33 @@ async fn attempt(request: reqwest::RequestBuilder) -> Attempt {
     }
 }
 
+/// Why a reply's body was not read whole.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum BodyError {
+    /// Past the reader's cap: read no further, nothing of it is used.
+    #[error("response larger than {0} bytes")]
+    TooLarge(usize),
+    /// The connection failed mid-body (in words without the URL's query).
+    #[error("reading the response: {0}")]
+    Read(String),
+}
+
 /// The body, or an error once it passes `cap` bytes (read no further).
 pub(crate) async fn read_body(
     mut response: reqwest::Response,
     cap: usize,
-) -> Result<Vec<u8>, String> {
+) -> Result<Vec<u8>, BodyError> {
     let mut body = Vec::new();
     loop {
         match response.chunk().await {
             Ok(Some(chunk)) => {
                 if body.len() + chunk.len() > cap {
-                    return Err(format!("response larger than {cap} bytes"));
+                    return Err(BodyError::TooLarge(cap));
                 }
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(body),
-            Err(e) => return Err(format!("reading the response: {}", describe(&e))),
+            Err(e) => return Err(BodyError::Read(describe(&e))),
         }
     }
 }

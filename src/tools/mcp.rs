@@ -86,10 +86,20 @@ fn client_config() -> ClientConfig {
     )
 }
 
-async fn connect(client: &reqwest::Client, url: &str) -> Result<Session, String> {
+/// Why no MCP session could be opened for a call (the call's observation
+/// quotes it; the tool was not called).
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("initialize failed: {0}")]
+    Initialize(Box<rmcp::service::ClientInitializeError>),
+    #[error("no answer to initialize within {0:?}")]
+    Timeout(Duration),
+}
+
+async fn connect(client: &reqwest::Client, url: &str) -> Result<Session, SessionError> {
     open_session(client, url)
         .await
-        .map_err(|e| format!("initialize failed: {e}"))
+        .map_err(|e| SessionError::Initialize(Box::new(e)))
 }
 
 async fn open_session(
@@ -212,7 +222,20 @@ pub async fn discover_mcp(url: &str) -> Result<Vec<McpToolInfo>, ToolError> {
 /// Every page of the server's `tools/list`, stopping once more than
 /// `max_tools` were listed (a server paging forever is cut there, or by the
 /// caller's timeout).
-async fn list_tools(session: &Session, max_tools: usize) -> Result<Vec<rmcp::model::Tool>, String> {
+/// Why discovery's `tools/list` gave no usable list.
+#[derive(Debug, thiserror::Error)]
+enum ListError {
+    /// The request failed; the text is [`plain_failure`]'s (no server words).
+    #[error("{0}")]
+    Failed(String),
+    #[error("it lists more than {0} tools, the most discovery takes from one server")]
+    TooMany(usize),
+}
+
+async fn list_tools(
+    session: &Session,
+    max_tools: usize,
+) -> Result<Vec<rmcp::model::Tool>, ListError> {
     let mut tools = Vec::new();
     let mut cursor = None;
     loop {
@@ -220,12 +243,10 @@ async fn list_tools(session: &Session, max_tools: usize) -> Result<Vec<rmcp::mod
         let page = session
             .list_tools(Some(params))
             .await
-            .map_err(|e| plain_failure("tools/list", &e))?;
+            .map_err(|e| ListError::Failed(plain_failure("tools/list", &e)))?;
         tools.extend(page.tools);
         if tools.len() > max_tools {
-            return Err(format!(
-                "it lists more than {max_tools} tools, the most discovery takes from one server"
-            ));
+            return Err(ListError::TooMany(max_tools));
         }
         match page.next_cursor {
             Some(next) => cursor = Some(next),
@@ -247,7 +268,9 @@ async fn discover_with(
         let session = open_session(client, url)
             .await
             .map_err(|e| err(plain_failure("initialize", &e)))?;
-        let tools = list_tools(&session, bounds.max_tools).await.map_err(err)?;
+        let tools = list_tools(&session, bounds.max_tools)
+            .await
+            .map_err(|e| err(e.to_string()))?;
         if let Ok(session) = Arc::try_unwrap(session) {
             let _ = session.cancel().await;
         }
@@ -362,7 +385,7 @@ pub(crate) async fn call(
         attempt_no += 1;
         let opened = tokio::time::timeout(tool.timeout, connect(client, &tool.url))
             .await
-            .unwrap_or_else(|_| Err(format!("no answer to initialize within {:?}", tool.timeout)));
+            .unwrap_or_else(|_| Err(SessionError::Timeout(tool.timeout)));
         match opened {
             Ok(session) => break session,
             Err(reason) => {

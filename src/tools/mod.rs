@@ -264,6 +264,85 @@ fn invalid(tool: &str, reason: impl Into<String>) -> ToolError {
     }
 }
 
+/// One of the agent's tools. What the agent says of its schema and
+/// description wins over what MCP discovery found; with neither, any object
+/// is accepted and the description is empty.
+fn agent_tool(spec: &ToolSpec, catalog: &McpCatalog) -> Result<Tool, ToolError> {
+    let name = spec.name.as_str();
+    let (kind, discovered) = match (&spec.http, &spec.mcp) {
+        (Some(h), None) => (Kind::Http(http_kind(name, h)?), None),
+        (None, Some(m)) => {
+            let info = catalog.get(name);
+            let kind = Kind::Mcp(McpKind {
+                url: m.url.clone(),
+                remote: m.tool.clone().unwrap_or_else(|| name.to_string()),
+                idempotent: m.idempotent,
+                hints: info.map(|i| i.annotations.clone()),
+                timeout: DEFAULT_TIMEOUT,
+            });
+            (kind, info)
+        }
+        _ => return Err(invalid(name, "exactly one of http and mcp must be set")),
+    };
+    let input_schema = spec
+        .input_schema
+        .clone()
+        .or_else(|| discovered.map(|d| d.input_schema.clone()))
+        .unwrap_or_else(|| json!({"type": "object"}));
+    let schema = ArgSchema::compile(&input_schema)
+        .map_err(|e| invalid(name, format!("inputSchema is not a valid JSON Schema: {e}")))?;
+    let description = if spec.description.is_empty() {
+        discovered
+            .map(|d| d.description.clone())
+            .unwrap_or_default()
+    } else {
+        spec.description.clone()
+    };
+    Ok(Tool {
+        def: ToolDef {
+            name: name.to_string(),
+            description,
+            input_schema,
+        },
+        schema,
+        kind,
+    })
+}
+
+/// An HTTP tool's call settings; its timeout must parse and be positive.
+fn http_kind(name: &str, h: &crate::api::HttpTool) -> Result<HttpKind, ToolError> {
+    let timeout = match &h.timeout {
+        Some(t) => crate::api::parse_duration(t)
+            .map_err(|e| invalid(name, format!("timeout {t:?}: {e}")))?,
+        None => DEFAULT_TIMEOUT,
+    };
+    if timeout.is_zero() {
+        return Err(invalid(name, "timeout must be positive"));
+    }
+    Ok(HttpKind {
+        url: h.url.clone(),
+        idempotent: h.idempotent,
+        lookup: h.lookup.clone(),
+        read_only: h.read_only,
+        timeout,
+    })
+}
+
+/// The built-in `finish` tool, always offered last.
+fn finish_tool() -> Tool {
+    Tool {
+        def: ToolDef {
+            name: FINISH_TOOL.to_string(),
+            description: "End the run. Call it once the task is done (or cannot be done), \
+                          with the final answer in `result`."
+                .to_string(),
+            input_schema: finish_schema(),
+        },
+        schema: ArgSchema::compile(&finish_schema()).expect("the finish schema is valid"),
+        kind: Kind::Finish,
+    }
+}
+
 impl Toolbox {
     /// Builds the toolbox of a run from the agent's tools and, for MCP tools,
     /// what discovery found ([`discover_catalog`], keyed by the agent's tool
@@ -283,75 +362,10 @@ impl Toolbox {
             if by_name.insert(name.to_string(), tools.len()).is_some() {
                 return Err(invalid(name, "defined twice"));
             }
-            let (kind, discovered) = match (&spec.http, &spec.mcp) {
-                (Some(h), None) => {
-                    let timeout = match &h.timeout {
-                        Some(t) => crate::api::parse_duration(t)
-                            .map_err(|e| invalid(name, format!("timeout {t:?}: {e}")))?,
-                        None => DEFAULT_TIMEOUT,
-                    };
-                    if timeout.is_zero() {
-                        return Err(invalid(name, "timeout must be positive"));
-                    }
-                    let kind = Kind::Http(HttpKind {
-                        url: h.url.clone(),
-                        idempotent: h.idempotent,
-                        lookup: h.lookup.clone(),
-                        read_only: h.read_only,
-                        timeout,
-                    });
-                    (kind, None)
-                }
-                (None, Some(m)) => {
-                    let info = catalog.get(name);
-                    let kind = Kind::Mcp(McpKind {
-                        url: m.url.clone(),
-                        remote: m.tool.clone().unwrap_or_else(|| name.to_string()),
-                        idempotent: m.idempotent,
-                        hints: info.map(|i| i.annotations.clone()),
-                        timeout: DEFAULT_TIMEOUT,
-                    });
-                    (kind, info)
-                }
-                _ => return Err(invalid(name, "exactly one of http and mcp must be set")),
-            };
-            let input_schema = spec
-                .input_schema
-                .clone()
-                .or_else(|| discovered.map(|d| d.input_schema.clone()))
-                .unwrap_or_else(|| json!({"type": "object"}));
-            let schema = ArgSchema::compile(&input_schema).map_err(|e| {
-                invalid(name, format!("inputSchema is not a valid JSON Schema: {e}"))
-            })?;
-            let description = if spec.description.is_empty() {
-                discovered
-                    .map(|d| d.description.clone())
-                    .unwrap_or_default()
-            } else {
-                spec.description.clone()
-            };
-            tools.push(Tool {
-                def: ToolDef {
-                    name: name.to_string(),
-                    description,
-                    input_schema,
-                },
-                schema,
-                kind,
-            });
+            tools.push(agent_tool(spec, catalog)?);
         }
         by_name.insert(FINISH_TOOL.to_string(), tools.len());
-        tools.push(Tool {
-            def: ToolDef {
-                name: FINISH_TOOL.to_string(),
-                description: "End the run. Call it once the task is done (or cannot be done), \
-                              with the final answer in `result`."
-                    .to_string(),
-                input_schema: finish_schema(),
-            },
-            schema: ArgSchema::compile(&finish_schema()).expect("the finish schema is valid"),
-            kind: Kind::Finish,
-        });
+        tools.push(finish_tool());
         Ok(Self {
             tools,
             by_name,
