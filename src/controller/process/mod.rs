@@ -202,29 +202,16 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     // reqwest and kube share rustls; pick ring once for the whole process.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let config = kube::Config::infer().await?;
-    let client = kube::client::ClientBuilder::try_from(config)?
-        .with_layer(&throttle::ThrottleLayer::new(opts.api_qps, opts.api_burst))
-        .build();
-    let identity = opts.identity.clone().unwrap_or_else(|| {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        format!("{}-{}", host.trim(), std::process::id())
-    });
+    let client = api_client(&opts).await?;
+    let identity = replica_identity(&opts);
 
+    // Servers first: the probes answer (not ready) while the rest starts.
     let mut registry = Registry::default();
     let metrics = metrics::Metrics::new(&mut registry);
     let watches = watches::Watches::new(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
-    let health = http::Health {
-        registry: Arc::new(registry),
-        ready: ready.clone(),
-        watches: watches.clone(),
-    };
     let open_files = super::servers::bounded::raise_open_files_limit();
-    let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
-    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
-    tokio::spawn(http::serve(listener, health));
-
+    serve_probes(&opts, registry, &ready, &watches).await?;
     let store = crate::store::open(&opts.store_url).await?;
     tracing::info!(store = %store.url(), "step store opened");
     let tokens = step_token::TokenKey::load(
@@ -233,8 +220,95 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.step_token_retired_keys_file.as_deref(),
         opts.step_token_retired_keys.as_deref(),
     )?;
-    let signer = tokens.record_signer();
-    let verifier = tokens.record_verifier();
+    let step_api_url = serve_gateway(&opts, &tokens, open_files).await?;
+    wait_for_crds(&client, &watches).await?;
+    ready.store(true, Ordering::Relaxed);
+    published_keys::spawn_publish(
+        client.clone(),
+        keys_namespace(&opts),
+        tokens.record_verifier(),
+    );
+
+    // Leadership, then the caches and watches only the leader needs.
+    let mut shutdown = Box::pin(shutdown_signal());
+    let leadership = tokio::select! {
+        l = lead(&opts, &client, &identity) => l?,
+        _ = &mut shutdown => return Ok(()),
+    };
+    // Head events (PostgreSQL LISTEN/NOTIFY) wake the runs whose log grew or
+    // whose worker gave the run back; without them running runs are polled.
+    let head_events = store.head_events().await?;
+    let policies = platform::PolicyCache::follow(&client, opts.namespace.as_deref(), &watches);
+    tracing::info!("waiting for the platform policies to be listed (/readyz names what fails)");
+    policies.ready().await?;
+    let caches = Caches::new();
+    let parts = Parts {
+        client: client.clone(),
+        identity,
+        metrics,
+        store: store.clone(),
+        tokens,
+        step_api_url,
+        store_pushes: head_events.is_some(),
+        policies,
+    };
+    let (ctx, discovered) = context(&opts, parts, &caches)?;
+
+    // The controller loops, until shutdown or lost leadership.
+    let lost = leadership.as_ref().map(|l| l.lost());
+    let stop = stop_signal(shutdown, lost);
+    let wake = wake_runs(ctx.clone(), head_events, store, caches.runs.clone());
+    run_controllers(&opts, ctx.clone(), caches, &watches, wake, discovered, stop).await;
+    // Another replica drives the runs now: remember nothing of them.
+    ctx.memory.clear();
+    if let Some(l) = leadership {
+        l.release().await;
+    }
+    tracing::info!("controller stopped");
+    Ok(())
+}
+
+/// The API client, behind the `--api-qps`/`--api-burst` token bucket.
+async fn api_client(opts: &Options) -> anyhow::Result<Client> {
+    let config = kube::Config::infer().await?;
+    Ok(kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&throttle::ThrottleLayer::new(opts.api_qps, opts.api_burst))
+        .build())
+}
+
+/// This replica's name in the Lease and in Events.
+fn replica_identity(opts: &Options) -> String {
+    opts.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    })
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `--metrics-addr`.
+async fn serve_probes(
+    opts: &Options,
+    registry: Registry,
+    ready: &Arc<AtomicBool>,
+    watches: &watches::Watches,
+) -> anyhow::Result<()> {
+    let health = http::Health {
+        registry: Arc::new(registry),
+        ready: ready.clone(),
+        watches: watches.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(opts.metrics_addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz, /readyz");
+    tokio::spawn(http::serve(listener, health));
+    Ok(())
+}
+
+/// Serves the step-log gateway on `--step-api-addr`; returns the URL step
+/// pods reach it at.
+async fn serve_gateway(
+    opts: &Options,
+    tokens: &step_token::TokenKey,
+    open_files: Option<u64>,
+) -> anyhow::Result<String> {
     // The gateway's own pool: step pods' traffic never starves the reconciler's.
     let gateway_pool = crate::store::OpenOptions {
         max_connections: opts.step_api_connections,
@@ -248,7 +322,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.store_url.clone(),
         gateway_pool,
         tokens.clone(),
-        gateway_limits(&opts, open_files),
+        gateway_limits(opts, open_files),
     )
     .await
     .map_err(|e| {
@@ -257,48 +331,95 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             opts.step_api_addr
         )
     })?;
-    let step_api_url = step_api_url(&opts, served)?;
-    tracing::info!(addr = %served, url = %step_api_url, "serving the step-log gateway");
-    wait_for_crds(&client, &watches).await?;
-    ready.store(true, Ordering::Relaxed);
-    let keys_namespace = opts
-        .keys_namespace
+    let url = step_api_url(opts, served)?;
+    tracing::info!(addr = %served, url = %url, "serving the step-log gateway");
+    Ok(url)
+}
+
+/// Where the controller's public keys are published.
+fn keys_namespace(opts: &Options) -> String {
+    opts.keys_namespace
         .clone()
         .or_else(|| opts.lease_namespace.clone())
         .or_else(|| opts.namespace.clone())
+        .unwrap_or_else(|| "default".into())
+}
+
+/// Waits for leadership (`--leader-elect`); `None` when not electing.
+async fn lead(
+    opts: &Options,
+    client: &Client,
+    identity: &str,
+) -> anyhow::Result<Option<leader::Leadership>> {
+    if !opts.leader_elect {
+        return Ok(None);
+    }
+    let ns = opts
+        .namespace
+        .clone()
+        .or_else(|| opts.lease_namespace.clone())
         .unwrap_or_else(|| "default".into());
-    published_keys::spawn_publish(client.clone(), keys_namespace, verifier.clone());
+    tracing::info!(%identity, lease = %opts.lease_name, namespace = %ns, "waiting for leadership");
+    let lead = leader::acquire(
+        client.clone(),
+        &ns,
+        &opts.lease_name,
+        identity,
+        opts.lease_seconds,
+    )
+    .await?;
+    tracing::info!(%identity, "became leader");
+    Ok(Some(lead))
+}
 
-    let mut shutdown = Box::pin(shutdown_signal());
-    let leadership = if opts.leader_elect {
-        let ns = opts
-            .namespace
-            .clone()
-            .or_else(|| opts.lease_namespace.clone())
-            .unwrap_or_else(|| "default".into());
-        tracing::info!(%identity, lease = %opts.lease_name, namespace = %ns, "waiting for leadership");
-        let lead = tokio::select! {
-            l = leader::acquire(client.clone(), &ns, &opts.lease_name, &identity, opts.lease_seconds) => l?,
-            _ = &mut shutdown => return Ok(()),
-        };
-        tracing::info!(%identity, "became leader");
-        Some(lead)
-    } else {
-        None
-    };
+/// Runs whose MCP discovery finished, to reconcile again.
+type Discovered = tokio::sync::mpsc::UnboundedReceiver<ObjectRef<AgentRun>>;
 
-    // Head events (PostgreSQL LISTEN/NOTIFY) wake the runs whose log grew or
-    // whose worker gave the run back; without them running runs are polled.
-    let head_events = store.head_events().await?;
-    let policies = platform::PolicyCache::follow(&client, opts.namespace.as_deref(), &watches);
-    tracing::info!("waiting for the platform policies to be listed (/readyz names what fails)");
-    policies.ready().await?;
-    let store_pushes = head_events.is_some();
-    let sweep_store = store.clone();
-    let (cache, runs_writer) = reflector::store::<AgentRun>();
-    // The watches' caches: reconciles read Jobs and Agents from memory.
-    let (job_cache, job_writer) = reflector::store::<Job>();
-    let (agent_cache, agent_writer) = reflector::store::<Agent>();
+/// The watch caches reconciles read from, and their writers.
+struct Caches {
+    runs: reflector::Store<AgentRun>,
+    runs_writer: reflector::store::Writer<AgentRun>,
+    jobs: reflector::Store<Job>,
+    jobs_writer: reflector::store::Writer<Job>,
+    agents: reflector::Store<Agent>,
+    agents_writer: reflector::store::Writer<Agent>,
+}
+
+impl Caches {
+    fn new() -> Caches {
+        let (runs, runs_writer) = reflector::store::<AgentRun>();
+        let (jobs, jobs_writer) = reflector::store::<Job>();
+        let (agents, agents_writer) = reflector::store::<Agent>();
+        Caches {
+            runs,
+            runs_writer,
+            jobs,
+            jobs_writer,
+            agents,
+            agents_writer,
+        }
+    }
+}
+
+/// What the process built before the reconciler's context.
+struct Parts {
+    client: Client,
+    identity: String,
+    metrics: metrics::Metrics,
+    store: Arc<dyn crate::store::StepStore>,
+    tokens: step_token::TokenKey,
+    step_api_url: String,
+    store_pushes: bool,
+    policies: platform::PolicyCache,
+}
+
+/// The reconciler's shared context, and the stream of runs whose MCP
+/// discovery finished.
+fn context(
+    opts: &Options,
+    parts: Parts,
+    caches: &Caches,
+) -> anyhow::Result<(Arc<context::Context>, Discovered)> {
     let user_urls = Arc::new(crate::egress::Policy::new(
         opts.user_url_allow.clone(),
         opts.user_url_deny.clone(),
@@ -314,49 +435,85 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             namespace_concurrency: opts.discovery_namespace_concurrency.into(),
         },
     );
-    let ctx = Arc::new(context::Context {
-        client: client.clone(),
+    let verifier = parts.tokens.record_verifier();
+    let ctx = context::Context {
+        client: parts.client,
         reporter: Reporter {
             controller: FIELD_MANAGER.into(),
-            instance: Some(identity.clone()),
+            instance: Some(parts.identity.clone()),
         },
-        metrics,
+        metrics: parts.metrics,
         store_name: "default".into(),
-        tokens,
-        verifier: verifier.clone(),
-        signer,
-        store,
+        signer: parts.tokens.record_signer(),
+        tokens: parts.tokens,
         jobs: context::JobSettings {
             image: opts.step_image.clone(),
-            store_url: step_api_url,
+            store_url: parts.step_api_url,
             controller_key: verifier.to_hex(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,
             telemetry_env: crate::telemetry::step_env(),
         },
-        identity: format!("controller/{identity}"),
+        verifier,
+        store: parts.store,
+        identity: format!("controller/{}", parts.identity),
         http: crate::egress::client(user_urls.clone())?,
         user_urls,
         memory: memory::RunMemory::with_budget(opts.log_cache_mib << 20),
-        job_cache: Some(job_cache.clone()),
-        agent_cache: Some(agent_cache.clone()),
-        policy_cache: Some(policies.clone()),
-        store_pushes,
+        job_cache: Some(caches.jobs.clone()),
+        agent_cache: Some(caches.agents.clone()),
+        policy_cache: Some(parts.policies),
+        store_pushes: parts.store_pushes,
         checkpoint_min: opts.checkpoint_min_records,
         discovery,
         slots: slots::Slots::new(
             opts.reconcile_concurrency.into(),
-            namespace_slots(&opts).into(),
+            namespace_slots(opts).into(),
         ),
-        run_cache: Some(cache.clone()),
+        run_cache: Some(caches.runs.clone()),
+    };
+    Ok((Arc::new(ctx), discovered))
+}
+
+/// One stop signal for both controllers: shutdown, or leadership lost.
+fn stop_signal(
+    shutdown: std::pin::Pin<Box<impl std::future::Future<Output = ()> + Send + 'static>>,
+    lost: Option<impl std::future::Future<Output = ()> + Send + 'static>,
+) -> tokio::sync::watch::Receiver<bool> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let lost = async move {
+            match lost {
+                Some(lost) => lost.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = shutdown => tracing::info!("shutting down"),
+            _ = lost => tracing::error!("leadership lost; stopping"),
+        }
+        let _ = stop_tx.send(true);
     });
-    let (runs, jobs, approvals, agents) = match &opts.namespace {
+    stop_rx
+}
+
+/// The APIs the controller watches: one namespace's, or every namespace's.
+fn watched_apis(
+    opts: &Options,
+    client: &Client,
+) -> (
+    Api<AgentRun>,
+    Api<Job>,
+    Api<PartialObjectMeta<Approval>>,
+    Api<Agent>,
+) {
+    match &opts.namespace {
         Some(ns) => (
-            Api::<AgentRun>::namespaced(client.clone(), ns),
-            Api::<Job>::namespaced(client.clone(), ns),
-            Api::<PartialObjectMeta<Approval>>::namespaced(client.clone(), ns),
-            Api::<Agent>::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client.clone(), ns),
         ),
         None => (
             Api::all(client.clone()),
@@ -364,7 +521,25 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             Api::all(client.clone()),
             Api::all(client.clone()),
         ),
+    }
+}
+
+/// The AgentRun controller (woken by its runs, their Jobs and Approvals,
+/// head events, lapsed leases, finished discoveries and their Agents) and
+/// the Agent status controller, until `stop`.
+async fn run_controllers(
+    opts: &Options,
+    ctx: Arc<context::Context>,
+    caches: Caches,
+    watches: &watches::Watches,
+    wake: impl futures::Stream<Item = ObjectRef<AgentRun>> + Send + 'static,
+    discovered: Discovered,
+    stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
     };
+    let (runs, jobs, approvals, agents) = watched_apis(opts, &ctx.client);
     let mut watched = watcher::Config::default();
     if let Some(selector) = &opts.run_selector {
         watched = watched.labels(selector);
@@ -373,48 +548,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .follow("agentruns", watcher(runs, watched))
         .default_backoff()
         .modify(slim_run)
-        .reflect(runs_writer)
+        .reflect(caches.runs_writer)
         .applied_objects();
     // Unbounded here: `Slots` bounds reconciles, fairly between namespaces.
-    let controller = Controller::for_stream(run_events, cache.clone());
-    let wake = wake_runs(ctx.clone(), head_events, sweep_store, cache.clone());
-    ctx.metrics.watch_runs(cache.clone());
-    // When an Agent appears or changes, the runs naming it are reconciled at once.
-    let runs_of_agent = move |agent: Agent| {
-        let ns = agent.namespace();
-        cache
-            .state()
-            .into_iter()
-            .filter(|run| {
-                run.namespace() == ns
-                    && run
-                        .spec
-                        .agent_ref
-                        .as_ref()
-                        .is_some_and(|r| r.name == agent.name_any())
-            })
-            .map(|run| ObjectRef::from_obj(&*run))
-            .collect::<Vec<_>>()
-    };
-    let lost = leadership.as_ref().map(|l| l.lost());
-    let lost = async move {
-        match lost {
-            Some(lost) => lost.await,
-            None => std::future::pending().await,
-        }
-    };
-    // One stop signal for both controllers.
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = shutdown => tracing::info!("shutting down"),
-            _ = lost => tracing::error!("leadership lost; stopping"),
-        }
-        let _ = stop_tx.send(true);
-    });
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    };
+    let controller = Controller::for_stream(run_events, caches.runs.clone());
+    ctx.metrics.watch_runs(caches.runs.clone());
     // Only the operator's own Jobs, without their pod templates or field
     // ownership: thousands of step Jobs stay small in memory.
     let job_events = watches
@@ -424,7 +562,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         )
         .default_backoff()
         .modify(job::slim)
-        .reflect(job_writer)
+        .reflect(caches.jobs_writer)
         .touched_objects();
     let agent_events = watches
         .follow(
@@ -432,7 +570,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             watcher(agents.clone(), watcher::Config::default()),
         )
         .default_backoff()
-        .reflect(agent_writer)
+        .reflect(caches.agents_writer)
         .touched_objects();
     let runs_controller = controller
         .owns_stream(job_events)
@@ -447,19 +585,35 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .reconcile_on(futures::stream::unfold(discovered, |mut rx| async move {
             rx.recv().await.map(|r| (r, rx))
         }))
-        .watches_stream(agent_events, runs_of_agent)
-        .graceful_shutdown_on(stopped(stop_rx.clone()))
-        .run(reconciler::reconcile, reconciler::error_policy, ctx)
+        .watches_stream(agent_events, runs_of_agent(caches.runs))
+        .graceful_shutdown_on(stopped(stop.clone()))
+        .run(reconciler::reconcile, reconciler::error_policy, ctx.clone())
         .for_each(|_| async {});
     tokio::join!(
         runs_controller,
-        agent::run(agents, client.clone(), &watches, stopped(stop_rx))
+        agent::run(agents, ctx.client.clone(), watches, stopped(stop))
     );
-    if let Some(l) = leadership {
-        l.release().await;
+}
+
+/// When an Agent appears or changes, the runs naming it are reconciled at once.
+fn runs_of_agent(
+    runs: reflector::Store<AgentRun>,
+) -> impl Fn(Agent) -> Vec<ObjectRef<AgentRun>> + Send + Sync + 'static {
+    move |agent: Agent| {
+        let ns = agent.namespace();
+        runs.state()
+            .into_iter()
+            .filter(|run| {
+                run.namespace() == ns
+                    && run
+                        .spec
+                        .agent_ref
+                        .as_ref()
+                        .is_some_and(|r| r.name == agent.name_any())
+            })
+            .map(|run| ObjectRef::from_obj(&*run))
+            .collect()
     }
-    tracing::info!("controller stopped");
-    Ok(())
 }
 
 /// What the controller keeps of a run in its watch cache: no field ownership
