@@ -197,91 +197,112 @@ impl Metrics {
             shared: Arc::new(Shared::default()),
             started: Utc::now(),
         };
+        m.register_reconciler(registry);
+        m.register_steps(registry);
+        m.register_model(registry);
+        m.register_store(registry);
+        registry.register_collector(Box::new(RunsByPhase(m.shared.clone())));
+        m
+    }
+
+    /// The reconciler's own: how often it ran, how long, how it failed.
+    fn register_reconciler(&self, registry: &mut Registry) {
         registry.register(
             "agentrun_reconciliations",
             "AgentRun reconciliations",
-            m.reconciliations.clone(),
+            self.reconciliations.clone(),
         );
         registry.register(
             "agentrun_reconcile_errors",
             "Failed AgentRun reconciliations by reason",
-            m.reconcile_errors.clone(),
+            self.reconcile_errors.clone(),
         );
         registry.register(
             "agentrun_log_integrity_failures",
             "Runs stopped because their step log failed verification against the anchored head",
-            m.log_integrity_failures.clone(),
+            self.log_integrity_failures.clone(),
         );
         registry.register(
             "agentrun_reconcile_duration_seconds",
             "Duration of one AgentRun reconciliation",
-            m.reconcile_duration.clone(),
+            self.reconcile_duration.clone(),
         );
+    }
+
+    /// What the runs did: records appended, step Jobs, approvals.
+    fn register_steps(&self, registry: &mut Registry) {
         registry.register(
             "agentrun_steps",
             "Step-log records the controller observed appended, by kind",
-            m.steps.clone(),
+            self.steps.clone(),
         );
         registry.register(
             "agentrun_step_duration_seconds",
             "Duration of step Jobs, from start to completion or failure",
-            m.step_duration.clone(),
+            self.step_duration.clone(),
         );
         registry.register(
             "agentrun_approval_wait_seconds",
             "Time from an approval being raised to its decision or expiry, by verdict",
-            m.approval_wait.clone(),
+            self.approval_wait.clone(),
         );
+    }
+
+    /// What the model calls recorded in step logs cost and how they went.
+    fn register_model(&self, registry: &mut Registry) {
         registry.register(
             "agentrun_model_tokens",
             "Model tokens recorded in step logs, by direction (input, output) and model",
-            m.model_tokens.clone(),
+            self.model_tokens.clone(),
         );
         registry.register(
             "agentrun_model_cost_usd",
             "Model cost recorded in step logs, in the prices' currency (USD by convention)",
-            m.model_cost.clone(),
+            self.model_cost.clone(),
         );
         registry.register(
             "agentrun_model_attempts",
             "HTTP attempts of model calls (retries inside a step included), by provider \
              (wire format) and outcome (ok, malformed, 3xx, 4xx, 429, 5xx, timeout, transport)",
-            m.model_attempts.clone(),
+            self.model_attempts.clone(),
         );
+    }
+
+    /// The step log in the store: appends, dispatch from a stored record, reads
+    /// and resumed replays.
+    fn register_store(&self, registry: &mut Registry) {
         registry.register(
             "agentrun_store_append_duration_seconds",
             "Latency of the controller's own step-log appends, by outcome",
-            m.store_append.clone(),
+            self.store_append.clone(),
         );
         registry.register(
             "agentrun_dispatch_seconds",
             "From the step-log record a new step Job follows being stored to the reconcile \
              that acts on it starting (stage reconcile_started) and to the Job being created \
              (stage job_created); first attempts only",
-            m.dispatch.clone(),
+            self.dispatch.clone(),
         );
         registry.register(
             "agentrun_store_reads",
             "Step-log reads by the reconciler (a reconcile with the run's replayed log current reads none)",
-            m.store_reads.clone(),
+            self.store_reads.clone(),
         );
         registry.register(
             "agentrun_store_read_records",
             "Step-log records the reconciler read (each once, past the head it had replayed)",
-            m.store_read_records.clone(),
+            self.store_read_records.clone(),
         );
         registry.register(
             "agentrun_store_read_bytes",
             "Payload bytes of the step-log records the reconciler read",
-            m.store_read_bytes.clone(),
+            self.store_read_bytes.clone(),
         );
         registry.register(
             "agentrun_log_resumes",
             "Replays of a run's log begun at its signed checkpoint (status.log.checkpoint) instead of its first record",
-            m.log_resumes.clone(),
+            self.log_resumes.clone(),
         );
-        registry.register_collector(Box::new(RunsByPhase(m.shared.clone())));
-        m
     }
 
     /// Gives the scrape-time `agentrun_runs` gauge the reconciler's cache

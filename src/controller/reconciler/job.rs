@@ -87,8 +87,40 @@ pub fn build(
     anchor: &Head,
     settings: &JobSettings,
 ) -> Job {
-    let name = job_name(run, seq, attempt);
-    let labels = BTreeMap::from([
+    let labels = labels(run, seq, attempt);
+    let mut env = run_env(run, attempt, step_timeout_seconds, anchor, settings);
+    env.extend(agent_env(agent, settings));
+    env.extend(failpoint_env(run, failed_jobs, settings));
+    Job {
+        metadata: ObjectMeta {
+            name: Some(job_name(run, seq, attempt)),
+            namespace: run.namespace(),
+            labels: Some(labels.clone()),
+            owner_references: run.controller_owner_ref(&()).map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(0), // the controller retries, with a new attempt and the same log
+            pod_failure_policy: Some(failure_policy()),
+            active_deadline_seconds: Some(step_timeout_seconds),
+            ttl_seconds_after_finished: Some(600),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..Default::default()
+                }),
+                spec: Some(pod_spec(settings, env)),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Labels of the Job and its pod: the reconciler finds a run's Jobs by
+/// [`RUN_LABEL`], and a step and attempt by the other two.
+fn labels(run: &AgentRun, seq: u64, attempt: u32) -> BTreeMap<String, String> {
+    BTreeMap::from([
         (RUN_LABEL.to_string(), run.name_any()),
         ("agentrun.dev/seq".to_string(), seq.to_string()),
         ("agentrun.dev/attempt".to_string(), attempt.to_string()),
@@ -96,8 +128,20 @@ pub fn build(
             "app.kubernetes.io/managed-by".to_string(),
             "agentrun".to_string(),
         ),
-    ]);
-    let mut env = vec![
+    ])
+}
+
+/// What the runner needs to know of its run and of the controller: which
+/// run and attempt it is, how long it may take, where its log lives and
+/// which of the log's records it must trust.
+fn run_env(
+    run: &AgentRun,
+    attempt: u32,
+    step_timeout_seconds: i64,
+    anchor: &Head,
+    settings: &JobSettings,
+) -> Vec<EnvVar> {
+    vec![
         plain("AGENTRUN_RUN_UID", run.uid().unwrap_or_default()),
         plain("AGENTRUN_RUN_NAME", run.name_any()),
         plain("AGENTRUN_NAMESPACE", run.namespace().unwrap_or_default()),
@@ -127,133 +171,151 @@ pub fn build(
             BOUND_FROM_ENV,
             crate::controller::reconciler::status::bound_from_at(run, anchor.len).to_string(),
         ),
-        EnvVar {
-            name: "POD_NAME".into(),
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.name".into(),
-                    ..Default::default()
-                }),
+        pod_name_env(),
+    ]
+}
+
+/// `POD_NAME`, from the downward API: the runner's worker identity, which
+/// the pod is.
+fn pod_name_env() -> EnvVar {
+    EnvVar {
+        name: "POD_NAME".into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: "metadata.name".into(),
                 ..Default::default()
             }),
             ..Default::default()
-        },
-    ];
-    if let Some(key) = &agent.model.secret_ref {
-        env.push(secret("AGENTRUN_MODEL_API_KEY", &key.name, &key.key));
+        }),
+        ..Default::default()
     }
-    env.extend(
-        settings
-            .telemetry_env
-            .iter()
-            .map(|(k, v)| plain(k, v.clone())),
-    );
-    // A failpoint kills one Job per run, so the next one shows the resume;
-    // `every-attempt:` arms it for each (a crash loop).
-    if settings.allow_failpoints
-        && let Some(fp) = run.annotations().get(FAILPOINT_ANNOTATION)
-    {
-        match fp.strip_prefix("every-attempt:") {
-            Some(every) => env.push(plain("AGENTRUN_FAILPOINT", every)),
-            None if failed_jobs == 0 => env.push(plain("AGENTRUN_FAILPOINT", fp.clone())),
-            None => {}
-        }
+}
+
+/// The model's API key (from its Secret, never inline) and the controller's
+/// telemetry settings, so step pods report traces where the controller does.
+fn agent_env(agent: &AgentTemplate, settings: &JobSettings) -> Vec<EnvVar> {
+    let key = agent
+        .model
+        .secret_ref
+        .iter()
+        .map(|key| secret("AGENTRUN_MODEL_API_KEY", &key.name, &key.key));
+    let telemetry = settings
+        .telemetry_env
+        .iter()
+        .map(|(k, v)| plain(k, v.clone()));
+    key.chain(telemetry).collect()
+}
+
+/// A failpoint kills one Job per run, so the next one shows the resume;
+/// `every-attempt:` arms it for each (a crash loop). Only a controller that
+/// allows failpoints (tests) reads the annotation.
+fn failpoint_env(run: &AgentRun, failed_jobs: u32, settings: &JobSettings) -> Option<EnvVar> {
+    if !settings.allow_failpoints {
+        return None;
     }
-    Job {
-        metadata: ObjectMeta {
-            name: Some(name),
-            namespace: run.namespace(),
-            labels: Some(labels.clone()),
-            owner_references: run.controller_owner_ref(&()).map(|o| vec![o]),
-            ..Default::default()
-        },
-        spec: Some(JobSpec {
-            backoff_limit: Some(0), // the controller retries, with a new attempt and the same log
-            // A pod evicted, preempted or lost with its node is no failed
-            // attempt: the Job replaces it, and the new pod replays the log.
-            // A crash (any exit code but 0) fails the Job by rule, with
-            // reason PodFailurePolicy. Whether a failed Job's pod crashed or
-            // was lost (deleted, its node gone) the controller reads from
-            // the pod itself.
-            pod_failure_policy: Some(PodFailurePolicy {
-                rules: vec![
-                    PodFailurePolicyRule {
-                        action: "Ignore".into(),
-                        on_pod_conditions: Some(vec![PodFailurePolicyOnPodConditionsPattern {
-                            type_: "DisruptionTarget".into(),
-                            status: "True".into(),
-                        }]),
-                        on_exit_codes: None,
-                    },
-                    PodFailurePolicyRule {
-                        action: "FailJob".into(),
-                        on_pod_conditions: None,
-                        on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
-                            container_name: Some("step".into()),
-                            operator: "NotIn".into(),
-                            values: vec![0],
-                        }),
-                    },
-                ],
-            }),
-            active_deadline_seconds: Some(step_timeout_seconds),
-            ttl_seconds_after_finished: Some(600),
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels),
-                    ..Default::default()
-                }),
-                spec: Some(PodSpec {
-                    restart_policy: Some("Never".into()),
-                    service_account_name: Some(settings.service_account.clone()),
-                    // Step pods never talk to the Kubernetes API.
-                    automount_service_account_token: Some(false),
-                    enable_service_links: Some(false),
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        run_as_user: Some(65532),
-                        run_as_group: Some(65532),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }),
-                    containers: vec![Container {
-                        name: "step".into(),
-                        image: Some(settings.image.clone()),
-                        command: Some(vec!["agentrun".into(), "step".into()]),
-                        env: Some(env),
-                        // The runner writes its last error there; a crash
-                        // that could not is told by the log's last lines.
-                        termination_message_policy: Some("FallbackToLogsOnError".into()),
-                        security_context: Some(SecurityContext {
-                            read_only_root_filesystem: Some(true),
-                            allow_privilege_escalation: Some(false),
-                            capabilities: Some(Capabilities {
-                                drop: Some(vec!["ALL".into()]),
-                                ..Default::default()
-                            }),
-                            ..Default::default()
-                        }),
-                        resources: Some(ResourceRequirements {
-                            requests: Some(BTreeMap::from([
-                                ("cpu".into(), Quantity("50m".into())),
-                                ("memory".into(), Quantity("64Mi".into())),
-                            ])),
-                            limits: Some(BTreeMap::from([(
-                                "memory".into(),
-                                Quantity("256Mi".into()),
-                            )])),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }],
-                    ..Default::default()
+    let fp = run.annotations().get(FAILPOINT_ANNOTATION)?;
+    match fp.strip_prefix("every-attempt:") {
+        Some(every) => Some(plain("AGENTRUN_FAILPOINT", every)),
+        None if failed_jobs == 0 => Some(plain("AGENTRUN_FAILPOINT", fp.clone())),
+        None => None,
+    }
+}
+
+/// A pod evicted, preempted or lost with its node is no failed attempt: the
+/// Job replaces it, and the new pod replays the log. A crash (any exit code
+/// but 0) fails the Job by rule, with reason PodFailurePolicy. Whether a
+/// failed Job's pod crashed or was lost (deleted, its node gone) the
+/// controller reads from the pod itself.
+fn failure_policy() -> PodFailurePolicy {
+    PodFailurePolicy {
+        rules: vec![
+            PodFailurePolicyRule {
+                action: "Ignore".into(),
+                on_pod_conditions: Some(vec![PodFailurePolicyOnPodConditionsPattern {
+                    type_: "DisruptionTarget".into(),
+                    status: "True".into(),
+                }]),
+                on_exit_codes: None,
+            },
+            PodFailurePolicyRule {
+                action: "FailJob".into(),
+                on_pod_conditions: None,
+                on_exit_codes: Some(PodFailurePolicyOnExitCodesRequirement {
+                    container_name: Some("step".into()),
+                    operator: "NotIn".into(),
+                    values: vec![0],
                 }),
             },
+        ],
+    }
+}
+
+/// The step pod: runs once (the controller retries, not the kubelet), as
+/// a non-root user under the runtime's seccomp profile.
+fn pod_spec(settings: &JobSettings, env: Vec<EnvVar>) -> PodSpec {
+    PodSpec {
+        restart_policy: Some("Never".into()),
+        service_account_name: Some(settings.service_account.clone()),
+        // Step pods never talk to the Kubernetes API.
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            run_as_group: Some(65532),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..Default::default()
+            }),
             ..Default::default()
         }),
+        containers: vec![step_container(settings, env)],
+        ..Default::default()
+    }
+}
+
+/// The `step` container (the failure policy names it): `agentrun step` on a
+/// read-only root, with no privileges to gain and small fixed resources.
+fn step_container(settings: &JobSettings, env: Vec<EnvVar>) -> Container {
+    Container {
+        name: "step".into(),
+        image: Some(settings.image.clone()),
+        command: Some(vec!["agentrun".into(), "step".into()]),
+        env: Some(env),
+        // The runner writes its last error there; a crash
+        // that could not is told by the log's last lines.
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        security_context: Some(container_security_context()),
+        resources: Some(step_resources()),
+        ..Default::default()
+    }
+}
+
+/// The container may write nowhere but its volumes, and holds no capability.
+fn container_security_context() -> SecurityContext {
+    SecurityContext {
+        read_only_root_filesystem: Some(true),
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A step mostly waits on its model: little CPU, and a memory limit that
+/// keeps a runaway step from starving its node.
+fn step_resources() -> ResourceRequirements {
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".into(), Quantity("50m".into())),
+            ("memory".into(), Quantity("64Mi".into())),
+        ])),
+        limits: Some(BTreeMap::from([(
+            "memory".into(),
+            Quantity("256Mi".into()),
+        )])),
         ..Default::default()
     }
 }

@@ -134,46 +134,62 @@ pub enum Act {
 }
 
 /// Decides the next act. The caller performs it and reconciles again.
+///
+/// Stage by stage, the first that has something to say wins: an ended run,
+/// a run to stop (cancel, deadline), what the log asks for, then the step
+/// Job.
 pub fn decide(o: &Observed) -> Act {
+    if let Some(act) = ended(o).or_else(|| to_stop(o)).or_else(|| from_log(o)) {
+        return act;
+    }
+    match &o.job {
+        None => next_job(o, 1),
+        Some(job) => from_job(o, job),
+    }
+}
+
+/// A run that ended: concluded from the recorded end, or left alone once
+/// its phase is final.
+fn ended(o: &Observed) -> Option<Act> {
+    if let Some(finished) = &o.log.finished {
+        // A worker that recorded the end exits by itself: leave its Job alone.
+        return Some(Act::Conclude(finished.clone()));
+    }
     let phase = o
         .run
         .status
         .as_ref()
         .and_then(|s| s.phase)
         .unwrap_or_default();
-    if let Some(finished) = &o.log.finished {
-        // A worker that recorded the end exits by itself: leave its Job alone.
-        return Act::Conclude(finished.clone());
-    }
-    if phase.is_terminal() {
-        return Act::Wait(Duration::MAX);
-    }
-    let partial = o.log.last_text();
+    phase.is_terminal().then_some(Act::Wait(Duration::MAX))
+}
+
+/// A run cancelled through its spec, or past its deadline: stopped,
+/// whatever its log or Job say.
+fn to_stop(o: &Observed) -> Option<Act> {
+    let partial = || o.log.last_text();
     if o.run.spec.cancel {
-        return stop(
-            o,
-            Outcome::Cancelled,
-            partial,
-            "cancelled through spec.cancel".into(),
-        );
+        let error = "cancelled through spec.cancel".into();
+        return Some(stop(o, Outcome::Cancelled, partial(), error));
     }
-    if let Some(deadline) = deadline(o.run)
-        && o.now >= deadline
-    {
-        let limit = o.run.spec.deadline.clone().unwrap_or_default();
-        return stop(
-            o,
-            Outcome::DeadlineExceeded,
-            partial,
-            format!("spec.deadline of {limit} passed"),
-        );
+    let deadline = deadline(o.run)?;
+    if o.now < deadline {
+        return None;
     }
+    let limit = o.run.spec.deadline.clone().unwrap_or_default();
+    let error = format!("spec.deadline of {limit} passed");
+    Some(stop(o, Outcome::DeadlineExceeded, partial(), error))
+}
+
+/// What the log alone decides: start the run, handle its approval, or
+/// record its end.
+fn from_log(o: &Observed) -> Option<Act> {
     if o.log.is_empty() {
-        return Act::StartRun;
+        return Some(Act::StartRun);
     }
     // A run waiting for a human holds no Job: its worker exits after asking.
     if let Some((request_seq, _)) = o.log.pending_approval() {
-        return Act::HandleApproval { request_seq };
+        return Some(Act::HandleApproval { request_seq });
     }
     // Only the controller records the end: the agent's final answer, or the
     // end a step runner asked for (it cannot append RunFinished itself).
@@ -182,82 +198,88 @@ pub fn decide(o: &Observed) -> Act {
             outcome,
             result,
             error,
-        } => {
-            return Act::Finish(RunFinished {
-                outcome,
-                result,
-                error,
-            });
-        }
-        Next::Stop(finished) => return Act::Finish(finished),
-        _ => {}
+        } => Some(Act::Finish(RunFinished {
+            outcome,
+            result,
+            error,
+        })),
+        Next::Stop(finished) => Some(Act::Finish(finished)),
+        _ => None,
     }
-    let next_seq = o.log.len();
-    let Some(job) = &o.job else {
-        return follow_agent(o).unwrap_or(Act::CreateJob {
-            seq: next_seq,
-            attempt: 1,
-        });
-    };
-    let attempt = match &job.state {
-        JobState::Active => {
-            let lease = o.lease.as_ref();
-            // Its worker recorded its work and gave the run back: the next
-            // step starts now; the pod exits by itself and its Job is left to end.
-            if next_seq > job.seq && lease.is_some_and(|l| l.released) {
-                return follow_agent(o).unwrap_or(Act::CreateJob {
-                    seq: next_seq,
-                    attempt: 1,
-                });
-            }
-            // A worker that stopped renewing its lease is gone: replace it.
-            let lapsed = lease.filter(|l| !l.live && !l.released);
-            match lapsed {
-                Some(l) if job.running && l.free_for >= LOST_AFTER => {
-                    return Act::DeleteJob {
-                        name: job.name.clone(),
-                    };
-                }
-                // Look again when it would count as lost.
-                Some(l) if job.running => return Act::Wait(LOST_AFTER - l.free_for),
-                // FollowLatest moves at the next step boundary, not the next Job.
-                _ if follow_agent(o).is_some() => return Act::AskToYield,
-                _ => return Act::Idle,
-            }
-        }
+}
+
+/// The Job for the log's next step, as attempt `attempt`; a FollowLatest
+/// run whose Agent changed first follows it (the Job runs the new version).
+fn next_job(o: &Observed, attempt: u32) -> Act {
+    follow_agent(o).unwrap_or(Act::CreateJob {
+        seq: o.log.len(),
+        attempt,
+    })
+}
+
+/// What the run's step Job, as read, calls for.
+fn from_job(o: &Observed, job: &JobView) -> Act {
+    match &job.state {
+        JobState::Active => while_active(o, job),
         // An attempt that recorded something new made progress, however it
         // ended (a clean exit, a deleted or crashed pod): the next one starts
         // the count afresh, so a run that keeps appending never fails by
         // retries. Replay means the work recorded is never redone.
-        _ if next_seq > job.seq => 1,
-        // An attempt that crashed without recording anything counts, so a
-        // crash loop stops (a disruption does not); back off before the next.
-        _ => {
-            let stalled = stalled_after(job, false);
-            if stalled >= retry(o).max_attempts() {
-                let reason = match &job.state {
-                    JobState::Failed { reason, .. } => reason.clone(),
-                    JobState::Missing => "its Job disappeared".into(),
-                    _ => "it exited without recording anything".into(),
-                };
-                return Act::Finish(RunFinished {
-                    outcome: Outcome::Failed,
-                    result: partial,
-                    error: Some(format!(
-                        "step {} failed {stalled} times in a row without recording anything; last: {reason}",
-                        job.seq
-                    )),
-                });
-            }
-            if let Some(wait) = backoff_left(o, job) {
-                return Act::Wait(wait);
-            }
-            job.attempt + 1
-        }
+        _ if o.log.len() > job.seq => next_job(o, 1),
+        _ => after_stall(o, job),
+    }
+}
+
+/// A running Job: its worker is done, lost, or still at work.
+fn while_active(o: &Observed, job: &JobView) -> Act {
+    let lease = o.lease.as_ref();
+    // Its worker recorded its work and gave the run back: the next
+    // step starts now; the pod exits by itself and its Job is left to end.
+    if o.log.len() > job.seq && lease.is_some_and(|l| l.released) {
+        return next_job(o, 1);
+    }
+    // A worker that stopped renewing its lease is gone: replace it.
+    let lapsed = lease.filter(|l| !l.live && !l.released);
+    match lapsed {
+        Some(l) if job.running && l.free_for >= LOST_AFTER => Act::DeleteJob {
+            name: job.name.clone(),
+        },
+        // Look again when it would count as lost.
+        Some(l) if job.running => Act::Wait(LOST_AFTER - l.free_for),
+        // FollowLatest moves at the next step boundary, not the next Job.
+        _ if follow_agent(o).is_some() => Act::AskToYield,
+        _ => Act::Idle,
+    }
+}
+
+/// An attempt that ended without recording anything counts, so a crash
+/// loop stops (a disruption does not); back off before the next.
+fn after_stall(o: &Observed, job: &JobView) -> Act {
+    let stalled = stalled_after(job, false);
+    if stalled >= retry(o).max_attempts() {
+        return give_up(o, job, stalled);
+    }
+    match backoff_left(o, job) {
+        Some(wait) => Act::Wait(wait),
+        None => next_job(o, job.attempt + 1),
+    }
+}
+
+/// The run fails: step `job.seq` ended `stalled` times in a row without
+/// recording anything.
+fn give_up(o: &Observed, job: &JobView, stalled: u32) -> Act {
+    let reason = match &job.state {
+        JobState::Failed { reason, .. } => reason.clone(),
+        JobState::Missing => "its Job disappeared".into(),
+        _ => "it exited without recording anything".into(),
     };
-    follow_agent(o).unwrap_or(Act::CreateJob {
-        seq: next_seq,
-        attempt,
+    Act::Finish(RunFinished {
+        outcome: Outcome::Failed,
+        result: o.log.last_text(),
+        error: Some(format!(
+            "step {} failed {stalled} times in a row without recording anything; last: {reason}",
+            job.seq
+        )),
     })
 }
 

@@ -129,7 +129,34 @@ pub fn compose(
 ) -> AgentRunStatus {
     let mut s = base;
     let generation = run.metadata.generation;
-    s.log = Some(LogRef {
+    s.log = Some(log_ref(run, head, store, job));
+    s.usage = Some(usage(log, head));
+    s.pinned = pinned(log);
+    s.step = step;
+    if awaiting.is_none() {
+        s.approval = None;
+    }
+    if !log.is_empty() && s.started_at.is_none() {
+        s.started_at = Some(Time(now));
+    }
+    s.deadline_at = deadline_at(run, &s);
+    // Reaching here, this reconcile made progress: a stall is over.
+    end_stall(&mut s, generation, now);
+    match (log.finished.as_ref().or(concluded), awaiting) {
+        (Some(f), _) => set_finished(&mut s, f, generation, now),
+        (None, _) if log.is_empty() => {}
+        (None, Some((name, expires_at))) => {
+            set_awaiting(&mut s, name, *expires_at, generation, now)
+        }
+        (None, None) => set_running(&mut s, job, head, generation, now),
+    }
+    s
+}
+
+/// Where the run's log is and how far it reaches, with the signature rules
+/// its readers apply.
+fn log_ref(run: &AgentRun, head: &Head, store: &str, job: Option<&JobView>) -> LogRef {
+    LogRef {
         store: store.to_string(),
         run_key: run.metadata.uid.clone().unwrap_or_default(),
         length: head.len,
@@ -138,115 +165,141 @@ pub fn compose(
         bound_from: bound_from_to_write(run, head, job),
         // Set by the reconcile, which holds the signing key.
         checkpoint: None,
-    });
-    s.usage = Some(Usage {
+    }
+}
+
+/// What the run spent so far, as its log records it (cost to the micro-dollar).
+fn usage(log: &RunState, head: &Head) -> Usage {
+    Usage {
         input_tokens: log.spent.input_tokens,
         output_tokens: log.spent.output_tokens,
         cost_usd: (log.spent.cost_usd * 1e6).round() / 1e6,
         steps: head.len,
-    });
-    s.pinned = log.snapshot.as_ref().map(|snap| PinnedVersions {
+    }
+}
+
+/// The versions the run pinned when it started (none before).
+fn pinned(log: &RunState) -> Option<PinnedVersions> {
+    log.snapshot.as_ref().map(|snap| PinnedVersions {
         prompt_version: snap.versions.prompt_version.clone(),
         prompt_hash: snap.versions.prompt_hash.clone(),
         model: snap.versions.model.clone(),
         tool_schema_hash: snap.versions.tool_schema_hash.clone(),
         agent_generation: snap.versions.agent_generation,
-    });
-    s.step = step;
-    if awaiting.is_none() {
-        s.approval = None;
-    }
-    if !log.is_empty() && s.started_at.is_none() {
-        s.started_at = Some(Time(now));
-    }
-    s.deadline_at = {
-        let mut probe = run.clone();
-        probe.status = Some(s.clone());
-        deadline(&probe).map(Time)
-    };
-    // Reaching here, this reconcile made progress: a stall is over.
-    if s.conditions
+    })
+}
+
+/// The deadline of the run with status `s` (it counts from `startedAt`,
+/// which `s` may have just set).
+fn deadline_at(run: &AgentRun, s: &AgentRunStatus) -> Option<Time> {
+    let mut probe = run.clone();
+    probe.status = Some(s.clone());
+    deadline(&probe).map(Time)
+}
+
+/// Turns a True `Stalled` condition False, and drops the error it put in
+/// the status.
+fn end_stall(s: &mut AgentRunStatus, generation: Option<i64>, now: Timestamp) {
+    if !s
+        .conditions
         .iter()
         .any(|c| c.type_ == STALLED && c.status == "True")
     {
-        s.error = None;
-        set_condition(
-            &mut s.conditions,
-            condition(
-                STALLED,
-                false,
-                "Reconciled",
-                "the controller reconciles the run again",
-                generation,
-                now,
-            ),
-        );
+        return;
     }
-    match log.finished.as_ref().or(concluded) {
-        Some(f) => {
-            let phase = phase_of(f.outcome);
-            s.phase = Some(phase);
-            // Model-written text of any size: the status keeps an excerpt,
-            // the log keeps all of it.
-            s.result = f.result.as_deref().map(excerpt);
-            s.error = f.error.as_deref().map(excerpt);
-            s.waiting_on = None;
-            if s.finished_at.is_none() {
-                s.finished_at = Some(Time(now));
-            }
-            let (ok, reason, message) = match f.outcome {
-                Outcome::Succeeded => (true, "Succeeded", "the agent finished".to_string()),
-                _ => (
-                    false,
-                    phase_name(phase),
-                    f.error.clone().unwrap_or_default(),
-                ),
-            };
-            set_condition(
-                &mut s.conditions,
-                condition(SUCCEEDED, ok, reason, &message, generation, now),
-            );
-        }
-        None if log.is_empty() => {}
-        None if awaiting.is_some() => {
-            let (name, expires_at) = awaiting.expect("checked");
-            s.phase = Some(Phase::AwaitingApproval);
-            s.waiting_on = Some(format!("approval/{name}"));
-            s.approval = Some(PendingApproval {
-                name: name.clone(),
-                expires_at: Some(Time(*expires_at)),
-            });
-            let message = format!("waiting for approval {name}");
-            let mut c = condition(
-                SUCCEEDED,
-                false,
-                "AwaitingApproval",
-                &message,
-                generation,
-                now,
-            );
-            c.status = "Unknown".into();
-            set_condition(&mut s.conditions, c);
-        }
-        None => {
-            s.phase = Some(Phase::Running);
-            s.waiting_on = s
-                .step
-                .as_ref()
-                .and_then(|st| st.job.as_ref())
-                .map(|j| format!("job/{j}"));
-            let message = match job.map(|j| &j.state) {
-                Some(JobState::Failed { reason, .. }) => {
-                    format!("last step attempt failed: {reason}")
-                }
-                _ => format!("{} records in the log", head.len),
-            };
-            let mut c = condition(SUCCEEDED, false, "Running", &message, generation, now);
-            c.status = "Unknown".into();
-            set_condition(&mut s.conditions, c);
-        }
+    s.error = None;
+    set_condition(
+        &mut s.conditions,
+        condition(
+            STALLED,
+            false,
+            "Reconciled",
+            "the controller reconciles the run again",
+            generation,
+            now,
+        ),
+    );
+}
+
+/// A run that ended as `f` records: its final phase, its result or error,
+/// when it finished, and whether it succeeded.
+fn set_finished(s: &mut AgentRunStatus, f: &RunFinished, generation: Option<i64>, now: Timestamp) {
+    let phase = phase_of(f.outcome);
+    s.phase = Some(phase);
+    // Model-written text of any size: the status keeps an excerpt,
+    // the log keeps all of it.
+    s.result = f.result.as_deref().map(excerpt);
+    s.error = f.error.as_deref().map(excerpt);
+    s.waiting_on = None;
+    if s.finished_at.is_none() {
+        s.finished_at = Some(Time(now));
     }
-    s
+    let (ok, reason, message) = match f.outcome {
+        Outcome::Succeeded => (true, "Succeeded", "the agent finished".to_string()),
+        _ => (
+            false,
+            phase_name(phase),
+            f.error.clone().unwrap_or_default(),
+        ),
+    };
+    set_condition(
+        &mut s.conditions,
+        condition(SUCCEEDED, ok, reason, &message, generation, now),
+    );
+}
+
+/// A run waiting for approval `name`, which expires at `expires_at`: not
+/// succeeded yet, nor failed.
+fn set_awaiting(
+    s: &mut AgentRunStatus,
+    name: &str,
+    expires_at: Timestamp,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    s.phase = Some(Phase::AwaitingApproval);
+    s.waiting_on = Some(format!("approval/{name}"));
+    s.approval = Some(PendingApproval {
+        name: name.to_string(),
+        expires_at: Some(Time(expires_at)),
+    });
+    let message = format!("waiting for approval {name}");
+    let mut c = condition(
+        SUCCEEDED,
+        false,
+        "AwaitingApproval",
+        &message,
+        generation,
+        now,
+    );
+    c.status = "Unknown".into();
+    set_condition(&mut s.conditions, c);
+}
+
+/// A running run: it waits on its step's Job, and its condition says how
+/// far the log reached, or why the last attempt failed.
+fn set_running(
+    s: &mut AgentRunStatus,
+    job: Option<&JobView>,
+    head: &Head,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    s.phase = Some(Phase::Running);
+    s.waiting_on = s
+        .step
+        .as_ref()
+        .and_then(|st| st.job.as_ref())
+        .map(|j| format!("job/{j}"));
+    let message = match job.map(|j| &j.state) {
+        Some(JobState::Failed { reason, .. }) => {
+            format!("last step attempt failed: {reason}")
+        }
+        _ => format!("{} records in the log", head.len),
+    };
+    let mut c = condition(SUCCEEDED, false, "Running", &message, generation, now);
+    c.status = "Unknown".into();
+    set_condition(&mut s.conditions, c);
 }
 
 fn phase_name(phase: Phase) -> &'static str {
