@@ -505,10 +505,7 @@ pub(super) async fn handle(
         ResourceExt::name_any,
     );
     // Expired already: what the policy says follows is recorded.
-    if let Some(expired) = log.records_from(request_seq).find_map(|(_, s)| match s {
-        Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
-        _ => None,
-    }) {
+    if let Some(expired) = decided(log, request_seq) {
         let next = after_expiry(run, ctx, &request, &expired, &name, log, notices);
         append(ctx, &uid, head, next).await?;
         return Ok(None);
@@ -546,24 +543,7 @@ pub(super) async fn handle(
     );
     if let Some(record) = judged.record {
         let raised = found.metadata.creation_timestamp.as_ref();
-        ctx.metrics
-            .observe_approval_decided(raised, now, record.verdict);
-        let event = if record.verdict == Verdict::Expired {
-            "expired"
-        } else {
-            "decided"
-        };
-        let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
-        append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
-        notify(
-            &ctx.http,
-            &ctx.user_urls,
-            run,
-            &name,
-            &request,
-            event,
-            detail,
-        );
+        record_decision(run, ctx, head, (&name, raised), &request, record, now).await?;
     }
     if judged.status_behind {
         write_approval_status(&approvals, &name, &judged.evaluation, judged.state, now).await?;
@@ -576,6 +556,38 @@ pub(super) async fn handle(
         }),
         _ => None,
     })
+}
+
+/// The decision recorded for the request at `request_seq`, if any.
+fn decided(log: &RunState, request_seq: u64) -> Option<ApprovalDecided> {
+    log.records_from(request_seq).find_map(|(_, s)| match s {
+        Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
+        _ => None,
+    })
+}
+
+/// Records a decision (or the expiry) in the log, then tells the webhook.
+async fn record_decision(
+    run: &AgentRun,
+    ctx: &Context,
+    head: &Head,
+    (name, raised): (&str, Option<&Time>),
+    request: &ApprovalRequested,
+    record: ApprovalDecided,
+    now: Timestamp,
+) -> Result<(), Error> {
+    ctx.metrics
+        .observe_approval_decided(raised, now, record.verdict);
+    let event = if record.verdict == Verdict::Expired {
+        "expired"
+    } else {
+        "decided"
+    };
+    let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
+    let uid = run.uid().unwrap_or_default();
+    append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
+    notify(&ctx.http, &ctx.user_urls, run, name, request, event, detail);
+    Ok(())
 }
 
 /// The end of a run whose approval request does not match the pinned policy.

@@ -91,10 +91,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         write_status(run, ctx, &plan.status, plan.notices).await?;
         return Ok(Action::requeue(Duration::from_secs(300)));
     };
-    let agent_generation = match &resolved.lookup {
-        AgentLookup::Found { generation } => *generation,
-        _ => None,
-    };
+    let agent_generation = resolved.lookup.generation();
 
     // A waiting run with nothing to decide is not read (see `still_asleep`).
     let cached = ctx.memory.take(&uid);
@@ -129,15 +126,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     tracing::debug!(run = %run.name_any(), namespace = %ns, ?act, ?agent_generation, ?job, ?lease, "decided");
 
     // Act.
-    let mut acting = Acting {
-        notices: std::mem::take(&mut plan.notices),
-        step: run.status.as_ref().and_then(|s| s.step.clone()),
-        concluded: None,
-        awaiting: None,
-        began,
-        idle: false,
-        now,
-    };
+    let mut acting = Acting::new(run, std::mem::take(&mut plan.notices), began, now);
     let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
     acting.idle = act == Act::Idle;
     let observed = Seen {
@@ -342,27 +331,12 @@ async fn record(
         now,
     );
     if let Some(log) = new_status.log.as_mut() {
-        let previous = run
-            .status
-            .as_ref()
-            .and_then(|s| s.log.as_ref())
-            .and_then(|l| l.checkpoint.as_ref());
-        log.checkpoint =
-            checkpoint::make(&ctx.signer, &uid, &replayed, ctx.checkpoint_min, previous);
+        log.checkpoint = next_checkpoint(run, ctx, &uid, &replayed);
     }
     let mut notices = acting.notices;
-    let ends_now = new_status
-        .phase
-        .filter(|p| p.is_terminal())
-        .filter(|&p| run.status.as_ref().and_then(|s| s.phase) != Some(p));
+    let ends_now = ends_now(run, &new_status);
     if let Some(outcome) = ends_now {
-        let warn = outcome != crate::api::Phase::Succeeded;
-        let msg = new_status
-            .error
-            .clone()
-            .or(new_status.result.clone())
-            .unwrap_or_default();
-        notices.push(notice(warn, phase_reason(outcome), truncate(&msg, 900)));
+        notices.push(end_notice(outcome, &new_status));
     }
     let finished = new_status.phase.is_some_and(|p| p.is_terminal());
     // While a step runs, its log grows record by record: that progress
@@ -388,6 +362,39 @@ async fn record(
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
         d => Action::requeue(d),
     })
+}
+
+/// The run's checkpoint to write with its status (signed; kept when the
+/// log has not gone far enough past the previous one).
+fn next_checkpoint(
+    run: &AgentRun,
+    ctx: &Context,
+    uid: &str,
+    replayed: &Replayed,
+) -> Option<crate::api::LogCheckpoint> {
+    let previous = run
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.checkpoint.as_ref());
+    checkpoint::make(&ctx.signer, uid, replayed, ctx.checkpoint_min, previous)
+}
+
+/// The terminal phase the run reaches with this status, if it was not there.
+fn ends_now(run: &AgentRun, new: &crate::api::AgentRunStatus) -> Option<crate::api::Phase> {
+    new.phase
+        .filter(|p| p.is_terminal())
+        .filter(|&p| run.status.as_ref().and_then(|s| s.phase) != Some(p))
+}
+
+/// The Event saying how the run ended, with its error or result.
+fn end_notice(
+    outcome: crate::api::Phase,
+    new: &crate::api::AgentRunStatus,
+) -> crate::controller::context::Notice {
+    let warn = outcome != crate::api::Phase::Succeeded;
+    let msg = new.error.clone().or(new.result.clone()).unwrap_or_default();
+    notice(warn, phase_reason(outcome), truncate(&msg, 900))
 }
 
 /// How often a running step's progress (log length and head, usage) is
@@ -426,6 +433,25 @@ struct Acting {
     idle: bool,
     /// The time the decision was made for.
     now: Timestamp,
+}
+
+impl Acting {
+    fn new(
+        run: &AgentRun,
+        notices: Vec<crate::controller::context::Notice>,
+        began: chrono::DateTime<chrono::Utc>,
+        now: Timestamp,
+    ) -> Acting {
+        Acting {
+            notices,
+            step: run.status.as_ref().and_then(|s| s.step.clone()),
+            concluded: None,
+            awaiting: None,
+            began,
+            idle: false,
+            now,
+        }
+    }
 }
 
 /// The platform's policies judge starting, following and every Job: a
@@ -629,31 +655,7 @@ async fn create_job(
         &ctx.jobs,
     );
     let name = job.name_any();
-    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-    let params = PostParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..Default::default()
-    };
-    let created = match jobs.create(&params, &job).await {
-        Ok(_) => {
-            failpoint::hit("controller:after-create:Job");
-            true
-        }
-        // Deterministic names make a repeated create harmless (a reconcile
-        // that saw the run before its last status write): said once only.
-        Err(kube::Error::Api(e)) if e.code == 409 => false,
-        Err(source) => {
-            return Err(Error::Write {
-                what: "step Job",
-                source,
-            });
-        }
-    };
-    let (reason, warn) = if attempt > 1 {
-        ("StepRetried", true)
-    } else {
-        ("StepStarted", false)
-    };
+    let created = create_step_job(ctx, ns, &job).await?;
     if let Some(at) = replayed
         .head_at
         .filter(|_| created && attempt == 1 && seq > 0)
@@ -661,6 +663,11 @@ async fn create_job(
         ctx.metrics.observe_dispatch(at, acting.began);
     }
     if created {
+        let (reason, warn) = if attempt > 1 {
+            ("StepRetried", true)
+        } else {
+            ("StepStarted", false)
+        };
         acting.notices.push(notice(
             warn,
             reason,
@@ -676,6 +683,28 @@ async fn create_job(
         started_at: Some(Time(now)),
     });
     Ok(idle_requeue(ctx, run, now))
+}
+
+/// Creates the step Job; false when it existed already. Deterministic
+/// names make a repeated create harmless (a reconcile that saw the run
+/// before its last status write): it is said once only.
+async fn create_step_job(ctx: &Context, ns: &str, job: &Job) -> Result<bool, Error> {
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    match jobs.create(&params, job).await {
+        Ok(_) => {
+            failpoint::hit("controller:after-create:Job");
+            Ok(true)
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(source) => Err(Error::Write {
+            what: "step Job",
+            source,
+        }),
+    }
 }
 
 /// Deletes the run's step Job after fencing its worker.
@@ -1084,30 +1113,9 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
             source,
         })?;
     let uid = run.uid().unwrap_or_default();
-    // A Job of that name that this run does not control was made by someone
-    // else: it is no Job of the run's, and its state is never acted on (the
-    // run takes its next attempt under another name).
-    let job = job.filter(|j| {
-        let ours = j
-            .owner_references()
-            .iter()
-            .any(|o| o.controller == Some(true) && o.uid == uid);
-        if !ours {
-            tracing::warn!(job = %name, "a Job of the step's name is not this run's; ignored");
-        }
-        ours
-    });
+    let job = job.filter(|j| controlled_by(j, &uid, &name));
     ctx.metrics.observe_job(&uid, job.as_ref());
-    let ended_at = job.as_ref().and_then(|j| j.status.as_ref()).and_then(|s| {
-        let failed = s
-            .conditions
-            .iter()
-            .flatten()
-            .find(|c| c.type_ == "Failed" && c.status == "True");
-        s.completion_time
-            .clone()
-            .or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
-    });
+    let ended_at = job.as_ref().and_then(job_ended_at);
     let running = job
         .as_ref()
         .and_then(|j| j.status.as_ref())
@@ -1118,32 +1126,7 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         None => JobState::Missing,
         // A Job being deleted is gone as far as the run is concerned.
         Some(j) if j.metadata.deletion_timestamp.is_some() => JobState::Missing,
-        Some(j) => {
-            let conds = j.status.and_then(|s| s.conditions).unwrap_or_default();
-            let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
-            if is("Complete").is_some() {
-                JobState::Succeeded
-            } else if let Some(c) = is("Failed") {
-                let reason = c.reason.clone().unwrap_or_default();
-                // A timeout is the step's own; otherwise a pod that is
-                // gone or was deleted was lost, not crashed.
-                let pods = match reason.as_str() {
-                    "DeadlineExceeded" => FailedPods::default(),
-                    _ => failed_pods(ctx, ns, &name).await?,
-                };
-                let mut reason = format!("{reason}: {}", c.message.clone().unwrap_or_default());
-                if let Some(said) = &pods.message {
-                    reason.push_str("; the step said: ");
-                    reason.push_str(said);
-                }
-                JobState::Failed {
-                    disrupted: pods.lost,
-                    reason,
-                }
-            } else {
-                JobState::Active
-            }
-        }
+        Some(j) => job_state(ctx, ns, &name, j).await?,
     };
     Ok(Some(JobView {
         name,
@@ -1154,6 +1137,61 @@ async fn read_job(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Option<JobV
         ended_at: ended_at.map(|t| t.0),
         stalled: step.stalled,
     }))
+}
+
+/// A Job of the step's name that this run does not control was made by
+/// someone else: it is no Job of the run's, and its state is never acted
+/// on (the run takes its next attempt under another name).
+fn controlled_by(job: &Job, uid: &str, name: &str) -> bool {
+    let ours = job
+        .owner_references()
+        .iter()
+        .any(|o| o.controller == Some(true) && o.uid == uid);
+    if !ours {
+        tracing::warn!(job = %name, "a Job of the step's name is not this run's; ignored");
+    }
+    ours
+}
+
+/// When the Job completed, or when it was marked failed.
+fn job_ended_at(job: &Job) -> Option<Time> {
+    let s = job.status.as_ref()?;
+    let failed = s
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| c.type_ == "Failed" && c.status == "True");
+    s.completion_time
+        .clone()
+        .or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
+}
+
+/// The state of a Job that exists and is not being deleted.
+async fn job_state(ctx: &Context, ns: &str, name: &str, job: Job) -> Result<JobState, Error> {
+    let conds = job.status.and_then(|s| s.conditions).unwrap_or_default();
+    let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
+    if is("Complete").is_some() {
+        return Ok(JobState::Succeeded);
+    }
+    let Some(c) = is("Failed") else {
+        return Ok(JobState::Active);
+    };
+    let reason = c.reason.clone().unwrap_or_default();
+    // A timeout is the step's own; otherwise a pod that is gone or was
+    // deleted was lost, not crashed.
+    let pods = match reason.as_str() {
+        "DeadlineExceeded" => FailedPods::default(),
+        _ => failed_pods(ctx, ns, name).await?,
+    };
+    let mut reason = format!("{reason}: {}", c.message.clone().unwrap_or_default());
+    if let Some(said) = &pods.message {
+        reason.push_str("; the step said: ");
+        reason.push_str(said);
+    }
+    Ok(JobState::Failed {
+        disrupted: pods.lost,
+        reason,
+    })
 }
 
 /// What the pods of a failed Job tell.

@@ -22,6 +22,16 @@ pub enum AgentLookup {
     NotFound { name: String },
 }
 
+impl AgentLookup {
+    /// The generation of the Agent found, if one was.
+    pub fn generation(&self) -> Option<i64> {
+        match self {
+            AgentLookup::Found { generation } => *generation,
+            _ => None,
+        }
+    }
+}
+
 /// The outcome of deciding: the desired status and what to tell the user.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
