@@ -170,8 +170,16 @@ fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Step {
 /// reconciles is asserted by `reconcile_starts_a_run_then_creates_its_first_job_in_order`),
 /// with the run as its last status write left it.
 async fn started(dir: &std::path::Path, run: AgentRun) -> (Arc<Context>, Handle, AgentRun) {
-    let (ctx, mut handle) = super::mocked(dir).await;
-    let mut run = run;
+    let (ctx, handle) = super::mocked(dir).await;
+    start(ctx, handle, run).await
+}
+
+/// [`started`] with a context of one's own.
+async fn start(
+    ctx: Arc<Context>,
+    mut handle: Handle,
+    mut run: AgentRun,
+) -> (Arc<Context>, Handle, AgentRun) {
     for _ in 0..2 {
         let (h, seen) = super::reconcile_recorded(&ctx, handle, &run, Value::Null).await;
         handle = h;
@@ -640,4 +648,82 @@ async fn a_run_past_its_deadline_stops_with_the_deadline_as_its_reason() {
     let s = &status["status"];
     assert_eq!(s["phase"], "DeadlineExceeded", "{status}");
     assert_eq!(kinds(&ctx).await, ["RunStarted", "RunFinished"]);
+}
+
+/// A context whose step Jobs come from a watch cache (never a GET), with
+/// the writer that fills it.
+async fn mocked_with_job_cache(
+    dir: &std::path::Path,
+) -> (
+    Arc<Context>,
+    Handle,
+    kube::runtime::reflector::store::Writer<k8s_openapi::api::batch::v1::Job>,
+) {
+    use kube::runtime::{reflector, watcher::Event};
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (service, handle) = tower_test::mock::pair::<http::Request<Body>, Response<Body>>();
+    let mut ctx = super::context(kube::Client::new(service, "ns"), dir).await;
+    let (jobs, mut writer) = reflector::store();
+    writer.apply_watcher_event(&Event::Init);
+    writer.apply_watcher_event(&Event::InitDone);
+    ctx.job_cache = Some(jobs);
+    (Arc::new(ctx), handle, writer)
+}
+
+/// Ignored: it fails on a bug left to the reconciler's owner. The
+/// `Succeeded` condition of a running run says "N records in the log", so a
+/// status differs from the last in more than its progress whenever the log
+/// grew, `only_progress` is false and every record is written at once
+/// (`PROGRESS_EVERY` never throttles).
+#[tokio::test]
+#[ignore = "bug: the Running condition's message counts records, so progress is never throttled"]
+async fn a_running_steps_progress_is_written_at_most_every_few_seconds() {
+    use kube::runtime::watcher::Event;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle, mut jobs) = mocked_with_job_cache(dir.path()).await;
+    let (ctx, handle, run) = start(ctx, handle, super::run()).await;
+    let running = serde_json::from_value(job(STEP_1, running())).unwrap();
+    jobs.apply_watcher_event(&Event::Apply(running));
+
+    // Step 1's pod holds the lease and has recorded two records: the
+    // progress is written (the Job from the cache, the lease from the store).
+    let pod = Duration::from_secs(30);
+    step_pod(
+        &ctx,
+        vec![observation("one"), observation("two")],
+        pod,
+        false,
+    )
+    .await;
+    let sent = run.clone();
+    let (handle, status) = reconcile_against(&ctx, &run, async move {
+        let mut handle = handle;
+        let (status, answer) = receive_status(&mut handle).await;
+        answer(&sent);
+        expect_nothing_more(&mut handle).await;
+        (handle, status)
+    })
+    .await;
+    let head = ctx.store.head(UID).await.unwrap();
+    let s = &status["status"];
+    assert_eq!(
+        (&s["phase"], &s["step"]["job"], &s["log"]["length"]),
+        (&json!("Running"), &json!(STEP_1), &json!(3)),
+        "{status}"
+    );
+    assert_eq!(s["log"]["headHash"], head.hash.to_string());
+
+    // A record more at once: its progress waits for PROGRESS_EVERY.
+    let run = super::with_status(run, &status);
+    step_pod(&ctx, vec![observation("three")], pod, false).await;
+    reconcile_against(&ctx, &run, async move {
+        let mut handle = handle;
+        expect_nothing_more(&mut handle).await;
+    })
+    .await;
+    assert_eq!(
+        kinds(&ctx).await.len(),
+        4,
+        "the controller appended nothing"
+    );
 }
