@@ -418,7 +418,7 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
     decided["status"] = json!({"state": "Pending"});
     let run = super::with_status(run, &status);
     let (sent, store) = (run.clone(), ctx.clone());
-    let status = reconcile_against(&ctx, &run, async move {
+    let (handle, status) = reconcile_against(&ctx, &run, async move {
         let mut handle = handle;
         // The waiting run's Approval is read before its log: it changed.
         expect(&mut handle, "GET", &approval_path, decided.clone()).await;
@@ -441,7 +441,7 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
         answer(&sent);
         expect_events(&mut handle, &["ApprovalDecided"]).await;
         expect_nothing_more(&mut handle).await;
-        status
+        (handle, status)
     })
     .await;
     let recorded = last_payload(&ctx).await;
@@ -456,8 +456,30 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
     );
     assert_eq!(recorded["decisions"][0]["approver"], "alice");
     let s = &status["status"];
-    assert_ne!(s["phase"], "AwaitingApproval", "{status}");
-    assert_eq!(s["log"]["length"], 4, "{status}");
+    assert_eq!(
+        (&s["phase"], &s["approval"], &s["log"]["length"]),
+        (&json!("Running"), &Value::Null, &json!(4)),
+        "{status}"
+    );
+
+    // The approved call is the next step's: its Job (the Approval is not read again).
+    let run = super::with_status(run, &status);
+    let sent = run.clone();
+    let status = reconcile_against(&ctx, &run, async move {
+        let mut handle = handle;
+        let path = format!("{JOBS}/{STEP_1}");
+        expect(&mut handle, "GET", &path, job(STEP_1, complete())).await;
+        expect_policies(&mut handle).await;
+        let next = expect(&mut handle, "POST", JOBS, Value::Null).await;
+        assert_eq!(next["metadata"]["name"], "r1-951103-s4-a1");
+        let (status, answer) = receive_status(&mut handle).await;
+        answer(&sent);
+        expect_events(&mut handle, &["StepStarted"]).await;
+        expect_nothing_more(&mut handle).await;
+        status
+    })
+    .await;
+    assert_eq!(status["status"]["step"]["seq"], 4, "{status}");
 }
 
 /// A running step whose pod took the lease for a moment and never renewed
