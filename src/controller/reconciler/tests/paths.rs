@@ -749,3 +749,90 @@ async fn a_running_steps_progress_is_written_at_most_every_few_seconds() {
         "the controller appended nothing"
     );
 }
+
+fn failed(reason: &str) -> Value {
+    json!({"failed": 1, "conditions": [{"type": "Failed", "status": "True",
+        "reason": reason, "message": "Job has reached the specified backoff limit"}]})
+}
+
+fn pods(pod_status: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"},
+        "items": [{"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns"}, "status": pod_status}]})
+}
+
+/// A failed Job's pods are read to tell a lost pod from a crash: both are
+/// retried (the credential first), only the crash counts against the
+/// retry budget, and the step's last words reach the status.
+#[tokio::test]
+async fn a_failed_jobs_pods_tell_a_lost_worker_from_a_crash() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle, run) = started(dir.path(), super::run()).await;
+    let retried = |handle: Handle, run: AgentRun, name: &str, pod: Value, next: &str| {
+        let (path, name, next, sent) = (
+            format!("{JOBS}/{name}"),
+            name.to_string(),
+            next.to_string(),
+            run.clone(),
+        );
+        let ctx = ctx.clone();
+        async move {
+            reconcile_against(&ctx, &run, async move {
+                let mut handle = handle;
+                let failed = job(&name, failed("BackoffLimitExceeded"));
+                expect(&mut handle, "GET", &path, failed).await;
+                expect(&mut handle, "GET", "/api/v1/namespaces/ns/pods", pods(pod)).await;
+                expect_policies(&mut handle).await;
+                expect(
+                    &mut handle,
+                    "POST",
+                    "/api/v1/namespaces/ns/secrets",
+                    Value::Null,
+                )
+                .await;
+                let created = expect(&mut handle, "POST", JOBS, Value::Null).await;
+                assert_eq!(created["metadata"]["name"], json!(next));
+                let (status, answer) = receive_status(&mut handle).await;
+                answer(&sent);
+                expect_events(&mut handle, &["StepRetried"]).await;
+                expect_nothing_more(&mut handle).await;
+                (handle, status)
+            })
+            .await
+        }
+    };
+
+    // Evicted (a DisruptionTarget condition): lost, not counted.
+    let evicted = json!({"phase": "Failed", "conditions": [
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]});
+    let (handle, status) = retried(handle, run.clone(), STEP_1, evicted, "r1-951103-s1-a2").await;
+    let step = &status["status"]["step"];
+    assert_eq!(
+        (&step["attempt"], &step["failedJobs"]),
+        (&json!(2), &json!(1)),
+        "{status}"
+    );
+    assert_eq!(step["stalled"].as_u64().unwrap_or(0), 0, "{status}");
+
+    // Crashed in place, its last words in the termination message: counted.
+    let run = super::with_status(run, &status);
+    let crashed = json!({"phase": "Failed", "containerStatuses": [{"name": "step",
+        "image": "agentrun:test", "imageID": "", "ready": false, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 101, "message": "panic: boom"}}}]});
+    let (_, status) = retried(handle, run, "r1-951103-s1-a2", crashed, "r1-951103-s1-a3").await;
+    let step = &status["status"]["step"];
+    assert_eq!(
+        (&step["attempt"], &step["failedJobs"], &step["stalled"]),
+        (&json!(3), &json!(2), &json!(1)),
+        "{status}"
+    );
+    let said = status["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Succeeded")
+        .map(|c| c["message"].to_string())
+        .unwrap_or_default();
+    assert!(said.contains("the step said: panic: boom"), "{status}");
+    assert_eq!(kinds(&ctx).await, ["RunStarted"], "nothing recorded");
+}
