@@ -1,8 +1,9 @@
 //! The main paths of a started run, one reconcile at a time against the
 //! mocked API server: a step that finished, an approval raised and decided,
-//! a lost worker, a cancel and a deadline. Each asserts the exact requests
-//! in order, what reached the log before each write, and that nothing else
-//! was asked.
+//! a lost worker (its lease lapsed, or its Job failed with its pod gone), a
+//! crash, a cancel, a deadline and a running step's progress. Each asserts
+//! the exact requests in order, what reached the log before each write, and
+//! that nothing else was asked.
 
 use std::sync::Arc;
 use std::time::Duration;
