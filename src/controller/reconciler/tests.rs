@@ -610,3 +610,5 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
     let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
     assert_eq!(kinds, ["RunStarted"], "the run started, not concluded");
 }
+
+mod paths;
