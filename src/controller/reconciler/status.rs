@@ -148,7 +148,7 @@ pub fn compose(
         (None, Some((name, expires_at))) => {
             set_awaiting(&mut s, name, *expires_at, generation, now)
         }
-        (None, None) => set_running(&mut s, job, head, generation, now),
+        (None, None) => set_running(&mut s, job, generation, now),
     }
     s
 }
@@ -276,12 +276,11 @@ fn set_awaiting(
     set_condition(&mut s.conditions, c);
 }
 
-/// A running run: it waits on its step's Job, and its condition says how
-/// far the log reached, or why the last attempt failed.
+/// A running run: it waits on its step's Job, and its condition says which
+/// step runs, or why the last attempt failed.
 fn set_running(
     s: &mut AgentRunStatus,
     job: Option<&JobView>,
-    head: &Head,
     generation: Option<i64>,
     now: Timestamp,
 ) {
@@ -295,7 +294,12 @@ fn set_running(
         Some(JobState::Failed { reason, .. }) => {
             format!("last step attempt failed: {reason}")
         }
-        _ => format!("{} records in the log", head.len),
+        // Nothing that moves with each record (the log's length is in
+        // `status.log`): progress alone stays a progress-only change.
+        _ => match &s.step {
+            Some(st) => format!("step {} attempt {} runs", st.seq, st.attempt),
+            None => "the run is starting".to_string(),
+        },
     };
     let mut c = condition(SUCCEEDED, false, "Running", &message, generation, now);
     c.status = "Unknown".into();
