@@ -2,9 +2,16 @@
 //! watch. The step-log gateway consults it so a run's step token stops
 //! opening the log once the run is deleted (or being deleted), even when the
 //! run never reached `RunFinished`.
+//!
+//! A deleted run's uid is remembered as gone for [`GONE_KEPT`] (its step
+//! pods hear "deleted", 410, while they are being stopped), then forgotten:
+//! a uid neither live nor gone is refused too (503, never seen), so the
+//! index holds the runs that exist and the recently deleted, not every run
+//! the replica ever saw.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kube::api::PartialObjectMeta;
@@ -32,9 +39,11 @@ pub enum RunPresence {
 struct Inner {
     synced: bool,
     live: HashSet<String>,
-    gone: HashSet<String>,
+    /// Deleted runs, and since when.
+    gone: HashMap<String, Instant>,
     /// Live uids of a re-list in progress (swapped in at `InitDone`).
     relist: HashSet<String>,
+    pruned_at: Option<Instant>,
 }
 
 /// Cheap to clone; every clone sees the same index.
@@ -59,7 +68,7 @@ impl RunIndex {
         let g = self.inner.read().expect("not poisoned");
         if g.live.contains(uid) {
             RunPresence::Live
-        } else if g.gone.contains(uid) {
+        } else if g.gone.contains_key(uid) {
             RunPresence::Gone
         } else if !g.synced {
             RunPresence::NotSynced
@@ -72,17 +81,18 @@ impl RunIndex {
     pub fn forget(&self, uid: &str) {
         let mut g = self.inner.write().expect("not poisoned");
         g.live.remove(uid);
-        g.gone.insert(uid.to_string());
+        g.gone.insert(uid.to_string(), Instant::now());
     }
 
     fn apply(&self, event: Event<PartialObjectMeta<AgentRun>>) {
         let mut g = self.inner.write().expect("not poisoned");
+        prune(&mut g, Instant::now());
         match event {
             Event::Apply(m) => note(&mut g, &m, false),
             Event::Delete(m) => {
                 if let Some(uid) = m.metadata.uid {
                     g.live.remove(&uid);
-                    g.gone.insert(uid);
+                    g.gone.insert(uid, Instant::now());
                 }
             }
             Event::Init => g.relist.clear(),
@@ -91,7 +101,8 @@ impl RunIndex {
                 let relisted = std::mem::take(&mut g.relist);
                 // What was live and is not any more was deleted meanwhile.
                 let vanished: Vec<String> = g.live.difference(&relisted).cloned().collect();
-                g.gone.extend(vanished);
+                let now = Instant::now();
+                g.gone.extend(vanished.into_iter().map(|u| (u, now)));
                 g.live = relisted;
                 g.synced = true;
             }
@@ -116,13 +127,28 @@ impl RunIndex {
     }
 }
 
+/// How long a deleted run's uid is remembered as gone.
+pub const GONE_KEPT: Duration = Duration::from_secs(15 * 60);
+
+/// Forgets the runs deleted more than [`GONE_KEPT`] before `now` (looked
+/// at once a minute at most: the index is written on every run event).
+fn prune(g: &mut Inner, now: Instant) {
+    if g.pruned_at
+        .is_some_and(|at| now.duration_since(at) < Duration::from_secs(60))
+    {
+        return;
+    }
+    g.pruned_at = Some(now);
+    g.gone.retain(|_, at| now.duration_since(*at) < GONE_KEPT);
+}
+
 fn note(g: &mut Inner, m: &PartialObjectMeta<AgentRun>, relist: bool) {
     let Some(uid) = m.metadata.uid.clone() else {
         return;
     };
     if m.metadata.deletion_timestamp.is_some() {
         g.live.remove(&uid);
-        g.gone.insert(uid);
+        g.gone.insert(uid, Instant::now());
     } else if relist {
         g.relist.insert(uid);
     } else {
@@ -166,5 +192,21 @@ mod tests {
         index.apply(Event::Init);
         index.apply(Event::InitDone);
         assert_eq!(index.presence("a"), RunPresence::Gone);
+    }
+
+    #[test]
+    fn a_deleted_run_is_gone_for_a_while_then_forgotten() {
+        let index = RunIndex::with_live(["a".to_string(), "b".to_string()]);
+        index.forget("a");
+        index.apply(Event::Delete(meta("b", false)));
+        assert_eq!(index.presence("a"), RunPresence::Gone);
+        let mut g = index.inner.write().unwrap();
+        let later = Instant::now() + GONE_KEPT + Duration::from_secs(1);
+        prune(&mut g, later);
+        assert!(g.gone.is_empty(), "nothing deleted long ago is kept");
+        drop(g);
+        // Still refused: never seen is not live.
+        assert_eq!(index.presence("a"), RunPresence::Unknown);
+        assert_eq!(index.presence("b"), RunPresence::Unknown);
     }
 }
