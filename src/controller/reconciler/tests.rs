@@ -5,6 +5,7 @@
 //! watch cache holds).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{Request, Response};
 use kube::client::Body;
@@ -18,15 +19,15 @@ use crate::controller::context::JobSettings;
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
-/// Answers the next request after checking its method and path (with
-/// `reply`, or the request's own body when that is `null`, as a create or an
-/// apply returns the object); returns the request's body.
-async fn expect(handle: &mut Handle, method: &str, path: &str, reply: Value) -> Value {
-    let (request, send) =
-        tokio::time::timeout(std::time::Duration::from_secs(5), handle.next_request())
-            .await
-            .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
-            .expect("the client is alive");
+type Responder = tower_test::mock::SendResponse<Response<Body>>;
+
+/// The next request, checked for its method and path, not answered yet:
+/// the test can look at the store before it lets the reconcile go on.
+async fn receive(handle: &mut Handle, method: &str, path: &str) -> (Value, Responder) {
+    let (request, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
+        .await
+        .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
+        .expect("the client is alive");
     let seen = format!("{} {}", request.method(), request.uri().path());
     assert_eq!(seen, format!("{method} {path}"), "requests out of order");
     let body = request.into_body().collect_bytes().await.unwrap();
@@ -35,12 +36,24 @@ async fn expect(handle: &mut Handle, method: &str, path: &str, reply: Value) -> 
     } else {
         serde_json::from_slice(&body).unwrap()
     };
-    let reply = if reply.is_null() { &body } else { &reply };
+    (body, send)
+}
+
+fn respond(send: Responder, code: u16, reply: &Value) {
     send.send_response(
         Response::builder()
+            .status(code)
             .body(Body::from(serde_json::to_vec(reply).unwrap()))
             .unwrap(),
     );
+}
+
+/// Answers the next request after checking its method and path (with
+/// `reply`, or the request's own body when that is `null`, as a create or an
+/// apply returns the object); returns the request's body.
+async fn expect(handle: &mut Handle, method: &str, path: &str, reply: Value) -> Value {
+    let (body, send) = receive(handle, method, path).await;
+    respond(send, 200, if reply.is_null() { &body } else { &reply });
     body
 }
 

@@ -12,7 +12,9 @@ use http::Response;
 use kube::client::Body;
 use serde_json::{Value, json};
 
-use super::{Handle, expect, expect_events, expect_nothing_more, expect_policies, list};
+use super::{
+    Handle, expect, expect_events, expect_nothing_more, expect_policies, list, receive, respond,
+};
 use crate::api::AgentRun;
 use crate::controller::context::Context;
 use crate::runlog::records::{ModelCall, Observation};
@@ -24,35 +26,6 @@ const JOBS: &str = "/apis/batch/v1/namespaces/ns/jobs";
 const STATUS: &str = "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentruns/r1/status";
 const APPROVALS: &str = "/apis/agentrun.dev/v1alpha1/namespaces/ns/approvals";
 const STEP_1: &str = "r1-951103-s1-a1";
-
-type Responder = tower_test::mock::SendResponse<Response<Body>>;
-
-/// The next request, checked for its method and path, not answered yet:
-/// the test can look at the store before it lets the reconcile go on.
-async fn receive(handle: &mut Handle, method: &str, path: &str) -> (Value, Responder) {
-    let (request, send) = tokio::time::timeout(Duration::from_secs(5), handle.next_request())
-        .await
-        .unwrap_or_else(|_| panic!("no request came; expected {method} {path}"))
-        .expect("the client is alive");
-    let seen = format!("{} {}", request.method(), request.uri().path());
-    assert_eq!(seen, format!("{method} {path}"), "requests out of order");
-    let body = request.into_body().collect_bytes().await.unwrap();
-    let body = if body.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&body).unwrap()
-    };
-    (body, send)
-}
-
-fn respond(send: Responder, code: u16, reply: &Value) {
-    send.send_response(
-        Response::builder()
-            .status(code)
-            .body(Body::from(serde_json::to_vec(reply).unwrap()))
-            .unwrap(),
-    );
-}
 
 /// Answers the next request, checked, with a 404.
 async fn expect_not_found(handle: &mut Handle, method: &str, path: &str) {
