@@ -4,7 +4,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::common::{Approvers, DURATION_RULE, SecretKeyRef};
+use super::common::{Approvers, DURATION_RULE, DefaultAction, Dependency, OnExpiry, SecretKeyRef};
 use super::policy::{CallMatch, PlatformDefault};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
@@ -232,31 +232,6 @@ pub struct McpTool {
     pub idempotent: bool,
 }
 
-/// What happens to a risky call that nobody decides in time. There is no
-/// approve-on-timeout: an absent reviewer is never consent.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
-pub enum OnExpiry {
-    /// Raise a new Approval to `escalateTo`, with a new expiry.
-    Escalate,
-    /// Stop the run with its partial result.
-    #[default]
-    Fail,
-    /// Execute the safe alternative the agent proposed.
-    Alternative,
-    /// Tell the model the request expired and let it choose again.
-    ReturnToAgent,
-}
-
-/// What a tool call that matches no rule does.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
-pub enum DefaultAction {
-    /// Run it without asking.
-    #[default]
-    Allow,
-    /// Ask for approval for every call that is not declared read-only.
-    RequireApprovalForMutating,
-}
-
 /// Which tool calls are risky and who decides them.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -345,18 +320,6 @@ fn one() -> u32 {
 
 fn one_hour() -> String {
     "1h".into()
-}
-
-/// A record the approved call depends on, read through a read-only lookup.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Dependency {
-    /// Name of the dependency, shown to the approver.
-    #[schemars(length(min = 1, max = 63))]
-    pub name: String,
-    /// URL answering with the record's current version (GET; the call's arguments as query).
-    #[schemars(length(min = 1))]
-    pub lookup: String,
 }
 
 /// Budgets, summed from the log over the whole run.

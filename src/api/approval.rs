@@ -5,8 +5,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::agent::OnExpiry;
 use super::common::Approvers;
+use super::common::OnExpiry;
 
 /// An Approval holds a proposed tool call, exactly as it will execute, until
 /// enough approvers decide or it expires. The controller creates it (owned by

@@ -6,8 +6,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::agent::{DefaultAction, Dependency, OnExpiry};
-use super::common::{Approvers, DURATION_RULE};
+use super::common::{Approvers, DURATION_RULE, DefaultAction, Dependency, OnExpiry};
 
 /// An AgentPolicy is the platform owner's word on the runs of its namespace:
 /// approval rules that apply to every run whatever its Agent says, whether
