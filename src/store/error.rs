@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, Utc};
 
-use super::record::{FORMAT, Hash, ParseHashError, Record};
+use super::record::{Hash, Record};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -186,36 +186,6 @@ fn is_retryable_code(code: &str) -> bool {
         // SQLite: SQLITE_BUSY (5), SQLITE_LOCKED (6) and their extended codes.
         // (SQLSTATEs are always 5 characters; SQLite codes are shorter numbers.)
         || (code.len() < 5 && code.parse::<u32>().is_ok_and(|c| c & 0xff == 5 || c & 0xff == 6))
-}
-
-/// A stored record body this code cannot read (what [`Record::from_canonical`]
-/// refuses); the store reports it as corruption or a broken chain, at its seq.
-#[derive(Debug, thiserror::Error)]
-pub enum UnreadableRecord {
-    /// Written by a newer release: upgrade before reading this log.
-    #[error("record format {0} is newer than this code reads (≤ {FORMAT})")]
-    Newer(u32),
-    /// Not a record at all.
-    #[error("undecodable record: {0}")]
-    Undecodable(serde_json::Error),
-    /// A record, of a format no release writes.
-    #[error("record format {0} is not one this code reads (1..={FORMAT})")]
-    Unsupported(u32),
-}
-
-/// A log anchor (`<length>:<hash hex>`, see [`super::Head::anchor`]) that
-/// does not parse; the anchor is quoted as given.
-#[derive(Debug, thiserror::Error)]
-pub enum AnchorError {
-    #[error("log anchor {0:?}: expected <length>:<hash>")]
-    Shape(String),
-    #[error("log anchor {anchor:?}: length {len:?} is not a number")]
-    Length { anchor: String, len: String },
-    #[error("log anchor {anchor:?}: {source}")]
-    Hash {
-        anchor: String,
-        source: ParseHashError,
-    },
 }
 
 /// Controller public keys that cannot be used to verify signatures.

@@ -37,6 +37,7 @@ use serde::{Deserialize, Serialize};
 
 mod append;
 pub mod audit;
+mod chain;
 pub mod cli;
 mod error;
 mod postgres;
@@ -45,12 +46,12 @@ mod remote;
 mod signature;
 mod sqlite;
 
-pub use error::{AnchorError, KeyError, StoreError, UnreadableRecord};
+pub use chain::{check_anchor, check_anchor_after, verify_chain, verify_extension};
+pub use error::{KeyError, StoreError};
 pub use postgres::PgStore;
 pub use record::{
-    FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft, StepKind, Usage,
-    Versions, Worker, canonical_json, chain_hash, check_anchor, check_anchor_after, sha256_hex,
-    verify_chain, verify_extension,
+    AnchorError, FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft,
+    StepKind, UnreadableRecord, Usage, Versions, Worker, canonical_json, chain_hash, sha256_hex,
 };
 pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
 pub use signature::{

@@ -20,7 +20,8 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow}
 use super::append::{
     adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at,
 };
-use super::record::{Hash, Head, Record, StepKind, StoredChain};
+use super::chain::StoredChain;
+use super::record::{Hash, Head, Record, StepKind};
 use super::{
     HeadEvent, Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url,
     to_i64, ttl_micros,

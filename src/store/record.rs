@@ -17,9 +17,6 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::StoreError;
-use super::error::{AnchorError, UnreadableRecord};
-
 /// The record format this code writes. Records of an older format stay readable.
 pub const FORMAT: u32 = 1;
 
@@ -366,21 +363,6 @@ impl Head {
     };
 }
 
-impl Head {
-    /// The head of a log whose last record (`seq`, `hash`) was read from a backend row.
-    pub(crate) fn from_last(run: &str, seq: i64, hash: &[u8]) -> Result<Head, StoreError> {
-        let hash = Hash::from_slice(hash).ok_or_else(|| StoreError::Corrupt {
-            run: run.to_string(),
-            seq: seq as u64,
-            reason: "hash is not 32 bytes".into(),
-        })?;
-        Ok(Head {
-            len: seq as u64 + 1,
-            hash,
-        })
-    }
-}
-
 /// What a caller writes; [`RecordDraft::seal`] turns it into the next record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordDraft {
@@ -401,132 +383,6 @@ impl RecordDraft {
             worker: Worker::default(),
         }
     }
-
-    /// The record that follows `head`: `seq = head.len`, `prev_hash =
-    /// head.hash`, hash computed. Refuses payload integers beyond ±(2^53-1),
-    /// which the canonical encoding cannot carry exactly.
-    pub fn seal(self, head: &Head) -> Result<Record, StoreError> {
-        check_safe_numbers(&self.payload, &mut String::from("payload"))?;
-        let mut record = Record {
-            format: FORMAT,
-            seq: head.len,
-            kind: self.kind,
-            payload: self.payload,
-            versions: self.versions,
-            usage: self.usage,
-            worker: self.worker,
-            prev_hash: head.hash,
-            hash: Hash::ZERO,
-            created_at: None,
-        };
-        record.hash = record.compute_hash();
-        Ok(record)
-    }
-}
-
-fn check_safe_numbers(v: &serde_json::Value, path: &mut String) -> Result<(), StoreError> {
-    match v {
-        serde_json::Value::Number(n) => {
-            let ok = if let Some(u) = n.as_u64() {
-                u <= MAX_SAFE_INTEGER
-            } else if let Some(i) = n.as_i64() {
-                i.unsigned_abs() <= MAX_SAFE_INTEGER
-            } else {
-                true
-            };
-            if ok {
-                Ok(())
-            } else {
-                Err(StoreError::InvalidRecord {
-                    reason: format!(
-                        "{path}: integer {n} is beyond ±(2^53-1) and cannot be encoded canonically; send it as a string"
-                    ),
-                })
-            }
-        }
-        serde_json::Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                let len = path.len();
-                path.push_str(&format!("[{i}]"));
-                check_safe_numbers(item, path)?;
-                path.truncate(len);
-            }
-            Ok(())
-        }
-        serde_json::Value::Object(map) => {
-            for (k, item) in map {
-                let len = path.len();
-                path.push('.');
-                path.push_str(k);
-                check_safe_numbers(item, path)?;
-                path.truncate(len);
-            }
-            Ok(())
-        }
-        _ => Ok(()),
-    }
-}
-
-/// Checks that a verified log (`records`, seq order from 0) extends
-/// `anchor`, the head recorded earlier (e.g. in `status.log`): it is at least
-/// that long and its record at `anchor.len - 1` carries `anchor.hash`. A log
-/// that was truncated or rewritten before the anchor gives
-/// [`StoreError::ChainBroken`].
-pub fn check_anchor(run: &str, records: &[Record], anchor: &Head) -> Result<(), StoreError> {
-    check_anchor_after(run, &Head::EMPTY, records, anchor)
-}
-
-/// [`check_anchor`] for `records` read past `base`, a head verified before
-/// (an anchor inside the part verified before was checked then).
-pub fn check_anchor_after(
-    run: &str,
-    base: &Head,
-    records: &[Record],
-    anchor: &Head,
-) -> Result<(), StoreError> {
-    if anchor.len == 0 || anchor.len < base.len {
-        return Ok(());
-    }
-    if anchor.len == base.len {
-        return match anchor.hash == base.hash {
-            true => Ok(()),
-            false => Err(StoreError::ChainBroken {
-                run: run.to_string(),
-                seq: base.len.saturating_sub(1),
-                reason: format!(
-                    "record {} has hash {} but the anchored head is {}: the log was rewritten",
-                    base.len.saturating_sub(1),
-                    base.hash,
-                    anchor.hash
-                ),
-            }),
-        };
-    }
-    let total = base.len + records.len() as u64;
-    let broken = |seq: u64, reason: String| StoreError::ChainBroken {
-        run: run.to_string(),
-        seq,
-        reason,
-    };
-    let Some(at) = records.get((anchor.len - base.len) as usize - 1) else {
-        return Err(broken(
-            total,
-            format!(
-                "the log has {total} records but {} were anchored (head {}): records were removed",
-                anchor.len, anchor.hash
-            ),
-        ));
-    };
-    if at.hash != anchor.hash {
-        return Err(broken(
-            at.seq,
-            format!(
-                "record {} has hash {} but the anchored head is {}: the log was rewritten",
-                at.seq, at.hash, anchor.hash
-            ),
-        ));
-    }
-    Ok(())
 }
 
 impl Head {
@@ -553,175 +409,41 @@ impl Head {
     }
 }
 
-/// Check a whole log (records in seq order, starting at 0): every seq in
-/// place, every `prev_hash` linking to the previous hash, every hash
-/// recomputed. With `expected_head` (the run's recorded head hash), also check
-/// that the log ends exactly there. Returns the head, or
-/// [`StoreError::ChainBroken`] naming the first bad seq.
-pub fn verify_chain(
-    run: &str,
-    records: &[Record],
-    expected_head: Option<&Hash>,
-) -> Result<Head, StoreError> {
-    let head = verify_extension(run, &Head::EMPTY, records)?;
-    check_expected_head(run, records, &head, expected_head)?;
-    Ok(head)
+/// A stored record body this code cannot read (what [`Record::from_canonical`]
+/// refuses); the store reports it as corruption or a broken chain, at its seq.
+#[derive(Debug, thiserror::Error)]
+pub enum UnreadableRecord {
+    /// Written by a newer release: upgrade before reading this log.
+    #[error("record format {0} is newer than this code reads (≤ {FORMAT})")]
+    Newer(u32),
+    /// Not a record at all.
+    #[error("undecodable record: {0}")]
+    Undecodable(serde_json::Error),
+    /// A record, of a format no release writes.
+    #[error("record format {0} is not one this code reads (1..={FORMAT})")]
+    Unsupported(u32),
 }
 
-/// Verifies `records` as the continuation of a log already verified up to
-/// `base`: the first sits at `base.len` and links to `base.hash`, each hashes
-/// right and links to its predecessor. Returns the new head.
-pub fn verify_extension(run: &str, base: &Head, records: &[Record]) -> Result<Head, StoreError> {
-    let mut head = *base;
-    for (i, r) in records.iter().enumerate() {
-        let seq = base.len + i as u64;
-        let broken = |reason: String| StoreError::ChainBroken {
-            run: run.to_string(),
-            seq,
-            reason,
-        };
-        if r.seq != seq {
-            return Err(broken(format!(
-                "record at position {seq} says seq {}",
-                r.seq
-            )));
-        }
-        if r.prev_hash != head.hash {
-            return Err(broken(format!(
-                "prev_hash {} does not link to the hash of seq {} ({})",
-                r.prev_hash,
-                seq as i64 - 1,
-                head.hash
-            )));
-        }
-        let computed = r.compute_hash();
-        if computed != r.hash {
-            return Err(broken(format!(
-                "stored hash {} but the record hashes to {computed}: the record was altered",
-                r.hash
-            )));
-        }
-        head = r.head();
-    }
-    Ok(head)
-}
-
-/// Verifies a log row by row as it is read from a store: each stored body
-/// must hash (with the previous hash) to its stored hash, decode, sit at its
-/// position and link to its predecessor. Hashing the stored canonical bytes
-/// detects exactly what re-encoding would (any change of the bytes changes
-/// the hash) without re-canonicalizing every record.
-pub(crate) struct StoredChain<'a> {
-    run: &'a str,
-    head: Head,
-    records: Vec<Record>,
-}
-
-impl<'a> StoredChain<'a> {
-    pub(crate) fn new(run: &'a str) -> Self {
-        StoredChain::after(run, Head::EMPTY)
-    }
-
-    /// A chain whose first record must sit at `base.len` and link to `base.hash`
-    /// (a log already verified up to `base`, read on from there).
-    pub(crate) fn after(run: &'a str, base: Head) -> Self {
-        StoredChain {
-            run,
-            head: base,
-            records: Vec::new(),
-        }
-    }
-
-    pub(crate) fn push(
-        &mut self,
-        body: &[u8],
-        hash: &[u8],
-        created_at: Option<DateTime<Utc>>,
-    ) -> Result<(), StoreError> {
-        let seq = self.head.len;
-        let broken = |reason: String| StoreError::ChainBroken {
-            run: self.run.to_string(),
-            seq,
-            reason,
-        };
-        let hash =
-            Hash::from_slice(hash).ok_or_else(|| broken("stored hash is not 32 bytes".into()))?;
-        let computed = chain_hash(&self.head.hash, body);
-        let record =
-            Record::from_canonical(body, hash, created_at).map_err(|e| broken(e.to_string()))?;
-        if record.seq != seq {
-            return Err(broken(format!(
-                "record at position {seq} says seq {}",
-                record.seq
-            )));
-        }
-        if record.prev_hash != self.head.hash {
-            return Err(broken(format!(
-                "prev_hash {} does not link to the hash of seq {} ({})",
-                record.prev_hash,
-                seq as i64 - 1,
-                self.head.hash
-            )));
-        }
-        if computed != hash {
-            return Err(broken(format!(
-                "stored hash {hash} but the record hashes to {computed}: the record was altered"
-            )));
-        }
-        self.head = record.head();
-        self.records.push(record);
-        Ok(())
-    }
-
-    pub(crate) fn finish(self, expected_head: Option<&Hash>) -> Result<Vec<Record>, StoreError> {
-        check_expected_head(self.run, &self.records, &self.head, expected_head)?;
-        Ok(self.records)
-    }
-}
-
-pub(crate) fn check_expected_head(
-    run: &str,
-    records: &[Record],
-    head: &Head,
-    expected: Option<&Hash>,
-) -> Result<(), StoreError> {
-    let Some(expected) = expected else {
-        return Ok(());
-    };
-    if *expected == head.hash {
-        return Ok(());
-    }
-    if expected.is_zero() {
-        return Err(StoreError::ChainBroken {
-            run: run.to_string(),
-            seq: 0,
-            reason: "the recorded head is the empty log but the log has records".into(),
-        });
-    }
-    // Where does the recorded head appear, if at all?
-    match records.iter().position(|r| r.hash == *expected) {
-        Some(pos) => Err(StoreError::ChainBroken {
-            run: run.to_string(),
-            seq: pos as u64 + 1,
-            reason: format!(
-                "the recorded head {expected} is seq {pos}, but the log continues to seq {}",
-                head.len - 1
-            ),
-        }),
-        None => Err(StoreError::ChainBroken {
-            run: run.to_string(),
-            seq: head.len,
-            reason: format!(
-                "the log ends at {} (length {}) and never reaches the recorded head {expected}: records are missing",
-                head.hash, head.len
-            ),
-        }),
-    }
+/// A log anchor (`<length>:<hash hex>`, see [`super::Head::anchor`]) that
+/// does not parse; the anchor is quoted as given.
+#[derive(Debug, thiserror::Error)]
+pub enum AnchorError {
+    #[error("log anchor {0:?}: expected <length>:<hash>")]
+    Shape(String),
+    #[error("log anchor {anchor:?}: length {len:?} is not a number")]
+    Length { anchor: String, len: String },
+    #[error("log anchor {anchor:?}: {source}")]
+    Hash {
+        anchor: String,
+        source: ParseHashError,
+    },
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::StoreError;
+    use crate::store::chain::*;
     use serde_json::json;
 
     fn sample() -> RecordDraft {

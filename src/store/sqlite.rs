@@ -19,7 +19,8 @@ use sqlx::sqlite::{
 use super::append::{
     adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at,
 };
-use super::record::{Hash, Head, Record, StoredChain};
+use super::chain::StoredChain;
+use super::record::{Hash, Head, Record};
 use super::{
     Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64,
     ttl_micros,
