@@ -27,7 +27,7 @@ export LLAMA_CPP_PYTHON_VERSION
 CACHE="${AGENTRUN_CACHE:-$HOME/.cache/agentrun}"
 # "-shared": bound to e2e/build-llama.sh's shared libraries. An older
 # llama-cpp-python-server-VERSION venv (with its own compiled copy) is unused.
-VENV="$CACHE/llama-cpp-python-server-$LLAMA_CPP_PYTHON_VERSION-shared"
+VENV="$CACHE/llama-cpp-python-server-$LLAMA_CPP_PYTHON_VERSION-shared-avx2"
 DL="$CACHE/build/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION/dl"
 BUILD_LOG="$CACHE/build/llama-cpp-python-server-$LLAMA_CPP_PYTHON_VERSION.log"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_ROOT_USER_ACTION=ignore

@@ -31,9 +31,13 @@ LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 GEMMA_GGUF_VERSION="${GEMMA_GGUF_VERSION:-1.0.0}"
 JOBS="${LLAMA_BUILD_JOBS:-2}"
 CACHE="${AGENTRUN_CACHE:-$HOME/.cache/agentrun}"
-# "-shared": the layout above. The older key (llama-cpp-python-VERSION/bin, one
-# static llama-server) is left alone and no longer used.
-LLAMA_HOME="$CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-shared"
+# "-shared": the layout above; "-avx2": built for a fixed instruction set
+# (AVX2, FMA, F16C), not -march=native. A native build picks up what the CPU
+# advertises, and a VM may advertise AMX without the kernel granting its
+# state: libggml-cpu's AMX kernels then die with SIGILL at the first
+# request. Older keys (llama-cpp-python-VERSION[-shared]) are left alone and
+# no longer used.
+LLAMA_HOME="$CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-shared-avx2"
 LLAMA_BIN="$LLAMA_HOME/bin"
 LLAMA_LIB="$LLAMA_HOME/lib"
 LLAMA_SERVER="$LLAMA_BIN/llama-server"
@@ -96,6 +100,8 @@ build_server() {
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_RPC=OFF \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+    -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     >"$work/cmake-configure.log" 2>&1 ||
     { tail -n 30 "$work/cmake-configure.log" >&2; die "cmake configure failed; read $work/cmake-configure.log"; }
   log "building llama-server with $JOBS jobs (cold: several minutes)"
