@@ -6,6 +6,7 @@
 //! | `agentrun_steps_total` | counter | `kind` | step-log records the controller observes appended (each once) |
 //! | `agentrun_step_duration_seconds` | histogram | `outcome` | step Jobs, start to completion or failure |
 //! | `agentrun_approval_wait_seconds` | histogram | `verdict` | approval raised to decided ([`Metrics::observe_approval_wait`]) |
+//! | `agentrun_approval_webhooks_total` | counter | `outcome` | approval webhook deliveries: `sent`, `failed`, `refused` (egress policy), `dropped` (too many in flight) |
 //! | `agentrun_model_tokens_total` | counter | `direction`, `model` | usage of observed `ModelCall`/`Summary` records |
 //! | `agentrun_model_cost_usd_total` | counter | `model` | same, cost |
 //! | `agentrun_model_attempts_total` | counter | `provider`, `outcome` | HTTP attempts of model calls, retries included, as the step recorded them in `ModelCall`/`Summary`/`Observation` records ([`crate::runlog::records::ModelAttempts`]) |
@@ -109,6 +110,7 @@ pub struct Metrics {
     pub steps: Family<KindLabel, Counter>,
     pub step_duration: HistogramFamily<OutcomeLabel>,
     pub approval_wait: HistogramFamily<VerdictLabel>,
+    pub approval_webhooks: Family<OutcomeLabel, Counter>,
     pub model_tokens: Family<TokenLabel, Counter>,
     pub model_cost: Family<ModelLabel, Counter<f64, AtomicU64>>,
     /// HTTP attempts of model calls, from the records that carry them.
@@ -184,6 +186,7 @@ impl Metrics {
             steps: Family::default(),
             step_duration: Family::new_with_constructor(step_buckets),
             approval_wait: Family::new_with_constructor(approval_buckets),
+            approval_webhooks: Family::default(),
             model_tokens: Family::default(),
             model_cost: Family::default(),
             model_attempts: Family::default(),
@@ -245,6 +248,11 @@ impl Metrics {
             "agentrun_approval_wait_seconds",
             "Time from an approval being raised to its decision or expiry, by verdict",
             self.approval_wait.clone(),
+        );
+        registry.register(
+            "agentrun_approval_webhooks",
+            "Approval webhook deliveries, by outcome (sent, failed, refused, dropped)",
+            self.approval_webhooks.clone(),
         );
     }
 

@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 use crate::controller::FIELD_MANAGER;
 use crate::controller::context::{Context, append, notice};
 use crate::controller::error::Error;
+use crate::controller::metrics::OutcomeLabel;
 
 use crate::policy::Classification;
 use crate::runlog::records::{
@@ -233,10 +234,11 @@ impl WebhookSlots {
 }
 
 /// Tells the policy's webhook about an approval event (`raised`, `escalated`,
-/// `decided`, `expired`), best effort: a webhook never holds a run up.
+/// `decided`, `expired`), best effort: a webhook never holds a run up. Each
+/// delivery is counted by outcome (`sent`, `failed`, `refused` by the egress
+/// policy, `dropped` beyond the in-flight slots).
 pub fn notify(
-    http: &reqwest::Client,
-    user_urls: &crate::egress::Policy,
+    ctx: &Context,
     run: &AgentRun,
     approval: &str,
     request: &ApprovalRequested,
@@ -246,8 +248,17 @@ pub fn notify(
     let Some(url) = request.gate.notify_webhook.clone() else {
         return;
     };
-    if let Err(e) = user_urls.check_url(&url) {
+    let counted = ctx.metrics.approval_webhooks.clone();
+    let count = move |outcome: &str| {
+        counted
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .inc();
+    };
+    if let Err(e) = ctx.user_urls.check_url(&url) {
         tracing::warn!(error = %e, "approval webhook refused");
+        count("refused");
         return;
     }
     let body = serde_json::json!({
@@ -264,9 +275,10 @@ pub fn notify(
     });
     let Some(permit) = WEBHOOK_SLOTS.try_acquire(&run.namespace().unwrap_or_default()) else {
         tracing::warn!(%url, event, "approval webhook dropped: too many deliveries in flight");
+        count("dropped");
         return;
     };
-    let http = http.clone();
+    let http = ctx.http.clone();
     tokio::spawn(async move {
         let _permit = permit;
         let sent = http
@@ -276,8 +288,11 @@ pub fn notify(
             .send()
             .await;
         match sent.map(|r| r.error_for_status()) {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) | Err(e) => tracing::warn!(error = %e, "approval webhook failed"),
+            Ok(Ok(_)) => count("sent"),
+            Ok(Err(e)) | Err(e) => {
+                tracing::warn!(error = %e, "approval webhook failed");
+                count("failed");
+            }
         }
     });
 }
@@ -586,7 +601,7 @@ async fn record_decision(
     let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
     let uid = run.uid().unwrap_or_default();
     append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
-    notify(&ctx.http, &ctx.user_urls, run, name, request, event, detail);
+    notify(ctx, run, name, request, event, detail);
     Ok(())
 }
 
@@ -634,8 +649,7 @@ fn after_expiry(
             ),
         ));
         notify(
-            &ctx.http,
-            &ctx.user_urls,
+            ctx,
             run,
             name,
             &next,
@@ -786,8 +800,7 @@ async fn raise_missing(
         ));
     } else {
         notify(
-            &ctx.http,
-            &ctx.user_urls,
+            ctx,
             run,
             name,
             request,

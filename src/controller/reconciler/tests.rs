@@ -625,3 +625,79 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
 }
 
 mod paths;
+
+/// Approval webhooks are counted by outcome: one the egress policy refuses
+/// never leaves, one allowed reaches its server once.
+#[tokio::test]
+async fn approval_webhooks_are_counted_by_outcome() {
+    use crate::controller::metrics::OutcomeLabel;
+    let dir = tempfile::tempdir().unwrap();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (service, _handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let mut ctx = context(kube::Client::new(service, "ns"), dir.path()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook = format!("http://{}/hook", listener.local_addr().unwrap());
+    let (got_tx, mut got) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let app = axum::Router::new().route(
+        "/hook",
+        axum::routing::post(move || {
+            let _ = got_tx.send(());
+            async { "ok" }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let count = |ctx: &Context, outcome: &str| {
+        ctx.metrics
+            .approval_webhooks
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .get()
+    };
+    let request = crate::runlog::records::ApprovalRequested {
+        model_call_seq: 1,
+        call_index: 0,
+        call_id: "c0".into(),
+        tool: "issue_refund".into(),
+        arguments_hash: "h".into(),
+        arguments: json!({"amount": 500}),
+        reason: None,
+        observations: vec![],
+        dependencies: vec![],
+        gate: crate::policy::Gate {
+            notify_webhook: Some(hook.clone()),
+            ..Default::default()
+        },
+        escalation: 0,
+        alternative: None,
+        kind: crate::runlog::v1::ApprovalKind::Call,
+        intent_seq: None,
+    };
+    let run = run();
+    // The test context allows no user address at all.
+    crate::controller::approvals::notify(&ctx, &run, "a", &request, "raised", json!({}));
+    assert_eq!(count(&ctx, "refused"), 1);
+    assert!(got.try_recv().is_err(), "a refused webhook never leaves");
+
+    ctx.user_urls = Arc::new(crate::egress::Policy::new(
+        vec!["127.0.0.1/32".parse().unwrap()],
+        vec![],
+        false,
+    ));
+    ctx.http = crate::egress::client(ctx.user_urls.clone()).unwrap();
+    crate::controller::approvals::notify(&ctx, &run, "a", &request, "raised", json!({}));
+    tokio::time::timeout(Duration::from_secs(10), got.recv())
+        .await
+        .expect("the webhook was delivered")
+        .unwrap();
+    // Counted once the delivery's reply is read, just after the server saw it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while count(&ctx, "sent") != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the delivery was never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!((count(&ctx, "failed"), count(&ctx, "dropped")), (0, 0));
+}
