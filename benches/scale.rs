@@ -2233,11 +2233,17 @@ async fn long(bench: &Bench) {
             // each record is read once. Those read once the log had its final
             // length are the run coming to wait (the Approval raised).
             let read = |s: &Sample| s.m.read_records.unwrap_or(0.0);
+            // A sample's length is the status's, which a running run writes
+            // at most every few seconds: it may lag the records already read,
+            // which would make this negative. Nothing is read "beyond" then,
+            // so it counts as 0 and the running figure below becomes every
+            // read over the log's length (an upper bound, never flattering).
             let at_end = samples
                 .iter()
                 .rev()
                 .find(|s| s.log_len < records)
-                .map_or(0.0, |s| read(&end) - read(s) - (records - s.log_len) as f64);
+                .map_or(0.0, |s| read(&end) - read(s) - (records - s.log_len) as f64)
+                .max(0.0);
             figure(
                 &format!("long.records{records}.read_records"),
                 read(&end) - read(first),
