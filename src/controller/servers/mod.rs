@@ -4,6 +4,7 @@
 //! per-run tokens and its index of live runs, the probes and `/metrics`,
 //! and the public keys auditors verify records with.
 
+pub mod admission;
 pub mod bounded;
 pub mod gateway;
 pub mod probes;
