@@ -7,6 +7,7 @@ mod approval;
 mod common;
 mod policy;
 mod run;
+pub mod runlog;
 
 pub use agent::*;
 pub use approval::*;

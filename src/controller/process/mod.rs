@@ -23,7 +23,7 @@ use prometheus_client::registry::Registry;
 
 use super::memory;
 use super::reconciler::{self, job};
-use super::servers::{gateway, probes as http, published_keys, step_token};
+use super::servers::{gateway, https, probes as http, published_keys, step_token};
 use super::watchers::{agent_status as agent, discovery, health as watches, platform};
 use super::{FIELD_MANAGER, context, metrics, slots};
 
@@ -92,6 +92,40 @@ pub struct Options {
     /// (at least one largest body, 16 MiB).
     #[arg(long, env = "AGENTRUN_STEP_API_BODY_BUDGET_MIB", default_value_t = 32)]
     pub step_api_body_budget_mib: usize,
+    /// Address of the HTTPS port the API server calls: the log API
+    /// (`log.agentrun.dev`, through the aggregation layer) and the
+    /// requester-stamping webhook. Served by every replica.
+    #[arg(long, env = "AGENTRUN_SERVING_ADDR", default_value = "0.0.0.0:9443")]
+    pub serving_addr: SocketAddr,
+    /// PEM certificate of that port (re-read when it changes). Without it
+    /// (nor `--serving-cert-secret`) the port is not served.
+    #[arg(
+        long,
+        env = "AGENTRUN_SERVING_CERT_FILE",
+        requires = "serving_key_file"
+    )]
+    pub serving_cert_file: Option<std::path::PathBuf>,
+    /// Its PEM private key.
+    #[arg(
+        long,
+        env = "AGENTRUN_SERVING_KEY_FILE",
+        requires = "serving_cert_file"
+    )]
+    pub serving_key_file: Option<std::path::PathBuf>,
+    /// Database connections of the log API (its own pool).
+    #[arg(long, env = "AGENTRUN_LOG_API_CONNECTIONS", default_value_t = 8)]
+    pub log_api_connections: u32,
+    /// Seconds a SubjectAccessReview's answer is reused for the same user
+    /// and request.
+    #[arg(
+        long,
+        env = "AGENTRUN_AUTHORIZATION_CACHE_SECONDS",
+        default_value_t = 10
+    )]
+    pub authorization_cache_seconds: u64,
+    /// Connections the HTTPS port serves at once (followers hold one each).
+    #[arg(long, env = "AGENTRUN_SERVING_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub serving_max_connections: usize,
     /// File holding the key step tokens are HMACs of (shared by all replicas).
     #[arg(long, env = "AGENTRUN_STEP_TOKEN_KEY_FILE")]
     pub step_token_key_file: Option<std::path::PathBuf>,
@@ -221,6 +255,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.step_token_retired_keys.as_deref(),
     )?;
     let step_api_url = serve_gateway(&opts, &tokens, open_files).await?;
+    serve_https(&opts, open_files).await?;
     wait_for_crds(&client, &watches).await?;
     ready.store(true, Ordering::Relaxed);
     published_keys::spawn_publish(
@@ -334,6 +369,45 @@ async fn serve_gateway(
     let url = step_api_url(opts, served)?;
     tracing::info!(addr = %served, url = %url, "serving the step-log gateway");
     Ok(url)
+}
+
+/// Serves the HTTPS port (log API, admission webhook) when it has a
+/// certificate.
+async fn serve_https(opts: &Options, open_files: Option<u64>) -> anyhow::Result<()> {
+    let cert = match (&opts.serving_cert_file, &opts.serving_key_file) {
+        (Some(cert), Some(key)) => https::CertSource::Files {
+            cert: cert.clone(),
+            key: key.clone(),
+        },
+        _ => {
+            tracing::warn!(
+                "no --serving-cert-file: the log API and the admission webhook are not served"
+            );
+            return Ok(());
+        }
+    };
+    let wanted = opts.serving_max_connections.max(1);
+    let settings = https::Settings {
+        addr: opts.serving_addr,
+        cert,
+        store_url: opts.store_url.clone(),
+        store_connections: opts.log_api_connections,
+        namespace: opts.namespace.clone(),
+        authz_ttl: Duration::from_secs(opts.authorization_cache_seconds),
+        limits: super::servers::bounded::Limits {
+            max_connections: super::servers::bounded::fitting_connections(wanted, open_files),
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+        },
+    };
+    let served = https::spawn(settings).await.map_err(|e| {
+        anyhow::anyhow!(
+            "serving HTTPS on --serving-addr {}: {e:#}",
+            opts.serving_addr
+        )
+    })?;
+    tracing::info!(addr = %served, "serving the log API and the admission webhook (HTTPS)");
+    Ok(())
 }
 
 /// Where the controller's public keys are published.

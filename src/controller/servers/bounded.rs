@@ -63,6 +63,27 @@ impl Limits {
 /// Serves `router` on `listener` within `limits` until the listener fails.
 /// Each request carries its peer as [`ConnectInfo<SocketAddr>`].
 pub async fn serve(listener: TcpListener, router: Router, limits: Limits) {
+    serve_with(listener, router, limits, None).await
+}
+
+/// Same, over TLS: the handshake must end within the header timeout, and
+/// each request also carries the client's verified certificate as
+/// [`super::tls::PeerCert`].
+pub async fn serve_tls(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    tls: super::tls::TlsConfigs,
+) {
+    serve_with(listener, router, limits, Some(tls)).await
+}
+
+async fn serve_with(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    tls: Option<super::tls::TlsConfigs>,
+) {
     let slots = Slots::new(limits.max_connections);
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -82,31 +103,43 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits) {
             drop(stream);
             continue;
         };
-        tokio::spawn(serve_connection(
-            stream,
-            peer,
-            router.clone(),
-            limits,
-            slots.clone(),
-            conn,
-        ));
+        let (router, slots, tls) = (router.clone(), slots.clone(), tls.clone());
+        tokio::spawn(async move {
+            let service = PeerService {
+                router,
+                peer,
+                body_timeout: limits.body_timeout,
+                conn: conn.clone(),
+                cert: None,
+            };
+            match tls {
+                None => serve_connection(stream, service, limits).await,
+                Some(tls) => {
+                    let handshake = tls.acceptor().accept(stream);
+                    match tokio::time::timeout(limits.header_timeout, handshake).await {
+                        Ok(Ok(stream)) => {
+                            let cert = super::tls::PeerCert::of(stream.get_ref().1);
+                            let service = PeerService {
+                                cert: Some(cert),
+                                ..service
+                            };
+                            serve_connection(stream, service, limits).await
+                        }
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                }
+            }
+            slots.release(&conn);
+        });
     }
 }
 
-async fn serve_connection(
-    stream: tokio::net::TcpStream,
-    peer: SocketAddr,
-    router: Router,
-    limits: Limits,
-    slots: Slots,
-    conn: Arc<Conn>,
-) {
-    let service = PeerService {
-        router,
-        peer,
-        body_timeout: limits.body_timeout,
-        conn: conn.clone(),
-    };
+async fn serve_connection<IO>(stream: IO, service: PeerService, limits: Limits)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (peer, conn) = (service.peer, service.conn.clone());
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -120,7 +153,6 @@ async fn serve_connection(
             tracing::debug!(%peer, "connection closed to make room (it was not serving a request)");
         }
     }
-    slots.release(&conn);
 }
 
 /// The connection slots of one server. When all are taken, a new
@@ -213,6 +245,8 @@ struct PeerService {
     peer: SocketAddr,
     body_timeout: Duration,
     conn: Arc<Conn>,
+    /// The client's certificate, on a TLS listener.
+    cert: Option<super::tls::PeerCert>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for PeerService {
@@ -224,6 +258,9 @@ impl hyper::service::Service<Request<Incoming>> for PeerService {
         let serving = Serving::new(self.conn.clone());
         let mut req = req.map(|body| Body::new(DeadlineBody::new(body, self.body_timeout)));
         req.extensions_mut().insert(ConnectInfo(self.peer));
+        if let Some(cert) = &self.cert {
+            req.extensions_mut().insert(cert.clone());
+        }
         let mut router = self.router.clone();
         Box::pin(async move {
             let response = router.call(req).await;

@@ -2,12 +2,18 @@
 //! authentication ([`bounded`]): the step-log gateway (the only way step
 //! pods reach the log; its client is [`crate::store::RemoteStore`]) with its
 //! per-run tokens and its index of live runs, the probes and `/metrics`,
-//! and the public keys auditors verify records with.
+//! the public keys auditors verify records with, and the HTTPS port the API
+//! server calls ([`https`]): the log API ([`log_api`], behind the
+//! aggregation layer, with [`tls`]) and the requester-stamping webhook.
 
 pub mod admission;
 pub mod bounded;
 pub mod gateway;
+pub mod https;
+pub mod log_api;
 pub mod probes;
 pub mod published_keys;
 pub mod run_index;
+pub mod serving_cert;
 pub mod step_token;
+pub mod tls;

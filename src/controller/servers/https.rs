@@ -1,0 +1,173 @@
+//! The controller's HTTPS port: what the API server calls, the log API
+//! (through its aggregation layer) and the requester-stamping admission
+//! webhook. Served by every replica, leader or not, from a runtime of its
+//! own (as the step-log gateway is), with its own store pool and API client.
+//!
+//! Its TLS material is re-read every [`REFRESH`]: the serving certificate
+//! (a file a Secret mount updates, or one the controller provisioned) and
+//! the front-proxy CA the API server publishes, so rotations land without a
+//! restart.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::bounded::Limits;
+use super::log_api::LogApi;
+use super::log_api::front_proxy::RequestHeaderConfig;
+use super::tls::{Material, TlsConfigs};
+
+/// How often the TLS material is looked at again.
+const REFRESH: Duration = Duration::from_secs(30);
+
+/// Where the serving certificate comes from.
+#[derive(Clone, Debug)]
+pub enum CertSource {
+    /// PEM files (a mounted Secret), re-read when they change.
+    Files { cert: PathBuf, key: PathBuf },
+    /// PEM texts (provisioned by the controller itself).
+    Pem { cert: String, key: String },
+}
+
+impl CertSource {
+    fn read(&self) -> anyhow::Result<(String, String)> {
+        match self {
+            CertSource::Files { cert, key } => {
+                let read = |p: &PathBuf, what: &str| {
+                    std::fs::read_to_string(p).map_err(|e| {
+                        anyhow::anyhow!("reading the serving {what} {}: {e}", p.display())
+                    })
+                };
+                Ok((read(cert, "certificate")?, read(key, "key")?))
+            }
+            CertSource::Pem { cert, key } => Ok((cert.clone(), key.clone())),
+        }
+    }
+}
+
+/// What the HTTPS server needs.
+pub struct Settings {
+    pub addr: SocketAddr,
+    pub cert: CertSource,
+    pub store_url: String,
+    pub store_connections: u32,
+    /// Serve only this namespace's runs.
+    pub namespace: Option<String>,
+    pub authz_ttl: Duration,
+    pub limits: Limits,
+}
+
+/// Starts the server on a runtime of its own; returns the bound address.
+pub async fn spawn(settings: Settings) -> anyhow::Result<SocketAddr> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("https".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("https")
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(anyhow::Error::new(e).context("starting its runtime")));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let started = start(settings).await;
+                let up = started.is_ok();
+                let _ = tx.send(started);
+                if up {
+                    std::future::pending::<()>().await;
+                }
+            });
+        })?;
+    rx.await?
+}
+
+async fn start(s: Settings) -> anyhow::Result<SocketAddr> {
+    let pool = crate::store::OpenOptions {
+        max_connections: s.store_connections.max(2),
+        ..Default::default()
+    };
+    let store = crate::store::open_with(&s.store_url, &pool).await?;
+    let client = kube::Client::try_default().await?;
+    let api = LogApi::new(store, client.clone(), s.namespace.clone(), s.authz_ttl).await?;
+    let headers = read_request_headers(&client).await;
+    let (cert, key) = s.cert.read()?;
+    let tls = TlsConfigs::new(material(cert, key, headers.as_ref()))?;
+    api.set_request_headers(headers);
+    let listener = bind(s.addr)?;
+    let local = listener.local_addr()?;
+    tokio::spawn(refresh(client, s.cert, tls.clone(), api.clone()));
+    let router = super::log_api::router(api);
+    tokio::spawn(super::bounded::serve_tls(listener, router, s.limits, tls));
+    Ok(local)
+}
+
+fn material(cert_pem: String, key_pem: String, headers: Option<&RequestHeaderConfig>) -> Material {
+    Material {
+        cert_pem,
+        key_pem,
+        client_ca_pem: headers.map(|h| h.client_ca_pem.clone()).unwrap_or_default(),
+    }
+}
+
+/// The front-proxy settings, or `None` (logged) when they cannot be read:
+/// then every log API request is refused as unauthenticated.
+async fn read_request_headers(client: &kube::Client) -> Option<RequestHeaderConfig> {
+    match RequestHeaderConfig::read(client).await {
+        Ok(Some(c)) => Some(c),
+        Ok(None) => {
+            tracing::warn!(
+                "the API server publishes no front-proxy CA (kube-system/extension-apiserver-authentication): the log API refuses every request until it does"
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the front-proxy settings; the log API refuses every request until they are read");
+            None
+        }
+    }
+}
+
+/// Re-reads the TLS material every [`REFRESH`] and swaps what changed.
+async fn refresh(client: kube::Client, cert: CertSource, tls: TlsConfigs, api: LogApi) {
+    loop {
+        tokio::time::sleep(REFRESH).await;
+        let headers = read_request_headers(&client).await;
+        let (cert_pem, key_pem) = match cert.read() {
+            Ok(pair) => pair,
+            Err(e) => {
+                tracing::warn!(error = %e, "re-reading the serving certificate; keeping the current one");
+                continue;
+            }
+        };
+        match tls.update(material(cert_pem, key_pem, headers.as_ref())) {
+            Ok(true) => tracing::info!(
+                "the HTTPS server's certificate or front-proxy CA changed; new connections use the new one"
+            ),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "new TLS material refused; keeping the current one")
+            }
+        }
+        api.set_request_headers(headers);
+    }
+}
+
+/// Binds with SO_REUSEPORT, as the gateway does (replicas sharing one
+/// host's network, as on the e2e process node, can all serve).
+fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}

@@ -1,0 +1,378 @@
+//! `get` (one run's records, a page at a time, with what the server checked
+//! of them) and `list` (the runs whose logs there are, without records).
+
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ListMeta, ObjectMeta};
+use kube::api::{Api, ListParams};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::{LogApi, Params, status};
+use crate::api::AgentRun;
+use crate::api::runlog::{
+    DEFAULT_PAGE, FAILED, LOG_API_VERSION, MAX_PAGE, Page, RunLog, RunLogList, RunState, VERIFIED,
+    Verification,
+};
+use crate::store::{Hash, Head, Record, StepKind, StoreError};
+
+/// What a continue token carries: the run it is for and where to go on.
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Continue {
+    uid: String,
+    seq: u64,
+}
+
+fn encode_continue(uid: &str, seq: u64) -> String {
+    let json = serde_json::to_vec(&Continue {
+        uid: uid.into(),
+        seq,
+    })
+    .expect("serializes");
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json)
+}
+
+/// The seq a token says to go on from; an error says why it is refused.
+fn decode_continue(token: &str, uid: &str) -> Result<u64, String> {
+    let c: Continue = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .ok_or_else(|| "continue: not a token this API issued".to_string())?;
+    if c.uid != uid {
+        return Err("continue: the token is for another run (recreated under this name?)".into());
+    }
+    Ok(c.seq)
+}
+
+/// The page size asked for, capped: 0 or absent means the default.
+pub fn page_size(limit: Option<u64>) -> u64 {
+    match limit {
+        None | Some(0) => DEFAULT_PAGE,
+        Some(n) => n.min(MAX_PAGE),
+    }
+}
+
+/// The run's metadata as a RunLog carries it; `resourceVersion` is the
+/// log's length.
+pub fn meta(run: &AgentRun, length: u64) -> ObjectMeta {
+    ObjectMeta {
+        name: run.metadata.name.clone(),
+        namespace: run.metadata.namespace.clone(),
+        uid: run.metadata.uid.clone(),
+        creation_timestamp: run.metadata.creation_timestamp.clone(),
+        resource_version: Some(length.to_string()),
+        ..Default::default()
+    }
+}
+
+fn phase(run: &AgentRun) -> Option<String> {
+    run.status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .map(|p| format!("{p:?}"))
+}
+
+/// `status.log.headHash` and `status.log.length` of the run.
+fn recorded_head(run: &AgentRun) -> (Option<String>, u64) {
+    let log = run.status.as_ref().and_then(|s| s.log.as_ref());
+    (
+        log.and_then(|l| l.head_hash.clone()),
+        log.map(|l| l.length).unwrap_or(0),
+    )
+}
+
+fn unavailable(e: StoreError) -> Response {
+    status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "ServiceUnavailable",
+        format!("reading the step log: {e}"),
+    )
+}
+
+/// One page of the run's log.
+pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &HeaderMap) -> Response {
+    let uid = run.metadata.uid.clone().unwrap_or_default();
+    let from = match (&params.continue_token, params.from_seq) {
+        (Some(token), _) => match decode_continue(token, &uid) {
+            Ok(seq) => seq,
+            Err(e) => return status(StatusCode::GONE, "Expired", e),
+        },
+        (None, Some(seq)) => seq,
+        (None, None) => 0,
+    };
+    let size = page_size(params.limit);
+    let head = match api.store.head(&uid).await {
+        Ok(h) => h,
+        Err(e) => return unavailable(e),
+    };
+    let (records, verification) = match read_page(api, run, &uid, from, size).await {
+        Ok(read) => read,
+        Err(e) => return unavailable(e),
+    };
+    let next = records.last().map(|r| r.seq + 1).unwrap_or(from);
+    let finished = records
+        .last()
+        .is_some_and(|r| r.kind == StepKind::RunFinished)
+        || (next >= head.len && last_is_finished(api, &uid, head).await);
+    let mut log = RunLog::new(
+        meta(run, head.len),
+        RunState {
+            phase: phase(run),
+            finished,
+            length: head.len,
+        },
+    );
+    log.page = Some(Page {
+        from_seq: from,
+        next_seq: next,
+        r#continue: (next < head.len && !records.is_empty()).then(|| encode_continue(&uid, next)),
+    });
+    log.records = records;
+    log.verification = Some(verification);
+    if wants_table(headers) {
+        return table(vec![(log.metadata.clone(), log.run.clone())]);
+    }
+    axum::Json(log).into_response()
+}
+
+async fn last_is_finished(api: &LogApi, uid: &str, head: Head) -> bool {
+    head.len > 0
+        && api
+            .store
+            .read_range(uid, head.len - 1, None)
+            .await
+            .is_ok_and(|r| r.last().is_some_and(|r| r.kind == StepKind::RunFinished))
+}
+
+/// Records `from..from+size` and what checking them found. A record the
+/// store cannot decode (rewritten under it) fails the check at its seq.
+async fn read_page(
+    api: &LogApi,
+    run: &AgentRun,
+    uid: &str,
+    from: u64,
+    size: u64,
+) -> Result<(Vec<Record>, Verification), StoreError> {
+    let (head_hash, head_length) = recorded_head(run);
+    let mut verification = Verification {
+        head_hash: head_hash.clone(),
+        head_length,
+        result: VERIFIED.into(),
+        message: String::new(),
+    };
+    // The record before the page, so its first record's link is checked too.
+    let start = from.saturating_sub(1);
+    let read = match api.store.read_range(uid, start, Some(from + size)).await {
+        Ok(r) => r,
+        Err(StoreError::Corrupt { seq, reason, .. }) => {
+            verification.result = FAILED.into();
+            verification.message = format!("record {seq} cannot be read as a record: {reason}");
+            return Ok((Vec::new(), verification));
+        }
+        Err(e) => return Err(e),
+    };
+    let (base, records) = match (from, read.first()) {
+        (0, _) => (Head::EMPTY, read),
+        (_, Some(prev)) if prev.seq + 1 == from => (prev.head(), read[1..].to_vec()),
+        // Past the end: nothing to check.
+        _ => (
+            Head {
+                len: from,
+                hash: Hash::default(),
+            },
+            Vec::new(),
+        ),
+    };
+    if let Err(e) = check(uid, &base, &records, head_hash.as_deref(), head_length) {
+        verification.result = FAILED.into();
+        verification.message = e;
+    }
+    Ok((records, verification))
+}
+
+/// The page's chain, and the recorded head where the page holds it.
+pub fn check(
+    uid: &str,
+    base: &Head,
+    records: &[Record],
+    head_hash: Option<&str>,
+    head_length: u64,
+) -> Result<(), String> {
+    crate::store::verify_extension(uid, base, records).map_err(|e| e.to_string())?;
+    let Some(expected) = head_hash else {
+        return Ok(());
+    };
+    match records.iter().find(|r| r.seq + 1 == head_length) {
+        Some(r) if r.hash.to_hex() != expected => Err(format!(
+            "record {} has hash {}, but the run's status.log.headHash is {expected}",
+            r.seq,
+            r.hash.to_hex()
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The runs of `ns` (all namespaces for `None`), without records.
+pub async fn list(
+    api: &LogApi,
+    ns: Option<&str>,
+    params: &Params,
+    headers: &HeaderMap,
+) -> Response {
+    let ns = ns.or(api.namespace.as_deref());
+    let runs: Api<AgentRun> = match ns {
+        Some(ns) => Api::namespaced(api.client.clone(), ns),
+        None => Api::all(api.client.clone()),
+    };
+    let mut lp = ListParams::default();
+    if let Some(name) = &params.field_name {
+        lp = lp.fields(&format!("metadata.name={name}"));
+    }
+    let listed = match runs.list(&lp).await {
+        Ok(l) => l,
+        Err(e) => {
+            return status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailable",
+                format!("listing AgentRuns: {e}"),
+            );
+        }
+    };
+    let rows: Vec<(ObjectMeta, RunState)> = listed
+        .items
+        .iter()
+        .map(|run| {
+            let (_, length) = recorded_head(run);
+            let terminal = run
+                .status
+                .as_ref()
+                .is_some_and(|s| s.phase.is_some_and(|p| p.is_terminal()));
+            let state = RunState {
+                phase: phase(run),
+                finished: terminal,
+                length,
+            };
+            (meta(run, length), state)
+        })
+        .collect();
+    if wants_table(headers) {
+        return table(rows);
+    }
+    let list = RunLogList {
+        api_version: LOG_API_VERSION.into(),
+        kind: "RunLogList".into(),
+        metadata: ListMeta {
+            resource_version: listed.metadata.resource_version.clone(),
+            ..Default::default()
+        },
+        items: rows
+            .into_iter()
+            .map(|(meta, run)| RunLog::new(meta, run))
+            .collect(),
+    };
+    axum::Json(list).into_response()
+}
+
+/// Whether the client (kubectl get) asks for a `meta.k8s.io` Table.
+fn wants_table(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("as=Table") && a.contains("g=meta.k8s.io"))
+}
+
+/// `kubectl get runlogs`' columns.
+fn table(rows: Vec<(ObjectMeta, RunState)>) -> Response {
+    let rows: Vec<Value> = rows
+        .into_iter()
+        .map(|(meta, run)| {
+            json!({
+                "cells": [
+                    meta.name.clone().unwrap_or_default(),
+                    run.phase.clone().unwrap_or_default(),
+                    run.length,
+                    run.finished,
+                    meta.creation_timestamp.as_ref().map(|t| t.0.to_string()).unwrap_or_default(),
+                ],
+                "object": {
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": meta,
+                },
+            })
+        })
+        .collect();
+    let body = json!({
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {},
+        "columnDefinitions": [
+            {"name": "Name", "type": "string", "format": "name", "description": "The AgentRun's name", "priority": 0},
+            {"name": "Phase", "type": "string", "format": "", "description": "The run's phase", "priority": 0},
+            {"name": "Records", "type": "integer", "format": "", "description": "Records in the log", "priority": 0},
+            {"name": "Finished", "type": "boolean", "format": "", "description": "The log ends with RunFinished", "priority": 0},
+            {"name": "Created", "type": "string", "format": "date", "description": "When the run was created", "priority": 0},
+        ],
+        "rows": rows,
+    });
+    axum::Json(body).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::RecordDraft;
+
+    fn chain(n: u64) -> Vec<Record> {
+        let mut out: Vec<Record> = Vec::new();
+        for seq in 0..n {
+            let head = out.last().map(Record::head).unwrap_or(Head::EMPTY);
+            let draft = RecordDraft::new(StepKind::Observation, json!({"text": format!("r{seq}")}));
+            out.push(draft.seal(&head).unwrap());
+        }
+        out
+    }
+
+    #[test]
+    fn a_continue_token_is_bound_to_its_run() {
+        let token = encode_continue("uid-1", 42);
+        assert_eq!(decode_continue(&token, "uid-1"), Ok(42));
+        assert!(
+            decode_continue(&token, "uid-2")
+                .unwrap_err()
+                .contains("another run")
+        );
+        assert!(decode_continue("garbage!", "uid-1").is_err());
+    }
+
+    #[test]
+    fn a_huge_limit_is_capped_and_zero_means_the_default() {
+        assert_eq!(page_size(Some(1_000_000)), MAX_PAGE);
+        assert_eq!(page_size(Some(0)), DEFAULT_PAGE);
+        assert_eq!(page_size(None), DEFAULT_PAGE);
+        assert_eq!(page_size(Some(7)), 7);
+    }
+
+    #[test]
+    fn a_page_is_checked_from_its_predecessor_and_against_the_recorded_head() {
+        let log = chain(5);
+        let head = log[4].hash.to_hex();
+        assert!(check("u", &log[1].head(), &log[2..], Some(&head), 5).is_ok());
+        let mut altered = log.clone();
+        altered[3].payload = json!({"text": "rewritten"});
+        let err = check("u", &log[1].head(), &altered[2..], Some(&head), 5).unwrap_err();
+        assert!(err.contains("seq 3"), "{err}");
+        let other = chain(6);
+        let err = check(
+            "u",
+            &log[1].head(),
+            &log[2..],
+            Some(&other[5].hash.to_hex()),
+            5,
+        )
+        .unwrap_err();
+        assert!(err.contains("headHash"), "{err}");
+    }
+}
