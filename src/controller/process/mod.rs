@@ -23,7 +23,7 @@ use prometheus_client::registry::Registry;
 
 use super::memory;
 use super::reconciler::{self, job};
-use super::servers::{gateway, https, probes as http, published_keys, step_token};
+use super::servers::{gateway, https, probes as http, published_keys, serving_cert, step_token};
 use super::watchers::{agent_status as agent, discovery, health as watches, platform};
 use super::{FIELD_MANAGER, context, metrics, slots};
 
@@ -112,6 +112,31 @@ pub struct Options {
         requires = "serving_cert_file"
     )]
     pub serving_key_file: Option<std::path::PathBuf>,
+    /// Instead of the files: a `kubernetes.io/tls` Secret in the
+    /// controller's namespace holding the certificate, generated and stored
+    /// by the controller when it does not exist (installs without Helm or
+    /// cert-manager); its CA is written into the CA bundles named by
+    /// `--inject-ca-apiservice` and `--inject-ca-webhook`.
+    #[arg(
+        long,
+        env = "AGENTRUN_SERVING_CERT_SECRET",
+        conflicts_with = "serving_cert_file"
+    )]
+    pub serving_cert_secret: Option<String>,
+    /// DNS names a generated certificate is for (repeatable), e.g.
+    /// `agentrun-controller.agentrun-system.svc`.
+    #[arg(
+        long = "serving-dns-name",
+        env = "AGENTRUN_SERVING_DNS_NAMES",
+        value_delimiter = ','
+    )]
+    pub serving_dns_names: Vec<String>,
+    /// APIService whose `spec.caBundle` gets the generated CA.
+    #[arg(long, env = "AGENTRUN_INJECT_CA_APISERVICE")]
+    pub inject_ca_apiservice: Option<String>,
+    /// MutatingWebhookConfiguration whose webhooks get the generated CA.
+    #[arg(long, env = "AGENTRUN_INJECT_CA_WEBHOOK")]
+    pub inject_ca_webhook: Option<String>,
     /// Database connections of the log API (its own pool).
     #[arg(long, env = "AGENTRUN_LOG_API_CONNECTIONS", default_value_t = 8)]
     pub log_api_connections: u32,
@@ -255,7 +280,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         opts.step_token_retired_keys.as_deref(),
     )?;
     let step_api_url = serve_gateway(&opts, &tokens, open_files).await?;
-    serve_https(&opts, open_files).await?;
+    serve_https(&opts, &client, open_files).await?;
     wait_for_crds(&client, &watches).await?;
     ready.store(true, Ordering::Relaxed);
     published_keys::spawn_publish(
@@ -373,12 +398,17 @@ async fn serve_gateway(
 
 /// Serves the HTTPS port (log API, admission webhook) when it has a
 /// certificate.
-async fn serve_https(opts: &Options, open_files: Option<u64>) -> anyhow::Result<()> {
+async fn serve_https(
+    opts: &Options,
+    client: &Client,
+    open_files: Option<u64>,
+) -> anyhow::Result<()> {
     let cert = match (&opts.serving_cert_file, &opts.serving_key_file) {
         (Some(cert), Some(key)) => https::CertSource::Files {
             cert: cert.clone(),
             key: key.clone(),
         },
+        _ if opts.serving_cert_secret.is_some() => provisioned_cert(opts, client).await?,
         _ => {
             tracing::warn!(
                 "no --serving-cert-file: the log API and the admission webhook are not served"
@@ -408,6 +438,30 @@ async fn serve_https(opts: &Options, open_files: Option<u64>) -> anyhow::Result<
     })?;
     tracing::info!(addr = %served, "serving the log API and the admission webhook (HTTPS)");
     Ok(())
+}
+
+/// The certificate the controller keeps in `--serving-cert-secret`
+/// (generating it the first time), its CA written where the API server
+/// reads it.
+async fn provisioned_cert(opts: &Options, client: &Client) -> anyhow::Result<https::CertSource> {
+    let secret = opts.serving_cert_secret.as_deref().unwrap_or_default();
+    anyhow::ensure!(
+        !opts.serving_dns_names.is_empty(),
+        "--serving-cert-secret needs --serving-dns-name (the Service's DNS names the API server calls)"
+    );
+    let ns = keys_namespace(opts);
+    let cert = serving_cert::provision(client, &ns, secret, &opts.serving_dns_names).await?;
+    serving_cert::inject_ca_bundle(
+        client,
+        &cert.ca_pem,
+        opts.inject_ca_apiservice.as_deref(),
+        opts.inject_ca_webhook.as_deref(),
+    )
+    .await?;
+    Ok(https::CertSource::Pem {
+        cert: cert.cert_pem,
+        key: cert.key_pem,
+    })
 }
 
 /// Where the controller's public keys are published.

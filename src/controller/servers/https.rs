@@ -102,7 +102,7 @@ async fn start(s: Settings) -> anyhow::Result<SocketAddr> {
     let listener = bind(s.addr)?;
     let local = listener.local_addr()?;
     tokio::spawn(refresh(client, s.cert, tls.clone(), api.clone()));
-    let router = super::log_api::router(api);
+    let router = super::log_api::router(api).merge(super::admission::router());
     tokio::spawn(super::bounded::serve_tls(listener, router, s.limits, tls));
     Ok(local)
 }
