@@ -18,6 +18,8 @@ use crate::api::{AgentRun, Approval, ApprovalState, Verdict};
 use crate::runlog::records::ApprovalDecided;
 use crate::runlog::replay::Step;
 
+mod log;
+
 #[derive(Parser)]
 #[command(
     name = "kubectl-agentrun",
@@ -75,27 +77,24 @@ enum Command {
         #[arg(short = 'm', long)]
         reason: Option<String>,
     },
-    /// A run's audit trail, from its step log.
+    /// A run's audit trail, from its step log, verified here: the hash
+    /// chain, the controller's signatures and the head recorded in the run's
+    /// status. Records that fail are marked `!` and the command fails.
     Log {
         run: String,
-        #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
-        store_url: String,
+        /// Print records as they are appended, until the run finishes.
+        #[arg(short = 'f', long)]
+        follow: bool,
+        #[command(flatten)]
+        source: SourceArgs,
     },
     /// Check a run's hash chain ends at the head recorded in its status, and
     /// every controller record's signature with the controller's published
     /// public keys (bound to this run and seq).
     Verify {
         run: String,
-        #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
-        store_url: String,
-        /// Namespace of the controller, where it publishes its public keys
-        /// (ConfigMap `agentrun-controller-keys`).
-        #[arg(
-            long,
-            env = "AGENTRUN_CONTROLLER_NAMESPACE",
-            default_value = "agentrun-system"
-        )]
-        controller_namespace: String,
+        #[command(flatten)]
+        source: SourceArgs,
     },
     /// Cancel a run (it stops at the next step boundary).
     Cancel { run: String },
@@ -116,6 +115,32 @@ enum Command {
         #[arg(long, default_value = "agentrun-step-token-key")]
         secret: String,
     },
+}
+
+/// Where `log` and `verify` read a run's log, and the keys they check it with.
+#[derive(clap::Args)]
+struct SourceArgs {
+    /// Read the store directly (administrators) instead of the log API
+    /// (`log.agentrun.dev`), which serves every user RBAC lets read runlogs.
+    #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
+    store_url: Option<String>,
+    /// Namespace of the controller, where it publishes its public keys
+    /// (ConfigMap `agentrun-controller-keys`).
+    #[arg(
+        long,
+        env = "AGENTRUN_CONTROLLER_NAMESPACE",
+        default_value = "agentrun-system"
+    )]
+    controller_namespace: String,
+}
+
+impl SourceArgs {
+    fn source(&self) -> log::Source<'_> {
+        log::Source {
+            store_url: self.store_url.as_deref(),
+            controller_namespace: &self.controller_namespace,
+        }
+    }
 }
 
 /// Runs the plugin.
@@ -140,12 +165,12 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             file,
             reason,
         } => edit(&k, &approval, &set, file.as_deref(), reason, &mut out).await,
-        Command::Log { run, store_url } => log(&k, &run, &store_url, &mut out).await,
-        Command::Verify {
+        Command::Log {
             run,
-            store_url,
-            controller_namespace,
-        } => verify(&k, &run, &store_url, &controller_namespace, &mut out).await,
+            follow,
+            source,
+        } => log::log(&k, &run, &source.source(), follow, &mut out).await,
+        Command::Verify { run, source } => log::verify(&k, &run, &source.source(), &mut out).await,
         Command::Cancel { run } => cancel(&k, &run, &mut out).await,
         Command::RotateKey {
             controller_namespace,
@@ -280,80 +305,6 @@ async fn edit(
         visible_json(&arguments)
     )?;
     Ok(())
-}
-
-async fn log(k: &Kube, run: &str, store_url: &str, out: &mut impl Write) -> anyhow::Result<()> {
-    let r = k.run(run).await?;
-    let store = crate::store::open(store_url).await?;
-    for record in store.read_all(&r.metadata.uid.unwrap_or_default()).await? {
-        writeln!(out, "{}", audit_line(&record))?;
-    }
-    Ok(())
-}
-
-/// Verifies the chain against `status.log.headHash` and prints one line per
-/// controller record (valid, by a retired key, legacy, invalid, missing);
-/// fails naming every record that may not be acted on.
-async fn verify(
-    k: &Kube,
-    run: &str,
-    store_url: &str,
-    controller_namespace: &str,
-    out: &mut impl Write,
-) -> anyhow::Result<()> {
-    let r = k.run(run).await?;
-    let head = r
-        .status
-        .as_ref()
-        .and_then(|s| s.log.as_ref())
-        .and_then(|l| l.head_hash.clone());
-    let expected: Option<crate::store::Hash> = head
-        .as_deref()
-        .map(str::parse)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("status.log.headHash: {e:?}"))?;
-    let keys =
-        crate::controller::servers::published_keys::read(&k.client, controller_namespace).await?;
-    let store = crate::store::open(store_url).await?;
-    let uid = r.metadata.uid.clone().unwrap_or_default();
-    let records = store.read_all(&uid).await?;
-    let rules = crate::controller::reconciler::status::signature_rules(&r);
-    let audit = crate::store::audit::Audit::of(&uid, &records, expected.as_ref(), &keys, rules);
-    for s in &audit.signed {
-        writeln!(out, "seq {} {}: {}", s.seq, s.kind, s.check)?;
-    }
-    let refused: Vec<String> = audit
-        .refused()
-        .map(|s| format!("seq {} ({})", s.seq, s.kind))
-        .collect();
-    match (&audit.chain, refused.is_empty()) {
-        (Ok(h), true) => {
-            let anchored = match &head {
-                Some(head) => format!("ends at the recorded head {head}"),
-                None => "no head recorded in the status yet".into(),
-            };
-            writeln!(
-                out,
-                "ok: {} records, chain intact, {anchored}, {} controller records signed",
-                h.len,
-                audit.signed.len()
-            )?;
-            Ok(())
-        }
-        (chain, _) => {
-            if let Err(e) = chain {
-                writeln!(out, "FAILED: {e}")?;
-            }
-            if !refused.is_empty() {
-                writeln!(
-                    out,
-                    "FAILED: controller signatures refused at {}",
-                    refused.join(", ")
-                )?;
-            }
-            bail!("run {run} does not verify")
-        }
-    }
 }
 
 async fn rotate_key(

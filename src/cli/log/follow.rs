@@ -1,0 +1,306 @@
+//! `log -f RUN`: the run's records printed as they are appended, each
+//! checked against the one before as it arrives, until the run finishes
+//! (its final phase is the last line). A dropped stream (a replica
+//! restarting, a connection reset, a 503) is resumed from the next seq
+//! wanted, so no record is printed twice or skipped; the log API's own end
+//! of the stream (the run deleted, ...) ends the command with its reason.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use futures::StreamExt as _;
+use kube::core::Status;
+
+use super::api::{Failure, LogApi, Retry, transient};
+use super::check::{Checker, Trust, same_run};
+use super::{Kube, marked_line, print_verdict, run_trust};
+use crate::api::runlog::{ADDED, ERROR, MODIFIED, RunLog, WatchEvent};
+use crate::cli::visible;
+use crate::store::RecordVerifier;
+
+/// A stream open this long made progress even without records (a run
+/// waiting for a person appends nothing for hours): its drop starts the
+/// count of tries again.
+const QUIET_PROGRESS: Duration = Duration::from_secs(30);
+
+/// What one line of the stream means.
+#[derive(Debug)]
+pub enum Next {
+    /// Records were printed (or nothing happened); read on.
+    More { records: usize },
+    /// The run finished: the log is complete.
+    Finished(Box<RunLog>),
+    /// The stream stopped but may be resumed.
+    Resume(String),
+}
+
+/// What is followed: what was received and checked so far.
+pub struct Follow {
+    run: String,
+    keys: Result<RecordVerifier, String>,
+    /// The run's status read at the start, or why it could not be.
+    trust: Result<Trust, String>,
+    /// Set up at the first event when the run could not be read.
+    checker: Option<Checker>,
+    /// The first event's log (which run the stream is of).
+    first: Option<RunLog>,
+}
+
+impl Follow {
+    pub fn new(
+        run: &str,
+        trust: Result<Trust, String>,
+        keys: Result<RecordVerifier, String>,
+    ) -> Follow {
+        let mut f = Follow {
+            run: run.to_string(),
+            keys,
+            trust,
+            checker: None,
+            first: None,
+        };
+        if let Ok(t) = &f.trust
+            && let Some(uid) = &t.uid
+        {
+            f.checker = Some(Checker::new(uid, f.keys.clone(), t));
+        }
+        f
+    }
+
+    /// The seq the next record must have (where a reconnect resumes).
+    pub fn next_seq(&self) -> u64 {
+        self.checker.as_ref().map_or(0, Checker::next_seq)
+    }
+
+    /// Handles one line of the stream, printing the records it brings.
+    /// An error is final (the stream refused, the server's end of it).
+    pub fn line(&mut self, line: &str, out: &mut impl Write) -> anyhow::Result<Next> {
+        if line.trim().is_empty() {
+            return Ok(Next::More { records: 0 });
+        }
+        let event: WatchEvent = serde_json::from_str(line).map_err(|e| {
+            anyhow::anyhow!(
+                "following run {}: the log API sent a line that is not an event: {e}",
+                self.run
+            )
+        })?;
+        match event.kind.as_str() {
+            ADDED | MODIFIED => {
+                let log: RunLog = serde_json::from_value(event.object).map_err(|e| {
+                    anyhow::anyhow!(
+                        "following run {}: the log API sent an event that is not a RunLog: {e}",
+                        self.run
+                    )
+                })?;
+                let records = self.records(&log, out)?;
+                Ok(if log.run.finished {
+                    Next::Finished(Box::new(log))
+                } else {
+                    Next::More { records }
+                })
+            }
+            ERROR => {
+                let status: Status = serde_json::from_value(event.object).unwrap_or_default();
+                stopped(&self.run, &status)
+            }
+            // BOOKMARK and types to come: nothing to print.
+            _ => Ok(Next::More { records: 0 }),
+        }
+    }
+
+    /// Checks and prints the records of one event.
+    fn records(&mut self, log: &RunLog, out: &mut impl Write) -> anyhow::Result<usize> {
+        match &self.first {
+            Some(first) => {
+                same_run(first, log).map_err(|e| anyhow::anyhow!("NOT VERIFIED: {e}"))?
+            }
+            None => self.first = Some(log.clone()),
+        }
+        let checker = self.checker_for(log)?;
+        for r in &log.records {
+            let wrong = checker
+                .take(r)
+                .map_err(|e| anyhow::anyhow!("NOT VERIFIED: following run: {e}"))?;
+            writeln!(out, "{}", marked_line(r, !wrong.is_empty()))?;
+        }
+        out.flush()?;
+        Ok(log.records.len())
+    }
+
+    /// The checker, set up from the first event when the run could not be
+    /// read (its uid and head are then the log API's word).
+    fn checker_for(&mut self, log: &RunLog) -> anyhow::Result<&mut Checker> {
+        if self.checker.is_none() {
+            let trust = match &self.trust {
+                Ok(t) => t.clone(),
+                Err(why) => Trust::of_log(log, why).map_err(|e| anyhow::anyhow!(e))?,
+            };
+            let uid = trust.uid.clone().unwrap_or_default();
+            let mut checker = Checker::new(&uid, self.keys.clone(), &trust);
+            if uid.is_empty() {
+                checker.fail("the log API did not name the run's uid".into());
+            }
+            self.checker = Some(checker);
+        }
+        Ok(self.checker.as_mut().expect("set above"))
+    }
+
+    /// The end: checks the log against the run's final status (`fin`) and
+    /// the length the server reported, prints the verdict and the final
+    /// phase line.
+    pub fn finish(
+        mut self,
+        last: &RunLog,
+        fin: Result<Trust, String>,
+        out: &mut impl Write,
+    ) -> anyhow::Result<()> {
+        let fin = match fin {
+            Ok(t) => t,
+            Err(why) => Trust::of_log(last, &why).map_err(|e| anyhow::anyhow!(e))?,
+        };
+        let checker = self.checker_for(last)?;
+        checker.expect(&fin);
+        if let Some(uid) = &fin.uid
+            && let Some(served) = last.metadata.uid.as_deref()
+            && served != uid
+        {
+            checker.fail(format!(
+                "the log API served the log of run uid {}, but the run is uid {uid}",
+                visible(served)
+            ));
+        }
+        let received = checker.next_seq();
+        if last.run.length > received {
+            checker.fail(format!(
+                "the log API reported {} records at the end but sent {received}: records are missing",
+                last.run.length
+            ));
+        }
+        let verdict = checker.verdict();
+        let phase = fin
+            .phase
+            .clone()
+            .or_else(|| last.run.phase.clone())
+            .unwrap_or_else(|| "finished".into());
+        let finished = format!("run {} finished: {}", self.run, visible(&phase));
+        if verdict.ok() {
+            print_verdict(&self.run, &verdict, out)?;
+            writeln!(out, "{finished}")?;
+            return Ok(());
+        }
+        writeln!(out, "{finished}")?;
+        print_verdict(&self.run, &verdict, out)
+    }
+}
+
+/// What an `ERROR` event means: a server that is briefly unavailable is
+/// asked again; any other reason ends the command with it.
+fn stopped(run: &str, status: &Status) -> anyhow::Result<Next> {
+    let message = visible(&status.message);
+    if transient(status) {
+        return Ok(Next::Resume(format!(
+            "the log API stopped the stream ({} {message})",
+            status.code
+        )));
+    }
+    match status.code {
+        404 | 410 => bail!("following run {run}: the run is gone: {message}"),
+        _ => bail!(
+            "following run {run}: the log API ended the stream ({} {}): {message}",
+            status.code,
+            visible(&status.reason)
+        ),
+    }
+}
+
+/// Follows `run` until it finishes, reconnecting within `retry`.
+pub async fn follow(
+    k: &Kube,
+    api: &LogApi,
+    run: &str,
+    trust: Result<Trust, String>,
+    keys: Result<RecordVerifier, String>,
+    mut retry: Retry,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let mut state = Follow::new(run, trust, keys);
+    loop {
+        let why = match api.follow(state.next_seq()).await {
+            Err(Failure::Final(e)) => return Err(e),
+            Err(Failure::Transient(why)) => why,
+            Ok(lines) => match read_stream(&mut state, lines, &mut retry, out).await? {
+                Ended::Finished(last) => {
+                    let fin = final_trust(k, run).await?;
+                    return state.finish(&last, fin, out);
+                }
+                Ended::Dropped(why) => why,
+            },
+        };
+        let Some(pause) = retry.next_pause() else {
+            bail!(
+                "following run {run}: {why}; gave up after {} tries to resume from seq {}",
+                retry.count().1,
+                state.next_seq()
+            );
+        };
+        let (used, of) = retry.count();
+        eprintln!(
+            "following run {run}: {why}; resuming from seq {} in {pause:?} (try {used} of {of})",
+            state.next_seq()
+        );
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// How one stream ended.
+enum Ended {
+    Finished(Box<RunLog>),
+    Dropped(String),
+}
+
+/// Reads one stream until the run finishes or the stream drops.
+async fn read_stream(
+    state: &mut Follow,
+    mut lines: super::api::Lines,
+    retry: &mut Retry,
+    out: &mut impl Write,
+) -> anyhow::Result<Ended> {
+    let opened = Instant::now();
+    let why = loop {
+        match lines.next().await {
+            None => break "the stream ended before the run finished".to_string(),
+            Some(Err(e)) => break format!("the connection dropped ({e})"),
+            Some(Ok(line)) => match state.line(&line, out)? {
+                Next::More { records } => {
+                    if records > 0 {
+                        retry.reset();
+                    }
+                }
+                Next::Finished(last) => return Ok(Ended::Finished(last)),
+                Next::Resume(why) => break why,
+            },
+        }
+    };
+    if opened.elapsed() >= QUIET_PROGRESS {
+        retry.reset();
+    }
+    Ok(Ended::Dropped(why))
+}
+
+/// The run's status once finished: its phase is written with (or just
+/// after) the log's last record, so a status still showing a running phase
+/// is read again for a few seconds.
+async fn final_trust(k: &Kube, run: &str) -> anyhow::Result<Result<Trust, String>> {
+    let mut trust = run_trust(k, run).await?;
+    for _ in 0..10 {
+        match &trust {
+            Ok(t) if !t.terminal => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                trust = run_trust(k, run).await?;
+            }
+            _ => break,
+        }
+    }
+    Ok(trust)
+}

@@ -1,0 +1,307 @@
+//! `log RUN`, `log -f RUN` and `verify RUN`: a run's step log, read through
+//! the log API with the user's own identity (or, for administrators, from
+//! the store with `--store-url`), and verified here, whatever served it:
+//! the chain recomputed from seq 0, the controller's signatures checked with
+//! its published keys, the end compared with the run's `status.log`. A log
+//! that does not verify is printed with its failing records marked `!` and
+//! the command fails; it is never called verified.
+
+mod api;
+mod check;
+mod follow;
+
+use std::io::Write;
+
+use anyhow::{Context as _, bail};
+
+use super::{Kube, audit_line, visible};
+use crate::store::{Record, RecordVerifier};
+use api::{Failure, LogApi, Retry};
+use check::{Pages, Trust, Verdict};
+
+/// Where the log is read from and what it is checked with.
+pub struct Source<'a> {
+    /// The store's URL (administrators), instead of the log API.
+    pub store_url: Option<&'a str>,
+    /// Namespace of the controller's published keys.
+    pub controller_namespace: &'a str,
+}
+
+/// `log RUN` (`follow`: `log -f RUN`).
+pub async fn log(
+    k: &Kube,
+    run: &str,
+    source: &Source<'_>,
+    follow: bool,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    match (source.store_url, follow) {
+        (Some(url), false) => log_from_store(k, run, url, out).await,
+        (Some(_), true) => bail!(
+            "log -f follows through the log API: leave out --store-url (and AGENTRUN_STORE_URL)"
+        ),
+        (None, true) => {
+            let api = LogApi::new(k.client.clone(), &k.ns, run);
+            let trust = run_trust(k, run).await?;
+            let keys = keys(k, source.controller_namespace).await;
+            follow::follow(k, &api, run, trust, keys, Retry::follow(), out).await
+        }
+        (None, false) => {
+            let read = read_api(k, run, source.controller_namespace).await?;
+            print_log(run, &read.records, &read.verdict, out)
+        }
+    }
+}
+
+/// `verify RUN`: one line per controller record, then `ok: ...` or the
+/// `FAILED: ...` lines (and the command fails).
+pub async fn verify(
+    k: &Kube,
+    run: &str,
+    source: &Source<'_>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let verdict = match source.store_url {
+        Some(url) => verify_store(k, run, url, source.controller_namespace).await?,
+        None => read_api(k, run, source.controller_namespace).await?.verdict,
+    };
+    print_verify(run, &verdict, out)
+}
+
+/// The audit trail straight from the store, as administrators read it.
+async fn log_from_store(
+    k: &Kube,
+    run: &str,
+    store_url: &str,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let r = k.run(run).await?;
+    let store = crate::store::open(store_url).await?;
+    for record in store.read_all(&r.metadata.uid.unwrap_or_default()).await? {
+        writeln!(out, "{}", audit_line(&record))?;
+    }
+    Ok(())
+}
+
+/// The store's records of `run`, judged against its status.
+async fn verify_store(
+    k: &Kube,
+    run: &str,
+    store_url: &str,
+    controller_namespace: &str,
+) -> anyhow::Result<Verdict> {
+    let r = k.run(run).await?;
+    let trust = Trust::of_run(&r).map_err(|e| anyhow::anyhow!("run {run}: {e}"))?;
+    let keys = keys(k, controller_namespace).await;
+    let store = crate::store::open(store_url).await?;
+    let uid = r.metadata.uid.clone().unwrap_or_default();
+    let records = store.read_all(&uid).await?;
+    check::judge(&uid, &records, keys, &trust).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A whole log read through the API, and its verdict.
+struct Read {
+    records: Vec<Record>,
+    verdict: Verdict,
+}
+
+async fn read_api(k: &Kube, run: &str, controller_namespace: &str) -> anyhow::Result<Read> {
+    let trust = run_trust(k, run).await?;
+    let api = LogApi::new(k.client.clone(), &k.ns, run);
+    let pages = read_pages(&api, run, Retry::pages()).await?;
+    let keys = keys(k, controller_namespace).await;
+    let verdict = judge_pages(&pages, trust, keys)?;
+    Ok(Read {
+        records: pages.records,
+        verdict,
+    })
+}
+
+/// Every page of the log, in order.
+async fn read_pages(api: &LogApi, run: &str, mut retry: Retry) -> anyhow::Result<Pages> {
+    let mut pages = Pages::default();
+    let mut token: Option<String> = None;
+    loop {
+        let page = match api.page(token.as_deref()).await {
+            Ok(page) => page,
+            Err(Failure::Final(e)) => return Err(e),
+            Err(Failure::Transient(why)) => {
+                let Some(pause) = retry.next_pause() else {
+                    bail!(
+                        "reading the log of run {run}: {why} (gave up after {} tries)",
+                        retry.count().1
+                    );
+                };
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+        };
+        retry.reset();
+        token = pages
+            .push(page)
+            .map_err(|e| anyhow::anyhow!("NOT VERIFIED: reading the log of run {run}: {e}"))?;
+        if token.is_none() {
+            return Ok(pages);
+        }
+    }
+}
+
+/// The verdict on the pages read: against the run's status when the user
+/// may read the run, else against the head the log API reported.
+fn judge_pages(
+    pages: &Pages,
+    trust: Result<Trust, String>,
+    keys: Result<RecordVerifier, String>,
+) -> anyhow::Result<Verdict> {
+    let last = pages.last.as_ref();
+    let served_uid = last.and_then(|l| l.metadata.uid.clone());
+    let trust = match (trust, last) {
+        (Ok(t), _) => t,
+        (Err(why), Some(l)) => Trust::of_log(l, &why).map_err(|e| anyhow::anyhow!(e))?,
+        (Err(why), None) => bail!("the log API sent no page, and {why}"),
+    };
+    let uid = trust.uid.clone().or(served_uid.clone()).unwrap_or_default();
+    let mut verdict =
+        check::judge(&uid, &pages.records, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;
+    if let Some(problem) = other_run(&uid, served_uid.as_deref()) {
+        verdict.global.push(problem);
+    }
+    if let Some(note) = last.and_then(|l| check::server_disagrees(l, &verdict)) {
+        verdict.notes.push(note);
+    }
+    Ok(verdict)
+}
+
+/// A log the API says is another run's than the one read from the API server.
+fn other_run(uid: &str, served: Option<&str>) -> Option<String> {
+    match served {
+        Some(s) if s != uid => Some(format!(
+            "the log API served the log of run uid {}, but the run is uid {uid}",
+            visible(s)
+        )),
+        None if uid.is_empty() => Some("the log API did not name the run's uid".into()),
+        _ => None,
+    }
+}
+
+/// What to check the log against: the run's status, or (`Err`) why the
+/// user may not read the run (the log API's word is used then).
+async fn run_trust(k: &Kube, run: &str) -> anyhow::Result<Result<Trust, String>> {
+    match k.runs.get(run).await {
+        Ok(r) => Ok(Ok(
+            Trust::of_run(&r).map_err(|e| anyhow::anyhow!("run {run}: {e}"))?
+        )),
+        Err(kube::Error::Api(s)) if s.code == 403 => Ok(Err(format!(
+            "you may not get agentruns in namespace {}",
+            k.ns
+        ))),
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            bail!("no run {run} in namespace {}", k.ns)
+        }
+        Err(e) => Err(e).with_context(|| format!("reading run {run} in namespace {}", k.ns)),
+    }
+}
+
+/// The controller's published public keys, or why they could not be read
+/// (the log is then not verified, but still shown).
+async fn keys(k: &Kube, controller_namespace: &str) -> Result<RecordVerifier, String> {
+    crate::controller::servers::published_keys::read(&k.client, controller_namespace)
+        .await
+        .map_err(|e| format!("{e:#} (is --controller-namespace right?)"))
+}
+
+/// A record's trail line, marked `!` when it failed.
+pub fn marked_line(r: &Record, marked: bool) -> String {
+    let line = audit_line(r);
+    if marked { format!("!{line}") } else { line }
+}
+
+/// The records, then the verdict; fails when the log does not verify.
+fn print_log(
+    run: &str,
+    records: &[Record],
+    verdict: &Verdict,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    for r in records {
+        writeln!(out, "{}", marked_line(r, verdict.marks(r.seq)))?;
+    }
+    print_verdict(run, verdict, out)
+}
+
+/// The verdict lines of `log`: `verified: ...`, or every problem and a
+/// final `NOT VERIFIED: ...` (and the command fails).
+fn print_verdict(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<()> {
+    for note in &verdict.notes {
+        writeln!(out, "note: {}", visible(note))?;
+    }
+    if verdict.ok() {
+        writeln!(
+            out,
+            "verified: {} records, chain intact, {}, {} controller records signed",
+            verdict.head.len,
+            verdict.anchored,
+            verdict.signed.len()
+        )?;
+        return Ok(());
+    }
+    for p in verdict.problems() {
+        writeln!(out, "! {}", visible(&p))?;
+    }
+    writeln!(out, "NOT VERIFIED: {}", summary(verdict))?;
+    bail!("the log of run {run} does not verify")
+}
+
+/// What failed, in a few words.
+fn summary(verdict: &Verdict) -> String {
+    let seqs: Vec<String> = verdict.marked.keys().map(u64::to_string).collect();
+    match (seqs.is_empty(), verdict.global.first()) {
+        (false, _) => format!(
+            "record{} {} marked ! failed (see above){}",
+            if seqs.len() == 1 { "" } else { "s" },
+            seqs.join(", "),
+            if verdict.global.is_empty() {
+                ""
+            } else {
+                ", and the log as a whole"
+            }
+        ),
+        (true, Some(first)) => visible(first),
+        (true, None) => "the log does not verify".into(),
+    }
+}
+
+/// `verify`'s lines (as they were when it read the store only).
+fn print_verify(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<()> {
+    for s in &verdict.signed {
+        writeln!(out, "seq {} {}: {}", s.seq, s.kind, s.check)?;
+    }
+    for note in &verdict.notes {
+        writeln!(out, "note: {}", visible(note))?;
+    }
+    if verdict.ok() {
+        writeln!(
+            out,
+            "ok: {} records, chain intact, {}, {} controller records signed",
+            verdict.head.len,
+            verdict.anchored,
+            verdict.signed.len()
+        )?;
+        return Ok(());
+    }
+    for p in verdict.problems() {
+        writeln!(out, "FAILED: {}", visible(&p))?;
+    }
+    let refused = verdict.refused();
+    if !refused.is_empty() {
+        writeln!(
+            out,
+            "FAILED: controller signatures refused at {}",
+            refused.join(", ")
+        )?;
+    }
+    bail!("run {run} does not verify")
+}
+
+#[cfg(test)]
+mod tests;
