@@ -37,10 +37,20 @@ fn docs(yaml: &str) -> Vec<Value> {
 
 /// Renders the chart with `values` (a JSON document written to a values file).
 fn render(release: &str, namespace: &str, values: &Value) -> Result<Vec<Value>, String> {
+    render_with(release, namespace, values, &[])
+}
+
+/// [`render`] with more `helm template` arguments (e.g. `--api-versions`).
+fn render_with(
+    release: &str,
+    namespace: &str,
+    values: &Value,
+    extra: &[&str],
+) -> Result<Vec<Value>, String> {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("values.json");
     std::fs::write(&file, values.to_string()).unwrap();
-    let (ok, stdout, stderr) = helm_run(&[
+    let mut args = vec![
         "template",
         release,
         "charts/agentrun",
@@ -48,7 +58,9 @@ fn render(release: &str, namespace: &str, values: &Value) -> Result<Vec<Value>, 
         namespace,
         "--values",
         file.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let (ok, stdout, stderr) = helm_run(&args);
     if ok { Ok(docs(&stdout)) } else { Err(stderr) }
 }
 
@@ -156,19 +168,21 @@ fn the_chart_version_follows_the_crate() {
 }
 
 /// The least a render without the cluster (`helm template`, as Argo CD
-/// renders) needs: the store and the step-token key, both existing Secrets.
+/// renders) needs: the store and the step-token key, both existing Secrets,
+/// and a serving certificate the chart does not generate (the controller's).
 fn default_values() -> Value {
     json!({"store": {"existingSecret": "agentrun-store"},
-           "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}}})
+           "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}},
+           "servingCert": {"mode": "controller"}})
 }
 
-/// `values` with the step-token key's existing Secret, unless they name one.
+/// `values` with the step-token key's existing Secret and the controller's
+/// serving certificate, unless they name their own.
 fn with_key(mut values: Value) -> Value {
-    let c = values
-        .as_object_mut()
-        .unwrap()
-        .entry("controller")
-        .or_insert_with(|| json!({}));
+    let o = values.as_object_mut().unwrap();
+    o.entry("servingCert")
+        .or_insert_with(|| json!({"mode": "controller"}));
+    let c = o.entry("controller").or_insert_with(|| json!({}));
     if c.get("stepTokenKey").is_none() {
         c["stepTokenKey"] = json!({"existingSecret": "token-key"});
     }
@@ -180,7 +194,7 @@ fn full_values() -> Value {
     json!({
         "watchNamespace": "runs",
         "image": {"repository": "example/agentrun", "tag": "1.2.3"},
-        "controller": {"replicas": 3, "logFormat": "text", "extraArgs": ["--lease-name=x"],
+        "controller": {"replicas": 3, "logFormat": "text", "extraArgs": ["--lease-name=x"], "servingPort": 8443,
                         "stepTokenKey": {"existingSecret": "ops-token-key"},
                         "podAnnotations": {"team": "ml"},
                         "userUrls": {"allow": ["10.20.0.0/16", "mcp.tools.svc:8080"],
@@ -198,7 +212,11 @@ fn full_values() -> Value {
                           "controllerEgress": [{"ports": [{"port": 443}, {"port": 6443}, {"port": 5432}, {"port": 53, "protocol": "UDP"}]}]},
         "approverRole": {"name": "runs-approver"},
         "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318", "captureContent": true},
-        "commonLabels": {"cost-center": "42"}
+        "commonLabels": {"cost-center": "42"},
+        "crds": {"stampRequester": "webhook"},
+        "servingCert": {"mode": "certManager",
+                        "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}, "duration": "720h"}},
+        "logApi": {"readerRole": {"name": "runs-log-reader"}}
     })
 }
 
@@ -421,7 +439,10 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
         env_of(c, "AGENTRUN_STEP_TOKEN_RETIRED_KEYS")["valueFrom"]["secretKeyRef"],
         json!({"name": "agentrun-step-token-key", "key": "retired", "optional": true})
     );
-    assert!(all(&objs, "Secret").is_empty(), "no Secret by default");
+    assert!(
+        all(&objs, "Secret").is_empty(),
+        "no Secret by default (servingCert.mode=controller: the controller makes its own)"
+    );
 
     // Step pods' egress: DNS, the gateway, anything but link-local addresses.
     let policies = all(&objs, "NetworkPolicy");
@@ -461,6 +482,8 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
                 || rule.to_string().contains("except")),
         "no rule allows the metadata address"
     );
+    the_https_port_serves_the_log_api_and_the_requester_stamp(&objs, c);
+
     // Every namespaced object names its namespace (kustomize and GitOps need it).
     for o in &objs {
         let cluster_scoped = matches!(
@@ -470,6 +493,8 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
                 | "ClusterRoleBinding"
                 | "ValidatingAdmissionPolicy"
                 | "ValidatingAdmissionPolicyBinding"
+                | "APIService"
+                | "MutatingWebhookConfiguration"
         );
         assert_eq!(
             o["metadata"]["namespace"].is_string(),
@@ -477,6 +502,234 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
             "{}/{}",
             o["kind"],
             o["metadata"]["name"]
+        );
+    }
+}
+
+/// The rules of a (Cluster)Role as (group, resource, verb, resourceNames) rows.
+fn rule_rows(role: &Value) -> BTreeSet<(String, String, String, Vec<String>)> {
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .map(|a| a.iter().map(|s| s.as_str().unwrap().to_string()).collect())
+            .unwrap_or_default()
+    };
+    let mut rows = BTreeSet::new();
+    for rule in role["rules"].as_array().unwrap() {
+        let names = strings(&rule["resourceNames"]);
+        for g in strings(&rule["apiGroups"]) {
+            for r in strings(&rule["resources"]) {
+                for v in strings(&rule["verbs"]) {
+                    rows.insert((g.clone(), r.clone(), v, names.clone()));
+                }
+            }
+        }
+    }
+    rows
+}
+
+fn row(g: &str, r: &str, v: &str, names: &[&str]) -> (String, String, String, Vec<String>) {
+    (
+        g.into(),
+        r.into(),
+        v.into(),
+        names.iter().map(|n| n.to_string()).collect(),
+    )
+}
+
+fn args_of(container: &Value) -> Vec<String> {
+    container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Default values (release agentrun in agentrun-system, rendered without
+/// the cluster, so without MutatingAdmissionPolicy): every replica serves
+/// HTTPS on 9443 behind the controller Service's port 443, with a
+/// certificate it makes itself (servingCert.mode=controller); the APIService
+/// and the requester-stamp webhook point there; RBAC grants exactly what
+/// the log API and the certificate need.
+fn the_https_port_serves_the_log_api_and_the_requester_stamp(objs: &[Value], c: &Value) {
+    let svc = find(objs, "Service", "agentrun-controller");
+    assert!(
+        svc["spec"]["ports"].as_array().unwrap().contains(
+            &json!({"name": "https", "port": 443, "targetPort": "https", "protocol": "TCP"})
+        ),
+        "{svc}"
+    );
+    assert!(
+        c["ports"]
+            .as_array()
+            .unwrap()
+            .contains(&json!({"name": "https", "containerPort": 9443, "protocol": "TCP"}))
+    );
+    assert_eq!(env_of(c, "AGENTRUN_SERVING_ADDR")["value"], "0.0.0.0:9443");
+    let args = args_of(c);
+    for flag in [
+        "--serving-cert-secret=agentrun-serving-cert",
+        "--serving-dns-name=agentrun-controller.agentrun-system.svc",
+        "--serving-dns-name=agentrun-controller.agentrun-system.svc.cluster.local",
+        "--inject-ca-apiservice=v1alpha1.log.agentrun.dev",
+        "--inject-ca-webhook=agentrun-requester-stamp",
+    ] {
+        assert!(args.contains(&flag.to_string()), "{flag} in {args:?}");
+    }
+    assert!(!args.iter().any(|a| a.starts_with("--serving-cert-file")));
+    assert!(c["volumeMounts"].is_null(), "nothing to mount: {c}");
+
+    // The log API.
+    let api = find(objs, "APIService", "v1alpha1.log.agentrun.dev");
+    assert_eq!(
+        api["spec"],
+        json!({"group": "log.agentrun.dev", "version": "v1alpha1",
+               "groupPriorityMinimum": 1000, "versionPriority": 15,
+               "service": {"namespace": "agentrun-system", "name": "agentrun-controller", "port": 443}}),
+        "the controller writes the caBundle itself"
+    );
+
+    // The requester stamp: the webhook (no MutatingAdmissionPolicy here).
+    assert!(all(objs, "MutatingAdmissionPolicy").is_empty());
+    let hook = find(
+        objs,
+        "MutatingWebhookConfiguration",
+        "agentrun-requester-stamp",
+    );
+    let webhooks = hook["webhooks"].as_array().unwrap();
+    assert_eq!(webhooks.len(), 1);
+    let w = &webhooks[0];
+    assert_eq!(w["name"], "requester.agentrun.dev");
+    assert_eq!(w["failurePolicy"], "Fail");
+    assert_eq!(w["sideEffects"], "None");
+    assert_eq!(w["admissionReviewVersions"], json!(["v1"]));
+    assert_eq!(w["timeoutSeconds"], 5);
+    assert_eq!(w["matchPolicy"], "Equivalent");
+    assert_eq!(
+        w["rules"],
+        json!([{"apiGroups": ["agentrun.dev"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"],
+                "resources": ["agentruns"], "scope": "Namespaced"}])
+    );
+    // Updates reach it only when they would drop the requester.
+    let condition = w["matchConditions"][0]["expression"].as_str().unwrap();
+    assert!(
+        condition.starts_with("request.operation == 'CREATE' ||")
+            && condition.contains("oldObject"),
+        "{condition}"
+    );
+    assert!(w["namespaceSelector"].is_null(), "every namespace");
+    assert_eq!(
+        w["clientConfig"],
+        json!({"service": {"namespace": "agentrun-system", "name": "agentrun-controller",
+                           "port": 443, "path": "/stamp-requester"}})
+    );
+    // Two replicas and a budget keep one serving it.
+    find(objs, "PodDisruptionBudget", "agentrun-controller");
+
+    // RBAC: the CA written into exactly those two objects...
+    let rows = rule_rows(find(
+        objs,
+        "ClusterRole",
+        "agentrun-agentrun-system-controller",
+    ));
+    for want in [
+        row(
+            "apiregistration.k8s.io",
+            "apiservices",
+            "get",
+            &["v1alpha1.log.agentrun.dev"],
+        ),
+        row(
+            "apiregistration.k8s.io",
+            "apiservices",
+            "patch",
+            &["v1alpha1.log.agentrun.dev"],
+        ),
+        row(
+            "admissionregistration.k8s.io",
+            "mutatingwebhookconfigurations",
+            "get",
+            &["agentrun-requester-stamp"],
+        ),
+        row(
+            "admissionregistration.k8s.io",
+            "mutatingwebhookconfigurations",
+            "patch",
+            &["agentrun-requester-stamp"],
+        ),
+        // The log API reads the run whose log it serves.
+        row("agentrun.dev", "agentruns", "get", &[]),
+    ] {
+        assert!(rows.contains(&want), "{want:?} in {rows:?}");
+    }
+    assert!(
+        rows.iter()
+            .filter(|(g, ..)| g == "apiregistration.k8s.io" || g == "admissionregistration.k8s.io")
+            .all(|(.., names)| !names.is_empty()),
+        "registration objects only by name: {rows:?}"
+    );
+    // ...the certificate's Secret read by name, created in its namespace...
+    let cert_role = find(objs, "Role", "agentrun-serving-cert");
+    assert_eq!(cert_role["metadata"]["namespace"], "agentrun-system");
+    assert_eq!(
+        rule_rows(cert_role),
+        BTreeSet::from([
+            row("", "secrets", "get", &["agentrun-serving-cert"]),
+            row("", "secrets", "create", &[]),
+        ])
+    );
+    let sa = json!([{"kind": "ServiceAccount", "name": "agentrun-controller", "namespace": "agentrun-system"}]);
+    assert_eq!(
+        find(objs, "RoleBinding", "agentrun-serving-cert")["subjects"],
+        sa
+    );
+    // ...SubjectAccessReviews, and the front-proxy CA in kube-system.
+    let delegator = find(
+        objs,
+        "ClusterRoleBinding",
+        "agentrun-agentrun-system-controller-auth-delegator",
+    );
+    assert_eq!(delegator["roleRef"]["name"], "system:auth-delegator");
+    assert_eq!(delegator["subjects"], sa);
+    let reader = find(
+        objs,
+        "RoleBinding",
+        "agentrun-agentrun-system-controller-auth-reader",
+    );
+    assert_eq!(reader["metadata"]["namespace"], "kube-system");
+    assert_eq!(
+        reader["roleRef"],
+        json!({"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "extension-apiserver-authentication-reader"})
+    );
+    assert_eq!(reader["subjects"], sa);
+
+    // Who reads logs: the log reader (not aggregated to `view`) and approvers.
+    let log_reader = find(objs, "ClusterRole", "agentrun-log-reader");
+    assert!(
+        log_reader["metadata"]["labels"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .all(|k| !k.starts_with("rbac.authorization.k8s.io/aggregate-to")),
+        "{log_reader}"
+    );
+    let rows = rule_rows(log_reader);
+    for verb in ["get", "list", "watch"] {
+        assert!(rows.contains(&row("log.agentrun.dev", "runlogs", verb, &[])));
+    }
+    assert!(
+        rows.iter()
+            .all(|(_, _, v, _)| ["get", "list", "watch"].contains(&v.as_str()))
+    );
+    let approver = all(objs, "ClusterRole")
+        .into_iter()
+        .find(|r| r["metadata"]["name"] == "agentrun-approver")
+        .unwrap();
+    let rows = rule_rows(approver);
+    for verb in ["get", "list", "watch"] {
+        assert!(
+            rows.contains(&row("log.agentrun.dev", "runlogs", verb, &[])),
+            "approvers read logs"
         );
     }
 }
@@ -635,6 +888,212 @@ fn non_default_rendering_switches_on_every_option() {
     find(&objs, "ClusterRole", "ops-agentrun-platform-controller");
     // The approver role under its own name (crds/ may ship agentrun-approver too).
     find(&objs, "ClusterRole", "runs-approver");
+    find(&objs, "ClusterRole", "runs-log-reader");
+
+    // The API server reaches the HTTPS port from outside any pod.
+    assert_eq!(
+        np["spec"]["ingress"][2],
+        json!({"ports": [{"port": "https", "protocol": "TCP"}]})
+    );
+    assert_eq!(env_of(c, "AGENTRUN_SERVING_ADDR")["value"], "0.0.0.0:8443");
+
+    // cert-manager issues the certificate from the given issuer (no chain of
+    // the chart's own); its cainjector fills in both caBundles.
+    assert!(all(&objs, "Issuer").is_empty());
+    let cert = find(&objs, "Certificate", "ops-agentrun-serving-cert");
+    assert_eq!(
+        cert["spec"]["issuerRef"],
+        json!({"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"})
+    );
+    assert_eq!(cert["spec"]["duration"], "720h");
+    assert_eq!(cert["spec"]["secretName"], "ops-agentrun-serving-cert");
+    assert_eq!(
+        cert["spec"]["dnsNames"],
+        json!([
+            "ops-agentrun-controller.platform.svc",
+            "ops-agentrun-controller.platform.svc.cluster.local"
+        ])
+    );
+    for (kind, name) in [
+        ("APIService", "v1alpha1.log.agentrun.dev"),
+        (
+            "MutatingWebhookConfiguration",
+            "ops-agentrun-requester-stamp",
+        ),
+    ] {
+        let o = find(&objs, kind, name);
+        assert_eq!(
+            o["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+            "platform/ops-agentrun-serving-cert",
+            "{kind}"
+        );
+        assert!(!o.to_string().contains("caBundle"), "{o}");
+    }
+    // The Secret mounted, its files given to the controller.
+    let args = args_of(c);
+    for flag in [
+        "--serving-cert-file=/etc/agentrun/serving-cert/tls.crt",
+        "--serving-key-file=/etc/agentrun/serving-cert/tls.key",
+    ] {
+        assert!(args.contains(&flag.to_string()), "{flag} in {args:?}");
+    }
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--serving-cert-secret") || a.starts_with("--inject-ca"))
+    );
+    assert_eq!(
+        pod["volumes"][0]["secret"]["secretName"],
+        "ops-agentrun-serving-cert"
+    );
+    assert_eq!(
+        c["volumeMounts"][0]["mountPath"],
+        "/etc/agentrun/serving-cert"
+    );
+    assert_eq!(c["volumeMounts"][0]["readOnly"], true);
+    // No RBAC for a certificate the controller does not make.
+    assert!(
+        all(&objs, "Role")
+            .iter()
+            .all(|r| r["metadata"]["name"] != "ops-agentrun-serving-cert")
+    );
+    let rows = rule_rows(find(
+        &objs,
+        "ClusterRole",
+        "ops-agentrun-platform-controller",
+    ));
+    assert!(
+        rows.iter()
+            .all(|(g, ..)| g != "apiregistration.k8s.io" && g != "admissionregistration.k8s.io"),
+        "{rows:?}"
+    );
+    // The webhook serves the watched namespace only.
+    let hook = find(
+        &objs,
+        "MutatingWebhookConfiguration",
+        "ops-agentrun-requester-stamp",
+    );
+    assert_eq!(
+        hook["webhooks"][0]["namespaceSelector"],
+        json!({"matchLabels": {"kubernetes.io/metadata.name": "runs"}})
+    );
+}
+
+/// `crds.stampRequester` picks the policy where the API server serves
+/// MutatingAdmissionPolicy (`auto`), the webhook elsewhere, or what it
+/// names; the controller is told to write the CA into the webhook only when
+/// the webhook is there, and RBAC follows.
+#[test]
+fn the_requester_stamp_is_the_policy_where_served_else_the_webhook() {
+    const SERVED: &[&str] = &[
+        "--api-versions",
+        "admissionregistration.k8s.io/v1beta1/MutatingAdmissionPolicy",
+    ];
+    let stamp = |value: Value, install: bool, extra: &[&str]| -> (bool, bool, bool) {
+        let mut values = default_values();
+        values["crds"] = json!({"stampRequester": value, "install": install});
+        let objs = render_with("agentrun", "agentrun-system", &values, extra).expect("renders");
+        let policy = !all(&objs, "MutatingAdmissionPolicy").is_empty();
+        let webhook = !all(&objs, "MutatingWebhookConfiguration").is_empty();
+        let c = &find(&objs, "Deployment", "agentrun-controller")["spec"]["template"]["spec"]["containers"]
+            [0];
+        let injects = args_of(c)
+            .iter()
+            .any(|a| a.starts_with("--inject-ca-webhook="));
+        let grants = rule_rows(find(
+            &objs,
+            "ClusterRole",
+            "agentrun-agentrun-system-controller",
+        ))
+        .iter()
+        .any(|(_, r, ..)| r == "mutatingwebhookconfigurations");
+        assert_eq!(
+            injects, webhook,
+            "--inject-ca-webhook with the webhook only"
+        );
+        assert_eq!(grants, webhook, "RBAC on the webhook with the webhook only");
+        (
+            policy,
+            webhook,
+            !all(&objs, "MutatingAdmissionPolicyBinding").is_empty(),
+        )
+    };
+    // (policy, webhook, policy binding)
+    assert_eq!(stamp(json!("auto"), true, SERVED), (true, false, true));
+    assert_eq!(stamp(json!("auto"), true, &[]), (false, true, false));
+    assert_eq!(stamp(json!("policy"), true, &[]), (true, false, true));
+    assert_eq!(
+        stamp(json!("true"), true, &[]),
+        (true, false, true),
+        "the old \"true\""
+    );
+    assert_eq!(
+        stamp(json!(true), true, &[]),
+        (true, false, true),
+        "--set crds.stampRequester=true"
+    );
+    assert_eq!(stamp(json!("webhook"), true, SERVED), (false, true, false));
+    assert_eq!(stamp(json!("false"), true, &[]), (false, false, false));
+    assert_eq!(stamp(json!(false), true, SERVED), (false, false, false));
+    // Without the CRDs the policy is the user's (crds/, config/requester-stamp);
+    // the webhook is the controller's and comes with it.
+    assert_eq!(stamp(json!("auto"), false, SERVED), (false, false, false));
+    assert_eq!(stamp(json!("auto"), false, &[]), (false, true, false));
+
+    // Without the APIService (a second release in a cluster) the controller
+    // writes no CA there and may not.
+    let mut values = default_values();
+    values["logApi"] = json!({"apiService": false});
+    let objs = render("agentrun", "agentrun-system", &values).unwrap();
+    assert!(all(&objs, "APIService").is_empty());
+    let c = &find(&objs, "Deployment", "agentrun-controller")["spec"]["template"]["spec"]["containers"]
+        [0];
+    assert!(
+        !args_of(c)
+            .iter()
+            .any(|a| a.starts_with("--inject-ca-apiservice"))
+    );
+    assert!(
+        rule_rows(find(
+            &objs,
+            "ClusterRole",
+            "agentrun-agentrun-system-controller"
+        ))
+        .iter()
+        .all(|(_, r, ..)| r != "apiservices")
+    );
+}
+
+/// servingCert.mode=certManager without an issuer: a self-signed CA of the
+/// release's own issues the serving certificate.
+#[test]
+fn cert_manager_mode_brings_its_own_ca_chain() {
+    let mut values = default_values();
+    values["servingCert"] = json!({"mode": "certManager"});
+    let objs = render("agentrun", "agentrun-system", &values).unwrap();
+    let selfsigned = find(&objs, "Issuer", "agentrun-selfsigned");
+    assert_eq!(selfsigned["spec"], json!({"selfSigned": {}}));
+    let ca = find(&objs, "Certificate", "agentrun-serving-ca");
+    assert_eq!(ca["spec"]["isCA"], true);
+    assert_eq!(ca["spec"]["issuerRef"]["name"], "agentrun-selfsigned");
+    let ca_issuer = find(&objs, "Issuer", "agentrun-ca");
+    assert_eq!(
+        ca_issuer["spec"]["ca"]["secretName"],
+        ca["spec"]["secretName"]
+    );
+    let cert = find(&objs, "Certificate", "agentrun-serving-cert");
+    assert_eq!(cert["spec"]["issuerRef"]["name"], "agentrun-ca");
+    assert_eq!(cert["spec"]["issuerRef"]["kind"], "Issuer");
+    assert!(
+        cert["spec"]["usages"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("server auth"))
+    );
+    assert!(
+        all(&objs, "Secret").is_empty(),
+        "cert-manager writes the Secret"
+    );
 }
 
 #[test]
@@ -692,6 +1151,22 @@ fn the_values_schema_and_the_chart_refuse_wrong_values() {
             json!({"store": store, "metrics": {"service": {"enabled": false}, "serviceMonitor": {"enabled": true}}}),
             "serviceMonitor",
         ),
+        (
+            json!({"store": store, "servingCert": {"mode": "vault"}}),
+            "mode",
+        ),
+        (
+            json!({"store": store, "crds": {"stampRequester": "maybe"}}),
+            "stampRequester",
+        ),
+        (
+            json!({"store": store, "logApi": {"readerRole": {"aggregate": true}}}),
+            "aggregate",
+        ),
+        (
+            json!({"store": store, "servingCert": {"mode": "certManager", "certManager": {"issuerRef": {"kind": "Issuer"}}}}),
+            "name",
+        ),
     ];
     for (values, field) in cases {
         match render("x", "x", &with_key(values.clone())) {
@@ -727,12 +1202,17 @@ fn a_render_without_the_cluster_invents_no_key_or_password_and_repeats_itself() 
     let store = json!({"existingSecret": "s"});
     for (values, field) in [
         (
-            json!({"store": store}),
+            json!({"store": store, "servingCert": {"mode": "controller"}}),
             "controller.stepTokenKey.existingSecret",
         ),
         (
             with_key(json!({"postgresql": {"enabled": true}})),
             "postgresql.password",
+        ),
+        // The serving certificate Helm would generate (the default mode).
+        (
+            json!({"store": store, "controller": {"stepTokenKey": {"existingSecret": "k"}}}),
+            "servingCert.mode",
         ),
     ] {
         let e = render("x", "x", &values).expect_err(&values.to_string());
