@@ -88,9 +88,10 @@ enum Command {
         #[command(flatten)]
         source: SourceArgs,
     },
-    /// Check a run's hash chain ends at the head recorded in its status, and
-    /// every controller record's signature with the controller's published
-    /// public keys (bound to this run and seq).
+    /// Check a run's hash chain reaches the head recorded in its status (a
+    /// finished run's: ends there), and every controller record's signature
+    /// with the controller's published public keys (bound to this run and
+    /// seq). Reads the log API, or the store with --store-url.
     Verify {
         run: String,
         #[command(flatten)]
@@ -122,6 +123,7 @@ enum Command {
 struct SourceArgs {
     /// Read the store directly (administrators) instead of the log API
     /// (`log.agentrun.dev`), which serves every user RBAC lets read runlogs.
+    /// `log` then prints the records as stored, unchecked (`verify` checks).
     #[arg(long, env = "AGENTRUN_STORE_URL", hide_env_values = true)]
     store_url: Option<String>,
     /// Namespace of the controller, where it publishes its public keys

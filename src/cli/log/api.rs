@@ -62,6 +62,12 @@ impl LogApi {
         format!("{}?{}", self.path(), q.finish())
     }
 
+    /// The path of the one-record page at `seq` (what the server checked
+    /// there: the head it compares with).
+    pub fn record_path(&self, seq: u64) -> String {
+        format!("{}?limit=1&fromSeq={seq}", self.path())
+    }
+
     /// The path of a follow stream from `from_seq` on.
     pub fn follow_path(&self, from_seq: u64) -> String {
         format!("{}?follow=true&fromSeq={from_seq}", self.path())
@@ -70,6 +76,15 @@ impl LogApi {
     /// One page of the log.
     pub async fn page(&self, token: Option<&str>) -> Result<RunLog, Failure> {
         let request = get(&self.page_path(token))?;
+        match self.client.request::<RunLog>(request).await {
+            Ok(page) => Ok(page),
+            Err(e) => Err(self.failure(e, "get").await),
+        }
+    }
+
+    /// The one-record page at `seq`.
+    pub async fn record(&self, seq: u64) -> Result<RunLog, Failure> {
+        let request = get(&self.record_path(seq))?;
         match self.client.request::<RunLog>(request).await {
             Ok(page) => Ok(page),
             Err(e) => Err(self.failure(e, "get").await),

@@ -229,8 +229,13 @@ impl Checker {
         {
             self.anchors.push(a);
         }
-        if trust.terminal {
-            self.end = Some(trust.anchor.unwrap_or(Head::EMPTY));
+        // A finished run's recorded head is its log's end (a run that
+        // finished without one, e.g. refused before it started, has none to
+        // compare with).
+        if trust.terminal
+            && let Some(a) = trust.anchor
+        {
+            self.end = Some(a);
         }
         if let Some(why) = &trust.secondhand {
             let note = format!(
@@ -361,8 +366,7 @@ impl Checker {
     fn anchored(&self) -> String {
         let last = self.anchors.iter().max_by_key(|a| a.len);
         match (last, self.end) {
-            (_, Some(end)) if end.len > 0 => format!("ends at the recorded head {}", end.hash),
-            (_, Some(_)) => "empty, as the finished run's status records".into(),
+            (_, Some(end)) => format!("ends at the recorded head {}", end.hash),
             (None, None) => "no head recorded in the status yet".into(),
             (Some(a), None) if a.len == self.head.len => {
                 format!("ends at the recorded head {}", a.hash)
@@ -449,11 +453,7 @@ pub fn judge(
         checker.take(r)?;
     }
     if let Ok(keys) = &keys {
-        let exact = if trust.terminal {
-            trust.anchor.map(|a| a.hash).or(Some(Hash::ZERO))
-        } else {
-            None
-        };
+        let exact = trust.anchor.filter(|_| trust.terminal).map(|a| a.hash);
         let audit = Audit::of(uid, records, exact.as_ref(), keys, trust.rules);
         if let Err(e) = &audit.chain
             && checker.verdict().ok()

@@ -232,6 +232,7 @@ pub async fn follow(
             Ok(lines) => match read_stream(&mut state, lines, &mut retry, out).await? {
                 Ended::Finished(last) => {
                     let fin = final_trust(k, run).await?;
+                    let last = with_server_head(api, &state, *last, &fin).await;
                     return state.finish(&last, fin, out);
                 }
                 Ended::Dropped(why) => why,
@@ -286,6 +287,26 @@ async fn read_stream(
         retry.reset();
     }
     Ok(Ended::Dropped(why))
+}
+
+/// For a reader who may not get the run: the head the log API checked the
+/// last record against (its stream events carry none), from the one-record
+/// page at the last seq. Without it the log is checked without a head (and
+/// says so).
+async fn with_server_head(
+    api: &LogApi,
+    state: &Follow,
+    mut last: RunLog,
+    fin: &Result<Trust, String>,
+) -> RunLog {
+    if fin.is_ok() || last.verification.is_some() || state.next_seq() == 0 {
+        return last;
+    }
+    if let Ok(page) = api.record(state.next_seq() - 1).await {
+        last.verification = page.verification;
+        last.run.phase = page.run.phase.or(last.run.phase);
+    }
+    last
 }
 
 /// The run's status once finished: its phase is written with (or just

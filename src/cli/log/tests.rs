@@ -609,16 +609,31 @@ fn respond(s: &Served, path: &str, query: &BTreeMap<String, String>) -> axum::re
             json_response(200, s.keys.clone())
         }
         "/apis/log.agentrun.dev/v1alpha1" => json_response(200, json!({"kind": "APIResourceList"})),
-        p if p == format!("{RUNLOGS}r") && query.contains_key("follow") => {
-            follow_response(s, query["fromSeq"].parse().unwrap())
+        // A run whose log the reader may read, but not the run itself.
+        "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentruns/hidden" => {
+            json_response(403, status(403, "Forbidden", "alice cannot get agentruns"))
         }
-        p if p == format!("{RUNLOGS}r") => {
-            // Pages of two records; the token is the next seq.
-            let from: usize = query.get("continue").map_or(0, |t| t.parse().unwrap());
-            let to = (from + 2).min(s.log.len());
+        p if [format!("{RUNLOGS}r"), format!("{RUNLOGS}hidden")].contains(&p.to_string()) => {
+            if query.contains_key("follow") {
+                return follow_response(s, query["fromSeq"].parse().unwrap());
+            }
+            // Pages of two records (or `limit`); the token is the next seq.
+            let from: usize = match (query.get("continue"), query.get("fromSeq")) {
+                (Some(t), _) | (None, Some(t)) => t.parse().unwrap(),
+                (None, None) => 0,
+            };
+            let limit: usize = query.get("limit").map_or(2, |l| l.parse().unwrap()).min(2);
+            let to = (from + limit).min(s.log.len());
             let token = (to < s.log.len()).then(|| to.to_string());
             let mut p = page(&s.log[from..to], from as u64, token.as_deref());
             p.run.phase = Some("Succeeded".into());
+            let head = s.log.last().unwrap();
+            p.verification = Some(Verification {
+                head_hash: Some(head.hash.to_hex()),
+                head_length: head.seq + 1,
+                result: VERIFIED.into(),
+                message: String::new(),
+            });
             json_response(200, serde_json::to_value(p).unwrap())
         }
         p if p == format!("{RUNLOGS}secret") => json_response(
@@ -780,6 +795,51 @@ async fn log_f_resumes_after_a_drop_and_a_503_from_the_next_seq() {
     assert_eq!(seqs, [0, 1, 2, 3, 4, 5], "{out}");
     assert!(out.contains("verified: 6 records"), "{out}");
     assert_eq!(out.lines().last().unwrap(), "run r finished: Succeeded");
+}
+
+#[tokio::test]
+async fn a_reader_of_runlogs_only_is_verified_against_the_log_apis_head() {
+    let mut altered = chain(4);
+    altered[2].payload = json!({"text": "rewritten"});
+    for (records, ok) in [(chain(4), true), (altered, false)] {
+        let s = served(records);
+        let k = kube_for(serve(s).await);
+        let mut out = Vec::new();
+        let got = log(&k, "hidden", &SOURCE, false, &mut out).await;
+        let out = text(&out);
+        assert_eq!(got.is_ok(), ok, "{out}");
+        assert!(
+            out.contains("note: the head checked is the log API's word"),
+            "{out}"
+        );
+        if ok {
+            assert!(
+                out.contains("verified: 4 records, chain intact, ends at the recorded head"),
+                "{out}"
+            );
+        } else {
+            assert!(out.lines().any(|l| l.starts_with("!   2")), "{out}");
+        }
+    }
+    // Following: the head comes from the last record's page at the end.
+    let k = kube_for(serve(served(chain(5))).await);
+    let api = api::LogApi::new(k.client.clone(), "ns", "hidden");
+    let trust = run_trust(&k, "hidden").await.unwrap();
+    assert!(trust.is_err(), "the run itself is refused");
+    let mut out = Vec::new();
+    let fast = Retry::new(5, Duration::from_millis(10), Duration::from_millis(20));
+    follow::follow(&k, &api, "hidden", trust, keys(), fast, &mut out)
+        .await
+        .unwrap();
+    let out = text(&out);
+    assert!(
+        out.contains("verified: 5 records, chain intact, ends at the recorded head"),
+        "{out}"
+    );
+    assert_eq!(
+        out.lines().last().unwrap(),
+        "run hidden finished: Succeeded"
+    );
 }
 
 #[tokio::test]
