@@ -64,6 +64,12 @@ const NOT_EXERCISED: &[(&str, &str, &str, &str)] = &[
         "patch",
         "kube's Recorder patches an Event's series only when the same event repeats",
     ),
+    (
+        "agentrun.dev",
+        "agentruns",
+        "get",
+        "the log API reads the run whose log it serves; this install registers no APIService (the process node's pods have loopback addresses, which the aggregator cannot dial): tests/e2e_log_api.rs and tests/e2e_real_node_chart.rs read logs",
+    ),
 ];
 
 fn helm() -> PathBuf {
@@ -100,6 +106,12 @@ fn docs(yaml: &str) -> Vec<Value> {
 }
 
 fn helm_template(release: &str, ns: &str, values: &Value) -> Vec<Value> {
+    helm_template_with(release, ns, values, &[])
+}
+
+/// `helm template` with more arguments (`--dry-run=server`: the render sees
+/// the cluster, as `helm install` does).
+fn helm_template_with(release: &str, ns: &str, values: &Value, extra: &[&str]) -> Vec<Value> {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("values.json");
     std::fs::write(&file, values.to_string()).unwrap();
@@ -108,8 +120,15 @@ fn helm_template(release: &str, ns: &str, values: &Value) -> Vec<Value> {
             .current_dir(ROOT)
             .args(["template", release, "charts/agentrun", "--namespace", ns])
             .arg("--values")
-            .arg(&file),
+            .arg(&file)
+            .args(extra),
     ))
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} rendered"))
 }
 
 /// The step-token key the chart generated at install is the same after a
@@ -200,14 +219,71 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
     let ns = common::test_namespace(&client, "chart-dry").await;
     let release = common::unique_name("dry");
 
-    // Default values.
+    // Default values, as a render without the cluster must give them (the
+    // controller makes its serving certificate): the APIService and, helm
+    // template knowing no MutatingAdmissionPolicy, the requester-stamp webhook.
     let objs = helm_template(
         &release,
         ns.name(),
         &json!({"store": {"existingSecret": "agentrun-store"},
-                "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}}}),
+                "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}},
+                "servingCert": {"mode": "controller"}}),
     );
     assert!(objs.len() >= 12, "{} objects", objs.len());
+    for kind in ["APIService", "MutatingWebhookConfiguration"] {
+        assert!(objs.iter().any(|o| o["kind"] == kind), "{kind} rendered");
+    }
+    assert_all_applied(&dry_run_apply(&objs), &objs);
+
+    // servingCert.mode=chart where the render sees the cluster (helm
+    // install's render): a generated certificate whose CA is the caBundle of
+    // the APIService and of the webhook, both accepted by the API server.
+    let objs = helm_template_with(
+        &release,
+        ns.name(),
+        &json!({"store": {"existingSecret": "agentrun-store"},
+                "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}},
+                "crds": {"stampRequester": "webhook"}}),
+        &["--dry-run=server"],
+    );
+    let secret = find(&objs, "Secret", &format!("{release}-serving-cert"));
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    let ca = secret["data"]["ca.crt"].as_str().expect("ca.crt");
+    assert_eq!(
+        find(&objs, "APIService", "v1alpha1.log.agentrun.dev")["spec"]["caBundle"],
+        ca
+    );
+    assert_eq!(
+        find(
+            &objs,
+            "MutatingWebhookConfiguration",
+            &format!("{release}-requester-stamp")
+        )["webhooks"][0]["clientConfig"]["caBundle"],
+        ca
+    );
+    assert_all_applied(&dry_run_apply(&objs), &objs);
+
+    // servingCert.mode=certManager: the APIService and the webhook carry
+    // cainjector's annotation (cert-manager's own kinds are left out: this
+    // cluster has no cert-manager CRDs).
+    let objs = helm_template(
+        &release,
+        ns.name(),
+        &json!({"store": {"existingSecret": "agentrun-store"},
+                "controller": {"stepTokenKey": {"existingSecret": "agentrun-step-token-key"}},
+                "servingCert": {"mode": "certManager"}, "crds": {"stampRequester": "webhook"}}),
+    );
+    let (issued, objs): (Vec<Value>, Vec<Value>) = objs
+        .into_iter()
+        .partition(|o| o["apiVersion"] == "cert-manager.io/v1");
+    assert_eq!(issued.len(), 4, "two Issuers and two Certificates");
+    for kind in ["APIService", "MutatingWebhookConfiguration"] {
+        let o = objs.iter().find(|o| o["kind"] == kind).unwrap();
+        assert_eq!(
+            o["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+            format!("{}/{release}-serving-cert", ns.name()).as_str()
+        );
+    }
     assert_all_applied(&dry_run_apply(&objs), &objs);
 
     // Everything optional switched on (the ServiceMonitor needs the
@@ -219,6 +295,8 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         &json!({
             "watchNamespace": ns.name(),
             "controller": {"replicas": 3, "stepTokenKey": {"existingSecret": "token-key"}},
+            "servingCert": {"mode": "controller"},
+            "logApi": {"apiService": false, "readerRole": {"name": format!("{release}-log-reader")}},
             "postgresql": {"enabled": true, "password": "e2e"},
             "modelSecrets": [{"name": "openai", "stringData": {"apiKey": "sk-x"}}],
             "metrics": {"serviceMonitor": {"enabled": true}},
@@ -259,6 +337,8 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         "ClusterRole",
         "Deployment",
         "ServiceAccount",
+        "APIService",
+        "MutatingWebhookConfiguration",
     ] {
         assert!(
             objs.iter().any(|o| o["kind"] == kind),
@@ -274,6 +354,16 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         plain
             .iter()
             .any(|o| o["kind"] == "Namespace" && o["metadata"]["name"] == "agentrun-system")
+    );
+    // The log API's authentication reader stays in kube-system (config/default
+    // has no namespace transformer to move it).
+    assert_eq!(
+        find(
+            &plain,
+            "RoleBinding",
+            "agentrun-agentrun-system-controller-auth-reader"
+        )["metadata"]["namespace"],
+        "kube-system"
     );
 }
 
@@ -417,8 +507,16 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         .local_addr()
         .unwrap()
         .port();
+    // The process node runs no secret volumes and its pods' addresses are
+    // loopback, which neither the aggregator nor a webhook call can reach:
+    // the controller makes its serving certificate (servingCert.mode
+    // controller, exercising that RBAC), no APIService is registered (it is
+    // one per cluster; tests/e2e_log_api.rs registers its own) and requesters
+    // are stamped by the policy applied above, not the webhook.
     let values = json!({
-        "crds": {"install": false},
+        "crds": {"install": false, "stampRequester": "false"},
+        "servingCert": {"mode": "controller"},
+        "logApi": {"apiService": false, "readerRole": {"name": format!("{release}-log-reader")}},
         "watchNamespace": ns,
         "store": {"url": store_url},
         "modelSecrets": [{"name": "model-api-key", "stringData": {"apiKey": "sk-e2e-not-a-real-key"}}],
@@ -430,6 +528,7 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
             // step pods, local processes too, reach instead of the Service.
             "extraArgs": [
                 "--metrics-addr=127.0.0.1:0",
+                "--serving-addr=127.0.0.1:0",
                 format!("--step-api-addr=127.0.0.1:{gateway_port}"),
                 format!("--step-api-url=http://127.0.0.1:{gateway_port}")
             ]
@@ -474,6 +573,26 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         assert_eq!(
             spec.service_account_name.as_deref(),
             Some("agentrun-controller")
+        );
+    }
+
+    // The serving certificate the replicas made (one Secret: the replica
+    // that lost the race to create it read the other's).
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let serving_cert =
+        common::wait_for("the controller's serving certificate", TIMEOUT, || async {
+            secrets
+                .get_opt(&format!("{release}-serving-cert"))
+                .await
+                .ok()?
+        })
+        .await;
+    assert_eq!(serving_cert.type_.as_deref(), Some("kubernetes.io/tls"));
+    let data = serving_cert.data.unwrap_or_default();
+    for key in ["tls.crt", "tls.key", "ca.crt"] {
+        assert!(
+            std::str::from_utf8(&data[key].0).is_ok_and(|pem| pem.contains("-----BEGIN ")),
+            "{key} is PEM"
         );
     }
 
@@ -796,13 +915,16 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
         "the controller wrote run status as {user}: {used:?}"
     );
     // The only Secrets the controller touches: the runs' step credentials
-    // (named by run uid); the shared store Secret is gone.
+    // (named by run uid; the shared store Secret is gone) and its serving
+    // certificate.
+    let serving_secret = format!("{release}-serving-cert");
     assert!(
         !secret_names.is_empty()
             && secret_names
                 .iter()
                 // (a create's audit entry may carry no name)
                 .all(|n| n.is_empty()
+                    || *n == serving_secret
                     || (n.starts_with("agentrun-step-") && n != "agentrun-step-store")),
         "the controller touched other Secrets: {secret_names:?}"
     );
@@ -819,12 +941,13 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
     let cluster_role = role_json("clusterrole", &format!("{release}-{ns}-controller"), None);
     let lease_role = role_json("role", &format!("{release}-leader-election"), Some(&ns));
     let keys_role = role_json("role", &format!("{release}-controller-keys"), Some(&ns));
-    for role in [&cluster_role, &lease_role, &keys_role] {
+    let cert_role = role_json("role", &format!("{release}-serving-cert"), Some(&ns));
+    let rows = |role: &Value, into: &mut BTreeSet<(String, String, String)>| {
         for rule in role["rules"].as_array().unwrap() {
             for g in rule["apiGroups"].as_array().unwrap() {
                 for r in rule["resources"].as_array().unwrap() {
                     for v in rule["verbs"].as_array().unwrap() {
-                        granted.insert((
+                        into.insert((
                             g.as_str().unwrap().into(),
                             r.as_str().unwrap().into(),
                             v.as_str().unwrap().into(),
@@ -833,8 +956,27 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
                 }
             }
         }
+    };
+    for role in [&cluster_role, &lease_role, &keys_role, &cert_role] {
+        rows(role, &mut granted);
     }
-    let missing: Vec<_> = used.difference(&granted).collect();
+    // The built-in roles the chart binds for the log API (SubjectAccessReviews;
+    // the front-proxy CA in kube-system): what the controller calls through
+    // them is granted, but they are Kubernetes' and grant more than it uses.
+    let mut granted_built_in = granted.clone();
+    rows(
+        &role_json("clusterrole", "system:auth-delegator", None),
+        &mut granted_built_in,
+    );
+    rows(
+        &role_json(
+            "role",
+            "extension-apiserver-authentication-reader",
+            Some("kube-system"),
+        ),
+        &mut granted_built_in,
+    );
+    let missing: Vec<_> = used.difference(&granted_built_in).collect();
     assert!(missing.is_empty(), "called but not granted: {missing:?}");
     let excused: BTreeSet<(String, String, String)> = NOT_EXERCISED
         .iter()

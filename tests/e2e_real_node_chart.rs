@@ -215,7 +215,9 @@ impl Drop for Release {
 /// every run installs the chart as a fresh cluster does.
 fn forget_earlier_releases(ns: &str) {
     let kinds = "customresourcedefinitions,validatingadmissionpolicies,validatingadmissionpolicybindings,\
-                 mutatingadmissionpolicies,mutatingadmissionpolicybindings,clusterroles,clusterrolebindings";
+                 clusterroles,clusterrolebindings,apiservices,mutatingwebhookconfigurations";
+    // (MutatingAdmissionPolicy is off on the real node: not listed, or the
+    // get would fail on a kind the API server does not serve.)
     let listed: Value =
         serde_json::from_str(&common::kubectl(&["get", kinds, "-o", "json"])).unwrap();
     for item in listed["items"].as_array().unwrap() {
@@ -323,6 +325,243 @@ fn confinement(pid: u32) -> Confinement {
 
 fn model_turns(request: &Value) -> usize {
     request["messages"].as_array().map_or(0, Vec::len)
+}
+
+/// `kubectl --context CONTEXT ARGS` (the test kubeconfig has a context per
+/// test user), with a discovery cache of its own (one from before the
+/// APIService was available would hide the group): (success, stdout, stderr).
+fn kubectl_as(context: &str, args: &[&str]) -> (bool, String, String) {
+    let cache = tempfile::tempdir().unwrap();
+    let out = Command::new("kubectl")
+        .args(["--context", context, "--cache-dir"])
+        .arg(cache.path())
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running kubectl {args:?}: {e}"));
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A client authenticated as ServiceAccount `sa` of `ns` by a token the
+/// API server issued it (TokenRequest), as a GitOps controller would be.
+async fn client_as_service_account(ns: &str, sa: &str) -> kube::Client {
+    let token = common::kubectl(&["create", "token", sa, "-n", ns, "--duration=10m"]);
+    let mut config = kube::Config::infer().await.expect("the test kubeconfig");
+    config.auth_info = serde_json::from_value(json!({"token": token.trim()})).unwrap();
+    kube::Client::try_from(config).expect("a client with the token")
+}
+
+fn requester_of(run: &AgentRun) -> Option<String> {
+    run.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(agentrun::api::REQUESTER_ANNOTATION).cloned())
+}
+
+/// A run of an Agent that does not exist: nothing runs, its requester is
+/// what is looked at.
+fn idle_run(name: &str, requester: Option<&str>) -> AgentRun {
+    let mut run = json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": name, "labels": {"e2e": "requester"}},
+        "spec": {"input": "Nothing to do.", "agentRef": {"name": "no-such-agent"}}
+    });
+    if let Some(r) = requester {
+        run["metadata"]["annotations"] = json!({"agentrun.dev/requester": r});
+    }
+    serde_json::from_value(run).unwrap()
+}
+
+/// With MutatingAdmissionPolicy off (the real node's API server), the chart
+/// (`crds.stampRequester: auto`) installed the controller's webhook: runs
+/// created by alice, bob and a ServiceAccount carry each creator's name
+/// without anybody writing it; a create naming somebody else is refused; a
+/// server-side apply whose manifest never named the requester keeps it.
+async fn the_webhook_stamps_every_creator(client: &kube::Client, ns: &str) {
+    assert!(
+        !common::serves_mutating_policies(client).await,
+        "this test checks the webhook path: start the real node with MutatingAdmissionPolicy off (the default there; AGENTRUN_MUTATING_ADMISSION_POLICY=off)"
+    );
+    let hook: Value = serde_json::from_str(&common::kubectl(&[
+        "get",
+        "mutatingwebhookconfiguration",
+        &format!("{RELEASE}-requester-stamp"),
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    assert!(
+        hook["webhooks"][0]["clientConfig"]["caBundle"].is_string(),
+        "the chart's CA in the webhook: {hook}"
+    );
+
+    // Who may create runs here: alice, bob and a GitOps ServiceAccount.
+    common::kubectl(&["create", "serviceaccount", "gitops", "-n", ns]);
+    common::kubectl(&[
+        "create",
+        "role",
+        "run-creators",
+        "-n",
+        ns,
+        "--verb=create,get,patch",
+        "--resource=agentruns.agentrun.dev",
+    ]);
+    common::kubectl(&[
+        "create",
+        "rolebinding",
+        "run-creators",
+        "-n",
+        ns,
+        "--role=run-creators",
+        "--user=alice",
+        "--user=bob",
+        &format!("--serviceaccount={ns}:gitops"),
+    ]);
+    let sa_user = format!("system:serviceaccount:{ns}:gitops");
+    let creators = [
+        ("alice", common::client_as("alice").await),
+        ("bob", common::client_as("bob").await),
+        (
+            sa_user.as_str(),
+            client_as_service_account(ns, "gitops").await,
+        ),
+    ];
+    let admin_runs: Api<AgentRun> = Api::namespaced(client.clone(), ns);
+    for (i, (user, creator)) in creators.iter().enumerate() {
+        let runs: Api<AgentRun> = Api::namespaced(creator.clone(), ns);
+        let name = format!("stamped-{i}");
+        // RBAC takes a moment to reach the authorizer's cache.
+        let created = common::wait_for(&format!("{user} to create {name}"), TIMEOUT, || async {
+            runs.create(&PostParams::default(), &idle_run(&name, None))
+                .await
+        })
+        .await;
+        assert_eq!(
+            requester_of(&created).as_deref(),
+            Some(*user),
+            "{name}: {:?}",
+            created.metadata
+        );
+        let stored = admin_runs.get(&name).await.unwrap();
+        assert_eq!(
+            requester_of(&stored).as_deref(),
+            Some(*user),
+            "{name} as stored"
+        );
+    }
+
+    // Naming somebody else is refused, naming both.
+    let alice_runs: Api<AgentRun> = Api::namespaced(creators[0].1.clone(), ns);
+    let refused = alice_runs
+        .create(&PostParams::default(), &idle_run("forged", Some("bob")))
+        .await;
+    match refused {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 403, "{e:?}");
+            assert!(
+                e.message
+                    .contains("metadata.annotations[agentrun.dev/requester]")
+                    && e.message.contains("(alice)")
+                    && e.message.contains("bob"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("a run naming bob, created by alice, was not refused: {other:?}"),
+    }
+    assert!(admin_runs.get_opt("forged").await.unwrap().is_none());
+
+    // A server-side apply (as GitOps tools do) that never names the
+    // requester: created stamped, and re-applied with a change it keeps it.
+    let apply = |label: &str| {
+        let mut run = serde_json::to_value(idle_run("applied", None)).unwrap();
+        run["metadata"]["labels"]["revision"] = json!(label);
+        run
+    };
+    let pp = kube::api::PatchParams::apply("gitops-e2e");
+    for revision in ["1", "2"] {
+        let applied = alice_runs
+            .patch("applied", &pp, &kube::api::Patch::Apply(apply(revision)))
+            .await
+            .unwrap_or_else(|e| panic!("server-side apply, revision {revision}: {e}"));
+        assert_eq!(
+            requester_of(&applied).as_deref(),
+            Some("alice"),
+            "revision {revision}"
+        );
+    }
+}
+
+/// The log API through the aggregation layer, served by the chart's
+/// replicas: alice, once bound to `agentrun-log-reader` in the namespace,
+/// reads a run's records with `kubectl get --raw`; carol, bound to nothing,
+/// is refused (403), as alice was before her binding.
+async fn the_log_api_serves_bound_readers_only(ns: &str, run: &str) {
+    common::wait_for(
+        "the log API's APIService to be Available",
+        TIMEOUT,
+        || async {
+            let out = Command::new("kubectl")
+                .args([
+                    "get",
+                    "apiservice",
+                    "v1alpha1.log.agentrun.dev",
+                    "-o",
+                    "json",
+                ])
+                .output()
+                .ok()?;
+            let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+            v["status"]["conditions"]
+                .as_array()?
+                .iter()
+                .any(|c| c["type"] == "Available" && c["status"] == "True")
+                .then_some(())
+        },
+    )
+    .await;
+    let path = format!("/apis/log.agentrun.dev/v1alpha1/namespaces/{ns}/runlogs/{run}");
+    let refused = |who: &str| {
+        let (ok, stdout, stderr) = kubectl_as(who, &["get", "--raw", &path]);
+        assert!(!ok, "{who} read {path} without a binding:\n{stdout}");
+        assert!(
+            stderr.contains("Forbidden") && stderr.contains("runlogs"),
+            "{who}: a 403 naming the resource, got:\n{stderr}"
+        );
+    };
+    refused("alice");
+    refused("carol");
+
+    common::kubectl(&[
+        "create",
+        "rolebinding",
+        "alice-logs",
+        "-n",
+        ns,
+        "--clusterrole=agentrun-log-reader",
+        "--user=alice",
+    ]);
+    let log: Value = common::wait_for("alice to read the run's log", TIMEOUT, || async {
+        let (ok, stdout, stderr) = kubectl_as("alice", &["get", "--raw", &path]);
+        if ok {
+            serde_json::from_str::<Value>(&stdout).map_err(|e| format!("{e}: {stdout}"))
+        } else {
+            Err(stderr)
+        }
+    })
+    .await;
+    assert_eq!(log["kind"], "RunLog", "{log}");
+    assert_eq!(log["metadata"]["name"], run);
+    let records = log["records"].as_array().expect("records");
+    assert!(records.len() >= 3, "a finished run's records: {log}");
+    // In order.
+    let seqs: Vec<u64> = records.iter().filter_map(|r| r["seq"].as_u64()).collect();
+    assert_eq!(seqs.len(), records.len(), "every record has its seq: {log}");
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    refused("carol");
 }
 
 #[tokio::test]
@@ -488,9 +727,17 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     // by Service name.
     let run = wait_phase(&runs, &ns, "refund-order-1042", Phase::Succeeded).await;
     assert_eq!(
-        run.status.unwrap().result.as_deref(),
+        run.status.clone().unwrap().result.as_deref(),
         Some("Refunded 40.00 for order 1042.")
     );
+    // The sample names no requester: the webhook stamped the admin's name.
+    assert!(
+        requester_of(&run).is_some(),
+        "{:?}",
+        run.metadata.annotations
+    );
+    the_webhook_stamps_every_creator(&client, &ns).await;
+    the_log_api_serves_bound_readers_only(&ns, "refund-order-1042").await;
 
     // The step container killed while it waits for the model's second
     // answer: read its confinement from the kernel, then SIGKILL it.
