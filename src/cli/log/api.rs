@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::{AsyncBufReadExt as _, Stream};
 use kube::core::Status;
 
-use crate::api::runlog::{DEFAULT_PAGE, LOG_GROUP, LOG_VERSION, RUNLOGS, RunLog};
+use crate::api::runlog::{LOG_GROUP, LOG_VERSION, MAX_PAGE, RUNLOGS, RunLog};
 
 /// Lines of a follow stream (each a `WatchEvent`); an error is a dropped
 /// connection.
@@ -55,7 +55,8 @@ impl LogApi {
     /// The path of the page after `token` (the first without one).
     pub fn page_path(&self, token: Option<&str>) -> String {
         let mut q = url::form_urlencoded::Serializer::new(String::new());
-        q.append_pair("limit", &DEFAULT_PAGE.to_string());
+        // The largest page the server gives: a long log in few round trips.
+        q.append_pair("limit", &MAX_PAGE.to_string());
         if let Some(t) = token {
             q.append_pair("continue", t);
         }
@@ -193,9 +194,13 @@ pub fn refused(s: &Status, verb: &str, ns: &str) -> String {
             "you may not {verb} runlogs in namespace {ns} (ask for the agentrun-log-reader role): {message}"
         ),
         401 => format!("the API server did not accept your credentials: {message}"),
+        code if code >= 500 => format!(
+            "the log API failed ({code} {}): {message}",
+            crate::cli::visible(&s.reason)
+        ),
         code => format!(
             "the log API refused the request ({code} {}): {message}",
-            s.reason
+            crate::cli::visible(&s.reason)
         ),
     }
 }

@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::api::runlog::{RunLog, VERIFIED};
+use crate::api::runlog::{RunLog, VERIFIED, Verification};
 use crate::api::{AgentRun, Phase};
 use crate::store::audit::{Audit, SignedRecord};
 use crate::store::{Hash, Head, Record, RecordVerifier, SignatureRules};
@@ -114,6 +114,8 @@ pub struct Pages {
     pub records: Vec<Record>,
     /// The last page, without its records (the run's state as last read).
     pub last: Option<RunLog>,
+    /// The first page the server's own check failed on.
+    pub failed: Option<Verification>,
 }
 
 impl Pages {
@@ -143,6 +145,9 @@ impl Pages {
             ));
         }
         self.records.append(&mut page.records);
+        if self.failed.is_none() {
+            self.failed = page.verification.clone().filter(|v| v.result != VERIFIED);
+        }
         self.last = Some(page);
         Ok(token)
     }
@@ -467,20 +472,23 @@ pub fn judge(
     Ok(checker.verdict())
 }
 
-/// Whether what the server said it checked contradicts the plugin's verdict
-/// (worth telling: the server and the plugin saw different logs).
-pub fn server_disagrees(log: &RunLog, verdict: &Verdict) -> Option<String> {
-    let v = log.verification.as_ref()?;
-    let server_ok = v.result == VERIFIED;
-    (server_ok != verdict.ok()).then(|| {
-        format!(
-            "the log API said {}{}",
-            v.result,
-            if v.message.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", v.message)
-            }
-        )
-    })
+/// What the server said of its own check, when it is worth telling: a
+/// failure (its message names what it found, e.g. a record it could not
+/// send), or a success this check does not share (the log changed on its
+/// way here, or the server is wrong).
+pub fn server_said(v: Option<&Verification>, verdict: &Verdict) -> Option<String> {
+    let v = v?;
+    let message = if v.message.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", v.message)
+    };
+    match (v.result == VERIFIED, verdict.ok()) {
+        (false, _) => Some(format!("the log API's own check: {}{message}", v.result)),
+        (true, false) => Some(
+            "the log API's own check passed: the log changed between the server and here, or the server is wrong"
+                .into(),
+        ),
+        (true, true) => None,
+    }
 }

@@ -166,7 +166,11 @@ fn judge_pages(
     if let Some(problem) = other_run(&uid, served_uid.as_deref()) {
         verdict.global.push(problem);
     }
-    if let Some(note) = last.and_then(|l| check::server_disagrees(l, &verdict)) {
+    let server = pages
+        .failed
+        .as_ref()
+        .or(last.and_then(|l| l.verification.as_ref()));
+    if let Some(note) = check::server_said(server, &verdict) {
         verdict.notes.push(note);
     }
     Ok(verdict)

@@ -327,7 +327,35 @@ fn clone(p: &Pages) -> Pages {
     Pages {
         records: p.records.clone(),
         last: p.last.clone(),
+        failed: p.failed.clone(),
     }
+}
+
+#[test]
+fn a_record_the_server_could_not_send_leaves_the_log_unverified_with_its_reason() {
+    // The store could not decode record 2: the server sends the page
+    // before it, then an empty last page saying why.
+    let log = chain(4);
+    let mut pages = Pages::default();
+    pages.push(page(&log[0..2], 0, Some("t2"))).unwrap();
+    let mut empty = page(&[], 2, None);
+    empty.verification = Some(Verification {
+        head_hash: Some(log[3].hash.to_hex()),
+        head_length: 4,
+        result: crate::api::runlog::FAILED.into(),
+        message: "record 2 cannot be read as a record".into(),
+    });
+    assert_eq!(pages.push(empty).unwrap(), None);
+    let verdict = judge_pages(&pages, Ok(trust(&log, 4, "Succeeded")), keys()).unwrap();
+    assert!(!verdict.ok());
+    assert!(
+        verdict.global[0].contains("records are missing"),
+        "{verdict:?}"
+    );
+    assert!(
+        verdict.notes[0].contains("Failed: record 2 cannot be read as a record"),
+        "{verdict:?}"
+    );
 }
 
 #[test]
@@ -769,6 +797,11 @@ async fn log_marks_a_record_altered_between_the_store_and_the_screen() {
     );
     assert!(
         out.lines().last().unwrap().starts_with("NOT VERIFIED"),
+        "{out}"
+    );
+    // The server's claim does not make it verified; it is told beside.
+    assert!(
+        out.contains("note: the log API's own check passed"),
         "{out}"
     );
     assert!(!out.contains("verified:"), "{out}");
