@@ -135,3 +135,90 @@ fn every_wait_in_the_scripts_has_a_deadline() {
         }
     }
 }
+
+/// Runs `script` in bash with e2e/cluster sourced (its functions, no
+/// command), its state in a fresh temporary directory; returns stdout.
+fn with_cluster_functions(script: &str, env: &[(&str, &str)]) -> String {
+    let state = tempfile::tempdir().expect("temp dir");
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(". e2e/cluster\n{script}"))
+        .current_dir(root())
+        .env("AGENTRUN_CLUSTER_DIR", state.path())
+        .env_remove("AGENTRUN_NODE")
+        .env_remove("AGENTRUN_MUTATING_ADMISSION_POLICY")
+        .envs(env.iter().copied())
+        .output()
+        .expect("running bash");
+    assert!(
+        out.status.success(),
+        "{script}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+#[test]
+fn the_cluster_has_a_front_proxy_ca_of_its_own_whose_client_the_api_server_presents() {
+    let out = with_cluster_functions(
+        "mkdir -p \"$STATE\" && make_pki >/dev/null\n\
+         openssl verify -CAfile \"$PKI/front-proxy-ca.crt\" \"$PKI/front-proxy-client.crt\"\n\
+         openssl verify -CAfile \"$PKI/ca.crt\" \"$PKI/front-proxy-client.crt\" 2>&1 || echo not-by-the-cluster-ca\n\
+         openssl x509 -in \"$PKI/front-proxy-client.crt\" -noout -subject -ext extendedKeyUsage\n\
+         echo \"flags: ${AGGREGATION_FLAGS[*]}\"",
+        &[],
+    );
+    assert!(
+        out.contains("front-proxy-client.crt: OK"),
+        "signed by the front-proxy CA:\n{out}"
+    );
+    assert!(
+        out.contains("not-by-the-cluster-ca"),
+        "a person's CA must not sign it:\n{out}"
+    );
+    assert!(
+        out.contains("CN = front-proxy-client") && out.contains("TLS Web Client Authentication"),
+        "{out}"
+    );
+    let flags = out.lines().find_map(|l| l.strip_prefix("flags: ")).unwrap();
+    for flag in [
+        "--requestheader-client-ca-file",
+        "--requestheader-allowed-names front-proxy-client",
+        "--requestheader-username-headers X-Remote-User",
+        "--requestheader-group-headers X-Remote-Group",
+        "--requestheader-extra-headers-prefix X-Remote-Extra-",
+        "--proxy-client-cert-file",
+        "--proxy-client-key-file",
+        "--enable-aggregator-routing=true",
+    ] {
+        assert!(flags.contains(flag), "the API server gets {flag}: {flags}");
+    }
+}
+
+#[test]
+fn mutating_admission_policy_is_on_for_the_process_node_and_off_for_the_real_node_unless_told() {
+    let flags = |kind: &str, knob: Option<&str>| {
+        let mut env = vec![("AGENTRUN_NODE", kind)];
+        if let Some(knob) = knob {
+            env.push(("AGENTRUN_MUTATING_ADMISSION_POLICY", knob));
+        }
+        with_cluster_functions("admission_flags; echo \"${ADMISSION_FLAGS[*]}\"", &env)
+    };
+    let served = |f: &str| {
+        f.contains(",MutatingAdmissionPolicy,")
+            && f.contains("--feature-gates MutatingAdmissionPolicy=true")
+            && f.contains("admissionregistration.k8s.io/v1beta1=true")
+    };
+    assert!(served(&flags("process", None)), "process node: on");
+    assert!(!served(&flags("real", None)), "real node: off");
+    assert!(!flags("real", None).contains("MutatingAdmissionPolicy"));
+    assert!(!served(&flags("process", Some("off"))), "told off");
+    assert!(served(&flags("real", Some("on"))), "told on");
+    for f in [flags("process", None), flags("real", None)] {
+        assert!(
+            f.contains("MutatingAdmissionWebhook") && f.contains("ValidatingAdmissionPolicy"),
+            "webhooks and validating policies either way: {f}"
+        );
+    }
+}
