@@ -69,9 +69,22 @@ impl LogApi {
         format!("{}?limit=1&fromSeq={seq}", self.path())
     }
 
-    /// The path of a follow stream from `from_seq` on.
+    /// The path of a follow stream from `from_seq` on: the collection's
+    /// watch of this one run, which the API server knows as a long-running
+    /// request (verb `watch`). The named `?follow=true` form is an ordinary
+    /// `get` to it, cut at its request timeout (60 s by default), which
+    /// would make a run waiting for a person reconnect every minute.
     pub fn follow_path(&self, from_seq: u64) -> String {
-        format!("{}?follow=true&fromSeq={from_seq}", self.path())
+        let mut q = url::form_urlencoded::Serializer::new(String::new());
+        q.append_pair("watch", "true");
+        q.append_pair("fieldSelector", &format!("metadata.name={}", self.run));
+        q.append_pair("fromSeq", &from_seq.to_string());
+        format!(
+            "{}/namespaces/{}/{RUNLOGS}?{}",
+            group_path(),
+            segment(&self.ns),
+            q.finish()
+        )
     }
 
     /// One page of the log.
@@ -152,7 +165,17 @@ fn group_path() -> String {
 /// A name as one path segment (names are DNS labels; anything else a user
 /// typed cannot reach another path).
 fn segment(s: &str) -> String {
-    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+    // RFC 3986 unreserved characters stay as they are.
+    const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    match s {
+        // Not a name, a step up or in place: kept from resolving.
+        "." | ".." => s.replace('.', "%2E"),
+        _ => percent_encoding::utf8_percent_encode(s, SEGMENT).to_string(),
+    }
 }
 
 fn get(path: &str) -> Result<hyper::Request<Vec<u8>>, Failure> {

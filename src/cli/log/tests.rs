@@ -641,10 +641,15 @@ fn respond(s: &Served, path: &str, query: &BTreeMap<String, String>) -> axum::re
         "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentruns/hidden" => {
             json_response(403, status(403, "Forbidden", "alice cannot get agentruns"))
         }
+        // The follow stream: the collection's watch of one run.
+        "/apis/log.agentrun.dev/v1alpha1/namespaces/ns/runlogs"
+            if query.get("watch").is_some_and(|w| w == "true")
+                && ["metadata.name=r", "metadata.name=hidden"]
+                    .contains(&query["fieldSelector"].as_str()) =>
+        {
+            follow_response(s, query["fromSeq"].parse().unwrap())
+        }
         p if [format!("{RUNLOGS}r"), format!("{RUNLOGS}hidden")].contains(&p.to_string()) => {
-            if query.contains_key("follow") {
-                return follow_response(s, query["fromSeq"].parse().unwrap());
-            }
             // Pages of two records (or `limit`); the token is the next seq.
             let from: usize = match (query.get("continue"), query.get("fromSeq")) {
                 (Some(t), _) | (None, Some(t)) => t.parse().unwrap(),
@@ -931,4 +936,34 @@ async fn a_missing_log_api_points_to_store_url() {
         e.to_string().contains("is not installed") && e.to_string().contains("--store-url"),
         "{e}"
     );
+}
+
+#[tokio::test]
+async fn requests_name_the_run_and_where_to_resume() {
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+    let api = api::LogApi::new(client, "team-a", "refund-1042");
+    assert_eq!(
+        api.page_path(Some("eyJz+/=")),
+        "/apis/log.agentrun.dev/v1alpha1/namespaces/team-a/runlogs/refund-1042?limit=5000&continue=eyJz%2B%2F%3D"
+    );
+    assert_eq!(
+        api.follow_path(17),
+        "/apis/log.agentrun.dev/v1alpha1/namespaces/team-a/runlogs?watch=true&fieldSelector=metadata.name%3Drefund-1042&fromSeq=17"
+    );
+    assert!(
+        api.record_path(4)
+            .ends_with("/runlogs/refund-1042?limit=1&fromSeq=4")
+    );
+    // A name typed with a path in it stays one segment.
+    let odd = api::LogApi::new(api_client(), "ns", "../../x?y");
+    assert!(
+        odd.path().ends_with("/runlogs/..%2F..%2Fx%3Fy"),
+        "{}",
+        odd.path()
+    );
+}
+
+fn api_client() -> kube::Client {
+    kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap()
 }
