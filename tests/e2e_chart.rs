@@ -235,6 +235,8 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
     }
     assert_all_applied(&dry_run_apply(&objs), &objs);
 
+    // (The release name lacks "agentrun": objects are named <release>-agentrun-….)
+    let fullname = format!("{release}-agentrun");
     // servingCert.mode=chart where the render sees the cluster (helm
     // install's render): a generated certificate whose CA is the caBundle of
     // the APIService and of the webhook, both accepted by the API server.
@@ -246,7 +248,7 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
                 "crds": {"stampRequester": "webhook"}}),
         &["--dry-run=server"],
     );
-    let secret = find(&objs, "Secret", &format!("{release}-serving-cert"));
+    let secret = find(&objs, "Secret", &format!("{fullname}-serving-cert"));
     assert_eq!(secret["type"], "kubernetes.io/tls");
     let ca = secret["data"]["ca.crt"].as_str().expect("ca.crt");
     assert_eq!(
@@ -257,7 +259,7 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         find(
             &objs,
             "MutatingWebhookConfiguration",
-            &format!("{release}-requester-stamp")
+            &format!("{fullname}-requester-stamp")
         )["webhooks"][0]["clientConfig"]["caBundle"],
         ca
     );
@@ -281,7 +283,7 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         let o = objs.iter().find(|o| o["kind"] == kind).unwrap();
         assert_eq!(
             o["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
-            format!("{}/{release}-serving-cert", ns.name()).as_str()
+            format!("{}/{fullname}-serving-cert", ns.name()).as_str()
         );
     }
     assert_all_applied(&dry_run_apply(&objs), &objs);
@@ -473,6 +475,8 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
                 "store.existingSecret=x",
                 "--set",
                 "controller.stepTokenKey.existingSecret=x",
+                "--set",
+                "servingCert.mode=controller",
                 "--show-only",
                 "templates/crds.yaml",
             ]),
