@@ -37,10 +37,12 @@ pub async fn log(
 ) -> anyhow::Result<()> {
     match (source.store_url, follow) {
         (Some(url), false) => log_from_store(k, run, url, out).await,
-        (Some(_), true) => bail!(
-            "log -f follows through the log API: leave out --store-url (and AGENTRUN_STORE_URL)"
-        ),
-        (None, true) => {
+        (store_url, true) => {
+            if store_url.is_some() {
+                // AGENTRUN_STORE_URL may sit in an administrator's
+                // environment: following still works, through the API.
+                eprintln!("note: log -f follows through the log API; --store-url is not used");
+            }
             let api = LogApi::new(k.client.clone(), &k.ns, run);
             let trust = run_trust(k, run).await?;
             let keys = keys(k, source.controller_namespace).await;
