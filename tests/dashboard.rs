@@ -673,6 +673,8 @@ fn render(values: &Value) -> Result<Vec<Value>, String> {
 fn with_store(mut values: Value) -> Value {
     values["store"] = json!({"existingSecret": "agentrun-store"});
     values["controller"]["stepTokenKey"] = json!({"existingSecret": "agentrun-step-token-key"});
+    // A render without the cluster cannot keep a chart-made certificate.
+    values["servingCert"] = json!({"mode": "controller"});
     values
 }
 

@@ -32,12 +32,15 @@ pub enum Answer {
     Denied(String),
 }
 
+/// Answers remembered, with when they were given.
+type Answers = HashMap<(User, Question), (Answer, Instant)>;
+
 /// Asks SubjectAccessReviews, remembering answers for `ttl`.
 #[derive(Clone)]
 pub struct Authorizer {
     client: kube::Client,
     ttl: Duration,
-    cache: Arc<Mutex<HashMap<(User, Question), (Answer, Instant)>>>,
+    cache: Arc<Mutex<Answers>>,
 }
 
 /// Answers remembered at most; the cache is emptied when it is full (a
