@@ -501,6 +501,7 @@ async fn follow_of_a_run_deleted_meanwhile_ends_with_an_error_naming_the_deletio
 async fn a_record_rewritten_by_the_database_superuser_fails_verification_naming_its_seq() {
     let api = LogApiWorld::start("logtamper").await;
     let ns = api.ns();
+    log_api::grant_reader(&api.world.client, ns, "alice").await;
     let run = finished_run(&api, "altered").await;
     let uid = uid_of(&run);
     let stored = log_api::stored_records(&uid).await;
@@ -531,12 +532,140 @@ async fn a_record_rewritten_by_the_database_superuser_fails_verification_naming_
         names_number(&verification.message, target),
         "the message names record {target}: {verification:?}"
     );
+
+    // The plugin checks on its own: `verify` fails naming the record, `log`
+    // prints the log with that record marked and says it is not verified.
+    let verify = log_api::plugin_as("alice", ns, &["verify", "altered"], PLUGIN_WITHIN).await;
+    assert!(
+        !verify.ok,
+        "verify of an altered log passed:\n{}",
+        verify.stdout
+    );
+    assert!(
+        verify
+            .stdout
+            .lines()
+            .any(|l| l.starts_with("FAILED") && names_number(l, target)),
+        "a FAILED line names record {target}:\n{}",
+        verify.stdout
+    );
+    let log = log_api::plugin_as("alice", ns, &["log", "altered"], PLUGIN_WITHIN).await;
+    assert!(!log.ok, "log of an altered log passed:\n{}", log.stdout);
+    let marked: Vec<u64> = log_api::plugin_records(&log.stdout)
+        .iter()
+        .filter(|l| l.marked)
+        .map(|l| l.seq)
+        .collect();
+    assert!(
+        marked.contains(&target),
+        "record {target} marked !:\n{}",
+        log.stdout
+    );
+    assert!(log.stdout.contains("NOT VERIFIED"), "{}", log.stdout);
+    assert!(!log.stdout.contains("verified: "), "{}", log.stdout);
 }
 
-// The plugin through the API (`kubectl agentrun log RUN`, `log -f RUN`,
-// `verify RUN` with the user's kubeconfig, no --store-url) belongs here, on
-// the same registration: alice's `log` prints every record and the final
-// phase; `verify` of the run of
-// `a_record_rewritten_by_the_database_superuser_fails_verification_naming_its_seq`
-// fails naming the seq and `log` marks it. To be added once
-// `kubectl-agentrun log --help` no longer requires `--store-url`.
+/// The plugin's deadline for a finished run's log.
+const PLUGIN_WITHIN: Duration = Duration::from_secs(60);
+
+/// seqs and kinds of records, as the plugin prints them.
+fn printed(records: &[Record]) -> Vec<(u64, String)> {
+    records
+        .iter()
+        .map(|r| (r.seq, r.kind.as_str().to_string()))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_plugin_reads_and_verifies_a_finished_run_through_the_api_for_a_bound_reader_only() {
+    let api = LogApiWorld::start("logplugin").await;
+    let ns = api.ns();
+    log_api::grant_reader(&api.world.client, ns, "alice").await;
+    let run = finished_run(&api, "audited").await;
+    let stored = log_api::stored_records(&uid_of(&run)).await;
+
+    let log = log_api::plugin_as("alice", ns, &["log", "audited"], PLUGIN_WITHIN).await;
+    assert!(
+        log.ok,
+        "kubectl agentrun log as alice:\n{}{}",
+        log.stdout, log.stderr
+    );
+    let lines = log_api::plugin_records(&log.stdout);
+    assert_eq!(
+        lines
+            .iter()
+            .map(|l| (l.seq, l.kind.clone()))
+            .collect::<Vec<_>>(),
+        printed(&stored),
+        "one line per record, in order:\n{}",
+        log.stdout
+    );
+    assert!(lines.iter().all(|l| !l.marked), "{}", log.stdout);
+    assert!(
+        log.stdout
+            .contains(&format!("verified: {} records, chain intact", stored.len())),
+        "{}",
+        log.stdout
+    );
+
+    let verify = log_api::plugin_as("alice", ns, &["verify", "audited"], PLUGIN_WITHIN).await;
+    assert!(
+        verify.ok,
+        "kubectl agentrun verify as alice:\n{}{}",
+        verify.stdout, verify.stderr
+    );
+    assert!(
+        verify
+            .stdout
+            .contains(&format!("ok: {} records, chain intact", stored.len())),
+        "{}",
+        verify.stdout
+    );
+
+    // carol may not read runlogs: the plugin fails and prints no record.
+    let refused = log_api::plugin_as("carol", ns, &["log", "audited"], PLUGIN_WITHIN).await;
+    assert!(!refused.ok, "carol's log:\n{}", refused.stdout);
+    assert!(
+        log_api::plugin_records(&refused.stdout).is_empty(),
+        "{}",
+        refused.stdout
+    );
+    assert!(
+        refused.stderr.contains("runlogs"),
+        "the refusal names what is missing: {}",
+        refused.stderr
+    );
+}
+
+#[tokio::test]
+async fn the_plugin_follows_a_running_run_record_by_record_to_its_final_phase() {
+    let api = LogApiWorld::start("logplugfollow").await;
+    let ns = api.ns();
+    log_api::grant_reader(&api.world.client, ns, "alice").await;
+    let replies = json!([
+        {"text": "Looking.", "delayMs": 1500, "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1042"}}]},
+        {"delayMs": 1500, "toolCalls": [{"name": "finish", "arguments": {"result": "Nothing to refund."}}]}
+    ]);
+    let run = create_run(&api, "tailed", replies).await;
+    let alice = common::client_as("alice").await;
+    wait_served(&alice, ns, "tailed").await;
+
+    let out = log_api::plugin_as("alice", ns, &["log", "-f", "tailed"], TIMEOUT).await;
+    assert!(
+        out.ok,
+        "kubectl agentrun log -f as alice:\n{}{}",
+        out.stdout, out.stderr
+    );
+    let stored = log_api::stored_records(&uid_of(&run)).await;
+    assert_eq!(
+        log_api::plugin_records(&out.stdout)
+            .into_iter()
+            .map(|l| (l.seq, l.kind))
+            .collect::<Vec<_>>(),
+        printed(&stored),
+        "every record once, in order:\n{}",
+        out.stdout
+    );
+    let last = out.stdout.lines().last().unwrap_or_default();
+    assert_eq!(last, "run tailed finished: Succeeded", "{}", out.stdout);
+}

@@ -566,6 +566,73 @@ pub fn kubectl_as(user: &str, args: &[&str]) -> KubectlOutput {
     }
 }
 
+/// The plugin's arguments for `user` on namespace `namespace`, whose
+/// controller publishes its keys there (the tests' controllers run in the
+/// namespace they serve).
+fn plugin_command(user: &str, namespace: &str, args: &[&str]) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
+    cmd.args(args)
+        .args(["-n", namespace, "--context", user])
+        .args(["--controller-namespace", namespace])
+        .kill_on_drop(true);
+    cmd
+}
+
+/// Runs `kubectl agentrun ARGS` as `user` (its kubeconfig context) on
+/// `namespace`, through the log API (no --store-url); fails the test when
+/// it does not end within `within`.
+pub async fn plugin_as(
+    user: &str,
+    namespace: &str,
+    args: &[&str],
+    within: Duration,
+) -> KubectlOutput {
+    let out = tokio::time::timeout(within, plugin_command(user, namespace, args).output())
+        .await
+        .unwrap_or_else(|_| {
+            panic!("kubectl agentrun {args:?} as {user} did not end within {within:?}")
+        })
+        .unwrap_or_else(|e| panic!("running kubectl-agentrun: {e}"));
+    KubectlOutput {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// A record's line of `kubectl agentrun log`: seq, kind, marked `!`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginLine {
+    pub seq: u64,
+    pub kind: String,
+    pub marked: bool,
+}
+
+/// The record lines of `kubectl agentrun log` output (`[!] SEQ KIND ...`),
+/// in the order printed; verdict and note lines are not records.
+pub fn plugin_records(stdout: &str) -> Vec<PluginLine> {
+    stdout
+        .lines()
+        .filter_map(|line| {
+            let (marked, rest) = match line.strip_prefix('!') {
+                Some(rest) => (true, rest),
+                None => (false, line),
+            };
+            let mut words = rest.split_whitespace();
+            let seq = words.next()?.parse().ok()?;
+            let kind = words.next()?;
+            StepKind::ALL
+                .iter()
+                .any(|k| k.as_str() == kind)
+                .then(|| PluginLine {
+                    seq,
+                    kind: kind.to_string(),
+                    marked,
+                })
+        })
+        .collect()
+}
+
 // --- requests straight to the controller's port ------------------------------------
 
 /// A client certificate and key (PEM files) to present.
