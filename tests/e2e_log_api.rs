@@ -174,7 +174,10 @@ async fn people_without_a_binding_in_the_namespace_are_refused_naming_the_verb_a
     finished_run(&api, "secret").await;
     let other = common::test_namespace(&api.world.client, "logdeny-b").await;
 
-    // carol has no binding anywhere.
+    // carol has no binding anywhere. (The API server authorizes a request
+    // before its aggregator proxies it, so these refusals are its own; the
+    // controller's check is what refuses bob below, and the front proxy's
+    // carol in the_serving_port_refuses_requests_without_the_front_proxy_certificate.)
     let carol = common::client_as("carol").await;
     let refused = get_runlog(&carol, ns, "secret", "").await;
     let (code, message) = refusal(&refused).unwrap_or_else(|| panic!("carol read it: {refused:?}"));
@@ -214,6 +217,25 @@ async fn people_without_a_binding_in_the_namespace_are_refused_naming_the_verb_a
     assert!(
         message.contains("get") && message.contains("runlogs") && message.contains(other.name()),
         "the refusal names the verb, the resource and the namespace: {message}"
+    );
+
+    // bob may get runlogs in A, not watch them. The API server sees a
+    // `get` in `?follow=true` and passes it on; the controller asks its
+    // SubjectAccessReview for `watch`, and refuses.
+    log_api::grant_verbs(&api.world.client, ns, "bob", &["get"]).await;
+    let bob = common::client_as("bob").await;
+    let page = common::wait_for("bob's get to be allowed", TIMEOUT, || async {
+        get_runlog(&bob, ns, "secret", "").await
+    })
+    .await;
+    assert!(!page.records.is_empty(), "bob reads the records");
+    let followed = Follow::open(&bob, ns, "secret", "follow=true").await;
+    let (code, message) = refusal(&followed)
+        .unwrap_or_else(|| panic!("bob followed without watch: {:?}", followed.is_ok()));
+    assert_eq!(code, 403, "{message}");
+    assert!(
+        message.contains("watch") && message.contains("runlogs") && message.contains("bob"),
+        "the controller's refusal names the user, the verb and the resource: {message}"
     );
 }
 
@@ -259,6 +281,10 @@ async fn the_serving_port_refuses_requests_without_the_front_proxy_certificate()
         .await
         .expect("the front proxy's request");
     assert_eq!(code, 403, "the front proxy for carol: {body}");
+    assert!(
+        body.contains("carol") && body.contains("get") && body.contains("runlogs"),
+        "the controller's refusal names the user, the verb and the resource: {body}"
+    );
 }
 
 /// GETs `path` straight from the controller's serving port, presenting the

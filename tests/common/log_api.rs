@@ -380,6 +380,31 @@ pub async fn grant_reader(client: &Client, namespace: &str, user: &str) {
         .unwrap_or_else(|e| panic!("binding {user} to {READER_ROLE} in {namespace}: {e}"));
 }
 
+/// Lets `user` do only `verbs` on runlogs in `namespace` (a Role of its own).
+pub async fn grant_verbs(client: &Client, namespace: &str, user: &str, verbs: &[&str]) {
+    use k8s_openapi::api::rbac::v1::Role;
+    let name = format!("{user}-runlogs");
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": [LOG_GROUP], "resources": [RUNLOGS], "verbs": verbs}]
+    }))
+    .expect("Role");
+    Api::<Role>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap_or_else(|e| panic!("creating Role {namespace}/{name}: {e}"));
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]
+    }))
+    .expect("RoleBinding");
+    Api::<RoleBinding>::namespaced(client.clone(), namespace)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap_or_else(|e| panic!("binding {user} to Role {name} in {namespace}: {e}"));
+}
+
 // --- a namespace with a controller that serves the log API -----------------------
 
 /// A [`World`] (namespace A, its controller, stand-ins) whose controller
