@@ -55,8 +55,8 @@ pub fn host_addr() -> String {
         .unwrap_or_else(|| {
             panic!(
                 "AGENTRUN_HOST_ADDR is not set: {HOW_TO_START}; as root `e2e/cluster up` gives the \
-                 process node an address of its own (agentrun-agg0), or set AGENTRUN_HOST_ADDR to \
-                 a non-loopback address of this host before `up`"
+                 process node an address of its own (agentrun-agg0), or set AGENTRUN_AGGREGATION_ADDR \
+                 to a non-loopback address of this host before `up`"
             )
         })
 }
