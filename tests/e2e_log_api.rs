@@ -695,3 +695,69 @@ async fn the_plugin_follows_a_running_run_record_by_record_to_its_final_phase() 
     let last = out.stdout.lines().last().unwrap_or_default();
     assert_eq!(last, "run tailed finished: Succeeded", "{}", out.stdout);
 }
+
+#[tokio::test]
+async fn the_plugin_follows_a_run_across_a_restart_of_the_replica_serving_it() {
+    let mut api = LogApiWorld::start("logplugrestart").await;
+    let ns = api.ns().to_string();
+    log_api::grant_reader(&api.world.client, &ns, "alice").await;
+    // Slow replies: the run is still working when its serving replica goes.
+    let replies = json!([
+        {"text": "Looking.", "delayMs": 2000, "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1042"}}]},
+        {"text": "Checking again.", "delayMs": 2000, "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "1043"}}]},
+        {"delayMs": 2000, "toolCalls": [{"name": "finish", "arguments": {"result": "Nothing to refund."}}]}
+    ]);
+    let run = create_run(&api, "restarted", replies).await;
+    let uid = uid_of(&run);
+    let alice = common::client_as("alice").await;
+    wait_served(&alice, &ns, "restarted").await;
+
+    let follow = {
+        let ns = ns.clone();
+        tokio::spawn(async move {
+            log_api::plugin_as("alice", &ns, &["log", "-f", "restarted"], TIMEOUT).await
+        })
+    };
+    // Once the run has made progress (and the follower has records to
+    // resume after), the replica serving the log API is replaced.
+    let store = api.world.store().await;
+    let at_restart = common::wait_for("the run to record its first model call", TIMEOUT, || {
+        let store = store.clone();
+        let uid = uid.clone();
+        async move {
+            let len = store.head(&uid).await.map_err(|e| e.to_string())?.len;
+            if len >= 2 {
+                Ok(len)
+            } else {
+                Err(format!("{len} records"))
+            }
+        }
+    })
+    .await;
+    api.world.restart_controller().await;
+
+    let out = follow.await.expect("the follower");
+    assert!(
+        out.ok,
+        "kubectl agentrun log -f across a restart:\n{}{}",
+        out.stdout, out.stderr
+    );
+    let stored = log_api::stored_records(&uid).await;
+    assert!(
+        (stored.len() as u64) > at_restart,
+        "the run went on after the restart ({at_restart} records then, {} at the end)",
+        stored.len()
+    );
+    assert_eq!(
+        log_api::plugin_records(&out.stdout)
+            .into_iter()
+            .map(|l| (l.seq, l.kind))
+            .collect::<Vec<_>>(),
+        printed(&stored),
+        "every record once, in order, across the restart:\n{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    let last = out.stdout.lines().last().unwrap_or_default();
+    assert_eq!(last, "run restarted finished: Succeeded", "{}", out.stdout);
+}
