@@ -343,32 +343,10 @@ pub async fn spawn(
     key: TokenKey,
     limits: GatewayLimits,
 ) -> anyhow::Result<SocketAddr> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("step-gateway".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .thread_name("step-gateway")
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = tx.send(Err(anyhow::Error::new(e).context("starting its runtime")));
-                    return;
-                }
-            };
-            rt.block_on(async move {
-                let started = start(addr, &store_url, &pool, key, limits).await;
-                let up = started.is_ok();
-                let _ = tx.send(started);
-                if up {
-                    std::future::pending::<()>().await;
-                }
-            });
-        })?;
-    rx.await?
+    super::own_runtime::spawn("step-gateway", move || async move {
+        start(addr, &store_url, &pool, key, limits).await
+    })
+    .await
 }
 
 async fn start(

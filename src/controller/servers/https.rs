@@ -59,32 +59,7 @@ pub struct Settings {
 
 /// Starts the server on a runtime of its own; returns the bound address.
 pub async fn spawn(settings: Settings) -> anyhow::Result<SocketAddr> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("https".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .thread_name("https")
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    let _ = tx.send(Err(anyhow::Error::new(e).context("starting its runtime")));
-                    return;
-                }
-            };
-            rt.block_on(async move {
-                let started = start(settings).await;
-                let up = started.is_ok();
-                let _ = tx.send(started);
-                if up {
-                    std::future::pending::<()>().await;
-                }
-            });
-        })?;
-    rx.await?
+    super::own_runtime::spawn("https", move || start(settings)).await
 }
 
 async fn start(s: Settings) -> anyhow::Result<SocketAddr> {

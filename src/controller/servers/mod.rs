@@ -11,6 +11,7 @@ pub mod bounded;
 pub mod gateway;
 pub mod https;
 pub mod log_api;
+pub mod own_runtime;
 pub mod probes;
 pub mod published_keys;
 pub mod run_index;

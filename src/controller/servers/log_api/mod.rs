@@ -19,7 +19,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -252,139 +252,137 @@ async fn read_run(api: &LogApi, ns: &str, name: &str) -> Result<AgentRun, Respon
     }
 }
 
+/// What every resource request brings: its parameters (parsed, or the
+/// 400 answered for them), the client's certificate and its headers.
+struct Asked {
+    params: Params,
+    cert: Option<PeerCert>,
+    headers: HeaderMap,
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Asked {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Asked, Response> {
+        let params = Params::parse(parts.uri.query()).map_err(bad_request)?;
+        Ok(Asked {
+            params,
+            cert: parts.extensions.get::<PeerCert>().cloned(),
+            headers: parts.headers.clone(),
+        })
+    }
+}
+
+impl Asked {
+    /// The run `ns/name`, once the caller may `verb` its log.
+    async fn run(
+        &self,
+        api: &LogApi,
+        verb: &'static str,
+        ns: &str,
+        name: &str,
+    ) -> Result<AgentRun, Response> {
+        let question = Question {
+            verb,
+            namespace: ns.to_string(),
+            name: Some(name.to_string()),
+        };
+        admit(api, self.cert.as_ref(), &self.headers, question).await?;
+        read_run(api, ns, name).await
+    }
+
+    /// Whether the caller may list runlogs in `ns` (all namespaces: "").
+    async fn may_list(&self, api: &LogApi, ns: &str) -> Result<(), Response> {
+        let question = Question {
+            verb: "list",
+            namespace: ns.to_string(),
+            name: None,
+        };
+        admit(api, self.cert.as_ref(), &self.headers, question)
+            .await
+            .map(|_| ())
+    }
+
+    /// Where a watch starts: `fromSeq`, else the resourceVersion it saw
+    /// (the log's length), else the beginning.
+    fn watch_from(&self) -> Result<u64, Response> {
+        match (self.params.from_seq, &self.params.resource_version) {
+            (Some(seq), _) => Ok(seq),
+            (None, Some(rv)) => rv
+                .parse::<u64>()
+                .map_err(|_| bad_request(format!("resourceVersion={rv:?}: expected a log length"))),
+            (None, None) => Ok(0),
+        }
+    }
+}
+
 async fn one(
     State(api): State<LogApi>,
     Path((ns, name)): Path<(String, String)>,
-    RawQuery(query): RawQuery,
-    cert: Option<axum::Extension<PeerCert>>,
-    headers: HeaderMap,
+    asked: Asked,
 ) -> Response {
-    let params = match Params::parse(query.as_deref()) {
-        Ok(p) => p,
-        Err(e) => return bad_request(e),
-    };
-    let streaming = params.follow || params.watch;
-    let question = Question {
-        verb: if streaming { "watch" } else { "get" },
-        namespace: ns.clone(),
-        name: Some(name.clone()),
-    };
-    if let Err(refused) = admit(&api, cert.as_deref(), &headers, question).await {
-        return refused;
-    }
-    let run = match read_run(&api, &ns, &name).await {
+    let streaming = asked.params.follow || asked.params.watch;
+    let verb = if streaming { "watch" } else { "get" };
+    let run = match asked.run(&api, verb, &ns, &name).await {
         Ok(run) => run,
-        Err(response) => return response,
+        Err(refused) => return refused,
     };
     if streaming {
-        return follow::stream(api, run, params.from_seq.unwrap_or(0)).await;
+        return follow::stream(api, run, asked.params.from_seq.unwrap_or(0)).await;
     }
-    pages::get(&api, &run, &params, &headers).await
+    pages::get(&api, &run, &asked.params, &asked.headers).await
 }
 
 async fn watch_one(
     State(api): State<LogApi>,
     Path((ns, name)): Path<(String, String)>,
-    RawQuery(query): RawQuery,
-    cert: Option<axum::Extension<PeerCert>>,
-    headers: HeaderMap,
+    asked: Asked,
 ) -> Response {
-    let params = match Params::parse(query.as_deref()) {
-        Ok(p) => p,
-        Err(e) => return bad_request(e),
-    };
-    watch_named(&api, &ns, &name, &params, cert.as_deref(), &headers).await
+    watch_named(&api, &ns, &name, &asked).await
 }
 
 /// A watch of one run's log (the collection watch with a name selector, or
 /// the `/watch/` path).
-async fn watch_named(
-    api: &LogApi,
-    ns: &str,
-    name: &str,
-    params: &Params,
-    cert: Option<&PeerCert>,
-    headers: &HeaderMap,
-) -> Response {
-    let question = Question {
-        verb: "watch",
-        namespace: ns.to_string(),
-        name: Some(name.to_string()),
+async fn watch_named(api: &LogApi, ns: &str, name: &str, asked: &Asked) -> Response {
+    let from = match asked.watch_from() {
+        Ok(from) => from,
+        Err(bad) => return bad,
     };
-    if let Err(refused) = admit(api, cert, headers, question).await {
-        return refused;
+    match asked.run(api, "watch", ns, name).await {
+        Ok(run) => follow::stream(api.clone(), run, from).await,
+        Err(refused) => refused,
     }
-    let run = match read_run(api, ns, name).await {
-        Ok(run) => run,
-        Err(response) => return response,
-    };
-    let from = match (params.from_seq, &params.resource_version) {
-        (Some(seq), _) => seq,
-        // A watch resumes after the resourceVersion it saw: the log's length.
-        (None, Some(rv)) => match rv.parse::<u64>() {
-            Ok(n) => n,
-            Err(_) => return bad_request(format!("resourceVersion={rv:?}: expected a log length")),
-        },
-        (None, None) => 0,
-    };
-    follow::stream(api.clone(), run, from).await
 }
 
-async fn list(
-    State(api): State<LogApi>,
-    Path(ns): Path<String>,
-    RawQuery(query): RawQuery,
-    cert: Option<axum::Extension<PeerCert>>,
-    headers: HeaderMap,
-) -> Response {
-    let params = match Params::parse(query.as_deref()) {
-        Ok(p) => p,
-        Err(e) => return bad_request(e),
-    };
-    if params.watch {
-        let Some(name) = params.field_name.clone() else {
+async fn list(State(api): State<LogApi>, Path(ns): Path<String>, asked: Asked) -> Response {
+    if asked.params.watch {
+        let Some(name) = asked.params.field_name.clone() else {
             return bad_request(
                 "watching runlogs needs fieldSelector=metadata.name=NAME: a watch follows one run's log"
                     .into(),
             );
         };
-        return watch_named(&api, &ns, &name, &params, cert.as_deref(), &headers).await;
+        return watch_named(&api, &ns, &name, &asked).await;
     }
-    let question = Question {
-        verb: "list",
-        namespace: ns.clone(),
-        name: None,
-    };
-    if let Err(refused) = admit(&api, cert.as_deref(), &headers, question).await {
+    if let Err(refused) = asked.may_list(&api, &ns).await {
         return refused;
     }
-    pages::list(&api, Some(&ns), &params, &headers).await
+    pages::list(&api, Some(&ns), &asked.params, &asked.headers).await
 }
 
-async fn list_all(
-    State(api): State<LogApi>,
-    RawQuery(query): RawQuery,
-    cert: Option<axum::Extension<PeerCert>>,
-    headers: HeaderMap,
-) -> Response {
-    let params = match Params::parse(query.as_deref()) {
-        Ok(p) => p,
-        Err(e) => return bad_request(e),
-    };
-    if params.watch {
+async fn list_all(State(api): State<LogApi>, asked: Asked) -> Response {
+    if asked.params.watch {
         return bad_request(
             "watching runlogs needs a namespace and fieldSelector=metadata.name=NAME".into(),
         );
     }
-    let question = Question {
-        verb: "list",
-        namespace: String::new(),
-        name: None,
-    };
-    if let Err(refused) = admit(&api, cert.as_deref(), &headers, question).await {
+    if let Err(refused) = asked.may_list(&api, "").await {
         return refused;
     }
-    pages::list(&api, None, &params, &headers).await
+    pages::list(&api, None, &asked.params, &asked.headers).await
 }
 
 #[cfg(test)]

@@ -1,0 +1,41 @@
+//! A server on a runtime of its own (two worker threads): the reconciler
+//! busy replaying logs never delays what step pods and the API server ask
+//! of the controller, nor the other way round.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+/// Runs `start` on a new runtime named `name` and keeps that runtime alive
+/// once it succeeded; returns what `start` returned (the bound address).
+pub async fn spawn<F, Fut>(name: &'static str, start: F) -> anyhow::Result<SocketAddr>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = anyhow::Result<SocketAddr>>,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name(name)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(anyhow::Error::new(e).context("starting its runtime")));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let started = start().await;
+                let up = started.is_ok();
+                let _ = tx.send(started);
+                if up {
+                    std::future::pending::<()>().await;
+                }
+            });
+        })?;
+    rx.await?
+}
