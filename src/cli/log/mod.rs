@@ -238,17 +238,7 @@ fn print_log(
 /// The verdict lines of `log`: `verified: ...`, or every problem and a
 /// final `NOT VERIFIED: ...` (and the command fails).
 fn print_verdict(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<()> {
-    for note in &verdict.notes {
-        writeln!(out, "note: {}", visible(note))?;
-    }
-    if verdict.ok() {
-        writeln!(
-            out,
-            "verified: {} records, chain intact, {}, {} controller records signed",
-            verdict.head.len,
-            verdict.anchored,
-            verdict.signed.len()
-        )?;
+    if print_notes_and_ok("verified", verdict, out)? {
         return Ok(());
     }
     for p in verdict.problems() {
@@ -256,6 +246,24 @@ fn print_verdict(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::
     }
     writeln!(out, "NOT VERIFIED: {}", summary(verdict))?;
     bail!("the log of run {run} does not verify")
+}
+
+/// The verdict's notes, then, when it verifies, the line saying so
+/// (`WORD: N records, chain intact, ...`); whether it verifies.
+fn print_notes_and_ok(word: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<bool> {
+    for note in &verdict.notes {
+        writeln!(out, "note: {}", visible(note))?;
+    }
+    if verdict.ok() {
+        writeln!(
+            out,
+            "{word}: {} records, chain intact, {}, {} controller records signed",
+            verdict.head.len,
+            verdict.anchored,
+            verdict.signed.len()
+        )?;
+    }
+    Ok(verdict.ok())
 }
 
 /// What failed, in a few words.
@@ -282,17 +290,7 @@ fn print_verify(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::R
     for s in &verdict.signed {
         writeln!(out, "seq {} {}: {}", s.seq, s.kind, s.check)?;
     }
-    for note in &verdict.notes {
-        writeln!(out, "note: {}", visible(note))?;
-    }
-    if verdict.ok() {
-        writeln!(
-            out,
-            "ok: {} records, chain intact, {}, {} controller records signed",
-            verdict.head.len,
-            verdict.anchored,
-            verdict.signed.len()
-        )?;
+    if print_notes_and_ok("ok", verdict, out)? {
         return Ok(());
     }
     for p in verdict.problems() {
