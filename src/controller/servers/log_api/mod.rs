@@ -308,12 +308,12 @@ impl Asked {
 
     /// Where a watch starts: `fromSeq`, else the resourceVersion it saw
     /// (the log's length), else the beginning.
-    fn watch_from(&self) -> Result<u64, Response> {
+    fn watch_from(&self) -> Result<u64, String> {
         match (self.params.from_seq, &self.params.resource_version) {
             (Some(seq), _) => Ok(seq),
             (None, Some(rv)) => rv
                 .parse::<u64>()
-                .map_err(|_| bad_request(format!("resourceVersion={rv:?}: expected a log length"))),
+                .map_err(|_| format!("resourceVersion={rv:?}: expected a log length")),
             (None, None) => Ok(0),
         }
     }
@@ -349,7 +349,7 @@ async fn watch_one(
 async fn watch_named(api: &LogApi, ns: &str, name: &str, asked: &Asked) -> Response {
     let from = match asked.watch_from() {
         Ok(from) => from,
-        Err(bad) => return bad,
+        Err(bad) => return bad_request(bad),
     };
     match asked.run(api, "watch", ns, name).await {
         Ok(run) => follow::stream(api.clone(), run, from).await,
