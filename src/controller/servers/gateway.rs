@@ -371,15 +371,7 @@ pub async fn serve(
     gateway: Gateway,
     limits: crate::controller::servers::bounded::Limits,
 ) -> std::io::Result<SocketAddr> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.set_reuseport(true)?;
-    socket.bind(addr)?;
-    let listener = socket.listen(1024)?;
+    let listener = super::own_runtime::bind_shared(addr)?;
     let local = listener.local_addr()?;
     tokio::spawn(crate::controller::servers::bounded::serve(
         listener,

@@ -74,7 +74,7 @@ async fn start(s: Settings) -> anyhow::Result<SocketAddr> {
     let (cert, key) = s.cert.read()?;
     let tls = TlsConfigs::new(material(cert, key, headers.as_ref()))?;
     api.set_request_headers(headers);
-    let listener = bind(s.addr)?;
+    let listener = super::own_runtime::bind_shared(s.addr)?;
     let local = listener.local_addr()?;
     tokio::spawn(refresh(client, s.cert, tls.clone(), api.clone()));
     let router = super::log_api::router(api).merge(super::admission::router());
@@ -131,18 +131,4 @@ async fn refresh(client: kube::Client, cert: CertSource, tls: TlsConfigs, api: L
         }
         api.set_request_headers(headers);
     }
-}
-
-/// Binds with SO_REUSEPORT, as the gateway does (replicas sharing one
-/// host's network, as on the e2e process node, can all serve).
-fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.set_reuseport(true)?;
-    socket.bind(addr)?;
-    socket.listen(1024)
 }

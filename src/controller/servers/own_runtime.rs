@@ -39,3 +39,17 @@ where
         })?;
     rx.await?
 }
+
+/// Binds `addr` with SO_REUSEPORT, so replicas sharing one host's network
+/// (as on the e2e process node) can all serve the same port.
+pub fn bind_shared(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
