@@ -537,6 +537,28 @@ async fn fencing_and_takeover(ctx: Ctx) {
         "stale_epoch"
     );
 
+    // The controller takes a live lease over (a run it ends): the holder
+    // is fenced at once, its append and heartbeat refused.
+    assert!(matches!(
+        s.acquire(&run, "controller", TTL).await,
+        Err(StoreError::LeaseHeld { .. })
+    ));
+    let taken = s.take_over(&run, "controller", TTL).await.unwrap();
+    assert!(taken.epoch > b2.epoch, "{} then {}", b2.epoch, taken.epoch);
+    assert_eq!(
+        s.append(&run, b2.epoch, &r2)
+            .await
+            .unwrap_err()
+            .metric_label(),
+        "stale_epoch"
+    );
+    assert_eq!(
+        s.renew(&b2, TTL).await.unwrap_err().metric_label(),
+        "stale_epoch"
+    );
+    s.release(&taken).await.unwrap();
+    let b2 = s.acquire(&run, "worker-b", TTL).await.unwrap();
+
     // Release lets another holder in at once, with a higher epoch.
     s.release(&b2).await.unwrap();
     s.release(&b2).await.unwrap(); // releasing twice is harmless

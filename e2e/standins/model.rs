@@ -38,7 +38,11 @@
 //!   default) with the request's highest marker, so the turn survives a
 //!   summary.
 //! - `GET /scripts/{id}/calls`: `{"count": n, "requests": [bodies received],
-//!   "receivedAt": [RFC 3339 time of each]}`.
+//!   "receivedAt": [RFC 3339 time of each], "serviceMicros": [time this
+//!   server spent on each, scripted delays included], "indexes": [each
+//!   one's call number in the script]}`; with `?run=R` only
+//!   the requests whose body carries the marker `[[run R]]` (many runs
+//!   sharing a `byTurn` script, told apart by their task).
 //! - `DELETE /scripts/{id}`: forgets the script.
 
 use std::collections::HashMap;
@@ -48,7 +52,7 @@ use std::time::Duration;
 use axum::{
     Json, Router,
     body::Bytes,
-    extract::{DefaultBodyLimit, Path, State},
+    extract::{DefaultBodyLimit, Path, RawQuery, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post, put},
@@ -121,6 +125,8 @@ struct Script {
     requests: Vec<Value>,
     /// When each request arrived (RFC 3339, microseconds).
     received_at: Vec<String>,
+    /// How long each took to answer (0 until answered).
+    service_micros: Vec<u64>,
     /// Answered requests that offered no tools.
     toolless: usize,
 }
@@ -204,13 +210,61 @@ async fn delete_script(Path(id): Path<String>, State(scripts): State<Scripts>) -
     }
 }
 
-async fn get_calls(Path(id): Path<String>, State(scripts): State<Scripts>) -> Json<Value> {
+async fn get_calls(
+    Path(id): Path<String>,
+    RawQuery(query): RawQuery,
+    State(scripts): State<Scripts>,
+) -> Json<Value> {
+    // `run=R`: run names are plain (no escapes to undo).
+    let run = query
+        .as_deref()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("run="));
     let scripts = scripts.lock().unwrap();
-    let (requests, received_at) = scripts
-        .get(&id)
-        .map(|s| (s.requests.clone(), s.received_at.clone()))
-        .unwrap_or_default();
-    Json(json!({"count": requests.len(), "requests": requests, "receivedAt": received_at}))
+    let (mut requests, mut received_at, mut service, mut indexes) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    if let Some(s) = scripts.get(&id) {
+        let marker = run.map(|r| format!("[[run {r}]]"));
+        for (i, request) in s.requests.iter().enumerate() {
+            if marker
+                .as_ref()
+                .is_some_and(|m| !request.to_string().contains(m.as_str()))
+            {
+                continue;
+            }
+            requests.push(request.clone());
+            received_at.push(s.received_at[i].clone());
+            service.push(s.service_micros[i]);
+            indexes.push(i);
+        }
+    }
+    Json(
+        json!({"count": requests.len(), "requests": requests, "receivedAt": received_at,
+                "serviceMicros": service, "indexes": indexes}),
+    )
+}
+
+/// Records how long the server spent on request `index` of script `id`
+/// when the answer is ready (dropped with the handler's locals).
+struct ServiceTimer {
+    scripts: Scripts,
+    id: String,
+    index: usize,
+    started: std::time::Instant,
+}
+
+impl Drop for ServiceTimer {
+    fn drop(&mut self) {
+        let micros = self.started.elapsed().as_micros() as u64;
+        let mut scripts = self.scripts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = scripts
+            .get_mut(&self.id)
+            .and_then(|s| s.service_micros.get_mut(self.index))
+        {
+            *slot = micros;
+        }
+    }
 }
 
 async fn openai(
@@ -238,13 +292,14 @@ async fn answer(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let started = std::time::Instant::now();
     let parsed: Result<Value, _> = serde_json::from_slice(&body);
     let recorded = match &parsed {
         Ok(v) => v.clone(),
         Err(_) => Value::String(String::from_utf8_lossy(&body).into_owned()),
     };
     // Count and record the call, and take its reply, in one step.
-    let (n, reply) = {
+    let (index, n, reply) = {
         let mut scripts = scripts.lock().unwrap();
         let Some(script) = scripts.get_mut(&id) else {
             return error(
@@ -259,7 +314,9 @@ async fn answer(
             .push(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
         let turn = script.by_turn.then(|| highest_turn(&recorded.to_string()));
         script.requests.push(recorded);
-        if let Some(turn) = turn {
+        script.service_micros.push(0);
+        let index = script.requests.len() - 1;
+        let (n, reply) = if let Some(turn) = turn {
             let n = script.requests.len() - 1;
             let reply = if toolless {
                 let mut r = script.summaries.first().cloned().unwrap_or_default();
@@ -289,7 +346,14 @@ async fn answer(
         } else {
             let n = script.requests.len() - 1 - script.toolless;
             (n, script.replies.get(n).cloned())
-        }
+        };
+        (index, n, reply)
+    };
+    let _timer = ServiceTimer {
+        scripts: scripts.clone(),
+        id: id.clone(),
+        index,
+        started,
     };
     tracing::info!(script = %id, call = n, api = ?api, "scripted model call");
 

@@ -15,7 +15,9 @@
 //! - `PUT /tools/{tenant}/_config`: failure injection (see [`Config`]).
 //! - `GET /tools/{tenant}/_effects`: every real side effect, in order.
 //! - `GET /tools/{tenant}/_requests`: every tool request received, failed
-//!   ones included, with its key, run and step headers.
+//!   ones included, with its key, run and step headers, when it arrived
+//!   (`receivedAt`, RFC 3339 with microseconds) and how long this server
+//!   spent on it (`serviceMicros`, delays included; 0 while unanswered).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -121,6 +123,8 @@ struct RequestSeen {
     run: Option<String>,
     step: Option<String>,
     args: Value,
+    received_at: String,
+    service_micros: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -233,7 +237,8 @@ async fn run_tool(
                 .into_response();
         }
     };
-    let delay = with_tenant(tenants, tenant, |t| {
+    let started = std::time::Instant::now();
+    let (index, delay) = with_tenant(tenants, tenant, |t| {
         t.requests.push(RequestSeen {
             tool: tool.to_string(),
             path: if idempotent {
@@ -245,9 +250,17 @@ async fn run_tool(
             run: header(headers, "x-agentrun-run"),
             step: header(headers, "x-agentrun-step"),
             args: args.clone(),
+            received_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            service_micros: 0,
         });
-        t.config.delay_ms.get(tool).copied()
+        (t.requests.len() - 1, t.config.delay_ms.get(tool).copied())
     });
+    let _timer = ServiceTimer {
+        tenants: tenants.clone(),
+        tenant: tenant.to_string(),
+        index,
+        started,
+    };
     if let Some(ms) = delay {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
@@ -300,6 +313,26 @@ async fn run_tool(
         return (status, "OK, done (this is not JSON)").into_response();
     }
     (status, Json(result)).into_response()
+}
+
+/// Records how long the server spent on request `index` of `tenant` when
+/// the answer is ready (dropped with the handler's locals).
+struct ServiceTimer {
+    tenants: Tenants,
+    tenant: String,
+    index: usize,
+    started: std::time::Instant,
+}
+
+impl Drop for ServiceTimer {
+    fn drop(&mut self) {
+        let micros = self.started.elapsed().as_micros() as u64;
+        with_tenant(&self.tenants, &self.tenant, |t| {
+            if let Some(r) = t.requests.get_mut(self.index) {
+                r.service_micros = micros;
+            }
+        });
+    }
 }
 
 async fn lookup(

@@ -52,7 +52,8 @@ pub struct AgentRunSpec {
     /// The task, given to the model as the first user message.
     #[schemars(length(min = 1))]
     pub input: String,
-    /// Wall-clock limit of the whole run, waiting for approvals included.
+    /// Wall-clock limit of the whole run, counted from its creation,
+    /// waiting for approvals included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 32), extend("x-kubernetes-validations" = [{
         "rule": DURATION_RULE,

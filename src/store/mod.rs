@@ -165,6 +165,19 @@ pub trait StepStore: Send + Sync + fmt::Debug {
     /// Otherwise [`StoreError::LeaseHeld`].
     async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError>;
 
+    /// Take the run's lease for `holder` whoever holds it, with a new,
+    /// higher epoch: the holder is fenced at once (its next append or
+    /// renewal is refused) instead of when its lease would lapse. Only the
+    /// controller does this, to end a run or replace a worker it has
+    /// stopped; the step-log gateway offers no way to it.
+    async fn take_over(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
+        let _ = (holder, ttl);
+        Err(StoreError::Database {
+            url: self.url().to_string(),
+            reason: format!("taking over the lease of run {run}: not offered by this store"),
+        })
+    }
+
     /// Extend the lease to now + `ttl` (same epoch). A lease that lapsed
     /// without anyone taking it over is still this holder's (fencing is by
     /// epoch: only a new `acquire` moves it), so a heartbeat that comes late

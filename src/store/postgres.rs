@@ -122,6 +122,21 @@ ON CONFLICT (run) DO UPDATE
 RETURNING epoch, expires_at
 "#;
 
+/// [`ACQUIRE_SQL`] without its condition: whoever holds the lease.
+const TAKE_OVER_SQL: &str = r#"
+INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at, released)
+VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now(), false)
+ON CONFLICT (run) DO UPDATE
+   SET holder = excluded.holder,
+       epoch = l.epoch + 1,
+       expires_at = excluded.expires_at,
+       acquired_at = now(),
+       renewed_at = now(),
+       released = false,
+       yield_requested = false
+RETURNING epoch, expires_at
+"#;
+
 const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() AS expired, released \
      FROM agentrun_leases WHERE run = $1";
 
@@ -549,6 +564,25 @@ impl StepStore for PgStore {
         Err(StoreError::Database {
             url: self.url.clone(),
             reason: format!("could not acquire the lease of run {run}: it keeps changing hands"),
+        })
+    }
+
+    async fn take_over(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
+        let row = sqlx::query(TAKE_OVER_SQL)
+            .bind(run)
+            .bind(holder)
+            .bind(ttl_micros(ttl) as f64)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        let epoch: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+        let expires_at: DateTime<Utc> = row.try_get(1).map_err(|e| self.err(e))?;
+        Ok(Lease {
+            run: run.to_string(),
+            holder: holder.to_string(),
+            epoch: epoch as u64,
+            expires_at,
+            yield_requested: false,
         })
     }
 

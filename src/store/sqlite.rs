@@ -270,6 +270,78 @@ fn decode_row(
     decode_stored(run, seq as u64, body, hash, from_micros(created_at))
 }
 
+impl SqliteStore {
+    /// Takes the lease: when free, lapsed or `holder`'s own, or whoever
+    /// holds it with `take_over`.
+    async fn lease_for(
+        &self,
+        run: &str,
+        holder: &str,
+        ttl: Duration,
+        take_over: bool,
+    ) -> Result<Lease, StoreError> {
+        let mut tx = self.begin_write().await?;
+        let now = micros(Utc::now());
+        let expires = now.saturating_add(ttl_micros(ttl));
+        let cur =
+            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
+                .bind(run)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+        let epoch = match cur {
+            None => {
+                sqlx::query(
+                    "INSERT INTO agentrun_leases (run, holder, epoch, expires_at, acquired_at, renewed_at, released) \
+                     VALUES (?1, ?2, 1, ?3, ?4, ?4, 0)",
+                )
+                .bind(run)
+                .bind(holder)
+                .bind(expires)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+                1
+            }
+            Some(row) => {
+                let cur_holder: String = row.try_get(0).map_err(|e| self.err(e))?;
+                let cur_epoch: i64 = row.try_get(1).map_err(|e| self.err(e))?;
+                let cur_expires: i64 = row.try_get(2).map_err(|e| self.err(e))?;
+                if !take_over && cur_expires > now && cur_holder != holder {
+                    return Err(StoreError::LeaseHeld {
+                        run: run.to_string(),
+                        holder: cur_holder,
+                        epoch: cur_epoch as u64,
+                        expires_at: from_micros(cur_expires),
+                    });
+                }
+                sqlx::query(
+                    "UPDATE agentrun_leases SET holder = ?2, epoch = ?3, expires_at = ?4, \
+                     acquired_at = ?5, renewed_at = ?5, released = 0, yield_requested = 0 WHERE run = ?1",
+                )
+                .bind(run)
+                .bind(holder)
+                .bind(cur_epoch + 1)
+                .bind(expires)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+                cur_epoch + 1
+            }
+        };
+        tx.commit().await.map_err(|e| self.err(e))?;
+        Ok(Lease {
+            run: run.to_string(),
+            holder: holder.to_string(),
+            epoch: epoch as u64,
+            expires_at: from_micros(expires),
+            yield_requested: false,
+        })
+    }
+}
+
 #[async_trait]
 impl StepStore for SqliteStore {
     fn backend(&self) -> &'static str {
@@ -396,65 +468,11 @@ impl StepStore for SqliteStore {
     }
 
     async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
-        let mut tx = self.begin_write().await?;
-        let now = micros(Utc::now());
-        let expires = now.saturating_add(ttl_micros(ttl));
-        let cur =
-            sqlx::query("SELECT holder, epoch, expires_at FROM agentrun_leases WHERE run = ?1")
-                .bind(run)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(|e| self.err(e))?;
-        let epoch = match cur {
-            None => {
-                sqlx::query(
-                    "INSERT INTO agentrun_leases (run, holder, epoch, expires_at, acquired_at, renewed_at, released) \
-                     VALUES (?1, ?2, 1, ?3, ?4, ?4, 0)",
-                )
-                .bind(run)
-                .bind(holder)
-                .bind(expires)
-                .bind(now)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| self.err(e))?;
-                1
-            }
-            Some(row) => {
-                let cur_holder: String = row.try_get(0).map_err(|e| self.err(e))?;
-                let cur_epoch: i64 = row.try_get(1).map_err(|e| self.err(e))?;
-                let cur_expires: i64 = row.try_get(2).map_err(|e| self.err(e))?;
-                if cur_expires > now && cur_holder != holder {
-                    return Err(StoreError::LeaseHeld {
-                        run: run.to_string(),
-                        holder: cur_holder,
-                        epoch: cur_epoch as u64,
-                        expires_at: from_micros(cur_expires),
-                    });
-                }
-                sqlx::query(
-                    "UPDATE agentrun_leases SET holder = ?2, epoch = ?3, expires_at = ?4, \
-                     acquired_at = ?5, renewed_at = ?5, released = 0, yield_requested = 0 WHERE run = ?1",
-                )
-                .bind(run)
-                .bind(holder)
-                .bind(cur_epoch + 1)
-                .bind(expires)
-                .bind(now)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| self.err(e))?;
-                cur_epoch + 1
-            }
-        };
-        tx.commit().await.map_err(|e| self.err(e))?;
-        Ok(Lease {
-            run: run.to_string(),
-            holder: holder.to_string(),
-            epoch: epoch as u64,
-            expires_at: from_micros(expires),
-            yield_requested: false,
-        })
+        self.lease_for(run, holder, ttl, false).await
+    }
+
+    async fn take_over(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
+        self.lease_for(run, holder, ttl, true).await
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError> {

@@ -7,6 +7,7 @@
 pub mod approvals;
 pub mod controller;
 pub mod log_api;
+pub mod procs;
 pub mod realnode;
 pub mod scripts;
 pub mod standins;

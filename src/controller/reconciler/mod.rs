@@ -238,11 +238,17 @@ async fn finish(
     replayed: &Replayed,
     finished: RunFinished,
 ) -> Result<Duration, Error> {
-    match append(ctx, uid, &replayed.head, Step::RunFinished(finished)).await {
+    let step = Step::RunFinished(finished);
+    match append(ctx, uid, &replayed.head, step.clone()).await {
         Ok(()) => Ok(Duration::ZERO),
-        // The step runner that reached the end is still exiting: it
-        // releases the lease in a moment.
-        Err(Error::Store(StoreError::LeaseHeld { .. })) => Ok(Duration::from_millis(500)),
+        // A worker still holds the run (the step runner that reached the
+        // end, exiting; or one still at work when the run is stopped): the
+        // run ends now, not when its lease lapses.
+        Err(Error::Store(StoreError::LeaseHeld { .. })) => {
+            fence_worker(ctx, uid).await?;
+            append(ctx, uid, &replayed.head, step).await?;
+            Ok(Duration::ZERO)
+        }
         Err(e) => Err(e),
     }
 }
@@ -271,7 +277,7 @@ async fn handle_approval(
             // Nothing but the decision (an event) or the expiry moves it.
             let wait = Duration::try_from(waiting.expires_at.duration_since(now))
                 .unwrap_or_default()
-                .max(Duration::from_secs(1));
+                .max(Duration::from_millis(100));
             acting.awaiting = Some(waiting);
             wait
         }
@@ -357,10 +363,22 @@ async fn record(
         .as_ref()
         .map(|w| asleep(run, replayed.head, replayed.generation(), w, version));
     keep_replayed(ctx, run, &uid, replayed, finished, asleep);
+    let requeue = match finished {
+        true => requeue,
+        false => requeue.min(until_deadline(run, now)),
+    };
     Ok(match requeue {
         Duration::MAX => Action::await_change(),
         d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
         d => Action::requeue(d),
+    })
+}
+
+/// How long until the run's deadline (`MAX` without one): whatever a
+/// reconcile waits for, the deadline acts on time.
+fn until_deadline(run: &AgentRun, now: Timestamp) -> Duration {
+    phase::deadline(run).map_or(Duration::MAX, |d| {
+        Duration::try_from(d.duration_since(now)).unwrap_or_default()
     })
 }
 
@@ -640,6 +658,11 @@ async fn create_job(
         ctx.memory.set_credential(&uid, false);
     }
     ensure_credential(run, ctx, ns, &uid).await?;
+    // The worker of a failed or vanished Job (timed out, killed) may still
+    // hold the run's lease: fenced now, the next one need not wait for it.
+    if previous.is_some_and(|j| matches!(j.state, JobState::Failed { .. } | JobState::Missing)) {
+        fence_worker(ctx, &uid).await?;
+    }
     let timeout = crate::api::parse_duration(&run.spec.step_timeout)
         .map_or(600, |d| d.as_secs().max(1) as i64);
     let failed_jobs = failed_jobs_before(run, previous);
@@ -715,12 +738,14 @@ async fn delete_job(
     name: &str,
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
-    fence_lost_worker(ctx, uid).await?;
+    fence_worker(ctx, uid).await?;
     delete_step_job(ctx, ns, name).await?;
     acting
         .notices
         .push(notice(true, "StepStopped", format!("deleted Job {name}")));
-    Ok(Duration::from_secs(1))
+    // What follows (the run's end, the next attempt) need not wait for the
+    // Job to go: its worker is fenced.
+    Ok(Duration::ZERO)
 }
 
 async fn delete_step_job(ctx: &Context, ns: &str, name: &str) -> Result<(), Error> {
@@ -800,7 +825,7 @@ async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option
     let wait = Duration::try_from(asleep.wake_at.duration_since(now)).unwrap_or_default();
     ctx.memory.follow(uid, ObjectRef::from_obj(run));
     ctx.memory.put_asleep(uid, asleep);
-    Ok(Some(wait.max(Duration::from_secs(1))))
+    Ok(Some(wait.max(Duration::from_millis(100))))
 }
 
 /// Whether the run's status says it waits on an Approval, for the spec it
@@ -1160,7 +1185,7 @@ fn job_ended_at(job: &Job) -> Option<Time> {
         .conditions
         .iter()
         .flatten()
-        .find(|c| c.type_ == "Failed" && c.status == "True");
+        .find(|c| (c.type_ == "Failed" || c.type_ == "FailureTarget") && c.status == "True");
     s.completion_time
         .clone()
         .or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
@@ -1173,7 +1198,9 @@ async fn job_state(ctx: &Context, ns: &str, name: &str, job: Job) -> Result<JobS
     if is("Complete").is_some() {
         return Ok(JobState::Succeeded);
     }
-    let Some(c) = is("Failed") else {
+    // FailureTarget: the Job controller decided the Job fails (its deadline
+    // passed) and is terminating its pods; Failed follows once they are gone.
+    let Some(c) = is("Failed").or_else(|| is("FailureTarget")) else {
         return Ok(JobState::Active);
     };
     let reason = c.reason.clone().unwrap_or_default();
@@ -1264,7 +1291,7 @@ fn failed_jobs_before(run: &AgentRun, previous: Option<&JobView>) -> u32 {
 /// Is a worker holding the run's lease, and since when has it been free?
 /// Read only: a worker whose heartbeat comes late under load keeps its
 /// lease (renewing revives a lapsed one nobody took), so only a worker
-/// judged lost is fenced ([`fence_lost_worker`]).
+/// judged lost is fenced ([`fence_worker`]).
 async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
     let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
     let live = lease.as_ref().is_some_and(|l| !l.expired);
@@ -1277,24 +1304,19 @@ async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
     })
 }
 
-/// Takes and gives back the lease of a run whose Job the controller deletes
-/// (its worker judged lost, or the run cancelled or past its deadline): the
-/// epoch moves on, so that worker, should it wake, can neither renew nor
-/// append.
-async fn fence_lost_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
-    match ctx
+/// Takes over and gives back the lease of a run whose worker the
+/// controller stops (judged lost, timed out, or its run cancelled or past
+/// its deadline): the epoch moves on at once, live holder or not, so that
+/// worker can neither renew nor append, and what comes next (the run's
+/// end, the next attempt) need not wait for its lease to lapse.
+async fn fence_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
+    let lease = ctx
         .store
-        .acquire(uid, &ctx.identity, Duration::from_secs(2))
+        .take_over(uid, &ctx.identity, Duration::from_secs(2))
         .await
-    {
-        Ok(lease) => {
-            let _ = ctx.store.release(&lease).await;
-            Ok(())
-        }
-        // It renewed after all: the Job goes anyway, and its pod with it.
-        Err(StoreError::LeaseHeld { .. }) => Ok(()),
-        Err(e) => Err(Error::Store(e)),
-    }
+        .map_err(Error::Store)?;
+    let _ = ctx.store.release(&lease).await;
+    Ok(())
 }
 
 /// Resolves everything the run will execute with, for `RunStarted`, from

@@ -332,10 +332,15 @@ fn follow_agent(o: &Observed) -> Option<Act> {
     (o.agent_generation.is_some() && o.agent_generation != pinned).then_some(Act::FollowAgent)
 }
 
-/// When the run's deadline passes, if it has one.
+/// When the run's deadline passes, if it has one: counted from the run's
+/// creation (the API server's clock, which no one can set), so time spent
+/// before its first step counts too; `startedAt` only for a run without one.
 pub fn deadline(run: &AgentRun) -> Option<Timestamp> {
     let limit = crate::api::parse_duration(run.spec.deadline.as_deref()?).ok()?;
-    let start = run.status.as_ref()?.started_at.as_ref()?.0;
+    let start = match run.metadata.creation_timestamp.as_ref() {
+        Some(created) => created.0,
+        None => run.status.as_ref()?.started_at.as_ref()?.0,
+    };
     start
         .checked_add(jiff::SignedDuration::try_from(limit).ok()?)
         .ok()

@@ -1,0 +1,418 @@
+//! agentrun's side of the comparison: the same workload as AgentRuns in a
+//! namespace of the local control plane, driven by this project's
+//! controller, timed by watches (this machine's clock, like the stand-ins').
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Approval, Phase};
+use futures::{StreamExt as _, stream};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Client, ResourceExt as _};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+use crate::common::approvals::{decide, entry, grant_approver_role};
+use crate::common::world::World;
+use crate::trace::now;
+
+const RUN_LABEL: &str = "agentrun.dev/run";
+
+/// What the watches saw of one run, its Jobs and its pods (unix seconds).
+#[derive(Clone, Debug, Default)]
+pub struct Seen {
+    pub uid: String,
+    pub phase: Option<Phase>,
+    /// When each phase was first seen.
+    pub phases: HashMap<String, f64>,
+    pub approval: Option<String>,
+    /// `status.deadlineAt`.
+    pub deadline_at: Option<f64>,
+    pub jobs: Vec<JobSeen>,
+    /// When each of its pods was first seen Running.
+    pub pods_running: Vec<f64>,
+}
+
+/// One of a run's step Jobs.
+#[derive(Clone, Debug)]
+pub struct JobSeen {
+    pub seq: u64,
+    pub attempt: u32,
+    /// First seen by the watch.
+    pub seen: f64,
+    /// `status.startTime`, what its `activeDeadlineSeconds` counts from.
+    pub started: Option<f64>,
+}
+
+#[derive(Clone, Default)]
+pub struct Watched(Arc<Mutex<HashMap<String, Seen>>>);
+
+impl Watched {
+    pub fn get(&self, run: &str) -> Seen {
+        self.0.lock().unwrap().get(run).cloned().unwrap_or_default()
+    }
+
+    fn with(&self, run: &str, f: impl FnOnce(&mut Seen)) {
+        f(self.0.lock().unwrap().entry(run.to_string()).or_default())
+    }
+
+    /// How many of `runs` satisfy `pred`.
+    pub fn count(&self, runs: &[String], pred: impl Fn(&Seen) -> bool) -> usize {
+        let all = self.0.lock().unwrap();
+        runs.iter()
+            .filter(|r| all.get(*r).is_some_and(&pred))
+            .count()
+    }
+}
+
+/// The namespace agentrun's runs live in: its controller (the project's
+/// e2e controller process, on the shared PostgreSQL), the stand-ins every
+/// system shares, approvers, and the watches.
+pub struct Agentrun {
+    pub w: World,
+    pub seen: Watched,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Agentrun {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The workload's task: `[[run NAME]]` is how the stand-ins tell runs apart.
+pub fn task(run: &str) -> String {
+    format!("Handle the refunds of the queue. [[run {run}]]")
+}
+
+impl Agentrun {
+    pub async fn new() -> Agentrun {
+        let w = World::new("peers", &[]).await;
+        grant_approver_role(&w).await;
+        let seen = Watched::default();
+        let tasks = vec![
+            watch_runs(&w.client, w.name(), seen.clone()),
+            watch_jobs(&w.client, w.name(), seen.clone()),
+            watch_pods(&w.client, w.name(), seen.clone()),
+        ];
+        Agentrun { w, seen, tasks }
+    }
+
+    pub fn standins_base(&self) -> String {
+        self.w.standins.base.clone()
+    }
+
+    pub fn controller_pid(&self) -> Option<u32> {
+        self.w.controller_pid()
+    }
+
+    /// Agent `name`: the model on script `script`, the two tools on tenant
+    /// `tenant`, every refund gated; `extra` merged into its spec.
+    pub async fn agent(&self, name: &str, script: &str, tenant: &str, extra: Value) {
+        let base = &self.w.standins.base;
+        let mut spec = json!({
+            "prompt": {"version": "v1", "system": "You are a careful refund agent."},
+            "model": {
+                "provider": "OpenAI", "name": "gpt-bench",
+                "endpoint": format!("{base}/scripts/{script}/v1"),
+                "secretRef": {"name": "model-key", "key": "apiKey"}
+            },
+            "tools": [
+                {"name": "lookup_order", "description": "Looks an order up.",
+                 "inputSchema": {"type": "object", "required": ["orderId"], "properties": {"orderId": {"type": "string"}}},
+                 "http": {"url": format!("{base}/tools/{tenant}/lookup_order"), "idempotent": true, "readOnly": true}},
+                {"name": "issue_refund", "description": "Refunds an amount.",
+                 "inputSchema": {"type": "object", "required": ["orderId", "amount"],
+                                 "properties": {"orderId": {"type": "string"}, "amount": {"type": "number"}}},
+                 "http": {"url": format!("{base}/tools/{tenant}/issue_refund"), "idempotent": true}}
+            ],
+            "approval": {"rules": [{
+                "name": "refund", "tool": "issue_refund", "when": "true",
+                "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "24h", "onExpiry": "Fail"
+            }]}
+        });
+        if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+            s.extend(e.clone());
+        }
+        let agents: Api<agentrun::api::Agent> =
+            Api::namespaced(self.w.client.clone(), self.w.name());
+        let agent = serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+            "metadata": {"name": name}, "spec": spec
+        }))
+        .expect("Agent manifest");
+        agents
+            .create(&PostParams::default(), &agent)
+            .await
+            .unwrap_or_else(|e| panic!("creating Agent {name}: {e}"));
+    }
+
+    /// Creates the runs of Agent `agent` (16 at a time); when each create
+    /// was sent.
+    pub async fn create_runs(
+        &self,
+        agent: &str,
+        names: &[String],
+        extra: Value,
+    ) -> HashMap<String, f64> {
+        let runs: Api<AgentRun> = Api::namespaced(self.w.client.clone(), self.w.name());
+        stream::iter(names.iter().cloned())
+            .map(|name| {
+                let runs = runs.clone();
+                let mut spec = json!({"input": task(&name), "agentRef": {"name": agent}});
+                if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+                    s.extend(e.clone());
+                }
+                async move {
+                    let run: AgentRun = serde_json::from_value(json!({
+                        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+                        "metadata": {"name": name}, "spec": spec
+                    }))
+                    .expect("run manifest");
+                    let sent = now();
+                    runs.create(&PostParams::default(), &run)
+                        .await
+                        .unwrap_or_else(|e| panic!("creating run {name}: {e}"));
+                    (name, sent)
+                }
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await
+    }
+
+    /// Waits (up to `timeout`) until every run of `names` satisfies `pred`.
+    pub async fn wait_all(
+        &self,
+        what: &str,
+        names: &[String],
+        timeout: Duration,
+        pred: impl Fn(&Seen) -> bool,
+    ) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let n = self.seen.count(names, &pred);
+            if n == names.len() {
+                return;
+            }
+            if tokio::time::Instant::now() > deadline {
+                let late: Vec<String> = names
+                    .iter()
+                    .filter(|r| !pred(&self.seen.get(r)))
+                    .take(5)
+                    .map(|r| format!("{r}: {:?}", self.seen.get(r).phase))
+                    .collect();
+                panic!(
+                    "agentrun: {n} of {} runs {what} after {timeout:?}; e.g. {late:?}\n{}",
+                    names.len(),
+                    self.w
+                        .controller_log()
+                        .lines()
+                        .rev()
+                        .take(30)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn wait_succeeded(&self, names: &[String], timeout: Duration) {
+        self.wait_all("succeeded", names, timeout, |s| {
+            if s.phase
+                .is_some_and(|p| p.is_terminal() && p != Phase::Succeeded)
+            {
+                panic!("a run ended {:?} instead of Succeeded", s.phase);
+            }
+            s.phase == Some(Phase::Succeeded)
+        })
+        .await
+    }
+
+    /// Approves run `run`'s Approval as bob (what `kubectl agentrun approve`
+    /// writes); when the patch was sent.
+    pub async fn approve(&self, run: &str) -> f64 {
+        let name = self
+            .seen
+            .get(run)
+            .approval
+            .expect("the run awaits an Approval");
+        let approvals: Api<Approval> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let a = approvals.get(&name).await.expect("the Approval");
+        let hash = a.spec.arguments_hash.clone();
+        let sent = now();
+        decide(
+            &self.w,
+            "bob",
+            &name,
+            entry("bob", "approve", &hash, "bench"),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("approving {name}: {e}"));
+        sent
+    }
+
+    /// Deletes the runs (their Approvals and Jobs go with them).
+    pub async fn delete_runs(&self, names: &[String]) {
+        let runs: Api<AgentRun> = Api::namespaced(self.w.client.clone(), self.w.name());
+        stream::iter(names.iter().cloned())
+            .for_each_concurrent(16, |name| {
+                let runs = runs.clone();
+                async move {
+                    let _ = runs.delete(&name, &DeleteParams::background()).await;
+                }
+            })
+            .await;
+    }
+
+    /// SIGKILLs the step process of run `uid` (its pod's container on the
+    /// process node, found by the run in its environment); whether one ran.
+    pub fn kill_step_process(&self, uid: &str) -> bool {
+        let wanted = format!("AGENTRUN_RUN_UID={uid}");
+        let mut killed = false;
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|p| p.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
+                continue;
+            };
+            if environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes()) {
+                // SAFETY: kill(2) with a pid read from /proc; no memory effects.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                killed = true;
+            }
+        }
+        killed
+    }
+
+    /// The JSON size of the namespace's AgentRuns and Approvals, as the API
+    /// server stores them.
+    pub async fn api_bytes(&self) -> usize {
+        let runs: Api<AgentRun> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let approvals: Api<Approval> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let r = runs
+            .list(&ListParams::default())
+            .await
+            .expect("listing runs");
+        let a = approvals
+            .list(&ListParams::default())
+            .await
+            .expect("listing approvals");
+        r.items.iter().map(json_len).sum::<usize>() + a.items.iter().map(json_len).sum::<usize>()
+    }
+
+    /// Pods of the namespace now.
+    pub async fn pods(&self) -> usize {
+        let pods: Api<Pod> = Api::namespaced(self.w.client.clone(), self.w.name());
+        pods.list(&ListParams::default())
+            .await
+            .map_or(0, |l| l.items.len())
+    }
+}
+
+fn unix_ts(t: &jiff::Timestamp) -> f64 {
+    t.as_microsecond() as f64 / 1e6
+}
+
+fn json_len<T: serde::Serialize>(v: &T) -> usize {
+    serde_json::to_vec(v).map_or(0, |b| b.len())
+}
+
+fn watch_runs(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
+    let api: Api<AgentRun> = Api::namespaced(client.clone(), ns);
+    tokio::spawn(async move {
+        let mut events = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(event) = events.next().await {
+            let Ok(watcher::Event::Apply(run) | watcher::Event::InitApply(run)) = event else {
+                continue;
+            };
+            let t = now();
+            let status = run.status.clone().unwrap_or_default();
+            seen.with(&run.name_any(), |s| {
+                s.uid = run.uid().unwrap_or_default();
+                s.phase = status.phase;
+                if let Some(p) = status.phase {
+                    s.phases.entry(format!("{p:?}")).or_insert(t);
+                }
+                s.approval = status.approval.map(|a| a.name);
+                s.deadline_at = status.deadline_at.map(|d| unix_ts(&d.0));
+            });
+        }
+    })
+}
+
+fn watch_jobs(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
+    let api: Api<Job> = Api::namespaced(client.clone(), ns);
+    tokio::spawn(async move {
+        let mut events = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(event) = events.next().await {
+            let Ok(watcher::Event::Apply(job) | watcher::Event::InitApply(job)) = event else {
+                continue;
+            };
+            let t = now();
+            let label = |k: &str| job.labels().get(k).cloned().unwrap_or_default();
+            let (seq, attempt) = (
+                label("agentrun.dev/seq").parse().unwrap_or(0),
+                label("agentrun.dev/attempt").parse().unwrap_or(0),
+            );
+            let started = job
+                .status
+                .as_ref()
+                .and_then(|st| st.start_time.as_ref())
+                .map(|t| unix_ts(&t.0));
+            seen.with(&label(RUN_LABEL), |s| {
+                match s
+                    .jobs
+                    .iter_mut()
+                    .find(|j| j.seq == seq && j.attempt == attempt)
+                {
+                    Some(j) => j.started = j.started.or(started),
+                    None => s.jobs.push(JobSeen {
+                        seq,
+                        attempt,
+                        seen: t,
+                        started,
+                    }),
+                }
+            });
+        }
+    })
+}
+
+fn watch_pods(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), ns);
+    tokio::spawn(async move {
+        let mut events = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        let mut running: std::collections::HashSet<String> = Default::default();
+        while let Some(event) = events.next().await {
+            let Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event else {
+                continue;
+            };
+            let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
+            if phase.as_deref() != Some("Running") || !running.insert(pod.name_any()) {
+                continue;
+            }
+            let t = now();
+            let run = pod.labels().get(RUN_LABEL).cloned().unwrap_or_default();
+            seen.with(&run, |s| s.pods_running.push(t));
+        }
+    })
+}
