@@ -18,8 +18,8 @@
 //! - `resume.*`: W runs wait for a person; D of them are approved one at a
 //!   time: the decision sent (agentrun: the Approval patch; Temporal: the
 //!   signal; DBOS: the send) to the approved tool call reaching the tool.
-//! - `waiting.*`: those W + D runs waiting, over an idle window: resident
-//!   memory and CPU of what each system keeps running for them (engine,
+//! - `waiting.*`: those W + D runs waiting, over an idle window: memory
+//!   (PSS: shared pages split among their users) and CPU of what each system keeps running for them (engine,
 //!   workers, database) and bytes stored per waiting run. agentrun's
 //!   control plane (API server, etcd) is reported apart: a cluster runs it
 //!   anyway, but it holds the runs' objects.
@@ -38,7 +38,7 @@
 //! Sizes: `--bench` full (STEPS 50, N 50, W 1000, D 50, K 20); `--quick`
 //! (and check mode, `cargo test` without `--bench`, what CI runs): STEPS 10,
 //! N 10, W 50, D 5, K 2. AGENTRUN_PEERS_SYSTEMS=agentrun,temporal,dbos picks
-//! systems. Check mode and `--quick` assert the promises behind the figures
+//! systems, AGENTRUN_PEERS_ONLY=steps,waiting,kill,clocks figures. Check mode and `--quick` assert the promises behind the figures
 //! (every run done, nothing asked or done twice, the clocks within 1 s), not
 //! how fast anything was.
 
@@ -72,6 +72,8 @@ struct Config {
     kill_turns: usize,
     kill_tool_delay_ms: u64,
     systems: Vec<String>,
+    /// AGENTRUN_PEERS_ONLY: the figures to run (steps, waiting, kill, clocks).
+    only: Option<Vec<String>>,
 }
 
 impl Config {
@@ -85,6 +87,9 @@ impl Config {
             .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
             .collect();
+        let only = std::env::var("AGENTRUN_PEERS_ONLY")
+            .ok()
+            .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
         match quick {
             true => Config {
                 check: true,
@@ -97,6 +102,7 @@ impl Config {
                 kill_turns: 6,
                 kill_tool_delay_ms: 300,
                 systems,
+                only,
             },
             false => Config {
                 check: false,
@@ -109,8 +115,15 @@ impl Config {
                 kill_turns: 8,
                 kill_tool_delay_ms: 300,
                 systems,
+                only,
             },
         }
+    }
+
+    fn measures(&self, figure: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|f| f == figure))
     }
 
     fn runs(&self, system: &str) -> bool {
@@ -431,8 +444,6 @@ impl Bench {
         decided: &[String],
     ) -> (HashMap<String, f64>, Cost) {
         a.agent("gated", script, tenant, json!({})).await;
-        let store = Pg::connect().await;
-        let before = store.bytes().await;
         let api_before = a.api_bytes().await;
         let all: Vec<String> = waiting.iter().chain(decided).cloned().collect();
         a.create_runs("gated", &all, json!({})).await;
@@ -444,7 +455,7 @@ impl Bench {
             "the step pods of the waiting runs to be gone",
             Duration::from_secs(120),
             || async {
-                match a.pods().await {
+                match a.running_pods().await {
                     0 => Ok(()),
                     n => Err(format!("{n} pods")),
                 }
@@ -452,7 +463,8 @@ impl Bench {
         )
         .await;
         let mut cost = Cost::measure(self.cfg.idle, a.controller_pid()).await;
-        cost.stored = (store.bytes().await - before) as f64;
+        let uids: Vec<String> = all.iter().map(|r| a.seen.get(r).uid).collect();
+        cost.stored = Pg::connect().await.bytes(&uids).await as f64;
         cost.api_stored = (a.api_bytes().await.saturating_sub(api_before)) as f64;
         let mut sent = HashMap::new();
         let mut stages: Vec<[f64; 3]> = Vec::new();
@@ -505,8 +517,8 @@ impl Bench {
             )
             .await;
         let runs = names(&format!("{name}-kill"), self.cfg.kills);
-        // Long enough to land anywhere in a run's tool calls.
-        let max_delay_ms = self.cfg.kill_turns as u64 * self.cfg.kill_tool_delay_ms;
+        // Lands within the run's tool calls, whichever.
+        let max_delay_ms = (self.cfg.kill_turns as u64 - 1) * self.cfg.kill_tool_delay_ms;
         let kills: HashMap<String, f64> = match sys {
             System::Agentrun(a) => {
                 a.agent("kill", &script, &tenant, json!({})).await;
@@ -515,9 +527,11 @@ impl Bench {
                 for run in &runs {
                     a.create_runs("kill", std::slice::from_ref(run), json!({}))
                         .await;
-                    let delay = 1000 + next_random(&mut rng) % max_delay_ms;
-                    tokio::time::sleep(Duration::from_millis(delay)).await;
-                    kills.insert(run.clone(), kill_agentrun_worker(a, run).await);
+                    // From its worker's start, as for the peers (whose
+                    // workers are up before their runs start).
+                    kill_agentrun_worker(a, run, 0).await;
+                    let delay = 1 + next_random(&mut rng) % max_delay_ms;
+                    kills.insert(run.clone(), kill_agentrun_worker(a, run, delay).await);
                     a.wait_succeeded(std::slice::from_ref(run), Duration::from_secs(180))
                         .await;
                 }
@@ -643,7 +657,7 @@ impl Bench {
             }),
             None => f64::NAN,
         };
-        let e_late = e.phases.get("Failed").copied().unwrap_or(f64::NAN) - expires_at;
+        let e_late = e.ended.unwrap_or(f64::NAN) - expires_at;
         let f = &mut self.figures;
         f.put("clocks.deadline_late", "agentrun", d_late * 1e3, "ms");
         f.put("clocks.step_timeout_late", "agentrun", t_late * 1e3, "ms");
@@ -670,12 +684,21 @@ impl Bench {
     }
 }
 
-/// SIGKILLs run `run`'s step process (waiting for one to run); when.
-async fn kill_agentrun_worker(a: &Agentrun, run: &str) -> f64 {
+/// Waits for run `run`'s step process, then `delay_ms`, then SIGKILLs it
+/// (0: only waits for it); when it was killed.
+async fn kill_agentrun_worker(a: &Agentrun, run: &str, delay_ms: u64) -> f64 {
     for _ in 0..400 {
         let uid = a.seen.get(run).uid;
-        if !uid.is_empty() && a.kill_step_process(&uid) {
-            return trace::now();
+        if !uid.is_empty() && a.step_process(&uid).is_some() {
+            if delay_ms == 0 {
+                return trace::now();
+            }
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            if let Some(pid) = a.step_process(&uid) {
+                // SAFETY: kill(2) on a pid read from /proc; no memory effects.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                return trace::now();
+            }
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
@@ -712,14 +735,15 @@ fn record_versions(system: &str, out: &Value) {
 /// What a system keeps running for its waiting runs, over an idle window.
 #[derive(Default)]
 struct Cost {
-    /// Resident bytes and CPU seconds by part (engine, worker, database).
-    rss: BTreeMap<String, f64>,
+    /// Proportional memory (PSS: shared pages split among their users) and
+    /// CPU seconds by part (engine, worker, database).
+    memory: BTreeMap<String, f64>,
     cpu: BTreeMap<String, f64>,
     /// Bytes stored for them (agentrun: in its step store).
     stored: f64,
     /// agentrun: the AgentRun and Approval objects in the API server.
     api_stored: f64,
-    /// agentrun: the control plane's resident bytes and CPU seconds.
+    /// agentrun: the control plane's memory and CPU seconds.
     control_plane: Option<(f64, f64)>,
 }
 
@@ -736,10 +760,10 @@ impl Cost {
                 .unwrap_or_default()
         };
         Cost {
-            rss: parts("rss_bytes"),
+            memory: parts("pss_bytes"),
             cpu: parts("cpu_seconds"),
-            stored: out["stored_bytes"].as_f64().unwrap_or(0.0)
-                - out["stored_bytes_before"].as_f64().unwrap_or(0.0),
+            // What the waiting runs added to the engine's storage.
+            stored: out["stored_bytes"].as_f64().unwrap_or(0.0),
             ..Default::default()
         }
     }
@@ -772,23 +796,23 @@ impl Cost {
         let mut cost = Cost::default();
         for (i, (part, pids)) in parts.iter().enumerate() {
             let cpu = common::procs::cpu_seconds(pids) - before[i];
-            let rss = common::procs::rss_bytes(pids);
+            let memory = common::procs::pss_bytes(pids);
             if *part == "control_plane" {
-                cost.control_plane = Some((rss, cpu));
+                cost.control_plane = Some((memory, cpu));
             } else {
-                cost.rss.insert(part.to_string(), rss);
+                cost.memory.insert(part.to_string(), memory);
                 cost.cpu.insert(part.to_string(), cpu);
             }
         }
-        cost.rss.insert("worker".into(), 0.0);
+        cost.memory.insert("worker".into(), 0.0);
         cost.cpu.insert("worker".into(), 0.0);
         cost
     }
 
     fn report(&self, f: &mut Figures, system: &str, seconds: f64, runs: usize) {
-        let rss: f64 = self.rss.values().sum();
+        let memory: f64 = self.memory.values().sum();
         let cpu: f64 = self.cpu.values().sum();
-        f.put("waiting.rss", system, rss / 1e6, "MB");
+        f.put("waiting.memory", system, memory / 1e6, "MB");
         f.put("waiting.cpu", system, 100.0 * cpu / seconds, "%core");
         f.put(
             "waiting.stored_per_run",
@@ -796,8 +820,11 @@ impl Cost {
             (self.stored + self.api_stored) / runs as f64,
             "bytes",
         );
-        for (part, v) in &self.rss {
-            println!("bench: peers.waiting.rss.{part}.{system} {:.1} MB", v / 1e6);
+        for (part, v) in &self.memory {
+            println!(
+                "bench: peers.waiting.memory.{part}.{system} {:.1} MB",
+                v / 1e6
+            );
         }
         for (part, v) in &self.cpu {
             println!(
@@ -815,10 +842,10 @@ impl Cost {
                 self.api_stored / runs as f64
             );
         }
-        if let Some((rss, cpu)) = self.control_plane {
+        if let Some((memory, cpu)) = self.control_plane {
             println!(
-                "bench: peers.waiting.rss.control_plane.{system} {:.1} MB",
-                rss / 1e6
+                "bench: peers.waiting.memory.control_plane.{system} {:.1} MB",
+                memory / 1e6
             );
             println!(
                 "bench: peers.waiting.cpu.control_plane.{system} {:.2} %core",
@@ -828,7 +855,8 @@ impl Cost {
     }
 }
 
-/// The step store's tables, for the bytes the waiting runs took.
+/// The step store, for the bytes the waiting runs took (their rows: a
+/// table's size moves by whole pages, and reuses what deleted runs left).
 struct Pg(sqlx::PgPool);
 
 impl Pg {
@@ -841,15 +869,16 @@ impl Pg {
             .expect("connecting to the step store"))
     }
 
-    async fn bytes(&self) -> i64 {
+    /// The bytes of the rows (records and leases) of the runs `uids`.
+    async fn bytes(&self, uids: &[String]) -> i64 {
         sqlx::query_scalar(
-            "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0)::bigint FROM pg_class c \
-             JOIN pg_namespace n ON n.oid = c.relnamespace \
-             WHERE c.relkind = 'r' AND c.relname LIKE 'agentrun_%'",
+            "SELECT (SELECT coalesce(sum(pg_column_size(s.*)), 0) FROM agentrun_steps s WHERE run = ANY($1)) \
+                  + (SELECT coalesce(sum(pg_column_size(l.*)), 0) FROM agentrun_leases l WHERE run = ANY($1))",
         )
+        .bind(uids)
         .fetch_one(&self.0)
         .await
-        .expect("table sizes")
+        .expect("row sizes")
     }
 }
 
@@ -906,16 +935,19 @@ fn main() {
         let seed = 20261203;
         // One figure at a time for every system, so the machine's state is
         // as alike as can be for each.
-        for sys in &systems {
+        let steps = bench.cfg.measures("steps");
+        for sys in systems.iter().filter(|_| steps) {
             bench.steps(&agentrun, sys).await;
         }
-        for sys in &systems {
+        let waiting = bench.cfg.measures("waiting");
+        for sys in systems.iter().filter(|_| waiting) {
             bench.waiting(&agentrun, sys).await;
         }
-        for sys in &systems {
+        let kill = bench.cfg.measures("kill");
+        for sys in systems.iter().filter(|_| kill) {
             bench.kill(&agentrun, sys, seed).await;
         }
-        if bench.cfg.runs("agentrun") {
+        if bench.cfg.runs("agentrun") && bench.cfg.measures("clocks") {
             bench.clocks(&agentrun).await;
         }
         bench.figures.ratios();

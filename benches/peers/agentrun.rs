@@ -29,7 +29,10 @@ pub struct Seen {
     pub phase: Option<Phase>,
     /// When each phase was first seen.
     pub phases: HashMap<String, f64>,
+    /// The last Approval it waited on.
     pub approval: Option<String>,
+    /// When it was first seen in a final phase.
+    pub ended: Option<f64>,
     /// `status.deadlineAt`.
     pub deadline_at: Option<f64>,
     pub jobs: Vec<JobSeen>,
@@ -252,7 +255,7 @@ impl Agentrun {
             &self.w,
             "bob",
             &name,
-            entry("bob", "approve", &hash, "bench"),
+            entry("bob", "Approve", &hash, "bench"),
         )
         .await
         .unwrap_or_else(|e| panic!("approving {name}: {e}"));
@@ -272,29 +275,19 @@ impl Agentrun {
             .await;
     }
 
-    /// SIGKILLs the step process of run `uid` (its pod's container on the
-    /// process node, found by the run in its environment); whether one ran.
-    pub fn kill_step_process(&self, uid: &str) -> bool {
+    /// The step process of run `uid` (its pod's container on the process
+    /// node, found by the run in its environment), if one runs.
+    pub fn step_process(&self, uid: &str) -> Option<i32> {
         let wanted = format!("AGENTRUN_RUN_UID={uid}");
-        let mut killed = false;
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = entry
-                .file_name()
-                .to_str()
-                .and_then(|p| p.parse::<i32>().ok())
-            else {
-                continue;
-            };
-            let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-                continue;
-            };
-            if environ.split(|b| *b == 0).any(|v| v == wanted.as_bytes()) {
-                // SAFETY: kill(2) with a pid read from /proc; no memory effects.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                killed = true;
-            }
-        }
-        killed
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .find(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == wanted.as_bytes()))
+            })
     }
 
     /// The JSON size of the namespace's AgentRuns and Approvals, as the API
@@ -313,12 +306,17 @@ impl Agentrun {
         r.items.iter().map(json_len).sum::<usize>() + a.items.iter().map(json_len).sum::<usize>()
     }
 
-    /// Pods of the namespace now.
-    pub async fn pods(&self) -> usize {
+    /// Pods of the namespace still running (finished ones stay until their
+    /// Job's TTL, holding nothing).
+    pub async fn running_pods(&self) -> usize {
         let pods: Api<Pod> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let done = |p: &Pod| {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            matches!(phase, Some("Succeeded" | "Failed"))
+        };
         pods.list(&ListParams::default())
             .await
-            .map_or(0, |l| l.items.len())
+            .map_or(0, |l| l.items.iter().filter(|p| !done(p)).count())
     }
 }
 
@@ -348,7 +346,13 @@ fn watch_runs(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
                 if let Some(p) = status.phase {
                     s.phases.entry(format!("{p:?}")).or_insert(t);
                 }
-                s.approval = status.approval.map(|a| a.name);
+                // Kept once the run is past it (the status drops it).
+                if let Some(a) = status.approval {
+                    s.approval = Some(a.name);
+                }
+                if status.phase.is_some_and(|p| p.is_terminal()) {
+                    s.ended = s.ended.or(Some(t));
+                }
                 s.deadline_at = status.deadline_at.map(|d| unix_ts(&d.0));
             });
         }

@@ -78,9 +78,19 @@ pub fn status_kb(pid: u32, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// The resident memory of `pids` together (VmRSS summed), in bytes.
-pub fn rss_bytes(pids: &[u32]) -> f64 {
+/// The proportional memory of `pids` together (`Pss` of
+/// `/proc/PID/smaps_rollup`: pages shared by N processes count 1/N each,
+/// so PostgreSQL's shared buffers count once), in bytes.
+pub fn pss_bytes(pids: &[u32]) -> f64 {
     pids.iter()
-        .map(|p| status_kb(*p, "VmRSS") as f64 * 1024.0)
+        .map(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/smaps_rollup"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("Pss:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+                * 1024.0
+        })
         .sum()
 }
