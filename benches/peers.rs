@@ -772,20 +772,16 @@ impl Cost {
     /// wait), PostgreSQL (database); the API server and etcd apart.
     async fn measure(seconds: u64, controller: Option<u32>) -> Cost {
         let controller = controller.expect("the controller runs");
-        let cluster = |name: &str| -> Vec<u32> {
-            let dir = std::env::var("AGENTRUN_CLUSTER_DIR").unwrap_or_default();
-            std::fs::read_to_string(format!("{dir}/pids/{name}"))
-                .ok()
-                .and_then(|p| p.trim().parse().ok())
-                .into_iter()
-                .collect()
-        };
+
         let parts: Vec<(&str, Vec<u32>)> = vec![
             ("engine", vec![controller]),
             ("database", common::procs::postgres_pids()),
             (
                 "control_plane",
-                [cluster("apiserver"), cluster("etcd")].concat(),
+                ["apiserver", "etcd"]
+                    .into_iter()
+                    .filter_map(common::procs::cluster_pid)
+                    .collect(),
             ),
         ];
         let before: Vec<f64> = parts

@@ -76,6 +76,7 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
 use common::controller::ControllerProcess;
+use common::procs;
 use common::standins::Standins;
 
 const CONTROLLER: &str = "bench-ctrl";
@@ -620,58 +621,13 @@ fn watch_pods(client: &Client, ns: &str, pods: Pods) -> JoinHandle<()> {
 
 // --- the controller process from outside ---------------------------------------
 
-fn clock_ticks() -> f64 {
-    // SAFETY: sysconf has no memory effects.
-    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if t > 0 { t as f64 } else { 100.0 }
-}
-
-/// utime + stime of a process, in seconds.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let num = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (num(11) + num(12)) / clock_ticks()
-}
-
-/// utime, stime, cutime, cstime of a process, in clock ticks.
-fn proc_times(pid: u32) -> [f64; 4] {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let num = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    [num(11), num(12), num(13), num(14)]
-}
-
-fn ppid(pid: u32) -> u32 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    after
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// CPU seconds used so far by each part of the machine's work: the control
 /// plane's components, the process node (step pods included when they run
 /// in process), the controller, PostgreSQL (backends that exited are in the
 /// postmaster's children times), this harness, and the whole machine busy.
 fn cpu_by_component(controller: u32) -> BTreeMap<&'static str, f64> {
-    let tck = clock_ticks();
+    let tck = procs::clock_ticks();
     let mut out = BTreeMap::new();
-    let dir = std::env::var("AGENTRUN_CLUSTER_DIR").unwrap_or_default();
     for (name, file) in [
         ("etcd", "etcd"),
         ("apiserver", "apiserver"),
@@ -679,39 +635,18 @@ fn cpu_by_component(controller: u32) -> BTreeMap<&'static str, f64> {
         ("scheduler", "scheduler"),
         ("process_node", "node"),
     ] {
-        if let Some(pid) = std::fs::read_to_string(format!("{dir}/pids/{file}"))
-            .ok()
-            .and_then(|p| p.trim().parse::<u32>().ok())
-        {
-            let t = proc_times(pid);
+        if let Some(pid) = procs::cluster_pid(file) {
+            let t = procs::proc_times(pid);
             // The node's children are pod processes, reaped by it.
             out.insert(name, (t[0] + t[1] + t[2] + t[3]) / tck);
         }
     }
-    let t = proc_times(controller);
+    let t = procs::proc_times(controller);
     out.insert("controller", (t[0] + t[1]) / tck);
-    let t = proc_times(std::process::id());
+    let t = procs::proc_times(std::process::id());
     out.insert("harness", (t[0] + t[1]) / tck);
     // PostgreSQL: the postmaster (with its reaped backends) and live backends.
-    let comm = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    let pids: Vec<u32> = std::fs::read_dir("/proc")
-        .map(|d| {
-            d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    let pg: Vec<u32> = pids
-        .into_iter()
-        .filter(|p| comm(*p).trim() == "postgres")
-        .collect();
-    let mut pg_ticks = 0.0;
-    for pid in &pg {
-        let t = proc_times(*pid);
-        let master = !pg.contains(&ppid(*pid));
-        pg_ticks += t[0] + t[1] + if master { t[2] + t[3] } else { 0.0 };
-    }
-    out.insert("postgres", pg_ticks / tck);
+    out.insert("postgres", procs::cpu_seconds(&procs::postgres_pids()));
     // The machine: every CPU's non-idle time.
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     if let Some(line) = stat.lines().next() {
@@ -811,16 +746,6 @@ fn cpu_figures(
             "%core",
         );
     }
-}
-
-/// A `/proc/<pid>/status` field in kB (VmRSS, VmHWM).
-fn status_kb(pid: u32, key: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Sums every sample of `name` (all label sets) in a Prometheus exposition.
@@ -1347,13 +1272,13 @@ async fn active(bench: &Bench) {
     let metrics1 = metrics_text(ns.controller.metrics_port).await;
     let burst = names("run", cfg.active);
     let pid = ns.pid();
-    let cpu0 = cpu_seconds(pid);
-    let peak = Arc::new(Mutex::new(status_kb(pid, "VmRSS")));
+    let cpu0 = procs::cpu_seconds(&[pid]);
+    let peak = Arc::new(Mutex::new(procs::status_kb(pid, "VmRSS")));
     let sampler = {
         let peak = peak.clone();
         tokio::spawn(async move {
             loop {
-                let rss = status_kb(pid, "VmRSS");
+                let rss = procs::status_kb(pid, "VmRSS");
                 {
                     let mut p = peak.lock().unwrap();
                     *p = (*p).max(rss);
@@ -1392,7 +1317,7 @@ async fn active(bench: &Bench) {
         &metrics1,
         &metrics2,
     );
-    let cpu = cpu_seconds(pid) - cpu0;
+    let cpu = procs::cpu_seconds(&[pid]) - cpu0;
     let cpu_parts1 = cpu_by_component(pid);
     let api1 = api_requests(&bench.client).await;
     let (succeeded, phases) = ns.runs.count(&burst, |r| r.phase == Some(Phase::Succeeded));
@@ -1588,7 +1513,7 @@ async fn held(bench: &Bench, ns: &Ns, base_ms: &[f64]) {
     let pid = ns.pid();
     let metrics0 = metrics_text(ns.controller.metrics_port).await;
     let (cpu0, cpu_parts0, api0) = (
-        cpu_seconds(pid),
+        procs::cpu_seconds(&[pid]),
         cpu_by_component(pid),
         api_requests(&bench.client).await,
     );
@@ -1597,7 +1522,7 @@ async fn held(bench: &Bench, ns: &Ns, base_ms: &[f64]) {
     let probe_ms = one_at_a_time(bench, ns, &probes, &format!("dispatch-held{n}.csv")).await;
     let secs = t0.elapsed().as_secs_f64();
     let metrics1 = metrics_text(ns.controller.metrics_port).await;
-    let cpu = cpu_seconds(pid) - cpu0;
+    let cpu = procs::cpu_seconds(&[pid]) - cpu0;
     let (cpu_parts1, api1) = (cpu_by_component(pid), api_requests(&bench.client).await);
     let still = ns.pods.active();
 
@@ -1629,7 +1554,7 @@ async fn held(bench: &Bench, ns: &Ns, base_ms: &[f64]) {
     );
     figure(
         &format!("held.runs{n}.controller_rss"),
-        status_kb(pid, "VmRSS") as f64 / 1024.0,
+        procs::status_kb(pid, "VmRSS") as f64 / 1024.0,
         "MiB",
     );
     cpu_figures(&format!("held.runs{n}"), &cpu_parts0, &cpu_parts1, secs);
@@ -1983,7 +1908,7 @@ async fn idle_window(bench: &Bench, ns: &Ns, runs: &[String], label: &str) {
     tokio::time::sleep(Duration::from_millis(500)).await; // the watches are open
     let pid = ns.pid();
     let (cpu0, pg0, m0, active0) = (
-        cpu_seconds(pid),
+        procs::cpu_seconds(&[pid]),
         table_reads(&bench.pg).await,
         store_counters(ns.controller.metrics_port).await,
         ns.pods.active(),
@@ -1994,7 +1919,7 @@ async fn idle_window(bench: &Bench, ns: &Ns, runs: &[String], label: &str) {
     let secs = t_idle.elapsed().as_secs_f64();
     let cpu_parts1 = cpu_by_component(pid);
     let (cpu1, m1, active1) = (
-        cpu_seconds(pid),
+        procs::cpu_seconds(&[pid]),
         store_counters(ns.controller.metrics_port).await,
         ns.pods.active(),
     );
@@ -2010,7 +1935,7 @@ async fn idle_window(bench: &Bench, ns: &Ns, runs: &[String], label: &str) {
     );
     figure(
         &format!("{label}.waiting{w}.controller_rss"),
-        status_kb(pid, "VmRSS") as f64 / 1024.0,
+        procs::status_kb(pid, "VmRSS") as f64 / 1024.0,
         "MiB",
     );
     figure(

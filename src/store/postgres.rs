@@ -107,35 +107,27 @@ const HEAD_SQL: &str =
 const LAST_KIND_SQL: &str =
     "SELECT kind FROM agentrun_steps WHERE run = $1 ORDER BY seq DESC LIMIT 1";
 
-const ACQUIRE_SQL: &str = r#"
-INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at, released)
-VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now(), false)
-ON CONFLICT (run) DO UPDATE
-   SET holder = excluded.holder,
-       epoch = l.epoch + 1,
-       expires_at = excluded.expires_at,
-       acquired_at = now(),
-       renewed_at = now(),
-       released = false,
-       yield_requested = false
- WHERE l.expires_at <= now() OR l.holder = excluded.holder
-RETURNING epoch, expires_at
-"#;
+/// Takes a run's lease with the next epoch where `$cond` allows it.
+macro_rules! lease_upsert {
+    ($cond:literal) => {
+        concat!(
+            "INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at, released) \
+             VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now(), false) \
+             ON CONFLICT (run) DO UPDATE \
+                SET holder = excluded.holder, epoch = l.epoch + 1, expires_at = excluded.expires_at, \
+                    acquired_at = now(), renewed_at = now(), released = false, yield_requested = false ",
+            $cond,
+            " RETURNING epoch, expires_at"
+        )
+    };
+}
 
-/// [`ACQUIRE_SQL`] without its condition: whoever holds the lease.
-const TAKE_OVER_SQL: &str = r#"
-INSERT INTO agentrun_leases AS l (run, holder, epoch, expires_at, acquired_at, renewed_at, released)
-VALUES ($1, $2, 1, now() + $3 * interval '1 microsecond', now(), now(), false)
-ON CONFLICT (run) DO UPDATE
-   SET holder = excluded.holder,
-       epoch = l.epoch + 1,
-       expires_at = excluded.expires_at,
-       acquired_at = now(),
-       renewed_at = now(),
-       released = false,
-       yield_requested = false
-RETURNING epoch, expires_at
-"#;
+/// When free, lapsed or the holder's own.
+const ACQUIRE_SQL: &str =
+    lease_upsert!("WHERE l.expires_at <= now() OR l.holder = excluded.holder");
+
+/// Whoever holds it.
+const TAKE_OVER_SQL: &str = lease_upsert!("");
 
 const LEASE_SQL: &str = "SELECT holder, epoch, expires_at, expires_at <= now() AS expired, released \
      FROM agentrun_leases WHERE run = $1";
@@ -264,6 +256,23 @@ impl PgStore {
             chain.push(body.as_bytes(), hash, Some(at))?;
         }
         Ok(chain)
+    }
+
+    /// The lease `holder` took, from the row an upsert returned.
+    fn taken(
+        &self,
+        run: &str,
+        holder: &str,
+        row: &sqlx::postgres::PgRow,
+    ) -> Result<Lease, StoreError> {
+        let epoch: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+        Ok(Lease {
+            run: run.to_string(),
+            holder: holder.to_string(),
+            epoch: epoch as u64,
+            expires_at: row.try_get(1).map_err(|e| self.err(e))?,
+            yield_requested: false,
+        })
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -534,15 +543,7 @@ impl StepStore for PgStore {
                 .await
                 .map_err(|e| self.err(e))?;
             if let Some(row) = row {
-                let epoch: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-                let expires_at: DateTime<Utc> = row.try_get(1).map_err(|e| self.err(e))?;
-                return Ok(Lease {
-                    run: run.to_string(),
-                    holder: holder.to_string(),
-                    epoch: epoch as u64,
-                    expires_at,
-                    yield_requested: false,
-                });
+                return self.taken(run, holder, &row);
             }
             let cur = sqlx::query(LEASE_SQL)
                 .bind(run)
@@ -575,15 +576,7 @@ impl StepStore for PgStore {
             .fetch_one(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
-        let epoch: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-        let expires_at: DateTime<Utc> = row.try_get(1).map_err(|e| self.err(e))?;
-        Ok(Lease {
-            run: run.to_string(),
-            holder: holder.to_string(),
-            epoch: epoch as u64,
-            expires_at,
-            yield_requested: false,
-        })
+        self.taken(run, holder, &row)
     }
 
     async fn renew(&self, lease: &Lease, ttl: Duration) -> Result<Lease, StoreError> {

@@ -1,7 +1,7 @@
 //! Processes of this machine seen from outside, through `/proc`: CPU time
 //! and resident memory, for the benchmarks' cost figures.
 
-fn clock_ticks() -> f64 {
+pub fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no memory effects.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if t > 0 { t as f64 } else { 100.0 }
@@ -93,4 +93,13 @@ pub fn pss_bytes(pids: &[u32]) -> f64 {
                 * 1024.0
         })
         .sum()
+}
+
+/// The process of the local control plane's component `name` (`etcd`,
+/// `apiserver`, `node`...), from the pid files `e2e/cluster` keeps.
+pub fn cluster_pid(name: &str) -> Option<u32> {
+    let dir = std::env::var("AGENTRUN_CLUSTER_DIR").unwrap_or_default();
+    std::fs::read_to_string(format!("{dir}/pids/{name}"))
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
 }

@@ -369,10 +369,18 @@ async fn record(
     };
     Ok(match requeue {
         Duration::MAX => Action::await_change(),
-        d if d.is_zero() => Action::requeue(Duration::from_millis(50)),
+        d if d.is_zero() => Action::requeue(AT_ONCE),
         d => Action::requeue(d),
     })
 }
+
+/// "Look again at once": after a write of the controller's own (its status,
+/// a record), long enough for the watch to bring the run's new version back
+/// in the usual case (a few ms on a local API server), short enough not to
+/// show in the time from a decision or a start to the next Job (it is on
+/// both paths). The log, not the status, decides what comes next, so a
+/// stale read costs a repeated write at most.
+const AT_ONCE: Duration = Duration::from_millis(10);
 
 /// How long until the run's deadline (`MAX` without one): whatever a
 /// reconcile waits for, the deadline acts on time.
