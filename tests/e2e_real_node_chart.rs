@@ -878,11 +878,24 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         assert_eq!(spec.service_account_name.as_deref(), Some("agentrun-step"));
         assert_eq!(spec.automount_service_account_token, Some(false));
     }
-    let logged = crash_pods
-        .iter()
-        .filter_map(|p| p.metadata.name.clone())
-        .find(|n| n != &killed_pod)
-        .unwrap();
+    // The successor may have done its work before its kubelet reported the
+    // container started (its status lags): wait until the API shows it ended.
+    let logged = common::wait_for("the successor pod's container to end", TIMEOUT, || async {
+        let all = pods.list(&ListParams::default()).await.ok()?.items;
+        step_pods_of(&all, "crash").into_iter().find_map(|p| {
+            let name = p.metadata.name.clone()?;
+            let c = p
+                .status
+                .as_ref()?
+                .container_statuses
+                .as_ref()?
+                .first()?
+                .clone();
+            c.state?.terminated?;
+            (name != killed_pod).then_some(name)
+        })
+    })
+    .await;
     let logs = common::kubectl(&["logs", "-n", &ns, &logged]);
     let lines: Vec<Value> = logs
         .lines()
