@@ -300,20 +300,7 @@ async fn follow(api: &LogApiWorld, cfg: &Config) -> Vec<f64> {
 
 fn main() {
     let cfg = Config::from_env();
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    if cfg.check && !filters.is_empty() && !filters.iter().any(|f| "log_api".contains(f.as_str())) {
-        println!("log_api check: filtered out by {filters:?}");
-        return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let _ = rustls::crypto::ring::default_provider().install_default();
+    common::bench_main("log_api", cfg.check, async move {
         println!(
             "log_api: {} mode; {} records, {} followers, {} appends",
             if cfg.check {

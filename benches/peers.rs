@@ -880,23 +880,14 @@ impl Pg {
 
 fn main() {
     let cfg = Config::from_args();
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    if !filters.is_empty() && !filters.iter().any(|f| "peers".contains(f.as_str())) {
-        println!("peers: filtered out by {filters:?}");
-        return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let _ = rustls::crypto::ring::default_provider().install_default();
+    common::bench_main("peers", cfg.check, async move {
         println!(
             "peers: {} mode; steps {}, {} at once, {} waiting, {} decisions, {} kills; systems {:?}",
-            if cfg.check { "quick (promises asserted)" } else { "full" },
+            if cfg.check {
+                "quick (promises asserted)"
+            } else {
+                "full"
+            },
             cfg.steps,
             cfg.concurrent,
             cfg.waiting,
@@ -914,7 +905,12 @@ fn main() {
             figures: Figures::default(),
         };
         let python = (bench.cfg.runs("temporal") || bench.cfg.runs("dbos")).then(python::python);
-        let pg_url = common::scripts::e2e_script("postgres", "url", &[], "DBOS keeps its state in PostgreSQL");
+        let pg_url = common::scripts::e2e_script(
+            "postgres",
+            "url",
+            &[],
+            "DBOS keeps its state in PostgreSQL",
+        );
         let peers: Vec<Peer> = ["temporal", "dbos"]
             .into_iter()
             .filter(|p| bench.cfg.runs(p))

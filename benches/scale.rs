@@ -2377,21 +2377,7 @@ fn pod_mode() -> &'static str {
 
 fn main() {
     let cfg = Config::from_env();
-    // `cargo test <filter>` passes its filter here: honour it as libtest would.
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    if cfg.check && !filters.is_empty() && !filters.iter().any(|f| "scale".contains(f.as_str())) {
-        println!("scale check: filtered out by {filters:?}");
-        return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async move {
-        let _ = rustls::crypto::ring::default_provider().install_default();
+    common::bench_main("scale", cfg.check, async move {
         let started = Instant::now();
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
         println!(

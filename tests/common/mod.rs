@@ -508,3 +508,25 @@ pub async fn publish_keys_to_everyone(client: &Client, namespace: &str) {
         .await
         .expect("keys reader RoleBinding");
 }
+
+/// A benchmark binary's `main` (it has no test harness): `cargo test
+/// <filter>` passes its filter here, honoured as libtest would in check
+/// mode; `body` runs on a multi-threaded runtime with the TLS provider set.
+pub fn bench_main<F: Future<Output = ()>>(name: &str, check: bool, body: F) {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    if check && !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+        println!("{name}: filtered out by {filters:?}");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async move {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        body.await
+    });
+}
