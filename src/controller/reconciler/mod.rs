@@ -666,11 +666,6 @@ async fn create_job(
         ctx.memory.set_credential(&uid, false);
     }
     ensure_credential(run, ctx, ns, &uid).await?;
-    // The worker of a failed or vanished Job (timed out, killed) may still
-    // hold the run's lease: fenced now, the next one need not wait for it.
-    if previous.is_some_and(|j| matches!(j.state, JobState::Failed { .. } | JobState::Missing)) {
-        fence_worker(ctx, &uid).await?;
-    }
     let timeout = crate::api::parse_duration(&run.spec.step_timeout)
         .map_or(600, |d| d.as_secs().max(1) as i64);
     let failed_jobs = failed_jobs_before(run, previous);
@@ -686,6 +681,7 @@ async fn create_job(
         &ctx.jobs,
     );
     let name = job.name_any();
+    fence_previous(ctx, &uid, previous, &name).await?;
     let created = create_step_job(ctx, ns, &job).await?;
     if let Some(at) = replayed
         .head_at
@@ -714,6 +710,32 @@ async fn create_job(
         started_at: Some(Time(now)),
     });
     Ok(idle_requeue(ctx, run, now))
+}
+
+/// The worker of a failed or vanished Job (timed out, killed) may still
+/// hold the run's lease: fenced before the next Job, which then need not
+/// wait for it. Not when a pod of that next Job holds it already: a
+/// reconcile that saw the run before its last status write creates that Job
+/// again (harmlessly) and must not stop its worker.
+async fn fence_previous(
+    ctx: &Context,
+    uid: &str,
+    previous: Option<&JobView>,
+    next: &str,
+) -> Result<(), Error> {
+    if !previous.is_some_and(|j| matches!(j.state, JobState::Failed { .. } | JobState::Missing)) {
+        return Ok(());
+    }
+    let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
+    let next_holds = lease.is_some_and(|l| {
+        l.holder
+            .strip_prefix(next)
+            .is_some_and(|pod| pod.starts_with('-'))
+    });
+    match next_holds {
+        true => Ok(()),
+        false => fence_worker(ctx, uid).await,
+    }
 }
 
 /// Creates the step Job; false when it existed already. Deterministic
