@@ -325,6 +325,10 @@ fn one_hour() -> String {
 /// Budgets, summed from the log over the whole run.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.onExhausted) || self.onExhausted != 'Ask' || has(self.approvers)",
+     "message": "spec.budgets.approvers is required when onExhausted is Ask"}
+]))]
 pub struct Budgets {
     /// Maximum input plus output tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -344,6 +348,42 @@ pub struct Budgets {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_steps: Option<u64>,
+    /// What the run does when the next step would pass a budget: `Fail`
+    /// (end `BudgetExceeded`) or `Ask` (wait on an Approval of kind `Budget`
+    /// whose approvers may raise the limits).
+    #[serde(default, skip_serializing_if = "OnExhausted::is_fail")]
+    pub on_exhausted: OnExhausted,
+    /// Who may raise an exhausted budget (required for `onExhausted: Ask`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approvers: Option<Approvers>,
+    /// Distinct approvals a raise needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10))]
+    pub required_approvals: Option<u32>,
+    /// How long a budget question waits; expiry ends the run `BudgetExceeded`
+    /// (it never raises a budget). One hour when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32), extend("x-kubernetes-validations" = [{
+        "rule": DURATION_RULE,
+        "message": "spec.budgets.expiresAfter must be a positive duration such as 30m or 2h"
+    }]))]
+    pub expires_after: Option<String>,
+}
+
+/// What a run does when a budget runs out.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum OnExhausted {
+    /// End the run `BudgetExceeded` with its partial result.
+    #[default]
+    Fail,
+    /// Ask the budget's approvers whether to raise it.
+    Ask,
+}
+
+impl OnExhausted {
+    fn is_fail(&self) -> bool {
+        *self == OnExhausted::Fail
+    }
 }
 
 /// How the model's context is built: system prompt + task + latest summary +

@@ -122,6 +122,30 @@ pub enum ApprovalKind {
     Call,
     /// A call crashed with an unknown outcome: did it happen?
     Reconcile,
+    /// A budget is used up (`budgets.onExhausted: Ask`): may the run go on
+    /// with the limits in `arguments`? `tool` is `budget`; an edit gives
+    /// other limits, a reject ends the run `BudgetExceeded`.
+    Budget,
+}
+
+/// The `tool` of an Approval of kind `Budget`.
+pub const BUDGET_TOOL: &str = "budget";
+
+/// The JSON schema of a `Budget` Approval's arguments: the limits the run
+/// goes on with (each at least the one exhausted; absent = unchanged).
+pub fn budget_arguments_schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "additionalProperties": false,
+        "properties": {
+            "maxSteps": {"type": "integer", "minimum": 1,
+                         "description": "Maximum number of steps (records in the log)"},
+            "maxTokens": {"type": "integer", "minimum": 1,
+                          "description": "Maximum input plus output tokens"},
+            "maxCostUSD": {"type": "number", "exclusiveMinimum": 0,
+                           "description": "Maximum cost in US dollars"}
+        }
+    })
 }
 
 /// A tool call as proposed by the agent.

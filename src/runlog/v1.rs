@@ -273,6 +273,23 @@ pub struct Budgets {
     pub max_cost_usd: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u64>,
+    // Added within format 1, omitted when absent (`Fail`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_exhausted: Option<OnExhausted>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approvers: Option<Approvers>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub required_approvals: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_after: Option<String>,
+}
+
+/// What a run does when a budget runs out (added within format 1).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnExhausted {
+    #[default]
+    Fail,
+    Ask,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
@@ -384,6 +401,8 @@ pub enum ApprovalKind {
     #[default]
     Call,
     Reconcile,
+    /// Added within format 1: a budget is used up and the agent asks.
+    Budget,
 }
 
 /// One approver's verdict (the request's overall verdict is `records::Verdict`).

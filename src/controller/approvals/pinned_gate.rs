@@ -56,6 +56,7 @@ pub fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
     let mut expected = match request.kind {
         ApprovalKind::Call => expected_call_gate(log, request_seq, request)?,
         ApprovalKind::Reconcile => expected_reconcile_gate(log, request_seq, request)?,
+        ApprovalKind::Budget => expected_budget_gate(log, request_seq, request)?,
     };
     // `because` is prose for people, not policy: its wording may change
     // between versions without failing the runs waiting on an approval.
@@ -108,6 +109,15 @@ fn expected_call_gate(
             request.tool
         )),
     }
+}
+
+/// A budget request's gate: the pinned agent asks when its budget runs out.
+fn expected_budget_gate(
+    _log: &RunState,
+    _request_seq: u64,
+    _request: &ApprovalRequested,
+) -> Result<Gate, String> {
+    Err("budget approvals are not checked yet".into())
 }
 
 /// A reconcile request's gate: about an intent recorded for this very call.

@@ -557,11 +557,22 @@ impl From<api::Budgets> for Budgets {
             max_tokens,
             max_cost_usd,
             max_steps,
+            on_exhausted,
+            approvers,
+            required_approvals,
+            expires_after,
         } = b;
         Budgets {
             max_tokens,
             max_cost_usd,
             max_steps,
+            on_exhausted: match on_exhausted {
+                api::OnExhausted::Fail => None,
+                api::OnExhausted::Ask => Some(OnExhausted::Ask),
+            },
+            approvers: approvers.map(Into::into),
+            required_approvals,
+            expires_after,
         }
     }
 }
@@ -572,11 +583,22 @@ impl From<Budgets> for api::Budgets {
             max_tokens,
             max_cost_usd,
             max_steps,
+            on_exhausted,
+            approvers,
+            required_approvals,
+            expires_after,
         } = b;
         api::Budgets {
             max_tokens,
             max_cost_usd,
             max_steps,
+            on_exhausted: match on_exhausted {
+                None | Some(OnExhausted::Fail) => api::OnExhausted::Fail,
+                Some(OnExhausted::Ask) => api::OnExhausted::Ask,
+            },
+            approvers: approvers.map(Into::into),
+            required_approvals,
+            expires_after,
         }
     }
 }
@@ -866,6 +888,7 @@ impl From<api::ApprovalKind> for ApprovalKind {
         match k {
             api::ApprovalKind::Call => ApprovalKind::Call,
             api::ApprovalKind::Reconcile => ApprovalKind::Reconcile,
+            api::ApprovalKind::Budget => ApprovalKind::Budget,
         }
     }
 }
@@ -875,6 +898,7 @@ impl From<ApprovalKind> for api::ApprovalKind {
         match k {
             ApprovalKind::Call => api::ApprovalKind::Call,
             ApprovalKind::Reconcile => api::ApprovalKind::Reconcile,
+            ApprovalKind::Budget => api::ApprovalKind::Budget,
         }
     }
 }
