@@ -4,7 +4,9 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::common::{Approvers, DURATION_RULE, DefaultAction, Dependency, OnExpiry, SecretKeyRef};
+use super::common::{
+    Approvers, DURATION_RULE, DefaultAction, Dependency, NotifyFormat, OnExpiry, SecretKeyRef,
+};
 use super::policy::{CallMatch, PlatformDefault};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
@@ -249,10 +251,16 @@ pub struct ApprovalPolicy {
     /// The user who created a run may not approve its calls.
     #[serde(default)]
     pub separation_of_duties: bool,
-    /// URL that receives a JSON message when an Approval is raised, escalated,
-    /// decided or expires.
+    /// URL that receives a message when an Approval is raised, escalated,
+    /// decided or expires (in `notifyFormat`). It carries no credential and
+    /// no decision power: a link to the console and the plugin command.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify_webhook: Option<String>,
+    /// What `notifyWebhook` receives: `Json` (the default: the event as
+    /// JSON), `Slack` (a Block Kit message for a Slack incoming webhook) or
+    /// `Teams` (an Adaptive Card for a Teams incoming webhook).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify_format: Option<NotifyFormat>,
     /// The platform's default, set by the controller when it pins the run
     /// (not part of the Agent's schema: the API server prunes it there).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -91,6 +91,19 @@ pub enum OnExpiry {
     ReturnToAgent,
 }
 
+/// The message an approval webhook receives.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum NotifyFormat {
+    /// The event as JSON (`event`, `namespace`, `run`, `approval`, `tool`,
+    /// `arguments`, `argumentsHash`, `rule`, `approvers`, `detail`).
+    #[default]
+    Json,
+    /// A Slack incoming-webhook message (Block Kit).
+    Slack,
+    /// A Microsoft Teams incoming-webhook message (an Adaptive Card).
+    Teams,
+}
+
 /// What a tool call that matches no rule does.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum DefaultAction {

@@ -220,6 +220,7 @@ pub fn reconcile_gate(
                 dependencies: Vec::new(),
                 separation_of_duties: p.separation_of_duties,
                 notify_webhook: p.notify_webhook.clone(),
+                notify_format: p.notify_format.map(Into::into),
             }
         }
     };
@@ -250,6 +251,7 @@ fn gate(policy: &ApprovalPolicy, rule: &ApprovalRule, because: String) -> Gate {
         dependencies: rule.dependencies.iter().cloned().map(Into::into).collect(),
         separation_of_duties: policy.separation_of_duties,
         notify_webhook: policy.notify_webhook.clone(),
+        notify_format: policy.notify_format.map(Into::into),
     }
 }
 

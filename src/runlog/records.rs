@@ -305,4 +305,8 @@ pub struct Gate {
     pub separation_of_duties: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify_webhook: Option<String>,
+    /// What `notify_webhook` receives (added within format 1, omitted when
+    /// absent: the JSON event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify_format: Option<v1::NotifyFormat>,
 }

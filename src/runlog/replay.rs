@@ -732,6 +732,7 @@ pub(crate) mod tests {
                 dependencies: vec![],
                 separation_of_duties: false,
                 notify_webhook: None,
+                notify_format: None,
             },
             escalation: 0,
             alternative: None,

@@ -169,6 +169,18 @@ pub struct ApprovalPolicy {
     // Added within format 1, omitted when absent (see `McpTool::idempotent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub platform_default: Option<PlatformDefault>,
+    // Added within format 1, omitted when absent (see `McpTool::idempotent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notify_format: Option<NotifyFormat>,
+}
+
+/// The message an approval webhook receives (added within format 1).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NotifyFormat {
+    #[default]
+    Json,
+    Slack,
+    Teams,
 }
 
 /// The platform's default as a run pins it (added within format 1).

@@ -303,6 +303,26 @@ impl From<McpTool> for api::McpTool {
     }
 }
 
+impl From<api::NotifyFormat> for NotifyFormat {
+    fn from(f: api::NotifyFormat) -> Self {
+        match f {
+            api::NotifyFormat::Json => NotifyFormat::Json,
+            api::NotifyFormat::Slack => NotifyFormat::Slack,
+            api::NotifyFormat::Teams => NotifyFormat::Teams,
+        }
+    }
+}
+
+impl From<NotifyFormat> for api::NotifyFormat {
+    fn from(f: NotifyFormat) -> Self {
+        match f {
+            NotifyFormat::Json => api::NotifyFormat::Json,
+            NotifyFormat::Slack => api::NotifyFormat::Slack,
+            NotifyFormat::Teams => api::NotifyFormat::Teams,
+        }
+    }
+}
+
 impl From<api::OnExpiry> for OnExpiry {
     fn from(o: api::OnExpiry) -> Self {
         match o {
@@ -356,6 +376,7 @@ impl From<api::ApprovalPolicy> for ApprovalPolicy {
             separation_of_duties,
             notify_webhook,
             platform_default,
+            notify_format,
         } = p;
         ApprovalPolicy {
             rules: rules.into_iter().map(Into::into).collect(),
@@ -364,6 +385,7 @@ impl From<api::ApprovalPolicy> for ApprovalPolicy {
             separation_of_duties,
             notify_webhook,
             platform_default: platform_default.map(Into::into),
+            notify_format: notify_format.map(Into::into),
         }
     }
 }
@@ -377,6 +399,7 @@ impl From<ApprovalPolicy> for api::ApprovalPolicy {
             separation_of_duties,
             notify_webhook,
             platform_default,
+            notify_format,
         } = p;
         api::ApprovalPolicy {
             rules: rules.into_iter().map(Into::into).collect(),
@@ -385,6 +408,7 @@ impl From<ApprovalPolicy> for api::ApprovalPolicy {
             separation_of_duties,
             notify_webhook,
             platform_default: platform_default.map(Into::into),
+            notify_format: notify_format.map(Into::into),
         }
     }
 }
