@@ -228,6 +228,31 @@ pub fn reconcile_gate(
     Some(gate)
 }
 
+/// The gate of a budget question (`budgets.onExhausted: Ask`): the
+/// budget's approvers and quorum, the agent's separation of duties and
+/// webhook. Expiry ends the run (it never raises a budget).
+pub fn budget_gate(agent: &crate::api::AgentTemplate) -> Option<Gate> {
+    let budgets = agent
+        .budgets
+        .as_ref()
+        .filter(|b| b.on_exhausted == crate::api::OnExhausted::Ask)?;
+    let policy = agent.approval.as_ref();
+    Some(Gate {
+        rule: "budgets".into(),
+        because: "a budget is used up and the agent asks before going on".into(),
+        approvers: budgets.approvers.clone()?.into(),
+        required_approvals: budgets.required_approvals.unwrap_or(1).max(1),
+        expires_after: budgets.expires_after.clone().unwrap_or_else(|| "1h".into()),
+        on_expiry: v1::OnExpiry::Fail,
+        escalate_to: None,
+        max_escalations: 1,
+        dependencies: Vec::new(),
+        separation_of_duties: policy.is_some_and(|p| p.separation_of_duties),
+        notify_webhook: policy.and_then(|p| p.notify_webhook.clone()),
+        notify_format: policy.and_then(|p| p.notify_format.map(Into::into)),
+    })
+}
+
 /// Whether the agent declares `tool` read-only (only HTTP tools can).
 pub fn declared_read_only(agent: &crate::api::AgentTemplate, tool: &str) -> bool {
     agent

@@ -5,6 +5,7 @@
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use super::budget::{self, Answer, BudgetQuestions};
 use super::records::*;
 use crate::api::Budgets;
 use crate::model::ToolCall;
@@ -164,6 +165,8 @@ pub struct RunState {
     /// What the records before `base` spent, summed in order (so that it
     /// plus the rest, in order, is exactly `spent`).
     spent_before: Spent,
+    /// The budget questions asked and the raises granted.
+    budget: BudgetQuestions,
 }
 
 /// Where one proposed tool call stands.
@@ -212,6 +215,9 @@ pub enum Next {
         request: Box<ApprovalRequested>,
         arguments: serde_json::Value,
     },
+    /// A budget is used up and the agent asks (`onExhausted: Ask`): record
+    /// a budget question, whose limits to go on with are `arguments`.
+    AskBudget { reason: String, arguments: Value },
     /// The agent is done: append `RunFinished`.
     Finish {
         outcome: Outcome,
@@ -293,6 +299,8 @@ impl RunState {
                 self.summary = Some((seq, s.clone()));
             }
             Step::RunFinished(f) => self.finished = Some(f.clone()),
+            Step::ApprovalRequested(r) => self.budget.requested(seq, r),
+            Step::ApprovalDecided(d) => self.budget.decided(seq, d),
             _ => {}
         }
     }
@@ -399,6 +407,7 @@ impl RunState {
         if let Some((seq, _)) = self.last_text {
             seqs.push(seq);
         }
+        seqs.extend(self.budget.pinned_before(start));
         seqs.retain(|s| *s < start);
         seqs.sort_unstable();
         seqs.dedup();
@@ -453,9 +462,26 @@ impl RunState {
             };
         }
         let Some((model_call_seq, call)) = self.last_model_call() else {
-            return Next::CallModel;
+            return self.call_model();
         };
         self.next_of_reply(model_call_seq, call)
+    }
+
+    /// Ask the model, unless a budget question stands in the way.
+    fn call_model(&self) -> Next {
+        self.budget_answer().unwrap_or(Next::CallModel)
+    }
+
+    /// What the latest budget question says: wait for it, or end the run.
+    fn budget_answer(&self) -> Option<Next> {
+        Some(match self.budget.next()? {
+            Answer::Waiting { request_seq } => Next::AwaitApproval { request_seq },
+            Answer::End { outcome, error } => Next::Finish {
+                outcome,
+                result: self.last_text(),
+                error: Some(error),
+            },
+        })
     }
 
     /// What the latest model reply (at `model_call_seq`) asks for next: the
@@ -495,12 +521,11 @@ impl RunState {
                 };
             }
             // A reply with many calls must not run past the step budget.
-            if let Some(stop) = self.steps_used_up() {
-                return Next::Finish {
-                    outcome: stop.outcome,
-                    result: stop.result,
-                    error: stop.error,
-                };
+            if let Some(next) = self.budget_answer() {
+                return next;
+            }
+            if let Some(next) = self.steps_used_up() {
+                return next;
             }
             return Next::RecordIntent {
                 model_call_seq,
@@ -508,7 +533,7 @@ impl RunState {
                 call: tc.clone().into(),
             };
         }
-        Next::CallModel
+        self.call_model()
     }
 
     /// Where call `index` of the ModelCall at `model_call_seq` stands.
@@ -522,7 +547,9 @@ impl RunState {
                     return CallState::Intended;
                 }
                 Step::ApprovalRequested(r)
-                    if r.model_call_seq == model_call_seq && r.call_index == index =>
+                    if r.model_call_seq == model_call_seq
+                        && r.call_index == index
+                        && r.kind != super::v1::ApprovalKind::Budget =>
                 {
                     state = CallState::Pending(seq);
                 }
@@ -611,21 +638,44 @@ impl RunState {
         })
     }
 
-    /// The step budget is used up before another call of the same reply.
-    fn steps_used_up(&self) -> Option<RunFinished> {
-        let max = self
-            .snapshot
-            .as_ref()
-            .and_then(|s| s.agent.budgets.as_ref())
-            .and_then(|b| b.max_steps)?;
-        (self.len() >= max).then(|| RunFinished {
+    /// The step budget is used up before another call of the same reply:
+    /// the run ends, or asks.
+    fn steps_used_up(&self) -> Option<Next> {
+        let budgets = self.budgets()?;
+        let max = budgets.max_steps?;
+        if self.len() < max {
+            return None;
+        }
+        let reason = format!(
+            "step budget used up: {} of {max} steps, inside one model reply",
+            self.len()
+        );
+        if budget::asks(Some(&budgets)) {
+            let arguments = self.budget_proposal(&budgets);
+            return Some(Next::AskBudget { reason, arguments });
+        }
+        Some(Next::Finish {
             outcome: Outcome::BudgetExceeded,
             result: self.last_text(),
-            error: Some(format!(
-                "step budget used up: {} of {max} steps, inside one model reply; its remaining tool calls were not made",
-                self.len()
-            )),
+            error: Some(format!("{reason}; its remaining tool calls were not made")),
         })
+    }
+
+    /// The budgets in force: the agent's, with every raise granted so far.
+    pub fn budgets(&self) -> Option<Budgets> {
+        let agent = self.snapshot.as_ref()?.agent.budgets.as_ref();
+        self.budget.effective(agent)
+    }
+
+    /// The limits a budget question proposes, for `budgets` in force now.
+    pub fn budget_proposal(&self, budgets: &Budgets) -> Value {
+        let agent = self.snapshot.as_ref().and_then(|s| s.agent.budgets.as_ref());
+        let used = budget::Used {
+            steps: self.len(),
+            tokens: self.spent.input_tokens + self.spent.output_tokens,
+            cost_usd: self.spent.cost_usd,
+        };
+        budget::proposal(agent, budgets, used)
     }
 
     /// Why the budget forbids another model call, if it does.
@@ -1112,5 +1162,148 @@ pub(crate) mod tests {
                 ..
             }
         ));
+    }
+
+    /// A run whose agent asks when its `max` steps are used up.
+    fn asking(max: u64) -> Vec<Step> {
+        let mut agent = AgentTemplate::default();
+        agent.budgets = Some(v1::Budgets {
+            max_steps: Some(max),
+            on_exhausted: Some(v1::OnExhausted::Ask),
+            approvers: Some(v1::Approvers {
+                users: vec!["alice".into()],
+                groups: vec![],
+            }),
+            ..Default::default()
+        });
+        let Step::RunStarted(mut s) = started().steps.remove(0) else {
+            unreachable!()
+        };
+        s.agent = agent;
+        let mut v = vec![Step::RunStarted(s)];
+        let lookups: Vec<(&str, serde_json::Value)> =
+            (0..6).map(|i| ("lookup", json!({"id": i}))).collect();
+        v.push(model_call(&lookups));
+        for index in 0..2 {
+            let intent = v.len() as u64;
+            v.push(Step::ToolIntent(ToolIntent {
+                model_call_seq: 1,
+                call_index: index,
+                call_id: format!("c{index}"),
+                tool: "lookup".into(),
+                arguments: json!({"id": index}),
+                key: format!("k{intent}"),
+            }));
+            v.push(Step::ToolResult(ToolResult {
+                intent_seq: intent,
+                call_id: format!("c{index}"),
+                tool: "lookup".into(),
+                outcome: v1::ToolOutcome::Ok(json!({})),
+                recovery: None,
+            }));
+        }
+        v
+    }
+
+    fn budget_question(seq_of_model_call: u64, arguments: serde_json::Value) -> Step {
+        let Step::ApprovalRequested(mut r) = request() else {
+            unreachable!()
+        };
+        r.kind = v1::ApprovalKind::Budget;
+        r.tool = crate::api::BUDGET_TOOL.into();
+        r.model_call_seq = seq_of_model_call;
+        r.arguments = arguments;
+        Step::ApprovalRequested(r)
+    }
+
+    fn budget_decided(request_seq: u64, verdict: Verdict, args: Option<serde_json::Value>) -> Step {
+        let Step::ApprovalDecided(mut d) = decided(verdict, None, args) else {
+            unreachable!()
+        };
+        d.request_seq = request_seq;
+        Step::ApprovalDecided(d)
+    }
+
+    #[test]
+    fn a_used_up_budget_that_asks_waits_for_its_question_and_goes_on_with_the_raise() {
+        // 6 records with max 6: the reply's third call would pass the budget.
+        let mut log = asking(6);
+        let state = RunState::replay(log.clone());
+        let Next::AskBudget { reason, arguments } = state.next() else {
+            panic!("{:?}", state.next())
+        };
+        assert!(reason.contains("6 of 6 steps"), "{reason}");
+        assert_eq!(arguments, json!({"maxSteps": 12}), "its original size again");
+        // The question waits; no call of the reply is intended meanwhile.
+        log.push(budget_question(1, arguments));
+        let state = RunState::replay(log.clone());
+        assert_eq!(state.next(), Next::AwaitApproval { request_seq: 6 });
+        assert_eq!(state.pending_approval().map(|(seq, _)| seq), Some(6));
+        // Raised by 5 through an edit: the reply goes on up to 11.
+        log.push(budget_decided(6, Verdict::Edit, Some(json!({"maxSteps": 11}))));
+        let state = RunState::replay(log.clone());
+        assert_eq!(state.budgets().and_then(|b| b.max_steps), Some(11));
+        assert!(matches!(state.next(), Next::RecordIntent { call_index: 2, .. }));
+    }
+
+    #[test]
+    fn a_budget_question_rejected_or_expired_ends_the_run_budget_exceeded() {
+        for verdict in [Verdict::Reject, Verdict::Expired] {
+            let mut log = asking(6);
+            log.push(budget_question(1, json!({"maxSteps": 12})));
+            log.push(budget_decided(6, verdict, None));
+            let state = RunState::replay(log);
+            let Next::Finish { outcome, error, .. } = state.next() else {
+                panic!("{verdict:?}: {:?}", state.next())
+            };
+            assert_eq!(outcome, Outcome::BudgetExceeded, "{verdict:?}");
+            assert!(error.unwrap().contains("record 6"), "{verdict:?}");
+            assert_eq!(state.budgets().and_then(|b| b.max_steps), Some(6));
+        }
+    }
+
+    #[test]
+    fn a_budget_that_fails_ends_inside_the_reply_without_asking() {
+        let mut log = asking(6);
+        let Step::RunStarted(s) = &mut log[0] else {
+            unreachable!()
+        };
+        s.agent.budgets.as_mut().unwrap().on_exhausted = None;
+        let state = RunState::replay(log);
+        assert!(matches!(
+            state.next(),
+            Next::Finish {
+                outcome: Outcome::BudgetExceeded,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_raise_holds_across_compaction_and_a_resume_from_a_checkpoint() {
+        let mut log = asking(6);
+        log.push(budget_question(1, json!({"maxSteps": 12})));
+        log.push(budget_decided(6, Verdict::Approve, Some(json!({"maxSteps": 12}))));
+        // The reply goes on; then a new reply, so the window moves past the raise.
+        let mc = log.len() as u64;
+        log.push(model_call(&[("lookup", json!({"id": 9}))]));
+        let whole = RunState::replay(log.clone());
+        let start = whole.window_start();
+        assert_eq!(start, mc);
+        let pinned: Vec<(u64, Step)> = whole
+            .pinned_before(start)
+            .into_iter()
+            .map(|seq| (seq, log[seq as usize].clone()))
+            .collect();
+        assert!(pinned.iter().any(|(seq, _)| *seq == 6) && pinned.iter().any(|(seq, _)| *seq == 7));
+        let mut resumed = RunState::resume_at(start, pinned, whole.spent.clone());
+        for step in log[start as usize..].iter().cloned() {
+            resumed.apply(step);
+        }
+        assert_eq!(resumed.budgets().and_then(|b| b.max_steps), Some(12));
+        let mut compacted = whole.clone();
+        compacted.compact();
+        assert_eq!(compacted.budgets().and_then(|b| b.max_steps), Some(12));
+        assert_eq!(resumed.next(), whole.next());
     }
 }

@@ -87,6 +87,49 @@ pub fn reconcile_request(
     }
 }
 
+/// Asks the budget's approvers whether the run may go on with the limits
+/// in `arguments` (`budgets.onExhausted: Ask`). What the approver sees:
+/// what is used up, what was spent, and the latest results it bought.
+pub fn budget_request(
+    state: &RunState,
+    reason: &str,
+    arguments: Value,
+    mut gate: Gate,
+) -> ApprovalRequested {
+    let spent = &state.spent;
+    let model_call_seq = state
+        .records()
+        .rev()
+        .find_map(|(seq, s)| matches!(s, Step::ModelCall(_)).then_some(seq))
+        .unwrap_or_default();
+    gate.because = reason.to_string();
+    let tool = crate::api::BUDGET_TOOL;
+    ApprovalRequested {
+        model_call_seq,
+        call_index: 0,
+        call_id: String::new(),
+        tool: tool.into(),
+        arguments_hash: arguments_hash(tool, &arguments),
+        reason: Some(format!(
+            "{reason}. Spent so far: {} steps, {} input + {} output tokens, ${:.4}. \
+             Approve to go on with the limits shown, edit them to give others, or reject to end \
+             the run BudgetExceeded with its partial result.",
+            state.len(),
+            spent.input_tokens,
+            spent.output_tokens,
+            spent.cost_usd
+        )),
+        arguments,
+        observations: recent_results(state),
+        dependencies: Vec::new(),
+        gate,
+        escalation: 0,
+        alternative: None,
+        kind: ApprovalKind::Budget,
+        intent_seq: None,
+    }
+}
+
 /// The latest tool results, abbreviated, newest last.
 fn recent_results(state: &RunState) -> Vec<ObservedResult> {
     let mut out: Vec<ObservedResult> = state

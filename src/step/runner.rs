@@ -15,6 +15,7 @@ use super::spans;
 use crate::failpoint;
 use crate::model::{AttemptOutcome, ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
+use crate::runlog::budget;
 use crate::runlog::records::*;
 use crate::runlog::replay::{Next, RunState, Snapshot, Step};
 use crate::store::{self, Head, Lease, RecordDraft, StepStore, StoreError};
@@ -340,6 +341,9 @@ impl Runner {
                 arguments,
             } => return self.approved(request_seq, *request, arguments).await,
             Next::ExecuteTool { intent_seq, intent } => self.tool_step(intent_seq, intent).await?,
+            Next::AskBudget { reason, arguments } => {
+                return self.ask_budget(&reason, arguments).await;
+            }
             Next::Finish { .. } | Next::Stop(_) => {
                 tracing::info!("the run is at its end; the controller records it");
                 return Ok(Flow::Exit);
@@ -404,6 +408,19 @@ impl Runner {
                 Ok(Flow::Exit)
             }
         }
+    }
+
+    /// A budget is used up and the agent asks: records the question for
+    /// the budget's approvers and exits (the controller raises the Approval).
+    async fn ask_budget(&mut self, reason: &str, arguments: serde_json::Value) -> anyhow::Result<Flow> {
+        let snap = self.snapshot()?;
+        let Some(gate) = crate::policy::budget_gate(&snap.agent) else {
+            bail!("budgets.onExhausted is Ask but the agent names no budget approvers");
+        };
+        let request = approval_request::budget_request(&self.state, reason, arguments, gate);
+        tracing::info!(%reason, "budget used up; asking its approvers and stopping");
+        self.append(Step::ApprovalRequested(request), None).await?;
+        Ok(Flow::Exit)
     }
 
     /// A human said whether a call of unknowable outcome happened: recorded
@@ -504,7 +521,13 @@ impl Runner {
     #[tracing::instrument(name = "model_step", skip_all, fields(step = self.head.len))]
     async fn model_step(&mut self) -> anyhow::Result<()> {
         let snap = self.snapshot()?;
-        if let Some(reason) = self.state.budget_exceeded(snap.agent.budgets.as_ref()) {
+        let budgets = self.state.budgets();
+        if let Some(reason) = self.state.budget_exceeded(budgets.as_ref()) {
+            if let Some(b) = budgets.as_ref().filter(|b| budget::asks(Some(b))) {
+                let arguments = self.state.budget_proposal(b);
+                self.ask_budget(&reason, arguments).await?;
+                return Ok(());
+            }
             let finished = RunFinished {
                 outcome: Outcome::BudgetExceeded,
                 result: self.state.last_text(),

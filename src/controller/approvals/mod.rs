@@ -339,6 +339,8 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
         .filter(|d| !spec.approvers.groups.is_empty() || spec.approvers.users.contains(&d.approver))
         // An Edit without arguments agrees to nothing in particular.
         .filter(|d| d.verdict != ApiVerdict::Edit || d.arguments.is_some())
+        // Nor does a budget edit whose limits do not read.
+        .filter(|d| spec.kind != crate::api::ApprovalKind::Budget || budget_edit_reads(d))
         .map(|d| RecordedDecision {
             approver: d.approver.clone(),
             verdict: d.verdict.into(),
@@ -386,6 +388,15 @@ pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
             approvals: most,
         },
     }
+}
+
+/// Whether a decision on a budget question gives limits that read (or
+/// is no edit at all).
+fn budget_edit_reads(d: &crate::api::Decision) -> bool {
+    d.verdict != ApiVerdict::Edit
+        || d.arguments
+            .as_ref()
+            .is_some_and(|a| crate::runlog::budget::Limits::parse(a).is_ok())
 }
 
 /// The Approval's state for its status.
@@ -658,7 +669,12 @@ fn after_expiry(
         );
         return Step::ApprovalRequested(next);
     }
-    let (outcome, error) = if request.kind == v1::ApprovalKind::Reconcile {
+    let (outcome, error) = if request.kind == v1::ApprovalKind::Budget {
+        (
+            Outcome::BudgetExceeded,
+            format!("approval {name} to raise the budget expired without a decision; expiry never raises a budget"),
+        )
+    } else if request.kind == v1::ApprovalKind::Reconcile {
         // Nobody said whether the call happened: it is never made again on silence.
         (
             Outcome::NeedsHuman,

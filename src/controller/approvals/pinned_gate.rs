@@ -9,6 +9,7 @@ use serde_json::Value;
 use crate::api::AgentTemplate;
 use crate::policy::split_alternative;
 use crate::policy::{Call, Classification, Gate, arguments_hash, classify};
+use crate::runlog::budget::Limits;
 use crate::runlog::records::{ApprovalRequested, Verdict};
 use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ApprovalKind, OnExpiry};
@@ -113,11 +114,23 @@ fn expected_call_gate(
 
 /// A budget request's gate: the pinned agent asks when its budget runs out.
 fn expected_budget_gate(
-    _log: &RunState,
-    _request_seq: u64,
-    _request: &ApprovalRequested,
+    log: &RunState,
+    request_seq: u64,
+    request: &ApprovalRequested,
 ) -> Result<Gate, String> {
-    Err("budget approvals are not checked yet".into())
+    if request.tool != crate::api::BUDGET_TOOL {
+        return Err(format!(
+            "a budget question names tool {}, not {}",
+            request.tool,
+            crate::api::BUDGET_TOOL
+        ));
+    }
+    Limits::parse(&request.arguments)?;
+    let agent = pinned_agent(log, request_seq).unwrap_or_default();
+    crate::policy::budget_gate(&agent).ok_or_else(|| {
+        "the pinned agent does not ask when its budget runs out (budgets.onExhausted is not Ask)"
+            .to_string()
+    })
 }
 
 /// A reconcile request's gate: about an intent recorded for this very call.

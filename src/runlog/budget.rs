@@ -1,0 +1,248 @@
+//! Budgets that ask (`budgets.onExhausted: Ask`): when the next step would
+//! pass a budget, the run records a question (`ApprovalRequested` of kind
+//! `Budget`, tool `budget`, arguments = the limits to go on with) and waits.
+//! An approval raises the limits from then on; they are read back from the
+//! log like the spending they cap, so a raise holds across every resume.
+//! A reject, or silence until expiry, ends the run `BudgetExceeded`: expiry
+//! never raises a budget.
+
+use serde_json::{Map, Value};
+
+use super::records::{ApprovalDecided, ApprovalRequested, Outcome, Verdict};
+use super::v1::ApprovalKind;
+use crate::api::{BUDGET_TOOL, Budgets, OnExhausted};
+
+/// The budget questions of a run, folded from its log.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BudgetQuestions {
+    /// The latest question: its seq and, once decided, the verdict.
+    latest: Option<(u64, Option<Verdict>)>,
+    /// Every question and the seq of its granting decision (kept in force
+    /// across compaction: [`BudgetQuestions::pinned_before`]).
+    granted: Vec<(u64, u64)>,
+    /// The limits raised so far, latest value of each.
+    raised: Limits,
+}
+
+/// Limits given by an approver; `None` leaves the agent's in force.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Limits {
+    pub max_steps: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub max_cost_usd: Option<f64>,
+}
+
+impl Limits {
+    /// Reads the limits an approver gave: `maxSteps`/`maxTokens` positive
+    /// integers, `maxCostUSD` a positive number. `Err` names the field.
+    pub fn parse(arguments: &Value) -> Result<Limits, String> {
+        let Value::Object(map) = arguments else {
+            return Err("arguments: must be an object of limits".into());
+        };
+        let mut limits = Limits::default();
+        for (key, value) in map {
+            match key.as_str() {
+                "maxSteps" => limits.max_steps = Some(positive_int(key, value)?),
+                "maxTokens" => limits.max_tokens = Some(positive_int(key, value)?),
+                "maxCostUSD" => match value.as_f64() {
+                    Some(v) if v > 0.0 && v.is_finite() => limits.max_cost_usd = Some(v),
+                    _ => return Err(format!("arguments.{key}: must be a number greater than 0")),
+                },
+                other => {
+                    return Err(format!(
+                        "arguments.{other}: not a budget (maxSteps, maxTokens or maxCostUSD)"
+                    ));
+                }
+            }
+        }
+        Ok(limits)
+    }
+
+    fn to_json(&self) -> Value {
+        let mut map = Map::new();
+        if let Some(v) = self.max_steps {
+            map.insert("maxSteps".into(), v.into());
+        }
+        if let Some(v) = self.max_tokens {
+            map.insert("maxTokens".into(), v.into());
+        }
+        if let Some(v) = self.max_cost_usd {
+            map.insert("maxCostUSD".into(), v.into());
+        }
+        Value::Object(map)
+    }
+
+    fn merge(&mut self, other: Limits) {
+        self.max_steps = other.max_steps.or(self.max_steps);
+        self.max_tokens = other.max_tokens.or(self.max_tokens);
+        self.max_cost_usd = other.max_cost_usd.or(self.max_cost_usd);
+    }
+}
+
+fn positive_int(key: &str, value: &Value) -> Result<u64, String> {
+    value
+        .as_u64()
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("arguments.{key}: must be an integer greater than 0"))
+}
+
+impl BudgetQuestions {
+    /// Folds a request (`seq`): a new budget question.
+    pub fn requested(&mut self, seq: u64, request: &ApprovalRequested) {
+        if request.kind == ApprovalKind::Budget {
+            self.latest = Some((seq, None));
+        }
+    }
+
+    /// Folds a decision (`seq`): an approval of the latest question raises
+    /// the limits it gives (limits that do not read are no raise).
+    pub fn decided(&mut self, seq: u64, decided: &ApprovalDecided) {
+        let Some((request_seq, verdict)) = &mut self.latest else {
+            return;
+        };
+        if *request_seq != decided.request_seq || verdict.is_some() {
+            return;
+        }
+        *verdict = Some(decided.verdict);
+        if matches!(decided.verdict, Verdict::Approve | Verdict::Edit)
+            && let Some(Ok(limits)) = decided.arguments.as_ref().map(Limits::parse)
+        {
+            self.raised.merge(limits);
+            self.granted.push((*request_seq, seq));
+        }
+    }
+
+    /// The budgets in force: the agent's, with every raise applied.
+    pub fn effective(&self, budgets: Option<&Budgets>) -> Option<Budgets> {
+        let mut b = budgets?.clone();
+        if let Some(v) = self.raised.max_steps {
+            b.max_steps = Some(v);
+        }
+        if let Some(v) = self.raised.max_tokens {
+            b.max_tokens = Some(v);
+        }
+        if let Some(v) = self.raised.max_cost_usd {
+            b.max_cost_usd = Some(v);
+        }
+        Some(b)
+    }
+
+    /// What the latest question says about going on: wait for it, or end
+    /// the run (rejected or expired); `None` once granted (or never asked).
+    pub fn next(&self) -> Option<Answer> {
+        let (request_seq, verdict) = self.latest?;
+        match verdict {
+            None => Some(Answer::Waiting { request_seq }),
+            Some(Verdict::Approve | Verdict::Edit) => None,
+            Some(Verdict::Reject) => Some(Answer::End {
+                outcome: Outcome::BudgetExceeded,
+                error: format!(
+                    "the budget was not raised: the budget question at log record {request_seq} was rejected"
+                ),
+            }),
+            Some(Verdict::Expired) => Some(Answer::End {
+                outcome: Outcome::BudgetExceeded,
+                error: format!(
+                    "the budget question at log record {request_seq} expired; expiry never raises a budget"
+                ),
+            }),
+        }
+    }
+
+    /// The seqs before `start` that must stay in force for the raises to
+    /// hold: every granted question and its decision.
+    pub fn pinned_before(&self, start: u64) -> impl Iterator<Item = u64> + '_ {
+        self.granted
+            .iter()
+            .flat_map(|(request, decision)| [*request, *decision])
+            .filter(move |seq| *seq < start)
+    }
+}
+
+/// What a budget question says about going on.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    Waiting { request_seq: u64 },
+    End { outcome: Outcome, error: String },
+}
+
+/// Whether the agent asks, rather than fails, when a budget runs out.
+pub fn asks(budgets: Option<&Budgets>) -> bool {
+    budgets.is_some_and(|b| b.on_exhausted == OnExhausted::Ask)
+}
+
+/// The limits proposed to an approver: each budget used up gets its
+/// original size again on top of its limit now; the others stay as they are.
+pub fn proposal(agent: Option<&Budgets>, now: &Budgets, spent: Used) -> Value {
+    let original = agent.cloned().unwrap_or_default();
+    let mut limits = Limits::default();
+    if let Some(max) = now.max_steps.filter(|max| spent.steps >= *max) {
+        limits.max_steps = Some(max + original.max_steps.unwrap_or(max));
+    }
+    if let Some(max) = now.max_tokens.filter(|max| spent.tokens >= *max) {
+        limits.max_tokens = Some(max + original.max_tokens.unwrap_or(max));
+    }
+    if let Some(max) = now.max_cost_usd.filter(|max| spent.cost_usd >= *max) {
+        limits.max_cost_usd = Some(max + original.max_cost_usd.unwrap_or(max));
+    }
+    limits.to_json()
+}
+
+/// What a run has used of its budgets.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Used {
+    pub steps: u64,
+    pub tokens: u64,
+    pub cost_usd: f64,
+}
+
+/// The tool a budget question names.
+pub fn is_budget_tool(tool: &str) -> bool {
+    tool == BUDGET_TOOL
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn limits_name_the_field_that_does_not_read() {
+        assert_eq!(
+            Limits::parse(&json!({"maxSteps": 15})).unwrap().max_steps,
+            Some(15)
+        );
+        for (bad, field) in [
+            (json!({"maxSteps": 0}), "arguments.maxSteps"),
+            (json!({"maxSteps": "lots"}), "arguments.maxSteps"),
+            (json!({"maxCostUSD": -1}), "arguments.maxCostUSD"),
+            (json!({"deadline": "1h"}), "arguments.deadline"),
+            (json!([1]), "arguments"),
+        ] {
+            let e = Limits::parse(&bad).unwrap_err();
+            assert!(e.starts_with(field), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_proposal_raises_only_what_is_used_up_by_its_original_size() {
+        let agent = Budgets {
+            max_steps: Some(10),
+            max_tokens: Some(1000),
+            ..Default::default()
+        };
+        let now = Budgets {
+            max_steps: Some(15),
+            ..agent.clone()
+        };
+        let spent = Used {
+            steps: 15,
+            tokens: 200,
+            cost_usd: 0.0,
+        };
+        assert_eq!(
+            proposal(Some(&agent), &now, spent),
+            json!({"maxSteps": 25})
+        );
+    }
+}
