@@ -727,15 +727,19 @@ async fn fence_previous(
         return Ok(());
     }
     let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
-    let next_holds = lease.is_some_and(|l| {
-        l.holder
-            .strip_prefix(next)
-            .is_some_and(|pod| pod.starts_with('-'))
-    });
-    match next_holds {
+    match held_by_a_pod_of(lease.as_ref().map(|l| l.holder.as_str()), next) {
         true => Ok(()),
         false => fence_worker(ctx, uid).await,
     }
+}
+
+/// Whether the lease's holder is a pod of Job `job` (pods are named
+/// `<job>-<suffix>`; a Job whose name merely starts with `job` is another).
+fn held_by_a_pod_of(holder: Option<&str>, job: &str) -> bool {
+    holder.is_some_and(|h| {
+        h.strip_prefix(job)
+            .is_some_and(|pod| pod.starts_with('-') && pod.len() > 1)
+    })
 }
 
 /// Creates the step Job; false when it existed already. Deterministic
@@ -1601,5 +1605,24 @@ fn truncate(s: &str, max: usize) -> String {
     match s.char_indices().nth(max) {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::held_by_a_pod_of;
+
+    #[test]
+    fn only_a_pod_of_the_next_job_keeps_the_previous_worker_unfenced() {
+        // A reconcile on a stale status re-creates Job r-s5-2 whose pod
+        // already holds the lease: its worker must not be stopped.
+        assert!(held_by_a_pod_of(Some("r-s5-2-x7k2p"), "r-s5-2"));
+        // The failed attempt's worker, another Job sharing the prefix, a
+        // bare Job name, no lease: fenced.
+        assert!(!held_by_a_pod_of(Some("r-s5-1-abcde"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(Some("r-s5-20-abcde"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(Some("r-s5-2-"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(Some("r-s5-2"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(None, "r-s5-2"));
     }
 }
