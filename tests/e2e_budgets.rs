@@ -72,7 +72,9 @@ fn edit(approver: &str, hash: &str, arguments: Value) -> Value {
 async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() {
     let w = World::new("budget-raise", &[]).await;
     grant_approver_role(&w).await;
-    w.standins.script("b", lookups_then_finish(3), json!([])).await;
+    w.standins
+        .script("b", lookups_then_finish(3), json!([]))
+        .await;
     w.create_run(
         "b",
         json!({"input": "Look orders up.", "agent": asking_agent(&w, "b", 10)}),
@@ -84,17 +86,38 @@ async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() 
     let approval = budget_question(&w, "b").await;
     assert_eq!(approval.spec.step, 10);
     assert_eq!(approval.spec.arguments, json!({"maxSteps": 20}));
-    let reason = approval.spec.observations.reason.clone().unwrap_or_default();
-    assert!(reason.contains("step budget used up: 10 of 10 steps"), "{reason}");
+    let reason = approval
+        .spec
+        .observations
+        .reason
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        reason.contains("step budget used up: 10 of 10 steps"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("3 model calls, lookup_order ×3"),
+        "on what: {reason}"
+    );
     assert_eq!(approval.spec.observations.recent_results.len(), 3);
-    assert_eq!(w.standins.model_requests("b").await.len(), 3, "the model is not asked while waiting");
+    assert_eq!(
+        w.standins.model_requests("b").await.len(),
+        3,
+        "the model is not asked while waiting"
+    );
 
     // bob raises it by five steps through an edit.
     let name = approval.metadata.name.clone().unwrap();
     let hash = approval.spec.arguments_hash.clone();
-    decide(&w, "bob", &name, edit("bob", &hash, json!({"maxSteps": 15})))
-        .await
-        .expect("bob raises the budget");
+    decide(
+        &w,
+        "bob",
+        &name,
+        edit("bob", &hash, json!({"maxSteps": 15})),
+    )
+    .await
+    .expect("bob raises the budget");
     let run = w.wait_phase("b", Phase::Succeeded).await;
     let log = w.log(&run).await;
     let raise = log.iter().find_map(|(_, s)| match s {
@@ -111,7 +134,9 @@ async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() 
 async fn a_rejected_budget_question_ends_the_run_budget_exceeded_with_its_partial_result() {
     let w = World::new("budget-reject", &[]).await;
     grant_approver_role(&w).await;
-    w.standins.script("b", lookups_then_finish(3), json!([])).await;
+    w.standins
+        .script("b", lookups_then_finish(3), json!([]))
+        .await;
     w.create_run(
         "b",
         json!({"input": "Look orders up.", "agent": asking_agent(&w, "b", 4)}),
@@ -121,20 +146,31 @@ async fn a_rejected_budget_question_ends_the_run_budget_exceeded_with_its_partia
     let approval = budget_question(&w, "b").await;
     let name = approval.metadata.name.clone().unwrap();
     let hash = approval.spec.arguments_hash.clone();
-    decide(&w, "alice", &name, entry("alice", "Reject", &hash, "enough"))
-        .await
-        .expect("alice rejects");
+    decide(
+        &w,
+        "alice",
+        &name,
+        entry("alice", "Reject", &hash, "enough"),
+    )
+    .await
+    .expect("alice rejects");
     let run = w.wait_phase("b", Phase::BudgetExceeded).await;
     let error = run.status.unwrap_or_default().error.unwrap_or_default();
     assert!(error.contains("was rejected"), "{error}");
-    assert_eq!(w.standins.model_requests("b").await.len(), 1, "the model is not asked again");
+    assert_eq!(
+        w.standins.model_requests("b").await.len(),
+        1,
+        "the model is not asked again"
+    );
 }
 
 #[tokio::test]
 async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fresh_budget() {
     let mut w = World::new("budget-kill", &[]).await;
     grant_approver_role(&w).await;
-    w.standins.script("b", lookups_then_finish(8), json!([])).await;
+    w.standins
+        .script("b", lookups_then_finish(8), json!([]))
+        .await;
     w.create_run(
         "b",
         json!({"input": "Look orders up.", "agent": asking_agent(&w, "b", 10)}),
@@ -144,9 +180,14 @@ async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fr
     let approval = budget_question(&w, "b").await;
     let name = approval.metadata.name.clone().unwrap();
     let hash = approval.spec.arguments_hash.clone();
-    decide(&w, "bob", &name, edit("bob", &hash, json!({"maxSteps": 15})))
-        .await
-        .expect("bob raises the budget");
+    decide(
+        &w,
+        "bob",
+        &name,
+        edit("bob", &hash, json!({"maxSteps": 15})),
+    )
+    .await
+    .expect("bob raises the budget");
     // Right after the raise is recorded: the controller is SIGKILLed, and
     // so is the first step pod of the raised run.
     let uid = approval.spec.run_ref.uid.clone().unwrap();

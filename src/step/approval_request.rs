@@ -111,10 +111,11 @@ pub fn budget_request(
         tool: tool.into(),
         arguments_hash: arguments_hash(tool, &arguments),
         reason: Some(format!(
-            "{reason}. Spent so far: {} steps, {} input + {} output tokens, ${:.4}. \
+            "{reason}. Spent so far: {} steps ({}), {} input + {} output tokens, ${:.4}. \
              Approve to go on with the limits shown, edit them to give others, or reject to end \
              the run BudgetExceeded with its partial result.",
             state.len(),
+            spent_on(state),
             spent.input_tokens,
             spent.output_tokens,
             spent.cost_usd
@@ -128,6 +129,23 @@ pub fn budget_request(
         kind: ApprovalKind::Budget,
         intent_seq: None,
     }
+}
+
+/// What the steps went to: model calls, and tool calls by tool (of the
+/// records held; a compacted run's earlier ones are in its summary).
+fn spent_on(state: &RunState) -> String {
+    let mut model_calls = 0;
+    let mut tools: std::collections::BTreeMap<&str, usize> = Default::default();
+    for (_, step) in state.records() {
+        match step {
+            Step::ModelCall(_) | Step::Summary(_) => model_calls += 1,
+            Step::ToolResult(r) => *tools.entry(r.tool.as_str()).or_default() += 1,
+            _ => {}
+        }
+    }
+    let mut parts = vec![format!("{model_calls} model calls")];
+    parts.extend(tools.iter().map(|(tool, n)| format!("{tool} ×{n}")));
+    parts.join(", ")
 }
 
 /// The latest tool results, abbreviated, newest last.
