@@ -56,6 +56,9 @@ pub struct Context {
     /// The runs as the controller's watch has them (a reconcile that waited
     /// for its slot reads its run again from here).
     pub run_cache: Option<kube::runtime::reflector::Store<crate::api::AgentRun>>,
+    /// The console's base URL (`--console-url`), for the links in approval
+    /// notifications; none without it.
+    pub console_url: Option<String>,
 }
 
 impl Context {

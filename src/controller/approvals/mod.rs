@@ -10,7 +10,10 @@
 //! exactly that, owned by the run. A deleted Approval is raised again with
 //! the same expiry; a look-alike is never acted on.
 
+pub mod notify;
 pub mod pinned_gate;
+
+pub use notify::notify;
 
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -26,7 +29,6 @@ use serde_json::{Value, json};
 use crate::controller::FIELD_MANAGER;
 use crate::controller::context::{Context, append, notice};
 use crate::controller::error::Error;
-use crate::controller::metrics::OutcomeLabel;
 
 use crate::policy::Classification;
 use crate::runlog::records::{
@@ -177,124 +179,6 @@ fn abbreviate(s: &str, max: usize) -> String {
         Some((i, _)) => format!("{}…", &s[..i]),
         None => s.to_string(),
     }
-}
-
-/// Deliveries in flight, at most [`WEBHOOK_GLOBAL`] in all and
-/// [`WEBHOOK_PER_NAMESPACE`] for one namespace's runs: a tenant whose
-/// webhook hangs holds a few sockets for 5 s each, never the controller's
-/// file descriptors, and never another namespace's share.
-static WEBHOOK_SLOTS: std::sync::LazyLock<WebhookSlots> =
-    std::sync::LazyLock::new(|| WebhookSlots::new(WEBHOOK_GLOBAL, WEBHOOK_PER_NAMESPACE));
-const WEBHOOK_GLOBAL: usize = 64;
-const WEBHOOK_PER_NAMESPACE: usize = 4;
-
-/// Slots for webhook deliveries: global and per namespace.
-struct WebhookSlots {
-    global: std::sync::Arc<tokio::sync::Semaphore>,
-    per_namespace: usize,
-    namespaces:
-        std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Semaphore>>>,
-}
-
-/// A delivery's slots, given back when it ends.
-struct WebhookPermit {
-    _global: tokio::sync::OwnedSemaphorePermit,
-    _namespace: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl WebhookSlots {
-    fn new(global: usize, per_namespace: usize) -> WebhookSlots {
-        WebhookSlots {
-            global: std::sync::Arc::new(tokio::sync::Semaphore::new(global)),
-            per_namespace,
-            namespaces: Default::default(),
-        }
-    }
-
-    /// Slots for one delivery of `namespace`'s, or `None` when either is full
-    /// (notifications are best effort: dropped, never queued without bound).
-    fn try_acquire(&self, namespace: &str) -> Option<WebhookPermit> {
-        let ns = {
-            let mut map = self.namespaces.lock().expect("not poisoned");
-            // Namespaces with nothing in flight are forgotten.
-            map.retain(|_, s| s.available_permits() < self.per_namespace);
-            map.entry(namespace.to_string())
-                .or_insert_with(|| {
-                    std::sync::Arc::new(tokio::sync::Semaphore::new(self.per_namespace))
-                })
-                .clone()
-        };
-        let namespace = ns.try_acquire_owned().ok()?;
-        let global = self.global.clone().try_acquire_owned().ok()?;
-        Some(WebhookPermit {
-            _global: global,
-            _namespace: namespace,
-        })
-    }
-}
-
-/// Tells the policy's webhook about an approval event (`raised`, `escalated`,
-/// `decided`, `expired`), best effort: a webhook never holds a run up. Each
-/// delivery is counted by outcome (`sent`, `failed`, `refused` by the egress
-/// policy, `dropped` beyond the in-flight slots).
-pub fn notify(
-    ctx: &Context,
-    run: &AgentRun,
-    approval: &str,
-    request: &ApprovalRequested,
-    event: &str,
-    detail: serde_json::Value,
-) {
-    let Some(url) = request.gate.notify_webhook.clone() else {
-        return;
-    };
-    let counted = ctx.metrics.approval_webhooks.clone();
-    let count = move |outcome: &str| {
-        counted
-            .get_or_create(&OutcomeLabel {
-                outcome: outcome.into(),
-            })
-            .inc();
-    };
-    if let Err(e) = ctx.user_urls.check_url(&url) {
-        tracing::warn!(error = %e, "approval webhook refused");
-        count("refused");
-        return;
-    }
-    let body = serde_json::json!({
-        "event": event,
-        "namespace": run.namespace(),
-        "run": run.name_any(),
-        "approval": approval,
-        "tool": request.tool,
-        "arguments": request.arguments,
-        "argumentsHash": request.arguments_hash,
-        "rule": request.gate.rule,
-        "approvers": request.gate.approvers,
-        "detail": detail,
-    });
-    let Some(permit) = WEBHOOK_SLOTS.try_acquire(&run.namespace().unwrap_or_default()) else {
-        tracing::warn!(%url, event, "approval webhook dropped: too many deliveries in flight");
-        count("dropped");
-        return;
-    };
-    let http = ctx.http.clone();
-    tokio::spawn(async move {
-        let _permit = permit;
-        let sent = http
-            .post(&url)
-            .json(&body)
-            .timeout(std::time::Duration::from_secs(5))
-            .send()
-            .await;
-        match sent.map(|r| r.error_for_status()) {
-            Ok(Ok(_)) => count("sent"),
-            Ok(Err(e)) | Err(e) => {
-                tracing::warn!(error = %e, "approval webhook failed");
-                count("failed");
-            }
-        }
-    });
 }
 
 /// What the decisions on an Approval amount to now.
@@ -672,7 +556,9 @@ fn after_expiry(
     let (outcome, error) = if request.kind == v1::ApprovalKind::Budget {
         (
             Outcome::BudgetExceeded,
-            format!("approval {name} to raise the budget expired without a decision; expiry never raises a budget"),
+            format!(
+                "approval {name} to raise the budget expired without a decision; expiry never raises a budget"
+            ),
         )
     } else if request.kind == v1::ApprovalKind::Reconcile {
         // Nobody said whether the call happened: it is never made again on silence.
@@ -1048,25 +934,6 @@ async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<A
 
 #[cfg(test)]
 mod tests {
-
-    #[test]
-    fn webhook_deliveries_are_capped_per_namespace_and_in_all() {
-        let slots = WebhookSlots::new(5, 2);
-        let a: Vec<_> = (0..2).map(|_| slots.try_acquire("a").unwrap()).collect();
-        assert!(slots.try_acquire("a").is_none(), "a's share is full");
-        let b: Vec<_> = (0..2).map(|_| slots.try_acquire("b").unwrap()).collect();
-        let c = slots
-            .try_acquire("c")
-            .expect("another namespace still gets one");
-        assert!(slots.try_acquire("d").is_none(), "all slots in use");
-        drop(a);
-        assert!(
-            slots.try_acquire("a").is_some(),
-            "given back when delivered"
-        );
-        drop((b, c));
-        assert_eq!(slots.global.available_permits(), 5);
-    }
 
     use super::*;
     use crate::api::{Approvers, Decision, OnExpiry};

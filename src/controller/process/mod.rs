@@ -248,10 +248,20 @@ pub struct Options {
     /// Whether public addresses may be reached for users without being listed.
     #[arg(long = "user-url-public", env = "AGENTRUN_USER_URL_PUBLIC", default_value_t = true, action = clap::ArgAction::Set)]
     pub user_url_public: bool,
+    /// The console's base URL, as people reach it (e.g.
+    /// `https://agentrun.example.com`): approval notifications link to
+    /// `{url}/approvals/{namespace}/{approval}`. http(s) only; without it
+    /// they carry the plugin command alone.
+    #[arg(long, env = "AGENTRUN_CONSOLE_URL", value_parser = parse_console_url)]
+    pub console_url: Option<String>,
     /// Pass the `agentrun.dev/failpoint` annotation to step pods, so tests can
     /// kill a step at a chosen boundary. Never in production.
     #[arg(long, env = "AGENTRUN_ALLOW_FAILPOINTS", default_value_t = false)]
     pub allow_failpoints: bool,
+}
+
+fn parse_console_url(s: &str) -> Result<String, String> {
+    crate::controller::approvals::notify::console_url(s)
 }
 
 /// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
@@ -600,6 +610,7 @@ fn context(
             namespace_slots(opts).into(),
         ),
         run_cache: Some(caches.runs.clone()),
+        console_url: opts.console_url.clone(),
     };
     Ok((Arc::new(ctx), discovered))
 }

@@ -186,6 +186,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         .0,
         slots: crate::controller::slots::Slots::new(0, 0),
         run_cache: None,
+        console_url: None,
     }
 }
 
