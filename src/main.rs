@@ -25,6 +25,9 @@ enum Command {
     Store(agentrun::store::cli::StoreArgs),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
     Crds,
+    /// Serve the approvers' web console in the cluster, behind a login proxy
+    /// that forwards each person's token (every request acts as that person).
+    Console(agentrun::console::InClusterArgs),
 }
 
 #[tokio::main]
@@ -61,6 +64,10 @@ async fn main() -> anyhow::Result<()> {
             result
         }
         Command::Store(args) => agentrun::store::cli::main(args).await,
+        Command::Console(args) => {
+            agentrun::telemetry::init("agentrun-console");
+            agentrun::console::serve_in_cluster(args).await
+        }
     }
 }
 

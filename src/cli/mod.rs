@@ -18,7 +18,7 @@ use crate::api::{AgentRun, Approval, ApprovalState, Verdict};
 use crate::runlog::records::ApprovalDecided;
 use crate::runlog::replay::Step;
 
-mod log;
+pub(crate) mod log;
 
 #[derive(Parser)]
 #[command(
@@ -99,6 +99,10 @@ enum Command {
     },
     /// Cancel a run (it stops at the next step boundary).
     Cancel { run: String },
+    /// Serve the approver's web console on loopback, acting with your own
+    /// kubeconfig identity: the inbox of approvals you may decide, each
+    /// approval with its arguments and context, runs and their timelines.
+    Console(crate::console::LoopbackArgs),
     /// Rotate the controller's step-token key (its signing key derives from
     /// it): a new random key becomes current, the old one is retired (its
     /// tokens keep opening runs started before, its signatures keep
@@ -174,6 +178,10 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         } => log::log(&k, &run, &source.source(), follow, &mut out).await,
         Command::Verify { run, source } => log::verify(&k, &run, &source.source(), &mut out).await,
         Command::Cancel { run } => cancel(&k, &run, &mut out).await,
+        Command::Console(args) => {
+            drop(out);
+            crate::console::serve_loopback(k.client, k.ns, args).await
+        }
         Command::RotateKey {
             controller_namespace,
             secret,
@@ -182,7 +190,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// The client (as `--as`/`--as-group` when given) and the namespace to act in.
-async fn connect(cli: &Cli) -> anyhow::Result<(kube::Client, String)> {
+pub(crate) async fn connect(cli: &Cli) -> anyhow::Result<(kube::Client, String)> {
     let options = KubeConfigOptions {
         context: cli.context.clone(),
         ..Default::default()
@@ -204,14 +212,24 @@ async fn connect(cli: &Cli) -> anyhow::Result<(kube::Client, String)> {
 }
 
 /// What every subcommand works with.
-struct Kube {
-    client: kube::Client,
-    ns: String,
-    approvals: Api<Approval>,
-    runs: Api<AgentRun>,
+pub(crate) struct Kube {
+    pub(crate) client: kube::Client,
+    pub(crate) ns: String,
+    pub(crate) approvals: Api<Approval>,
+    pub(crate) runs: Api<AgentRun>,
 }
 
 impl Kube {
+    /// Acting as `client`'s user in namespace `ns`.
+    pub(crate) fn new(client: kube::Client, ns: &str) -> Kube {
+        Kube {
+            approvals: Api::namespaced(client.clone(), ns),
+            runs: Api::namespaced(client.clone(), ns),
+            client,
+            ns: ns.to_string(),
+        }
+    }
+
     async fn run(&self, name: &str) -> anyhow::Result<AgentRun> {
         self.runs
             .get(name)
@@ -402,7 +420,7 @@ async fn cancel(k: &Kube, run: &str, out: &mut impl Write) -> anyhow::Result<()>
     Ok(())
 }
 
-fn state(a: &Approval) -> ApprovalState {
+pub(crate) fn state(a: &Approval) -> ApprovalState {
     a.status.as_ref().and_then(|s| s.state).unwrap_or_default()
 }
 
@@ -413,7 +431,7 @@ async fn get(api: &Api<Approval>, name: &str, ns: &str) -> anyhow::Result<Approv
 }
 
 /// Adds the caller's own decision, quoting the hash of what they were shown.
-async fn decide(
+pub(crate) async fn decide(
     k: &Kube,
     name: &str,
     verdict: Verdict,
@@ -457,16 +475,26 @@ async fn decide(
 }
 
 /// The caller's user name, as the API server sees it.
-async fn whoami(client: &kube::Client) -> anyhow::Result<String> {
+pub(crate) async fn whoami(client: &kube::Client) -> anyhow::Result<String> {
+    Ok(whoami_with_groups(client).await?.0)
+}
+
+/// The caller's user name and groups, as the API server sees them.
+pub(crate) async fn whoami_with_groups(
+    client: &kube::Client,
+) -> anyhow::Result<(String, Vec<String>)> {
     let api: Api<SelfSubjectReview> = Api::all(client.clone());
     let review = api
         .create(&PostParams::default(), &SelfSubjectReview::default())
         .await?;
-    review
+    let user = review
         .status
         .and_then(|s| s.user_info)
-        .and_then(|u| u.username)
-        .context("the API server did not say who you are")
+        .context("the API server did not say who you are")?;
+    let name = user
+        .username
+        .context("the API server did not say who you are")?;
+    Ok((name, user.groups.unwrap_or_default()))
 }
 
 /// Applies `--set key=value` (JSON values when they parse) or `-f file`.
@@ -502,7 +530,7 @@ fn approvers(a: &Approval) -> String {
     format!("{} of {}", a.spec.required_approvals, v.join(","))
 }
 
-fn time_left(a: &Approval) -> String {
+pub(crate) fn time_left(a: &Approval) -> String {
     let left = a
         .spec
         .expires_at
@@ -671,7 +699,7 @@ fn describe_call(a: &Approval, out: &mut String) {
 
 /// Everything that could run instead of the proposal, next to it: the
 /// alternative on expiry and every approver's edit.
-fn alternatives(s: &crate::api::ApprovalSpec) -> Vec<(String, &Value)> {
+pub(crate) fn alternatives(s: &crate::api::ApprovalSpec) -> Vec<(String, &Value)> {
     let mut columns: Vec<(String, &Value)> = vec![("proposed".into(), &s.arguments)];
     if let Some(alt) = &s.alternative {
         columns.push((
@@ -783,7 +811,7 @@ pub fn audit_line(r: &crate::store::Record) -> String {
 }
 
 /// What a step did, in a few words; `None` for kinds shown as their payload.
-fn describe_step(step: &Step) -> Option<String> {
+pub(crate) fn describe_step(step: &Step) -> Option<String> {
     Some(match step {
         Step::ModelCall(c) => {
             let calls: Vec<String> = c

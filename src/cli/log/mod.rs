@@ -7,7 +7,7 @@
 //! the command fails; it is never called verified.
 
 mod api;
-mod check;
+pub(crate) mod check;
 mod follow;
 
 use std::io::Write;
@@ -102,12 +102,18 @@ async fn verify_store(
 }
 
 /// A whole log read through the API, and its verdict.
-struct Read {
-    records: Vec<Record>,
-    verdict: Verdict,
+pub(crate) struct Read {
+    pub(crate) records: Vec<Record>,
+    pub(crate) verdict: Verdict,
 }
 
-async fn read_api(k: &Kube, run: &str, controller_namespace: &str) -> anyhow::Result<Read> {
+/// Reads run `run`'s whole log through the log API as `k`'s user and
+/// verifies it (chain, signatures, the run's status).
+pub(crate) async fn read_api(
+    k: &Kube,
+    run: &str,
+    controller_namespace: &str,
+) -> anyhow::Result<Read> {
     let trust = run_trust(k, run).await?;
     let api = LogApi::new(k.client.clone(), &k.ns, run);
     let pages = read_pages(&api, run, Retry::pages()).await?;
@@ -267,7 +273,7 @@ fn print_notes_and_ok(word: &str, verdict: &Verdict, out: &mut impl Write) -> an
 }
 
 /// What failed, in a few words.
-fn summary(verdict: &Verdict) -> String {
+pub(crate) fn summary(verdict: &Verdict) -> String {
     let seqs: Vec<String> = verdict.marked.keys().map(u64::to_string).collect();
     match (seqs.is_empty(), verdict.global.first()) {
         (false, _) => format!(

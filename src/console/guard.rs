@@ -1,0 +1,288 @@
+//! Who may reach the console and how: the Host and Origin checks (DNS
+//! rebinding, cross-site requests), the session secret on loopback, the
+//! person's forwarded bearer token in the cluster, the anti-forgery token
+//! on every write, and the headers every answer carries.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::{Console, Mode};
+
+/// The Content-Security-Policy of every answer: nothing but the console's
+/// own script, stylesheet and images; no inline script or style, no
+/// framing, forms post only to the console.
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+     form-action 'self'; frame-ancestors 'none'; base-uri 'none'; connect-src 'self'";
+
+/// The largest form the console reads (an edit's arguments and a reason).
+pub const MAX_FORM: usize = 256 * 1024;
+
+/// The name of the anti-forgery form field.
+pub const CSRF_FIELD: &str = "csrf";
+
+/// The person a request acts for: their kube client and the anti-forgery
+/// token of their session.
+#[derive(Clone)]
+pub struct Caller {
+    pub client: kube::Client,
+    pub csrf: String,
+}
+
+/// The session cookie's name: one per port, so two consoles on one host
+/// (two people, two contexts) keep their own.
+pub fn cookie_name(console: &Console) -> String {
+    format!(
+        "agentrun_console_{}",
+        console.host.rsplit(':').next().unwrap_or("0")
+    )
+}
+
+/// Equal in constant time (for secrets compared with what a request sent).
+pub fn same(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The anti-forgery token bound to `credential` (the session secret on
+/// loopback, the person's bearer token in the cluster).
+pub fn csrf_token(key: &ring::hmac::Key, credential: &str) -> String {
+    hex::encode(ring::hmac::sign(key, format!("csrf\0{credential}").as_bytes()).as_ref())
+}
+
+/// Whether `sent` is the anti-forgery token of `credential` (HMAC
+/// verification: constant time).
+pub fn csrf_ok(key: &ring::hmac::Key, credential: &str, sent: &str) -> bool {
+    match hex::decode(sent) {
+        Ok(tag) => ring::hmac::verify(key, format!("csrf\0{credential}").as_bytes(), &tag).is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// A refusal page: the status and why, in words (escaped).
+pub fn refuse(console: &Console, status: StatusCode, why: &str) -> Response {
+    let body = console.page_error(status, why);
+    (status, body).into_response()
+}
+
+/// The headers of every answer.
+pub async fn headers(req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    let h = res.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    if !h.contains_key(header::CACHE_CONTROL) {
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    res
+}
+
+/// The gate every request passes: Host, Origin, then the person's
+/// credential, then (for a write) the anti-forgery token. What passes
+/// carries a [`Caller`].
+pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    if path == "/healthz" {
+        return next.run(req).await;
+    }
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if !host.eq_ignore_ascii_case(&console.host) {
+        return refuse(
+            &console,
+            StatusCode::FORBIDDEN,
+            &format!(
+                "this console answers only requests for {} (the request named another host)",
+                console.host
+            ),
+        );
+    }
+    if let Some(origin) = req.headers().get(header::ORIGIN)
+        && origin.as_bytes() != console.origin.as_bytes()
+    {
+        return refuse(
+            &console,
+            StatusCode::FORBIDDEN,
+            "this console answers only its own pages (the request came from another origin)",
+        );
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD && req.method() != Method::POST {
+        return refuse(
+            &console,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "only GET and POST are served",
+        );
+    }
+    if path.starts_with("/static/") {
+        return next.run(req).await;
+    }
+    let (caller, credential) = match &console.mode {
+        Mode::Loopback { client, session } => {
+            if let Some(sent) = query_param(req.uri().query(), "session") {
+                return open_session(&console, session, &sent, &path);
+            }
+            match cookie(req.headers(), &cookie_name(&console)) {
+                Some(c) if same(c.as_bytes(), session.as_bytes()) => {}
+                _ => {
+                    return refuse(
+                        &console,
+                        StatusCode::FORBIDDEN,
+                        "no console session: open the URL that `kubectl agentrun console` printed",
+                    );
+                }
+            }
+            (
+                Caller {
+                    client: client.clone(),
+                    csrf: csrf_token(&console.key, session),
+                },
+                session.clone(),
+            )
+        }
+        Mode::InCluster(cluster) => {
+            let Some(token) = bearer(req.headers()) else {
+                return refuse(
+                    &console,
+                    StatusCode::UNAUTHORIZED,
+                    "no forwarded credential: this console acts only with the token of the person \
+                     its login proxy authenticated (X-Forwarded-Access-Token or Authorization: Bearer)",
+                );
+            };
+            let client = match cluster.client_for(&token) {
+                Ok(c) => c,
+                Err(e) => {
+                    return refuse(
+                        &console,
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        &format!("building a client for the API server: {e:#}"),
+                    );
+                }
+            };
+            (
+                Caller {
+                    client,
+                    csrf: csrf_token(&console.key, &token),
+                },
+                token,
+            )
+        }
+    };
+    let mut req = req;
+    if req.method() == Method::POST {
+        let (parts, body) = req.into_parts();
+        let bytes = match axum::body::to_bytes(body, MAX_FORM).await {
+            Ok(b) => b,
+            Err(_) => {
+                return refuse(
+                    &console,
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "the form is too large",
+                );
+            }
+        };
+        let sent = form_value(&bytes, CSRF_FIELD).unwrap_or_default();
+        if !csrf_ok(&console.key, &credential, &sent) {
+            return refuse(
+                &console,
+                StatusCode::FORBIDDEN,
+                "the form lacks this session's anti-forgery token: reload the page and try again",
+            );
+        }
+        req = Request::from_parts(parts, Body::from(bytes));
+    }
+    req.extensions_mut().insert(caller);
+    next.run(req).await
+}
+
+/// The session secret in the URL becomes the session cookie (HttpOnly,
+/// SameSite=Strict), and the browser is sent on without it in the URL.
+fn open_session(console: &Console, session: &str, sent: &str, path: &str) -> Response {
+    if !same(sent.as_bytes(), session.as_bytes()) {
+        return refuse(
+            console,
+            StatusCode::FORBIDDEN,
+            "wrong console session: open the URL that `kubectl agentrun console` printed",
+        );
+    }
+    let cookie = format!(
+        "{}={session}; Path=/; HttpOnly; SameSite=Strict",
+        cookie_name(console)
+    );
+    let location = if path.starts_with('/') && !path.starts_with("//") {
+        path
+    } else {
+        "/"
+    };
+    let mut res = StatusCode::SEE_OTHER.into_response();
+    if let (Ok(c), Ok(l)) = (
+        HeaderValue::from_str(&cookie),
+        HeaderValue::from_str(location),
+    ) {
+        res.headers_mut().insert(header::SET_COOKIE, c);
+        res.headers_mut().insert(header::LOCATION, l);
+    }
+    res
+}
+
+/// The person's forwarded token: `X-Forwarded-Access-Token` (oauth2-proxy's
+/// `--pass-access-token`) or `Authorization: Bearer`.
+pub fn bearer(headers: &HeaderMap) -> Option<String> {
+    if let Some(t) = headers
+        .get("x-forwarded-access-token")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+    {
+        return Some(t.to_string());
+    }
+    let auth = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = auth.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then(|| token.to_string())
+}
+
+/// The value of cookie `name`.
+pub fn cookie(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_string())
+}
+
+/// A query parameter.
+pub fn query_param(query: Option<&str>, name: &str) -> Option<String> {
+    url::form_urlencoded::parse(query?.as_bytes())
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.into_owned())
+}
+
+/// A form field of an `application/x-www-form-urlencoded` body.
+pub fn form_value(body: &Bytes, name: &str) -> Option<String> {
+    url::form_urlencoded::parse(body)
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.into_owned())
+}

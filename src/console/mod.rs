@@ -1,0 +1,351 @@
+//! The approver's web console (DESIGN.md section 10, "The approver's
+//! inbox"): pending Approvals the person may decide, each with its exact
+//! arguments beside the model's proposal, the agent's reason, observations
+//! and dependencies; approve, reject or edit through a form built from the
+//! tool's schema; runs and their timelines from the log API, followed live.
+//!
+//! Two ways to serve it, one set of pages:
+//! - **loopback** (`kubectl agentrun console`): on 127.0.0.1, acting with
+//!   the user's own kubeconfig identity; the URL it prints carries a random
+//!   session secret, exchanged for an HttpOnly, SameSite=Strict cookie.
+//! - **in the cluster** (`agentrun console`, the chart's `console:`): behind
+//!   the platform's login proxy, acting with the person's forwarded bearer
+//!   token, one kube client per request; its own service account is used
+//!   for nothing a person reads or decides.
+//!
+//! Either way the page holds no credential, every request is checked for
+//! its Host (DNS rebinding) and Origin, every write for the session's
+//! anti-forgery token, and everything a model, a tool or a run creator
+//! wrote is escaped by the templates and never becomes a link or a script.
+
+pub mod form;
+pub mod guard;
+mod views;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use axum::Router;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use minijinja::Environment;
+use serde::Serialize;
+
+/// `kubectl agentrun console`'s flags.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LoopbackArgs {
+    /// Port to listen on (a free one when 0).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Address to listen on; keep it a loopback address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub address: IpAddr,
+    /// Open the console in the default browser.
+    #[arg(long)]
+    pub open: bool,
+    /// More namespaces to look in when you may not list across all of them
+    /// (the context's namespace, or --namespace, always).
+    #[arg(long = "also-namespace", value_name = "NAMESPACE")]
+    pub also_namespaces: Vec<String>,
+    /// Namespace of the controller's published public keys (a run's log is
+    /// verified with them).
+    #[arg(
+        long,
+        env = "AGENTRUN_CONTROLLER_NAMESPACE",
+        default_value = "agentrun-system"
+    )]
+    pub controller_namespace: String,
+}
+
+/// `agentrun console`'s flags: the console in the cluster, behind a login
+/// proxy that forwards each person's token.
+#[derive(clap::Args, Clone, Debug)]
+pub struct InClusterArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// The URL people open (the login proxy's), e.g.
+    /// `https://agentrun.example.com`: requests for another Host or from
+    /// another Origin are refused.
+    #[arg(long, env = "AGENTRUN_CONSOLE_PUBLIC_URL")]
+    pub public_url: url::Url,
+    /// The API server (in a pod: from KUBERNETES_SERVICE_HOST/PORT).
+    #[arg(long, env = "AGENTRUN_CONSOLE_API_SERVER")]
+    pub api_server: Option<String>,
+    /// The API server's CA bundle (PEM).
+    #[arg(
+        long,
+        default_value = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    )]
+    pub ca_file: std::path::PathBuf,
+    /// Namespaces to look in for people who may not list across all of them.
+    #[arg(long = "namespace", value_name = "NAMESPACE")]
+    pub namespaces: Vec<String>,
+    /// Namespace of the controller's published public keys.
+    #[arg(
+        long,
+        env = "AGENTRUN_CONTROLLER_NAMESPACE",
+        default_value = "agentrun-system"
+    )]
+    pub controller_namespace: String,
+}
+
+/// How the console reaches the API server for a person.
+pub enum Mode {
+    /// One person, their kubeconfig client, and the session secret the URL
+    /// carried.
+    Loopback {
+        client: kube::Client,
+        session: String,
+    },
+    /// Every request as the person whose token the login proxy forwarded.
+    InCluster(ClusterAccess),
+}
+
+/// The API server's address and CA: a client per forwarded token.
+pub struct ClusterAccess {
+    pub api_server: axum::http::Uri,
+    pub ca: Vec<Vec<u8>>,
+}
+
+impl ClusterAccess {
+    /// A client acting as the holder of `token` (nothing else: no
+    /// kubeconfig, no service account).
+    pub fn client_for(&self, token: &str) -> anyhow::Result<kube::Client> {
+        let mut config = kube::Config::new(self.api_server.clone());
+        config.root_cert = Some(self.ca.clone());
+        config.auth_info.token = Some(token.to_string().into());
+        config.default_namespace = "default".into();
+        Ok(kube::Client::try_from(config)?)
+    }
+}
+
+/// The console's state.
+pub struct Console {
+    pub mode: Mode,
+    /// Per-process key of the anti-forgery tokens.
+    pub key: ring::hmac::Key,
+    /// `host:port` requests must name.
+    pub host: String,
+    /// `scheme://host:port` a browser's Origin must be.
+    pub origin: String,
+    /// Where to look when the person may not list across namespaces.
+    pub namespaces: Vec<String>,
+    pub controller_namespace: String,
+    templates: Environment<'static>,
+}
+
+impl Console {
+    pub fn new(
+        mode: Mode,
+        host: String,
+        origin: String,
+        namespaces: Vec<String>,
+        controller_namespace: String,
+    ) -> anyhow::Result<Console> {
+        Ok(Console {
+            mode,
+            key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &random_bytes()?),
+            host,
+            origin,
+            namespaces,
+            controller_namespace,
+            templates: templates(),
+        })
+    }
+
+    /// Renders template `name` (escaping HTML: the names end in `.html`).
+    pub fn render(&self, name: &str, ctx: impl Serialize) -> Result<String, String> {
+        self.templates
+            .get_template(name)
+            .and_then(|t| t.render(minijinja::value::Serde(&ctx)))
+            .map_err(|e| format!("rendering {name}: {e}"))
+    }
+
+    /// The page saying why a request was refused or failed.
+    pub fn page_error(&self, status: StatusCode, why: &str) -> axum::response::Html<String> {
+        let ctx = minijinja::context! {
+            status => status.as_u16(),
+            reason => status.canonical_reason().unwrap_or(""),
+            message => why,
+        };
+        axum::response::Html(self.render("error.html", ctx).unwrap_or_else(|e| {
+            // Never the raw message: escaped by hand here.
+            format!("<!doctype html><p>{}</p>", html_escape(&e))
+        }))
+    }
+}
+
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&#x27;")
+}
+
+fn templates() -> Environment<'static> {
+    let mut env = Environment::new();
+    for (name, text) in [
+        ("base.html", include_str!("templates/base.html")),
+        ("error.html", include_str!("templates/error.html")),
+        ("inbox.html", include_str!("templates/inbox.html")),
+        ("approval.html", include_str!("templates/approval.html")),
+        ("runs.html", include_str!("templates/runs.html")),
+        ("run.html", include_str!("templates/run.html")),
+    ] {
+        env.add_template(name, text)
+            .unwrap_or_else(|e| panic!("console template {name}: {e}"));
+    }
+    env
+}
+
+fn random_bytes() -> anyhow::Result<[u8; 32]> {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 32];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .map_err(|_| anyhow::anyhow!("no system randomness"))?;
+    Ok(b)
+}
+
+/// The console's routes, behind its gate and headers.
+pub fn router(console: Arc<Console>) -> Router {
+    Router::new()
+        .route("/", get(views::inbox))
+        .route("/approvals/{ns}/{name}", get(views::approval))
+        .route("/approvals/{ns}/{name}/decide", post(views::decide))
+        .route("/runs", get(views::runs))
+        .route("/runs/{ns}/{name}", get(views::run))
+        .route("/runs/{ns}/{name}/records", get(views::records))
+        .route("/static/console.css", get(views::stylesheet))
+        .route("/static/console.js", get(views::script))
+        .route("/healthz", get(|| async { "ok" }))
+        .fallback(views::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            console.clone(),
+            guard::gate,
+        ))
+        .layer(axum::middleware::from_fn(guard::headers))
+        .with_state(console)
+}
+
+/// `kubectl agentrun console`: serves on loopback as the kubeconfig's user
+/// until interrupted.
+pub async fn serve_loopback(
+    client: kube::Client,
+    namespace: String,
+    args: LoopbackArgs,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind((args.address, args.port))
+        .await
+        .with_context(|| format!("listening on {}:{}", args.address, args.port))?;
+    let bound = listener.local_addr()?;
+    let host = bound.to_string();
+    let session = hex::encode(random_bytes()?);
+    let mut namespaces = vec![namespace];
+    namespaces.extend(args.also_namespaces.iter().cloned());
+    namespaces.dedup();
+    let console = Console::new(
+        Mode::Loopback {
+            client,
+            session: session.clone(),
+        },
+        host.clone(),
+        format!("http://{host}"),
+        namespaces,
+        args.controller_namespace.clone(),
+    )?;
+    let url = format!("http://{host}/?session={session}");
+    println!("agentrun console: {url}");
+    println!(
+        "(acting as your kubeconfig user; the URL is your session: keep it to yourself; Ctrl-C stops)"
+    );
+    if args.open {
+        open_browser(&url);
+    }
+    axum::serve(listener, router(Arc::new(console)))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+fn open_browser(url: &str) {
+    let opener = if cfg!(target_os = "macos") {
+        "open"
+    } else {
+        "xdg-open"
+    };
+    if let Err(e) = std::process::Command::new(opener).arg(url).spawn() {
+        eprintln!("could not open a browser ({opener}: {e}); open the URL above");
+    }
+}
+
+/// `agentrun console`: serves in the cluster, every request as the person
+/// whose token the login proxy forwards.
+pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let api_server = match &args.api_server {
+        Some(a) => a.clone(),
+        None => {
+            let host = std::env::var("KUBERNETES_SERVICE_HOST")
+                .context("no --api-server and no KUBERNETES_SERVICE_HOST: not in a pod?")?;
+            let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+            if host.contains(':') {
+                format!("https://[{host}]:{port}")
+            } else {
+                format!("https://{host}:{port}")
+            }
+        }
+    };
+    let ca: Vec<Vec<u8>> = CertificateDer::pem_file_iter(&args.ca_file)
+        .with_context(|| format!("reading the API server's CA {}", args.ca_file.display()))?
+        .map(|c| c.map(|c| c.to_vec()))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("parsing {}", args.ca_file.display()))?;
+    let origin = args.public_url.origin().ascii_serialization();
+    let host = match (args.public_url.host_str(), args.public_url.port()) {
+        (Some(h), Some(p)) => format!("{h}:{p}"),
+        (Some(h), None) => h.to_string(),
+        _ => anyhow::bail!("--public-url {} has no host", args.public_url),
+    };
+    let console = Console::new(
+        Mode::InCluster(ClusterAccess {
+            api_server: api_server
+                .parse()
+                .with_context(|| format!("--api-server {api_server}"))?,
+            ca,
+        }),
+        host,
+        origin,
+        args.namespaces.clone(),
+        args.controller_namespace.clone(),
+    )?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    tracing::info!(listen = %args.listen, public_url = %args.public_url, "console serving");
+    println!(
+        "agentrun console on {} for {} (acting with each request's forwarded token)",
+        args.listen, args.public_url
+    );
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = term.recv() => {},
+        }
+    };
+    axum::serve(listener, router(Arc::new(console)))
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

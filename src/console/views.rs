@@ -1,0 +1,838 @@
+//! The console's pages. Every value a model, a tool or a run creator wrote
+//! goes to the templates as data (they escape it) or to the page's script
+//! as JSON (it sets `textContent`), never as markup.
+
+use std::sync::Arc;
+
+use axum::Extension;
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use kube::api::{Api, ListParams};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use super::guard::{Caller, query_param};
+use super::{Console, form};
+use crate::api::{Agent, AgentRun, Approval, ApprovalKind, ApprovalState, Verdict};
+use crate::cli::{self, Kube};
+
+/// Who the person is (from a SelfSubjectReview with their credential).
+struct Me {
+    user: String,
+    groups: Vec<String>,
+}
+
+async fn me(client: &kube::Client) -> Result<Me, String> {
+    cli::whoami_with_groups(client)
+        .await
+        .map(|(user, groups)| Me { user, groups })
+        .map_err(|e| api_words("asking the API server who you are", &e))
+}
+
+/// A failure in words: the API server's message, not a trace.
+fn api_words(what: &str, e: &anyhow::Error) -> String {
+    match e.downcast_ref::<kube::Error>() {
+        Some(kube::Error::Api(s)) => {
+            format!("{what}: the API server answered {} ({})", s.code, s.message)
+        }
+        _ => format!("{what}: {e:#}"),
+    }
+}
+
+fn kube_words(what: &str, e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => {
+            format!("{what}: the API server answered {} ({})", s.code, s.message)
+        }
+        other => format!("{what}: {other}"),
+    }
+}
+
+fn kube_status(e: &kube::Error) -> StatusCode {
+    match e {
+        kube::Error::Api(s) => StatusCode::from_u16(s.code).unwrap_or(StatusCode::BAD_GATEWAY),
+        _ => StatusCode::BAD_GATEWAY,
+    }
+}
+
+/// Objects of kind `K` the person may list: across all namespaces, or, if
+/// that is refused, in each namespace of the console's list; and in words
+/// where they were looked for.
+async fn list_everywhere<K>(
+    client: &kube::Client,
+    namespaces: &[String],
+    plural: &str,
+) -> (Vec<K>, String, Vec<String>)
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    match Api::<K>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(l) => (l.items, "all namespaces".into(), vec![]),
+        Err(kube::Error::Api(s)) if s.code == 403 => {
+            let mut items = Vec::new();
+            let mut problems = Vec::new();
+            for ns in namespaces {
+                match Api::<K>::namespaced(client.clone(), ns)
+                    .list(&ListParams::default())
+                    .await
+                {
+                    Ok(l) => items.extend(l.items),
+                    Err(e) => problems.push(kube_words(&format!("listing {plural} in {ns}"), &e)),
+                }
+            }
+            (
+                items,
+                format!(
+                    "namespaces {} (you may not list {plural} across all namespaces)",
+                    namespaces.join(", ")
+                ),
+                problems,
+            )
+        }
+        Err(e) => (
+            vec![],
+            "nowhere".into(),
+            vec![kube_words(&format!("listing {plural}"), &e)],
+        ),
+    }
+}
+
+/// A path segment, percent-encoded (names are DNS labels; anything else
+/// stays one segment).
+fn seg(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+fn approval_href(ns: &str, name: &str) -> String {
+    format!("/approvals/{}/{}", seg(ns), seg(name))
+}
+
+fn run_href(ns: &str, name: &str) -> String {
+    format!("/runs/{}/{}", seg(ns), seg(name))
+}
+
+fn name_of(v: &impl Serialize) -> String {
+    match serde_json::to_value(v) {
+        Ok(Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => "?".into(),
+    }
+}
+
+/// Why the person may not decide `a`, or `None` when they may.
+pub(crate) fn may_not_decide(a: &Approval, user: &str, groups: &[String]) -> Option<String> {
+    let st = cli::state(a);
+    if st != ApprovalState::Pending {
+        return Some(format!("already {}", name_of(&st)));
+    }
+    if jiff::Timestamp::now() >= a.spec.expires_at.0 {
+        return Some("expired".into());
+    }
+    if a.spec.decisions.iter().any(|d| d.approver == user) {
+        return Some("you have decided".into());
+    }
+    if a.spec.separation_of_duties && a.spec.requester.as_deref() == Some(user) {
+        return Some("you may not decide: separation of duties (you requested this run)".into());
+    }
+    let listed = a.spec.approvers.users.iter().any(|u| u == user)
+        || a.spec.approvers.groups.iter().any(|g| groups.contains(g));
+    if !listed {
+        return Some("not an approver".into());
+    }
+    None
+}
+
+/// One row of the inbox.
+#[derive(Serialize)]
+struct Row {
+    namespace: String,
+    name: String,
+    href: String,
+    run: String,
+    run_href: String,
+    tool: String,
+    rule: String,
+    kind: String,
+    requester: String,
+    expires: String,
+    left: String,
+    quorum: String,
+    decided: Vec<String>,
+    state: String,
+    cannot: Option<String>,
+}
+
+fn row(a: &Approval, me: &Me) -> Row {
+    let ns = a.metadata.namespace.clone().unwrap_or_default();
+    let name = a.metadata.name.clone().unwrap_or_default();
+    let agreeing = a
+        .spec
+        .decisions
+        .iter()
+        .filter(|d| d.verdict != Verdict::Reject)
+        .count();
+    Row {
+        href: approval_href(&ns, &name),
+        run_href: run_href(&ns, &a.spec.run_ref.name),
+        run: a.spec.run_ref.name.clone(),
+        tool: a.spec.tool.clone(),
+        rule: a.spec.rule.clone().unwrap_or_default(),
+        kind: name_of(&a.spec.kind),
+        requester: a.spec.requester.clone().unwrap_or_default(),
+        expires: a.spec.expires_at.0.to_string(),
+        left: cli::time_left(a),
+        quorum: format!("{agreeing} of {}", a.spec.required_approvals),
+        decided: a
+            .spec
+            .decisions
+            .iter()
+            .map(|d| format!("{} ({})", d.approver, name_of(&d.verdict)))
+            .collect(),
+        state: if cli::state(a) == ApprovalState::Pending
+            && jiff::Timestamp::now() >= a.spec.expires_at.0
+        {
+            "Expired".into()
+        } else {
+            name_of(&cli::state(a))
+        },
+        cannot: may_not_decide(a, &me.user, &me.groups),
+        namespace: ns,
+        name,
+    }
+}
+
+fn html(status: StatusCode, body: Result<String, String>) -> Response {
+    match body {
+        Ok(b) => (status, Html(b)).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+    }
+}
+
+fn failed(c: &Console, status: StatusCode, why: &str) -> Response {
+    (status, c.page_error(status, why)).into_response()
+}
+
+/// `/`: the inbox.
+pub async fn inbox(
+    State(c): State<Arc<Console>>,
+    Extension(caller): Extension<Caller>,
+) -> Response {
+    let me = match me(&caller.client).await {
+        Ok(m) => m,
+        Err(e) => return failed(&c, StatusCode::BAD_GATEWAY, &e),
+    };
+    let (mut items, scope, problems) =
+        list_everywhere::<Approval>(&caller.client, &c.namespaces, "approvals").await;
+    items.sort_by_key(|a| a.spec.expires_at.0);
+    let (open, closed): (Vec<Row>, Vec<Row>) = items
+        .iter()
+        .map(|a| row(a, &me))
+        .partition(|r| r.state == "Pending");
+    let ctx = json!({
+        "who": me.user, "csrf": caller.csrf, "scope": scope, "problems": problems,
+        "open": open, "closed": closed,
+    });
+    html(StatusCode::OK, c.render("inbox.html", ctx))
+}
+
+/// A cell of the arguments table.
+#[derive(Serialize)]
+struct Cell {
+    text: String,
+    changed: bool,
+}
+
+/// The arguments table: one row per argument, a column per set of
+/// arguments (proposed, the alternative, each edit).
+fn compare(spec: &crate::api::ApprovalSpec) -> (Vec<String>, Vec<(String, Vec<Cell>)>) {
+    let columns = cli::alternatives(spec);
+    let mut keys: Vec<String> = Vec::new();
+    for (_, v) in &columns {
+        match v.as_object() {
+            Some(m) => {
+                for k in m.keys() {
+                    if !keys.contains(k) {
+                        keys.push(k.clone());
+                    }
+                }
+            }
+            None if !keys.iter().any(String::is_empty) => keys.push(String::new()),
+            None => {}
+        }
+    }
+    let cell = |v: &Value, k: &str| -> Option<Value> {
+        if k.is_empty() {
+            (!v.is_object()).then(|| v.clone())
+        } else {
+            v.get(k).cloned()
+        }
+    };
+    let rows = keys
+        .iter()
+        .map(|k| {
+            let base = cell(columns[0].1, k);
+            let cells = columns
+                .iter()
+                .enumerate()
+                .map(|(i, (_, v))| {
+                    let c = cell(v, k);
+                    Cell {
+                        text: c.as_ref().map_or("—".into(), |v| v.to_string()),
+                        changed: i > 0 && c != base,
+                    }
+                })
+                .collect();
+            (
+                if k.is_empty() {
+                    "(whole)".into()
+                } else {
+                    k.clone()
+                },
+                cells,
+            )
+        })
+        .collect();
+    (columns.into_iter().map(|(h, _)| h).collect(), rows)
+}
+
+/// The tool's argument schema for `a`: the budget's for a Budget approval,
+/// else the tool's `inputSchema` in the run's agent (inline or its Agent),
+/// read as the person; `Err` says why it could not be read.
+async fn tool_schema(
+    client: &kube::Client,
+    ns: &str,
+    a: &Approval,
+) -> Result<Option<Value>, String> {
+    if a.spec.kind == ApprovalKind::Budget {
+        return Ok(Some(crate::api::budget_arguments_schema()));
+    }
+    let runs: Api<AgentRun> = Api::namespaced(client.clone(), ns);
+    let run = runs
+        .get(&a.spec.run_ref.name)
+        .await
+        .map_err(|e| kube_words(&format!("reading run {}", a.spec.run_ref.name), &e))?;
+    let template = match (&run.spec.agent, &run.spec.agent_ref) {
+        (Some(inline), _) => inline.clone(),
+        (None, Some(r)) => {
+            let agents: Api<Agent> = Api::namespaced(client.clone(), ns);
+            agents
+                .get(&r.name)
+                .await
+                .map_err(|e| kube_words(&format!("reading agent {}", r.name), &e))?
+                .spec
+        }
+        (None, None) => return Err("the run names no agent".into()),
+    };
+    Ok(template
+        .tools
+        .iter()
+        .find(|t| t.name == a.spec.tool)
+        .and_then(|t| t.input_schema.clone()))
+}
+
+/// What the approval page says after a decision or a refusal.
+#[derive(Serialize, Default)]
+struct Notice {
+    ok: Option<String>,
+    error: Option<String>,
+    problems: Vec<String>,
+}
+
+/// `/approvals/{ns}/{name}`.
+pub async fn approval(
+    State(c): State<Arc<Console>>,
+    Extension(caller): Extension<Caller>,
+    Path((ns, name)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let notice = Notice {
+        ok: query_param(q.as_deref(), "decided").map(|v| match v.as_str() {
+            "Approve" => "Your approval was recorded.".to_string(),
+            "Reject" => "Your rejection was recorded.".to_string(),
+            _ => "Your edit was recorded.".to_string(),
+        }),
+        ..Notice::default()
+    };
+    approval_page(&c, &caller, &ns, &name, notice, StatusCode::OK, None).await
+}
+
+async fn approval_page(
+    c: &Console,
+    caller: &Caller,
+    ns: &str,
+    name: &str,
+    notice: Notice,
+    status: StatusCode,
+    submitted: Option<&[(String, String)]>,
+) -> Response {
+    let me = match me(&caller.client).await {
+        Ok(m) => m,
+        Err(e) => return failed(c, StatusCode::BAD_GATEWAY, &e),
+    };
+    let api: Api<Approval> = Api::namespaced(caller.client.clone(), ns);
+    let a = match api.get(name).await {
+        Ok(a) => a,
+        Err(e) => {
+            return failed(
+                c,
+                kube_status(&e),
+                &kube_words(&format!("reading approval {ns}/{name}"), &e),
+            );
+        }
+    };
+    let (schema, schema_note) = match tool_schema(&caller.client, ns, &a).await {
+        Ok(Some(s)) => (Some(s), None),
+        Ok(None) => (
+            None,
+            Some(
+                "the tool declares no input schema: the form follows the arguments' types"
+                    .to_string(),
+            ),
+        ),
+        Err(e) => (
+            None,
+            Some(format!("{e}: the form follows the arguments' types")),
+        ),
+    };
+    let mut fields = form::fields(schema.as_ref(), &a.spec.arguments);
+    if let Some(sent) = submitted {
+        for f in &mut fields {
+            if let Some((_, v)) = sent.iter().find(|(k, _)| *k == f.input) {
+                f.value = v.clone();
+            }
+        }
+    }
+    let (headers, rows) = compare(&a.spec);
+    let r = row(&a, &me);
+    let decisions: Vec<Value> = a
+        .spec
+        .decisions
+        .iter()
+        .map(|d| {
+            json!({"approver": d.approver, "verdict": name_of(&d.verdict),
+                   "reason": d.reason.clone().unwrap_or_default(),
+                   "arguments": d.arguments.as_ref().map(|v| v.to_string())})
+        })
+        .collect();
+    let ctx = json!({
+        "who": me.user, "csrf": caller.csrf, "a": r, "notice": notice,
+        "decide_href": format!("{}/decide", approval_href(ns, name)),
+        "headers": headers, "rows": rows,
+        "exact": serde_json::to_string_pretty(&a.spec.arguments).unwrap_or_default(),
+        "hash": a.spec.arguments_hash,
+        "reason": a.spec.observations.reason.clone().unwrap_or_default(),
+        "observations": a.spec.observations.recent_results.iter().map(|o| json!({"seq": o.seq, "tool": o.tool, "summary": o.summary})).collect::<Vec<_>>(),
+        "dependencies": a.spec.dependencies.iter().map(|d| json!({"name": d.name, "version": d.version})).collect::<Vec<_>>(),
+        "alternative": a.spec.alternative.as_ref().map(|alt| json!({"tool": alt.tool, "arguments": alt.arguments.to_string()})),
+        "on_expiry": name_of(&a.spec.on_expiry),
+        "approvers_users": a.spec.approvers.users, "approvers_groups": a.spec.approvers.groups,
+        "separation": a.spec.separation_of_duties,
+        "decisions": decisions,
+        "decided_by": a.status.as_ref().map(|s| s.decided_by.clone()).unwrap_or_default(),
+        "reconcile": a.spec.kind == ApprovalKind::Reconcile,
+        "budget": a.spec.kind == ApprovalKind::Budget,
+        "fields": fields, "schema_note": schema_note,
+    });
+    html(status, c.render("approval.html", ctx))
+}
+
+/// `POST /approvals/{ns}/{name}/decide`: the person's own `spec.decisions`
+/// entry, through the plugin's decide path; the API server's refusal is
+/// shown in words.
+pub async fn decide(
+    State(c): State<Arc<Console>>,
+    Extension(caller): Extension<Caller>,
+    Path((ns, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let pairs: Vec<(String, String)> = url::form_urlencoded::parse(&body).into_owned().collect();
+    let field = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let reason = field("reason")
+        .map(|r| r.trim().to_string())
+        .filter(|r| !r.is_empty());
+    let verdict = match field("verdict").as_deref() {
+        Some("Approve") => Verdict::Approve,
+        Some("Reject") => Verdict::Reject,
+        Some("Edit") => Verdict::Edit,
+        _ => {
+            return failed(
+                &c,
+                StatusCode::BAD_REQUEST,
+                "the form names no verdict (Approve, Reject or Edit)",
+            );
+        }
+    };
+    let refuse = |status: StatusCode, error: String, problems: Vec<String>| {
+        let c = c.clone();
+        let caller = caller.clone();
+        let (ns, name) = (ns.clone(), name.clone());
+        let pairs = pairs.clone();
+        async move {
+            let notice = Notice {
+                error: Some(error),
+                problems,
+                ..Notice::default()
+            };
+            approval_page(&c, &caller, &ns, &name, notice, status, Some(&pairs)).await
+        }
+    };
+    if verdict == Verdict::Reject && reason.is_none() {
+        return refuse(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "A rejection needs a reason: it goes back to the agent.".into(),
+            vec![],
+        )
+        .await;
+    }
+    let api: Api<Approval> = Api::namespaced(caller.client.clone(), &ns);
+    let a = match api.get(&name).await {
+        Ok(a) => a,
+        Err(e) => {
+            return failed(
+                &c,
+                kube_status(&e),
+                &kube_words(&format!("reading approval {ns}/{name}"), &e),
+            );
+        }
+    };
+    if field("hash").as_deref() != Some(a.spec.arguments_hash.as_str()) {
+        return refuse(
+            StatusCode::CONFLICT,
+            "This approval is not the one the form was made for (its arguments hash differs): look again before deciding.".into(),
+            vec![],
+        )
+        .await;
+    }
+    let arguments = if verdict == Verdict::Edit {
+        let schema = tool_schema(&caller.client, &ns, &a).await.ok().flatten();
+        match form::parse(schema.as_ref(), &a.spec.arguments, &pairs) {
+            Ok(args) if args == a.spec.arguments => {
+                return refuse(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "The edited arguments are the proposed ones: approve instead.".into(),
+                    vec![],
+                )
+                .await;
+            }
+            Ok(args) => Some(args),
+            Err(problems) => {
+                return refuse(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "The edited arguments do not fit the tool's schema:".into(),
+                    problems,
+                )
+                .await;
+            }
+        }
+    } else {
+        None
+    };
+    let k = Kube::new(caller.client.clone(), &ns);
+    match cli::decide(&k, &name, verdict, arguments, reason).await {
+        Ok(_) => {
+            let to = format!(
+                "{}?decided={}",
+                approval_href(&ns, &name),
+                name_of(&verdict)
+            );
+            let mut res = StatusCode::SEE_OTHER.into_response();
+            if let Ok(l) = HeaderValue::from_str(&to) {
+                res.headers_mut().insert(header::LOCATION, l);
+            }
+            res
+        }
+        Err(e) => {
+            let words = format!("{e:#}");
+            let status = if words.contains("refused") {
+                StatusCode::FORBIDDEN
+            } else {
+                StatusCode::CONFLICT
+            };
+            refuse(status, words, vec![]).await
+        }
+    }
+}
+
+/// One run in the list.
+#[derive(Serialize)]
+struct RunRow {
+    namespace: String,
+    name: String,
+    href: String,
+    phase: String,
+    step: String,
+    waiting_on: String,
+    tokens: String,
+    cost: String,
+    started: String,
+    finished: String,
+}
+
+fn run_row(r: &AgentRun) -> RunRow {
+    let ns = r.metadata.namespace.clone().unwrap_or_default();
+    let name = r.metadata.name.clone().unwrap_or_default();
+    let s = r.status.clone().unwrap_or_default();
+    let u = s.usage.clone().unwrap_or_default();
+    RunRow {
+        href: run_href(&ns, &name),
+        phase: s
+            .phase
+            .map(|p| name_of(&p))
+            .unwrap_or_else(|| "Pending".into()),
+        step: s
+            .step
+            .as_ref()
+            .map(|st| st.seq.to_string())
+            .unwrap_or_default(),
+        waiting_on: s.waiting_on.clone().unwrap_or_default(),
+        tokens: format!("{} in / {} out", u.input_tokens, u.output_tokens),
+        cost: format!("${:.4}", u.cost_usd),
+        started: s
+            .started_at
+            .as_ref()
+            .map(|t| t.0.to_string())
+            .unwrap_or_default(),
+        finished: s
+            .finished_at
+            .as_ref()
+            .map(|t| t.0.to_string())
+            .unwrap_or_default(),
+        namespace: ns,
+        name,
+    }
+}
+
+/// `/runs`.
+pub async fn runs(State(c): State<Arc<Console>>, Extension(caller): Extension<Caller>) -> Response {
+    let me = match me(&caller.client).await {
+        Ok(m) => m,
+        Err(e) => return failed(&c, StatusCode::BAD_GATEWAY, &e),
+    };
+    let (mut items, scope, problems) =
+        list_everywhere::<AgentRun>(&caller.client, &c.namespaces, "agentruns").await;
+    items.sort_by_key(|r| std::cmp::Reverse(r.metadata.creation_timestamp.clone().map(|t| t.0)));
+    let rows: Vec<RunRow> = items.iter().map(run_row).collect();
+    let ctx = json!({"who": me.user, "csrf": caller.csrf, "scope": scope, "problems": problems, "runs": rows});
+    html(StatusCode::OK, c.render("runs.html", ctx))
+}
+
+/// One record of a run's timeline.
+#[derive(Serialize)]
+pub(crate) struct Entry {
+    seq: u64,
+    kind: String,
+    time: String,
+    worker: String,
+    what: String,
+    detail: String,
+    marked: bool,
+}
+
+pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
+    use crate::runlog::replay::Step;
+    let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).ok();
+    let mut what = step
+        .as_ref()
+        .and_then(cli::describe_step)
+        .unwrap_or_else(|| r.kind.as_str().to_string());
+    if r.usage.input_tokens + r.usage.output_tokens > 0 {
+        what.push_str(&format!(
+            " — {} tokens in, {} out, ${:.6}",
+            r.usage.input_tokens,
+            r.usage.output_tokens,
+            r.usage.cost_micros as f64 / 1e6
+        ));
+    }
+    let v = &r.versions;
+    if matches!(step, Some(Step::RunStarted(_) | Step::VersionChanged(_))) {
+        what.push_str(&format!(
+            " — prompt {} model {}",
+            v.prompt_version.as_deref().unwrap_or("?"),
+            v.model_id.as_deref().unwrap_or("?")
+        ));
+    }
+    Entry {
+        seq: r.seq,
+        kind: r.kind.as_str().to_string(),
+        time: r.created_at.map(|t| t.to_rfc3339()).unwrap_or_default(),
+        worker: format!("{}#{}", r.worker.pod, r.worker.attempt),
+        what: crate::text::excerpt(&what, 400),
+        detail: serde_json::to_string_pretty(&r.payload).unwrap_or_default(),
+        marked,
+    }
+}
+
+/// The timeline of a run: its records and the verdict in words.
+struct Timeline {
+    entries: Vec<Entry>,
+    verified: bool,
+    verdict: String,
+    problems: Vec<String>,
+    next: u64,
+}
+
+async fn timeline(
+    c: &Console,
+    caller: &Caller,
+    ns: &str,
+    name: &str,
+    from: u64,
+) -> Result<Timeline, String> {
+    let k = Kube::new(caller.client.clone(), ns);
+    let read = cli::log::read_api(&k, name, &c.controller_namespace)
+        .await
+        .map_err(|e| format!("{e:#}"))?;
+    let v = &read.verdict;
+    let verdict = if v.ok() {
+        format!(
+            "verified: {} records, chain intact, {}, {} controller records signed",
+            v.head.len,
+            v.anchored,
+            v.signed.len()
+        )
+    } else {
+        format!("NOT VERIFIED: {}", cli::log::summary(v))
+    };
+    let mut problems = v.notes.clone();
+    problems.extend(v.problems());
+    Ok(Timeline {
+        next: read.records.last().map_or(0, |r| r.seq + 1).max(from),
+        entries: read
+            .records
+            .iter()
+            .filter(|r| r.seq >= from)
+            .map(|r| entry(r, v.marks(r.seq)))
+            .collect(),
+        verified: v.ok(),
+        verdict,
+        problems,
+    })
+}
+
+/// `/runs/{ns}/{name}`.
+pub async fn run(
+    State(c): State<Arc<Console>>,
+    Extension(caller): Extension<Caller>,
+    Path((ns, name)): Path<(String, String)>,
+) -> Response {
+    let me = match me(&caller.client).await {
+        Ok(m) => m,
+        Err(e) => return failed(&c, StatusCode::BAD_GATEWAY, &e),
+    };
+    let runs: Api<AgentRun> = Api::namespaced(caller.client.clone(), &ns);
+    let r = match runs.get(&name).await {
+        Ok(r) => r,
+        Err(e) => {
+            return failed(
+                &c,
+                kube_status(&e),
+                &kube_words(&format!("reading run {ns}/{name}"), &e),
+            );
+        }
+    };
+    let s = r.status.clone().unwrap_or_default();
+    let live = !s.phase.is_some_and(|p| p.is_terminal());
+    let (tl, log_error) = match timeline(&c, &caller, &ns, &name, 0).await {
+        Ok(t) => (Some(t), None),
+        Err(e) => (None, Some(e)),
+    };
+    let approvals: Api<Approval> = Api::namespaced(caller.client.clone(), &ns);
+    let related: Vec<Value> = approvals
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .iter()
+        .filter(|a| a.spec.run_ref.name == name)
+        .map(|a| {
+            let rr = row(a, &me);
+            json!({"name": rr.name, "href": rr.href, "tool": rr.tool, "state": rr.state, "decided": rr.decided})
+        })
+        .collect();
+    let ctx = json!({
+        "who": me.user, "csrf": caller.csrf,
+        "run": run_row(&r),
+        "error": s.error, "result": s.result,
+        "pinned": s.pinned.as_ref().map(|p| json!({"prompt": p.prompt_version, "model": p.model})),
+        "approval": s.approval.as_ref().map(|p| json!({"name": p.name, "href": approval_href(&ns, &p.name)})),
+        "approvals": related,
+        "live": live,
+        "follow": format!("{}/records", run_href(&ns, &name)),
+        "log_error": log_error,
+        "entries": tl.as_ref().map(|t| &t.entries),
+        "verified": tl.as_ref().map(|t| t.verified),
+        "verdict": tl.as_ref().map(|t| t.verdict.clone()),
+        "problems": tl.as_ref().map(|t| t.problems.clone()).unwrap_or_default(),
+        "next": tl.as_ref().map_or(0, |t| t.next),
+    });
+    html(StatusCode::OK, c.render("run.html", ctx))
+}
+
+/// `/runs/{ns}/{name}/records?fromSeq=N`: the records from N on, as JSON
+/// (the page's script shows them with `textContent`), the verdict and the
+/// phase.
+pub async fn records(
+    State(c): State<Arc<Console>>,
+    Extension(caller): Extension<Caller>,
+    Path((ns, name)): Path<(String, String)>,
+    RawQuery(q): RawQuery,
+) -> Response {
+    let from: u64 = query_param(q.as_deref(), "fromSeq")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let runs: Api<AgentRun> = Api::namespaced(caller.client.clone(), &ns);
+    let phase = match runs.get(&name).await {
+        Ok(r) => r.status.and_then(|s| s.phase),
+        Err(e) => {
+            return (
+                kube_status(&e),
+                axum::Json(json!({"error": kube_words("reading the run", &e)})),
+            )
+                .into_response();
+        }
+    };
+    match timeline(&c, &caller, &ns, &name, from).await {
+        Ok(t) => axum::Json(json!({
+            "records": t.entries, "next": t.next, "verified": t.verified, "verdict": t.verdict,
+            "phase": phase.map(|p| name_of(&p)), "finished": phase.is_some_and(|p| p.is_terminal()),
+        }))
+        .into_response(),
+        Err(e) => (StatusCode::BAD_GATEWAY, axum::Json(json!({"error": e}))).into_response(),
+    }
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    let mut res = body.into_response();
+    res.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    res.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    res
+}
+
+pub async fn stylesheet() -> Response {
+    asset(
+        "text/css; charset=utf-8",
+        include_str!("static/console.css"),
+    )
+}
+
+pub async fn script() -> Response {
+    asset(
+        "text/javascript; charset=utf-8",
+        include_str!("static/console.js"),
+    )
+}
+
+pub async fn not_found(State(c): State<Arc<Console>>) -> Response {
+    failed(&c, StatusCode::NOT_FOUND, "no such page")
+}
