@@ -7,7 +7,7 @@ mod common;
 
 use agentrun::api::{Approval, ApprovalKind, Phase};
 use agentrun::runlog::replay::Step;
-use common::approvals::{decide, entry, grant_approver_role, pending_approval};
+use common::approvals::{decide, entry, grant_approver_role, pending_approval, refusal};
 use common::world::{TIMEOUT, World, call, finish};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
@@ -107,9 +107,22 @@ async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() 
         "the model is not asked while waiting"
     );
 
-    // bob raises it by five steps through an edit.
+    // An edit that gives no limit is refused by the API server, naming the field.
     let name = approval.metadata.name.clone().unwrap();
     let hash = approval.spec.arguments_hash.clone();
+    for bad in [
+        json!({"maxSteps": "lots"}),
+        json!({"maxSteps": 0}),
+        json!({"deadline": "1h"}),
+        json!({}),
+    ] {
+        let msg = refusal(decide(&w, "alice", &name, edit("alice", &hash, bad.clone())).await);
+        assert!(
+            msg.contains("spec.decisions[].arguments of a Budget approval"),
+            "{bad}: {msg}"
+        );
+    }
+    // bob raises it by five steps through an edit.
     decide(
         &w,
         "bob",

@@ -39,6 +39,9 @@ impl Limits {
         let Value::Object(map) = arguments else {
             return Err("arguments: must be an object of limits".into());
         };
+        if map.is_empty() {
+            return Err("arguments: give at least one limit (maxSteps, maxTokens or maxCostUSD)".into());
+        }
         let mut limits = Limits::default();
         for (key, value) in map {
             match key.as_str() {
@@ -218,6 +221,7 @@ mod tests {
             (json!({"maxCostUSD": -1}), "arguments.maxCostUSD"),
             (json!({"deadline": "1h"}), "arguments.deadline"),
             (json!([1]), "arguments"),
+            (json!({}), "arguments"),
         ] {
             let e = Limits::parse(&bad).unwrap_err();
             assert!(e.starts_with(field), "{bad}: {e}");
@@ -240,9 +244,6 @@ mod tests {
             tokens: 200,
             cost_usd: 0.0,
         };
-        assert_eq!(
-            proposal(Some(&agent), &now, spent),
-            json!({"maxSteps": 25})
-        );
+        assert_eq!(proposal(Some(&agent), &now, spent), json!({"maxSteps": 25}));
     }
 }

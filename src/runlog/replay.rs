@@ -669,7 +669,10 @@ impl RunState {
 
     /// The limits a budget question proposes, for `budgets` in force now.
     pub fn budget_proposal(&self, budgets: &Budgets) -> Value {
-        let agent = self.snapshot.as_ref().and_then(|s| s.agent.budgets.as_ref());
+        let agent = self
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.agent.budgets.as_ref());
         let used = budget::Used {
             steps: self.len(),
             tokens: self.spent.input_tokens + self.spent.output_tokens,
@@ -1233,17 +1236,28 @@ pub(crate) mod tests {
             panic!("{:?}", state.next())
         };
         assert!(reason.contains("6 of 6 steps"), "{reason}");
-        assert_eq!(arguments, json!({"maxSteps": 12}), "its original size again");
+        assert_eq!(
+            arguments,
+            json!({"maxSteps": 12}),
+            "its original size again"
+        );
         // The question waits; no call of the reply is intended meanwhile.
         log.push(budget_question(1, arguments));
         let state = RunState::replay(log.clone());
         assert_eq!(state.next(), Next::AwaitApproval { request_seq: 6 });
         assert_eq!(state.pending_approval().map(|(seq, _)| seq), Some(6));
         // Raised by 5 through an edit: the reply goes on up to 11.
-        log.push(budget_decided(6, Verdict::Edit, Some(json!({"maxSteps": 11}))));
+        log.push(budget_decided(
+            6,
+            Verdict::Edit,
+            Some(json!({"maxSteps": 11})),
+        ));
         let state = RunState::replay(log.clone());
         assert_eq!(state.budgets().and_then(|b| b.max_steps), Some(11));
-        assert!(matches!(state.next(), Next::RecordIntent { call_index: 2, .. }));
+        assert!(matches!(
+            state.next(),
+            Next::RecordIntent { call_index: 2, .. }
+        ));
     }
 
     #[test]
@@ -1283,7 +1297,11 @@ pub(crate) mod tests {
     fn a_raise_holds_across_compaction_and_a_resume_from_a_checkpoint() {
         let mut log = asking(6);
         log.push(budget_question(1, json!({"maxSteps": 12})));
-        log.push(budget_decided(6, Verdict::Approve, Some(json!({"maxSteps": 12}))));
+        log.push(budget_decided(
+            6,
+            Verdict::Approve,
+            Some(json!({"maxSteps": 12})),
+        ));
         // The reply goes on; then a new reply, so the window moves past the raise.
         let mc = log.len() as u64;
         log.push(model_call(&[("lookup", json!({"id": 9}))]));

@@ -412,7 +412,11 @@ impl Runner {
 
     /// A budget is used up and the agent asks: records the question for
     /// the budget's approvers and exits (the controller raises the Approval).
-    async fn ask_budget(&mut self, reason: &str, arguments: serde_json::Value) -> anyhow::Result<Flow> {
+    async fn ask_budget(
+        &mut self,
+        reason: &str,
+        arguments: serde_json::Value,
+    ) -> anyhow::Result<Flow> {
         let snap = self.snapshot()?;
         let Some(gate) = crate::policy::budget_gate(&snap.agent) else {
             bail!("budgets.onExhausted is Ask but the agent names no budget approvers");
