@@ -6,7 +6,7 @@
 //! | `agentrun_steps_total` | counter | `kind` | step-log records the controller observes appended (each once) |
 //! | `agentrun_step_duration_seconds` | histogram | `outcome` | step Jobs, start to completion or failure |
 //! | `agentrun_approval_wait_seconds` | histogram | `verdict` | approval raised to decided ([`Metrics::observe_approval_wait`]) |
-//! | `agentrun_approval_webhooks_total` | counter | `outcome` | approval webhook deliveries: `sent`, `failed`, `refused` (egress policy), `dropped` (too many in flight) |
+//! | `agentrun_approval_webhooks_total` | counter | `outcome` | approval notifications, each counted once: `sent` (possibly after retries), `failed` (after its last attempt; a Warning Event `ApprovalNotificationFailed` on the run), `refused` (egress policy), `dropped` (too many in flight) |
 //! | `agentrun_model_tokens_total` | counter | `direction`, `model` | usage of observed `ModelCall`/`Summary` records |
 //! | `agentrun_model_cost_usd_total` | counter | `model` | same, cost |
 //! | `agentrun_model_attempts_total` | counter | `provider`, `outcome` | HTTP attempts of model calls, retries included, as the step recorded them in `ModelCall`/`Summary`/`Observation` records ([`crate::runlog::records::ModelAttempts`]) |
@@ -251,7 +251,7 @@ impl Metrics {
         );
         registry.register(
             "agentrun_approval_webhooks",
-            "Approval webhook deliveries, by outcome (sent, failed, refused, dropped)",
+            "Approval notifications, by outcome (sent, failed after retries, refused, dropped)",
             self.approval_webhooks.clone(),
         );
     }
