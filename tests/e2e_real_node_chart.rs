@@ -562,6 +562,38 @@ async fn the_log_api_serves_bound_readers_only(ns: &str, run: &str) {
     assert_eq!(seqs.len(), records.len(), "every record has its seq: {log}");
     assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
     refused("carol");
+
+    // The plugin, as alice, through the same API: every record, verified
+    // here with the chart's published keys; `log -f` of the finished run
+    // prints the same records and ends.
+    let within = Duration::from_secs(90);
+    for args in [vec!["log", run], vec!["log", "-f", run]] {
+        let out = common::log_api::plugin_as("alice", ns, &args, within).await;
+        assert!(
+            out.ok,
+            "kubectl agentrun {args:?} as alice:\n{}{}",
+            out.stdout, out.stderr
+        );
+        let printed: Vec<u64> = common::log_api::plugin_records(&out.stdout)
+            .iter()
+            .map(|l| l.seq)
+            .collect();
+        assert_eq!(printed, seqs, "{args:?}:\n{}", out.stdout);
+        assert!(!out.stdout.contains("NOT VERIFIED"), "{}", out.stdout);
+    }
+    let verify = common::log_api::plugin_as("alice", ns, &["verify", run], within).await;
+    assert!(
+        verify.ok && verify.stdout.contains("chain intact"),
+        "kubectl agentrun verify as alice:\n{}{}",
+        verify.stdout,
+        verify.stderr
+    );
+    let carol = common::log_api::plugin_as("carol", ns, &["log", run], within).await;
+    assert!(
+        !carol.ok && common::log_api::plugin_records(&carol.stdout).is_empty(),
+        "carol's log:\n{}",
+        carol.stdout
+    );
 }
 
 #[tokio::test]
