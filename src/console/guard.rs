@@ -118,7 +118,7 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
         );
     }
     if let Some(origin) = req.headers().get(header::ORIGIN)
-        && origin.as_bytes() != console.origin.as_bytes()
+        && !own_origin(&console, origin.as_bytes(), req.headers())
     {
         return refuse(
             &console,
@@ -212,6 +212,19 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
     }
     req.extensions_mut().insert(caller);
     next.run(req).await
+}
+
+/// Whether a request's `Origin` is the console's own. Under
+/// `Referrer-Policy: no-referrer` a browser sends `Origin: null` on the
+/// console's own form posts; that counts only with the browser's own word
+/// that the request came from this origin (`Sec-Fetch-Site: same-origin`,
+/// a header no page can set).
+fn own_origin(console: &Console, origin: &[u8], headers: &HeaderMap) -> bool {
+    origin == console.origin.as_bytes()
+        || (origin == b"null"
+            && headers
+                .get("sec-fetch-site")
+                .is_some_and(|v| v.as_bytes() == b"same-origin"))
 }
 
 /// The session secret in the URL becomes the session cookie (HttpOnly,

@@ -258,10 +258,17 @@ pub async fn serve_loopback(
         args.controller_namespace.clone(),
     )?;
     let url = format!("http://{host}/?session={session}");
-    println!("agentrun console: {url}");
-    println!(
-        "(acting as your kubeconfig user; the URL is your session: keep it to yourself; Ctrl-C stops)"
-    );
+    {
+        // Whoever reads the URL may stop reading: the console keeps serving.
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "agentrun console: {url}");
+        let _ = writeln!(
+            out,
+            "(acting as your kubeconfig user; the URL is your session: keep it to yourself; Ctrl-C stops)"
+        );
+        let _ = out.flush();
+    }
     if args.open {
         open_browser(&url);
     }

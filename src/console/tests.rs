@@ -226,6 +226,20 @@ async fn a_foreign_host_or_origin_is_refused() {
         .body(Body::empty())
         .unwrap();
     assert_eq!(send(&c, req).await.0, StatusCode::OK);
+    // `Origin: null` (a form post under no-referrer) only with the
+    // browser's word that it came from this origin.
+    let req = request("GET", "/")
+        .header(header::ORIGIN, "null")
+        .header("sec-fetch-site", "same-origin")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&c, req).await.0, StatusCode::OK);
+    let req = request("GET", "/")
+        .header(header::ORIGIN, "null")
+        .header("sec-fetch-site", "cross-site")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(send(&c, req).await.0, StatusCode::FORBIDDEN);
 }
 
 #[tokio::test]

@@ -1,0 +1,703 @@
+//! The approvers' web console end to end (DESIGN.md section 10), on the
+//! local control plane, in a real headless Chromium driven through
+//! WebDriver: alice approves from her inbox and follows a run live; bob
+//! edits an amount through the form built from the tool's schema; carol
+//! sees nothing she may do and a decision she forges is refused by the API
+//! server; a model's markup shows as text and runs nothing; requests
+//! without the session, from another Host or Origin, or writes without the
+//! anti-forgery token are refused; and the in-cluster mode acts with the
+//! forwarded token of a ServiceAccount. Screenshots of each page go to
+//! `$CARGO_TARGET_DIR/e2e-artifacts/console/`.
+
+mod common;
+
+#[path = "common/console.rs"]
+mod console;
+
+use std::time::Duration;
+
+use agentrun::api::{Approval, Phase};
+use common::approvals::{
+    decide, entry, gated_agent, grant_approver_role, pending_approval, refund,
+};
+use common::log_api::{self, LogApiWorld};
+use common::world::{World, finish};
+use console::{Chrome, ConsoleProcess, FormBody as _, csrf_of, http};
+use kube::api::{Api, PostParams};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+const PAGE: Duration = Duration::from_secs(30);
+
+async fn approval_named(w: &World, name: &str) -> Approval {
+    Api::<Approval>::namespaced(w.client.clone(), w.name())
+        .get(name)
+        .await
+        .unwrap()
+}
+
+/// The run's refund tool calls the tool stand-in received.
+async fn refunds(w: &World) -> Vec<Value> {
+    w.standins
+        .tool_requests(w.name())
+        .await
+        .into_iter()
+        .filter(|r| r["tool"] == "issue_refund")
+        .collect()
+}
+
+#[tokio::test]
+async fn alice_approves_from_her_inbox_and_follows_a_run_live() {
+    let api = LogApiWorld::start("console-alice").await;
+    let w = &api.world;
+    let ns = w.name().to_string();
+    grant_approver_role(w).await;
+    log_api::grant_reader(&w.client, &ns, "alice").await;
+    w.standins
+        .script(
+            "ok",
+            json!([refund(500), finish("refunded 500")]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "ok",
+        json!({"input": "Refund order 1042.", "agent": gated_agent(w, "ok", json!({}))}),
+        json!({}),
+    )
+    .await;
+    let approval = pending_approval(w, "ok").await;
+    let name = approval.metadata.name.clone().unwrap();
+
+    let console = ConsoleProcess::loopback("alice", &ns);
+    let chrome = Chrome::start().await;
+    let b = &chrome.browser;
+    b.goto(&console.session_url).await.unwrap();
+    let inbox = chrome.wait_text("Approvals waiting", PAGE).await;
+    assert_eq!(
+        b.current_url().await.unwrap().as_str(),
+        format!("{}/", console.base),
+        "the secret left the URL"
+    );
+    for shown in [
+        name.as_str(),
+        "issue_refund",
+        "large-refund",
+        "0 of 1",
+        "you may decide",
+    ] {
+        assert!(inbox.contains(shown), "the inbox shows {shown:?}:\n{inbox}");
+    }
+    chrome.screenshot("inbox").await;
+
+    chrome.click_link(&name).await;
+    let page = chrome.wait_text("Why the agent asks", PAGE).await;
+    for shown in [
+        "charged twice",
+        "orderId",
+        "\"1042\"",
+        "500",
+        "No decision yet.",
+        "group finance-approvers",
+    ] {
+        assert!(
+            page.contains(shown),
+            "the approval shows {shown:?}:\n{page}"
+        );
+    }
+    chrome.screenshot("approval").await;
+    chrome
+        .fill("Reason (optional)", "duplicate charge confirmed")
+        .await;
+    chrome.click_button("Approve").await;
+    let after = chrome.wait_text("Your approval was recorded.", PAGE).await;
+    assert!(after.contains("alice: Approve"), "{after}");
+
+    w.wait_phase("ok", Phase::Succeeded).await;
+    let decided = approval_named(w, &name).await;
+    assert_eq!(decided.spec.decisions.len(), 1);
+    let d = &decided.spec.decisions[0];
+    assert_eq!(d.approver, "alice");
+    assert_eq!(d.reason.as_deref(), Some("duplicate charge confirmed"));
+    assert_eq!(d.arguments_hash, approval.spec.arguments_hash);
+    let calls = refunds(w).await;
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0]["args"], json!({"orderId": "1042", "amount": 500}));
+
+    // The finished run's timeline, from the log API, verified.
+    b.goto(&format!("{}/runs/{ns}/ok", console.base))
+        .await
+        .unwrap();
+    let timeline = chrome.wait_text("Timeline", PAGE).await;
+    for shown in [
+        "Succeeded",
+        "RunStarted",
+        "ApprovalRequested",
+        "ApprovalDecided",
+        "alice Approve (duplicate charge confirmed)",
+        "ToolResult",
+        "RunFinished",
+        "tokens in",
+        "verified:",
+    ] {
+        assert!(
+            timeline.contains(shown),
+            "the timeline shows {shown:?}:\n{timeline}"
+        );
+    }
+    assert!(!timeline.contains("NOT VERIFIED"), "{timeline}");
+    chrome.screenshot("run-timeline").await;
+
+    // A run followed live: the page shows what happens after it opened.
+    w.standins
+        .script(
+            "follow",
+            json!([refund(700), finish("refunded 700")]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "follow",
+        json!({"input": "Refund order 1042.", "agent": gated_agent(w, "follow", json!({}))}),
+        json!({}),
+    )
+    .await;
+    let waiting = pending_approval(w, "follow").await;
+    b.goto(&format!("{}/runs/{ns}/follow", console.base))
+        .await
+        .unwrap();
+    let before = chrome.wait_text("Following this run live", PAGE).await;
+    assert!(
+        before.contains("ApprovalRequested") && !before.contains("RunFinished"),
+        "{before}"
+    );
+    decide(
+        w,
+        "bob",
+        waiting.metadata.name.as_deref().unwrap(),
+        entry("bob", "Approve", &waiting.spec.arguments_hash, "ok"),
+    )
+    .await
+    .expect("bob approves");
+    let live = chrome
+        .wait_text("RunFinished", Duration::from_secs(90))
+        .await;
+    assert!(live.contains("The run has finished."), "{live}");
+    assert!(
+        live.contains("verified:") && !live.contains("NOT VERIFIED"),
+        "{live}"
+    );
+    assert!(live.contains("bob Approve (ok)"), "{live}");
+    chrome.screenshot("run-followed-live").await;
+
+    b.goto(&format!("{}/runs", console.base)).await.unwrap();
+    let runs = chrome.wait_text("Runs", PAGE).await;
+    assert!(
+        runs.contains("follow") && runs.contains("Succeeded"),
+        "{runs}"
+    );
+    chrome.screenshot("runs").await;
+    chrome.browser.clone().close().await.ok();
+}
+
+#[tokio::test]
+async fn bob_edits_the_amount_and_carol_may_not_decide() {
+    let w = World::new("console-edit", &[]).await;
+    let ns = w.name().to_string();
+    grant_approver_role(&w).await;
+    w.standins
+        .script(
+            "edit",
+            json!([refund(500), finish("refunded 300")]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "edit",
+        json!({"input": "Refund order 1042.", "agent": gated_agent(&w, "edit", json!({}))}),
+        json!({}),
+    )
+    .await;
+    let approval = pending_approval(&w, "edit").await;
+    let name = approval.metadata.name.clone().unwrap();
+    let page_path = format!("/approvals/{ns}/{name}");
+
+    // carol: no group, not an approver. She sees it, and that she may not.
+    let carol = ConsoleProcess::loopback("carol", &ns);
+    let chrome = Chrome::start().await;
+    let b = &chrome.browser;
+    b.goto(&carol.session_url).await.unwrap();
+    let inbox = chrome.wait_text("Approvals waiting", PAGE).await;
+    assert!(
+        inbox.contains(&name) && inbox.contains("not an approver"),
+        "{inbox}"
+    );
+    chrome.click_link(&name).await;
+    let page = chrome.wait_text("Your decision", PAGE).await;
+    assert!(
+        page.contains("You cannot act here: not an approver."),
+        "{page}"
+    );
+    assert!(!chrome.has_button("Approve").await && !chrome.has_button("Reject").await);
+    chrome.screenshot("carol-approval").await;
+
+    // A decision she forges by hand, with her session and its token: the
+    // API server refuses it, and the page says so in words.
+    b.execute(
+        r#"const f = document.createElement("form");
+           f.method = "post"; f.action = location.pathname + "/decide";
+           const add = (n, v) => { const i = document.createElement("input"); i.type = "hidden"; i.name = n; i.value = v; f.appendChild(i); };
+           add("csrf", document.querySelector('meta[name="agentrun-csrf"]').content);
+           add("hash", arguments[0]); add("verdict", "Approve"); add("reason", "forged");
+           document.body.appendChild(f); f.submit();"#,
+        vec![json!(approval.spec.arguments_hash)],
+    )
+    .await
+    .unwrap();
+    let refused = chrome
+        .wait_text("the API server refused the decision", PAGE)
+        .await;
+    assert!(refused.contains("carol is not an approver"), "{refused}");
+    chrome.screenshot("carol-forged-decision").await;
+    // The same by plain HTTP: 403 and the API server's words.
+    let page = http()
+        .get(format!("{}{page_path}", carol.base))
+        .header("cookie", carol.cookie())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let res = http()
+        .post(format!("{}{page_path}/decide", carol.base))
+        .header("cookie", carol.cookie())
+        .form_pairs(&[
+            ("csrf", csrf_of(&page).as_str()),
+            ("hash", approval.spec.arguments_hash.as_str()),
+            ("verdict", "Approve"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN);
+    let body = res.text().await.unwrap();
+    assert!(body.contains("carol is not an approver"), "{body}");
+    assert!(approval_named(&w, &name).await.spec.decisions.is_empty());
+
+    // bob edits the amount through the form built from the tool's schema.
+    let bob = ConsoleProcess::loopback("bob", &ns);
+    b.goto(&bob.session_url).await.unwrap();
+    chrome.wait_text("Approvals waiting", PAGE).await;
+    chrome.click_link(&name).await;
+    chrome.wait_text("Edit the arguments", PAGE).await;
+    let amount = b
+        .find(fantoccini::Locator::Css("input[name='arg.amount']"))
+        .await
+        .unwrap();
+    assert_eq!(
+        amount.attr("type").await.unwrap().as_deref(),
+        Some("number")
+    );
+    assert!(amount.attr("required").await.unwrap().is_some());
+    chrome.fill("amount", "300").await;
+    chrome.fill("Reason for the change", "partial refund").await;
+    chrome.screenshot("edit-form").await;
+    chrome.click_button("Approve with these arguments").await;
+    let after = chrome.wait_text("Your edit was recorded.", PAGE).await;
+    assert!(
+        after.contains("bob's edit"),
+        "the edit beside the proposal: {after}"
+    );
+    chrome.screenshot("edited").await;
+
+    w.wait_phase("edit", Phase::Succeeded).await;
+    let calls = refunds(&w).await;
+    assert_eq!(calls.len(), 1, "the edited call, once: {calls:?}");
+    assert_eq!(calls[0]["args"], json!({"orderId": "1042", "amount": 300}));
+    let decided = approval_named(&w, &name).await;
+    let d = &decided.spec.decisions[0];
+    assert_eq!(
+        (d.approver.as_str(), d.reason.as_deref()),
+        ("bob", Some("partial refund"))
+    );
+    assert_eq!(d.arguments, Some(json!({"orderId": "1042", "amount": 300})));
+    chrome.browser.clone().close().await.ok();
+}
+
+#[tokio::test]
+async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
+    let w = World::new("console-xss", &[]).await;
+    let ns = w.name().to_string();
+    grant_approver_role(&w).await;
+    let text = "Refund now <img src=x onerror=\"document.title='pwned';window.pwned=1\"> \
+                </script><script>window.pwned=2</script> [see](javascript:window.pwned=3)";
+    let hostile = json!({"text": text, "toolCalls": [{"name": "issue_refund",
+        "arguments": {"orderId": "<img src=x onerror=window.pwned=4>", "amount": 500}}]});
+    w.standins
+        .script("xss", json!([hostile, finish("gave up")]), json!([]))
+        .await;
+    w.create_run(
+        "xss",
+        json!({"input": "Refund order 1042.", "agent": gated_agent(&w, "xss", json!({}))}),
+        json!({}),
+    )
+    .await;
+    let approval = pending_approval(&w, "xss").await;
+    let name = approval.metadata.name.clone().unwrap();
+    let page_path = format!("/approvals/{ns}/{name}");
+    let console = ConsoleProcess::loopback("alice", &ns);
+
+    let chrome = Chrome::start().await;
+    let b = &chrome.browser;
+    b.goto(&console.session_url).await.unwrap();
+    chrome.wait_text("Approvals waiting", PAGE).await;
+    chrome.click_link(&name).await;
+    let page = chrome.wait_text("Why the agent asks", PAGE).await;
+    for shown in [
+        "<img src=x onerror=\"document.title='pwned';window.pwned=1\">",
+        "</script><script>window.pwned=2</script>",
+        "[see](javascript:window.pwned=3)",
+        "<img src=x onerror=window.pwned=4>",
+    ] {
+        assert!(page.contains(shown), "shown as text: {shown:?}\n{page}");
+    }
+    let state = b
+        .execute(
+            "return [document.title, typeof window.pwned, \
+             document.querySelectorAll('img').length, \
+             document.querySelectorAll('a[href^=\"javascript\"], [href*=\"javascript:\"]').length, \
+             document.scripts.length];",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        state,
+        json!([format!("{name} · agentrun console"), "undefined", 0, 0, 1]),
+        "nothing the model wrote ran or became an element"
+    );
+    chrome.screenshot("xss").await;
+    // A reject needs a reason: the browser keeps the form until one is given.
+    chrome.click_button("Reject").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(approval_named(&w, &name).await.spec.decisions.is_empty());
+    chrome
+        .fill(
+            "Reason (required, goes back to the agent)",
+            "not with that order id",
+        )
+        .await;
+    chrome.click_button("Reject").await;
+    chrome.wait_text("Your rejection was recorded.", PAGE).await;
+    w.wait_phase("xss", Phase::Succeeded).await;
+    assert!(refunds(&w).await.is_empty(), "a rejected call never runs");
+    chrome.browser.clone().close().await.ok();
+
+    // Plain HTTP: the session secret, the Host, the Origin, the token.
+    let c = http();
+    let res = c.get(format!("{}/", console.base)).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN, "no session");
+    let res = c
+        .get(format!("{}/?session=guess", console.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN, "a wrong session");
+    let res = c.get(&console.session_url).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::SEE_OTHER);
+    let set = res.headers()["set-cookie"].to_str().unwrap().to_string();
+    assert!(
+        set.contains("HttpOnly") && set.contains("SameSite=Strict"),
+        "{set}"
+    );
+    let res = c
+        .get(format!("{}/", console.base))
+        .header("cookie", console.cookie())
+        .header(
+            "host",
+            format!(
+                "evil.example:{}",
+                console.host().rsplit(':').next().unwrap()
+            ),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::FORBIDDEN,
+        "a foreign Host (DNS rebinding)"
+    );
+    let res = c
+        .get(format!("{}/", console.base))
+        .header("cookie", console.cookie())
+        .header("origin", "http://evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::FORBIDDEN, "a foreign Origin");
+    let res = c
+        .get(format!("{}{page_path}", console.base))
+        .header("cookie", console.cookie())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert!(
+        res.headers()["content-security-policy"]
+            .to_str()
+            .unwrap()
+            .contains("script-src 'self'")
+    );
+    let token = csrf_of(&res.text().await.unwrap());
+    let write = |form: Vec<(&'static str, String)>, origin: Option<&'static str>| {
+        let mut r = c
+            .post(format!("{}{page_path}/decide", console.base))
+            .header("cookie", console.cookie())
+            .form_pairs(&form);
+        if let Some(o) = origin {
+            r = r.header("origin", o);
+        }
+        r.send()
+    };
+    let hash = approval.spec.arguments_hash.clone();
+    let res = write(
+        vec![("verdict", "Approve".into()), ("hash", hash.clone())],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::FORBIDDEN,
+        "a write without the token"
+    );
+    assert!(res.text().await.unwrap().contains("anti-forgery token"));
+    let res = write(
+        vec![
+            ("verdict", "Approve".into()),
+            ("hash", hash.clone()),
+            ("csrf", "0".repeat(64)),
+        ],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::FORBIDDEN,
+        "a write with a made-up token"
+    );
+    let res = write(
+        vec![
+            ("verdict", "Approve".into()),
+            ("hash", hash.clone()),
+            ("csrf", token.clone()),
+        ],
+        Some("http://evil.example"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::FORBIDDEN,
+        "a write from another origin"
+    );
+    assert_eq!(
+        approval_named(&w, &name).await.spec.decisions.len(),
+        1,
+        "only alice's rejection"
+    );
+}
+
+/// The API server's URL and a file with its CA, from the admin kubeconfig.
+async fn api_server_and_ca(dir: &std::path::Path) -> (String, std::path::PathBuf) {
+    use base64::Engine as _;
+    let kc = kube::config::Kubeconfig::read().expect("KUBECONFIG");
+    let context = (!common::existing_cluster()).then(|| "admin".to_string());
+    let config = kube::Config::from_custom_kubeconfig(
+        kc,
+        &kube::config::KubeConfigOptions {
+            context,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut pem = String::new();
+    for der in config.root_cert.clone().unwrap_or_default() {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in b64.as_bytes().chunks(64) {
+            pem.push_str(std::str::from_utf8(line).unwrap());
+            pem.push('\n');
+        }
+        pem.push_str("-----END CERTIFICATE-----\n");
+    }
+    let path = dir.join("ca.crt");
+    std::fs::write(&path, pem).unwrap();
+    (
+        config
+            .cluster_url
+            .to_string()
+            .trim_end_matches('/')
+            .to_string(),
+        path,
+    )
+}
+
+#[tokio::test]
+async fn in_the_cluster_it_acts_with_the_forwarded_token() {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::RoleBinding;
+    let w = World::new("console-incluster", &[]).await;
+    let ns = w.name().to_string();
+    let sa_name = "approver-bot";
+    let sa_user = format!("system:serviceaccount:{ns}:{sa_name}");
+    let sas: Api<ServiceAccount> = Api::namespaced(w.client.clone(), &ns);
+    sas.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": sa_name}})).unwrap(),
+    )
+    .await
+    .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "approver-bot"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "agentrun-approver"},
+        "subjects": [{"kind": "ServiceAccount", "name": sa_name, "namespace": ns}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(w.client.clone(), &ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let token = sas
+        .create_token_request(
+            sa_name,
+            &PostParams::default(),
+            &serde_json::from_value::<TokenRequest>(
+                json!({"spec": {"audiences": [], "expirationSeconds": 3600}}),
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token;
+    w.standins
+        .script(
+            "bot",
+            json!([refund(500), finish("refunded 500")]),
+            json!([]),
+        )
+        .await;
+    let agent = gated_agent(&w, "bot", json!({"approvers": {"users": [sa_user]}}));
+    w.create_run(
+        "bot",
+        json!({"input": "Refund order 1042.", "agent": agent}),
+        json!({}),
+    )
+    .await;
+    let approval = pending_approval(&w, "bot").await;
+    let name = approval.metadata.name.clone().unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let (api_server, ca) = api_server_and_ca(dir.path()).await;
+    let console = ConsoleProcess::in_cluster(&api_server, &ca, &ns);
+    let c = http();
+    let res = c.get(format!("{}/", console.base)).send().await.unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED, "no forwarded token");
+    let body = res.text().await.unwrap();
+    assert!(body.contains("no forwarded credential"), "{body}");
+
+    let res = c
+        .get(format!("{}/", console.base))
+        .header("x-forwarded-access-token", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let inbox = res.text().await.unwrap();
+    assert!(
+        inbox.contains(&name) && inbox.contains("you may decide"),
+        "{inbox}"
+    );
+    assert!(
+        inbox.contains(&sa_user),
+        "signed in as the service account: {inbox}"
+    );
+    assert!(
+        inbox.contains(&format!("namespaces {ns}")),
+        "listed where it may: {inbox}"
+    );
+
+    let page_path = format!("/approvals/{ns}/{name}");
+    let page = c
+        .get(format!("{}{page_path}", console.base))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let csrf = csrf_of(&page);
+    let hash = approval.spec.arguments_hash.as_str();
+    let res = c
+        .post(format!("{}{page_path}/decide", console.base))
+        .bearer_auth(&token)
+        .form_pairs(&[
+            ("csrf", "0".repeat(64).as_str()),
+            ("hash", hash),
+            ("verdict", "Approve"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::FORBIDDEN,
+        "a write without its token's anti-forgery token"
+    );
+    let res = c
+        .post(format!("{}{page_path}/decide", console.base))
+        .form_pairs(&[
+            ("csrf", csrf.as_str()),
+            ("hash", hash),
+            ("verdict", "Approve"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::UNAUTHORIZED,
+        "a write with no forwarded token"
+    );
+    let res = c
+        .post(format!("{}{page_path}/decide", console.base))
+        .bearer_auth(&token)
+        .header("origin", &console.base)
+        .form_pairs(&[
+            ("csrf", csrf.as_str()),
+            ("hash", hash),
+            ("verdict", "Approve"),
+            ("reason", "bot says yes"),
+        ])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        res.status(),
+        StatusCode::SEE_OTHER,
+        "{}",
+        res.text().await.unwrap_or_default()
+    );
+    w.wait_phase("bot", Phase::Succeeded).await;
+    let decided = approval_named(&w, &name).await;
+    assert_eq!(decided.spec.decisions.len(), 1);
+    assert_eq!(decided.spec.decisions[0].approver, sa_user);
+}
