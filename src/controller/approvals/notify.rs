@@ -398,7 +398,8 @@ impl Message {
                          someone must confirm whether it happened."
                     ),
                     ApprovalKind::Budget => format!(
-                        "Run {name} in {namespace} used up its {tool} budget and asks to go on."
+                        "Run {name} in {namespace} used up a budget and asks to go on \
+                         with the limits shown."
                     ),
                     ApprovalKind::Call => {
                         format!("Run {name} in {namespace} waits for approval to call {tool}.")
