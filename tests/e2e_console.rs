@@ -701,3 +701,97 @@ async fn in_the_cluster_it_acts_with_the_forwarded_token() {
     assert_eq!(decided.spec.decisions.len(), 1);
     assert_eq!(decided.spec.decisions[0].approver, sa_user);
 }
+
+/// `helm template` of the chart with `values` (plus what any render needs).
+fn chart(values: Value) -> Result<Vec<Value>, String> {
+    let mut base = json!({
+        "store": {"existingSecret": "store"},
+        "controller": {"stepTokenKey": {"existingSecret": "key"}},
+        "servingCert": {"mode": "controller"}
+    });
+    if let (Some(b), Some(v)) = (base.as_object_mut(), values.as_object()) {
+        b.extend(v.clone());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("values.json");
+    std::fs::write(&file, base.to_string()).unwrap();
+    let (ok, out, err) = common::scripts::helm_run(&[
+        "template",
+        "r",
+        "charts/agentrun",
+        "--namespace",
+        "agentrun-system",
+        "--values",
+        file.to_str().unwrap(),
+    ]);
+    if !ok {
+        return Err(err);
+    }
+    Ok(out
+        .split("\n---")
+        .filter_map(|d| serde_yaml::from_str::<Value>(d).ok())
+        .filter(|v| v.is_object())
+        .collect())
+}
+
+#[test]
+fn the_chart_runs_the_console_only_when_asked_and_gives_it_no_credential() {
+    let default = chart(json!({})).unwrap();
+    assert!(
+        !default
+            .iter()
+            .any(|o| o["metadata"]["name"] == "r-agentrun-console"),
+        "off by default"
+    );
+    let err = chart(json!({"console": {"enabled": true}})).unwrap_err();
+    assert!(err.contains("set console.url"), "{err}");
+    let objs = chart(
+        json!({"console": {"enabled": true, "url": "https://agentrun.example.com",
+                                         "namespaces": ["shop"]}}),
+    )
+    .unwrap();
+    let find = |kind: &str| {
+        objs.iter()
+            .find(|o| o["kind"] == kind && o["metadata"]["name"] == "r-agentrun-console")
+            .unwrap_or_else(|| panic!("no {kind} r-agentrun-console"))
+    };
+    let pod = &find("Deployment")["spec"]["template"]["spec"];
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    assert_eq!(
+        find("ServiceAccount")["automountServiceAccountToken"],
+        false
+    );
+    let args: Vec<&str> = pod["containers"][0]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(
+        args,
+        [
+            "console",
+            "--listen=0.0.0.0:8080",
+            "--public-url=https://agentrun.example.com",
+            "--ca-file=/etc/agentrun/kube-ca/ca.crt",
+            "--controller-namespace=agentrun-system",
+            "--namespace=shop"
+        ]
+    );
+    assert_eq!(pod["volumes"][0]["configMap"]["name"], "kube-root-ca.crt");
+    assert_eq!(find("Service")["spec"]["ports"][0]["targetPort"], "http");
+    // No role of its own: nothing binds the console's ServiceAccount.
+    for binding in objs
+        .iter()
+        .filter(|o| o["kind"] == "RoleBinding" || o["kind"] == "ClusterRoleBinding")
+    {
+        let subjects = binding["subjects"].to_string();
+        assert!(!subjects.contains("r-agentrun-console"), "{binding}");
+    }
+    let err = chart(json!({"console": {"enabled": true, "url": "https://a.example", "prot": 1}}))
+        .unwrap_err();
+    assert!(
+        err.contains("prot"),
+        "the schema refuses unknown keys: {err}"
+    );
+}

@@ -652,23 +652,46 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
             r.usage.cost_micros as f64 / 1e6
         ));
     }
-    let v = &r.versions;
-    if matches!(step, Some(Step::RunStarted(_) | Step::VersionChanged(_))) {
-        what.push_str(&format!(
-            " — prompt {} model {}",
-            v.prompt_version.as_deref().unwrap_or("?"),
-            v.model_id.as_deref().unwrap_or("?")
-        ));
+    match &step {
+        Some(Step::RunStarted(st)) => {
+            what = format!(
+                "started on prompt {} ({}), model {}, tool schema {}",
+                st.versions.prompt_version,
+                short(&st.versions.prompt_hash),
+                st.versions.model,
+                short(&st.versions.tool_schema_hash)
+            )
+        }
+        Some(Step::VersionChanged(vc)) => {
+            what = format!(
+                "version changed: prompt {} → {}, model {} → {}, tool schema {} → {}",
+                vc.from.prompt_version,
+                vc.to.prompt_version,
+                vc.from.model,
+                vc.to.model,
+                short(&vc.from.tool_schema_hash),
+                short(&vc.to.tool_schema_hash)
+            )
+        }
+        _ => {}
     }
     Entry {
         seq: r.seq,
         kind: r.kind.as_str().to_string(),
-        time: r.created_at.map(|t| t.to_rfc3339()).unwrap_or_default(),
+        time: r
+            .created_at
+            .map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string())
+            .unwrap_or_default(),
         worker: format!("{}#{}", r.worker.pod, r.worker.attempt),
         what: crate::text::excerpt(&what, 400),
         detail: serde_json::to_string_pretty(&r.payload).unwrap_or_default(),
         marked,
     }
+}
+
+/// The first 12 characters of a hash.
+fn short(h: &str) -> String {
+    h.chars().take(12).collect()
 }
 
 /// The timeline of a run: its records and the verdict in words.
