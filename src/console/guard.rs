@@ -257,21 +257,27 @@ fn open_session(console: &Console, session: &str, sent: &str, path: &str) -> Res
     res
 }
 
-/// The person's forwarded token: `X-Forwarded-Access-Token` (oauth2-proxy's
-/// `--pass-access-token`) or `Authorization: Bearer`.
+/// The person's forwarded token: `Authorization: Bearer` (oauth2-proxy's
+/// `--pass-authorization-header`: the OIDC ID token the API server
+/// authenticates), else `X-Forwarded-Access-Token` (`--pass-access-token`,
+/// for providers whose access tokens the API server accepts).
 pub fn bearer(headers: &HeaderMap) -> Option<String> {
-    if let Some(t) = headers
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|a| a.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim())
+        .filter(|t| !t.is_empty());
+    if let Some(t) = auth {
+        return Some(t.to_string());
+    }
+    headers
         .get("x-forwarded-access-token")
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|t| !t.is_empty())
-    {
-        return Some(t.to_string());
-    }
-    let auth = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = auth.split_once(' ')?;
-    let token = token.trim();
-    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then(|| token.to_string())
+        .map(str::to_string)
 }
 
 /// The value of cookie `name`.

@@ -497,7 +497,15 @@ async fn in_the_cluster_a_request_without_a_forwarded_token_is_refused() {
     let mut h = axum::http::HeaderMap::new();
     h.insert(header::AUTHORIZATION, "Bearer tok-2".parse().unwrap());
     assert_eq!(guard::bearer(&h).as_deref(), Some("tok-2"));
+    h.insert("x-forwarded-access-token", "tok-3".parse().unwrap());
+    assert_eq!(
+        guard::bearer(&h).as_deref(),
+        Some("tok-2"),
+        "the ID token first"
+    );
     h.insert(header::AUTHORIZATION, "Basic dXNlcg==".parse().unwrap());
+    assert_eq!(guard::bearer(&h).as_deref(), Some("tok-3"));
+    h.remove("x-forwarded-access-token");
     assert_eq!(guard::bearer(&h), None);
     // The anti-forgery token is bound to the person's token.
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"k");
