@@ -216,7 +216,8 @@ fn full_values() -> Value {
         "crds": {"stampRequester": "webhook"},
         "servingCert": {"mode": "certManager",
                         "certManager": {"issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}, "duration": "720h"}},
-        "logApi": {"readerRole": {"name": "runs-log-reader"}}
+        "logApi": {"readerRole": {"name": "runs-log-reader"}},
+        "console": {"url": "https://agentrun.example.com"}
     })
 }
 
@@ -248,6 +249,10 @@ fn default_rendering_is_a_least_privilege_two_replica_controller() {
     assert!(
         !has_env(c, "OTEL_EXPORTER_OTLP_ENDPOINT"),
         "traces are off by default"
+    );
+    assert!(
+        !has_env(c, "AGENTRUN_CONSOLE_URL"),
+        "approval notifications link nowhere by default"
     );
     assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
     assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
@@ -761,6 +766,10 @@ fn non_default_rendering_switches_on_every_option() {
         "true"
     );
     assert_eq!(env_of(c, "AGENTRUN_LOG_FORMAT")["value"], "text");
+    assert_eq!(
+        env_of(c, "AGENTRUN_CONSOLE_URL")["value"],
+        "https://agentrun.example.com"
+    );
     let args = c["args"].as_array().unwrap();
     assert!(args.contains(&json!("--lease-name=x")));
     assert!(args.contains(&json!("--step-service-account=steps")));
@@ -1118,6 +1127,14 @@ fn the_values_schema_and_the_chart_refuse_wrong_values() {
             "pullPolicy",
         ),
         (json!({"store": {"url": "mysql://db/x"}}), "url"),
+        (
+            json!({"store": store, "console": {"url": "https://user:pw@console.example.com"}}),
+            "url",
+        ),
+        (
+            json!({"store": store, "console": {"url": "javascript:alert(1)"}}),
+            "url",
+        ),
         (
             json!({"store": store, "watchNamespace": "Not_A_Namespace"}),
             "watchNamespace",
