@@ -182,7 +182,10 @@ async fn alice_approves_from_her_inbox_and_follows_a_run_live() {
     let live = chrome
         .wait_text("RunFinished", Duration::from_secs(90))
         .await;
-    assert!(live.contains("The run has finished."), "{live}");
+    assert!(live.contains("ToolResult"), "{live}");
+    // Then the page as it now stands: the approval decided, nothing followed.
+    let live = chrome.wait_text("Approved — bob (Approve)", PAGE).await;
+    assert!(!live.contains("Following this run live"), "{live}");
     assert!(
         live.contains("verified:") && !live.contains("NOT VERIFIED"),
         "{live}"

@@ -74,6 +74,8 @@ impl ConsoleProcess {
         let port = free_port();
         let base = format!("http://127.0.0.1:{port}");
         let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
+            // No kubeconfig to fall back on: only the forwarded tokens.
+            .env_remove("KUBECONFIG")
             .args(["console", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--public-url", &base, "--api-server", api_server])
             .args(["--ca-file", ca_file.to_str().unwrap()])

@@ -68,9 +68,14 @@
             verification.textContent = data.verdict;
             verification.className = data.verified ? "verified" : "not-verified";
           }
-          if (phase && data.phase) phase.textContent = data.phase;
+          if (phase && data.phase) {
+            phase.textContent = data.phase;
+            phase.className = "state state-" + data.phase.toLowerCase();
+          }
           if (data.finished) {
+            // The whole page as it now stands (status, approvals, verdict).
             if (live) live.textContent = "The run has finished.";
+            setTimeout(function () { location.reload(); }, 1000);
             return;
           }
           setTimeout(poll, 1500);
