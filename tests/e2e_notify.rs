@@ -54,11 +54,13 @@ impl Receiver {
     }
 }
 
-/// The run's agent: the gated refund, its approvals told to `hook` in Slack's format.
+/// The run's agent: the gated refund, its approvals told to `hook` in
+/// Slack's format (Teams' for the run `teams`).
 fn agent(w: &World, script: &str, hook: &str) -> Value {
     let mut agent = gated_agent(w, script, json!({}));
     agent["approval"]["notifyWebhook"] = json!(hook);
-    agent["approval"]["notifyFormat"] = json!("Slack");
+    let format = if script == "teams" { "Teams" } else { "Slack" };
+    agent["approval"]["notifyFormat"] = json!(format);
     agent
 }
 
@@ -85,7 +87,13 @@ async fn approvals_reach_slack_with_the_console_link_after_retries_or_as_a_warni
     let ok = Receiver::start(vec![200]).await;
     let flaky = Receiver::start(vec![500, 200]).await;
     let down = Receiver::start(vec![500]).await;
-    for (run, hook) in [("ok", &ok), ("flaky", &flaky), ("down", &down)] {
+    let teams = Receiver::start(vec![200]).await;
+    for (run, hook) in [
+        ("ok", &ok),
+        ("flaky", &flaky),
+        ("down", &down),
+        ("teams", &teams),
+    ] {
         w.standins
             .script(run, json!([refund(500), finish("refunded 500")]), json!([]))
             .await;
@@ -130,6 +138,40 @@ async fn approvals_reach_slack_with_the_console_link_after_retries_or_as_a_warni
     assert!(
         !body.to_string().contains(&ok.url),
         "no webhook URL in the message"
+    );
+
+    // Teams gets an Adaptive Card with the same facts and the console link.
+    let card_for = pending_approval(&w, "teams").await.metadata.name.unwrap();
+    let body = common::wait_for("the Teams message", TIMEOUT, || async {
+        teams.bodies().first().cloned().ok_or("nothing yet")
+    })
+    .await;
+    assert_eq!(body["type"], "message", "{body}");
+    let attachment = &body["attachments"][0];
+    assert_eq!(
+        attachment["contentType"],
+        "application/vnd.microsoft.card.adaptive"
+    );
+    let card = &attachment["content"];
+    assert_eq!(card["type"], "AdaptiveCard");
+    assert_eq!(card["version"], "1.4");
+    assert_eq!(
+        card["actions"][0],
+        json!({"type": "Action.OpenUrl", "title": "Open in the console",
+               "url": format!("{CONSOLE}/approvals/{}/{card_for}", w.name())})
+    );
+    let facts = card["body"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "FactSet")
+        .expect("a FactSet");
+    assert!(
+        facts["facts"]
+            .as_array()
+            .unwrap()
+            .contains(&json!({"title": "Run", "value": "teams"})),
+        "{facts}"
     );
 
     // 500, then 200: the same message again, and no warning.
