@@ -40,6 +40,17 @@ fn hostile_approval() -> Value {
     })
 }
 
+fn budget_approval() -> Value {
+    let mut a = hostile_approval();
+    a["metadata"]["name"] = json!("r-a9-12345678");
+    a["spec"]["kind"] = json!("Budget");
+    a["spec"]["tool"] = json!(crate::api::BUDGET_TOOL);
+    a["spec"]["arguments"] = json!({"maxSteps": 40});
+    a["spec"]["decisions"] = json!([]);
+    a["spec"]["separationOfDuties"] = json!(false);
+    a
+}
+
 fn run() -> Value {
     json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
@@ -83,6 +94,10 @@ fn api_server() -> Router {
                         "message": "ValidatingAdmissionPolicy 'agentrun-approval-decisions' denied request: <b>alice</b> is not an approver"})),
                 )
             }),
+        )
+        .route(
+            "/apis/agentrun.dev/v1alpha1/namespaces/shop/approvals/r-a9-12345678",
+            get(|| async { axum::Json(budget_approval()) }),
         )
         .route(
             "/apis/agentrun.dev/v1alpha1/namespaces/shop/agentruns/r",
@@ -512,4 +527,37 @@ async fn in_the_cluster_a_request_without_a_forwarded_token_is_refused() {
     let t = csrf_token(&key, "tok-1");
     assert!(guard::csrf_ok(&key, "tok-1", &t));
     assert!(!guard::csrf_ok(&key, "tok-2", &t));
+}
+
+#[tokio::test]
+async fn a_budget_question_offers_the_budget_limits_as_its_form() {
+    let c = console();
+    let (s, b) = get_page(&c, "/approvals/shop/r-a9-12345678").await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    assert!(b.contains("Budget exhausted: may run"), "{b}");
+    assert!(b.contains("Go on with other limits"), "{b}");
+    assert!(
+        b.contains("name=\"arg.maxSteps\" type=\"number\" step=\"1\" value=\"40\""),
+        "{b}"
+    );
+    assert!(
+        b.contains("name=\"arg.maxCostUSD\" type=\"number\" step=\"any\""),
+        "{b}"
+    );
+    let token = csrf_token(&c.key, SESSION);
+    let hash = "a".repeat(64);
+    let req = request("POST", "/approvals/shop/r-a9-12345678/decide")
+        .body(form(&[
+            ("verdict", "Edit"),
+            ("hash", &hash),
+            ("csrf", &token),
+            ("arg.maxSteps", "0"),
+        ]))
+        .unwrap();
+    let (s, _, b) = send(&c, req).await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{b}");
+    assert!(
+        b.contains("maxSteps: 0 is less than the minimum of 1"),
+        "{b}"
+    );
 }
