@@ -1169,16 +1169,18 @@ pub(crate) mod tests {
 
     /// A run whose agent asks when its `max` steps are used up.
     fn asking(max: u64) -> Vec<Step> {
-        let mut agent = AgentTemplate::default();
-        agent.budgets = Some(v1::Budgets {
-            max_steps: Some(max),
-            on_exhausted: Some(v1::OnExhausted::Ask),
-            approvers: Some(v1::Approvers {
-                users: vec!["alice".into()],
-                groups: vec![],
+        let agent = AgentTemplate {
+            budgets: Some(v1::Budgets {
+                max_steps: Some(max),
+                on_exhausted: Some(v1::OnExhausted::Ask),
+                approvers: Some(v1::Approvers {
+                    users: vec!["alice".into()],
+                    groups: vec![],
+                }),
+                ..Default::default()
             }),
             ..Default::default()
-        });
+        };
         let Step::RunStarted(mut s) = started().steps.remove(0) else {
             unreachable!()
         };
