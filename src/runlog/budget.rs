@@ -40,7 +40,9 @@ impl Limits {
             return Err("arguments: must be an object of limits".into());
         };
         if map.is_empty() {
-            return Err("arguments: give at least one limit (maxSteps, maxTokens or maxCostUSD)".into());
+            return Err(
+                "arguments: give at least one limit (maxSteps, maxTokens or maxCostUSD)".into(),
+            );
         }
         let mut limits = Limits::default();
         for (key, value) in map {
