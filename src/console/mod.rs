@@ -238,6 +238,13 @@ pub async fn serve_loopback(
     namespace: String,
     args: LoopbackArgs,
 ) -> anyhow::Result<()> {
+    if !args.address.is_loopback() {
+        eprintln!(
+            "warning: --address {} is not a loopback address: anyone who can reach it and learns \
+             the URL acts as you",
+            args.address
+        );
+    }
     let listener = tokio::net::TcpListener::bind((args.address, args.port))
         .await
         .with_context(|| format!("listening on {}:{}", args.address, args.port))?;

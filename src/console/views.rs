@@ -89,14 +89,18 @@ where
                     Err(e) => problems.push(kube_words(&format!("listing {plural} in {ns}"), &e)),
                 }
             }
-            (
-                items,
+            let scope = if namespaces.is_empty() {
+                format!(
+                    "no namespace: you may not list {plural} across all namespaces, and the \
+                     console was given no namespace to look in"
+                )
+            } else {
                 format!(
                     "namespaces {} (you may not list {plural} across all namespaces)",
                     namespaces.join(", ")
-                ),
-                problems,
-            )
+                )
+            };
+            (items, scope, problems)
         }
         Err(e) => (
             vec![],
