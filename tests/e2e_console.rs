@@ -237,10 +237,7 @@ async fn bob_edits_the_amount_and_carol_may_not_decide() {
     );
     chrome.click_link(&name).await;
     let page = chrome.wait_text("Your decision", PAGE).await;
-    assert!(
-        page.contains("You cannot act here: not an approver."),
-        "{page}"
-    );
+    assert!(page.contains("Your decision\nNot an approver."), "{page}");
     assert!(!chrome.has_button("Approve").await && !chrome.has_button("Reject").await);
     chrome.screenshot("carol-approval").await;
 
@@ -797,4 +794,76 @@ fn the_chart_runs_the_console_only_when_asked_and_gives_it_no_credential() {
         err.contains("prot"),
         "the schema refuses unknown keys: {err}"
     );
+}
+
+#[tokio::test]
+async fn the_requester_sees_she_may_not_decide_her_own_run() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let w = World::new("console-sod", &[]).await;
+    let ns = w.name().to_string();
+    grant_approver_role(&w).await;
+    // alice may start runs here; under separation of duties not decide them.
+    let role: Role = serde_json::from_value(json!({"metadata": {"name": "alice-runs"},
+        "rules": [{"apiGroups": ["agentrun.dev"], "resources": ["agentruns"], "verbs": ["create", "get"]}]}))
+    .unwrap();
+    Api::<Role>::namespaced(w.client.clone(), &ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({"metadata": {"name": "alice-runs"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "alice-runs"},
+        "subjects": [{"kind": "User", "name": "alice", "apiGroup": "rbac.authorization.k8s.io"}]}))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(w.client.clone(), &ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    w.standins
+        .script(
+            "sod",
+            json!([refund(900), finish("refunded 900")]),
+            json!([]),
+        )
+        .await;
+    let mut agent = gated_agent(&w, "sod", json!({}));
+    agent["approval"]["separationOfDuties"] = json!(true);
+    let run: agentrun::api::AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "sod", "annotations": {"agentrun.dev/requester": "alice"}},
+        "spec": {"input": "Refund 900.", "agent": agent}
+    }))
+    .unwrap();
+    let as_alice: Api<agentrun::api::AgentRun> =
+        Api::namespaced(common::client_as("alice").await, &ns);
+    common::wait_for(
+        "alice to start the run",
+        Duration::from_secs(30),
+        || async { as_alice.create(&PostParams::default(), &run).await },
+    )
+    .await;
+    let approval = pending_approval(&w, "sod").await;
+    let name = approval.metadata.name.clone().unwrap();
+    assert_eq!(approval.spec.requester.as_deref(), Some("alice"));
+
+    let console = ConsoleProcess::loopback("alice", &ns);
+    let chrome = Chrome::start().await;
+    chrome.browser.goto(&console.session_url).await.unwrap();
+    let inbox = chrome.wait_text("Approvals waiting", PAGE).await;
+    assert!(
+        inbox.contains("you may not decide: separation of duties"),
+        "{inbox}"
+    );
+    chrome.click_link(&name).await;
+    let page = chrome.wait_text("Your decision", PAGE).await;
+    assert!(
+        page.contains("You may not decide: separation of duties (you requested this run)."),
+        "{page}"
+    );
+    assert!(
+        page.contains("alice (separation of duties: may not decide)"),
+        "{page}"
+    );
+    assert!(!chrome.has_button("Approve").await);
+    chrome.screenshot("separation-of-duties").await;
+    chrome.browser.clone().close().await.ok();
 }
