@@ -745,6 +745,9 @@ fn the_chart_runs_the_console_only_when_asked_and_gives_it_no_credential() {
     );
     let err = chart(json!({"console": {"enabled": true}})).unwrap_err();
     assert!(err.contains("set console.url"), "{err}");
+    let err = chart(json!({"console": {"enabled": true, "url": "https://a.example/console"}}))
+        .unwrap_err();
+    assert!(err.contains("no path"), "{err}");
     let objs = chart(
         json!({"console": {"enabled": true, "url": "https://agentrun.example.com",
                                          "namespaces": ["shop"]}}),

@@ -321,6 +321,12 @@ pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
         .map(|c| c.map(|c| c.to_vec()))
         .collect::<Result<_, _>>()
         .with_context(|| format!("parsing {}", args.ca_file.display()))?;
+    if args.public_url.path() != "/" {
+        anyhow::bail!(
+            "--public-url {}: the console serves its pages at the root of its URL; give it without a path",
+            args.public_url
+        );
+    }
     let origin = args.public_url.origin().ascii_serialization();
     let host = match (args.public_url.host_str(), args.public_url.port()) {
         (Some(h), Some(p)) => format!("{h}:{p}"),
