@@ -200,6 +200,26 @@ async fn alice_approves_from_her_inbox_and_follows_a_run_live() {
         "{runs}"
     );
     chrome.screenshot("runs").await;
+
+    // A record altered in the database: the timeline says NOT VERIFIED,
+    // marks the record, and never calls the log verified.
+    let run = Api::<agentrun::api::AgentRun>::namespaced(w.client.clone(), &ns)
+        .get("ok")
+        .await
+        .unwrap();
+    let touched =
+        log_api::rewrite_record(&log_api::uid_of(&run), 1, "charged twice", "charged thrice").await;
+    assert_eq!(touched, 1, "record 1 rewritten");
+    b.goto(&format!("{}/runs/{ns}/ok", console.base))
+        .await
+        .unwrap();
+    let altered = chrome.wait_text("NOT VERIFIED", PAGE).await;
+    assert!(!altered.contains("verified: "), "{altered}");
+    assert!(
+        altered.contains("! 1"),
+        "the altered record is marked: {altered}"
+    );
+    chrome.screenshot("run-not-verified").await;
     chrome.browser.clone().close().await.ok();
 }
 

@@ -727,7 +727,11 @@ async fn timeline(
             v.signed.len()
         )
     } else {
-        format!("NOT VERIFIED: {}", cli::log::summary(v))
+        // The plugin prints the problems before its verdict; here they follow it.
+        format!(
+            "NOT VERIFIED: {}",
+            cli::log::summary(v).replace("(see above)", "(see below)")
+        )
     };
     let mut problems = v.notes.clone();
     problems.extend(v.problems());
