@@ -32,6 +32,8 @@ use axum::routing::{get, post};
 use minijinja::Environment;
 use serde::Serialize;
 
+use crate::controller::servers::bounded;
+
 /// `kubectl agentrun console`'s flags.
 #[derive(clap::Args, Clone, Debug)]
 pub struct LoopbackArgs {
@@ -361,10 +363,20 @@ pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
             _ = term.recv() => {},
         }
     };
-    axum::serve(listener, router(Arc::new(console)))
-        .with_graceful_shutdown(shutdown)
-        .await?;
-    Ok(())
+    // Reachable by anyone on the cluster network before its proxy checks
+    // them: bounded like every server of the controller (slots, header and
+    // body deadlines; bodies are cut at MAX_FORM by the gate).
+    let limits = bounded::Limits {
+        max_connections: bounded::fitting_connections(512, bounded::raise_open_files_limit()),
+        header_timeout: std::time::Duration::from_secs(10),
+        body_timeout: std::time::Duration::from_secs(30),
+    };
+    tokio::select! {
+        () = bounded::serve(listener, router(Arc::new(console)), limits) => {
+            anyhow::bail!("the console's listener on {} failed", args.listen)
+        }
+        () = shutdown => Ok(()),
+    }
 }
 
 #[cfg(test)]
