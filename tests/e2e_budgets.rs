@@ -10,7 +10,7 @@ use agentrun::runlog::replay::Step;
 use common::approvals::{decide, entry, grant_approver_role, pending_approval, refusal};
 use common::world::{TIMEOUT, World, call, finish};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, ListParams};
 use serde_json::{Value, json};
 
 /// A refund agent whose budget is `max_steps` records and asks finance.
@@ -62,6 +62,21 @@ async fn budget_question(w: &World, run: &str) -> Approval {
     approval
 }
 
+/// Run `b` of `lookups` lookups under a step budget of `max_steps` that
+/// asks: the budget question it waits on.
+async fn asked(w: &World, lookups: usize, max_steps: u64, annotations: Value) -> Approval {
+    w.standins
+        .script("b", lookups_then_finish(lookups), json!([]))
+        .await;
+    w.create_run(
+        "b",
+        json!({"input": "Look orders up.", "agent": asking_agent(w, "b", max_steps)}),
+        annotations,
+    )
+    .await;
+    budget_question(w, "b").await
+}
+
 fn edit(approver: &str, hash: &str, arguments: Value) -> Value {
     let mut e = entry(approver, "Edit", hash, "five more steps");
     e["arguments"] = arguments;
@@ -72,18 +87,9 @@ fn edit(approver: &str, hash: &str, arguments: Value) -> Value {
 async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() {
     let w = World::new("budget-raise", &[]).await;
     grant_approver_role(&w).await;
-    w.standins
-        .script("b", lookups_then_finish(3), json!([]))
-        .await;
-    w.create_run(
-        "b",
-        json!({"input": "Look orders up.", "agent": asking_agent(&w, "b", 10)}),
-        json!({}),
-    )
-    .await;
     // 10 records: the start, three replies with a lookup each; the fourth
     // model call would be the 11th record.
-    let approval = budget_question(&w, "b").await;
+    let approval = asked(&w, 3, 10, json!({})).await;
     assert_eq!(approval.spec.step, 10);
     assert_eq!(approval.spec.arguments, json!({"maxSteps": 20}));
     let reason = approval
@@ -147,16 +153,7 @@ async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() 
 async fn a_rejected_budget_question_ends_the_run_budget_exceeded_with_its_partial_result() {
     let w = World::new("budget-reject", &[]).await;
     grant_approver_role(&w).await;
-    w.standins
-        .script("b", lookups_then_finish(3), json!([]))
-        .await;
-    w.create_run(
-        "b",
-        json!({"input": "Look orders up.", "agent": asking_agent(&w, "b", 4)}),
-        json!({}),
-    )
-    .await;
-    let approval = budget_question(&w, "b").await;
+    let approval = asked(&w, 3, 4, json!({})).await;
     let name = approval.metadata.name.clone().unwrap();
     let hash = approval.spec.arguments_hash.clone();
     decide(
@@ -181,16 +178,10 @@ async fn a_rejected_budget_question_ends_the_run_budget_exceeded_with_its_partia
 async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fresh_budget() {
     let mut w = World::new("budget-kill", &[]).await;
     grant_approver_role(&w).await;
-    w.standins
-        .script("b", lookups_then_finish(8), json!([]))
-        .await;
-    w.create_run(
-        "b",
-        json!({"input": "Look orders up.", "agent": asking_agent(&w, "b", 10)}),
-        json!({}),
-    )
-    .await;
-    let approval = budget_question(&w, "b").await;
+    // Every step Job dies (SIGABRT, its lease left behind) right after it
+    // records a model call: the first one after the raise too.
+    let crash = json!({"agentrun.dev/failpoint": "every-attempt:after-append:ModelCall"});
+    let approval = asked(&w, 8, 10, crash).await;
     let name = approval.metadata.name.clone().unwrap();
     let hash = approval.spec.arguments_hash.clone();
     decide(
@@ -201,8 +192,7 @@ async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fr
     )
     .await
     .expect("bob raises the budget");
-    // Right after the raise is recorded: the controller is SIGKILLed, and
-    // so is the first step pod of the raised run.
+    // Right after the raise is recorded the controller is SIGKILLed too.
     let uid = approval.spec.run_ref.uid.clone().unwrap();
     let store = w.store().await;
     common::wait_for("the raise to be recorded", TIMEOUT, || async {
@@ -218,16 +208,6 @@ async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fr
     .await;
     w.kill_controller();
     w.revive_controller();
-    let victim = common::wait_for("a step pod of the raised run", TIMEOUT, || async {
-        running_step_pods(&w, "b").await.into_iter().next()
-    })
-    .await;
-    let pods: Api<Pod> = Api::namespaced(w.client.clone(), w.name());
-    let force = DeleteParams {
-        grace_period_seconds: Some(0),
-        ..DeleteParams::default()
-    };
-    let _ = pods.delete(&victim, &force).await;
 
     // It asks again at 15 records in all: the cap raised, counted from the
     // run's start (a fresh budget would have allowed ten more).
@@ -241,4 +221,10 @@ async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fr
     let reason = second.spec.observations.reason.clone().unwrap_or_default();
     assert!(reason.contains("15 of 15 steps"), "{reason}");
     assert_eq!(second.spec.arguments, json!({"maxSteps": 25}));
+    // The worker that recorded the first model call after the raise (12)
+    // died there: the next record is another worker's.
+    let records = store.read_all(&uid).await.unwrap();
+    let worker = |seq: usize| records[seq].worker.pod.clone();
+    assert_eq!(records[12].kind.as_str(), "ModelCall");
+    assert_ne!(worker(12), worker(13), "a crash right after the raise");
 }

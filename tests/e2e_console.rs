@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use agentrun::api::{Approval, Phase};
 use common::approvals::{
-    decide, entry, gated_agent, grant_approver_role, pending_approval, refund,
+    decide, entry, gated_agent, gated_refund_approval, grant_approver_role, pending_approval,
+    refund,
 };
 use common::log_api::{self, LogApiWorld};
 use common::world::{World, finish};
@@ -53,20 +54,8 @@ async fn alice_approves_from_her_inbox_and_follows_a_run_live() {
     let ns = w.name().to_string();
     grant_approver_role(w).await;
     log_api::grant_reader(&w.client, &ns, "alice").await;
-    w.standins
-        .script(
-            "ok",
-            json!([refund(500), finish("refunded 500")]),
-            json!([]),
-        )
-        .await;
-    w.create_run(
-        "ok",
-        json!({"input": "Refund order 1042.", "agent": gated_agent(w, "ok", json!({}))}),
-        json!({}),
-    )
-    .await;
-    let approval = pending_approval(w, "ok").await;
+    let approval =
+        gated_refund_approval(w, "ok", json!([refund(500), finish("refunded 500")])).await;
     let name = approval.metadata.name.clone().unwrap();
 
     let console = ConsoleProcess::loopback("alice", &ns);
@@ -149,20 +138,8 @@ async fn alice_approves_from_her_inbox_and_follows_a_run_live() {
     chrome.screenshot("run-timeline").await;
 
     // A run followed live: the page shows what happens after it opened.
-    w.standins
-        .script(
-            "follow",
-            json!([refund(700), finish("refunded 700")]),
-            json!([]),
-        )
-        .await;
-    w.create_run(
-        "follow",
-        json!({"input": "Refund order 1042.", "agent": gated_agent(w, "follow", json!({}))}),
-        json!({}),
-    )
-    .await;
-    let waiting = pending_approval(w, "follow").await;
+    let waiting =
+        gated_refund_approval(w, "follow", json!([refund(700), finish("refunded 700")])).await;
     b.goto(&format!("{}/runs/{ns}/follow", console.base))
         .await
         .unwrap();
@@ -228,20 +205,8 @@ async fn bob_edits_the_amount_and_carol_may_not_decide() {
     let w = World::new("console-edit", &[]).await;
     let ns = w.name().to_string();
     grant_approver_role(&w).await;
-    w.standins
-        .script(
-            "edit",
-            json!([refund(500), finish("refunded 300")]),
-            json!([]),
-        )
-        .await;
-    w.create_run(
-        "edit",
-        json!({"input": "Refund order 1042.", "agent": gated_agent(&w, "edit", json!({}))}),
-        json!({}),
-    )
-    .await;
-    let approval = pending_approval(&w, "edit").await;
+    let approval =
+        gated_refund_approval(&w, "edit", json!([refund(500), finish("refunded 300")])).await;
     let name = approval.metadata.name.clone().unwrap();
     let page_path = format!("/approvals/{ns}/{name}");
 
@@ -354,16 +319,7 @@ async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
                 </script><script>window.pwned=2</script> [see](javascript:window.pwned=3)";
     let hostile = json!({"text": text, "toolCalls": [{"name": "issue_refund",
         "arguments": {"orderId": "<img src=x onerror=window.pwned=4>", "amount": 500}}]});
-    w.standins
-        .script("xss", json!([hostile, finish("gave up")]), json!([]))
-        .await;
-    w.create_run(
-        "xss",
-        json!({"input": "Refund order 1042.", "agent": gated_agent(&w, "xss", json!({}))}),
-        json!({}),
-    )
-    .await;
-    let approval = pending_approval(&w, "xss").await;
+    let approval = gated_refund_approval(&w, "xss", json!([hostile, finish("gave up")])).await;
     let name = approval.metadata.name.clone().unwrap();
     let page_path = format!("/approvals/{ns}/{name}");
     let console = ConsoleProcess::loopback("alice", &ns);

@@ -26,6 +26,19 @@ pub fn refund(amount: u64) -> Value {
            "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": amount}}]})
 }
 
+/// Scripts the model's `replies` as script `run`, creates run `run` with
+/// the gated refund agent, and returns the Approval it waits on.
+pub async fn gated_refund_approval(w: &World, run: &str, replies: Value) -> Approval {
+    w.standins.script(run, replies, json!([])).await;
+    w.create_run(
+        run,
+        json!({"input": "Refund order 1042.", "agent": gated_agent(w, run, json!({}))}),
+        json!({}),
+    )
+    .await;
+    pending_approval(w, run).await
+}
+
 /// Waits for run `run` in `ns` to wait on an Approval; returns its name.
 pub async fn awaited_approval(client: &kube::Client, ns: &str, run: &str) -> String {
     let runs: Api<AgentRun> = Api::namespaced(client.clone(), ns);
