@@ -225,6 +225,10 @@ operator() {
   # under $TMPDIR: in the cache dir, so they outlive the machine's /var/tmp
   # cleaning and go with the rest of the cache.
   mkdir -p "$WORK/tmp"
+  # A bud that was killed leaves its working container, which pins its
+  # images (a GB each with vfs) against prune_stale; this storage root is
+  # only this script's and build-postgres-image.sh's, never run at once.
+  bah rm --all >/dev/null 2>&1 || true
   TMPDIR="$WORK/tmp" timeout "$BUILD_TIMEOUT" nice -n 19 ionice -c3 \
     "${BUILDAH[@]}" bud --pull=never --layers --network host --isolation oci --build-arg PROFILE="$PROFILE" \
       --volume "$WORK/cargo-registry:/usr/local/cargo/registry" \
