@@ -166,6 +166,21 @@ pub enum Outcome {
     NeedsHuman,
 }
 
+impl Outcome {
+    /// The run's phase this outcome means (what its status shows, and what
+    /// a reader of the log alone can tell).
+    pub fn phase(self) -> crate::api::Phase {
+        use crate::api::Phase;
+        match self {
+            Outcome::Succeeded => Phase::Succeeded,
+            Outcome::Failed | Outcome::NeedsHuman => Phase::Failed,
+            Outcome::BudgetExceeded => Phase::BudgetExceeded,
+            Outcome::DeadlineExceeded => Phase::DeadlineExceeded,
+            Outcome::Cancelled => Phase::Cancelled,
+        }
+    }
+}
+
 /// The last record of a run.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]

@@ -17,7 +17,9 @@ use super::check::{Checker, Trust, same_run};
 use super::{Kube, marked_line, print_verdict, run_trust};
 use crate::api::runlog::{ADDED, ERROR, MODIFIED, RunLog, WatchEvent};
 use crate::cli::visible;
+use crate::runlog::records::RunFinished;
 use crate::store::RecordVerifier;
+use crate::store::StepKind;
 
 /// A stream open this long made progress even without records (a run
 /// waiting for a person appends nothing for hours): its drop starts the
@@ -45,6 +47,10 @@ pub struct Follow {
     checker: Option<Checker>,
     /// The first event's log (which run the stream is of).
     first: Option<RunLog>,
+    /// The phase the log's own verified RunFinished record gives: the
+    /// log API's view of the status may still show the run running when
+    /// the stream ends with that record.
+    recorded_phase: Option<String>,
 }
 
 impl Follow {
@@ -59,6 +65,7 @@ impl Follow {
             trust,
             checker: None,
             first: None,
+            recorded_phase: None,
         };
         if let Ok(t) = &f.trust
             && let Some(uid) = &t.uid
@@ -117,12 +124,22 @@ impl Follow {
             }
             None => self.first = Some(log.clone()),
         }
+        let mut recorded = None;
         let checker = self.checker_for(log)?;
         for r in &log.records {
             let wrong = checker
                 .take(r)
                 .map_err(|e| anyhow::anyhow!("NOT VERIFIED: following run: {e}"))?;
             writeln!(out, "{}", marked_line(r, !wrong.is_empty()))?;
+            if wrong.is_empty()
+                && r.kind == StepKind::RunFinished
+                && let Ok(f) = serde_json::from_value::<RunFinished>(r.payload.clone())
+            {
+                recorded = Some(format!("{:?}", f.outcome.phase()));
+            }
+        }
+        if recorded.is_some() {
+            self.recorded_phase = recorded;
         }
         out.flush()?;
         Ok(log.records.len())
@@ -178,9 +195,14 @@ impl Follow {
             ));
         }
         let verdict = checker.verdict();
+        // The run's status when the reader may read it, else what the
+        // verified log says, else the log API's word.
         let phase = fin
             .phase
             .clone()
+            .filter(|_| fin.terminal)
+            .or_else(|| self.recorded_phase.clone())
+            .or_else(|| fin.phase.clone())
             .or_else(|| last.run.phase.clone())
             .unwrap_or_else(|| "finished".into());
         let finished = format!("run {} finished: {}", self.run, visible(&phase));

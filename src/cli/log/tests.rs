@@ -529,6 +529,30 @@ fn a_reader_who_may_not_get_the_run_checks_against_the_log_apis_head_and_is_told
 }
 
 #[test]
+fn a_follow_that_ends_before_the_status_does_names_the_phase_its_verified_log_records() {
+    // The reader may not get the run; the stream ends with the RunFinished
+    // record while the log API still reads the status as Running (the
+    // controller writes the phase just after appending that record).
+    let log = chain(3);
+    let why = "you may not get agentruns in namespace ns";
+    let mut f = Follow::new("r", Err(why.into()), keys());
+    let mut out = Vec::new();
+    let mut end = run_log(log.clone(), true, 3);
+    end.run.phase = Some("Running".into());
+    let Next::Finished(last) = f.line(&event("ADDED", end), &mut out).unwrap() else {
+        panic!("a finished event ends it")
+    };
+    let fin = Trust::of_log(&last, why);
+    f.finish(&last, fin, &mut out).unwrap();
+    let out = text(&out);
+    assert_eq!(
+        out.lines().last(),
+        Some("run r finished: Succeeded"),
+        "{out}"
+    );
+}
+
+#[test]
 fn refusals_name_the_missing_right_and_the_alternative() {
     let status = |code: u16, message: &str| kube::core::Status {
         code,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
-use crate::api::{AgentRun, Phase};
+use crate::api::AgentRun;
 use crate::runlog::records::{Outcome, RunFinished};
 use crate::runlog::replay::{Next, RunState};
 
@@ -346,21 +346,10 @@ pub fn deadline(run: &AgentRun) -> Option<Timestamp> {
         .ok()
 }
 
-/// The phase a recorded outcome means.
-pub fn phase_of(outcome: Outcome) -> Phase {
-    match outcome {
-        Outcome::Succeeded => Phase::Succeeded,
-        Outcome::Failed | Outcome::NeedsHuman => Phase::Failed,
-        Outcome::BudgetExceeded => Phase::BudgetExceeded,
-        Outcome::DeadlineExceeded => Phase::DeadlineExceeded,
-        Outcome::Cancelled => Phase::Cancelled,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::{AgentRunSpec, AgentRunStatus, CurrentStep, VersionPolicy};
+    use crate::api::{AgentRunSpec, AgentRunStatus, CurrentStep, Phase, VersionPolicy};
     use crate::runlog::records::{RunStarted, Versions};
     use crate::runlog::replay::Step;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -844,7 +833,7 @@ mod tests {
 
     #[test]
     fn final_phases_map_from_outcomes() {
-        assert_eq!(phase_of(Outcome::NeedsHuman), Phase::Failed);
-        assert_eq!(phase_of(Outcome::BudgetExceeded), Phase::BudgetExceeded);
+        assert_eq!(Outcome::NeedsHuman.phase(), Phase::Failed);
+        assert_eq!(Outcome::BudgetExceeded.phase(), Phase::BudgetExceeded);
     }
 }

@@ -8,7 +8,7 @@ use crate::api::{
     AgentRun, AgentRunStatus, CurrentStep, LogRef, PendingApproval, Phase, PinnedVersions, Usage,
 };
 use crate::controller::conditions::{condition, set_condition};
-use crate::controller::reconciler::phase::{JobState, JobView, deadline, phase_of};
+use crate::controller::reconciler::phase::{JobState, JobView, deadline};
 use crate::runlog::records::{Outcome, RunFinished};
 use crate::runlog::replay::RunState;
 use crate::store::Head;
@@ -224,7 +224,7 @@ fn end_stall(s: &mut AgentRunStatus, generation: Option<i64>, now: Timestamp) {
 /// A run that ended as `f` records: its final phase, its result or error,
 /// when it finished, and whether it succeeded.
 fn set_finished(s: &mut AgentRunStatus, f: &RunFinished, generation: Option<i64>, now: Timestamp) {
-    let phase = phase_of(f.outcome);
+    let phase = f.outcome.phase();
     s.phase = Some(phase);
     // Model-written text of any size: the status keeps an excerpt,
     // the log keeps all of it.
