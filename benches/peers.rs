@@ -35,6 +35,14 @@
 //!   run created / decision sent → step Job seen → its pod Running → the
 //!   first request reaching a stand-in.
 //!
+//! agentrun runs on whichever node the cluster has: the process node
+//! (`agentrun`: the e2e controller process, each step pod a process) or the
+//! real node (`agentrun_real`: the chart as a user installs it, controller,
+//! PostgreSQL and step pods in containers, pod starts included; the peers
+//! are not run again there, their figures come from the process node's
+//! phase through AGENTRUN_PEERS_FIGURES, so `agentrun_real_vs_<peer>` is
+//! within one `e2e/bench peers`).
+//!
 //! Sizes: `--bench` full (STEPS 50, N 50, W 1000, D 50, K 20); `--quick`
 //! (and check mode, `cargo test` without `--bench`, what CI runs): STEPS 10,
 //! N 10, W 50, D 5, K 2. AGENTRUN_PEERS_SYSTEMS=agentrun,temporal,dbos picks
@@ -133,7 +141,7 @@ impl Config {
 
 /// The figures of one run, by figure then system.
 #[derive(Default)]
-struct Figures(BTreeMap<String, BTreeMap<String, (f64, &'static str)>>);
+struct Figures(BTreeMap<String, BTreeMap<String, (f64, String)>>);
 
 impl Figures {
     fn put(&mut self, figure: &str, system: &str, value: f64, unit: &'static str) {
@@ -146,24 +154,48 @@ impl Figures {
         self.0
             .entry(figure.to_string())
             .or_default()
-            .insert(system.to_string(), (value, unit));
+            .insert(system.to_string(), (value, unit.to_string()));
     }
 
-    /// agentrun's value over each peer's, for every figure both have.
+    /// Each agentrun place's value over each peer's, for every figure both
+    /// have.
     fn ratios(&self) {
+        let ours = |s: &String| s.starts_with("agentrun");
         for (figure, by_system) in &self.0 {
-            let Some((ours, _)) = by_system.get("agentrun") else {
-                continue;
-            };
-            for (peer, (theirs, _)) in by_system.iter().filter(|(s, _)| *s != "agentrun") {
-                if *theirs != 0.0 && theirs.is_finite() && ours.is_finite() {
-                    println!(
-                        "bench: peers.{figure}.agentrun_vs_{peer} {:.3} ratio",
-                        ours / theirs
-                    );
+            for (place, (v, _)) in by_system.iter().filter(|(s, _)| ours(s)) {
+                for (peer, (theirs, _)) in by_system.iter().filter(|(s, _)| !ours(s)) {
+                    if *theirs != 0.0 && theirs.is_finite() && v.is_finite() {
+                        println!(
+                            "bench: peers.{figure}.{place}_vs_{peer} {:.3} ratio",
+                            v / theirs
+                        );
+                    }
                 }
             }
         }
+    }
+
+    /// AGENTRUN_PEERS_FIGURES: a file carrying the figures from one phase of
+    /// `e2e/bench peers` to the next (the process node's run, with the
+    /// peers, then the real node's): the systems this run did not measure
+    /// are taken from it, so the ratios are within one bench; then it is
+    /// rewritten with everything.
+    fn carry(&mut self) {
+        let Ok(path) = std::env::var("AGENTRUN_PEERS_FIGURES") else {
+            return;
+        };
+        let earlier: BTreeMap<String, BTreeMap<String, (f64, String)>> = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        for (figure, by_system) in earlier {
+            let here = self.0.entry(figure).or_default();
+            for (system, v) in by_system {
+                here.entry(system).or_insert(v);
+            }
+        }
+        let json = serde_json::to_vec_pretty(&self.0).expect("figures as JSON");
+        std::fs::write(&path, json).unwrap_or_else(|e| panic!("writing {path}: {e}"));
     }
 }
 
@@ -223,7 +255,7 @@ enum System<'a> {
 impl System<'_> {
     fn name(&self) -> &'static str {
         match self {
-            System::Agentrun(_) => "agentrun",
+            System::Agentrun(a) => a.label(),
             System::Peer(p) => p.name,
         }
     }
@@ -245,8 +277,8 @@ struct Bench {
 
 /// A model script and a tool tenant of its own for `figure` on `system`.
 async fn new_script(a: &Agentrun, figure: &str, system: &str, replies: Value) -> (String, String) {
-    let id = format!("{figure}-{system}-{}", a.w.name());
-    a.w.standins.script_by_turn(&id, replies, json!([])).await;
+    let id = format!("{figure}-{system}-{}", a.name());
+    a.standins().script_by_turn(&id, replies, json!([])).await;
     (id.clone(), id)
 }
 
@@ -266,7 +298,7 @@ impl Bench {
         ] {
             let runs = names(&format!("{name}-steps-{label}"), n);
             let submitted = self.submit_steps(sys, &script, &tenant, &runs).await;
-            let traces = traces(&a.w.standins, &script, &tenant, &runs, |r| sys.run_key(r)).await;
+            let traces = traces(a.standins(), &script, &tenant, &runs, |r| sys.run_key(r)).await;
             let mut overheads = Vec::new();
             let mut first_calls = Vec::new();
             let mut tools = 0;
@@ -362,22 +394,23 @@ impl Bench {
             note("profile of the first step: a stage was not seen");
             return;
         };
+        let ours = a.label();
         let f = &mut self.figures;
         f.put(
             "profile.start.created_to_job",
-            "agentrun",
+            ours,
             (job - created) * 1e3,
             "ms",
         );
         f.put(
             "profile.start.job_to_pod_running",
-            "agentrun",
+            ours,
             (running - job) * 1e3,
             "ms",
         );
         f.put(
             "profile.start.pod_running_to_model_call",
-            "agentrun",
+            ours,
             (first - running) * 1e3,
             "ms",
         );
@@ -411,10 +444,7 @@ impl Bench {
                 (sent, Cost::from_peer(&out))
             }
         };
-        let traces = traces(&a.w.standins, &script, &tenant, &decided, |r| {
-            sys.run_key(r)
-        })
-        .await;
+        let traces = traces(a.standins(), &script, &tenant, &decided, |r| sys.run_key(r)).await;
         let mut ms = Vec::new();
         for (run, t) in &traces {
             let at = sent.get(run).copied().unwrap_or(f64::NAN);
@@ -462,9 +492,14 @@ impl Bench {
             },
         )
         .await;
-        let mut cost = Cost::measure(self.cfg.idle, a.controller_pid()).await;
+        let mut cost = Cost::measure(
+            self.cfg.idle,
+            a.engine_pids().await,
+            a.database_pids().await,
+        )
+        .await;
         let uids: Vec<String> = all.iter().map(|r| a.seen.get(r).uid).collect();
-        cost.stored = Pg::connect().await.bytes(&uids).await as f64;
+        cost.stored = Pg::connect(&a.store_url().await).await.bytes(&uids).await as f64;
         cost.api_stored = (a.api_bytes().await.saturating_sub(api_before)) as f64;
         let mut sent = HashMap::new();
         let mut stages: Vec<[f64; 3]> = Vec::new();
@@ -477,7 +512,7 @@ impl Bench {
             let job = seen.jobs.iter().map(|j| j.seen).find(|t| *t > at);
             let pod = seen.pods_running.iter().copied().find(|t| *t > at);
             let uid = seen.uid.clone();
-            let tool = tool_calls(&a.w.standins, tenant)
+            let tool = tool_calls(a.standins(), tenant)
                 .await
                 .remove(&uid)
                 .and_then(|c| c.iter().map(|c| c.at).find(|t| *t > at));
@@ -496,7 +531,7 @@ impl Bench {
             let ms: Vec<f64> = stages.iter().map(|s| s[i] * 1e3).collect();
             self.figures.put(
                 &format!("profile.resume.{stage}"),
-                "agentrun",
+                a.label(),
                 quantile(&ms, 0.5),
                 "ms",
             );
@@ -510,7 +545,7 @@ impl Bench {
     async fn kill(&mut self, a: &Agentrun, sys: &System<'_>, seed: u64) {
         let name = sys.name();
         let (script, tenant) = new_script(a, "kill", name, steps_script(self.cfg.kill_turns)).await;
-        a.w.standins
+        a.standins()
             .configure_tools(
                 &tenant,
                 json!({"delayMs": {"lookup_order": self.cfg.kill_tool_delay_ms}}),
@@ -556,7 +591,7 @@ impl Bench {
                     .unwrap_or_default()
             }
         };
-        let traces = traces(&a.w.standins, &script, &tenant, &runs, |r| sys.run_key(r)).await;
+        let traces = traces(a.standins(), &script, &tenant, &runs, |r| sys.run_key(r)).await;
         let mut recovery = Vec::new();
         let mut asked_again = 0;
         for (run, t) in &traces {
@@ -567,7 +602,7 @@ impl Bench {
             }
             asked_again += t.recorded_answers_asked_again();
         }
-        let twice = effects_twice(&a.w.standins, &tenant).await;
+        let twice = effects_twice(a.standins(), &tenant).await;
         let f = &mut self.figures;
         f.put("kill.recovery_p50", name, quantile(&recovery, 0.5), "s");
         f.put("kill.recovery_max", name, quantile(&recovery, 1.0), "s");
@@ -588,9 +623,9 @@ impl Bench {
     // --- the three clocks ---------------------------------------------------------
 
     async fn clocks(&mut self, a: &Agentrun) {
-        let (script, tenant) = new_script(a, "clocks", "agentrun", steps_script(3)).await;
+        let (script, tenant) = new_script(a, "clocks", a.label(), steps_script(3)).await;
         // The tool never answers in time: the clocks, not the work, end these runs.
-        a.w.standins
+        a.standins()
             .configure_tools(&tenant, json!({"delayMs": {"lookup_order": 600_000}}))
             .await;
         a.agent(
@@ -600,7 +635,7 @@ impl Bench {
             json!({"retry": {"maxAttemptsWithoutProgress": 1}}),
         )
         .await;
-        let (gscript, gtenant) = new_script(a, "expiry", "agentrun", gated_script()).await;
+        let (gscript, gtenant) = new_script(a, "expiry", a.label(), gated_script()).await;
         let mut expiring = json!({"name": "refund", "tool": "issue_refund", "when": "true",
             "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "3s", "onExpiry": "Fail"});
         expiring["escalateTo"] = Value::Null;
@@ -650,7 +685,7 @@ impl Bench {
         let t_late = second - first.and_then(|j| j.started).unwrap_or(f64::NAN) - 3.0;
         let e = a.seen.get(&expiry[0]);
         let approvals: kube::Api<agentrun::api::Approval> =
-            kube::Api::namespaced(a.w.client.clone(), a.w.name());
+            kube::Api::namespaced(a.client.clone(), a.name());
         let expires_at = match &e.approval {
             Some(name) => approvals.get(name).await.map_or(f64::NAN, |ap| {
                 ap.spec.expires_at.0.as_microsecond() as f64 / 1e6
@@ -658,15 +693,11 @@ impl Bench {
             None => f64::NAN,
         };
         let e_late = e.ended.unwrap_or(f64::NAN) - expires_at;
+        let ours = a.label();
         let f = &mut self.figures;
-        f.put("clocks.deadline_late", "agentrun", d_late * 1e3, "ms");
-        f.put("clocks.step_timeout_late", "agentrun", t_late * 1e3, "ms");
-        f.put(
-            "clocks.approval_expiry_late",
-            "agentrun",
-            e_late * 1e3,
-            "ms",
-        );
+        f.put("clocks.deadline_late", ours, d_late * 1e3, "ms");
+        f.put("clocks.step_timeout_late", ours, t_late * 1e3, "ms");
+        f.put("clocks.approval_expiry_late", ours, e_late * 1e3, "ms");
         if self.cfg.check {
             for (clock, late) in [
                 ("deadline", d_late),
@@ -770,12 +801,11 @@ impl Cost {
 
     /// agentrun's: the controller (engine), its step pods (none while runs
     /// wait), PostgreSQL (database); the API server and etcd apart.
-    async fn measure(seconds: u64, controller: Option<u32>) -> Cost {
-        let controller = controller.expect("the controller runs");
-
+    async fn measure(seconds: u64, engine: Vec<u32>, database: Vec<u32>) -> Cost {
+        assert!(!engine.is_empty(), "the controller runs");
         let parts: Vec<(&str, Vec<u32>)> = vec![
-            ("engine", vec![controller]),
-            ("database", common::procs::postgres_pids()),
+            ("engine", engine),
+            ("database", database),
             (
                 "control_plane",
                 ["apiserver", "etcd"]
@@ -856,11 +886,10 @@ impl Cost {
 struct Pg(sqlx::PgPool);
 
 impl Pg {
-    async fn connect() -> Pg {
-        let url = common::store::e2e_store_url().await;
+    async fn connect(url: &str) -> Pg {
         Pg(sqlx::postgres::PgPoolOptions::new()
             .max_connections(1)
-            .connect(&url)
+            .connect(url)
             .await
             .expect("connecting to the step store"))
     }
@@ -900,6 +929,13 @@ fn main() {
         }
         let agentrun = Agentrun::new().await;
         let base = agentrun.standins_base();
+        let mut cfg = cfg;
+        if agentrun.label() != "agentrun" && std::env::var("AGENTRUN_PEERS_SYSTEMS").is_err() {
+            // The peers do not run on a node: measured once, with the
+            // process node's run (their figures come through carry()).
+            cfg.systems = vec!["agentrun".into()];
+        }
+        println!("peers: agentrun as {}", agentrun.label());
         let mut bench = Bench {
             cfg,
             figures: Figures::default(),
@@ -942,6 +978,7 @@ fn main() {
         if bench.cfg.runs("agentrun") && bench.cfg.measures("clocks") {
             bench.clocks(&agentrun).await;
         }
+        bench.figures.carry();
         bench.figures.ratios();
     });
 }

@@ -14,6 +14,7 @@
 
 mod common;
 
+use common::chart::{RELEASE, diagnose, expose_host_process, install_on_real_node};
 use common::realnode::NODE;
 
 use std::collections::BTreeSet;
@@ -23,38 +24,12 @@ use std::time::Duration;
 
 use agentrun::api::{AgentRun, Phase};
 use common::standins::Standins;
-use k8s_openapi::api::core::v1::{PersistentVolume, Pod, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
-const RELEASE: &str = "agentrun";
 const TIMEOUT: Duration = Duration::from_secs(240);
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
-
-/// `SCRIPT paths` of an e2e/realnode image script: its `KEY=value` lines.
-fn image_paths(script: &str) -> Vec<(String, String)> {
-    let path = Path::new(ROOT).join("e2e/realnode").join(script);
-    let out = Command::new("bash")
-        .arg(&path)
-        .arg("paths")
-        .output()
-        .unwrap_or_else(|e| panic!("running {} paths: {e}", path.display()));
-    assert!(out.status.success(), "{} paths failed", path.display());
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
-fn path_value(paths: &[(String, String)], key: &str) -> String {
-    paths
-        .iter()
-        .find(|(k, _)| k == key)
-        .map(|(_, v)| v.clone())
-        .unwrap_or_else(|| panic!("no {key} in {paths:?}"))
-}
 
 /// The real node's containerd socket (`e2e/cluster env` exports it).
 fn containerd_socket() -> PathBuf {
@@ -81,164 +56,6 @@ fn ctr(args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn run_cmd(cmd: &mut Command) -> (bool, String) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
-/// What the namespace holds, for a failure message.
-fn diagnose(ns: &str) -> String {
-    let (_, pods) = run_cmd(Command::new("kubectl").args([
-        "get",
-        "pods,pvc,jobs,agentruns",
-        "-n",
-        ns,
-        "-o",
-        "wide",
-    ]));
-    let (_, events) = run_cmd(Command::new("kubectl").args([
-        "get",
-        "events",
-        "-n",
-        ns,
-        "--sort-by=.lastTimestamp",
-    ]));
-    format!("{pods}\n{events}")
-}
-
-/// A selector-less Service `name` whose one endpoint is a process on the
-/// host at `ip:port`: pods reach it by name through kube-proxy.
-async fn expose_host_process(client: &kube::Client, ns: &str, name: &str, ip: &str, port: u16) {
-    let service: Service = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "spec": {"ports": [{"name": "http", "port": port, "targetPort": port, "protocol": "TCP"}]}
-    }))
-    .unwrap();
-    Api::<Service>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &service)
-        .await
-        .expect("the stand-ins' Service");
-    let slice: EndpointSlice = serde_json::from_value(json!({
-        "metadata": {"name": format!("{name}-host"), "labels": {"kubernetes.io/service-name": name}},
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [ip], "conditions": {"ready": true}}],
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}]
-    }))
-    .unwrap();
-    Api::<EndpointSlice>::namespaced(client.clone(), ns)
-        .create(&PostParams::default(), &slice)
-        .await
-        .expect("the stand-ins' EndpointSlice");
-}
-
-/// A hostPath PersistentVolume on the real node, bound in advance to the
-/// claim of the chart's PostgreSQL StatefulSet (the cluster has no
-/// provisioner); deleted, with its directory, when dropped.
-struct HostVolume {
-    name: String,
-    dir: PathBuf,
-}
-
-impl HostVolume {
-    async fn for_claim(client: &kube::Client, ns: &str, claim: &str) -> HostVolume {
-        let dir = std::env::temp_dir().join(format!("agentrun-e2e-pv-{ns}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        // The image's postgres user (the chart's runAsUser); fsGroup does
-        // not apply to hostPath volumes.
-        std::os::unix::fs::chown(&dir, Some(999), Some(999)).expect("chown the volume's dir");
-        let name = format!("{ns}-postgresql");
-        let pv: PersistentVolume = serde_json::from_value(json!({
-            "metadata": {"name": name},
-            "spec": {
-                "capacity": {"storage": "1Gi"},
-                "accessModes": ["ReadWriteOnce"],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "storageClassName": "",
-                "claimRef": {"namespace": ns, "name": claim},
-                "hostPath": {"path": dir.to_str().unwrap(), "type": "Directory"},
-                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [NODE]}]}]}}
-            }
-        }))
-        .unwrap();
-        Api::<PersistentVolume>::all(client.clone())
-            .create(&PostParams::default(), &pv)
-            .await
-            .expect("the PostgreSQL volume");
-        HostVolume { name, dir }
-    }
-}
-
-impl Drop for HostVolume {
-    fn drop(&mut self) {
-        let _ = Command::new("kubectl")
-            .args(["delete", "pv", &self.name, "--wait=false"])
-            .output();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// `helm uninstall` when dropped.
-struct Release {
-    namespace: String,
-}
-
-impl Drop for Release {
-    fn drop(&mut self) {
-        let _ = Command::new(common::scripts::helm())
-            .args([
-                "uninstall",
-                RELEASE,
-                "--namespace",
-                &self.namespace,
-                "--wait",
-            ])
-            .args(["--timeout", "120s"])
-            .output();
-    }
-}
-
-/// What an earlier run of this test on the same cluster left: the chart
-/// keeps its CRDs and admission policies on uninstall, owned by a release
-/// whose namespace is gone, and helm refuses to adopt them. Deleted, so
-/// every run installs the chart as a fresh cluster does.
-fn forget_earlier_releases(ns: &str) {
-    let kinds = "customresourcedefinitions,validatingadmissionpolicies,validatingadmissionpolicybindings,\
-                 clusterroles,clusterrolebindings,apiservices,mutatingwebhookconfigurations";
-    // (MutatingAdmissionPolicy is off on the real node: not listed, or the
-    // get would fail on a kind the API server does not serve.)
-    let listed: Value =
-        serde_json::from_str(&common::kubectl(&["get", kinds, "-o", "json"])).unwrap();
-    for item in listed["items"].as_array().unwrap() {
-        let annotations = &item["metadata"]["annotations"];
-        let owner = annotations["meta.helm.sh/release-namespace"]
-            .as_str()
-            .unwrap_or("");
-        if annotations["meta.helm.sh/release-name"] == RELEASE
-            && owner.starts_with("e2e-rn-chart-")
-            && owner != ns
-        {
-            let kind = item["kind"].as_str().unwrap().to_lowercase();
-            let name = item["metadata"]["name"].as_str().unwrap();
-            common::kubectl(&["delete", &kind, name, "--ignore-not-found"]);
-        }
-    }
-}
-
-fn split_image(image: &str) -> (String, String) {
-    let (repo, tag) = image.rsplit_once(':').expect("IMAGE:TAG");
-    (repo.to_string(), tag.to_string())
 }
 
 /// Applies a sample of config/samples with the stand-ins' address put in.
@@ -604,53 +421,19 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     let ns_guard = common::test_namespace(&client, "rn-chart").await;
     let ns = ns_guard.name().to_string();
 
-    let operator = path_value(&image_paths("build-operator-image.sh"), "OPERATOR_IMAGE");
-    let (repo, tag) = split_image(&operator);
-    let pg = image_paths("build-postgres-image.sh");
-    let (pg_repo, pg_tag) = (
-        path_value(&pg, "POSTGRES_IMAGE_REPOSITORY"),
-        path_value(&pg, "POSTGRES_IMAGE_TAG"),
-    );
-
     // The stand-ins on the node's address, reached by pods as a Service.
     let standins = Standins::start_on(&format!("{node_ip}:0"));
     let port: u16 = standins.base.rsplit(':').next().unwrap().parse().unwrap();
     expose_host_process(&client, &ns, "standins", &node_ip, port).await;
     let base = format!("http://standins.{ns}.svc:{port}");
 
-    let volume = HostVolume::for_claim(&client, &ns, &format!("data-{RELEASE}-postgresql-0")).await;
     let approver_role = format!("{ns}-approver");
-    forget_earlier_releases(&ns);
-    let values = json!({
-        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
-        "postgresql": {
-            "enabled": true,
-            "image": {"repository": pg_repo, "tag": pg_tag, "pullPolicy": "Never"},
-            "persistence": {"enabled": true, "size": "1Gi"}
-        },
-        "modelSecrets": [{"name": "model-api-key", "stringData": {"apiKey": "sk-e2e-not-a-real-key"}}],
-        "approverRole": {"name": approver_role},
-        "controller": {"leaseSeconds": 6}
-    });
-    let values_file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(values_file.path(), values.to_string()).unwrap();
-    let _release = Release {
-        namespace: ns.clone(),
-    };
-    let installed = std::time::Instant::now();
-    let (ok, out) = run_cmd(
-        Command::new(common::scripts::helm())
-            .current_dir(ROOT)
-            .args(["install", RELEASE, "charts/agentrun", "--namespace", &ns])
-            .arg("--values")
-            .arg(values_file.path())
-            .args(["--wait", "--timeout", "300s"]),
-    );
-    assert!(ok, "helm install failed: {out}\n{}", diagnose(&ns));
-    eprintln!(
-        "real node: helm install --wait in {:.1} s",
-        installed.elapsed().as_secs_f64()
-    );
+    let installed = install_on_real_node(
+        &client,
+        &ns,
+        json!({"approverRole": {"name": approver_role}, "controller": {"leaseSeconds": 6}}),
+    )
+    .await;
 
     // The step pods' egress policy leaves out the API server, as the
     // cluster has it (the `kubernetes` Service and its endpoint at the node
@@ -939,6 +722,6 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
     );
 
     // The chart's PostgreSQL kept the log on the volume.
-    let entries = std::fs::read_dir(&volume.dir).unwrap().count();
+    let entries = std::fs::read_dir(&installed.volume.dir).unwrap().count();
     assert!(entries > 0, "PostgreSQL's data is on the host volume");
 }

@@ -1,6 +1,9 @@
 //! agentrun's side of the comparison: the same workload as AgentRuns in a
 //! namespace of the local control plane, driven by this project's
 //! controller, timed by watches (this machine's clock, like the stand-ins').
+//! Two places: the process node (the e2e controller process, each step pod
+//! a process) and the real node (the chart as a user installs it: the
+//! controller's Deployment, PostgreSQL and every step pod in containers).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,8 +19,12 @@ use kube::{Client, ResourceExt as _};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
-use crate::common::approvals::{decide, entry, grant_approver_role};
+use crate::common::approvals::{decide_in, entry, grant_approver_role_in};
+use crate::common::chart::{self, Installed, expose_host_process, install_on_real_node};
+use crate::common::realnode::{self, NODE};
+use crate::common::standins::Standins;
 use crate::common::world::World;
+use crate::common::{TestNamespace, procs, test_namespace};
 use crate::trace::now;
 
 const RUN_LABEL: &str = "agentrun.dev/run";
@@ -72,11 +79,29 @@ impl Watched {
     }
 }
 
-/// The namespace agentrun's runs live in: its controller (the project's
-/// e2e controller process, on the shared PostgreSQL), the stand-ins every
-/// system shares, approvers, and the watches.
+/// Where agentrun runs the workload.
+enum Place {
+    /// The e2e controller process on the shared PostgreSQL, its stand-ins,
+    /// step pods as processes of the process node.
+    Process(World),
+    /// The chart installed in a namespace of the real node's cluster.
+    Real(RealNode),
+}
+
+/// Dropped in field order: the release uninstalled, then the namespace.
+struct RealNode {
+    _installed: Installed,
+    standins: Standins,
+    ns: TestNamespace,
+}
+
+/// The namespace agentrun's runs live in: its controller, the stand-ins
+/// every system shares, approvers, and the watches.
 pub struct Agentrun {
-    pub w: World,
+    pub client: Client,
+    place: Place,
+    /// The stand-ins' base URL as step pods reach it.
+    pod_base: String,
     pub seen: Watched,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -94,31 +119,194 @@ pub fn task(run: &str) -> String {
     format!("Handle the refunds of the queue. [[run {run}]]")
 }
 
+/// Whether the cluster runs the real node (`e2e/cluster up --node=real`).
+pub async fn real_node_cluster(client: &Client) -> bool {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    matches!(nodes.get_opt(NODE).await, Ok(Some(_)))
+}
+
 impl Agentrun {
+    /// On whichever node the cluster has.
     pub async fn new() -> Agentrun {
+        let admin = crate::common::admin().await;
+        match real_node_cluster(&admin).await {
+            true => Agentrun::on_real_node(admin).await,
+            false => Agentrun::on_process_node().await,
+        }
+    }
+
+    async fn on_process_node() -> Agentrun {
         let w = World::new("peers", &[]).await;
-        grant_approver_role(&w).await;
+        let pod_base = w.standins.base.clone();
+        Agentrun::watching(w.client.clone(), Place::Process(w), pod_base).await
+    }
+
+    async fn on_real_node(client: Client) -> Agentrun {
+        let node_ip = realnode::node_ip(&client).await.to_string();
+        let ns = test_namespace(&client, "peers").await;
+        let name = ns.name().to_string();
+        let standins = Standins::start_on(&format!("{node_ip}:0"));
+        let port: u16 = standins.base.rsplit(':').next().unwrap().parse().unwrap();
+        expose_host_process(&client, &name, "standins", &node_ip, port).await;
+        let pod_base = format!("http://standins.{name}.svc:{port}");
+        // The chart's defaults, as a user gets them.
+        let installed = install_on_real_node(&client, &name, json!({})).await;
+        let secret =
+            json!({"metadata": {"name": "model-key"}, "stringData": {"apiKey": "sk-bench"}});
+        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &name)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(secret).unwrap(),
+            )
+            .await
+            .expect("the model's Secret");
+        let real = RealNode {
+            _installed: installed,
+            standins,
+            ns,
+        };
+        Agentrun::watching(client, Place::Real(real), pod_base).await
+    }
+
+    async fn watching(client: Client, place: Place, pod_base: String) -> Agentrun {
         let seen = Watched::default();
-        let tasks = vec![
-            watch_runs(&w.client, w.name(), seen.clone()),
-            watch_jobs(&w.client, w.name(), seen.clone()),
-            watch_pods(&w.client, w.name(), seen.clone()),
+        let mut a = Agentrun {
+            client,
+            place,
+            pod_base,
+            seen,
+            tasks: Vec::new(),
+        };
+        grant_approver_role_in(&a.client, a.name()).await;
+        a.tasks = vec![
+            watch_runs(&a.client, a.name(), a.seen.clone()),
+            watch_jobs(&a.client, a.name(), a.seen.clone()),
+            watch_pods(&a.client, a.name(), a.seen.clone()),
         ];
-        Agentrun { w, seen, tasks }
+        a
     }
 
+    /// The system's name in the figures.
+    pub fn label(&self) -> &'static str {
+        match self.place {
+            Place::Process(_) => "agentrun",
+            Place::Real(_) => "agentrun_real",
+        }
+    }
+
+    /// The namespace.
+    pub fn name(&self) -> &str {
+        match &self.place {
+            Place::Process(w) => w.name(),
+            Place::Real(r) => r.ns.name(),
+        }
+    }
+
+    pub fn standins(&self) -> &Standins {
+        match &self.place {
+            Place::Process(w) => &w.standins,
+            Place::Real(r) => &r.standins,
+        }
+    }
+
+    /// What the stand-ins answer on, for the peers (host processes).
     pub fn standins_base(&self) -> String {
-        self.w.standins.base.clone()
+        self.standins().base.clone()
     }
 
-    pub fn controller_pid(&self) -> Option<u32> {
-        self.w.controller_pid()
+    /// The engine's processes: the controller (process node), or every
+    /// container of the controller's pods (real node).
+    pub async fn engine_pids(&self) -> Vec<u32> {
+        match &self.place {
+            Place::Process(w) => w.controller_pid().into_iter().collect(),
+            Place::Real(_) => {
+                self.pods_pids("app.kubernetes.io/component=controller")
+                    .await
+            }
+        }
+    }
+
+    /// The store's processes: the machine's PostgreSQL (process node), or
+    /// the chart's PostgreSQL pod (real node).
+    pub async fn database_pids(&self) -> Vec<u32> {
+        match &self.place {
+            Place::Process(_) => procs::postgres_pids(),
+            Place::Real(_) => {
+                self.pods_pids("app.kubernetes.io/component=postgresql")
+                    .await
+            }
+        }
+    }
+
+    async fn pods_pids(&self, selector: &str) -> Vec<u32> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), self.name());
+        let listed = pods
+            .list(&ListParams::default().labels(selector))
+            .await
+            .unwrap_or_else(|e| panic!("listing pods {selector}: {e}"));
+        let pids: Vec<u32> = listed
+            .items
+            .iter()
+            .flat_map(|p| procs::pod_pids(&p.uid().unwrap_or_default()))
+            .collect();
+        assert!(!pids.is_empty(), "no processes of the pods {selector}");
+        pids
+    }
+
+    /// The step store's URL as this process reaches it: the shared
+    /// PostgreSQL, or the chart's at its pod's address (the host routes to
+    /// the node's pod network).
+    pub async fn store_url(&self) -> String {
+        match &self.place {
+            Place::Process(_) => crate::common::store::e2e_store_url().await,
+            Place::Real(_) => {
+                let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+                    Api::namespaced(self.client.clone(), self.name());
+                let secret = secrets
+                    .get(&format!("{}-store", chart::RELEASE))
+                    .await
+                    .expect("the chart's store Secret");
+                let url = secret
+                    .data
+                    .and_then(|d| d.get("url").cloned())
+                    .map(|b| String::from_utf8(b.0).expect("a UTF-8 URL"))
+                    .expect("the store Secret's url");
+                let pod: Pod = Api::namespaced(self.client.clone(), self.name())
+                    .get(&format!("{}-postgresql-0", chart::RELEASE))
+                    .await
+                    .expect("the chart's PostgreSQL pod");
+                let ip = pod
+                    .status
+                    .and_then(|s| s.pod_ip)
+                    .expect("PostgreSQL's pod IP");
+                let host = format!("{}-postgresql.{}.svc", chart::RELEASE, self.name());
+                url.replace(&host, &ip)
+            }
+        }
+    }
+
+    /// The controller's last lines, for a failure message.
+    pub fn controller_log(&self) -> String {
+        match &self.place {
+            Place::Process(w) => w.controller_log(),
+            Place::Real(r) => {
+                let (_, out) = chart::run_cmd(std::process::Command::new("kubectl").args([
+                    "logs",
+                    "-n",
+                    r.ns.name(),
+                    "-l",
+                    "app.kubernetes.io/component=controller",
+                    "--tail=30",
+                ]));
+                format!("{out}\n{}", chart::diagnose(r.ns.name()))
+            }
+        }
     }
 
     /// Agent `name`: the model on script `script`, the two tools on tenant
     /// `tenant`, every refund gated; `extra` merged into its spec.
     pub async fn agent(&self, name: &str, script: &str, tenant: &str, extra: Value) {
-        let base = &self.w.standins.base;
+        let base = &self.pod_base;
         let mut spec = json!({
             "prompt": {"version": "v1", "system": "You are a careful refund agent."},
             "model": {
@@ -143,8 +331,7 @@ impl Agentrun {
         if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
             s.extend(e.clone());
         }
-        let agents: Api<agentrun::api::Agent> =
-            Api::namespaced(self.w.client.clone(), self.w.name());
+        let agents: Api<agentrun::api::Agent> = Api::namespaced(self.client.clone(), self.name());
         let agent = serde_json::from_value(json!({
             "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
             "metadata": {"name": name}, "spec": spec
@@ -164,7 +351,7 @@ impl Agentrun {
         names: &[String],
         extra: Value,
     ) -> HashMap<String, f64> {
-        let runs: Api<AgentRun> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
         stream::iter(names.iter().cloned())
             .map(|name| {
                 let runs = runs.clone();
@@ -214,8 +401,7 @@ impl Agentrun {
                 panic!(
                     "agentrun: {n} of {} runs {what} after {timeout:?}; e.g. {late:?}\n{}",
                     names.len(),
-                    self.w
-                        .controller_log()
+                    self.controller_log()
                         .lines()
                         .rev()
                         .take(30)
@@ -247,12 +433,12 @@ impl Agentrun {
             .get(run)
             .approval
             .expect("the run awaits an Approval");
-        let approvals: Api<Approval> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let approvals: Api<Approval> = Api::namespaced(self.client.clone(), self.name());
         let a = approvals.get(&name).await.expect("the Approval");
         let hash = a.spec.arguments_hash.clone();
         let sent = now();
-        decide(
-            &self.w,
+        decide_in(
+            self.name(),
             "bob",
             &name,
             entry("bob", "Approve", &hash, "bench"),
@@ -264,7 +450,7 @@ impl Agentrun {
 
     /// Deletes the runs (their Approvals and Jobs go with them).
     pub async fn delete_runs(&self, names: &[String]) {
-        let runs: Api<AgentRun> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
         stream::iter(names.iter().cloned())
             .for_each_concurrent(16, |name| {
                 let runs = runs.clone();
@@ -293,8 +479,8 @@ impl Agentrun {
     /// The JSON size of the namespace's AgentRuns and Approvals, as the API
     /// server stores them.
     pub async fn api_bytes(&self) -> usize {
-        let runs: Api<AgentRun> = Api::namespaced(self.w.client.clone(), self.w.name());
-        let approvals: Api<Approval> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let runs: Api<AgentRun> = Api::namespaced(self.client.clone(), self.name());
+        let approvals: Api<Approval> = Api::namespaced(self.client.clone(), self.name());
         let r = runs
             .list(&ListParams::default())
             .await
@@ -306,15 +492,15 @@ impl Agentrun {
         r.items.iter().map(json_len).sum::<usize>() + a.items.iter().map(json_len).sum::<usize>()
     }
 
-    /// Pods of the namespace still running (finished ones stay until their
-    /// Job's TTL, holding nothing).
+    /// Step pods of the namespace still running (finished ones stay until
+    /// their Job's TTL, holding nothing).
     pub async fn running_pods(&self) -> usize {
-        let pods: Api<Pod> = Api::namespaced(self.w.client.clone(), self.w.name());
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), self.name());
         let done = |p: &Pod| {
             let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
             matches!(phase, Some("Succeeded" | "Failed"))
         };
-        pods.list(&ListParams::default())
+        pods.list(&ListParams::default().labels(RUN_LABEL))
             .await
             .map_or(0, |l| l.items.iter().filter(|p| !done(p)).count())
     }

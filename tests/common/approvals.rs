@@ -107,7 +107,17 @@ pub async fn decide(
     approval: &str,
     entry: Value,
 ) -> Result<Approval, kube::Error> {
-    let api: Api<Approval> = Api::namespaced(super::client_as(user).await, w.name());
+    decide_in(w.name(), user, approval, entry).await
+}
+
+/// [`decide`] in namespace `ns`.
+pub async fn decide_in(
+    ns: &str,
+    user: &str,
+    approval: &str,
+    entry: Value,
+) -> Result<Approval, kube::Error> {
+    let api: Api<Approval> = Api::namespaced(super::client_as(user).await, ns);
     let patch: json_patch::Patch =
         serde_json::from_value(json!([{"op": "add", "path": "/spec/decisions/-", "value": entry}]))
             .unwrap();
@@ -121,17 +131,21 @@ pub fn entry(approver: &str, verdict: &str, hash: &str, reason: &str) -> Value {
 
 /// Lets alice, bob and carol read and decide approvals in the test namespace.
 pub async fn grant_approver_role(w: &World) {
+    grant_approver_role_in(&w.client, w.name()).await
+}
+
+/// [`grant_approver_role`] in namespace `ns`.
+pub async fn grant_approver_role_in(client: &kube::Client, ns: &str) {
     let rb = json!({
         "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "approvers", "namespace": w.name()},
+        "metadata": {"name": "approvers", "namespace": ns},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "agentrun-approver"},
         "subjects": [
             {"kind": "Group", "name": "finance-approvers", "apiGroup": "rbac.authorization.k8s.io"},
             {"kind": "User", "name": "carol", "apiGroup": "rbac.authorization.k8s.io"}
         ]
     });
-    let api: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
-        Api::namespaced(w.client.clone(), w.name());
+    let api: Api<k8s_openapi::api::rbac::v1::RoleBinding> = Api::namespaced(client.clone(), ns);
     api.create(&Default::default(), &serde_json::from_value(rb).unwrap())
         .await
         .expect("RoleBinding");

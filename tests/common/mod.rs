@@ -5,6 +5,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod approvals;
+pub mod chart;
 pub mod controller;
 pub mod log_api;
 pub mod procs;

@@ -45,6 +45,21 @@ pub fn all_pids() -> Vec<u32> {
         .unwrap_or_default()
 }
 
+/// The processes of the real node's pod `uid` (its containers', pause
+/// included): those whose cgroup path names the pod, as the kubelet writes
+/// it with either cgroup driver (`pod<uid>`, or `pod<uid with _>.slice`).
+pub fn pod_pids(uid: &str) -> Vec<u32> {
+    let cgroupfs = format!("pod{uid}");
+    let systemd = format!("pod{}", uid.replace('-', "_"));
+    all_pids()
+        .into_iter()
+        .filter(|p| {
+            let cg = std::fs::read_to_string(format!("/proc/{p}/cgroup")).unwrap_or_default();
+            cg.contains(&cgroupfs) || cg.contains(&systemd)
+        })
+        .collect()
+}
+
 /// The PostgreSQL servers' processes (postmasters and backends).
 pub fn postgres_pids() -> Vec<u32> {
     let comm = |pid: u32| std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
