@@ -186,12 +186,18 @@ bases() {
 # A private copy of the host's cargo registry (index and .crate files), the
 # build stage's $CARGO_HOME/registry; cargo adds what it lacks.
 registry() {
-  local reg="$WORK/cargo-registry" src="${CARGO_HOME:-$HOME/.cargo}/registry"
-  [ -d "$reg" ] && return
-  mkdir -p "$reg.tmp"
-  [ -d "$src/index" ] && cp -a "$src/index" "$reg.tmp/"
-  [ -d "$src/cache" ] && cp -a "$src/cache" "$reg.tmp/"
-  mv "$reg.tmp" "$reg"
+  local reg="$WORK/cargo-registry" src="${CARGO_HOME:-$HOME/.cargo}/registry" d
+  # Brought up to date on every build, not copied once: a Cargo.lock that
+  # gained crates since would send the build to the crate registry, which
+  # the build's root filesystem may not reach (its CA bundle is Debian's,
+  # not this machine's).
+  # What Cargo.lock names, fetched here first (at once when cached).
+  (cd "$ROOT" && timeout 600 cargo fetch --locked >/dev/null) || die "cargo fetch --locked failed"
+  mkdir -p "$reg"
+  for d in index cache; do
+    [ -d "$src/$d" ] && cp -a --update "$src/$d" "$reg/"
+  done
+  return 0
 }
 
 # What the image is made of: the Dockerfile, the files its COPY lines take
