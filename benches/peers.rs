@@ -260,6 +260,11 @@ impl System<'_> {
         }
     }
 
+    /// The name as part of object names (DNS labels: no `_`).
+    fn slug(&self) -> String {
+        self.name().replace('_', "-")
+    }
+
     fn run_key(&self, run: &str) -> String {
         match self {
             System::Agentrun(a) => a.seen.get(run).uid,
@@ -289,14 +294,19 @@ impl Bench {
         let name = sys.name();
         let (script, tenant) = new_script(a, "steps", name, steps_script(self.cfg.steps)).await;
         if let System::Agentrun(a) = sys {
-            a.agent(&format!("steps-{name}"), &script, &tenant, json!({}))
-                .await;
+            a.agent(
+                &format!("steps-{}", sys.slug()),
+                &script,
+                &tenant,
+                json!({}),
+            )
+            .await;
         }
         for (label, n) in [
             ("c1", 1),
             (&*format!("c{}", self.cfg.concurrent), self.cfg.concurrent),
         ] {
-            let runs = names(&format!("{name}-steps-{label}"), n);
+            let runs = names(&format!("{}-steps-{label}", sys.slug()), n);
             let submitted = self.submit_steps(sys, &script, &tenant, &runs).await;
             let traces = traces(a.standins(), &script, &tenant, &runs, |r| sys.run_key(r)).await;
             let mut overheads = Vec::new();
@@ -366,7 +376,7 @@ impl Bench {
         match sys {
             System::Agentrun(a) => {
                 let sent = a
-                    .create_runs(&format!("steps-{}", sys.name()), runs, json!({}))
+                    .create_runs(&format!("steps-{}", sys.slug()), runs, json!({}))
                     .await;
                 a.wait_succeeded(runs, Duration::from_secs(600)).await;
                 sent
@@ -421,8 +431,8 @@ impl Bench {
     async fn waiting(&mut self, a: &Agentrun, sys: &System<'_>) {
         let name = sys.name();
         let (script, tenant) = new_script(a, "gated", name, gated_script()).await;
-        let waiting = names(&format!("{name}-wait"), self.cfg.waiting);
-        let decided = names(&format!("{name}-decide"), self.cfg.decisions);
+        let waiting = names(&format!("{}-wait", sys.slug()), self.cfg.waiting);
+        let decided = names(&format!("{}-decide", sys.slug()), self.cfg.decisions);
         let (sent, cost) = match sys {
             System::Agentrun(a) => {
                 self.agentrun_waiting(a, &script, &tenant, &waiting, &decided)
@@ -551,7 +561,7 @@ impl Bench {
                 json!({"delayMs": {"lookup_order": self.cfg.kill_tool_delay_ms}}),
             )
             .await;
-        let runs = names(&format!("{name}-kill"), self.cfg.kills);
+        let runs = names(&format!("{}-kill", sys.slug()), self.cfg.kills);
         // Lands within the run's tool calls, whichever.
         let max_delay_ms = (self.cfg.kill_turns as u64 - 1) * self.cfg.kill_tool_delay_ms;
         let kills: HashMap<String, f64> = match sys {

@@ -42,8 +42,11 @@ pub struct Seen {
     pub ended: Option<f64>,
     /// `status.deadlineAt`.
     pub deadline_at: Option<f64>,
+    /// Why it ended as it did: its conditions' messages.
+    pub why: String,
     pub jobs: Vec<JobSeen>,
-    /// When each of its pods was first seen Running.
+    /// When each of its pods was first reported started (Running, or
+    /// already ended).
     pub pods_running: Vec<f64>,
 }
 
@@ -148,7 +151,19 @@ impl Agentrun {
         let standins = Standins::start_on(&format!("{node_ip}:0"));
         let port: u16 = standins.base.rsplit(':').next().unwrap().parse().unwrap();
         expose_host_process(&client, &name, "standins", &node_ip, port).await;
-        let pod_base = format!("http://standins.{name}.svc:{port}");
+        // By the Service's cluster IP, not its name: once in a quick run,
+        // 10 step pods starting together got EAI_AGAIN from the test
+        // node's resolver for seconds; the figures are the engine's, not
+        // the resolver's (the chart's test covers reaching it by name).
+        let svc: k8s_openapi::api::core::v1::Service = Api::namespaced(client.clone(), &name)
+            .get("standins")
+            .await
+            .expect("the stand-ins' Service");
+        let ip = svc
+            .spec
+            .and_then(|s| s.cluster_ip)
+            .expect("the stand-ins' cluster IP");
+        let pod_base = format!("http://{ip}:{port}");
         // The chart's defaults, as a user gets them.
         let installed = install_on_real_node(&client, &name, json!({})).await;
         let secret =
@@ -160,6 +175,20 @@ impl Agentrun {
             )
             .await
             .expect("the model's Secret");
+        // The platform owner's opt-in for it (the chart's controller hands
+        // step pods only Secrets an AgentPolicy lists).
+        let policy = json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+            "metadata": {"name": "platform"},
+            "spec": {"allowedSecrets": [{"name": "model-key"}]}
+        });
+        Api::<agentrun::api::AgentPolicy>::namespaced(client.clone(), &name)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(policy).unwrap(),
+            )
+            .await
+            .expect("the AgentPolicy");
         let real = RealNode {
             _installed: installed,
             standins,
@@ -418,7 +447,7 @@ impl Agentrun {
             if s.phase
                 .is_some_and(|p| p.is_terminal() && p != Phase::Succeeded)
             {
-                panic!("a run ended {:?} instead of Succeeded", s.phase);
+                panic!("a run ended {:?} instead of Succeeded: {}", s.phase, s.why);
             }
             s.phase == Some(Phase::Succeeded)
         })
@@ -540,6 +569,12 @@ fn watch_runs(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
                     s.ended = s.ended.or(Some(t));
                 }
                 s.deadline_at = status.deadline_at.map(|d| unix_ts(&d.0));
+                s.why = status
+                    .conditions
+                    .iter()
+                    .map(|c| format!("{}={} {}: {}", c.type_, c.status, c.reason, c.message))
+                    .collect::<Vec<_>>()
+                    .join("; ");
             });
         }
     })
@@ -596,8 +631,12 @@ fn watch_pods(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
             let Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event else {
                 continue;
             };
+            // A short pod on the real node may be reported Succeeded with
+            // no Running report in between (the kubelet batches its status
+            // writes): its first report of a started container counts.
             let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
-            if phase.as_deref() != Some("Running") || !running.insert(pod.name_any()) {
+            let started = matches!(phase.as_deref(), Some("Running" | "Succeeded" | "Failed"));
+            if !started || !running.insert(pod.name_any()) {
                 continue;
             }
             let t = now();
