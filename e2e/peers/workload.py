@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import random
@@ -332,10 +333,23 @@ def install_signal_handlers() -> None:
         signal.signal(s, handler)
 
 
+# Ports handed to children (the Temporal server) come from below the kernel's
+# ephemeral range: a port from bind(0), closed again, may be taken by any
+# connection or server before the child binds it. (The Rust harness uses
+# 26000-29999, e2e/'s fixed ports are 23790 and 25432-25433.)
+_PORTS = itertools.count(os.getpid() % 1000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        port = 24000 + next(_PORTS) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 24000-24999 on 127.0.0.1")
 
 
 # --------------------------------------------------------------------------

@@ -71,7 +71,7 @@ impl ConsoleProcess {
         ca_file: &std::path::Path,
         namespace: &str,
     ) -> ConsoleProcess {
-        let port = free_port();
+        let port = crate::common::ports::reserve();
         let base = format!("http://127.0.0.1:{port}");
         let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
             // No kubeconfig to fall back on: only the forwarded tokens.
@@ -115,14 +115,6 @@ impl ConsoleProcess {
     pub fn host(&self) -> String {
         self.base.trim_start_matches("http://").to_string()
     }
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A plain HTTP client that follows no redirect (the tests look at them).
@@ -177,7 +169,7 @@ impl Chrome {
                  (run e2e/install-deps, or apt-get install -y chromium chromium-driver)"
             );
         }
-        let port = free_port();
+        let port = crate::common::ports::reserve();
         let driver = Command::new(CHROMEDRIVER)
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())

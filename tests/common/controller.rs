@@ -25,7 +25,7 @@ pub fn step_api_port(namespace: &str) -> u16 {
         .lock()
         .unwrap()
         .entry(namespace.to_string())
-        .or_insert_with(free_port)
+        .or_insert_with(super::ports::reserve)
 }
 
 /// The step-token key of this test process's controllers (replicas share it).
@@ -101,7 +101,7 @@ impl ControllerProcess {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
-        let metrics_port = free_port();
+        let metrics_port = super::ports::reserve();
         let step_api_port = step_api_port(namespace);
         let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
             .arg("controller")
@@ -144,7 +144,7 @@ impl ControllerProcess {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("controller.log");
         let out = std::fs::File::create(&log).expect("log file");
-        let metrics_port = free_port();
+        let metrics_port = super::ports::reserve();
         let child = Command::new(bin)
             .args([
                 "controller",
@@ -184,6 +184,13 @@ impl ControllerProcess {
     /// Everything the replica logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `n` lines the replica logged.
+    pub fn tail(&self, n: usize) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
     /// Whether the process has exited (a crash at a failpoint).
@@ -229,14 +236,6 @@ impl Drop for ControllerProcess {
             let _ = child.wait();
         }
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// GETs a path of a local HTTP server; returns (status code, body).

@@ -77,15 +77,6 @@ pub fn pki_dir() -> PathBuf {
     ca.parent().expect("the CA's directory").to_path_buf()
 }
 
-/// A port free on `addr` right now (the controller binds it next).
-pub fn free_port_on(addr: &str) -> u16 {
-    std::net::TcpListener::bind((addr, 0))
-        .unwrap_or_else(|e| panic!("binding {addr}:0 ({e}): is {addr} an address of this host?"))
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 // --- the serving certificate -------------------------------------------------
 
 /// A CA and a serving certificate it signed, as PEM files in a temporary
@@ -433,7 +424,7 @@ impl LogApiWorld {
         let client = super::admin().await;
         let home = super::test_namespace(&client, "logapi-home").await;
         let cert = serving_cert(SERVICE, home.name());
-        let port = free_port_on(&addr);
+        let port = super::ports::reserve_on(&addr);
         let serving = format!("{addr}:{port}");
         let (cert_file, key_file) = (cert.cert_file(), cert.key_file());
         let flags = [

@@ -8,6 +8,7 @@ pub mod approvals;
 pub mod chart;
 pub mod controller;
 pub mod log_api;
+pub mod ports;
 pub mod procs;
 pub mod realnode;
 pub mod scripts;

@@ -251,10 +251,14 @@ impl World {
                         run.status
                     );
                 }
-                if now == Some(phase) {
-                    Ok(run)
-                } else {
-                    Err(format!("{:?}", run.status))
+                match (now, &run.status) {
+                    (Some(p), _) if p == phase => Ok(run),
+                    // Never looked at: say what the controller said last.
+                    (_, None) => Err(format!(
+                        "no status; the controller's log ends with:\n{}",
+                        self.controller.tail(5)
+                    )),
+                    (_, status) => Err(format!("{status:?}")),
                 }
             },
         )
