@@ -186,10 +186,18 @@ impl ControllerProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// The last `n` lines the replica logged.
+    /// The last `n` lines the replica logged (read from the file's last
+    /// 16 KiB: a debug log grows to megabytes and this is read in loops).
     pub fn tail(&self, n: usize) -> String {
-        let log = self.log();
-        let lines: Vec<&str> = log.lines().collect();
+        use std::io::{Read, Seek, SeekFrom};
+        let mut end = Vec::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log) {
+            let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+            let _ = f.seek(SeekFrom::Start(len.saturating_sub(16 * 1024)));
+            let _ = f.read_to_end(&mut end);
+        }
+        let end = String::from_utf8_lossy(&end);
+        let lines: Vec<&str> = end.lines().collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 

@@ -9,28 +9,24 @@
 //! and above the fixed ports of `e2e/` (PostgreSQL 25432/25433, etcd 23790),
 //! each once per test process, checked free when handed out.
 
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The harness's range: no `bind(0)` nor `connect` ever picks these.
-const FIRST: u16 = 26_000;
-const COUNT: u16 = 4_000;
+const FIRST: u32 = 26_000;
+const COUNT: u32 = 4_000;
+
+/// The next offset to try; each process starts at its own place, so two
+/// test processes at once (cargo runs test binaries one after another, but
+/// a person may run two) rarely meet.
+static NEXT: LazyLock<AtomicU32> = LazyLock::new(|| AtomicU32::new(std::process::id()));
 
 /// A port free on `addr` now that this process never handed out before (the
 /// child binds it next).
 pub fn reserve_on(addr: &str) -> u16 {
-    // Where this process starts: two test processes at once (cargo runs
-    // test binaries one after another, but a person may run two) rarely
-    // meet.
-    static NEXT: AtomicU16 = AtomicU16::new(u16::MAX);
-    let _ = NEXT.compare_exchange(
-        u16::MAX,
-        (std::process::id() % u32::from(COUNT)) as u16,
-        Ordering::SeqCst,
-        Ordering::SeqCst,
-    );
     let mut last = None;
     for _ in 0..COUNT {
-        let port = FIRST + NEXT.fetch_add(1, Ordering::SeqCst) % COUNT;
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT) as u16;
         match std::net::TcpListener::bind((addr, port)) {
             Ok(_) => return port,
             Err(e) => last = Some(e),
