@@ -64,7 +64,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use agentrun_side::Agentrun;
+use agentrun_side::{Agentrun, Seen};
 use python::{Peer, list_arg};
 use trace::{Trace, effects_twice, quantile, tool_calls};
 
@@ -618,13 +618,22 @@ impl Bench {
         let traces = traces(a.standins(), &script, &tenant, &runs, |r| sys.run_key(r)).await;
         let mut recovery = Vec::new();
         let mut asked_again = 0;
+        let mut stages = Vec::new();
         for (run, t) in &traces {
             let at = kills.get(run).copied().unwrap_or(f64::NAN);
             match t.next_after(at) {
-                Some(c) => recovery.push(c.at - at),
+                Some(c) => {
+                    recovery.push(c.at - at);
+                    if let System::Agentrun(a) = sys {
+                        stages.push((c.at - at, kill_stages(&a.seen.get(run), at, c.at)));
+                    }
+                }
                 None => panic!("{name}: run {run} made no request after its worker was killed"),
             }
             asked_again += t.recorded_answers_asked_again();
+        }
+        if let System::Agentrun(a) = sys {
+            self.profile_kill(a.label(), &stages);
         }
         let twice = effects_twice(a.standins(), &tenant).await;
         let f = &mut self.figures;
@@ -642,6 +651,31 @@ impl Bench {
             "{name}: recorded model answers asked again after a kill"
         );
         assert_eq!(twice, 0, "{name}: tool effects done twice after a kill");
+    }
+
+    /// agentrun's recovery after a kill, by stage (medians), and the
+    /// slowest recovery's stages whole.
+    fn profile_kill(&mut self, ours: &str, kills: &[(f64, Vec<(&'static str, f64)>)]) {
+        let mut by_stage: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        for (_, stages) in kills {
+            for (stage, secs) in stages {
+                by_stage.entry(stage).or_default().push(secs * 1e3);
+            }
+        }
+        for (stage, ms) in &by_stage {
+            let figure = format!("profile.kill.{stage}");
+            self.figures.put(&figure, ours, quantile(ms, 0.5), "ms");
+        }
+        if let Some((total, stages)) = kills.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
+            let shown: Vec<String> = stages
+                .iter()
+                .map(|(stage, secs)| format!("{stage} {:.0} ms", secs * 1e3))
+                .collect();
+            note(&format!(
+                "{ours}: the slowest recovery after a kill ({total:.1} s): {}",
+                shown.join(", ")
+            ));
+        }
     }
 
     // --- the three clocks ---------------------------------------------------------
@@ -758,6 +792,36 @@ async fn kill_agentrun_worker(a: &Agentrun, run: &str, delay_ms: u64) -> f64 {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("agentrun: no step process of run {run} to kill within 10 s");
+}
+
+/// Where a run's time went from its worker's kill (`at`) to its next
+/// request (`next`): the killed Job reported failed, the next Job seen, its
+/// pod seen, bound to the node, started, and the request. A stage not seen
+/// is left out.
+fn kill_stages(seen: &Seen, at: f64, next: f64) -> Vec<(&'static str, f64)> {
+    let failed = seen.jobs.iter().filter_map(|j| j.failed).find(|t| *t > at);
+    let job = seen.jobs.iter().map(|j| j.seen).find(|t| *t > at);
+    let pod = job.and_then(|job| seen.pods.iter().find(|p| p.created >= job));
+    let mut stages = Vec::new();
+    if let Some(failed) = failed {
+        stages.push(("kill_to_job_failed", failed - at));
+    }
+    let Some(job) = job else {
+        return stages;
+    };
+    stages.push(("kill_to_next_job", job - at));
+    let Some(pod) = pod else {
+        return stages;
+    };
+    stages.push(("next_job_to_pod_created", pod.created - job));
+    if let Some(scheduled) = pod.scheduled {
+        stages.push(("pod_created_to_scheduled", scheduled - pod.created));
+    }
+    if let Some(started) = pod.started {
+        stages.push(("pod_created_to_started", started - pod.created));
+    }
+    stages.push(("pod_created_to_request", next - pod.created));
+    stages
 }
 
 /// xorshift64: the kill points, the same for every system with one seed.

@@ -48,6 +48,18 @@ pub struct Seen {
     /// When each of its pods was first reported started (Running, or
     /// already ended).
     pub pods_running: Vec<f64>,
+    /// Its pods in the order they were first seen.
+    pub pods: Vec<PodSeen>,
+}
+
+/// One of a run's step pods: when the watch first saw it, bound to a node,
+/// started (Running, or already ended).
+#[derive(Clone, Debug)]
+pub struct PodSeen {
+    pub name: String,
+    pub created: f64,
+    pub scheduled: Option<f64>,
+    pub started: Option<f64>,
 }
 
 /// One of a run's step Jobs.
@@ -59,6 +71,8 @@ pub struct JobSeen {
     pub seen: f64,
     /// `status.startTime`, what its `activeDeadlineSeconds` counts from.
     pub started: Option<f64>,
+    /// First seen with a failed pod counted.
+    pub failed: Option<f64>,
 }
 
 #[derive(Clone, Default)]
@@ -596,23 +610,25 @@ fn watch_jobs(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
                 label("agentrun.dev/seq").parse().unwrap_or(0),
                 label("agentrun.dev/attempt").parse().unwrap_or(0),
             );
-            let started = job
-                .status
-                .as_ref()
-                .and_then(|st| st.start_time.as_ref())
-                .map(|t| unix_ts(&t.0));
+            let status = job.status.clone().unwrap_or_default();
+            let started = status.start_time.as_ref().map(|t| unix_ts(&t.0));
+            let failed = (status.failed.unwrap_or(0) > 0).then_some(t);
             seen.with(&label(RUN_LABEL), |s| {
                 match s
                     .jobs
                     .iter_mut()
                     .find(|j| j.seq == seq && j.attempt == attempt)
                 {
-                    Some(j) => j.started = j.started.or(started),
+                    Some(j) => {
+                        j.started = j.started.or(started);
+                        j.failed = j.failed.or(failed);
+                    }
                     None => s.jobs.push(JobSeen {
                         seq,
                         attempt,
                         seen: t,
                         started,
+                        failed,
                     }),
                 }
             });
@@ -626,22 +642,41 @@ fn watch_pods(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
         let mut events = watcher(api, watcher::Config::default())
             .default_backoff()
             .boxed();
-        let mut running: std::collections::HashSet<String> = Default::default();
         while let Some(event) = events.next().await {
             let Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event else {
                 continue;
             };
+            let t = now();
             // A short pod on the real node may be reported Succeeded with
             // no Running report in between (the kubelet batches its status
             // writes): its first report of a started container counts.
             let phase = pod.status.as_ref().and_then(|s| s.phase.clone());
             let started = matches!(phase.as_deref(), Some("Running" | "Succeeded" | "Failed"));
-            if !started || !running.insert(pod.name_any()) {
-                continue;
-            }
-            let t = now();
+            let scheduled = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
             let run = pod.labels().get(RUN_LABEL).cloned().unwrap_or_default();
-            seen.with(&run, |s| s.pods_running.push(t));
+            let name = pod.name_any();
+            seen.with(&run, |s| {
+                let i = match s.pods.iter().position(|p| p.name == name) {
+                    Some(i) => i,
+                    None => {
+                        s.pods.push(PodSeen {
+                            name,
+                            created: t,
+                            scheduled: None,
+                            started: None,
+                        });
+                        s.pods.len() - 1
+                    }
+                };
+                let p = &mut s.pods[i];
+                if scheduled && p.scheduled.is_none() {
+                    p.scheduled = Some(t);
+                }
+                if started && p.started.is_none() {
+                    p.started = Some(t);
+                    s.pods_running.push(t);
+                }
+            });
         }
     })
 }
