@@ -398,7 +398,7 @@ impl Bench {
         let (created, job, running, first) = (
             sent.get(run).copied(),
             seen.jobs.first().map(|j| j.seen),
-            seen.pods_running.first().copied(),
+            seen.pods_running().first().copied(),
             t.first(),
         );
         let (Some(created), Some(job), Some(first)) = (created, job, first) else {
@@ -532,7 +532,7 @@ impl Bench {
                 .await;
             let seen = a.seen.get(run);
             let job = seen.jobs.iter().map(|j| j.seen).find(|t| *t > at);
-            let pod = seen.pods_running.iter().copied().find(|t| *t > at);
+            let pod = seen.pods_running().into_iter().find(|t| *t > at);
             let uid = seen.uid.clone();
             let tool = tool_calls(a.standins(), tenant)
                 .await

@@ -45,11 +45,18 @@ pub struct Seen {
     /// Why it ended as it did: its conditions' messages.
     pub why: String,
     pub jobs: Vec<JobSeen>,
-    /// When each of its pods was first reported started (Running, or
-    /// already ended).
-    pub pods_running: Vec<f64>,
     /// Its pods in the order they were first seen.
     pub pods: Vec<PodSeen>,
+}
+
+impl Seen {
+    /// When each of its pods was first reported started (Running, or
+    /// already ended), earliest first.
+    pub fn pods_running(&self) -> Vec<f64> {
+        let mut started: Vec<f64> = self.pods.iter().filter_map(|p| p.started).collect();
+        started.sort_by(f64::total_cmp);
+        started
+    }
 }
 
 /// One of a run's step pods: when the watch first saw it, bound to a node,
@@ -674,7 +681,6 @@ fn watch_pods(client: &Client, ns: &str, seen: Watched) -> JoinHandle<()> {
                 }
                 if started && p.started.is_none() {
                     p.started = Some(t);
-                    s.pods_running.push(t);
                 }
             });
         }
