@@ -31,7 +31,7 @@ fn rules_without_agent_policies() -> Value {
         {"apiGroups": ["agentrun.dev"], "resources": ["agents/status"], "verbs": ["patch"]},
         {"apiGroups": ["agentrun.dev"], "resources": ["approvals"], "verbs": ["get", "list", "watch", "create"]},
         {"apiGroups": ["agentrun.dev"], "resources": ["approvals/status"], "verbs": ["patch"]},
-        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "delete"]},
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "patch", "delete"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
