@@ -623,29 +623,47 @@ async fn two_hundred_waiting_runs_hold_no_pod_and_survive_a_controller_restart()
         },
     )
     .await;
-    // No pod is held: every step pod has exited.
+    // No pod is held, not even an ended one: every step Job is removed with
+    // its pod, and no run names a Job any more.
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
-    common::wait_for("no running step pod", Duration::from_secs(120), || async {
-        let list = pods
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        let live = list
-            .items
-            .iter()
-            .filter(|p| {
-                !matches!(
-                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                    Some("Succeeded" | "Failed")
-                )
-            })
-            .count();
-        if live == 0 {
-            Ok(())
-        } else {
-            Err(format!("{live} pods still running"))
-        }
-    })
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), w.name());
+    common::wait_for(
+        "no step Job, pod or Job name left",
+        Duration::from_secs(120),
+        || async {
+            let all = ListParams::default();
+            let pods = pods
+                .list(&all)
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .len();
+            let jobs = jobs
+                .list(&all)
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .len();
+            let named = runs
+                .list(&all)
+                .await
+                .map_err(|e| e.to_string())?
+                .items
+                .iter()
+                .filter(|r| {
+                    let step = r.status.as_ref().and_then(|s| s.step.as_ref());
+                    step.is_some_and(|s| s.job.is_some())
+                })
+                .count();
+            if pods + jobs + named == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{pods} pods, {jobs} Jobs, {named} runs naming a Job"
+                ))
+            }
+        },
+    )
     .await;
     // Objects stay small: a waiting run and its Approval are a few kilobytes.
     let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());

@@ -136,6 +136,7 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         template: &template,
         agent_generation,
         job: job.as_ref(),
+        lease: lease.as_ref(),
         now,
     };
     let requeue = act_on(run, ctx, act, &observed, &mut acting).await?;
@@ -181,6 +182,7 @@ struct Seen<'a> {
     template: &'a AgentTemplate,
     agent_generation: Option<i64>,
     job: Option<&'a JobView>,
+    lease: Option<&'a LeaseView>,
     now: Timestamp,
 }
 
@@ -200,6 +202,7 @@ async fn act_on(
         template,
         agent_generation,
         job,
+        lease,
         now,
     } = *seen;
     Ok(match act {
@@ -220,7 +223,11 @@ async fn act_on(
             Duration::MAX
         }
         Act::HandleApproval { request_seq } => {
-            handle_approval(run, ctx, replayed, request_seq, now, acting).await?
+            let wait = handle_approval(run, ctx, replayed, request_seq, now, acting).await?;
+            if acting.awaiting.is_some() {
+                let_go_of_job(ctx, ns, job, lease, acting).await?;
+            }
+            wait
         }
         Act::Wait(d) => d,
         Act::AskToYield => {
@@ -283,6 +290,59 @@ async fn handle_approval(
         }
         None => Duration::ZERO,
     })
+}
+
+/// A run waiting for a person holds no pod, not even an ended one: once
+/// the Job that asked is done (it ended well, or its worker gave the run
+/// back and is exiting, or it is gone), the run forgets it and Kubernetes
+/// removes it with its pod as soon as it has ended, not 10 minutes later.
+/// Deleting many waiting runs then leaves the node no pods to clean up at
+/// once (a live run's next pod waited 30 s behind a thousand). A failed Job
+/// is kept: its logs say why, and the next attempt fences its worker.
+async fn let_go_of_job(
+    ctx: &Context,
+    ns: &str,
+    job: Option<&JobView>,
+    lease: Option<&LeaseView>,
+    acting: &mut Acting,
+) -> Result<(), Error> {
+    let Some(job) = job else {
+        return Ok(());
+    };
+    let done = match job.state {
+        JobState::Succeeded | JobState::Missing => true,
+        JobState::Active => lease.is_some_and(|l| l.released),
+        JobState::Failed { .. } => false,
+    };
+    if !done {
+        return Ok(());
+    }
+    if job.state != JobState::Missing {
+        remove_when_ended(ctx, ns, &job.name).await?;
+    }
+    if let Some(step) = acting.step.as_mut() {
+        step.job = None;
+    }
+    Ok(())
+}
+
+/// Sets the Job's time to live after it ends to zero: the TTL controller
+/// deletes it, and its pod, when it has ended (at once if it has).
+async fn remove_when_ended(ctx: &Context, ns: &str, name: &str) -> Result<(), Error> {
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let patch = json!({"spec": {"ttlSecondsAfterFinished": 0}});
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    match jobs.patch(name, &params, &Patch::Merge(&patch)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(source) => Err(Error::Write {
+            what: "step Job",
+            source,
+        }),
+    }
 }
 
 /// Writes the status from the log as it is after acting (read again only
@@ -819,6 +879,16 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
 /// head where the status anchors it. `None`: read the log the ordinary way
 /// (whole, and verified, for a waiting run).
 async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option<Duration>, Error> {
+    // Its step Job, still named, is let go once done (`let_go_of_job`):
+    // the Job's end wakes it for that.
+    if run
+        .status
+        .as_ref()
+        .and_then(|s| s.step.as_ref())
+        .is_some_and(|s| s.job.is_some())
+    {
+        return Ok(None);
+    }
     let now = Timestamp::now();
     let known = match ctx.memory.take_asleep(uid) {
         Some(t) if t.run_version == run.resource_version() && now < t.wake_at => Some(t),

@@ -353,6 +353,9 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
         now["status"] = shown["status"].clone();
         respond(send, 200, &now);
         assert_eq!(shown["status"]["state"], "Pending", "{shown}");
+        // The Job that asked has ended: it goes, with its pod, at once.
+        let ttl = expect(&mut handle, "PATCH", &path, job(STEP_1, complete())).await;
+        assert_eq!(ttl, json!({"spec": {"ttlSecondsAfterFinished": 0}}));
         let (status, answer) = receive_status(&mut handle).await;
         answer(&sent);
         expect_events(&mut handle, &["ApprovalRequested"]).await;
@@ -379,6 +382,11 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
         "{status}"
     );
     assert_eq!(
+        s["step"]["job"],
+        Value::Null,
+        "a waiting run names no Job: {status}"
+    );
+    assert_eq!(
         kinds(&ctx).await.len(),
         3,
         "nothing appended while it waits"
@@ -396,8 +404,6 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
         let mut handle = handle;
         // The waiting run's Approval is read before its log: it changed.
         expect(&mut handle, "GET", &approval_path, decided.clone()).await;
-        let path = format!("{JOBS}/{STEP_1}");
-        expect(&mut handle, "GET", &path, job(STEP_1, complete())).await;
         expect(&mut handle, "GET", &approval_path, decided.clone()).await;
         // The decision is in the log before the Approval's status shows it.
         let (shown, send) = receive(&mut handle, "PATCH", &format!("{approval_path}/status")).await;
@@ -441,8 +447,6 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
     let sent = run.clone();
     let status = reconcile_against(&ctx, &run, async move {
         let mut handle = handle;
-        let path = format!("{JOBS}/{STEP_1}");
-        expect(&mut handle, "GET", &path, job(STEP_1, complete())).await;
         expect_policies(&mut handle).await;
         let next = expect(&mut handle, "POST", JOBS, Value::Null).await;
         assert_eq!(next["metadata"]["name"], "r1-951103-s4-a1");
