@@ -326,6 +326,12 @@ async fn let_go_of_job(
     Ok(())
 }
 
+/// Whether a waiting run still naming `job` lets go of it later, when it
+/// ends (a failed Job is kept for good: nothing to wait for).
+fn lets_go_later(job: Option<&JobView>) -> bool {
+    job.is_some_and(|j| !matches!(j.state, JobState::Failed { .. }))
+}
+
 /// Sets the Job's time to live after it ends to zero: the TTL controller
 /// deletes it, and its pod, when it has ended (at once if it has).
 async fn remove_when_ended(ctx: &Context, ns: &str, name: &str) -> Result<(), Error> {
@@ -418,9 +424,14 @@ async fn record(
     if ends_now.is_some() {
         report_run_span(run, &new_status);
     }
+    // A waiting run whose step Job is not let go yet (its worker still
+    // holds the run) keeps its replayed log: the Job's end wakes it to let
+    // go, and that reconcile must not read the whole log again.
+    let holds_job = new_status.step.as_ref().is_some_and(|s| s.job.is_some()) && lets_go_later(job);
     let asleep = acting
         .awaiting
         .as_ref()
+        .filter(|_| !holds_job)
         .map(|w| asleep(run, replayed.head, replayed.generation(), w, version));
     keep_replayed(ctx, run, &uid, replayed, finished, asleep);
     let requeue = match finished {
@@ -880,13 +891,10 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
 /// (whole, and verified, for a waiting run).
 async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option<Duration>, Error> {
     // Its step Job, still named, is let go once done (`let_go_of_job`):
-    // the Job's end wakes it for that.
-    if run
-        .status
-        .as_ref()
-        .and_then(|s| s.step.as_ref())
-        .is_some_and(|s| s.job.is_some())
-    {
+    // the Job's end wakes it for that (after a restart: a running
+    // controller kept its log for it, see `record`).
+    let ns = run.namespace().unwrap_or_default();
+    if lets_go_later(read_job(run, ctx, &ns).await?.as_ref()) {
         return Ok(None);
     }
     let now = Timestamp::now();

@@ -89,6 +89,15 @@ fn complete() -> Value {
 /// (unsigned, as a runner's records are) and, if `release`, gives the run
 /// back. Returns the epoch it held.
 async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool) -> u64 {
+    let lease = step_pod_holding(ctx, steps, ttl).await;
+    if release {
+        ctx.store.release(&lease).await.unwrap();
+    }
+    lease.epoch
+}
+
+/// A step pod that appends `steps` and still holds the run: its lease.
+async fn step_pod_holding(ctx: &Context, steps: Vec<Step>, ttl: Duration) -> crate::store::Lease {
     use crate::store::RecordDraft;
     let lease = ctx.store.acquire(UID, "r1-pod", ttl).await.unwrap();
     let mut head = ctx.store.head(UID).await.unwrap();
@@ -103,10 +112,7 @@ async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool)
             .unwrap()
             .head();
     }
-    if release {
-        ctx.store.release(&lease).await.unwrap();
-    }
-    lease.epoch
+    lease
 }
 
 /// Whether the worker that held the lease at `epoch` is fenced: the lease
@@ -458,6 +464,91 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
     })
     .await;
     assert_eq!(status["status"]["step"]["seq"], 4, "{status}");
+}
+
+#[tokio::test]
+async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_its_log_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle, run) = started(dir.path(), gated_run()).await;
+
+    // Step 1's pod asks for approval and still holds the run when the
+    // controller raises the Approval.
+    let args = json!({"amount": 500});
+    let call = ToolCall {
+        id: "c0".into(),
+        name: "issue_refund".into(),
+        arguments: args.clone(),
+    };
+    step_pod(
+        &ctx,
+        vec![model_call(None, vec![call])],
+        Duration::from_secs(30),
+        true,
+    )
+    .await;
+    let request = approval_request(&replayed(&ctx).await, 2, 1, args);
+    let lease = step_pod_holding(&ctx, vec![request], Duration::from_secs(30)).await;
+    let name = crate::controller::approvals::approval_name("r1", UID, 2);
+    let approval_path = format!("{APPROVALS}/{name}");
+    let job_path = format!("{JOBS}/{STEP_1}");
+
+    let (sent, p, path) = (run.clone(), approval_path.clone(), job_path.clone());
+    let (handle, raised, status) = reconcile_against(&ctx, &run, async move {
+        let mut handle = handle;
+        expect(&mut handle, "GET", &path, job(STEP_1, running())).await;
+        expect_not_found(&mut handle, "GET", &p).await;
+        expect(&mut handle, "GET", APPROVALS, list("Approval")).await;
+        let raised = expect(&mut handle, "POST", APPROVALS, Value::Null).await;
+        let (shown, send) = receive(&mut handle, "PATCH", &format!("{p}/status")).await;
+        let mut now = raised.clone();
+        now["status"] = shown["status"].clone();
+        respond(send, 200, &now);
+        // Its worker holds the run: the Job is not let go yet.
+        let (status, answer) = receive_status(&mut handle).await;
+        answer(&sent);
+        expect_events(&mut handle, &["ApprovalRequested"]).await;
+        expect_nothing_more(&mut handle).await;
+        (handle, raised, status)
+    })
+    .await;
+    let s = &status["status"];
+    assert_eq!(
+        (&s["phase"], &s["step"]["job"]),
+        (&json!("AwaitingApproval"), &json!(STEP_1)),
+        "{status}"
+    );
+
+    // The worker gives the run back and its Job completes: the run lets go
+    // of the Job without reading its log again (it kept it for this).
+    ctx.store.release(&lease).await.unwrap();
+    let read_before = ctx.metrics.store_read_records.get();
+    let mut pending = raised.clone();
+    pending["status"] = json!({"state": "Pending"});
+    let run = super::with_status(run, &status);
+    let sent = run.clone();
+    let status = reconcile_against(&ctx, &run, async move {
+        let mut handle = handle;
+        expect(&mut handle, "GET", &job_path, job(STEP_1, complete())).await;
+        expect(&mut handle, "GET", &approval_path, pending).await;
+        let ttl = expect(&mut handle, "PATCH", &job_path, job(STEP_1, complete())).await;
+        assert_eq!(ttl, json!({"spec": {"ttlSecondsAfterFinished": 0}}));
+        let (status, answer) = receive_status(&mut handle).await;
+        answer(&sent);
+        expect_nothing_more(&mut handle).await;
+        status
+    })
+    .await;
+    let s = &status["status"];
+    assert_eq!(
+        (&s["phase"], &s["step"]["job"]),
+        (&json!("AwaitingApproval"), &Value::Null),
+        "{status}"
+    );
+    assert_eq!(
+        ctx.metrics.store_read_records.get(),
+        read_before,
+        "no record read again"
+    );
 }
 
 /// A running step whose pod took the lease for a moment and never renewed
