@@ -687,7 +687,10 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
                 .is_some_and(|l| l.contains_key("agentrun.dev/run"))
         })
         .collect();
-    assert!(steps.len() >= 5, "{} step pods", steps.len());
+    // At least: the refund's, the approved big refund's (the pod that asked
+    // for its approval is gone: a waiting run lets go of its ended Job), and
+    // the crash run's killed pod and its successor.
+    assert!(steps.len() >= 4, "{} step pods", steps.len());
     for p in &steps {
         let spec = p.spec.as_ref().unwrap();
         assert_eq!(spec.service_account_name.as_deref(), Some("agentrun-step"));
