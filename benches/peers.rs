@@ -524,23 +524,28 @@ impl Bench {
         cost.stored = Pg::connect(&a.store_url().await).await.bytes(&uids).await as f64;
         cost.api_stored = (a.api_bytes().await.saturating_sub(api_before)) as f64;
         let mut sent = HashMap::new();
-        let mut stages: Vec<[f64; 4]> = Vec::new();
+        let mut stages: Vec<[Option<f64>; 4]> = Vec::new();
         for run in decided {
             let at = a.approve(run).await;
             sent.insert(run.clone(), at);
             a.wait_succeeded(std::slice::from_ref(run), Duration::from_secs(120))
                 .await;
+            // A real node's kubelet may report the pod started after the
+            // run's end: its report is waited for a little.
+            let pod = pod_started_after(a, run, at).await;
             let seen = a.seen.get(run);
             let job = seen.jobs.iter().map(|j| j.seen).find(|t| *t > at);
-            let pod = seen.pods_running().into_iter().find(|t| *t > at);
-            let uid = seen.uid.clone();
             let tool = tool_calls(a.standins(), tenant)
                 .await
-                .remove(&uid)
+                .remove(&seen.uid)
                 .and_then(|c| c.iter().map(|c| c.at).find(|t| *t > at));
-            if let (Some(job), Some(pod), Some(tool)) = (job, pod, tool) {
-                stages.push([job - at, pod - job, tool - pod, tool - job]);
-            }
+            let between = |from: Option<f64>, to: Option<f64>| Some(to? - from?);
+            stages.push([
+                between(Some(at), job),
+                between(job, pod),
+                between(pod, tool),
+                between(job, tool),
+            ]);
         }
         for (i, stage) in [
             "decision_to_job",
@@ -552,7 +557,11 @@ impl Bench {
         .iter()
         .enumerate()
         {
-            let ms: Vec<f64> = stages.iter().map(|s| s[i] * 1e3).collect();
+            let ms: Vec<f64> = stages
+                .iter()
+                .filter_map(|s| s[i])
+                .map(|s| s * 1e3)
+                .collect();
             self.figures.put(
                 &format!("profile.resume.{stage}"),
                 a.label(),
@@ -792,6 +801,19 @@ async fn kill_agentrun_worker(a: &Agentrun, run: &str, delay_ms: u64) -> f64 {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     panic!("agentrun: no step process of run {run} to kill within 10 s");
+}
+
+/// When a pod of run `run` was first reported started after `at`, waited
+/// for up to 10 s (the kubelet writes pod statuses in batches); `None` if
+/// it never was.
+async fn pod_started_after(a: &Agentrun, run: &str, at: f64) -> Option<f64> {
+    for _ in 0..400 {
+        if let Some(t) = a.seen.get(run).pods_running().into_iter().find(|t| *t > at) {
+            return Some(t);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    None
 }
 
 /// Where a run's time went from its worker's kill (`at`) to its next
