@@ -502,14 +502,17 @@ impl Bench {
         let timeout = Duration::from_secs(60 + all.len() as u64);
         a.wait_all("awaiting approval", &all, timeout, |s| s.approval.is_some())
             .await;
-        // Their step pods exited after asking; the window starts once they are gone.
+        // Their step pods exited after asking, and each run let go of its
+        // ended Job: the window starts once Kubernetes has removed them (a
+        // waiting run holds no Job and no pod), so that it measures waiting,
+        // not the clean-up.
         common::wait_for(
-            "the step pods of the waiting runs to be gone",
-            Duration::from_secs(120),
+            "the step Jobs and pods of the waiting runs to be gone",
+            Duration::from_secs(300),
             || async {
-                match a.running_pods().await {
+                match a.step_objects_of(&all).await {
                     0 => Ok(()),
-                    n => Err(format!("{n} pods")),
+                    n => Err(format!("{n} Jobs and pods")),
                 }
             },
         )

@@ -544,15 +544,30 @@ impl Agentrun {
 
     /// Step pods of the namespace still running (finished ones stay until
     /// their Job's TTL, holding nothing).
-    pub async fn running_pods(&self) -> usize {
-        let pods: Api<Pod> = Api::namespaced(self.client.clone(), self.name());
-        let done = |p: &Pod| {
-            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
-            matches!(phase, Some("Succeeded" | "Failed"))
+    /// How many step Jobs and pods of `runs` exist (in any phase).
+    pub async fn step_objects_of(&self, runs: &[String]) -> usize {
+        let ns = self.name();
+        let of_runs = |labels: Option<&std::collections::BTreeMap<String, String>>| {
+            labels
+                .and_then(|l| l.get(RUN_LABEL))
+                .is_some_and(|r| runs.contains(r))
         };
-        pods.list(&ListParams::default().labels(RUN_LABEL))
-            .await
-            .map_or(0, |l| l.items.iter().filter(|p| !done(p)).count())
+        let lp = ListParams::default().labels(RUN_LABEL);
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), ns);
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let jobs = jobs.list(&lp).await.map_or(usize::MAX / 2, |l| {
+            l.items
+                .iter()
+                .filter(|j| of_runs(j.metadata.labels.as_ref()))
+                .count()
+        });
+        let pods = pods.list(&lp).await.map_or(usize::MAX / 2, |l| {
+            l.items
+                .iter()
+                .filter(|p| of_runs(p.metadata.labels.as_ref()))
+                .count()
+        });
+        jobs + pods
     }
 }
 
