@@ -502,21 +502,28 @@ impl Bench {
         let timeout = Duration::from_secs(60 + all.len() as u64);
         a.wait_all("awaiting approval", &all, timeout, |s| s.approval.is_some())
             .await;
-        // Their step pods exited after asking, and each run let go of its
-        // ended Job: the window starts once Kubernetes has removed them (a
-        // waiting run holds no Job and no pod), so that it measures waiting,
-        // not the clean-up.
+        // Their step pods exited after asking, and each run let go of the
+        // Job that asked: the window starts once Kubernetes has removed
+        // those, so that it measures waiting, not the clean-up.
         common::wait_for(
-            "the step Jobs and pods of the waiting runs to be gone",
+            "the waiting runs' step pods to end and the Jobs they let go to be gone",
             Duration::from_secs(300),
             || async {
-                match a.step_objects_of(&all).await {
+                match a.not_yet_let_go(&all).await {
                     0 => Ok(()),
-                    n => Err(format!("{n} Jobs and pods")),
+                    n => Err(format!("{n} pods running or Jobs let go")),
                 }
             },
         )
         .await;
+        // Jobs an earlier step left before its run came to wait (kept for
+        // their usual time to live).
+        let kept = a.jobs_of(&all).await;
+        note(&format!(
+            "{}: {kept} step Jobs kept by {} waiting runs",
+            a.label(),
+            all.len()
+        ));
         let mut cost = Cost::measure(
             self.cfg.idle,
             a.engine_pids().await,

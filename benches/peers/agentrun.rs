@@ -544,8 +544,11 @@ impl Agentrun {
 
     /// Step pods of the namespace still running (finished ones stay until
     /// their Job's TTL, holding nothing).
-    /// How many step Jobs and pods of `runs` exist (in any phase).
-    pub async fn step_objects_of(&self, runs: &[String]) -> usize {
+    /// How many step pods of `runs` still run, and Jobs of theirs are let
+    /// go but not yet removed (`ttlSecondsAfterFinished: 0`). An earlier
+    /// step's ended Job, left behind before its run came to wait, keeps its
+    /// usual time to live and is not counted.
+    pub async fn not_yet_let_go(&self, runs: &[String]) -> usize {
         let ns = self.name();
         let of_runs = |labels: Option<&std::collections::BTreeMap<String, String>>| {
             labels
@@ -555,19 +558,38 @@ impl Agentrun {
         let lp = ListParams::default().labels(RUN_LABEL);
         let jobs: Api<Job> = Api::namespaced(self.client.clone(), ns);
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let let_go =
+            |j: &Job| j.spec.as_ref().and_then(|s| s.ttl_seconds_after_finished) == Some(0);
+        let running = |p: &Pod| {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            !matches!(phase, Some("Succeeded" | "Failed"))
+        };
         let jobs = jobs.list(&lp).await.map_or(usize::MAX / 2, |l| {
             l.items
                 .iter()
-                .filter(|j| of_runs(j.metadata.labels.as_ref()))
+                .filter(|j| of_runs(j.metadata.labels.as_ref()) && let_go(j))
                 .count()
         });
         let pods = pods.list(&lp).await.map_or(usize::MAX / 2, |l| {
             l.items
                 .iter()
-                .filter(|p| of_runs(p.metadata.labels.as_ref()))
+                .filter(|p| of_runs(p.metadata.labels.as_ref()) && running(p))
                 .count()
         });
         jobs + pods
+    }
+
+    /// How many step Jobs of `runs` exist, in any state.
+    pub async fn jobs_of(&self, runs: &[String]) -> usize {
+        let jobs: Api<Job> = Api::namespaced(self.client.clone(), self.name());
+        jobs.list(&ListParams::default().labels(RUN_LABEL))
+            .await
+            .map_or(0, |l| {
+                l.items
+                    .iter()
+                    .filter(|j| j.labels().get(RUN_LABEL).is_some_and(|r| runs.contains(r)))
+                    .count()
+            })
     }
 }
 
