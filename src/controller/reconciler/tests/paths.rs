@@ -319,13 +319,10 @@ fn approval_request(
     })
 }
 
-#[tokio::test]
-async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ctx, handle, run) = started(dir.path(), gated_run()).await;
-
-    // Step 1's pod: the model proposes a refund of 500, the pod asks for
-    // approval (records 1 and 2), gives the run back and exits.
+/// Step 1's first pod: the model proposes a refund of 500 (record 1) and
+/// the pod gives the run back. The approval request the step's next pod
+/// appends (record 2), and the arguments.
+async fn refund_proposed(ctx: &Context) -> (Step, Value) {
     let args = json!({"amount": 500});
     let call = ToolCall {
         id: "c0".into(),
@@ -333,13 +330,38 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
         arguments: args.clone(),
     };
     step_pod(
-        &ctx,
+        ctx,
         vec![model_call(None, vec![call])],
         Duration::from_secs(30),
         true,
     )
     .await;
-    let request = approval_request(&replayed(&ctx).await, 2, 1, args.clone());
+    let request = approval_request(&replayed(ctx).await, 2, 1, args.clone());
+    (request, args)
+}
+
+/// The Approval at `path` looked for (by its name, then by the run's
+/// label), raised and its status set Pending: the Approval raised.
+async fn expect_raised(handle: &mut Handle, path: &str) -> Value {
+    expect_not_found(handle, "GET", path).await;
+    expect(handle, "GET", APPROVALS, list("Approval")).await;
+    let raised = expect(handle, "POST", APPROVALS, Value::Null).await;
+    let (shown, send) = receive(handle, "PATCH", &format!("{path}/status")).await;
+    let mut now = raised.clone();
+    now["status"] = shown["status"].clone();
+    respond(send, 200, &now);
+    assert_eq!(shown["status"]["state"], "Pending", "{shown}");
+    raised
+}
+
+#[tokio::test]
+async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle, run) = started(dir.path(), gated_run()).await;
+
+    // Step 1's pod: the model proposes a refund of 500, the pod asks for
+    // approval (records 1 and 2), gives the run back and exits.
+    let (request, args) = refund_proposed(&ctx).await;
     step_pod(&ctx, vec![request], Duration::from_secs(30), true).await;
     let name = crate::controller::approvals::approval_name("r1", UID, 2);
     let approval_path = format!("{APPROVALS}/{name}");
@@ -351,14 +373,7 @@ async fn an_approval_is_raised_then_its_decision_is_logged_before_any_status() {
         let mut handle = handle;
         let path = format!("{JOBS}/{STEP_1}");
         expect(&mut handle, "GET", &path, job(STEP_1, complete())).await;
-        expect_not_found(&mut handle, "GET", &p).await;
-        expect(&mut handle, "GET", APPROVALS, list("Approval")).await;
-        let raised = expect(&mut handle, "POST", APPROVALS, Value::Null).await;
-        let (shown, send) = receive(&mut handle, "PATCH", &format!("{p}/status")).await;
-        let mut now = raised.clone();
-        now["status"] = shown["status"].clone();
-        respond(send, 200, &now);
-        assert_eq!(shown["status"]["state"], "Pending", "{shown}");
+        let raised = expect_raised(&mut handle, &p).await;
         // The Job that asked has ended: it goes, with its pod, at once.
         let ttl = expect(&mut handle, "PATCH", &path, job(STEP_1, complete())).await;
         assert_eq!(ttl, json!({"spec": {"ttlSecondsAfterFinished": 0}}));
@@ -473,20 +488,7 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
 
     // Step 1's pod asks for approval and still holds the run when the
     // controller raises the Approval.
-    let args = json!({"amount": 500});
-    let call = ToolCall {
-        id: "c0".into(),
-        name: "issue_refund".into(),
-        arguments: args.clone(),
-    };
-    step_pod(
-        &ctx,
-        vec![model_call(None, vec![call])],
-        Duration::from_secs(30),
-        true,
-    )
-    .await;
-    let request = approval_request(&replayed(&ctx).await, 2, 1, args);
+    let (request, _) = refund_proposed(&ctx).await;
     let lease = step_pod_holding(&ctx, vec![request], Duration::from_secs(30)).await;
     let name = crate::controller::approvals::approval_name("r1", UID, 2);
     let approval_path = format!("{APPROVALS}/{name}");
@@ -496,13 +498,7 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
     let (handle, raised, status) = reconcile_against(&ctx, &run, async move {
         let mut handle = handle;
         expect(&mut handle, "GET", &path, job(STEP_1, running())).await;
-        expect_not_found(&mut handle, "GET", &p).await;
-        expect(&mut handle, "GET", APPROVALS, list("Approval")).await;
-        let raised = expect(&mut handle, "POST", APPROVALS, Value::Null).await;
-        let (shown, send) = receive(&mut handle, "PATCH", &format!("{p}/status")).await;
-        let mut now = raised.clone();
-        now["status"] = shown["status"].clone();
-        respond(send, 200, &now);
+        let raised = expect_raised(&mut handle, &p).await;
         // Its worker holds the run: the Job is not let go yet.
         let (status, answer) = receive_status(&mut handle).await;
         answer(&sent);
