@@ -523,6 +523,59 @@ async fn follow_of_a_run_deleted_meanwhile_ends_with_an_error_naming_the_deletio
     );
 }
 
+/// Revocation reaches open streams (issue 39): alice follows a running
+/// run's log; her RoleBinding is removed; the stream ends with a Forbidden
+/// ERROR within twice the authorizer's TTL (10 s), not when the run ends.
+#[tokio::test]
+async fn a_follow_ends_forbidden_once_the_followers_binding_is_removed() {
+    use k8s_openapi::api::rbac::v1::RoleBinding;
+    let api = LogApiWorld::start("logrevoke").await;
+    let ns = api.ns();
+    log_api::grant_reader(&api.world.client, ns, "alice").await;
+    // The model never answers in time: the run stays running throughout.
+    let replies = json!([{"text": "too late", "delayMs": 600_000}]);
+    create_run(&api, "watched", replies).await;
+    wait_served(&api.world.client, ns, "watched").await;
+
+    let alice = common::client_as("alice").await;
+    let mut follow = Follow::open(&alice, ns, "watched", "follow=true")
+        .await
+        .expect("alice may follow");
+    let first = follow.next(EVENT_WITHIN).await.expect("a first event");
+    assert_eq!(first.kind, ADDED, "{first:?}");
+    Api::<RoleBinding>::namespaced(api.world.client.clone(), ns)
+        .delete("alice-log-reader", &DeleteParams::default())
+        .await
+        .expect("removing alice's binding");
+
+    let last = loop {
+        let event = follow
+            .next(Duration::from_secs(30))
+            .await
+            .expect("an event saying why the stream ends");
+        if event.kind != ADDED {
+            break event;
+        }
+    };
+    assert_eq!(last.kind, ERROR, "{last:?}");
+    assert_eq!(last.object["code"], 403, "{last:?}");
+    assert_eq!(last.object["reason"], "Forbidden", "{last:?}");
+    assert!(
+        follow.next(Duration::from_secs(10)).await.is_none(),
+        "the stream ends after its ERROR"
+    );
+    let run = Api::<AgentRun>::namespaced(api.world.client.clone(), ns)
+        .get("watched")
+        .await
+        .unwrap();
+    assert!(
+        !run.status
+            .and_then(|s| s.phase)
+            .is_some_and(|p| p.is_terminal()),
+        "the stream ended for the revocation, not the run's end"
+    );
+}
+
 #[tokio::test]
 async fn a_record_rewritten_by_the_database_superuser_fails_verification_naming_its_seq() {
     let api = LogApiWorld::start("logtamper").await;

@@ -15,6 +15,8 @@ mod discovery;
 mod egress;
 #[path = "trust/gates.rs"]
 mod gates;
+#[path = "trust/gitops.rs"]
+mod gitops;
 #[path = "trust/keys.rs"]
 mod keys;
 #[path = "trust/servers.rs"]

@@ -230,6 +230,13 @@ async fn act_on(
             wait
         }
         Act::Wait(d) => d,
+        Act::AwaitPolicy {
+            waiting_on,
+            message,
+        } => {
+            acting.policy = Some((waiting_on, message));
+            POLICY_RECHECK
+        }
         Act::AskToYield => {
             ctx.store.request_yield(uid).await.map_err(Error::Store)?;
             idle_requeue(ctx, run, now)
@@ -406,6 +413,15 @@ async fn record(
         log.checkpoint = next_checkpoint(run, ctx, &uid, &replayed);
     }
     let mut notices = acting.notices;
+    let awaited = acting
+        .policy
+        .as_ref()
+        .map(|(w, m)| (w.as_str(), m.as_str()));
+    if let Some((warn, reason, message)) =
+        status::set_allowed(&mut new_status, awaited, run.metadata.generation, now)
+    {
+        notices.push(notice(warn, reason, message));
+    }
     let ends_now = ends_now(run, &new_status);
     if let Some(outcome) = ends_now {
         notices.push(end_notice(outcome, &new_status));
@@ -444,6 +460,10 @@ async fn record(
         d => Action::requeue(d),
     })
 }
+
+/// How often a run waiting for an AgentPolicy looks again (policies do not
+/// wake runs; a GitOps apply brings the policy within moments).
+const POLICY_RECHECK: Duration = Duration::from_secs(5);
 
 /// "Look again at once": after a write of the controller's own (its status,
 /// a record), long enough for the watch to bring the run's new version back
@@ -530,6 +550,8 @@ struct Acting {
     idle: bool,
     /// The time the decision was made for.
     now: Timestamp,
+    /// What the run waits for from the platform (waitingOn, why), if anything.
+    policy: Option<(String, String)>,
 }
 
 impl Acting {
@@ -547,6 +569,7 @@ impl Acting {
             began,
             idle: false,
             now,
+            policy: None,
         }
     }
 }
@@ -567,23 +590,29 @@ async fn govern(
     ) {
         return Ok((act, template));
     }
-    let judge = |platform: &crate::controller::watchers::platform::Platform| {
+    use crate::controller::watchers::platform::{self, Platform};
+    // What a later object can still give is waited for; only what none can
+    // fix ends the run.
+    let judge = |platform: &Platform| {
         let governed = platform.govern(&template);
-        let refused = platform.refusal(run, &template).or_else(|| {
-            crate::controller::watchers::platform::Platform::unjudgeable(run, &governed)
-        });
-        (governed, refused)
+        let awaited = platform.awaited(&template);
+        let refused = platform
+            .forbidden_inline(run)
+            .or_else(|| {
+                awaited
+                    .is_none()
+                    .then(|| platform.refusal(run, &template))?
+            })
+            .or_else(|| Platform::unjudgeable(run, &governed));
+        (governed, refused, awaited)
     };
-    let platform =
-        crate::controller::watchers::platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns)
-            .await?;
-    let (mut governed, mut refused) = judge(&platform);
-    if refused.is_some() && ctx.policy_cache.is_some() {
-        // A refusal ends the run for good, and the watch cache may not have
-        // seen a policy created together with the run yet: the API server's
-        // own policies decide it.
-        let platform = crate::controller::watchers::platform::read(&ctx.client, None, ns).await?;
-        (governed, refused) = judge(&platform);
+    let cached = platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns).await?;
+    let (mut governed, mut refused, mut awaited) = judge(&cached);
+    if (refused.is_some() || awaited.is_some()) && ctx.policy_cache.is_some() {
+        // The watch cache may not have seen a policy created together with
+        // the run yet: the API server's own policies decide it.
+        let platform = platform::read(&ctx.client, None, ns).await?;
+        (governed, refused, awaited) = judge(&platform);
     }
     let template = governed;
     let failed = |result, reason| RunFinished {
@@ -591,12 +620,16 @@ async fn govern(
         result,
         error: Some(reason),
     };
-    let act = match (act, refused) {
-        (Act::StartRun, Some(reason)) => Act::Conclude(failed(None, reason)),
-        (Act::FollowAgent | Act::CreateJob { .. }, Some(reason)) => {
+    let act = match (act, refused, awaited) {
+        (Act::StartRun, Some(reason), _) => Act::Conclude(failed(None, reason)),
+        (Act::FollowAgent | Act::CreateJob { .. }, Some(reason), _) => {
             Act::Finish(failed(log.last_text(), reason))
         }
-        (act, _) => act,
+        (_, None, Some(a)) => Act::AwaitPolicy {
+            waiting_on: a.waiting_on,
+            message: a.message,
+        },
+        (act, _, _) => act,
     };
     Ok((act, template))
 }

@@ -125,6 +125,13 @@ pub enum Act {
     },
     /// Nothing now; look again after this long.
     Wait(Duration),
+    /// The run waits for something a later object can still give (an
+    /// AgentPolicy allowance), with no Job: shown in `status.waitingOn`
+    /// and the `Allowed` condition; its deadline still applies.
+    AwaitPolicy {
+        waiting_on: String,
+        message: String,
+    },
     /// Ask the worker to stop at its next step boundary (the Agent of a
     /// FollowLatest run changed under a running step), then as [`Act::Idle`].
     AskToYield,

@@ -306,6 +306,38 @@ fn set_running(
     set_condition(&mut s.conditions, c);
 }
 
+/// Condition type: whether the platform's policies let the run go on.
+pub const ALLOWED: &str = "Allowed";
+
+/// Sets `Allowed` for a run that waits for a policy (`awaited`: what and
+/// why) or no longer does; returns the Event to publish when it changed
+/// (warning, reason, message). A run never held back gets no condition.
+pub fn set_allowed(
+    s: &mut AgentRunStatus,
+    awaited: Option<(&str, &str)>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Option<(bool, &'static str, String)> {
+    let was = s.conditions.iter().find(|c| c.type_ == ALLOWED);
+    let was_waiting = was.is_some_and(|c| c.status == "False");
+    match awaited {
+        Some((waiting_on, message)) => {
+            s.waiting_on = Some(waiting_on.to_string());
+            let changed = was.is_none_or(|c| c.status != "False" || c.message != message);
+            let c = condition(ALLOWED, false, "WaitingForPolicy", message, generation, now);
+            set_condition(&mut s.conditions, c);
+            changed.then(|| (true, "WaitingForPolicy", message.to_string()))
+        }
+        None if was_waiting => {
+            let message = "the platform's policies allow the run";
+            let c = condition(ALLOWED, true, "Allowed", message, generation, now);
+            set_condition(&mut s.conditions, c);
+            Some((false, "PolicyAllowed", message.to_string()))
+        }
+        None => None,
+    }
+}
+
 fn phase_name(phase: Phase) -> &'static str {
     match phase {
         Phase::Pending => "Pending",

@@ -625,6 +625,103 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
     assert_eq!(kinds, ["RunStarted"], "the run started, not concluded");
 }
 
+/// A GitOps apply may bring the run before the AgentPolicy that lets it
+/// use its Secret: the run waits, Pending, saying what for (no record, no
+/// Job), and starts once the policy is there, never failing on the way.
+#[tokio::test]
+async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir.path()).await);
+    let mut run = run();
+    run.spec.agent.as_mut().unwrap().model.secret_ref =
+        Some(serde_json::from_value(json!({"name": "model-key", "key": "apiKey"})).unwrap());
+
+    // No policy yet: the run waits.
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        expect_policies(&mut handle).await;
+        let status = expect_status(&mut handle, &sent).await;
+        expect_events(&mut handle, &["AgentResolved", "WaitingForPolicy"]).await;
+        expect_nothing_more(&mut handle).await;
+        (status, handle)
+    });
+    let action = crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let (status, mut handle) = server.await.unwrap();
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(std::time::Duration::from_secs(5))
+    );
+    let st = &status["status"];
+    assert_eq!(st["phase"], "Pending", "{status}");
+    assert_eq!(st["waitingOn"], "agentpolicy/allowedSecrets/model-key");
+    let allowed = st["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Allowed")
+        .expect("an Allowed condition");
+    assert_eq!(
+        (&allowed["status"], &allowed["reason"]),
+        (&json!("False"), &json!("WaitingForPolicy"))
+    );
+    assert!(
+        allowed["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.model.secretRef")
+    );
+    assert!(
+        ctx.store.read_all("uid-r1").await.unwrap().is_empty(),
+        "nothing recorded"
+    );
+
+    // The policy arrives: the same run (with the status it wrote) starts.
+    let run = with_status(run, &status);
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
+            list("ClusterAgentPolicy"),
+        )
+        .await;
+        let mut policies = list("AgentPolicy");
+        policies["items"] = json!([{
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+            "metadata": {"name": "platform", "namespace": "ns"},
+            "spec": {"allowedSecrets": [{"name": "model-key"}]}
+        }]);
+        expect(
+            &mut handle,
+            "GET",
+            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+            policies,
+        )
+        .await;
+        let status = expect_status(&mut handle, &sent).await;
+        expect_events(&mut handle, &["RunStarted", "PolicyAllowed"]).await;
+        expect_nothing_more(&mut handle).await;
+        status
+    });
+    crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone())
+        .await
+        .unwrap();
+    let status = server.await.unwrap();
+    assert_ne!(status["status"]["phase"], "Failed", "{status}");
+    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["RunStarted"],
+        "the run started once the policy came"
+    );
+}
+
 mod paths;
 
 /// Approval webhooks are counted by outcome: one the egress policy refuses

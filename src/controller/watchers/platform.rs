@@ -152,16 +152,42 @@ impl Platform {
     }
 }
 
+/// What a run waits for before the platform lets it go on: something a
+/// later object (an AgentPolicy applied after the run) can still give.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Awaited {
+    /// For `status.waitingOn`: `agentpolicy/allowedSecrets/NAME`.
+    pub waiting_on: String,
+    /// Why, naming the field and what would end the wait.
+    pub message: String,
+}
+
+impl Platform {
+    /// What the run waits for, if anything: its model's Secret is not (yet)
+    /// listed in any AgentPolicy of its namespace. Unlike a refusal, an
+    /// AgentPolicy applied later (a GitOps apply in any file order) ends it.
+    pub fn awaited(&self, template: &AgentTemplate) -> Option<Awaited> {
+        let key = template.model.secret_ref.as_ref()?;
+        if self.secrets.iter().any(|s| s.name == key.name) {
+            return None;
+        }
+        Some(Awaited {
+            waiting_on: format!("agentpolicy/allowedSecrets/{}", key.name),
+            message: format!(
+                "spec.model.secretRef: Secret {:?} is not listed in an AgentPolicy's allowedSecrets in this namespace \
+                 (yet): the run waits until one lists it, or until spec.deadline passes",
+                key.name
+            ),
+        })
+    }
+}
+
 impl Platform {
     /// Why the run may not start or get a Job under these policies, naming
     /// the field; `None` when it may.
     pub fn refusal(&self, run: &AgentRun, template: &AgentTemplate) -> Option<String> {
-        if run.spec.agent.is_some()
-            && let Some(by) = &self.forbids_inline
-        {
-            return Some(format!(
-                "spec.agent: inline agents are forbidden here by {by}; name an Agent in spec.agentRef"
-            ));
+        if let Some(why) = self.forbidden_inline(run) {
+            return Some(why);
         }
         let key = template.model.secret_ref.as_ref()?;
         let Some(allowed) = self.secrets.iter().find(|s| s.name == key.name) else {
@@ -200,6 +226,17 @@ impl Platform {
             ));
         }
         None
+    }
+
+    /// Why the run's inline agent is refused, if a policy forbids inline agents.
+    pub fn forbidden_inline(&self, run: &AgentRun) -> Option<String> {
+        let by = self
+            .forbids_inline
+            .as_ref()
+            .filter(|_| run.spec.agent.is_some())?;
+        Some(format!(
+            "spec.agent: inline agents are forbidden here by {by}; name an Agent in spec.agentRef"
+        ))
     }
 
     /// Why the governed agent cannot judge this run: separation of duties

@@ -56,6 +56,11 @@ impl Authorizer {
         }
     }
 
+    /// How long an answer is remembered.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// Whether `user` may ask `question`; an API failure is an error (the
     /// caller answers 503, never a yes).
     pub async fn check(&self, user: &User, question: &Question) -> anyhow::Result<Answer> {

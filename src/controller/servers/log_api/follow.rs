@@ -18,6 +18,8 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::mpsc;
 
+use super::authorize::{Answer, Question};
+use super::front_proxy::User;
 use super::pages::meta;
 use super::{LogApi, status, status_body};
 use crate::api::AgentRun;
@@ -29,9 +31,16 @@ use crate::store::{Head, Record, StepKind, StoreError};
 const POLL_PUSHED: Duration = Duration::from_secs(30);
 const POLL_UNPUSHED: Duration = Duration::from_secs(1);
 
+/// Who follows, and the question their access was granted for: asked
+/// again while the stream lasts, so a removed RoleBinding ends it.
+pub struct Access {
+    pub user: User,
+    pub question: Question,
+}
+
 /// The stream response for `run`'s log from seq `from` on, or the error
 /// to answer instead (a `from` past the log's end, an unreachable store).
-pub async fn stream(api: LogApi, run: AgentRun, from: u64) -> Response {
+pub async fn stream(api: LogApi, run: AgentRun, from: u64, access: Access) -> Response {
     let uid = run.metadata.uid.clone().unwrap_or_default();
     let base = match base_of(&api, &uid, from).await {
         Ok(Some(base)) => base,
@@ -51,7 +60,14 @@ pub async fn stream(api: LogApi, run: AgentRun, from: u64) -> Response {
         }
     };
     let (tx, rx) = mpsc::channel::<Bytes>(16);
-    tokio::spawn(Follower { api, run, uid, tx }.run(base));
+    let follower = Follower {
+        api,
+        run,
+        uid,
+        tx,
+        access,
+    };
+    tokio::spawn(follower.run(base));
     let body = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
@@ -81,6 +97,7 @@ struct Follower {
     run: AgentRun,
     uid: String,
     tx: mpsc::Sender<Bytes>,
+    access: Access,
 }
 
 /// Why following ended.
@@ -103,6 +120,10 @@ impl Follower {
         } else {
             POLL_UNPUSHED
         };
+        // Access is asked again as often as an answer is remembered, so a
+        // revocation ends the stream within twice the authorizer's TTL.
+        let recheck = self.api.authorizer.ttl().max(Duration::from_secs(1));
+        let mut rechecks = tokio::time::interval_at(tokio::time::Instant::now() + recheck, recheck);
         let end = if finished {
             End::Finished(None)
         } else {
@@ -117,6 +138,9 @@ impl Follower {
                     () = tokio::time::sleep(poll) => {}
                     () = &mut gone => break self.deleted(base),
                     () = self.tx.closed() => break End::Closed,
+                    _ = rechecks.tick() => if let Some(end) = self.revoked(base).await {
+                        break end;
+                    },
                 }
             }
         };
@@ -181,6 +205,31 @@ impl Follower {
                 Ok(crate::store::HeadEvent::Resync) | Err(RecvError::Lagged(_)) => return,
                 Err(RecvError::Closed) => std::future::pending::<()>().await,
             }
+        }
+    }
+
+    /// Why following must stop, if the follower may no longer watch (or
+    /// the API server cannot say whether they may: never a yes).
+    async fn revoked(&self, base: Head) -> Option<End> {
+        let Access { user, question } = &self.access;
+        match self.api.authorizer.check(user, question).await {
+            Ok(Answer::Allowed) => None,
+            Ok(Answer::Denied(text)) => Some(End::Error(
+                StatusCode::FORBIDDEN,
+                "Forbidden",
+                format!(
+                    "{text} (access ended while following; {} records were sent)",
+                    base.len
+                ),
+            )),
+            Err(e) => Some(End::Error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ServiceUnavailable",
+                format!(
+                    "could not authorize following any longer: {e}; resume with fromSeq={}",
+                    base.len
+                ),
+            )),
         }
     }
 

@@ -284,14 +284,15 @@ impl Asked {
         verb: &'static str,
         ns: &str,
         name: &str,
-    ) -> Result<AgentRun, Response> {
+    ) -> Result<(AgentRun, follow::Access), Response> {
         let question = Question {
             verb,
             namespace: ns.to_string(),
             name: Some(name.to_string()),
         };
-        admit(api, self.cert.as_ref(), &self.headers, question).await?;
-        read_run(api, ns, name).await
+        let user = admit(api, self.cert.as_ref(), &self.headers, question.clone()).await?;
+        let run = read_run(api, ns, name).await?;
+        Ok((run, follow::Access { user, question }))
     }
 
     /// Whether the caller may list runlogs in `ns` (all namespaces: "").
@@ -326,12 +327,13 @@ async fn one(
 ) -> Response {
     let streaming = asked.params.follow || asked.params.watch;
     let verb = if streaming { "watch" } else { "get" };
-    let run = match asked.run(&api, verb, &ns, &name).await {
-        Ok(run) => run,
+    let (run, access) = match asked.run(&api, verb, &ns, &name).await {
+        Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
     if streaming {
-        return follow::stream(api, run, asked.params.from_seq.unwrap_or(0)).await;
+        let from = asked.params.from_seq.unwrap_or(0);
+        return follow::stream(api, run, from, access).await;
     }
     pages::get(&api, &run, &asked.params, &asked.headers).await
 }
@@ -352,7 +354,7 @@ async fn watch_named(api: &LogApi, ns: &str, name: &str, asked: &Asked) -> Respo
         Err(bad) => return bad_request(bad),
     };
     match asked.run(api, "watch", ns, name).await {
-        Ok(run) => follow::stream(api.clone(), run, from).await,
+        Ok((run, access)) => follow::stream(api.clone(), run, from, access).await,
         Err(refused) => refused,
     }
 }
