@@ -11,6 +11,8 @@ mod admission;
 mod approvals;
 #[path = "trust/discovery.rs"]
 mod discovery;
+#[path = "trust/duties.rs"]
+mod duties;
 #[path = "trust/egress.rs"]
 mod egress;
 #[path = "trust/gates.rs"]

@@ -108,13 +108,20 @@ pub async fn client_as(user: &str) -> Client {
             "the kubeconfig has no context {user:?}: the local cluster's kubeconfig has one per test user; {HOW_TO_START}"
         );
     }
-    let context = has_context(&kc, "admin").then_some("admin");
-    let mut config = config_for(kc, context).await;
-    config.auth_info.impersonate = Some(user.to_string());
     let groups = match user {
         "alice" | "bob" => vec!["finance-approvers".to_string()],
         _ => vec![],
     };
+    client_impersonating(user, groups).await
+}
+
+/// A client acting as `user` in `groups` through the admin's impersonation:
+/// any name, a ServiceAccount's (`system:serviceaccount:NS:NAME`) too.
+pub async fn client_impersonating(user: &str, groups: Vec<String>) -> Client {
+    let kc = kubeconfig();
+    let context = has_context(&kc, "admin").then_some("admin");
+    let mut config = config_for(kc, context).await;
+    config.auth_info.impersonate = Some(user.to_string());
     config.auth_info.impersonate_groups = (!groups.is_empty()).then_some(groups);
     connect(config, user).await
 }

@@ -10,6 +10,7 @@
 //! exactly that, owned by the run. A deleted Approval is raised again with
 //! the same expiry; a look-alike is never acted on.
 
+mod duties;
 pub mod notify;
 pub mod pinned_gate;
 
@@ -441,6 +442,7 @@ pub(super) async fn handle(
         Some(found) => found,
         None => raise_missing(run, ctx, &approvals, &expected, &name, &request, notices).await?,
     };
+    let found = duties::without_stand_ins(&ctx.client, found).await?;
     let judged = judge(
         &expected,
         &found,
