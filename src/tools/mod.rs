@@ -18,6 +18,7 @@ mod mcp;
 mod schema;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -247,14 +248,27 @@ pub(crate) fn ensure_crypto_provider() {
 }
 
 pub(crate) fn build_client() -> Result<reqwest::Client, ToolError> {
+    client_builder()
+        .build()
+        .map_err(|e| ToolError::Client(e.to_string()))
+}
+
+/// The client of a run's calls: it connects to the addresses `pins` hold
+/// for a name, the ones the gate's check matched ([`crate::dns`]).
+fn pinned_client(pins: crate::dns::Pins) -> Result<reqwest::Client, ToolError> {
+    client_builder()
+        .dns_resolver(Arc::new(pins))
+        .build()
+        .map_err(|e| ToolError::Client(e.to_string()))
+}
+
+fn client_builder() -> reqwest::ClientBuilder {
     ensure_crypto_provider();
     reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         // A redirected POST would silently become another request; a 3xx is refused instead.
         .redirect(reqwest::redirect::Policy::none())
         .user_agent(concat!("agentrun/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|e| ToolError::Client(e.to_string()))
 }
 
 fn invalid(tool: &str, reason: impl Into<String>) -> ToolError {
@@ -349,6 +363,16 @@ impl Toolbox {
     /// name; pinned in `RunStarted`). An MCP tool's own `inputSchema` and
     /// `description` in the agent take precedence over the discovered ones.
     pub fn new(specs: &[ToolSpec], catalog: &McpCatalog) -> Result<Self, ToolError> {
+        Self::pinned(specs, catalog, crate::dns::Pins::default())
+    }
+
+    /// [`Self::new`], its calls connecting where `pins` say: the addresses
+    /// the runner's classification of each call looked at.
+    pub fn pinned(
+        specs: &[ToolSpec],
+        catalog: &McpCatalog,
+        pins: crate::dns::Pins,
+    ) -> Result<Self, ToolError> {
         let mut tools = Vec::with_capacity(specs.len() + 1);
         let mut by_name = HashMap::new();
         for spec in specs {
@@ -369,7 +393,7 @@ impl Toolbox {
         Ok(Self {
             tools,
             by_name,
-            client: build_client()?,
+            client: pinned_client(pins)?,
             retry: RetryPolicy::default(),
         })
     }
