@@ -87,6 +87,12 @@ impl Pins {
         }
     }
 
+    /// Pins `name` to `ips` as if a lookup had found them (tests).
+    #[cfg(test)]
+    pub(crate) fn set(&self, name: &str, ips: Vec<IpAddr>) {
+        self.lock().insert(name.to_string(), ips);
+    }
+
     /// What `name` was pinned to, if it was looked up.
     pub fn pinned(&self, name: &str) -> Option<Vec<IpAddr>> {
         self.lock().get(name).cloned()
@@ -147,8 +153,7 @@ mod tests {
         let pins = Pins::default();
         // What a check saw (here: set by hand, as if the name had resolved
         // to a harmless address then).
-        pins.lock()
-            .insert("tool.example".into(), vec!["192.0.2.7".parse().unwrap()]);
+        pins.set("tool.example", vec!["192.0.2.7".parse().unwrap()]);
         pins.pin(&["tool.example".to_string()]).await;
         let addrs: Vec<SocketAddr> = pins
             .resolve("tool.example".parse().unwrap())
@@ -175,7 +180,7 @@ mod tests {
                 .collect();
             assert!(addrs.iter().all(IpAddr::is_loopback), "{name}: {addrs:?}");
         }
-        pins.lock().insert("gone.example".into(), Vec::new());
+        pins.set("gone.example", Vec::new());
         let err = pins
             .resolve("gone.example".parse().unwrap())
             .await

@@ -782,4 +782,33 @@ mod tests {
         assert_eq!(excerpt("  short ", 10), "short");
         assert_eq!(excerpt("ééééé", 3), "é…");
     }
+
+    /// The tool client goes where the runner's check looked: a name pinned
+    /// to an address is connected there, and never looked up again (here a
+    /// `.invalid` name, which no resolver answers).
+    #[tokio::test]
+    async fn a_call_connects_to_the_address_its_name_was_pinned_to() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let app = axum::Router::new().route(
+            "/tools",
+            axum::routing::post(|| async { axum::Json(json!({"refund": "R-1"})) }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let mut spec = http_spec("refund", None);
+        spec.http.as_mut().unwrap().url = format!("http://refunds.invalid:{port}/tools");
+        let pins = crate::dns::Pins::default();
+        pins.set("refunds.invalid", vec!["127.0.0.1".parse().unwrap()]);
+        let tb = Toolbox::pinned(std::slice::from_ref(&spec), &McpCatalog::new(), pins).unwrap();
+        assert_eq!(
+            tb.call("refund", &json!({}), &ctx()).await,
+            ToolOutcome::Ok(json!({"refund": "R-1"}))
+        );
+        // Unpinned, the same name leads nowhere.
+        let unpinned = toolbox(&[spec]);
+        assert!(matches!(
+            unpinned.call("refund", &json!({}), &ctx()).await,
+            ToolOutcome::Failed { .. }
+        ));
+    }
 }
