@@ -28,20 +28,9 @@ pub fn forbidden(ip: IpAddr) -> Option<&'static str> {
     }
 }
 
-/// An IPv6 address that carries an IPv4 one (mapped `::ffff:a.b.c.d`, or
-/// NAT64 `64:ff9b::a.b.c.d`) is judged as that IPv4 address.
+/// An IPv6 address that carries an IPv4 one is judged as that IPv4 address.
 fn canonical(ip: IpAddr) -> IpAddr {
-    let IpAddr::V6(v6) = ip else { return ip };
-    if let Some(v4) = v6.to_ipv4_mapped() {
-        return IpAddr::V4(v4);
-    }
-    let s = v6.segments();
-    if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        let [a, b] = s[6].to_be_bytes();
-        let [c, d] = s[7].to_be_bytes();
-        return IpAddr::V4(Ipv4Addr::new(a, b, c, d));
-    }
-    ip
+    crate::policy::host::unwrap_v4(ip)
 }
 
 fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {

@@ -6,6 +6,7 @@ pub mod api;
 pub mod cli;
 pub mod console;
 pub mod controller;
+pub mod dns;
 pub mod egress;
 pub mod failpoint;
 pub mod model;

@@ -84,7 +84,9 @@ pub struct PlatformApproval {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_approvers: Option<Approvers>,
     /// The endpoints this platform owner knows modify nothing: the only calls
-    /// `defaultAction: RequireApprovalForMutating` lets through unasked.
+    /// `defaultAction: RequireApprovalForMutating` lets through unasked. A
+    /// call's host must be a spelling of one listed here; what a name
+    /// resolves to never widens this list (docs/endpoints.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_only: Option<CallMatch>,
     /// The user who created a run may not approve its calls, whatever the agent says.
@@ -160,10 +162,13 @@ fn one_hour() -> String {
 }
 
 /// Calls selected by where they go: an HTTP tool's URL, or an MCP server and
-/// the tool name that server is asked to run. URLs are compared normalized
-/// (scheme, host and port exactly; the path segment by segment, with `.`,
-/// `..` and percent-encoding resolved first), so no spelling of the same
-/// endpoint escapes a rule.
+/// the tool name that server is asked to run. URLs are compared normalized:
+/// the host by the place it leads to (every loopback spelling is one host; a
+/// Service's short names, full name and ClusterIP are one; a rule also
+/// matches a name the step pod resolves to its address), the port exactly,
+/// the path segment by segment with `.`, `..` and percent-encoding resolved
+/// first, so no spelling of the same endpoint escapes a rule. What to write
+/// for an in-cluster Service: docs/endpoints.md.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -186,7 +191,10 @@ pub struct CallMatch {
 #[serde(rename_all = "camelCase")]
 pub struct EndpointMatch {
     /// URL prefix, e.g. `https://pay.example/refunds` (scheme, host, port and
-    /// path; no query or fragment).
+    /// path; no query or fragment). For an in-cluster Service write
+    /// `http://<svc>.<ns>:<port>/<path>` or its full name
+    /// `<svc>.<ns>.svc.cluster.local`; which spellings, addresses and aliases
+    /// then match, in a rule and in `readOnly`: docs/endpoints.md.
     #[schemars(length(min = 1, max = 2048), extend("x-kubernetes-validations" = [{
         "rule": "(self.startsWith('http://') || self.startsWith('https://')) && !self.contains('?') && !self.contains('#')",
         "message": "match.endpoints[].url must be an http:// or https:// URL without query or fragment"
@@ -198,7 +206,7 @@ pub struct EndpointMatch {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct McpMatch {
-    /// URL of the MCP server (matched like `endpoints[].url`).
+    /// URL of the MCP server (matched like `endpoints[].url`, docs/endpoints.md).
     #[schemars(length(min = 1, max = 2048), extend("x-kubernetes-validations" = [{
         "rule": "(self.startsWith('http://') || self.startsWith('https://')) && !self.contains('?') && !self.contains('#')",
         "message": "match.mcp[].server must be an http:// or https:// URL without query or fragment"
@@ -219,7 +227,10 @@ pub struct AllowedSecret {
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// URL prefixes the model endpoint must start with to receive it (e.g.
-    /// `https://api.openai.com/`); any endpoint when empty.
+    /// `https://api.openai.com/`); any endpoint when empty. The host matches
+    /// its spellings only (`localhost` for `127.0.0.1`, a Service's short
+    /// names for its full name), never addresses it resolves to
+    /// (docs/endpoints.md).
     #[serde(default)]
     #[schemars(length(max = 16))]
     pub endpoints: Vec<String>,

@@ -1,55 +1,56 @@
 //! Where a call goes, and whether that lies under an endpoint a platform
 //! policy names. The platform owner writes a URL prefix; the agent author
 //! writes the tool's URL and may spell the same endpoint many ways
-//! (`%72efunds`, `x/../refunds`, `refunds/`, `PAY.example.`). Both are
-//! reduced to an origin and path segments before they are compared, and
-//! since a server may read a path in more than one way (is `%2F` a
-//! separator? are empty segments dropped? is the path case-sensitive?),
-//! every reading is considered: a gate applies when ANY reading lies under
-//! its prefix, an exemption only when EVERY reading does.
+//! (`%72efunds`, `x/../refunds`, `refunds/`, `PAY.example.`, `localhost`
+//! for `127.0.0.1`, a Service's short name or its ClusterIP). Both are
+//! reduced to the host they lead to ([`super::host`]), a port and path
+//! segments before they are compared, and since a server may read a path in
+//! more than one way (is `%2F` a separator? are empty segments dropped? is
+//! the path case-sensitive?), every reading is considered: a gate applies
+//! when ANY reading lies under its prefix, an exemption only when EVERY
+//! reading does.
 
 use percent_encoding::percent_decode_str;
+
+use super::host::{self, Network};
 
 /// How a rule and a call are compared: a gate over-matches when in doubt,
 /// an exemption under-matches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reading {
     /// Applies when some reading of the URL lies under the prefix (segments
-    /// compared without regard to ASCII case).
+    /// compared without regard to ASCII case), on a host either may lead to
+    /// (what names resolved to included), on the same port whatever the
+    /// scheme (one socket).
     Any,
-    /// Applies only when every reading lies under it (exact segments).
+    /// Applies only when every reading lies under it (exact segments), on
+    /// the same scheme and port, and the URL's host is a spelling of the
+    /// prefix's.
     Every,
 }
 
-/// Is `url` at or below `prefix` under `reading`? An URL that does not parse
-/// (or is not http/https) lies under nothing.
-pub fn within(url: &str, prefix: &str, reading: Reading) -> bool {
+/// Is `url` at or below `prefix` under `reading`, seen from `net`? An URL
+/// that does not parse (or is not http/https) lies under nothing.
+pub fn within(url: &str, prefix: &str, reading: Reading, net: &Network) -> bool {
     let (Some(target), Some(base)) = (Parsed::new(url), Parsed::new(prefix)) else {
         return false;
     };
-    if target.origin != base.origin {
-        return false;
-    }
-    let Some(base_path) = base.readings.first() else {
-        return false;
+    target.path_under(&base, reading)
+        && host::same_host(&target.host, &base.host, reading == Reading::Any, net)
+}
+
+/// The names to look up before deciding whether `url` lies under the gate
+/// `prefix` ([`Reading::Any`]): none when its port or path already tell.
+pub fn lookups(url: &str, prefix: &str, namespace: &str) -> Vec<String> {
+    let (Some(target), Some(base)) = (Parsed::new(url), Parsed::new(prefix)) else {
+        return Vec::new();
     };
-    let base_path: Vec<&String> = base_path.iter().filter(|s| !s.is_empty()).collect();
-    let under = |path: &Vec<String>| {
-        let path: Vec<&String> = match reading {
-            // Trailing and doubled slashes say nothing about the endpoint.
-            Reading::Any => path.iter().filter(|s| !s.is_empty()).collect(),
-            Reading::Every => path.iter().collect(),
-        };
-        path.len() >= base_path.len()
-            && path.iter().zip(&base_path).all(|(p, b)| match reading {
-                Reading::Any => p.eq_ignore_ascii_case(b),
-                Reading::Every => p == b,
-            })
-    };
-    match reading {
-        Reading::Any => target.readings.iter().any(under),
-        Reading::Every => target.readings.iter().all(under),
+    if !target.path_under(&base, Reading::Any) {
+        return Vec::new();
     }
+    let mut names = host::lookups(&target.host, namespace);
+    names.extend(host::lookups(&base.host, namespace));
+    names
 }
 
 /// Are two MCP tool names the same tool, under `reading`?
@@ -62,8 +63,9 @@ pub fn same_tool(a: &str, b: &str, reading: Reading) -> bool {
 
 #[derive(Debug)]
 struct Parsed {
-    /// Scheme, host (lowercased, without a trailing dot) and port.
-    origin: (String, String, u16),
+    scheme: String,
+    host: url::Host<String>,
+    port: u16,
     /// The path's segments as a server might read them.
     readings: Vec<Vec<String>>,
 }
@@ -76,8 +78,6 @@ impl Parsed {
         if !matches!(url.scheme(), "http" | "https") {
             return None;
         }
-        let host = url.host_str()?.trim_end_matches('.').to_ascii_lowercase();
-        let origin = (url.scheme().to_string(), host, url.port_or_known_default()?);
         let decoded: Vec<String> = url
             .path_segments()
             .map(|s| s.map(decode).collect())
@@ -85,9 +85,39 @@ impl Parsed {
         // Decoded once, `%2F` and `\` may be separators and `..` may appear.
         let resplit = resolve_dots(decoded.join("/").split(['/', '\\']));
         Some(Parsed {
-            origin,
+            scheme: url.scheme().to_string(),
+            host: url.host()?.to_owned(),
+            port: url.port_or_known_default()?,
             readings: vec![decoded, resplit],
         })
+    }
+
+    /// Same port (and scheme, for an exemption), and the path under `base`'s
+    /// in the readings `reading` asks for. Hosts are compared apart.
+    fn path_under(&self, base: &Parsed, reading: Reading) -> bool {
+        if self.port != base.port || (reading == Reading::Every && self.scheme != base.scheme) {
+            return false;
+        }
+        let Some(base_path) = base.readings.first() else {
+            return false;
+        };
+        let base_path: Vec<&String> = base_path.iter().filter(|s| !s.is_empty()).collect();
+        let under = |path: &Vec<String>| {
+            let path: Vec<&String> = match reading {
+                // Trailing and doubled slashes say nothing about the endpoint.
+                Reading::Any => path.iter().filter(|s| !s.is_empty()).collect(),
+                Reading::Every => path.iter().collect(),
+            };
+            path.len() >= base_path.len()
+                && path.iter().zip(&base_path).all(|(p, b)| match reading {
+                    Reading::Any => p.eq_ignore_ascii_case(b),
+                    Reading::Every => p == b,
+                })
+        };
+        match reading {
+            Reading::Any => self.readings.iter().any(under),
+            Reading::Every => self.readings.iter().all(under),
+        }
     }
 }
 
@@ -115,6 +145,7 @@ mod tests {
     use super::*;
 
     const RULE: &str = "https://pay.example/refunds";
+    static NET: std::sync::LazyLock<Network> = std::sync::LazyLock::new(|| Network::of("shop"));
 
     #[test]
     fn every_spelling_of_the_endpoint_is_under_a_gate() {
@@ -134,7 +165,10 @@ mod tests {
             "https://pay.example/x\\..\\refunds",
             "https://someone@pay.example/refunds",
         ] {
-            assert!(within(url, RULE, Reading::Any), "{url} escaped the rule");
+            assert!(
+                within(url, RULE, Reading::Any, &NET),
+                "{url} escaped the rule"
+            );
         }
     }
 
@@ -150,20 +184,34 @@ mod tests {
             "not a url",
             "file:///refunds",
         ] {
-            assert!(!within(url, RULE, Reading::Any), "{url} matched the rule");
+            assert!(
+                !within(url, RULE, Reading::Any, &NET),
+                "{url} matched the rule"
+            );
         }
         assert!(within(
             "https://pay.example/anything",
             "https://pay.example/",
-            Reading::Any
+            Reading::Any,
+            &NET
         ));
     }
 
     #[test]
     fn an_exemption_holds_only_when_every_reading_agrees() {
         let ro = "https://pay.example/lookup";
-        assert!(within("https://pay.example/lookup/42", ro, Reading::Every));
-        assert!(within("https://pay.example/%6Cookup", ro, Reading::Every));
+        assert!(within(
+            "https://pay.example/lookup/42",
+            ro,
+            Reading::Every,
+            &NET
+        ));
+        assert!(within(
+            "https://pay.example/%6Cookup",
+            ro,
+            Reading::Every,
+            &NET
+        ));
         for url in [
             // A server that treats %2F as a separator reaches /refunds.
             "https://pay.example/lookup/..%2Frefunds",
@@ -172,9 +220,92 @@ mod tests {
             "https://pay.example/lookupx",
         ] {
             assert!(
-                !within(url, ro, Reading::Every),
+                !within(url, ro, Reading::Every, &NET),
                 "{url} passed as read-only"
             );
         }
+    }
+
+    #[test]
+    fn a_gate_on_loopback_catches_every_loopback_spelling_of_the_server() {
+        let rule = "http://127.0.0.1:8080/tools/refund";
+        for url in [
+            "http://localhost:8080/tools/refund",
+            "http://LocalHost.:8080/tools/refund",
+            "http://[::ffff:127.0.0.1]:8080/tools/refund",
+            "http://[::1]:8080/tools/refund",
+            "http://2130706433:8080/tools/refund",
+            "http://0x7f.1:8080/tools/refund",
+            "http://0177.0.0.1:8080/tools/refund",
+            "http://127.1:8080/tools/refund",
+            "http://0.0.0.0:8080/tools/refund",
+            "https://localhost:8080/tools/refund",
+            "http://refunds.localhost:8080/tools/refund/42",
+        ] {
+            assert!(
+                within(url, rule, Reading::Any, &NET),
+                "{url} escaped the rule"
+            );
+        }
+        for url in [
+            "http://localhost:8081/tools/refund",
+            "http://127.0.0.1.evil.com:8080/tools/refund",
+            "http://localhost.evil.com:8080/tools/refund",
+            "http://127.0.0.1@evil.example:8080/tools/refund",
+            "http://localhost:8080/tools/lookup",
+        ] {
+            assert!(
+                !within(url, rule, Reading::Any, &NET),
+                "{url} matched the rule"
+            );
+        }
+    }
+
+    #[test]
+    fn a_gate_on_a_service_catches_its_names_and_its_cluster_ip() {
+        let mut net = Network::of("shop");
+        net.resolved.insert(
+            "pay.shop.svc.cluster.local".into(),
+            vec!["10.96.0.12".parse().unwrap()],
+        );
+        for rule in [
+            "http://pay.shop/refunds",
+            "http://pay.shop.svc.cluster.local/refunds",
+            "http://pay/refunds",
+        ] {
+            for url in [
+                "http://pay/refunds",
+                "http://pay.shop/refunds",
+                "http://pay.shop.svc/refunds",
+                "http://pay.shop.svc.cluster.local./refunds",
+                "http://10.96.0.12/refunds",
+                "http://[::ffff:10.96.0.12]:80/refunds",
+            ] {
+                assert!(
+                    within(url, rule, Reading::Any, &net),
+                    "{url} escaped {rule}"
+                );
+            }
+        }
+        // The names to look up to know: the call's and the rule's, when the
+        // port and path do not already tell.
+        assert_eq!(
+            lookups("http://alias.example/refunds", "http://pay/refunds", "shop"),
+            vec![
+                "alias.example",
+                "alias.example.svc.cluster.local",
+                "pay",
+                "pay.shop.svc.cluster.local"
+            ]
+        );
+        assert!(lookups("http://alias.example/other", "http://pay/refunds", "shop").is_empty());
+        assert!(
+            lookups(
+                "http://alias.example:81/refunds",
+                "http://pay/refunds",
+                "shop"
+            )
+            .is_empty()
+        );
     }
 }

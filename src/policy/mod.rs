@@ -4,6 +4,7 @@
 
 pub mod condition;
 pub mod endpoint;
+pub mod host;
 
 use serde_json::Value;
 
@@ -11,6 +12,7 @@ use crate::api::{ApprovalPolicy, ApprovalRule, CallMatch, DefaultAction};
 pub use crate::runlog::records::Gate;
 use crate::runlog::v1;
 pub use endpoint::Reading;
+pub use host::Network;
 
 /// What a call needs before it may run.
 #[derive(Clone, Debug, PartialEq)]
@@ -20,14 +22,16 @@ pub enum Classification {
 }
 
 /// A proposed call as the policy sees it: the name the model used, where
-/// the call goes (from the pinned agent's tool declaration) and what the
-/// agent author claims about it.
+/// the call goes (from the pinned agent's tool declaration), what the
+/// agent author claims about it, and the network it goes out on (where its
+/// host's spellings and names lead).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Call<'a> {
     pub name: &'a str,
     pub target: Target,
     /// The author's `readOnly`: honoured by the agent's own default only.
     pub author_read_only: bool,
+    pub network: &'a Network,
 }
 
 /// Where a call goes.
@@ -42,8 +46,8 @@ pub enum Target {
 }
 
 impl<'a> Call<'a> {
-    /// The call of `tool` as the agent declares it.
-    pub fn of(agent: &crate::api::AgentTemplate, tool: &'a str) -> Call<'a> {
+    /// The call of `tool` as the agent declares it, made on `network`.
+    pub fn of(agent: &crate::api::AgentTemplate, tool: &'a str, network: &'a Network) -> Call<'a> {
         let spec = agent.tools.iter().find(|t| t.name == tool);
         let target = match spec.map(|t| (&t.http, &t.mcp)) {
             Some((Some(h), _)) => Target::Http(h.url.clone()),
@@ -57,6 +61,7 @@ impl<'a> Call<'a> {
             name: tool,
             target,
             author_read_only: declared_read_only(agent, tool),
+            network,
         }
     }
 
@@ -66,26 +71,69 @@ impl<'a> Call<'a> {
             name,
             target: Target::Unknown,
             author_read_only,
+            network: &host::STATIC,
         }
     }
 }
 
-/// Does `m` select calls to `target`? `reading` says how doubtful spellings
-/// count: `Any` for gates (over-match), `Every` for exemptions.
-pub fn selects(m: &CallMatch, target: &Target, reading: Reading) -> bool {
+impl Target {
+    /// The URL whose host the call reaches.
+    fn url(&self) -> Option<&str> {
+        match self {
+            Target::Http(url) => Some(url),
+            Target::Mcp { server, .. } => Some(server),
+            Target::Unknown => None,
+        }
+    }
+}
+
+/// Does `m` select calls to `target` on `net`? `reading` says how doubtful
+/// spellings count: `Any` for gates (over-match), `Every` for exemptions.
+pub fn selects(m: &CallMatch, target: &Target, reading: Reading, net: &Network) -> bool {
     match target {
         Target::Http(url) => m
             .endpoints
             .iter()
-            .any(|e| endpoint::within(url, &e.url, reading)),
+            .any(|e| endpoint::within(url, &e.url, reading, net)),
         Target::Mcp { server, tool } => m.mcp.iter().any(|e| {
-            endpoint::within(server, &e.server, reading)
+            endpoint::within(server, &e.server, reading, net)
                 && e.tool
                     .as_deref()
                     .is_none_or(|t| endpoint::same_tool(tool, t, reading))
         }),
         Target::Unknown => false,
     }
+}
+
+/// The host names whose addresses can decide how `policy` classifies a
+/// call to `target` from `namespace`: the call's own and those of the
+/// rules' endpoints it could lie under (same port and path). The step pod
+/// looks them up once, matches on what they resolved to and connects to
+/// exactly those addresses.
+pub fn lookups(policy: Option<&ApprovalPolicy>, target: &Target, namespace: &str) -> Vec<String> {
+    let (Some(policy), Some(url)) = (policy, target.url()) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = Vec::new();
+    let entries = policy.rules.iter().filter_map(|r| r.selector.as_ref());
+    for m in entries {
+        let prefixes = match target {
+            Target::Http(_) => m
+                .endpoints
+                .iter()
+                .map(|e| e.url.as_str())
+                .collect::<Vec<_>>(),
+            _ => m.mcp.iter().map(|e| e.server.as_str()).collect(),
+        };
+        for prefix in prefixes {
+            for name in endpoint::lookups(url, prefix, namespace) {
+                if !names.contains(&name) {
+                    names.push(name);
+                }
+            }
+        }
+    }
+    names
 }
 
 /// Classifies a proposed call. Rules select by name and, for platform
@@ -103,7 +151,7 @@ pub fn classify(policy: Option<&ApprovalPolicy>, call: &Call<'_>, args: &Value) 
             continue;
         }
         if let Some(m) = &rule.selector
-            && !selects(m, &call.target, Reading::Any)
+            && !selects(m, &call.target, Reading::Any, call.network)
         {
             continue;
         }
@@ -163,7 +211,7 @@ fn default_gate(policy: &ApprovalPolicy, call: &Call<'_>) -> Option<(String, Str
             let unlisted = platform.by.iter().find(|p| {
                 !p.read_only
                     .as_ref()
-                    .is_some_and(|m| selects(m, &call.target, Reading::Every))
+                    .is_some_and(|m| selects(m, &call.target, Reading::Every, call.network))
             });
             if let Some(p) = unlisted {
                 return Some((

@@ -137,6 +137,8 @@ impl Spent {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     pub run_name: String,
+    /// The run's namespace: where its step pods resolve names.
+    pub namespace: String,
     pub input: String,
     pub agent: crate::api::AgentTemplate,
     pub tools: Vec<crate::model::ToolDef>,
@@ -272,6 +274,7 @@ impl RunState {
                 self.agents = vec![(seq, s.agent.clone().into())];
                 self.snapshot = Some(Snapshot {
                     run_name: s.run_name.clone(),
+                    namespace: s.namespace.clone(),
                     input: s.input.clone(),
                     agent: s.agent.clone().into(),
                     tools: s.tools.iter().cloned().map(Into::into).collect(),

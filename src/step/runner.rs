@@ -233,6 +233,9 @@ struct Runner {
     /// Intents this process recorded itself (so executing them is not a recovery).
     own_intents: HashSet<u64>,
     tools: Option<(String, Toolbox)>,
+    /// Where the names of this pod's calls lead, looked up once: what a
+    /// call's classification matched is what its tool client connects to.
+    pins: crate::dns::Pins,
     /// For dependency lookups.
     http: reqwest::Client,
     /// The controller asked this worker to stop at the next step boundary.
@@ -288,6 +291,7 @@ impl Runner {
             state,
             own_intents: HashSet::new(),
             tools: None,
+            pins: crate::dns::Pins::default(),
             http: approval_request::lookup_client()?,
             yielding: false,
             started,
@@ -384,7 +388,8 @@ impl Runner {
     ) -> anyhow::Result<Flow> {
         let snap = self.snapshot()?;
         let (arguments, alternative) = crate::policy::split_alternative(&call.arguments);
-        match classification(&snap, &call, &arguments) {
+        let network = self.network(&snap, &call.name).await;
+        match classification(&snap, &call, &arguments, &network) {
             Classification::Allow => {
                 let arguments = call.arguments.clone();
                 self.intend(model_call_seq, call_index, &call.id, &call.name, arguments)
@@ -682,8 +687,22 @@ impl Runner {
         let stamp = snap.versions.tool_schema_hash.clone();
         match self.tools.take() {
             Some((s, tools)) if s == stamp => Ok((s, tools)),
-            _ => Ok((stamp, Toolbox::new(&snap.agent.tools, &snap.mcp)?)),
+            _ => Ok((
+                stamp,
+                Toolbox::pinned(&snap.agent.tools, &snap.mcp, self.pins.clone())?,
+            )),
         }
+    }
+
+    /// The network a call of `tool` goes out on: the names its policy
+    /// decision depends on are pinned first (looked up once in this pod;
+    /// the tool client connects to the same addresses).
+    async fn network(&self, snap: &Snapshot, tool: &str) -> crate::policy::Network {
+        let unpinned = crate::policy::Network::of(&snap.namespace);
+        let target = crate::policy::Call::of(&snap.agent, tool, &unpinned).target;
+        let names = crate::policy::lookups(snap.agent.approval.as_ref(), &target, &snap.namespace);
+        self.pins.pin(&names).await;
+        self.pins.network(&snap.namespace)
     }
 
     #[tracing::instrument(name = "tool_step", skip_all, fields(step = self.head.len, intent = intent_seq, tool = %intent.tool))]
@@ -714,10 +733,11 @@ impl Runner {
                 LookupOutcome::Unknown { reason } => {
                     self.tools = Some((stamp, tools));
                     let snap = self.snapshot()?;
+                    let network = self.network(&snap, &intent.tool).await;
                     // Who can say whether it happened: the approvers the policy names for this tool.
                     let gate = crate::policy::reconcile_gate(
                         snap.agent.approval.as_ref(),
-                        &crate::policy::Call::of(&snap.agent, &intent.tool),
+                        &crate::policy::Call::of(&snap.agent, &intent.tool, &network),
                         &intent.arguments,
                     );
                     let step = match gate {
@@ -852,20 +872,22 @@ impl Runner {
 
 /// How the pinned policy classes a call. Our code classifies it; the model
 /// has no say. What the call is comes from the pinned tool declaration (its
-/// endpoint), never from the name the model used alone. Arguments that are
-/// not a JSON object never reach a tool (its own check refuses them before
-/// any request, and the model is told): no Approval is raised for them.
+/// endpoint, and where that leads on `network`), never from the name the
+/// model used alone. Arguments that are not a JSON object never reach a
+/// tool (its own check refuses them before any request, and the model is
+/// told): no Approval is raised for them.
 fn classification(
     snap: &Snapshot,
     call: &crate::model::ToolCall,
     arguments: &serde_json::Value,
+    network: &crate::policy::Network,
 ) -> Classification {
     if !call.arguments_are_valid() {
         return Classification::Allow;
     }
     classify(
         snap.agent.approval.as_ref(),
-        &crate::policy::Call::of(&snap.agent, &call.name),
+        &crate::policy::Call::of(&snap.agent, &call.name, network),
         arguments,
     )
 }

@@ -18,6 +18,7 @@ mod mcp;
 mod schema;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -247,14 +248,27 @@ pub(crate) fn ensure_crypto_provider() {
 }
 
 pub(crate) fn build_client() -> Result<reqwest::Client, ToolError> {
+    client_builder()
+        .build()
+        .map_err(|e| ToolError::Client(e.to_string()))
+}
+
+/// The client of a run's calls: it connects to the addresses `pins` hold
+/// for a name, the ones the gate's check matched ([`crate::dns`]).
+fn pinned_client(pins: crate::dns::Pins) -> Result<reqwest::Client, ToolError> {
+    client_builder()
+        .dns_resolver(Arc::new(pins))
+        .build()
+        .map_err(|e| ToolError::Client(e.to_string()))
+}
+
+fn client_builder() -> reqwest::ClientBuilder {
     ensure_crypto_provider();
     reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(10))
         // A redirected POST would silently become another request; a 3xx is refused instead.
         .redirect(reqwest::redirect::Policy::none())
         .user_agent(concat!("agentrun/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|e| ToolError::Client(e.to_string()))
 }
 
 fn invalid(tool: &str, reason: impl Into<String>) -> ToolError {
@@ -349,6 +363,16 @@ impl Toolbox {
     /// name; pinned in `RunStarted`). An MCP tool's own `inputSchema` and
     /// `description` in the agent take precedence over the discovered ones.
     pub fn new(specs: &[ToolSpec], catalog: &McpCatalog) -> Result<Self, ToolError> {
+        Self::pinned(specs, catalog, crate::dns::Pins::default())
+    }
+
+    /// [`Self::new`], its calls connecting where `pins` say: the addresses
+    /// the runner's classification of each call looked at.
+    pub fn pinned(
+        specs: &[ToolSpec],
+        catalog: &McpCatalog,
+        pins: crate::dns::Pins,
+    ) -> Result<Self, ToolError> {
         let mut tools = Vec::with_capacity(specs.len() + 1);
         let mut by_name = HashMap::new();
         for spec in specs {
@@ -369,7 +393,7 @@ impl Toolbox {
         Ok(Self {
             tools,
             by_name,
-            client: build_client()?,
+            client: pinned_client(pins)?,
             retry: RetryPolicy::default(),
         })
     }
@@ -757,5 +781,34 @@ mod tests {
     fn excerpts_cut_on_char_boundaries() {
         assert_eq!(excerpt("  short ", 10), "short");
         assert_eq!(excerpt("ééééé", 3), "é…");
+    }
+
+    /// The tool client goes where the runner's check looked: a name pinned
+    /// to an address is connected there, and never looked up again (here a
+    /// `.invalid` name, which no resolver answers).
+    #[tokio::test]
+    async fn a_call_connects_to_the_address_its_name_was_pinned_to() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let app = axum::Router::new().route(
+            "/tools",
+            axum::routing::post(|| async { axum::Json(json!({"refund": "R-1"})) }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let mut spec = http_spec("refund", None);
+        spec.http.as_mut().unwrap().url = format!("http://refunds.invalid:{port}/tools");
+        let pins = crate::dns::Pins::default();
+        pins.set("refunds.invalid", vec!["127.0.0.1".parse().unwrap()]);
+        let tb = Toolbox::pinned(std::slice::from_ref(&spec), &McpCatalog::new(), pins).unwrap();
+        assert_eq!(
+            tb.call("refund", &json!({}), &ctx()).await,
+            ToolOutcome::Ok(json!({"refund": "R-1"}))
+        );
+        // Unpinned, the same name leads nowhere.
+        let unpinned = toolbox(&[spec]);
+        assert!(matches!(
+            unpinned.call("refund", &json!({}), &ctx()).await,
+            ToolOutcome::Failed { .. }
+        ));
     }
 }

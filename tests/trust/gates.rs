@@ -4,7 +4,8 @@
 //! name and claims it read-only. The platform's rules select calls by the
 //! endpoint they reach and its default believes only the platform's own
 //! read-only list, so the call waits for an Approval and nothing reaches
-//! the tool before it. Also: an MCP tool the author declares idempotent is
+//! the tool before it, whatever spelling of the server's host the author
+//! chose (issue 39). Also: an MCP tool the author declares idempotent is
 //! called again with the same key after a crash instead of stopping the run.
 
 use agentrun::api::{AgentPolicy, Phase};
@@ -196,6 +197,80 @@ async fn a_renamed_mcp_tool_still_waits_for_the_platforms_approval() {
     assert_eq!(
         approval.spec.rule.as_deref(),
         Some("AgentPolicy/finance/tickets")
+    );
+    let seen: Value = w.standins.get(&format!("/mcp-effects/{t}")).await;
+    assert_eq!(
+        seen["calls"],
+        json!([]),
+        "the MCP tool was called before any approval"
+    );
+}
+
+/// Issue 39, "a host by its spelling": the platform's rules name the tool
+/// server at 127.0.0.1; the agent author, who may write Agents but not
+/// policies, declares the same server as `localhost`, `[::ffff:127.0.0.1]`
+/// and in decimal (in the review, two refunds of 5,000 and a ticket ran
+/// with no Approval). Every refund and every ticket waits for the
+/// platform's Approval, and nothing reaches a tool before it.
+#[tokio::test]
+async fn the_platforms_server_under_another_spelling_still_waits_for_its_approval() {
+    let w = World::new("tr-gates-hosts", &[]).await;
+    finance_policy(&w).await;
+    let t = w.name().to_string();
+    let port = w
+        .standins
+        .base
+        .rsplit(':')
+        .next()
+        .expect("a port")
+        .to_string();
+    let spellings = [
+        ("named", "localhost"),
+        ("mapped", "[::ffff:127.0.0.1]"),
+        ("decimal", "2130706433"),
+    ];
+    for (run, host) in spellings {
+        let base = format!("http://{host}:{port}");
+        start(
+            &w,
+            run,
+            refund_tool("refund_customer", format!("{base}/tools/{t}/issue_refund")),
+            call(
+                "refund_customer",
+                json!({"orderId": "1042", "amount": 5000}),
+            ),
+        )
+        .await;
+        start(
+            &w,
+            &format!("{run}-case"),
+            json!({"name": "open_case", "description": "Opens a case.",
+                   "mcp": {"url": format!("{base}/mcp/{t}"), "tool": "create_ticket"}}),
+            call(
+                "open_case",
+                json!({"title": "refund 5000", "priority": "high"}),
+            ),
+        )
+        .await;
+    }
+    for (run, host) in spellings {
+        let refund = pending_approval(&w, run).await;
+        assert_eq!(
+            refund.spec.rule.as_deref(),
+            Some("AgentPolicy/finance/refunds"),
+            "the refund at {host}"
+        );
+        let case = pending_approval(&w, &format!("{run}-case")).await;
+        assert_eq!(
+            case.spec.rule.as_deref(),
+            Some("AgentPolicy/finance/tickets"),
+            "the ticket at {host}"
+        );
+    }
+    let reached = w.standins.tool_requests(&t).await;
+    assert!(
+        reached.is_empty(),
+        "a gated call reached the tool before any approval: {reached:?}"
     );
     let seen: Value = w.standins.get(&format!("/mcp-effects/{t}")).await;
     assert_eq!(

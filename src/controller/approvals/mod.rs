@@ -404,7 +404,7 @@ pub(super) async fn handle(
     };
 
     // The request is the step pod's word: check it against the pinned policy first.
-    if let Err(reason) = pinned_gate::check(log, request_seq) {
+    if let Err(reason) = pinned_gate::check(log, request_seq).await {
         let finished = refused(&request, request_seq, &reason, log, notices);
         append(ctx, &uid, head, Step::RunFinished(finished)).await?;
         return Ok(None);

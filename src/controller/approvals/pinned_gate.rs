@@ -3,12 +3,18 @@
 //! Before raising an Approval the controller recomputes the gate from the
 //! policy pinned in the log (`RunStarted`/`VersionChanged`) and refuses a
 //! request whose gate differs or whose call the policy would not gate.
+//!
+//! A platform rule matches a call by where its host leads, which the step
+//! pod learned by looking names up (docs/endpoints.md). The controller
+//! takes the pod's gate when the host's spelling alone gives it, and else
+//! looks the same names up itself: a gate is accepted only as the policy
+//! gives it on one of those two views, never on the pod's word.
 
 use serde_json::Value;
 
 use crate::api::AgentTemplate;
 use crate::policy::split_alternative;
-use crate::policy::{Call, Classification, Gate, arguments_hash, classify};
+use crate::policy::{Call, Classification, Gate, Network, arguments_hash, classify};
 use crate::runlog::budget::Limits;
 use crate::runlog::records::{ApprovalRequested, Verdict};
 use crate::runlog::replay::{RunState, Step};
@@ -19,13 +25,48 @@ pub fn pinned_agent(log: &RunState, seq: u64) -> Option<AgentTemplate> {
     log.agent_at(seq).cloned()
 }
 
-/// How the pinned agent classifies `tool` with `args` at `seq`.
+/// The namespace the run's step pods resolve names in.
+fn namespace(log: &RunState) -> &str {
+    log.snapshot.as_ref().map_or("", |s| s.namespace.as_str())
+}
+
+/// How the pinned agent classifies `tool` with `args` at `seq`, with no
+/// lookups: any name may lead anywhere, so a gate that what a name resolves
+/// to could trigger applies (what runs unasked on this answer is what no
+/// lookup could have gated).
 pub fn classify_at(log: &RunState, seq: u64, tool: &str, args: &Value) -> Classification {
+    classify_on(log, seq, tool, args, &Network::unresolved(namespace(log)))
+}
+
+/// How the pinned agent classifies `tool` with `args` at `seq` on `network`.
+fn classify_on(
+    log: &RunState,
+    seq: u64,
+    tool: &str,
+    args: &Value,
+    network: &Network,
+) -> Classification {
     match pinned_agent(log, seq) {
-        Some(agent) => classify(agent.approval.as_ref(), &Call::of(&agent, tool), args),
+        Some(agent) => classify(
+            agent.approval.as_ref(),
+            &Call::of(&agent, tool, network),
+            args,
+        ),
         // No pinned agent: nothing may run without a human.
         None => Classification::RequireApproval(Box::default()),
     }
+}
+
+/// The names the classification of the request at `request_seq` depends on.
+fn lookups(log: &RunState, request_seq: u64) -> Vec<String> {
+    let (Some(Step::ApprovalRequested(request)), Some(agent)) =
+        (log.step(request_seq), pinned_agent(log, request_seq))
+    else {
+        return Vec::new();
+    };
+    let ns = namespace(log);
+    let target = Call::of(&agent, &request.tool, &Network::of(ns)).target;
+    crate::policy::lookups(agent.approval.as_ref(), &target, ns)
 }
 
 /// The request that follows `request` when it expires under `onExpiry: Escalate`.
@@ -38,9 +79,21 @@ pub fn escalated(request: &ApprovalRequested) -> ApprovalRequested {
     next
 }
 
-/// Checks the request at `request_seq` against the pinned policy and the log.
-/// `Err` says which field is wrong and why.
-pub fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
+/// Checks the request at `request_seq` against the pinned policy and the log:
+/// on the host's spellings first, then, when that differs and names matter,
+/// on what they resolve to now. `Err` says which field is wrong and why.
+pub async fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
+    let ns = namespace(log);
+    let spelled = check_on(log, request_seq, &Network::of(ns));
+    let names = lookups(log, request_seq);
+    if spelled.is_ok() || names.is_empty() {
+        return spelled;
+    }
+    check_on(log, request_seq, &crate::dns::network(ns, names).await)
+}
+
+/// [`check`] on `network`.
+pub fn check_on(log: &RunState, request_seq: u64, network: &Network) -> Result<(), String> {
     let Some(Step::ApprovalRequested(request)) = log.step(request_seq) else {
         return Err(format!("record {request_seq} is not an ApprovalRequested"));
     };
@@ -52,11 +105,11 @@ pub fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
         ));
     }
     if request.escalation > 0 {
-        return check_escalation(log, request_seq, request);
+        return check_escalation(log, request_seq, request, network);
     }
     let mut expected = match request.kind {
-        ApprovalKind::Call => expected_call_gate(log, request_seq, request)?,
-        ApprovalKind::Reconcile => expected_reconcile_gate(log, request_seq, request)?,
+        ApprovalKind::Call => expected_call_gate(log, request_seq, request, network)?,
+        ApprovalKind::Reconcile => expected_reconcile_gate(log, request_seq, request, network)?,
         ApprovalKind::Budget => expected_budget_gate(log, request_seq, request)?,
     };
     // `because` is prose for people, not policy: its wording may change
@@ -79,6 +132,7 @@ fn expected_call_gate(
     log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
+    network: &Network,
 ) -> Result<Gate, String> {
     let proposed = match log.step(request.model_call_seq) {
         Some(Step::ModelCall(m)) if request.model_call_seq < request_seq => {
@@ -103,7 +157,7 @@ fn expected_call_gate(
             request.model_call_seq, proposed.name
         ));
     }
-    match classify_at(log, request_seq, &request.tool, &request.arguments) {
+    match classify_on(log, request_seq, &request.tool, &request.arguments, network) {
         Classification::RequireApproval(gate) => Ok(*gate),
         Classification::Allow => Err(format!(
             "the pinned policy does not gate this {} call: nothing asked for an approval",
@@ -138,6 +192,7 @@ fn expected_reconcile_gate(
     log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
+    network: &Network,
 ) -> Result<Gate, String> {
     let intent = match request.intent_seq {
         Some(i) if i < request_seq => match log.step(i) {
@@ -158,7 +213,7 @@ fn expected_reconcile_gate(
         ));
     };
     let agent = pinned_agent(log, request_seq).unwrap_or_default();
-    let call = Call::of(&agent, &intent.tool);
+    let call = Call::of(&agent, &intent.tool, network);
     crate::policy::reconcile_gate(agent.approval.as_ref(), &call, &intent.arguments)
         .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
 }
@@ -168,6 +223,7 @@ fn check_escalation(
     log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
+    network: &Network,
 ) -> Result<(), String> {
     let previous = log
         .records()
@@ -215,7 +271,7 @@ fn check_escalation(
             request.escalation
         ));
     }
-    check(log, prev_seq)
+    check_on(log, prev_seq, network)
 }
 
 /// The gate fields that differ, each naming the recorded and the pinned value.
@@ -246,9 +302,13 @@ pub fn gate_differences(recorded: &Gate, expected: &Gate) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// [`super::check`] of a whole log.
+    /// [`super::check_on`] of a whole log, on the host's spellings.
     fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
-        super::check(&RunState::replay(steps.to_vec()), request_seq)
+        super::check_on(
+            &RunState::replay(steps.to_vec()),
+            request_seq,
+            &Network::of("n"),
+        )
     }
 
     /// [`super::classify_at`] in a whole log.
@@ -288,12 +348,16 @@ mod tests {
     }
 
     fn log(args: Value) -> Vec<Step> {
+        log_of(agent(), args)
+    }
+
+    fn log_of(agent: AgentTemplate, args: Value) -> Vec<Step> {
         vec![
             Step::RunStarted(RunStarted {
                 run_name: "r".into(),
                 namespace: "n".into(),
                 input: "i".into(),
-                agent: agent().into(),
+                agent: agent.into(),
                 tools: vec![],
                 mcp: Default::default(),
                 versions: Default::default(),
@@ -453,5 +517,108 @@ mod tests {
         nowhere.intent_seq = Some(1);
         let err = check(&with(steps, nowhere), 3).unwrap_err();
         assert!(err.contains("intentSeq"), "{err}");
+    }
+
+    /// The agent of a platform gate on `gated`, its refund tool at `url`.
+    fn gated_agent(gated: &str, url: &str) -> AgentTemplate {
+        serde_json::from_value(json!({
+            "prompt": {"version": "v1", "system": "s"},
+            "model": {"provider": "OpenAI", "name": "m"},
+            "tools": [{"name": "issue_refund", "http": {"url": url}}],
+            "approval": {"rules": [{
+                "name": "AgentPolicy/finance/refunds", "tool": "*",
+                "match": {"endpoints": [{"url": gated}]},
+                "approvers": {"groups": ["finance"]}
+            }]}
+        }))
+        .expect("agent")
+    }
+
+    /// The request a step pod that saw `network` writes.
+    fn request_on(steps: &[Step], network: &Network) -> ApprovalRequested {
+        let args = json!({"amount": 5000});
+        let Classification::RequireApproval(gate) = super::classify_on(
+            &RunState::replay(steps.to_vec()),
+            2,
+            "issue_refund",
+            &args,
+            network,
+        ) else {
+            panic!("the pod's view gates the call")
+        };
+        ApprovalRequested {
+            gate: *gate,
+            ..honest_request(&log(args.clone()), args)
+        }
+    }
+
+    #[test]
+    fn a_gate_the_hosts_spelling_gives_is_accepted_without_lookups() {
+        let steps = log_of(
+            gated_agent(
+                "http://127.0.0.1:9/refund",
+                "http://[::ffff:127.0.0.1]:9/refund",
+            ),
+            json!({"amount": 5000}),
+        );
+        let request = request_on(&steps, &Network::of("n"));
+        assert_eq!(check(&with(steps, request), 2), Ok(()));
+    }
+
+    #[test]
+    fn a_gate_a_lookup_gives_is_accepted_only_on_the_same_lookup() {
+        let steps = log_of(
+            gated_agent(
+                "http://10.96.0.12:9/refund",
+                "http://alias.example:9/refund",
+            ),
+            json!({"amount": 5000}),
+        );
+        let mut pods_view = Network::of("n");
+        pods_view
+            .resolved
+            .insert("alias.example".into(), vec!["10.96.0.12".parse().unwrap()]);
+        let logged = RunState::replay(with(steps.clone(), request_on(&steps, &pods_view)));
+        assert_eq!(super::check_on(&logged, 2, &pods_view), Ok(()));
+        // Spelled, the host is not the gated address: the pod's word alone
+        // raises nothing.
+        let err = super::check_on(&logged, 2, &Network::of("n")).unwrap_err();
+        assert!(err.contains("does not gate"), "{err}");
+        // The names whose lookups decide: the tool's, the rule's is an address.
+        assert_eq!(
+            super::lookups(&logged, 2),
+            vec!["alias.example", "alias.example.svc.cluster.local"]
+        );
+        // With no lookups, an alternative to the same call is gated: a name
+        // may lead to the gated address.
+        assert!(matches!(
+            super::classify_at(&logged, 3, "issue_refund", &json!({"amount": 1})),
+            Classification::RequireApproval(g) if g.rule == "AgentPolicy/finance/refunds"
+        ));
+    }
+
+    /// The controller looks the names up itself when the spelling does not
+    /// give the pod's gate (here the machine's own name, from its hosts file).
+    #[tokio::test]
+    async fn the_controller_looks_names_up_when_the_spelling_does_not_tell() {
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        let Some(ip) = crate::dns::lookup(&name).await.first().copied() else {
+            eprintln!("this machine's name {name:?} does not resolve: nothing to look up");
+            return;
+        };
+        let gated = format!("http://{}/refund", std::net::SocketAddr::new(ip, 9));
+        let steps = log_of(
+            gated_agent(&gated, &format!("http://{name}:9/refund")),
+            json!({"amount": 5000}),
+        );
+        let agent = gated_agent(&gated, &format!("http://{name}:9/refund"));
+        let target = Call::of(&agent, "issue_refund", &Network::of("n")).target;
+        let names = crate::policy::lookups(agent.approval.as_ref(), &target, "n");
+        let pods_view = crate::dns::network("n", names).await;
+        let logged = RunState::replay(with(steps.clone(), request_on(&steps, &pods_view)));
+        assert_eq!(super::check(&logged, 2).await, Ok(()));
     }
 }

@@ -5,16 +5,23 @@
 //!
 //! The URL parser already resolves `.` and `..` segments (also as `%2e`),
 //! lower-cases the scheme and host, decodes IPv4 spellings and drops a
-//! default port. What it keeps, and a server may still read differently,
-//! is refused: an encoded `/` or `\` or a dot segment or `%` left after
-//! decoding a segment (`..%2F`, `%252e`), an empty segment (`//`), user
-//! information, a query or a fragment.
+//! default port. Hosts are compared as the places they name
+//! ([`crate::policy::host`]: `localhost` is `127.0.0.1`, a Service's short
+//! names are its full name in the run's namespace), and an endpoint is
+//! allowed only when every place its host may name is one the allowed
+//! prefix names; what names resolve to never widens an allowance. What the
+//! parser keeps, and a server may still read differently, is refused: an
+//! encoded `/` or `\` or a dot segment or `%` left after decoding a segment
+//! (`..%2F`, `%252e`), an empty segment (`//`), user information, a query
+//! or a fragment.
+
+use crate::policy::host::{self, Network};
 
 /// A URL as the check compares it.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Normalized {
     scheme: String,
-    host: String,
+    host: url::Host<String>,
     port: Option<u16>,
     /// The path's segments, percent-decoded, without a trailing empty one.
     segments: Vec<String>,
@@ -29,10 +36,8 @@ pub fn normalize(url: &str) -> Result<Normalized, String> {
     if parsed.query().is_some() || parsed.fragment().is_some() {
         return Err(format!("{url:?} has a query or fragment"));
     }
-    let host = match parsed.host() {
-        Some(url::Host::Domain(d)) => d.trim_end_matches('.').to_string(),
-        Some(host) => host.to_string(),
-        None => return Err(format!("{url:?} names no host")),
+    let Some(host) = parsed.host().map(|h| h.to_owned()) else {
+        return Err(format!("{url:?} names no host"));
     };
     let mut raw: Vec<&str> = parsed.path().split('/').skip(1).collect();
     if raw.last() == Some(&"") {
@@ -65,17 +70,18 @@ fn decode_segment(url: &str, segment: &str) -> Result<String, String> {
     Ok(decoded.into_owned())
 }
 
-/// Is `endpoint` at or below `allowed`: same scheme, host and port, and
+/// Is `endpoint` at or below `allowed`, for a step pod in `namespace`: same
+/// scheme and port, a host that is a spelling of `allowed`'s, and
 /// `allowed`'s path segments are the first of `endpoint`'s. A URL that does
 /// not normalize is within nothing.
-pub fn within(endpoint: &str, allowed: &str) -> bool {
+pub fn within(endpoint: &str, allowed: &str, namespace: &str) -> bool {
     let (Ok(e), Ok(a)) = (normalize(endpoint), normalize(allowed)) else {
         return false;
     };
     e.scheme == a.scheme
-        && e.host == a.host
         && e.port == a.port
         && e.segments.starts_with(&a.segments)
+        && host::same_host(&e.host, &a.host, false, &Network::of(namespace))
 }
 
 #[cfg(test)]
@@ -83,6 +89,8 @@ mod tests {
     use super::*;
 
     const ALLOWED: &str = "https://models.example.com/openai/";
+    /// The run's namespace.
+    const NS: &str = "ai";
 
     #[test]
     fn endpoints_below_the_prefix_pass_in_any_plain_spelling() {
@@ -97,13 +105,28 @@ mod tests {
             "https://models.example.com/openai/%2e/v1",
             "https://models.example.com/%6Fpenai/v1", // an encoded `o`
         ] {
-            assert!(within(good, ALLOWED), "{good} refused");
+            assert!(within(good, ALLOWED, NS), "{good} refused");
         }
-        assert!(within("http://127.0.0.1:8080/v1", "http://127.0.0.1:8080"));
-        assert!(within(
+        for spelling in [
+            "http://127.0.0.1:8080/v1",
             "http://2130706433:8080/v1",
-            "http://127.0.0.1:8080/"
-        ));
+            "http://localhost:8080/v1",
+            "http://[::ffff:127.0.0.1]:8080/v1",
+        ] {
+            assert!(within(spelling, "http://127.0.0.1:8080", NS), "{spelling}");
+        }
+        // A Service by any of its names in the run's namespace.
+        for spelling in [
+            "http://llm/v1",
+            "http://llm.ai/v1",
+            "http://llm.ai.svc/v1",
+            "http://llm.ai.svc.cluster.local./v1",
+        ] {
+            assert!(within(spelling, "http://llm.ai/", NS), "{spelling}");
+            // `llm.ai` may also be a public host: the short name is not it.
+            let public = spelling == "http://llm.ai/v1";
+            assert_eq!(within(spelling, "http://llm/", NS), !public, "{spelling}");
+        }
     }
 
     #[test]
@@ -139,8 +162,21 @@ mod tests {
             "https://models.example.com/openai/v1#x",
             "not a url",
         ] {
-            assert!(!within(bad, ALLOWED), "{bad} passed");
+            assert!(!within(bad, ALLOWED, NS), "{bad} passed");
         }
+        // A name that may be a public host is not the Service's full name,
+        // and what a name resolves to never counts for an allowance.
+        assert!(!within(
+            "http://llm.ai/v1",
+            "http://llm.ai.svc.cluster.local/",
+            NS
+        ));
+        assert!(!within("http://10.96.0.9/v1", "http://llm.ai/", NS));
+        assert!(!within(
+            "http://localhost.evil.example/v1",
+            "http://localhost/",
+            NS
+        ));
     }
 
     #[test]

@@ -214,11 +214,12 @@ impl Platform {
                 key.name, allowed.endpoints
             ));
         }
+        let namespace = kube::ResourceExt::namespace(run).unwrap_or_default();
         if !allowed.endpoints.is_empty()
             && !allowed
                 .endpoints
                 .iter()
-                .any(|p| crate::controller::watchers::endpoint::within(endpoint, p))
+                .any(|p| crate::controller::watchers::endpoint::within(endpoint, p, &namespace))
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
@@ -343,7 +344,7 @@ fn pinned_rule(source: &str, r: &PlatformRule) -> ApprovalRule {
 mod tests {
     use super::*;
     use crate::api::{AllowedSecret, Approvers, CallMatch, EndpointMatch, McpMatch, SecretKeyRef};
-    use crate::policy::{Call, Classification};
+    use crate::policy::{Call, Classification, Network};
     use serde_json::json;
 
     fn rule(name: &str, tool: &str, when: Option<&str>) -> ApprovalRule {
@@ -415,7 +416,11 @@ mod tests {
     }
 
     fn classify(governed: &AgentTemplate, tool: &str) -> Classification {
-        let call = Call::of(governed, tool);
+        classify_on(governed, tool, &Network::of("shop"))
+    }
+
+    fn classify_on(governed: &AgentTemplate, tool: &str, network: &Network) -> Classification {
+        let call = Call::of(governed, tool, network);
         crate::policy::classify(governed.approval.as_ref(), &call, &json!({"amount": 5000}))
     }
 
@@ -487,6 +492,99 @@ mod tests {
             );
         }
         assert_eq!(classify(&governed, "lookup_order"), Classification::Allow);
+    }
+
+    /// The review's attack: the platform gates every call to the refund
+    /// endpoint and the ticket tool of the MCP server on 127.0.0.1; the
+    /// author declares the same server as `localhost`, `[::ffff:127.0.0.1]`
+    /// and in decimal.
+    #[test]
+    fn a_platform_rule_on_loopback_catches_every_spelling_of_the_server() {
+        let platform = finance(PlatformApproval {
+            rules: vec![platform_rule(
+                "refunds",
+                Some(CallMatch {
+                    endpoints: vec![EndpointMatch {
+                        url: "http://127.0.0.1:9090/tools/issue_refund".into(),
+                    }],
+                    mcp: vec![McpMatch {
+                        server: "http://127.0.0.1:9090/mcp".into(),
+                        tool: Some("create_ticket".into()),
+                    }],
+                }),
+            )],
+            ..Default::default()
+        });
+        let hosts = [
+            "localhost",
+            "[::ffff:127.0.0.1]",
+            "2130706433",
+            "LOCALHOST.",
+            "0x7f.1",
+        ];
+        for host in hosts {
+            let mut agent = template(None, None);
+            agent.tools = serde_json::from_value(json!([
+                {"name": "refund", "http": {"url": format!("http://{host}:9090/tools/issue_refund")}},
+                {"name": "ticket", "mcp": {"url": format!("http://{host}:9090/mcp"), "tool": "create_ticket"}},
+                {"name": "lookup", "http": {"url": format!("http://{host}:9090/tools/lookup_order")}}
+            ]))
+            .expect("tools");
+            let governed = platform.govern(&agent);
+            for tool in ["refund", "ticket"] {
+                assert!(
+                    matches!(classify(&governed, tool), Classification::RequireApproval(g)
+                        if g.rule == "ClusterAgentPolicy/finance/refunds"),
+                    "{tool} at {host} escaped the rule written for 127.0.0.1"
+                );
+            }
+            assert_eq!(
+                classify(&governed, "lookup"),
+                Classification::Allow,
+                "{host}"
+            );
+        }
+    }
+
+    /// A rule for a Service selects its calls by every name, its ClusterIP,
+    /// and any name the step pod resolved to that address.
+    #[test]
+    fn a_platform_rule_on_a_service_catches_its_names_and_addresses() {
+        let platform = finance(PlatformApproval {
+            rules: vec![platform_rule(
+                "refunds",
+                Some(endpoints(&["http://pay.payments/refunds"])),
+            )],
+            ..Default::default()
+        });
+        let mut network = Network::of("payments");
+        for name in ["pay.payments.svc.cluster.local", "alias.example"] {
+            network
+                .resolved
+                .insert(name.into(), vec!["10.96.0.12".parse().unwrap()]);
+        }
+        for host in [
+            "pay",
+            "pay.payments.svc",
+            "pay.payments.svc.cluster.local.",
+            "10.96.0.12",
+            "[::ffff:a60:c]",
+            "alias.example",
+        ] {
+            let mut agent = template(None, None);
+            agent.tools = serde_json::from_value(json!([
+                {"name": "refund", "http": {"url": format!("http://{host}/refunds")}}
+            ]))
+            .expect("tools");
+            let governed = platform.govern(&agent);
+            assert!(
+                matches!(
+                    classify_on(&governed, "refund", &network),
+                    Classification::RequireApproval(_)
+                ),
+                "{host} escaped the rule on pay.payments"
+            );
+        }
     }
 
     #[test]
@@ -599,11 +697,13 @@ mod tests {
         }
         assert!(crate::controller::watchers::endpoint::within(
             "https://h/v1/chat",
-            "https://h/v1"
+            "https://h/v1",
+            "shop"
         ));
         assert!(!crate::controller::watchers::endpoint::within(
             "https://h/v10",
-            "https://h/v1"
+            "https://h/v1",
+            "shop"
         ));
     }
 

@@ -359,3 +359,155 @@ async fn a_log_without_run_started_is_refused() {
     );
     assert!(read_log(&*store).await.is_empty());
 }
+
+/// A log whose agent has one platform rule, gating every call to
+/// `gated` (pinned in `RunStarted` as the run's first rule), and the tools
+/// `refund_customer` at `refund` and `search` at `search`, and whose model
+/// proposed a search then a refund of 5000.
+fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Vec<Step> {
+    let agent: v1::AgentTemplate = serde_json::from_value(json!({
+        "prompt": {"version": "v1", "system": "Refund what the order shows."},
+        "model": {"provider": "OpenAI", "name": "stand-in", "endpoint": format!("{}/v1", standins.base)},
+        "tools": [
+            {"name": "refund_customer", "http": {"url": refund}},
+            {"name": "search", "http": {"url": search}}
+        ],
+        "approval": {"rules": [{
+            "name": "AgentPolicy/finance/refunds", "tool": "*",
+            "match": {"endpoints": [{"url": gated}]},
+            "approvers": {"groups": ["finance"]}, "expiresAfter": "10m"
+        }]}
+    }))
+    .unwrap();
+    let Step::RunStarted(mut started) = run_started(&standins.base) else {
+        unreachable!("run_started is a RunStarted")
+    };
+    started.agent = agent;
+    let call = |index: usize, name: &str, arguments: Value| v1::ToolCall {
+        id: format!("call_1_{index}"),
+        name: name.into(),
+        arguments,
+    };
+    let proposal = Step::ModelCall(ModelCall {
+        response: v1::ModelResponse {
+            text: Some("Looking it up, then refunding 5000.".into()),
+            tool_calls: vec![
+                call(0, "search", json!({"order": "A-7"})),
+                call(
+                    1,
+                    "refund_customer",
+                    json!({"order": "A-7", "amount": 5000}),
+                ),
+            ],
+            usage: v1::TokenUsage::default(),
+            model_id: "stand-in-2026".into(),
+            stop_reason: Some("tool_calls".into()),
+        },
+        cost_usd: 0.0,
+        context: ContextInfo::default(),
+        attempts: None,
+    });
+    vec![Step::RunStarted(started), proposal]
+}
+
+/// Runs one step over `prefix`: the search is made (and reaches the
+/// stand-in, wherever its URL's host was pinned), and the refund must wait
+/// for the platform's Approval without reaching the tool.
+async fn assert_refund_held(standins: &Standins, prefix: &[Step], spelling: &str) {
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), prefix).await;
+    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the step ends")
+        .unwrap_or_else(|e| panic!("{spelling}: {e:#}"));
+    let log = read_log(&*store).await;
+    let kinds: Vec<&str> = log.iter().map(Step::kind).collect();
+    match log.last() {
+        Some(Step::ApprovalRequested(r)) => {
+            assert_eq!(r.gate.rule, "AgentPolicy/finance/refunds", "{spelling}");
+            assert_eq!(r.tool, "refund_customer", "{spelling}");
+        }
+        _ => panic!("{spelling}: the refund was not held for approval: {kinds:?}"),
+    }
+    let posts = standins.counts().posts;
+    let refund_key = idempotency_key(RUN, 1, 1);
+    assert!(
+        !posts.contains_key(&refund_key),
+        "{spelling}: the refund reached the tool with no approval"
+    );
+    assert_eq!(
+        posts.get(&idempotency_key(RUN, 1, 0)),
+        Some(&1),
+        "{spelling}: the ungated search did not reach its tool once"
+    );
+}
+
+/// The review's attack on the platform's gate, in process: the platform
+/// gates every call to the refund endpoint of the server on 127.0.0.1; the
+/// agent author declares the same server as `localhost`,
+/// `[::ffff:127.0.0.1]` and in decimal. Each run asks for an Approval and
+/// nothing reaches the refund tool.
+#[tokio::test]
+async fn a_platform_gate_on_loopback_holds_for_every_spelling_of_the_server() {
+    let standins = Standins::start().await;
+    let port = standins
+        .base
+        .rsplit(':')
+        .next()
+        .expect("a port")
+        .to_string();
+    let gated = format!("{}/tools/refund", standins.base);
+    for host in [
+        "localhost",
+        "[::ffff:127.0.0.1]",
+        "2130706433",
+        "LocalHost.",
+        "0x7f.1",
+    ] {
+        let base = format!("http://{host}:{port}");
+        let prefix = gated_run(
+            &standins,
+            &gated,
+            &format!("{base}/tools/refund"),
+            &format!("{base}/tools/search"),
+        );
+        assert_refund_held(&standins, &prefix, host).await;
+    }
+}
+
+/// A rule naming an address holds for a name the step pod resolves to it
+/// (here the machine's own name, from its hosts file): the runner looks
+/// the name up, matches on the address, and connects only there.
+#[tokio::test]
+async fn a_platform_gate_on_an_address_holds_for_a_name_that_resolves_to_it() {
+    let standins = Standins::start().await;
+    let port = standins
+        .base
+        .rsplit(':')
+        .next()
+        .expect("a port")
+        .to_string();
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let Some(ip) = crate::dns::lookup(&name).await.first().copied() else {
+        eprintln!(
+            "this machine's name {name:?} does not resolve: nothing to spell the address with"
+        );
+        return;
+    };
+    let gated = format!(
+        "http://{}/tools/refund",
+        std::net::SocketAddr::new(ip, port.parse().unwrap())
+    );
+    let search = format!("{}/tools/search", standins.base);
+    let prefix = gated_run(
+        &standins,
+        &gated,
+        &format!("http://{name}:{port}/tools/refund"),
+        &search,
+    );
+    assert_refund_held(&standins, &prefix, &name).await;
+}
