@@ -846,3 +846,58 @@ async fn the_requester_sees_she_may_not_decide_her_own_run() {
     chrome.screenshot("separation-of-duties").await;
     chrome.browser.clone().close().await.ok();
 }
+
+/// An ambient credential is bound to the console's own host (issue 39):
+/// browsers scope cookies by host, not port, so a console on 127.0.0.1
+/// handed its session to every other web server on 127.0.0.1 its user
+/// visited, which could then act as them. The console listens on a random
+/// loopback address of its own: alice opens it in Chromium, then visits
+/// another server on 127.0.0.1, which receives no console cookie.
+#[tokio::test]
+async fn the_consoles_session_cookie_reaches_no_other_server_on_loopback() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = World::new("console-cookie", &[]).await;
+    let ns = w.name().to_string();
+    let console = ConsoleProcess::loopback("alice", &ns);
+    assert!(
+        !console.base.starts_with("http://127.0.0.1:"),
+        "the console listens on a loopback address of its own: {}",
+        console.base
+    );
+    // Another web server on 127.0.0.1: it keeps the headers it is sent.
+    let other = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let other_url = format!("http://{}/", other.local_addr().unwrap());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = other.accept().await {
+            let mut buf = vec![0u8; 16 * 1024];
+            let n = conn.read(&mut buf).await.unwrap_or(0);
+            let _ = tx.send(String::from_utf8_lossy(&buf[..n]).into_owned());
+            let body = "<html><body>another server</body></html>";
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(reply.as_bytes()).await;
+        }
+    });
+
+    let chrome = Chrome::start().await;
+    let b = &chrome.browser;
+    b.goto(&console.session_url).await.unwrap();
+    chrome.wait_text("Approvals waiting", PAGE).await;
+    b.goto(&other_url).await.unwrap();
+    chrome.wait_text("another server", PAGE).await;
+    chrome.screenshot("another-server-on-loopback").await;
+    let mut seen = Vec::new();
+    while let Ok(request) = rx.try_recv() {
+        seen.push(request);
+    }
+    assert!(!seen.is_empty(), "the other server was visited");
+    for request in &seen {
+        assert!(
+            !request.to_ascii_lowercase().contains("agentrun_console"),
+            "the other server on 127.0.0.1 received the console's cookie:\n{request}"
+        );
+    }
+}

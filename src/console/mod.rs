@@ -40,9 +40,12 @@ pub struct LoopbackArgs {
     /// Port to listen on (a free one when 0).
     #[arg(long, default_value_t = 0)]
     pub port: u16,
-    /// Address to listen on; keep it a loopback address.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub address: IpAddr,
+    /// Address to listen on; keep it a loopback address. By default a
+    /// random one of 127.0.0.0/8 (where the system routes all of it to
+    /// loopback, as Linux does), so that the session cookie, which browsers
+    /// scope by host and not by port, goes to no other server on 127.0.0.1.
+    #[arg(long)]
+    pub address: Option<IpAddr>,
     /// Open the console in the default browser.
     #[arg(long)]
     pub open: bool,
@@ -203,6 +206,29 @@ fn templates() -> Environment<'static> {
     env
 }
 
+/// Listens on `address`, or on a loopback address of its own: a random
+/// 127.x.y.z (x not 0, so never 127.0.0.1's neighbours other tools take),
+/// else 127.0.0.1 where the system answers only that one.
+async fn listen(address: Option<IpAddr>, port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+    if let Some(address) = address {
+        return tokio::net::TcpListener::bind((address, port))
+            .await
+            .with_context(|| format!("listening on {address}:{port}"));
+    }
+    let own = own_loopback(random_bytes()?);
+    match tokio::net::TcpListener::bind((own, port)).await {
+        Ok(listener) => Ok(listener),
+        Err(_) => tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port))
+            .await
+            .with_context(|| format!("listening on 127.0.0.1:{port}")),
+    }
+}
+
+/// A loopback address of 127.0.0.0/8 from `random`, outside 127.0.0.0/16.
+fn own_loopback(random: [u8; 32]) -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::new(127, random[0].max(1), random[1], random[2].max(1))
+}
+
 fn random_bytes() -> anyhow::Result<[u8; 32]> {
     use ring::rand::SecureRandom;
     let mut b = [0u8; 32];
@@ -240,16 +266,13 @@ pub async fn serve_loopback(
     namespace: String,
     args: LoopbackArgs,
 ) -> anyhow::Result<()> {
-    if !args.address.is_loopback() {
+    if let Some(address) = args.address.filter(|a| !a.is_loopback()) {
         eprintln!(
-            "warning: --address {} is not a loopback address: anyone who can reach it and learns \
-             the URL acts as you",
-            args.address
+            "warning: --address {address} is not a loopback address: anyone who can reach it and \
+             learns the URL acts as you",
         );
     }
-    let listener = tokio::net::TcpListener::bind((args.address, args.port))
-        .await
-        .with_context(|| format!("listening on {}:{}", args.address, args.port))?;
+    let listener = listen(args.address, args.port).await?;
     let bound = listener.local_addr()?;
     let host = bound.to_string();
     let session = hex::encode(random_bytes()?);
