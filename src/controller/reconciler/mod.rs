@@ -65,7 +65,14 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
 async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
-    let result = reconcile_inner(&run, &ctx).await;
+    // A panic fails this run's reconcile (a Stalled condition and Event, then
+    // the error backoff), never the process that reconciles every run.
+    let result = crate::controller::contain::contain(reconcile_inner(&run, &ctx))
+        .await
+        .unwrap_or_else(|panicked| {
+            tracing::error!(error = %panicked, "reconcile panicked; the run backs off");
+            Err(panicked.into())
+        });
     match &result {
         Err(e) => report_stalled(&run, &ctx, e).await,
         Ok(_) => {
@@ -1155,7 +1162,10 @@ async fn report_stalled(run: &AgentRun, ctx: &Context, error: &Error) {
     let event = Event {
         type_: EventType::Warning,
         reason: "Stalled".into(),
-        note: Some(message),
+        note: Some(crate::text::cut(
+            &message,
+            crate::text::EVENT_NOTE_MAX_BYTES,
+        )),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -1655,7 +1665,11 @@ async fn write_status(
                 EventType::Normal
             },
             reason: n.reason.into(),
-            note: Some(n.message),
+            // Cut where it lands: the API server refuses a longer note.
+            note: Some(crate::text::cut(
+                &n.message,
+                crate::text::EVENT_NOTE_MAX_BYTES,
+            )),
             action: "Reconcile".into(),
             secondary: None,
         };
