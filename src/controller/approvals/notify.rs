@@ -614,13 +614,21 @@ pub fn teams_escape(s: &str) -> String {
     out
 }
 
+/// How long a text is as Slack and Teams count it: in UTF-16 code units
+/// (a JavaScript string's length), never fewer than its characters, so a
+/// text cut to a limit in these keeps to it whichever of the two the
+/// receiver counts.
+pub fn units(s: &str) -> usize {
+    s.encode_utf16().count()
+}
+
 /// `s` escaped by `escape`, cut so that it and the note saying so fit in
-/// `max` characters: "… cut, N more bytes; see kubectl agentrun show"
-/// (N counts the bytes of `s` left out). Where even the note does not fit,
+/// `max` ([`units`]): "… cut, N more bytes; see kubectl agentrun show" (N
+/// counts the bytes of `s` left out). Where even the note does not fit,
 /// "…" alone marks the cut; the result is never longer than `max`.
 pub fn fit(s: &str, max: usize, escape: fn(&str) -> String) -> String {
     let whole = escape(s);
-    if whole.chars().count() <= max {
+    if units(&whole) <= max {
         return whole;
     }
     let note = |left: usize| {
@@ -628,21 +636,20 @@ pub fn fit(s: &str, max: usize, escape: fn(&str) -> String) -> String {
             "… cut, {left} more bytes; see kubectl agentrun show"
         ))
     };
-    // The note for the longest count this text can have, else the shortest mark.
-    let longest = note(s.len()).chars().count();
-    let short = escape("…");
-    let mark = if longest <= max {
-        Some(longest)
-    } else {
-        Some(short.chars().count()).filter(|n| *n <= max)
-    };
-    let room = max.saturating_sub(mark.unwrap_or(0));
+    // Room for the note with the longest count this text can have, else
+    // for "…" alone, else for nothing.
+    let longest = units(&note(s.len()));
+    let with_note = longest <= max;
+    let short = Some(escape("…"))
+        .filter(|m| units(m) <= max)
+        .unwrap_or_default();
+    let room = max.saturating_sub(if with_note { longest } else { units(&short) });
     let mut kept = String::new();
     let mut used: usize = 0;
     let mut end = 0;
     for (i, c) in s.char_indices() {
         let e = escape(c.encode_utf8(&mut [0; 4]));
-        let n = e.chars().count();
+        let n = units(&e);
         if used.saturating_add(n) > room {
             break;
         }
@@ -650,21 +657,25 @@ pub fn fit(s: &str, max: usize, escape: fn(&str) -> String) -> String {
         kept.push_str(&e);
         end = i + c.len_utf8();
     }
-    match mark {
-        Some(n) if n == longest => kept.push_str(&note(s.len().saturating_sub(end))),
-        Some(_) => kept.push_str(&short),
-        None => {}
+    if with_note {
+        kept.push_str(&note(s.len().saturating_sub(end)));
+    } else {
+        kept.push_str(&short);
     }
     kept
 }
 
-/// At most `max` characters of `s`: the last guard of a text whose parts
+/// At most `max` ([`units`]) of `s`: the last guard of a text whose parts
 /// were each cut to their share (it never cuts one that was built right).
 fn at_most(s: String, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((end, _)) => s[..end].to_string(),
-        None => s,
+    let mut used: usize = 0;
+    for (i, c) in s.char_indices() {
+        used += c.len_utf16();
+        if used > max {
+            return s[..i].to_string();
+        }
     }
+    s
 }
 
 /// The most characters of a title over a value (a fact's, or an
@@ -710,7 +721,7 @@ fn shown_link(m: &Message, escape: fn(&str) -> String) -> Option<(&str, String)>
     let link = m.link.as_deref()?;
     let escaped = escape(link);
     let plain = !link.contains(|c: char| c == '|' || c.is_whitespace() || c.is_control());
-    (plain && escaped.chars().count() <= LINK_MAX).then_some((link, escaped))
+    (plain && units(&escaped) <= LINK_MAX).then_some((link, escaped))
 }
 
 fn plain(text: String) -> Value {
@@ -756,7 +767,7 @@ pub fn slack(m: &Message) -> Value {
     }
     if let Some(reason) = &m.reason {
         let head = "*The agent's reason*\n";
-        let room = SLACK_SECTION_MAX.saturating_sub(head.chars().count());
+        let room = SLACK_SECTION_MAX.saturating_sub(units(head));
         blocks.push(json!({
             "type": "section",
             "text": mrkdwn(format!("{head}{}", fit(reason, room, e)), SLACK_SECTION_MAX),
@@ -787,7 +798,7 @@ fn slack_summary(m: &Message) -> String {
     let mut text = fit(&m.summary, SUMMARY_MAX, e);
     let command = fit(&m.command, COMMAND_MAX, e);
     let more = |left: usize| format!("\n… {left} more decisions; see `{command}`");
-    let reserve = more(m.decisions.len()).chars().count();
+    let reserve = units(&more(m.decisions.len()));
     for (shown, (who, verdict, reason)) in m.decisions.iter().enumerate() {
         let mut line = format!(
             "\n• *{}*: {}",
@@ -797,7 +808,7 @@ fn slack_summary(m: &Message) -> String {
         if let Some(r) = reason.as_deref().filter(|r| !r.is_empty()) {
             line.push_str(&format!(" ({})", fit(r, DECISION_REASON_MAX, e)));
         }
-        let after = text.chars().count() + line.chars().count();
+        let after = units(&text).saturating_add(units(&line));
         let last = shown + 1 == m.decisions.len();
         if after.saturating_add(if last { 0 } else { reserve }) > SLACK_SECTION_MAX {
             text.push_str(&more(m.decisions.len() - shown));
@@ -813,7 +824,7 @@ fn slack_summary(m: &Message) -> String {
 fn slack_field(title: &str, value: &str, code: bool) -> Value {
     let head = format!("*{}*\n", fit(title, TITLE_MAX, slack_escape));
     let tick = if code { "`" } else { "" };
-    let room = SLACK_FIELD_MAX.saturating_sub(head.chars().count() + 2 * tick.len());
+    let room = SLACK_FIELD_MAX.saturating_sub(units(&head) + 2 * tick.len());
     mrkdwn(
         format!("{head}{tick}{}{tick}", fit(value, room, slack_escape)),
         SLACK_FIELD_MAX,
