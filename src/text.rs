@@ -23,6 +23,28 @@ pub fn excerpt(text: &str, max: usize) -> String {
     }
 }
 
+/// What the API server accepts of an Event's note (events.k8s.io/v1
+/// `note`, `NoteLengthLimit` in its validation), in bytes: a longer note
+/// is refused and the Event is lost.
+pub const EVENT_NOTE_MAX_BYTES: usize = 1024;
+
+/// What a condition's message may hold (metav1.Condition's `message`), in
+/// bytes.
+pub const CONDITION_MESSAGE_MAX_BYTES: usize = 32_768;
+
+/// `text`, or as much of it as fits in `max` bytes together with a closing
+/// "…" (on a character boundary): never longer than `max` bytes.
+pub fn cut(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_string();
+    }
+    const MORE: &str = "…";
+    match max.checked_sub(MORE.len()) {
+        Some(room) => format!("{}{MORE}", prefix(text, room)),
+        None => prefix(text, max).to_string(),
+    }
+}
+
 /// `text`, or "…" and its last `max` bytes (on a character boundary): for
 /// logs and messages whose end says the most.
 pub fn tail(text: &str, max: usize) -> String {
@@ -67,6 +89,20 @@ mod tests {
         assert_eq!(tail("ab😀", 4), "…😀");
         assert_eq!(tail("a😀b", 2), "…b");
         assert_eq!(tail("ab", 5), "ab");
+    }
+
+    #[test]
+    fn a_cut_never_passes_its_bytes() {
+        assert_eq!(cut("short", 5), "short");
+        assert_eq!(cut("界界界", 7), "界…");
+        assert_eq!(cut("abc", 2), "ab");
+        assert_eq!(cut("界", 2), "");
+        for max in 0..20 {
+            for text in ["", "ascii text here!", "界界界界界界", "😀a😀b😀c"] {
+                let got = cut(text, max);
+                assert!(got.len() <= max, "{text:?} {max}: {got:?}");
+            }
+        }
     }
 
     #[test]

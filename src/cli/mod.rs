@@ -610,15 +610,17 @@ pub fn side_by_side(columns: &[(String, &Value)]) -> String {
     };
     let mut rows: Vec<Vec<String>> = vec![
         std::iter::once("argument".to_string())
-            .chain(columns.iter().map(|(h, _)| visible(h)))
+            .chain(columns.iter().map(|(h, _)| abbreviate(&visible(h), 40)))
             .collect(),
     ];
     for k in &keys {
         let base = cell(proposed, k);
+        // A key is the model's text too: cut like a value, so one long key
+        // does not pad every row of the table to its width.
         let mut row = vec![if k.is_empty() {
             "(whole)".to_string()
         } else {
-            visible(k)
+            abbreviate(&visible(k), 40)
         }];
         for (i, (_, v)) in columns.iter().enumerate() {
             let c = cell(v, k);
@@ -889,6 +891,27 @@ fn name_of(v: &impl serde::Serialize) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The notification attack in the terminal: a key of 30,000 characters
+    /// in a side-by-side comparison is cut like a value, not a column 30,000
+    /// wide that pads every row.
+    #[test]
+    fn a_long_argument_key_is_cut_in_the_side_by_side_table() {
+        let key = "&".repeat(30_000);
+        let proposed = serde_json::json!({ key.clone(): 1, "amount": 500 });
+        let edited = serde_json::json!({ key: 2, "amount": 200 });
+        let table = super::side_by_side(&[
+            ("proposed".into(), &proposed),
+            ("edited by alice".into(), &edited),
+        ]);
+        for line in table.lines() {
+            assert!(
+                line.chars().count() <= 200,
+                "{} characters",
+                line.chars().count()
+            );
+        }
+        assert!(table.contains("&&&…"), "{table}");
+    }
 
     #[test]
     fn a_rotation_retires_the_old_key_first_and_keeps_earlier_ones() {

@@ -648,7 +648,7 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
         .as_ref()
         .and_then(cli::describe_step)
         .unwrap_or_else(|| r.kind.as_str().to_string());
-    if r.usage.input_tokens + r.usage.output_tokens > 0 {
+    if r.usage.input_tokens > 0 || r.usage.output_tokens > 0 {
         what.push_str(&format!(
             " — {} tokens in, {} out, ${:.6}",
             r.usage.input_tokens,

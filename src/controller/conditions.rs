@@ -4,7 +4,8 @@
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
-/// Builds a condition stamped `now`.
+/// Builds a condition stamped `now`; its message (which may quote a model's,
+/// a tool's or a user's text) is cut to what a condition holds.
 pub fn condition(
     type_: &str,
     ok: bool,
@@ -17,7 +18,7 @@ pub fn condition(
         type_: type_.to_string(),
         status: if ok { "True" } else { "False" }.to_string(),
         reason: reason.to_string(),
-        message: message.to_string(),
+        message: crate::text::cut(message, crate::text::CONDITION_MESSAGE_MAX_BYTES),
         observed_generation: generation,
         last_transition_time: Time(now),
     }

@@ -21,6 +21,10 @@ pub enum Error {
     Store(#[source] crate::store::StoreError),
     #[error("step log: {0}")]
     Decode(#[source] crate::runlog::replay::DecodeError),
+    /// A bug that this run's input reached: the reconcile failed, the
+    /// process goes on (see [`crate::controller::contain`]).
+    #[error("reconcile {0}")]
+    Panicked(#[from] crate::controller::contain::Panicked),
 }
 
 impl Error {
@@ -33,6 +37,7 @@ impl Error {
             Error::Encode(_) => "encode",
             Error::Store(e) => e.metric_label(),
             Error::Decode(_) => "decode",
+            Error::Panicked(_) => "panic",
         }
     }
 }

@@ -17,6 +17,7 @@
 
 pub mod approvals;
 mod conditions;
+pub(crate) mod contain;
 mod context;
 mod error;
 pub mod memory;

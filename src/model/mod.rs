@@ -121,7 +121,7 @@ pub struct TokenUsage {
 impl TokenUsage {
     /// Input plus output tokens.
     pub fn total(&self) -> u64 {
-        self.input_tokens + self.output_tokens
+        self.input_tokens.saturating_add(self.output_tokens)
     }
 }
 

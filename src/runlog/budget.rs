@@ -182,10 +182,10 @@ pub fn proposal(agent: Option<&Budgets>, now: &Budgets, spent: Used) -> Value {
     let original = agent.cloned().unwrap_or_default();
     let mut limits = Limits::default();
     if let Some(max) = now.max_steps.filter(|max| spent.steps >= *max) {
-        limits.max_steps = Some(max + original.max_steps.unwrap_or(max));
+        limits.max_steps = Some(max.saturating_add(original.max_steps.unwrap_or(max)));
     }
     if let Some(max) = now.max_tokens.filter(|max| spent.tokens >= *max) {
-        limits.max_tokens = Some(max + original.max_tokens.unwrap_or(max));
+        limits.max_tokens = Some(max.saturating_add(original.max_tokens.unwrap_or(max)));
     }
     if let Some(max) = now.max_cost_usd.filter(|max| spent.cost_usd >= *max) {
         limits.max_cost_usd = Some(max + original.max_cost_usd.unwrap_or(max));

@@ -6,6 +6,8 @@
 //! its stored types convert to), so the meaning of a log has one definition.
 
 pub mod budget;
+#[cfg(test)]
+mod fuzz;
 pub mod records;
 pub mod replay;
 pub mod v1;

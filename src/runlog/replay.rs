@@ -125,10 +125,19 @@ pub struct Spent {
 }
 
 impl Spent {
+    /// Counts one model call. Its numbers come from the step pod's record
+    /// (a model's own report): sums saturate rather than overflow, and a
+    /// negative cost counts as none, so the total never goes down (nor
+    /// becomes NaN, which no budget would stop).
     fn add(&mut self, usage: &super::v1::TokenUsage, cost: f64) {
-        self.input_tokens += usage.input_tokens;
-        self.output_tokens += usage.output_tokens;
-        self.cost_usd += cost;
+        self.input_tokens = self.input_tokens.saturating_add(usage.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(usage.output_tokens);
+        self.cost_usd += cost.max(0.0);
+    }
+
+    /// Tokens in and out.
+    fn tokens(&self) -> u64 {
+        self.input_tokens.saturating_add(self.output_tokens)
     }
 }
 
@@ -678,7 +687,7 @@ impl RunState {
             .and_then(|s| s.agent.budgets.as_ref());
         let used = budget::Used {
             steps: self.len(),
-            tokens: self.spent.input_tokens + self.spent.output_tokens,
+            tokens: self.spent.tokens(),
             cost_usd: self.spent.cost_usd,
         };
         budget::proposal(agent, budgets, used)
@@ -687,7 +696,7 @@ impl RunState {
     /// Why the budget forbids another model call, if it does.
     pub fn budget_exceeded(&self, budgets: Option<&Budgets>) -> Option<String> {
         let b = budgets?;
-        let tokens = self.spent.input_tokens + self.spent.output_tokens;
+        let tokens = self.spent.tokens();
         if let Some(max) = b.max_tokens.filter(|max| tokens >= *max) {
             return Some(format!("token budget used up: {tokens} of {max} tokens"));
         }

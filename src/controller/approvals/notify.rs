@@ -145,22 +145,26 @@ pub fn notify(
         return;
     }
     let format = request.gate.notify_format.unwrap_or_default();
-    let body = match format {
-        NotifyFormat::Json => json_body(run, approval, request, event, &detail),
-        NotifyFormat::Slack | NotifyFormat::Teams => {
-            let message = Message::of(
-                run,
-                approval,
-                request,
-                event,
-                &detail,
-                ctx.console_url.as_deref(),
-            );
-            if format == NotifyFormat::Slack {
-                slack(&message)
-            } else {
-                teams(&message)
-            }
+    // A bug the model's text reaches fails this notification, never the
+    // reconcile that raised it (nor the process).
+    let body = crate::controller::contain::contain_sync(|| {
+        body(
+            format,
+            run,
+            approval,
+            request,
+            event,
+            &detail,
+            ctx.console_url.as_deref(),
+        )
+    });
+    let body = match body {
+        Ok(body) => body,
+        Err(panicked) => {
+            tracing::error!(error = %panicked, approval, event, "formatting the approval notification panicked");
+            count("failed");
+            tokio::spawn(failed.publish("the message could not be formatted (a bug)".into()));
+            return;
         }
     };
     let Some(permit) = WEBHOOK_SLOTS.try_acquire(&run.namespace().unwrap_or_default()) else {
@@ -192,6 +196,29 @@ pub fn notify(
     });
 }
 
+/// The message in the policy's `notifyFormat`.
+fn body(
+    format: NotifyFormat,
+    run: &AgentRun,
+    approval: &str,
+    request: &ApprovalRequested,
+    event: &str,
+    detail: &Value,
+    console_url: Option<&str>,
+) -> Value {
+    match format {
+        NotifyFormat::Json => json_body(run, approval, request, event, detail),
+        NotifyFormat::Slack | NotifyFormat::Teams => {
+            let message = Message::of(run, approval, request, event, detail, console_url);
+            if format == NotifyFormat::Slack {
+                slack(&message)
+            } else {
+                teams(&message)
+            }
+        }
+    }
+}
+
 /// The Warning Event for a notification that did not arrive.
 struct FailedEvent {
     recorder: Recorder,
@@ -216,7 +243,7 @@ impl FailedEvent {
         let event = Event {
             type_: EventType::Warning,
             reason: FAILED_REASON.into(),
-            note: Some(note),
+            note: Some(crate::text::cut(&note, crate::text::EVENT_NOTE_MAX_BYTES)),
             action: "Notify".into(),
             secondary: None,
         };
@@ -587,12 +614,21 @@ pub fn teams_escape(s: &str) -> String {
     out
 }
 
+/// How long a text is as Slack and Teams count it: in UTF-16 code units
+/// (a JavaScript string's length), never fewer than its characters, so a
+/// text cut to a limit in these keeps to it whichever of the two the
+/// receiver counts.
+pub fn units(s: &str) -> usize {
+    s.encode_utf16().count()
+}
+
 /// `s` escaped by `escape`, cut so that it and the note saying so fit in
-/// `max` characters: "… cut, N more bytes; see kubectl agentrun show"
-/// (N counts the bytes of `s` left out).
+/// `max` ([`units`]): "… cut, N more bytes; see kubectl agentrun show" (N
+/// counts the bytes of `s` left out). Where even the note does not fit,
+/// "…" alone marks the cut; the result is never longer than `max`.
 pub fn fit(s: &str, max: usize, escape: fn(&str) -> String) -> String {
     let whole = escape(s);
-    if whole.chars().count() <= max {
+    if units(&whole) <= max {
         return whole;
     }
     let note = |left: usize| {
@@ -600,24 +636,65 @@ pub fn fit(s: &str, max: usize, escape: fn(&str) -> String) -> String {
             "… cut, {left} more bytes; see kubectl agentrun show"
         ))
     };
-    // The note for the longest count this text can have.
-    let room = max.saturating_sub(note(s.len()).chars().count());
+    // Room for the note with the longest count this text can have, else
+    // for "…" alone, else for nothing.
+    let longest = units(&note(s.len()));
+    let with_note = longest <= max;
+    let short = Some(escape("…"))
+        .filter(|m| units(m) <= max)
+        .unwrap_or_default();
+    let room = max.saturating_sub(if with_note { longest } else { units(&short) });
     let mut kept = String::new();
-    let mut used = 0;
+    let mut used: usize = 0;
     let mut end = 0;
     for (i, c) in s.char_indices() {
         let e = escape(c.encode_utf8(&mut [0; 4]));
-        let n = e.chars().count();
-        if used + n > room {
+        let n = units(&e);
+        if used.saturating_add(n) > room {
             break;
         }
         used += n;
         kept.push_str(&e);
         end = i + c.len_utf8();
     }
-    kept.push_str(&note(s.len() - end));
+    if with_note {
+        kept.push_str(&note(s.len().saturating_sub(end)));
+    } else {
+        kept.push_str(&short);
+    }
     kept
 }
+
+/// At most `max` ([`units`]) of `s`: the last guard of a text whose parts
+/// were each cut to their share (it never cuts one that was built right).
+fn at_most(s: String, max: usize) -> String {
+    let mut used: usize = 0;
+    for (i, c) in s.char_indices() {
+        used += c.len_utf16();
+        if used > max {
+            return s[..i].to_string();
+        }
+    }
+    s
+}
+
+/// The most characters of a title over a value (a fact's, or an
+/// argument's key, which the model wrote) and of a name in a line.
+const TITLE_MAX: usize = 100;
+/// The most characters of a person's or an object's name in a line (a
+/// Kubernetes name has at most 253).
+const NAME_MAX: usize = 253;
+/// The most characters of the summary (names in it are the run's, the
+/// tool's, the approvers').
+const SUMMARY_MAX: usize = 1000;
+/// The most characters of one decision's reason in the summary.
+const DECISION_REASON_MAX: usize = 500;
+/// The most characters of the plugin command (an approval's and a
+/// namespace's names).
+const COMMAND_MAX: usize = 400;
+/// The longest console link shown, escaped: a longer one (which
+/// `--console-url` does not allow) is left out rather than cut wrong.
+const LINK_MAX: usize = 1500;
 
 /// The arguments as (key, value) pairs, at most `max` of them: when there
 /// are more, the last says how many more there are.
@@ -625,137 +702,170 @@ fn argument_fields(m: &Message, max: usize) -> Vec<(String, String)> {
     if m.arguments.len() <= max {
         return m.arguments.clone();
     }
-    let mut shown: Vec<(String, String)> = m.arguments[..max - 1].to_vec();
+    let shown_count = max.saturating_sub(1);
+    let mut shown: Vec<(String, String)> = m.arguments[..shown_count].to_vec();
     shown.push((
         "…".into(),
         format!(
             "{} more arguments; see {}",
-            m.arguments.len() - (max - 1),
+            m.arguments.len().saturating_sub(shown_count),
             m.command
         ),
     ));
     shown
 }
 
+/// The console link, escaped by `escape`, when it is one to show: short,
+/// and nothing in it that would end a Slack link (`|`, `>`, spaces).
+fn shown_link(m: &Message, escape: fn(&str) -> String) -> Option<(&str, String)> {
+    let link = m.link.as_deref()?;
+    let escaped = escape(link);
+    let plain = !link.contains(|c: char| c == '|' || c.is_whitespace() || c.is_control());
+    (plain && units(&escaped) <= LINK_MAX).then_some((link, escaped))
+}
+
 fn plain(text: String) -> Value {
     json!({"type": "plain_text", "text": text, "emoji": true})
 }
 
-fn mrkdwn(text: String) -> Value {
-    json!({"type": "mrkdwn", "text": text})
+fn mrkdwn(text: String, max: usize) -> Value {
+    json!({"type": "mrkdwn", "text": at_most(text, max)})
 }
 
 /// A Slack incoming-webhook message (Block Kit): a header, what happened,
 /// the facts as a section's fields, the arguments as another's, the agent's
 /// reason, the decisions, and the console link with the plugin command;
-/// `text` is the notification's fallback.
+/// `text` is the notification's fallback. Every text is escaped and cut to
+/// the limit of the place it lands.
 pub fn slack(m: &Message) -> Value {
     let e = slack_escape;
     let mut blocks = vec![json!({
         "type": "header",
         "text": plain(fit(&m.title, SLACK_HEADER_MAX, |s| s.to_string())),
     })];
-    let mut summary = e(&m.summary);
-    for (who, verdict, reason) in &m.decisions {
-        summary.push_str(&format!("\n• *{}*: {}", e(who), e(verdict)));
-        if let Some(r) = reason.as_deref().filter(|r| !r.is_empty()) {
-            summary.push_str(&format!(" ({})", e(r)));
-        }
-    }
     blocks.push(json!({
         "type": "section",
-        "text": mrkdwn(fit_escaped(&summary, SLACK_SECTION_MAX)),
+        "text": mrkdwn(slack_summary(m), SLACK_SECTION_MAX),
     }));
-    // A title over its value; a value in a code span if `code`.
-    let field = |title: &str, value: &str, code: bool| {
-        let head = format!("*{}*\n", e(title));
-        let tick = if code { "`" } else { "" };
-        let room = SLACK_FIELD_MAX - head.chars().count() - 2 * tick.len();
-        mrkdwn(format!(
-            "{head}{tick}{}{tick}",
-            fit(value, room, slack_escape)
-        ))
-    };
     let facts: Vec<Value> = m
         .facts()
         .iter()
         .take(SLACK_FIELDS_MAX)
-        .map(|(t, v)| field(t, v, false))
+        .map(|(t, v)| slack_field(t, v, false))
         .collect();
     blocks.push(json!({"type": "section", "fields": facts}));
     if !m.arguments.is_empty() {
         let fields: Vec<Value> = argument_fields(m, SLACK_FIELDS_MAX)
             .iter()
-            .map(|(k, v)| field(k, v, true))
+            .map(|(k, v)| slack_field(k, v, true))
             .collect();
         blocks.push(json!({
             "type": "section",
-            "text": mrkdwn("*Arguments*".into()),
+            "text": mrkdwn("*Arguments*".into(), SLACK_SECTION_MAX),
             "fields": fields,
         }));
     }
     if let Some(reason) = &m.reason {
         let head = "*The agent's reason*\n";
+        let room = SLACK_SECTION_MAX.saturating_sub(units(head));
         blocks.push(json!({
             "type": "section",
-            "text": mrkdwn(format!(
-                "{head}{}",
-                fit(reason, SLACK_SECTION_MAX - head.len(), slack_escape)
-            )),
+            "text": mrkdwn(format!("{head}{}", fit(reason, room, e)), SLACK_SECTION_MAX),
         }));
     }
     let mut open = String::new();
-    if let Some(link) = &m.link {
+    if let Some((_, link)) = shown_link(m, e) {
         // The platform's URL (validated at start: no `|`), a namespace and
         // a DNS name; escaped like all text (Slack decodes `&amp;` in links).
         open.push_str(&format!(
-            "<{}|Open {} in the console>\n",
-            e(link),
-            e(&m.approval)
+            "<{link}|Open {} in the console>\n",
+            fit(&m.approval, NAME_MAX, e)
         ));
     }
-    open.push_str(&format!("`{}`", e(&m.command)));
-    blocks.push(json!({"type": "section", "text": mrkdwn(open)}));
+    open.push_str(&format!("`{}`", fit(&m.command, COMMAND_MAX, e)));
+    blocks.push(json!({"type": "section", "text": mrkdwn(open, SLACK_SECTION_MAX)}));
     blocks.truncate(SLACK_BLOCKS_MAX);
     json!({
-        "text": fit(&format!("{}: run {} in {}", m.title, m.run, m.namespace), SLACK_SECTION_MAX, slack_escape),
+        "text": fit(&format!("{}: run {} in {}", m.title, m.run, m.namespace), SLACK_SECTION_MAX, e),
         "blocks": blocks,
     })
 }
 
-/// Already escaped text, cut at a character boundary with the note.
-fn fit_escaped(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        return s.to_string();
+/// What happened, then each decision (who, verdict, their reason) while
+/// they fit in a section; a last line says how many more there are.
+fn slack_summary(m: &Message) -> String {
+    let e = slack_escape;
+    let mut text = fit(&m.summary, SUMMARY_MAX, e);
+    let command = fit(&m.command, COMMAND_MAX, e);
+    let more = |left: usize| format!("\n… {left} more decisions; see `{command}`");
+    let reserve = units(&more(m.decisions.len()));
+    for (shown, (who, verdict, reason)) in m.decisions.iter().enumerate() {
+        let mut line = format!(
+            "\n• *{}*: {}",
+            fit(who, NAME_MAX, e),
+            fit(verdict, TITLE_MAX, e)
+        );
+        if let Some(r) = reason.as_deref().filter(|r| !r.is_empty()) {
+            line.push_str(&format!(" ({})", fit(r, DECISION_REASON_MAX, e)));
+        }
+        let after = units(&text).saturating_add(units(&line));
+        let last = shown + 1 == m.decisions.len();
+        if after.saturating_add(if last { 0 } else { reserve }) > SLACK_SECTION_MAX {
+            text.push_str(&more(m.decisions.len() - shown));
+            break;
+        }
+        text.push_str(&line);
     }
-    fit(s, max, |s| s.to_string())
+    text
 }
+
+/// A field: a title (bold) over a value, in a code span if `code`; both
+/// escaped and cut so the field fits its limit.
+fn slack_field(title: &str, value: &str, code: bool) -> Value {
+    let head = format!("*{}*\n", fit(title, TITLE_MAX, slack_escape));
+    let tick = if code { "`" } else { "" };
+    let room = SLACK_FIELD_MAX.saturating_sub(units(&head) + 2 * tick.len());
+    mrkdwn(
+        format!("{head}{tick}{}{tick}", fit(value, room, slack_escape)),
+        SLACK_FIELD_MAX,
+    )
+}
+
+/// The caps a Teams card tries, each text of the model's or people's cut to
+/// it, largest first, until the card fits [`TEAMS_MAX_BYTES`].
+const TEAMS_CAPS: [usize; 6] = [3000, 1500, 750, 375, 180, 90];
 
 /// A Teams incoming-webhook message: an Adaptive Card (1.4) attachment with
 /// the title, what happened, the facts and the arguments as FactSets, the
 /// agent's reason, the decisions, the plugin command, and an
-/// `Action.OpenUrl` to the console. Cut to [`TEAMS_MAX_BYTES`].
+/// `Action.OpenUrl` to the console. Always within [`TEAMS_MAX_BYTES`]: its
+/// texts are cut shorter until it fits, and when even the shortest do not
+/// (thousands of decisions), it is the card that says only what happened
+/// and where to see the rest.
 pub fn teams(m: &Message) -> Value {
-    let mut cap = SLACK_SECTION_MAX;
-    loop {
-        let card = teams_card(m, cap);
-        if cap < 100 || serde_json::to_vec(&card).map_or(0, |b| b.len()) <= TEAMS_MAX_BYTES {
-            return card;
-        }
-        cap /= 2;
-    }
+    TEAMS_CAPS
+        .iter()
+        .map(|cap| teams_card(m, *cap))
+        .find(fits_teams)
+        .unwrap_or_else(|| teams_minimal(m))
+}
+
+fn fits_teams(card: &Value) -> bool {
+    serde_json::to_vec(card).is_ok_and(|b| b.len() <= TEAMS_MAX_BYTES)
 }
 
 /// The Teams message with each text of the model's or people's cut to `cap` characters.
 fn teams_card(m: &Message, cap: usize) -> Value {
     let e = |s: &str| fit(s, cap, teams_escape);
-    let fact = |title: &str, value: &str| json!({"title": teams_escape(title), "value": e(value)});
+    let title = |s: &str| fit(s, cap.min(TITLE_MAX), teams_escape);
+    let fact = |t: &str, value: &str| json!({"title": title(t), "value": e(value)});
     let mut body = vec![
         json!({"type": "TextBlock", "text": e(&m.title), "size": "Large", "weight": "Bolder", "wrap": true}),
         json!({"type": "TextBlock", "text": e(&m.summary), "wrap": true}),
     ];
     for (who, verdict, reason) in &m.decisions {
-        let mut line = format!("**{}**: {}", e(who), e(verdict));
+        let name = fit(who, cap.min(NAME_MAX), teams_escape);
+        let mut line = format!("**{name}**: {}", title(verdict));
         if let Some(r) = reason.as_deref().filter(|r| !r.is_empty()) {
             line.push_str(&format!(" \\({}\\)", e(r)));
         }
@@ -777,9 +887,25 @@ fn teams_card(m: &Message, cap: usize) -> Value {
         body.push(json!({"type": "TextBlock", "text": "The agent's reason", "weight": "Bolder", "wrap": true}));
         body.push(json!({"type": "TextBlock", "text": e(reason), "wrap": true}));
     }
-    body.push(
-        json!({"type": "TextBlock", "text": e(&m.command), "fontType": "Monospace", "wrap": true}),
-    );
+    body.push(json!({"type": "TextBlock", "text": fit(&m.command, cap.min(COMMAND_MAX), teams_escape), "fontType": "Monospace", "wrap": true}));
+    adaptive_card(m, body)
+}
+
+/// The last resort: the title, what happened and where to see the rest,
+/// each cut short enough that the card fits whatever they hold (at most
+/// six bytes of JSON a character, the link at most [`LINK_MAX`]).
+fn teams_minimal(m: &Message) -> Value {
+    let body = vec![
+        json!({"type": "TextBlock", "text": fit(&m.title, TITLE_MAX, teams_escape), "size": "Large", "weight": "Bolder", "wrap": true}),
+        json!({"type": "TextBlock", "text": fit(&m.summary, SUMMARY_MAX, teams_escape), "wrap": true}),
+        json!({"type": "TextBlock", "text": "Too much to show here; the command shows it all:", "wrap": true}),
+        json!({"type": "TextBlock", "text": fit(&m.command, COMMAND_MAX, teams_escape), "fontType": "Monospace", "wrap": true}),
+    ];
+    adaptive_card(m, body)
+}
+
+/// The message around a card's `body`, with the console link as its action.
+fn adaptive_card(m: &Message, body: Vec<Value>) -> Value {
     let mut card = Map::new();
     card.insert(
         "$schema".into(),
@@ -788,7 +914,7 @@ fn teams_card(m: &Message, cap: usize) -> Value {
     card.insert("type".into(), json!("AdaptiveCard"));
     card.insert("version".into(), json!("1.4"));
     card.insert("body".into(), Value::Array(body));
-    if let Some(link) = &m.link {
+    if let Some((link, _)) = shown_link(m, |s| s.to_string()) {
         card.insert(
             "actions".into(),
             json!([{"type": "Action.OpenUrl", "title": "Open in the console", "url": link}]),

@@ -47,7 +47,22 @@ struct Resolved {
 
 /// Reconciles `run` in its turn ([`crate::controller::slots`]). The work is boxed: a
 /// reconcile waiting for its slot is a small future.
+/// A panic anywhere in it fails this run's reconcile, never the process
+/// that reconciles every run (kube-runtime would carry it up through the
+/// controller's own future).
 pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
+    crate::controller::contain::contain(reconcile_in_turn(run, ctx))
+        .await
+        .unwrap_or_else(panicked)
+}
+
+/// A reconcile's panic as its error, logged (the hook logged where).
+fn panicked(p: crate::controller::contain::Panicked) -> Result<Action, Error> {
+    tracing::error!(error = %p, "reconcile panicked; the run backs off");
+    Err(p.into())
+}
+
+async fn reconcile_in_turn(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = run.namespace().unwrap_or_default();
     let _slot = ctx.slots.enter(&ns).await;
     // The run may have changed while this waited: read it as the watch has it now.
@@ -65,7 +80,11 @@ pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
 async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.reconciliations.inc();
-    let result = reconcile_inner(&run, &ctx).await;
+    // A panic in the work is recorded like any failure (a Stalled condition
+    // and Event, then the error backoff).
+    let result = crate::controller::contain::contain(reconcile_inner(&run, &ctx))
+        .await
+        .unwrap_or_else(panicked);
     match &result {
         Err(e) => report_stalled(&run, &ctx, e).await,
         Ok(_) => {
@@ -1188,7 +1207,10 @@ async fn report_stalled(run: &AgentRun, ctx: &Context, error: &Error) {
     let event = Event {
         type_: EventType::Warning,
         reason: "Stalled".into(),
-        note: Some(message),
+        note: Some(crate::text::cut(
+            &message,
+            crate::text::EVENT_NOTE_MAX_BYTES,
+        )),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -1688,7 +1710,11 @@ async fn write_status(
                 EventType::Normal
             },
             reason: n.reason.into(),
-            note: Some(n.message),
+            // Cut where it lands: the API server refuses a longer note.
+            note: Some(crate::text::cut(
+                &n.message,
+                crate::text::EVENT_NOTE_MAX_BYTES,
+            )),
             action: "Reconcile".into(),
             secondary: None,
         };

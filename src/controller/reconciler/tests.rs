@@ -799,3 +799,90 @@ async fn approval_webhooks_are_counted_by_outcome() {
     }
     assert_eq!((count(&ctx, "failed"), count(&ctx, "dropped")), (0, 0));
 }
+
+/// A panic in one reconcile (a bug that some run's input reaches) fails that
+/// reconcile only: the run is marked Stalled with a Warning Event, the error
+/// is counted as `panic` and backed off, and the same process reconciles on.
+/// (kube-runtime polls reconciles inside the controller's own future: the
+/// panic used to end the process, and every tenant's runs with it.)
+#[tokio::test]
+async fn a_panic_in_one_reconcile_fails_that_run_and_the_process_goes_on() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use crate::controller::Error;
+    use crate::controller::metrics::ReasonLabel;
+    use crate::controller::reconciler::{error_policy, reconcile};
+    let dir = tempfile::tempdir().unwrap();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // The API server's first answer meets the bug: a panic, in the reconcile's task.
+    let (mock, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let armed = Arc::new(AtomicBool::new(true));
+    let service = tower::ServiceExt::map_response(mock, move |r: Response<Body>| {
+        if armed.swap(false, Ordering::SeqCst) {
+            panic!("a bug this run's input reached");
+        }
+        r
+    });
+    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir.path()).await);
+    let run = run();
+
+    let sent = run.clone();
+    let mut handle = handle;
+    let server = tokio::spawn(async move {
+        let seen = answer_recording(&mut handle, &sent, &Value::Null).await;
+        (handle, seen)
+    });
+    let result = reconcile(Arc::new(run.clone()), ctx.clone()).await;
+    let (handle, seen) = server.await.unwrap();
+    let error = result.expect_err("the reconcile fails");
+    assert!(matches!(error, Error::Panicked(_)), "{error}");
+
+    // Recorded on the run: the Stalled condition, then its Warning Event.
+    let status = seen
+        .iter()
+        .find(|(what, _)| what.ends_with("/agentruns/r1/status"))
+        .map(|(_, body)| body)
+        .expect("the stall is written to the status");
+    let stalled = status["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Stalled")
+        .expect("a Stalled condition");
+    assert_eq!(stalled["status"], "True", "{stalled}");
+    let message = stalled["message"].as_str().unwrap();
+    assert!(
+        message.contains("panicked") && message.contains("a bug this run's input reached"),
+        "{message}"
+    );
+    let event = seen
+        .iter()
+        .find(|(what, _)| what.ends_with("/events"))
+        .map(|(_, body)| body)
+        .expect("a Warning Event");
+    assert_eq!(
+        (&event["reason"], &event["type"]),
+        (&json!("Stalled"), &json!("Warning"))
+    );
+
+    // Backed off like any failed reconcile, and counted by its reason.
+    let action = error_policy(Arc::new(run.clone()), &error, ctx.clone());
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(Duration::from_secs(1))
+    );
+    let panics = ctx
+        .metrics
+        .reconcile_errors
+        .get_or_create(&ReasonLabel {
+            reason: "panic".into(),
+        })
+        .get();
+    assert_eq!(panics, 1);
+
+    // The process goes on: the next reconcile starts the run.
+    reconcile_recorded(&ctx, handle, &run, Value::Null).await;
+    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    assert_eq!(log.len(), 1);
+    assert_eq!(log[0].kind.as_str(), "RunStarted");
+}

@@ -33,6 +33,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::http::Request;
+use axum::response::IntoResponse;
 use bytes::Bytes;
 use http_body::Frame;
 use hyper::body::Incoming;
@@ -262,8 +263,16 @@ impl hyper::service::Service<Request<Incoming>> for PeerService {
             req.extensions_mut().insert(cert.clone());
         }
         let mut router = self.router.clone();
+        let peer = self.peer;
         Box::pin(async move {
-            let response = router.call(req).await;
+            // A panic in one request's handler answers that request 500 and
+            // ends nothing else (see `crate::controller::contain`).
+            let response = crate::controller::contain::contain(router.call(req))
+                .await
+                .unwrap_or_else(|panicked| {
+                    tracing::error!(%peer, error = %panicked, "a request's handler panicked");
+                    Ok(axum::http::StatusCode::INTERNAL_SERVER_ERROR.into_response())
+                });
             drop(serving);
             response
         })
@@ -372,7 +381,8 @@ mod tests {
             .route(
                 "/echo",
                 post(|body: Bytes| async move { body.len().to_string() }),
-            );
+            )
+            .route("/panic", get(panics));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(serve(listener, router, limits));
@@ -488,6 +498,26 @@ mod tests {
         // Their bodies' deadlines free the slots; then a request is served.
         for mut s in serving {
             until_closed(&mut s).await;
+        }
+        let got = get_healthz(addr).await.unwrap();
+        assert!(got.starts_with("HTTP/1.0 200"), "{got}");
+    }
+
+    /// A handler with a bug that its request reaches.
+    async fn panics() -> &'static str {
+        panic!("a bug this request reached")
+    }
+
+    /// One request's panic is that request's 500; the connection's slot is
+    /// given back and the server answers the next one.
+    #[tokio::test]
+    async fn a_panicking_request_is_answered_500_and_the_server_goes_on() {
+        let addr = server(FAST).await;
+        for _ in 0..=FAST.max_connections {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET /panic HTTP/1.0\r\n\r\n").await.unwrap();
+            let got = until_closed(&mut s).await.unwrap_or_default();
+            assert!(got.starts_with("HTTP/1.0 500"), "{got}");
         }
         let got = get_healthz(addr).await.unwrap();
         assert!(got.starts_with("HTTP/1.0 200"), "{got}");

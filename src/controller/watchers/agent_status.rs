@@ -71,6 +71,24 @@ pub fn status(agent: &Agent, now: Timestamp) -> AgentStatus {
     s
 }
 
+/// Why an Agent's status was not written.
+#[derive(Debug, thiserror::Error)]
+enum StatusError {
+    #[error("{0}")]
+    Write(#[from] kube::Error),
+    /// A bug an Agent's spec reached (its CEL, its schemas): that Agent's
+    /// status waits, every other Agent's and run's goes on.
+    #[error("checking the agent {0}")]
+    Panicked(#[from] crate::controller::contain::Panicked),
+}
+
+async fn reconcile_contained(
+    agent: Arc<Agent>,
+    client: Arc<kube::Client>,
+) -> Result<Action, StatusError> {
+    Ok(crate::controller::contain::contain(reconcile(agent, client)).await??)
+}
+
 async fn reconcile(agent: Arc<Agent>, client: Arc<kube::Client>) -> Result<Action, kube::Error> {
     let desired = status(&agent, Timestamp::now());
     if agent.status.as_ref() != Some(&desired) {
@@ -107,7 +125,7 @@ pub async fn run(
     Controller::for_stream(events, cache)
         .graceful_shutdown_on(stop)
         .run(
-            reconcile,
+            reconcile_contained,
             |agent, error, _| {
                 tracing::warn!(agent = %agent.name_any(), %error, "writing agent status failed");
                 Action::requeue(Duration::from_secs(5))

@@ -193,6 +193,132 @@ fn messages_carry_no_secret_and_no_decision_power() {
     }
 }
 
+/// Where a Slack message passes a Block Kit limit: a header's text (150),
+/// a section's text (3000), a section's fields (10) and each field's text
+/// (2000), the blocks (50), the fallback `text` (kept to a section's 3000);
+/// empty when it passes none.
+fn slack_over_limits(message: &Value) -> Vec<String> {
+    // In UTF-16 code units: never fewer than characters (see `units`).
+    let chars = |v: &Value| v.as_str().map_or(0, units);
+    let mut over = Vec::new();
+    let mut check = |what: String, n: usize, max: usize| {
+        if n > max {
+            over.push(format!("{what}: {n} > {max}"));
+        }
+    };
+    check("text".into(), chars(&message["text"]), SLACK_SECTION_MAX);
+    let blocks = message["blocks"].as_array().cloned().unwrap_or_default();
+    check("blocks".into(), blocks.len(), SLACK_BLOCKS_MAX);
+    for (i, b) in blocks.iter().enumerate() {
+        let text = chars(&b["text"]["text"]);
+        match b["type"].as_str() {
+            Some("header") => check(format!("block {i} header"), text, SLACK_HEADER_MAX),
+            _ => check(format!("block {i} text"), text, SLACK_SECTION_MAX),
+        }
+        let fields = b["fields"].as_array().cloned().unwrap_or_default();
+        check(format!("block {i} fields"), fields.len(), SLACK_FIELDS_MAX);
+        for (j, f) in fields.iter().enumerate() {
+            check(
+                format!("block {i} field {j}"),
+                chars(&f["text"]),
+                SLACK_FIELD_MAX,
+            );
+        }
+    }
+    over
+}
+
+/// A Teams message's size as sent.
+fn teams_bytes(message: &Value) -> usize {
+    serde_json::to_vec(message).unwrap().len()
+}
+
+/// The outside review's attack: a gated call whose argument KEY is 450 `&`
+/// (each escaped to `&amp;`, 2,250 characters as a field's title) under
+/// `notifyFormat: Slack`. It overflowed the field's room (a panic that
+/// ended the controller; a release build wrapped and cut nothing).
+#[test]
+fn a_key_of_450_ampersands_in_slack_is_cut_within_every_limit() {
+    let key = "&".repeat(450);
+    let r = request(json!({ key.clone(): "x", "amount": 500 }), "because");
+    let s = slack(&raised(&r, Some(CONSOLE)));
+    assert_eq!(slack_over_limits(&s), Vec::<String>::new());
+    let fields = s["blocks"][3]["fields"].as_array().unwrap();
+    let field = fields
+        .iter()
+        .map(|f| f["text"].as_str().unwrap())
+        .find(|t| t.starts_with("*&amp;"))
+        .expect("the key's field is shown");
+    assert!(
+        field.contains("more bytes; see kubectl agentrun show"),
+        "{field}"
+    );
+    assert!(field.ends_with("\n`\"x\"`"), "the value is whole: {field}");
+    assert!(
+        !field.replace("&amp;", "").contains('&'),
+        "cut between entities: {field}"
+    );
+}
+
+/// The same class in Teams: a key of 30,000 characters made a card of 31 KB
+/// (fact titles were escaped but never cut; the card gave up shrinking).
+#[test]
+fn a_key_of_30000_characters_in_teams_fits_its_28_kb() {
+    for key in ["k".repeat(30_000), "[".repeat(30_000), "界".repeat(30_000)] {
+        let r = request(json!({ key: "x" }), "because");
+        let t = teams(&raised(&r, Some(CONSOLE)));
+        assert!(teams_bytes(&t) <= TEAMS_MAX_BYTES, "{}", teams_bytes(&t));
+        let facts = &t["attachments"][0]["content"]["body"][4]["facts"];
+        let title = facts[0]["title"].as_str().unwrap();
+        assert!(
+            title.contains("more bytes; see kubectl agentrun show"),
+            "{title}"
+        );
+    }
+}
+
+/// However much there is (here 3,000 decisions, each line of which alone
+/// fits), the card that goes out fits: the shortest one, which says where
+/// to see it all.
+#[test]
+fn a_teams_card_too_big_at_every_cut_is_the_short_card() {
+    let mut m = raised(&refund(), Some(CONSOLE));
+    m.decisions = (0..3000)
+        .map(|i| (format!("approver-{i}"), "Approve".into(), Some("ok".into())))
+        .collect();
+    let t = teams(&m);
+    assert!(teams_bytes(&t) <= TEAMS_MAX_BYTES, "{}", teams_bytes(&t));
+    let s = t.to_string();
+    assert!(s.contains("Too much to show here"), "{s}");
+    assert!(s.contains(&m.command), "{s}");
+    assert!(s.contains(CONSOLE), "the console link stays: {s}");
+    // Slack shows the decisions that fit and says how many more there are.
+    let s = slack(&m);
+    assert_eq!(slack_over_limits(&s), Vec::<String>::new());
+    let summary = s["blocks"][1]["text"]["text"].as_str().unwrap();
+    assert!(
+        summary.contains("more decisions; see `kubectl agentrun show"),
+        "{summary}"
+    );
+}
+
+/// `fit` keeps to `max` even when its note does not fit in it: "…" alone
+/// marks the cut, and with no room at all nothing is shown.
+#[test]
+fn fit_never_passes_its_max_even_without_room_for_the_note() {
+    let long = "<&>".repeat(100);
+    for max in 0..80 {
+        let escapes: [fn(&str) -> String; 3] = [slack_escape, teams_escape, |s| s.to_string()];
+        for escape in escapes {
+            let got = fit(&long, max, escape);
+            assert!(units(&got) <= max, "{max}: {got}");
+        }
+    }
+    assert_eq!(fit("abcdef", 3, |s| s.to_string()), "ab…");
+    assert_eq!(fit("abcdef", 0, |s| s.to_string()), "");
+    assert_eq!(fit("&&", 4, slack_escape), "…", "never half an entity");
+}
+
 #[test]
 fn long_text_is_cut_with_a_note_within_slack_limits() {
     let long = "x".repeat(5000);
@@ -203,26 +329,8 @@ fn long_text_is_cut_with_a_note_within_slack_limits() {
     r.tool = "t".repeat(200);
     let m = raised(&r, Some(CONSOLE));
     let s = slack(&m);
+    assert_eq!(slack_over_limits(&s), Vec::<String>::new());
     let blocks = s["blocks"].as_array().unwrap();
-    assert!(blocks.len() <= SLACK_BLOCKS_MAX);
-    let header = blocks[0]["text"]["text"].as_str().unwrap();
-    assert!(header.chars().count() <= SLACK_HEADER_MAX, "{header}");
-    for b in blocks {
-        if let Some(t) = b["text"]["text"].as_str() {
-            assert!(t.chars().count() <= SLACK_SECTION_MAX, "{}", t.len());
-        }
-        if let Some(fields) = b["fields"].as_array() {
-            assert!(fields.len() <= SLACK_FIELDS_MAX);
-            for f in fields {
-                let t = f["text"].as_str().unwrap();
-                assert!(
-                    t.chars().count() <= SLACK_FIELD_MAX,
-                    "{}",
-                    t.chars().count()
-                );
-            }
-        }
-    }
     let args = &blocks[3]["fields"];
     assert_eq!(args.as_array().unwrap().len(), SLACK_FIELDS_MAX);
     let last = args[9]["text"].as_str().unwrap();
@@ -461,4 +569,112 @@ fn the_json_event_is_unchanged() {
             "detail": {"expiresAt": "2026-12-04T05:00:00Z"},
         })
     );
+}
+
+/// Fuzzing the formatters: any message, with any text in any field (the
+/// characters of each receiver's markup, other scripts, control
+/// characters, up to 40,000 of them), formats without a panic within every
+/// limit of the place it lands.
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Characters that mean something to Slack's mrkdwn, to Teams'
+    /// markdown or to JSON, wide ones, and controls; now and then any.
+    fn hostile_char() -> impl Strategy<Value = char> {
+        prop_oneof![
+            3 => prop::sample::select(vec![
+                '&', '<', '>', '`', '[', ']', '(', ')', '*', '\\', '|', '_', '~', '"', '\n',
+                'a', ' ', 'é', '界', '😀', '\u{0}', '\u{1b}', '\u{202e}',
+            ]),
+            1 => any::<char>(),
+        ]
+    }
+
+    /// Mostly short text; one in ten a run of up to 40,000 characters.
+    fn text() -> impl Strategy<Value = String> {
+        let short = prop::collection::vec(hostile_char(), 0..40).prop_map(String::from_iter);
+        let long = (
+            prop::collection::vec(hostile_char(), 0..8),
+            hostile_char(),
+            0usize..=40_000,
+        )
+            .prop_map(|(head, c, n)| {
+                let mut s = String::from_iter(head);
+                s.extend(std::iter::repeat_n(c, n));
+                s
+            });
+        prop_oneof![9 => short, 1 => long]
+    }
+
+    fn message() -> impl Strategy<Value = Message> {
+        let names = (text(), text(), text(), text(), text(), text(), text());
+        let facts = (
+            prop::option::of(text()),
+            text(),
+            prop::option::of(text()),
+            text(),
+            prop::option::of(text()),
+            text(),
+        );
+        let arguments = prop::collection::vec((text(), text()), 0..14);
+        let decisions = prop::collection::vec((text(), text(), prop::option::of(text())), 0..8);
+        (names, facts, arguments, prop::option::of(text()), decisions).prop_map(
+            |(
+                (event, title, summary, namespace, run, approval, tool),
+                (requester, rule, expires_at, quorum, link, command),
+                arguments,
+                reason,
+                decisions,
+            )| Message {
+                event,
+                title,
+                summary,
+                namespace,
+                run,
+                approval,
+                tool,
+                requester,
+                rule,
+                expires_at,
+                quorum,
+                arguments,
+                reason,
+                decisions,
+                link,
+                command,
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_message_in_slack_meets_every_block_kit_limit(m in message()) {
+            let s = slack(&m);
+            prop_assert_eq!(slack_over_limits(&s), Vec::<String>::new());
+        }
+
+        #[test]
+        fn any_message_in_teams_fits_28_kb(m in message()) {
+            let t = teams(&m);
+            prop_assert!(teams_bytes(&t) <= TEAMS_MAX_BYTES, "{} bytes", teams_bytes(&t));
+        }
+
+        #[test]
+        fn fit_keeps_to_its_max_and_leaves_text_that_fits_whole(
+            s in text(),
+            max in prop_oneof![0usize..80, 0usize..4000],
+            which in 0usize..3,
+        ) {
+            let escapes: [fn(&str) -> String; 3] = [slack_escape, teams_escape, |s| s.to_string()];
+            let escape = escapes[which];
+            let got = fit(&s, max, escape);
+            prop_assert!(units(&got) <= max);
+            if units(&escape(&s)) <= max {
+                prop_assert_eq!(got, escape(&s));
+            }
+        }
+    }
 }

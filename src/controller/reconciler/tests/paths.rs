@@ -898,3 +898,34 @@ async fn a_failed_jobs_pods_tell_a_lost_worker_from_a_crash() {
     assert!(said.contains("the step said: panic: boom"), "{status}");
     assert_eq!(kinds(&ctx).await, ["RunStarted"], "nothing recorded");
 }
+
+/// A final answer of any size (here 2,000 three-byte characters) ends the
+/// run with an Event the API server takes: its note is cut to the 1024
+/// bytes of an Event's note, not to 900 characters (2,700 bytes here: the
+/// Event was refused and lost).
+#[tokio::test]
+async fn a_long_final_answer_ends_the_run_with_an_event_note_the_api_server_takes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle, run) = started(dir.path(), super::run()).await;
+    let answer = "界".repeat(2000);
+    step_pod(
+        &ctx,
+        vec![model_call(Some(&answer), vec![])],
+        Duration::from_secs(30),
+        true,
+    )
+    .await;
+    let (_, seen) = super::reconcile_recorded(&ctx, handle, &run, job(STEP_1, complete())).await;
+    let event = seen
+        .iter()
+        .find(|(what, body)| what.ends_with("/events") && body["reason"] == "RunSucceeded")
+        .map(|(_, body)| body)
+        .expect("the run's end is an Event");
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.len() <= crate::text::EVENT_NOTE_MAX_BYTES,
+        "{} bytes",
+        note.len()
+    );
+    assert!(note.starts_with("界界界") && note.ends_with('…'), "{note}");
+}
