@@ -68,6 +68,29 @@ async fn failed_without_a_job(w: &World, name: &str) -> String {
     run.status.and_then(|s| s.error).unwrap_or_default()
 }
 
+/// Why the run waits for the platform, once it does, with no Job created.
+async fn waiting_without_a_job(w: &World, name: &str) -> String {
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    let why = common::wait_for(&format!("{name} to wait for a policy"), TIMEOUT, || async {
+        let r = runs.get(name).await.map_err(|e| e.to_string())?;
+        let s = r.status.unwrap_or_default();
+        match s.conditions.iter().find(|c| c.type_ == "Allowed") {
+            Some(c) if c.status == "False" && s.phase == Some(Phase::Pending) => {
+                Ok(c.message.clone())
+            }
+            _ => Err(format!("{s:?}")),
+        }
+    })
+    .await;
+    let jobs: Api<Job> = Api::namespaced(w.client.clone(), w.name());
+    let mine = jobs
+        .list(&ListParams::default().labels(&format!("agentrun.dev/run={name}")))
+        .await
+        .expect("jobs");
+    assert!(mine.items.is_empty(), "a Job was created for {name}");
+    why
+}
+
 #[tokio::test]
 async fn a_runs_requester_is_its_authenticated_creator_and_never_changes() {
     let w = World::new("requester", &[]).await;
@@ -273,9 +296,12 @@ async fn secrets_reach_a_step_pod_only_when_the_platform_opted_them_in() {
     borrow["model"]["secretRef"] = json!({"name": "db-password", "key": "apiKey"});
     w.create_run("borrow", json!({"input": "x", "agent": borrow}), json!({}))
         .await;
-    let err = failed_without_a_job(&w, "borrow").await;
-    assert!(err.starts_with("spec.model.secretRef"), "{err}");
-    assert!(err.contains("db-password"), "{err}");
+    // Not listed (yet): the run waits for a policy that lists it, with no
+    // Job (a later AgentPolicy could still allow it; only the platform
+    // owner can write one).
+    let why = waiting_without_a_job(&w, "borrow").await;
+    assert!(why.starts_with("spec.model.secretRef"), "{why}");
+    assert!(why.contains("db-password"), "{why}");
 
     let mut elsewhere = w.agent("exfil");
     elsewhere["model"]["secretRef"] = json!({"name": "restricted-key", "key": "apiKey"});
