@@ -90,6 +90,7 @@ fn from_env(env: &Env) -> Option<StepArgs> {
         controller_key: get("AGENTRUN_CONTROLLER_KEY"),
         signed_from: get("AGENTRUN_SIGNED_FROM").map_or(Some(0), |v| v.parse().ok())?,
         bound_from: get("AGENTRUN_BOUND_FROM").map_or(Some(0), |v| v.parse().ok())?,
+        signing_keys: get("AGENTRUN_SIGNING_KEYS"),
         model_api_key: get("AGENTRUN_MODEL_API_KEY"),
         worker: get("POD_NAME").unwrap_or_else(|| "local".into()),
         attempt: get("AGENTRUN_ATTEMPT").map_or(Some(1), |v| v.parse().ok())?,

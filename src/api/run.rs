@@ -209,11 +209,31 @@ pub struct LogRef {
     /// accepted as they were, none after it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bound_from: Option<u64>,
+    /// Which of the controller's keys signs the run's controller records
+    /// from which seq, in the order they took over: the key of the
+    /// controller that wrote this status last. A rotation appends the new
+    /// key at the log's length when its controller first wrote the status,
+    /// and a key a rotation retired counts only before the seq where the
+    /// key after it took over (for a run it never signed for: nowhere).
+    /// Absent on a run no release recording keys has written yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signing_keys: Option<Vec<SigningKey>>,
     /// Where a controller that does not hold the replayed log resumes
     /// reading it (long logs only), signed by the controller. The log is
     /// still verified whole right after that controller's first decision.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<LogCheckpoint>,
+}
+
+/// One of the controller's signing keys and the first seq it signs.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SigningKey {
+    /// The key's id (the first 8 bytes of the sha256 of its public key, hex,
+    /// as the controller publishes it).
+    pub key: String,
+    /// The first seq this key signs.
+    pub from: u64,
 }
 
 /// What the records before `seq` add up to, for resuming a long log's
@@ -269,6 +289,11 @@ pub struct CurrentStep {
     /// When the Job was created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_at: Option<Time>,
+    /// The id of the controller key whose step token the Job's credential
+    /// holds (`kubectl agentrun rotate-key --prune` keeps a retired key
+    /// while a Job holds its token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_key: Option<String>,
 }
 
 /// The Approval a run waits for.

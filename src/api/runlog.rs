@@ -101,6 +101,10 @@ pub struct Verification {
     /// `status.log.length` of the AgentRun.
     #[serde(default)]
     pub head_length: u64,
+    /// `status.log.signingKeys` of the AgentRun: where each controller key
+    /// signs, for clients that may read the log but not the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signing_keys: Option<Vec<crate::api::SigningKey>>,
     /// `Verified`, or `Failed` (then `message` names the first bad seq).
     pub result: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]

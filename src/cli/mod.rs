@@ -18,6 +18,7 @@ use crate::api::{AgentRun, Approval, ApprovalState, Verdict};
 use crate::runlog::records::ApprovalDecided;
 use crate::runlog::replay::Step;
 
+mod keys;
 pub(crate) mod log;
 
 #[derive(Parser)]
@@ -104,10 +105,17 @@ enum Command {
     /// approval with its arguments and context, runs and their timelines.
     Console(crate::console::LoopbackArgs),
     /// Rotate the controller's step-token key (its signing key derives from
-    /// it): a new random key becomes current, the old one is retired (its
-    /// tokens keep opening runs started before, its signatures keep
-    /// verifying). Restart the controller afterwards to use it.
+    /// it): a new random key becomes current, the old one is retired at the
+    /// API server's time (its tokens open only runs created by then; its
+    /// signatures count only where each run's status says it still signed).
+    /// Restart the controller afterwards to use it.
     RotateKey {
+        /// Instead of rotating, prune the retired keys no step Job holds a
+        /// token of (kept: their public signing keys, so what they signed
+        /// still verifies); names the runs holding the others and fails
+        /// while there are any.
+        #[arg(long)]
+        prune: bool,
         /// Namespace of the controller and of the key's Secret.
         #[arg(
             long,
@@ -183,9 +191,15 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             crate::console::serve_loopback(k.client, k.ns, args).await
         }
         Command::RotateKey {
+            prune: false,
             controller_namespace,
             secret,
-        } => rotate_key(&k.client, &controller_namespace, &secret, &mut out).await,
+        } => keys::rotate(&k.client, &controller_namespace, &secret, &mut out).await,
+        Command::RotateKey {
+            prune: true,
+            controller_namespace,
+            secret,
+        } => keys::prune(&k.client, &controller_namespace, &secret, &mut out).await,
     }
 }
 
@@ -325,86 +339,6 @@ async fn edit(
         visible_json(&arguments)
     )?;
     Ok(())
-}
-
-async fn rotate_key(
-    client: &kube::Client,
-    namespace: &str,
-    name: &str,
-    out: &mut impl Write,
-) -> anyhow::Result<()> {
-    use k8s_openapi::api::core::v1::Secret;
-    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
-    let mut secret = api
-        .get(name)
-        .await
-        .with_context(|| format!("reading Secret {namespace}/{name}"))?;
-    let data = secret.data.clone().unwrap_or_default();
-    let fresh = hex::encode(random_key()?);
-    let (rotated, ids) = rotated_key_data(&data, &fresh)
-        .map_err(|e| anyhow::anyhow!("Secret {namespace}/{name}: {e}"))?;
-    secret.data = Some(rotated);
-    // A replace with the read resourceVersion: a rotation that raced another
-    // one fails instead of losing a key.
-    api.replace(name, &PostParams::default(), &secret)
-        .await
-        .with_context(|| format!("writing Secret {namespace}/{name}"))?;
-    writeln!(
-        out,
-        "rotated: signing key {} is current, {} retired (its tokens and signatures stay valid)\n\
-         restart the controller to use it, e.g. kubectl -n {namespace} rollout restart deployment -l app.kubernetes.io/part-of=agentrun",
-        ids.0, ids.1
-    )?;
-    Ok(())
-}
-
-fn random_key() -> anyhow::Result<[u8; 32]> {
-    use ring::rand::SecureRandom;
-    let mut key = [0u8; 32];
-    ring::rand::SystemRandom::new()
-        .fill(&mut key)
-        .map_err(|_| anyhow::anyhow!("no system randomness for a new key"))?;
-    Ok(key)
-}
-
-type SecretData = BTreeMap<String, k8s_openapi::ByteString>;
-
-/// The Secret `data` after a rotation to `fresh`: `key` = `fresh`, `retired`
-/// = the old key then the keys retired before; and the signing key ids
-/// (new, old). Refuses data with no valid `key`.
-fn rotated_key_data(
-    data: &SecretData,
-    fresh: &str,
-) -> Result<(SecretData, (String, String)), String> {
-    use crate::controller::servers::step_token::TokenKey;
-    let old = data
-        .get("key")
-        .ok_or("no `key` entry to rotate")?
-        .0
-        .trim_ascii()
-        .to_vec();
-    let old_id = TokenKey::new(&old)
-        .map_err(|e| format!("`key`: {e}"))?
-        .record_signer()
-        .key_id()
-        .to_string();
-    let mut retired = old;
-    if let Some(before) = data.get("retired") {
-        let before = before.0.trim_ascii();
-        if !before.is_empty() {
-            retired.push(b'\n');
-            retired.extend_from_slice(before);
-        }
-    }
-    let new = TokenKey::new(fresh.as_bytes())?.with_retired(&retired)?;
-    let new_id = new.record_signer().key_id().to_string();
-    let mut out = data.clone();
-    out.insert(
-        "key".into(),
-        k8s_openapi::ByteString(fresh.as_bytes().to_vec()),
-    );
-    out.insert("retired".into(), k8s_openapi::ByteString(retired));
-    Ok((out, (new_id, old_id)))
 }
 
 async fn cancel(k: &Kube, run: &str, out: &mut impl Write) -> anyhow::Result<()> {
@@ -911,32 +845,6 @@ mod tests {
             );
         }
         assert!(table.contains("&&&…"), "{table}");
-    }
-
-    #[test]
-    fn a_rotation_retires_the_old_key_first_and_keeps_earlier_ones() {
-        use crate::controller::servers::step_token::TokenKey;
-        use k8s_openapi::ByteString;
-        let (a, b, c) = ("a".repeat(32), "b".repeat(32), "c".repeat(32));
-        let data = BTreeMap::from([("key".to_string(), ByteString(format!("{a}\n").into_bytes()))]);
-        let (once, (new_id, old_id)) = rotated_key_data(&data, &b).unwrap();
-        assert_eq!(once["key"].0, b.as_bytes());
-        assert_eq!(once["retired"].0, a.as_bytes());
-        let signer = |k: &str| TokenKey::new(k.as_bytes()).unwrap().record_signer();
-        assert_eq!(
-            (new_id.as_str(), old_id.as_str()),
-            (signer(&b).key_id(), signer(&a).key_id())
-        );
-        let (twice, _) = rotated_key_data(&once, &c).unwrap();
-        assert_eq!(twice["retired"].0, format!("{b}\n{a}").as_bytes());
-        let keys = TokenKey::new(&twice["key"].0)
-            .unwrap()
-            .with_retired(&twice["retired"].0)
-            .unwrap();
-        assert!(keys.verify("run", &TokenKey::new(a.as_bytes()).unwrap().mint("run")));
-        assert_eq!(keys.record_verifier().keys().len(), 3);
-        let e = rotated_key_data(&BTreeMap::new(), &c).unwrap_err();
-        assert!(e.contains("`key`"), "{e}");
     }
 
     use super::*;

@@ -133,8 +133,12 @@ pub struct JobSettings {
     pub image: String,
     /// The step-log gateway's URL, as step pods reach it.
     pub store_url: String,
-    /// The controller's record-signing public key (hex).
+    /// The controller's record-signing public keys (hex, the current one first).
     pub controller_key: String,
+    /// The id of the controller's current key (its signing key's id, which
+    /// also names the step tokens it mints: a run's credential Secret is
+    /// per key, so a rotation gives new Jobs a token of the new key).
+    pub key_id: String,
     pub service_account: String,
     /// How long one Job may keep taking further steps before it exits.
     pub time_slice_seconds: u64,

@@ -55,6 +55,12 @@ pub struct StepArgs {
     /// seq (`status.log.boundFrom`); before it legacy signatures count.
     #[arg(long, env = "AGENTRUN_BOUND_FROM", default_value_t = 0)]
     pub bound_from: u64,
+    /// Where each controller key signs this run's records
+    /// (`<key id>:<from seq>,...`, `status.log.signingKeys`): a retired
+    /// key's signature counts only before the key after it took over.
+    /// Unset: none recorded (an earlier release's controller).
+    #[arg(long, env = "AGENTRUN_SIGNING_KEYS")]
+    pub signing_keys: Option<String>,
     #[arg(long, env = "AGENTRUN_MODEL_API_KEY", hide_env_values = true)]
     pub model_api_key: Option<String>,
     /// Worker identity (the pod's name).
@@ -75,6 +81,20 @@ pub struct StepArgs {
 const RECORD_MARGIN: Duration = Duration::from_secs(5);
 
 impl StepArgs {
+    /// The signature rules the controller passed for this run's log.
+    fn signature_rules(&self) -> anyhow::Result<store::SignatureRules> {
+        let keys = match &self.signing_keys {
+            Some(text) => store::KeyWindows::parse(text)
+                .map_err(|e| anyhow::anyhow!("AGENTRUN_SIGNING_KEYS: {e}"))?,
+            None => store::KeyWindows::Unrecorded,
+        };
+        Ok(store::SignatureRules {
+            signed_from: self.signed_from,
+            bound_from: self.bound_from,
+            keys,
+        })
+    }
+
     /// When model calls must have ended, counted from `started`.
     fn model_deadline(&self, started: Instant) -> Option<Instant> {
         let timeout = Duration::from_secs(self.step_timeout_seconds?);
@@ -266,14 +286,7 @@ impl Runner {
         if let Some(key) = &args.controller_key {
             store::RecordVerifier::from_hex(key)
                 .map_err(|e| anyhow::anyhow!("AGENTRUN_CONTROLLER_KEY: {e}"))?
-                .check(
-                    &args.run_uid,
-                    &records,
-                    store::SignatureRules {
-                        signed_from: args.signed_from,
-                        bound_from: args.bound_from,
-                    },
-                )
+                .check(&args.run_uid, &records, &args.signature_rules()?)
                 .context("checking the controller's signatures in the step log")?;
         }
         let mut steps = Vec::with_capacity(records.len());

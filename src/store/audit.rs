@@ -32,7 +32,7 @@ impl Audit {
         records: &[Record],
         expected_head: Option<&Hash>,
         keys: &RecordVerifier,
-        rules: SignatureRules,
+        rules: &SignatureRules,
     ) -> Audit {
         let chain = super::verify_chain(run, records, expected_head);
         let signed = records
@@ -92,7 +92,7 @@ mod tests {
             &log,
             Some(&head),
             &s.verifier(),
-            SignatureRules::STRICT,
+            &SignatureRules::STRICT,
         );
         assert!(own.ok(), "{own:?}");
         assert_eq!(own.signed.len(), 2, "runner records are not listed");
@@ -101,7 +101,7 @@ mod tests {
             &log,
             Some(&head),
             &s.verifier(),
-            SignatureRules::STRICT,
+            &SignatureRules::STRICT,
         );
         assert!(moved.chain.is_ok(), "the copied chain itself is intact");
         let refused: Vec<u64> = moved.refused().map(|r| r.seq).collect();

@@ -55,8 +55,8 @@ pub use record::{
 };
 pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
 pub use signature::{
-    PublicKey, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureCheck, SignatureRules,
-    controller_only, key_id,
+    KeyWindows, PublicKey, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureCheck,
+    SignatureRules, controller_only, key_id,
 };
 pub use sqlite::SqliteStore;
 

@@ -74,22 +74,105 @@ pub fn key_id(public: &[u8]) -> String {
 }
 
 /// Where a run's signatures must follow which scheme (from `status.log`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SignatureRules {
     /// Controller records before this seq predate signing (`signedFrom`).
     pub signed_from: u64,
     /// Controller records before this seq may carry a legacy v1 signature
     /// (`boundFrom`); from it on only v2 counts.
     pub bound_from: u64,
+    /// Where each of the controller's keys signs this run's records
+    /// (`signingKeys`): a retired key's signature counts only before them.
+    pub keys: KeyWindows,
 }
 
 impl SignatureRules {
-    /// A run begun by this release: every controller record signed, bound.
+    /// A run begun by this release: every controller record signed, bound,
+    /// and by the current key (no retired key ever signed for it).
     pub const STRICT: SignatureRules = SignatureRules {
         signed_from: 0,
         bound_from: 0,
+        keys: KeyWindows::Recorded(Vec::new()),
     };
 }
+
+/// Which of the controller's keys signed a run's controller records from
+/// which seq on (`status.log.signingKeys`, written by the controller in the
+/// run's status, which no database writer and no run creator can move).
+///
+/// The key in charge when the controller wrote the status is always
+/// recorded last; a rotation appends the new key at the log's length when
+/// the new key's controller first wrote the run's status. A *retired* key's
+/// signature therefore counts only before the seq at which the key after it
+/// took over ([`KeyWindows::until`]): whoever holds a leaked retired key can
+/// sign records, but not at any position after its retirement. The current
+/// (not retired) key is bounded by nothing but the chain.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum KeyWindows {
+    /// Nothing recorded: a run an earlier release began, until a status of
+    /// this release records its keys. Any published key, anywhere, as
+    /// before.
+    #[default]
+    Unrecorded,
+    /// `(key id, first seq)`, in the order the keys took over.
+    Recorded(Vec<(String, u64)>),
+}
+
+impl KeyWindows {
+    /// The first seq at which retired key `id` no longer signs for this run
+    /// (`None`: no bound). A key the run never recorded signed nothing
+    /// after the first recorded one took over (from seq 0 for a run begun
+    /// by this release: nowhere).
+    pub fn until(&self, id: &str) -> Option<u64> {
+        let KeyWindows::Recorded(keys) = self else {
+            return None;
+        };
+        match keys.iter().rposition(|(k, _)| k == id) {
+            Some(i) => keys.get(i + 1).map(|(_, from)| *from),
+            None => Some(keys.first().map_or(0, |(_, from)| *from)),
+        }
+    }
+
+    /// Parses `<key id>:<from>,...` (what a step Job is given); `none` (or
+    /// nothing): recorded, with no key (every retired key refused).
+    pub fn parse(s: &str) -> Result<KeyWindows, String> {
+        let mut keys = Vec::new();
+        if s.trim() == NO_KEYS {
+            return Ok(KeyWindows::Recorded(keys));
+        }
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (id, from) = part
+                .split_once(':')
+                .ok_or_else(|| format!("{part:?} is not `<key id>:<seq>`"))?;
+            let from = from
+                .parse::<u64>()
+                .map_err(|_| format!("{part:?}: {from:?} is not a seq"))?;
+            keys.push((id.to_string(), from));
+        }
+        Ok(KeyWindows::Recorded(keys))
+    }
+
+    /// The form [`KeyWindows::parse`] reads (`None` for
+    /// [`KeyWindows::Unrecorded`]).
+    pub fn to_text(&self) -> Option<String> {
+        let KeyWindows::Recorded(keys) = self else {
+            return None;
+        };
+        if keys.is_empty() {
+            // Not empty: an empty variable reads as an unset one.
+            return Some(NO_KEYS.into());
+        }
+        Some(
+            keys.iter()
+                .map(|(id, from)| format!("{id}:{from}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+    }
+}
+
+/// [`KeyWindows::to_text`] of a record of no key.
+const NO_KEYS: &str = "none";
 
 /// The controller's signing key.
 pub struct RecordSigner {
@@ -315,15 +398,19 @@ impl RecordVerifier {
         &self.keys
     }
 
-    /// Whether `signature` (hex) is one of these keys' over `message` under
-    /// `context`.
+    /// Whether `signature` (hex) is the current key's over `message` under
+    /// `context`. A retired key's is not: what it signed outside a log (a
+    /// checkpoint) is made again by the current key, so a retired key, if
+    /// it leaked, vouches for nothing new.
     pub fn verify_message(&self, context: &[u8], message: &[u8], signature: &str) -> bool {
         let Ok(signature) = hex::decode(signature) else {
             return false;
         };
         let mut m = context.to_vec();
         m.extend_from_slice(message);
-        self.keys.iter().any(|k| k.verifies(&m, &signature))
+        self.keys
+            .iter()
+            .any(|k| !k.retired && k.verifies(&m, &signature))
     }
 
     /// Every controller record of `records` must be accepted under `rules`
@@ -333,7 +420,7 @@ impl RecordVerifier {
         &self,
         run: &str,
         records: &[Record],
-        rules: SignatureRules,
+        rules: &SignatureRules,
     ) -> Result<(), StoreError> {
         for r in records {
             let Some(check) = self.classify(run, r, rules) else {
@@ -358,7 +445,12 @@ impl RecordVerifier {
 
     /// What the signature of record `r` of run `run` is worth; `None` for a
     /// runner's record (never signed).
-    pub fn classify(&self, run: &str, r: &Record, rules: SignatureRules) -> Option<SignatureCheck> {
+    pub fn classify(
+        &self,
+        run: &str,
+        r: &Record,
+        rules: &SignatureRules,
+    ) -> Option<SignatureCheck> {
         if !controller_only(r.kind) {
             return None;
         }
@@ -377,10 +469,11 @@ impl RecordVerifier {
             p.remove(SIGNATURE_FIELD);
         }
         let unsigned = unsigned.compute_hash();
-        Some(match field.strip_prefix(V2_PREFIX) {
+        let check = match field.strip_prefix(V2_PREFIX) {
             Some(v2) => self.classify_v2(run, r, &unsigned, v2),
             None => self.classify_v1(r, &unsigned, field, rules),
-        })
+        };
+        Some(within_window(check, r.seq, &rules.keys))
     }
 
     fn classify_v2(&self, run: &str, r: &Record, unsigned: &Hash, v2: &str) -> SignatureCheck {
@@ -413,7 +506,7 @@ impl RecordVerifier {
         r: &Record,
         unsigned: &Hash,
         field: &str,
-        rules: SignatureRules,
+        rules: &SignatureRules,
     ) -> SignatureCheck {
         let Ok(signature) = hex::decode(field) else {
             return SignatureCheck::Invalid("the signature is not hex".into());
@@ -435,6 +528,24 @@ impl RecordVerifier {
             key: key.id.clone(),
             retired: key.retired,
         }
+    }
+}
+
+/// `check`, refused when a retired key signed at or after the seq where
+/// the run's status says the key after it took over.
+fn within_window(check: SignatureCheck, seq: u64, windows: &KeyWindows) -> SignatureCheck {
+    let (SignatureCheck::Valid { key, retired: true }
+    | SignatureCheck::Legacy { key, retired: true }) = &check
+    else {
+        return check;
+    };
+    match windows.until(key) {
+        Some(until) if seq >= until => SignatureCheck::Invalid(format!(
+            "is by key {key}, which a rotation retired: this run's status records that \
+             another key signs its records from seq {until} on (status.log.signingKeys), \
+             so a signature of the retired key counts only before seq {until}, not at seq {seq}"
+        )),
+        _ => check,
     }
 }
 
@@ -489,9 +600,9 @@ mod tests {
         );
         super::super::verify_chain("r", &log, None).unwrap();
         let v = RecordVerifier::from_hex(&s.public_key_hex()).unwrap();
-        v.check("r", &log, SignatureRules::STRICT).unwrap();
+        v.check("r", &log, &SignatureRules::STRICT).unwrap();
         assert_eq!(
-            v.classify("r", &log[2], SignatureRules::STRICT),
+            v.classify("r", &log[2], &SignatureRules::STRICT),
             Some(SignatureCheck::Valid {
                 key: s.key_id().into(),
                 retired: false
@@ -506,7 +617,7 @@ mod tests {
         // Byte-identical chains in two runs (a whole log copied): the
         // records hash the same, but the signatures name run "a".
         let copied = log(&s, "a");
-        let e = v.check("b", &copied, SignatureRules::STRICT).unwrap_err();
+        let e = v.check("b", &copied, &SignatureRules::STRICT).unwrap_err();
         assert!(matches!(&e, StoreError::ChainBroken { seq: 0, .. }), "{e}");
         assert!(e.to_string().contains("signed for another run"), "{e}");
         // The decision re-linked at another seq of its own run, its
@@ -519,7 +630,7 @@ mod tests {
         again.hash = again.compute_hash();
         moved.extend([decided, again]);
         super::super::verify_chain("a", &moved, None).unwrap();
-        let e = v.check("a", &moved, SignatureRules::STRICT).unwrap_err();
+        let e = v.check("a", &moved, &SignatureRules::STRICT).unwrap_err();
         assert!(matches!(e, StoreError::ChainBroken { seq: 3, .. }), "{e}");
     }
 
@@ -536,19 +647,32 @@ mod tests {
         let rules = SignatureRules {
             signed_from: 0,
             bound_from: 1,
+            ..SignatureRules::STRICT
         };
         assert_eq!(
-            v.classify("r", &old, rules),
+            v.classify("r", &old, &rules),
             Some(SignatureCheck::Legacy {
                 key: s.key_id().into(),
                 retired: false
             })
         );
-        v.check("r", std::slice::from_ref(&old), rules).unwrap();
+        v.check("r", std::slice::from_ref(&old), &rules).unwrap();
         let e = v
-            .check("r", std::slice::from_ref(&old), SignatureRules::STRICT)
+            .check("r", std::slice::from_ref(&old), &SignatureRules::STRICT)
             .unwrap_err();
         assert!(e.to_string().contains("legacy v1 signature"), "{e}");
+    }
+
+    /// The rules of a run whose records the old key signed before seq
+    /// `switched`, where the new key took over.
+    fn rotated_at(old: &RecordSigner, new: &RecordSigner, switched: u64) -> SignatureRules {
+        SignatureRules {
+            keys: KeyWindows::Recorded(vec![
+                (old.key_id().into(), 0),
+                (new.key_id().into(), switched),
+            ]),
+            ..SignatureRules::STRICT
+        }
     }
 
     #[test]
@@ -558,24 +682,108 @@ mod tests {
         let ring = RecordVerifier::new(vec![new.public_key(false), old.public_key(true)]).unwrap();
         let round = RecordVerifier::from_hex(&ring.to_hex()).unwrap();
         assert_eq!(round.keys(), ring.keys());
-        ring.check("r", &records, SignatureRules::STRICT).unwrap();
+        let rules = rotated_at(&old, &new, 3);
+        ring.check("r", &records, &rules).unwrap();
         assert_eq!(
-            ring.classify("r", &records[0], SignatureRules::STRICT),
+            ring.classify("r", &records[0], &rules),
             Some(SignatureCheck::Valid {
                 key: old.key_id().into(),
                 retired: true
             })
         );
+        // A run that recorded no windows yet (an earlier release's): as before.
+        let unrecorded = SignatureRules {
+            keys: KeyWindows::Unrecorded,
+            ..SignatureRules::STRICT
+        };
+        ring.check("r", &records, &unrecorded).unwrap();
         // Without the retired key: named as unknown.
-        let e = new
-            .verifier()
-            .check("r", &records, SignatureRules::STRICT)
-            .unwrap_err();
+        let e = new.verifier().check("r", &records, &rules).unwrap_err();
         assert!(
             e.to_string()
                 .contains("not one of the controller's published keys"),
             "{e}"
         );
+    }
+
+    /// Mallory holds the retired key (leaked) and a database credential:
+    /// records she signs with it verify only before the seq where the run's
+    /// status says the new key took over, and nowhere in a run the retired
+    /// key never signed for.
+    #[test]
+    fn store_a_retired_key_signs_nothing_after_its_retirement() {
+        let (old, new) = (signer(1), signer(2));
+        let ring = RecordVerifier::new(vec![new.public_key(false), old.public_key(true)]).unwrap();
+        // The run's log: seq 0..3 by the old key, then the new key from 3.
+        let mut records = log(&old, "r");
+        let forged = old
+            .seal(
+                "r",
+                RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Approve"})),
+                &records[2].head(),
+            )
+            .unwrap();
+        records.push(forged);
+        let e = ring
+            .check("r", &records, &rotated_at(&old, &new, 3))
+            .unwrap_err();
+        assert!(matches!(&e, StoreError::ChainBroken { seq: 3, .. }), "{e}");
+        assert!(e.to_string().contains("retired"), "{e}");
+        // The same record where the old key was still in charge verifies.
+        ring.check("r", &records, &rotated_at(&old, &new, 4))
+            .unwrap();
+        // A run begun after the rotation (only the new key recorded): the
+        // old key's RunStarted at seq 0 is refused.
+        let fresh = log(&old, "s");
+        let after = SignatureRules {
+            keys: KeyWindows::Recorded(vec![(new.key_id().into(), 0)]),
+            ..SignatureRules::STRICT
+        };
+        let e = ring.check("s", &fresh, &after).unwrap_err();
+        assert!(matches!(&e, StoreError::ChainBroken { seq: 0, .. }), "{e}");
+        // ...as under the strict rules (no key recorded at all).
+        assert!(ring.check("s", &fresh, &SignatureRules::STRICT).is_err());
+        // The current key is bounded by the chain only.
+        ring.check("s", &log(&new, "s"), &rotated_at(&old, &new, 3))
+            .unwrap();
+        // A legacy v1 signature of the retired key: the same window.
+        let v1 = old
+            .seal_v1(
+                RecordDraft::new(StepKind::ApprovalDecided, json!({"verdict": "Approve"})),
+                &Head::EMPTY,
+            )
+            .unwrap();
+        let legacy = |switched| SignatureRules {
+            bound_from: 1,
+            ..rotated_at(&old, &new, switched)
+        };
+        ring.check("r", std::slice::from_ref(&v1), &legacy(1))
+            .unwrap();
+        assert!(
+            ring.check("r", std::slice::from_ref(&v1), &legacy(0))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn store_key_windows_round_trip_and_name_bad_input() {
+        let w = KeyWindows::Recorded(vec![("a1".into(), 0), ("b2".into(), 17)]);
+        assert_eq!(w.to_text().as_deref(), Some("a1:0,b2:17"));
+        assert_eq!(KeyWindows::parse("a1:0,b2:17").unwrap(), w);
+        assert_eq!(w.until("a1"), Some(17));
+        assert_eq!(w.until("b2"), None, "the last key: no bound");
+        assert_eq!(w.until("zz"), Some(0), "never recorded: nowhere");
+        assert_eq!(KeyWindows::parse("").unwrap(), KeyWindows::Recorded(vec![]));
+        let none = KeyWindows::Recorded(vec![]);
+        assert_eq!(KeyWindows::parse(&none.to_text().unwrap()).unwrap(), none);
+        assert_eq!(KeyWindows::Unrecorded.to_text(), None);
+        assert_eq!(KeyWindows::Unrecorded.until("a1"), None);
+        assert!(
+            KeyWindows::parse("a1")
+                .unwrap_err()
+                .contains("`<key id>:<seq>`")
+        );
+        assert!(KeyWindows::parse("a1:x").unwrap_err().contains("not a seq"));
     }
 
     #[test]
@@ -587,7 +795,7 @@ mod tests {
             .seal(&Head::EMPTY)
             .unwrap();
         let e = v
-            .check("r", std::slice::from_ref(&forged), SignatureRules::STRICT)
+            .check("r", std::slice::from_ref(&forged), &SignatureRules::STRICT)
             .unwrap_err();
         assert!(
             e.to_string().contains("not signed by the controller"),
@@ -602,7 +810,7 @@ mod tests {
             )
             .unwrap();
         assert!(
-            v.check("r", std::slice::from_ref(&other), SignatureRules::STRICT)
+            v.check("r", std::slice::from_ref(&other), &SignatureRules::STRICT)
                 .is_err()
         );
         let mut claimed = other.clone();
@@ -614,7 +822,7 @@ mod tests {
         claimed.payload[SIGNATURE_FIELD] = json!(forged_id);
         claimed.hash = claimed.compute_hash();
         let e = v
-            .check("r", &[claimed], SignatureRules::STRICT)
+            .check("r", &[claimed], &SignatureRules::STRICT)
             .unwrap_err();
         assert!(e.to_string().contains("does not verify"), "{e}");
         // A signed decision whose verdict was changed (and re-hashed).
@@ -627,14 +835,15 @@ mod tests {
             .unwrap();
         d.payload["verdict"] = json!("Approve");
         d.hash = d.compute_hash();
-        assert!(v.check("r", &[d], SignatureRules::STRICT).is_err());
+        assert!(v.check("r", &[d], &SignatureRules::STRICT).is_err());
         assert!(RecordVerifier::from_hex("abcd").is_err());
         assert!(RecordVerifier::from_hex("").is_err());
         // Records before `signedFrom` predate signing: kept as they were.
         let rules = SignatureRules {
             signed_from: 1,
             bound_from: 1,
+            ..SignatureRules::STRICT
         };
-        v.check("r", &[forged], rules).unwrap();
+        v.check("r", &[forged], &rules).unwrap();
     }
 }

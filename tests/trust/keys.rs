@@ -8,7 +8,8 @@
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Phase};
-use agentrun::store::{Record, RecordDraft, StepKind, StepStore};
+use agentrun::controller::servers::step_token::TokenKey;
+use agentrun::store::{Record, RecordDraft, RemoteStore, StepKind, StepStore};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
@@ -104,23 +105,35 @@ fn verify(w: &World, run: &str, store: &str) -> (bool, String) {
 /// Runs one step of run `uid` as its Job would (its own gateway token,
 /// the controller's published keys), outside any Job.
 async fn replay_as_step(w: &World, uid: &str, keys: &str) -> (bool, String) {
-    let token = agentrun::controller::servers::step_token::TokenKey::new(
-        common::controller::step_token_key().as_bytes(),
-    )
-    .unwrap()
-    .mint(uid);
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentrun"))
-        .arg("step")
+    let token = TokenKey::new(common::controller::step_token_key().as_bytes())
+        .unwrap()
+        .mint(uid);
+    replay_with(w, uid, &token, keys, None).await
+}
+
+/// Runs one step of run `uid` with gateway token `token`, the controller's
+/// public keys `keys` and, when given, the run's key windows (what a step
+/// Job of the run gets in `AGENTRUN_SIGNING_KEYS`).
+async fn replay_with(
+    w: &World,
+    uid: &str,
+    token: &str,
+    keys: &str,
+    windows: Option<&str>,
+) -> (bool, String) {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentrun"));
+    cmd.arg("step")
         .env("AGENTRUN_RUN_UID", uid)
         .env("AGENTRUN_STORE_URL", w.step_api_url())
         .env("AGENTRUN_STORE_TOKEN", token)
         .env("AGENTRUN_CONTROLLER_KEY", keys)
         .env("AGENTRUN_MODEL_API_KEY", "sk-e2e-not-a-real-key")
         .env("AGENTRUN_TIME_SLICE_SECONDS", "20")
-        .env("POD_NAME", "replay-check")
-        .output()
-        .await
-        .expect("running agentrun step");
+        .env("POD_NAME", "replay-check");
+    if let Some(windows) = windows {
+        cmd.env("AGENTRUN_SIGNING_KEYS", windows);
+    }
+    let out = cmd.output().await.expect("running agentrun step");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -265,11 +278,21 @@ async fn keys_a_record_moved_to_another_seq_of_its_run_is_refused() {
 
 /// The signing key id of step-token key `key`.
 fn signing_key_id(key: &str) -> String {
-    agentrun::controller::servers::step_token::TokenKey::new(key.as_bytes())
+    TokenKey::new(key.as_bytes())
         .unwrap()
         .record_signer()
         .key_id()
         .to_string()
+}
+
+/// Restarts the world's controller with key `new`, `old` retired now (as
+/// `kubectl agentrun rotate-key` and a rollout do it).
+fn rotate(w: &mut World, old: &str, new: &str) {
+    let retired = format!("{old} {}\n", jiff::Timestamp::now());
+    w.restart_controller_env(&[
+        ("AGENTRUN_STEP_TOKEN_KEY", new),
+        ("AGENTRUN_STEP_TOKEN_RETIRED_KEYS", &retired),
+    ]);
 }
 
 /// A key rotated on purpose (the Secret's `key` replaced, the old one in
@@ -310,10 +333,7 @@ async fn keys_a_rotation_keeps_waiting_and_running_runs_and_old_signatures() {
     .await;
 
     // The rotation, as `kubectl agentrun rotate-key` and a rollout do it.
-    w.restart_controller_env(&[
-        ("AGENTRUN_STEP_TOKEN_KEY", &new),
-        ("AGENTRUN_STEP_TOKEN_RETIRED_KEYS", &format!("{old}\n")),
-    ]);
+    rotate(&mut w, old, &new);
     let running = w.wait_phase("running", Phase::Succeeded).await;
     alice_approves(&w, &approval).await;
     let waiting = w.wait_phase("waiting", Phase::Succeeded).await;
@@ -358,4 +378,298 @@ async fn keys_a_rotation_keeps_waiting_and_running_runs_and_old_signatures() {
             && text.contains(&format!("signature valid (key {new_id})")),
         "records before and after the rotation: {text}"
     );
+}
+
+fn uid(run: &AgentRun) -> String {
+    run.metadata.uid.clone().unwrap()
+}
+
+/// The gateway as a step pod with `token` reaches it.
+fn gateway(w: &World, token: &str) -> RemoteStore {
+    RemoteStore::new(&w.step_api_url(), token, Duration::from_secs(10)).unwrap()
+}
+
+/// A decision approving everything, signed by `key`'s signing key for run
+/// `uid` at its log's head: what mallory makes with a leaked key.
+async fn decision_signed_by(key: &TokenKey, store: &dyn StepStore, uid: &str) -> Record {
+    let head = store.head(uid).await.unwrap();
+    key.record_signer()
+        .seal(
+            uid,
+            RecordDraft::new(
+                StepKind::ApprovalDecided,
+                json!({"verdict": "Approve", "approver": "mallory", "reason": "ok"}),
+            ),
+            &head,
+        )
+        .unwrap()
+}
+
+/// Waits until run `name`'s status records that key `id` signs it now
+/// (the controller with the new key has written its status); returns it.
+async fn wait_signed_by(w: &World, name: &str, id: &str) -> AgentRun {
+    let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
+    common::wait_for(
+        &format!("{name}'s status to record key {id}"),
+        TIMEOUT,
+        || async {
+            let r = runs.get(name).await.map_err(|e| e.to_string())?;
+            let keys = r
+                .status
+                .as_ref()
+                .and_then(|s| s.log.as_ref())
+                .and_then(|l| l.signing_keys.clone())
+                .unwrap_or_default();
+            match keys.last() {
+                Some(k) if k.key == id => Ok(r),
+                _ => Err(format!("{keys:?}")),
+            }
+        },
+    )
+    .await
+}
+
+/// What a step Job of `run` gets in `AGENTRUN_SIGNING_KEYS`.
+fn windows_of(run: &AgentRun) -> String {
+    agentrun::controller::reconciler::status::key_windows(run)
+        .to_text()
+        .expect("recorded")
+}
+
+/// Mallory kept the key a rotation retired (it leaked before) and holds the
+/// step log's writer credential. After the rotation her tokens of the
+/// retired key open no run created since (neither its log nor its lease),
+/// only the runs from before; a decision she signs with it is refused
+/// wherever it lands after the rotation, in a new run's log and in an old
+/// one's, by the controller, by a step runner replaying the log and by the
+/// auditor's verify. No refund runs.
+#[tokio::test]
+async fn keys_a_retired_key_opens_and_signs_nothing_after_its_retirement() {
+    let mut w = World::new("trust-keys-window", &[]).await;
+    grant_approver_role(&w).await;
+    let store_url = common::store::e2e_store_url().await;
+    let db = agentrun::store::open(&store_url).await.unwrap();
+    let old = common::controller::step_token_key();
+    let new = format!("window-{old}");
+    let leaked = TokenKey::new(old.as_bytes()).unwrap();
+    let new_key = TokenKey::new(new.as_bytes()).unwrap();
+
+    script(&w, "before").await;
+    let before = gated_run(&w, "before", "before").await;
+    pending_approval(&w, "before").await;
+    rotate(&mut w, old, &new);
+    // Creation times are whole seconds: "after" is created in a later one.
+    let rotated = jiff::Timestamp::now().as_second();
+    common::wait_for("the second after the rotation", TIMEOUT, || async {
+        (jiff::Timestamp::now().as_second() > rotated).then_some(())
+    })
+    .await;
+    script(&w, "after").await;
+    let after = gated_run(&w, "after", "after").await;
+    pending_approval(&w, "after").await;
+    let (uid_before, uid_after) = (uid(&before), uid(&after));
+
+    // Her token of the retired key: refused for the run created after the
+    // rotation, its log and its lease; the run from before still opens.
+    let e = gateway(&w, &leaked.mint(&uid_after))
+        .read_all(&uid_after)
+        .await
+        .unwrap_err();
+    assert_eq!(e.metric_label(), "permission_denied", "{e}");
+    assert!(
+        e.to_string().contains("opens only runs created by then"),
+        "{e}"
+    );
+    let e = gateway(&w, &leaked.mint(&uid_after))
+        .acquire(&uid_after, "mallory", Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert_eq!(e.metric_label(), "permission_denied", "{e}");
+    let read = gateway(&w, &leaked.mint(&uid_before))
+        .read_all(&uid_before)
+        .await
+        .expect("a run created before the rotation opens to its old token");
+    assert!(!read.is_empty());
+
+    // A decision signed with the retired key, in the new run's log.
+    let forged = decision_signed_by(&leaked, db.as_ref(), &uid_after).await;
+    append_as_mallory(db.as_ref(), &uid_after, std::slice::from_ref(&forged)).await;
+    let stopped = wait_tampered(&w, "after").await;
+    let error = stopped
+        .status
+        .as_ref()
+        .and_then(|s| s.error.clone())
+        .unwrap_or_default();
+    assert!(
+        error.contains(&format!("broken at seq {}", forged.seq)) && error.contains("retired"),
+        "status.error {error:?}"
+    );
+    // A step runner replaying it (the run's own token, its key windows).
+    let keys = published_keys(&w).await;
+    let (ran, stderr) = replay_with(
+        &w,
+        &uid_after,
+        &new_key.mint(&uid_after),
+        &keys,
+        Some(&windows_of(&stopped)),
+    )
+    .await;
+    assert!(!ran, "the runner went on: {stderr}");
+    assert!(
+        stderr.contains("checking the controller's signatures in the step log")
+            && stderr.contains("retired"),
+        "{stderr}"
+    );
+    let (ok, text) = verify(&w, "after", &store_url);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(&format!(
+            "seq {} ApprovalDecided: signature INVALID",
+            forged.seq
+        )) && text.contains("retired"),
+        "{text}"
+    );
+
+    // In the run from before, once its status records the new key: the
+    // same decision, after the switch, is refused too.
+    wait_signed_by(&w, "before", &signing_key_id(&new)).await;
+    let forged = decision_signed_by(&leaked, db.as_ref(), &uid_before).await;
+    append_as_mallory(db.as_ref(), &uid_before, std::slice::from_ref(&forged)).await;
+    wait_tampered(&w, "before").await;
+    let (ok, text) = verify(&w, "before", &store_url);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(&format!(
+            "seq {} ApprovalDecided: signature INVALID",
+            forged.seq
+        )) && text.contains("seq 0 RunStarted: signature valid (retired key"),
+        "the records from before the rotation still verify: {text}"
+    );
+    assert!(w.standins.effects(w.name()).await.is_empty(), "no refund");
+}
+
+/// `kubectl agentrun` as the cluster's administrator (the `admin` context
+/// when the kubeconfig has one).
+fn plugin_as_admin(w: &World, args: &[&str]) -> (bool, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
+    cmd.args(["-n", w.name()]);
+    if !common::existing_cluster() {
+        cmd.args(["--context", "admin"]);
+    }
+    let out = cmd.args(args).output().expect("running kubectl-agentrun");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The operator's administrator rotates with `rotate-key` while a run's
+/// step pod is mid-call on a token of the old key: `--prune` keeps the old
+/// key, naming that run, and fails; once the run has finished its step,
+/// `--prune` cuts the key down to its public half: its tokens open nothing
+/// (not even the run from before), what it signed still verifies.
+#[tokio::test]
+async fn keys_prune_waits_for_the_runs_holding_a_retired_keys_token() {
+    use k8s_openapi::api::core::v1::Secret;
+    let mut w = World::new("trust-keys-prune", &[]).await;
+    let store_url = common::store::e2e_store_url().await;
+    // A key of this world's own: no other test's run holds its tokens.
+    let old = format!(
+        "prune-{}-{}",
+        w.name(),
+        common::controller::step_token_key()
+    );
+    w.restart_controller_env(&[("AGENTRUN_STEP_TOKEN_KEY", &old)]);
+    let secrets: Api<Secret> = Api::namespaced(w.client.clone(), w.name());
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "step-token-key"},
+        "stringData": {"key": old},
+    }))
+    .unwrap();
+    secrets
+        .create(&Default::default(), &secret)
+        .await
+        .expect("the key's Secret");
+
+    // "running" is in a slow model call on a token of the old key.
+    let mut slow = finish("done");
+    slow["delayMs"] = json!(8000);
+    w.standins.script("running", json!([slow]), json!([])).await;
+    let running = w
+        .create_run(
+            "running",
+            json!({"input": "Say done.", "agent": w.agent("running")}),
+            json!({}),
+        )
+        .await;
+    common::wait_for("the running run's model call", TIMEOUT, || async {
+        match w.standins.model_requests("running").await.len() {
+            0 => Err("no request yet".to_string()),
+            _ => Ok(()),
+        }
+    })
+    .await;
+
+    let ns = w.name().to_string();
+    let args = [
+        "rotate-key",
+        "--controller-namespace",
+        &ns,
+        "--secret",
+        "step-token-key",
+    ];
+    let (ok, text) = plugin_as_admin(&w, &args);
+    assert!(ok, "{text}");
+    let data = secrets.get("step-token-key").await.unwrap().data.unwrap();
+    let (new, retired) = (
+        String::from_utf8(data["key"].0.clone()).unwrap(),
+        String::from_utf8(data["retired"].0.clone()).unwrap(),
+    );
+    w.restart_controller_env(&[
+        ("AGENTRUN_STEP_TOKEN_KEY", &new),
+        ("AGENTRUN_STEP_TOKEN_RETIRED_KEYS", &retired),
+    ]);
+
+    let prune = [args.as_slice(), &["--prune"]].concat();
+    let (ok, text) = plugin_as_admin(&w, &prune);
+    assert!(!ok, "pruned while a step Job holds the key's token: {text}");
+    assert!(
+        text.contains(&format!("kept key {}", signing_key_id(&old)))
+            && text.contains(&format!("{}/running (step Job", w.name())),
+        "{text}"
+    );
+    let unchanged = secrets.get("step-token-key").await.unwrap().data.unwrap();
+    assert_eq!(unchanged["retired"].0, retired.as_bytes(), "nothing pruned");
+
+    w.wait_phase("running", Phase::Succeeded).await;
+    let (ok, text) = plugin_as_admin(&w, &prune);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains(&format!("pruned key {}", signing_key_id(&old))),
+        "{text}"
+    );
+    let pruned = secrets.get("step-token-key").await.unwrap().data.unwrap();
+    let pruned = String::from_utf8(pruned["retired"].0.clone()).unwrap();
+    assert!(pruned.starts_with("ed25519:"), "{pruned}");
+
+    // The controller restarted on the pruned Secret: the old key's token
+    // opens nothing, what it signed still verifies.
+    w.restart_controller_env(&[
+        ("AGENTRUN_STEP_TOKEN_KEY", &new),
+        ("AGENTRUN_STEP_TOKEN_RETIRED_KEYS", &pruned),
+    ]);
+    let uid = uid(&running);
+    let old_token = TokenKey::new(old.as_bytes()).unwrap().mint(&uid);
+    let e = common::wait_for("the gateway to refuse the pruned key", TIMEOUT, || async {
+        match gateway(&w, &old_token).head(&uid).await {
+            Err(e) if e.metric_label() == "permission_denied" => Ok(e),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(e.to_string().contains("not this run's step token"), "{e}");
+    let (ok, text) = verify(&w, "running", &store_url);
+    assert!(ok, "{text}");
 }

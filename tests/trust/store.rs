@@ -114,7 +114,7 @@ async fn secret_values(carol: &kube::Client, ns: &str) -> Vec<(String, String, S
 async fn run_token(carol: &kube::Client, ns: &str, uid: &str) -> String {
     let secrets: Api<Secret> = Api::namespaced(carol.clone(), ns);
     let s = secrets
-        .get(&format!("agentrun-step-{uid}"))
+        .get(&common::controller::credential_secret(uid))
         .await
         .expect("the run's step credential Secret");
     let owner = &s.metadata.owner_references.as_ref().expect("owned")[0];
@@ -482,7 +482,7 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
     let was = cut.status.as_ref().unwrap().log.clone().unwrap();
     let secrets: Api<Secret> = Api::namespaced(w.client.clone(), w.name());
     let token = secrets
-        .get(&format!("agentrun-step-{uid_cut}"))
+        .get(&common::controller::credential_secret(&uid_cut))
         .await
         .unwrap()
         .data

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::api::runlog::{RunLog, VERIFIED, Verification};
 use crate::api::{AgentRun, Phase};
 use crate::store::audit::{Audit, SignedRecord};
-use crate::store::{Hash, Head, Record, RecordVerifier, SignatureRules};
+use crate::store::{Hash, Head, KeyWindows, Record, RecordVerifier, SignatureRules};
 
 /// What a log is checked against: the run's identity and the head its
 /// status recorded.
@@ -63,7 +63,9 @@ impl Trust {
     /// From what the log API says of the run, for a user who may read its
     /// log but not the run (`why`). The head is then the serving replica's
     /// word; signatures are checked strictly (every controller record
-    /// signed and bound), as the run's own exemptions are not known.
+    /// signed and bound), as the run's own exemptions are not known, with
+    /// the key windows the server read in the run's status (none: no
+    /// retired key's signature counts).
     pub fn of_log(log: &RunLog, why: &str) -> Result<Trust, String> {
         let v = log.verification.as_ref();
         let anchor = match v.and_then(|v| v.head_hash.as_deref()) {
@@ -76,6 +78,17 @@ impl Trust {
             None => None,
         };
         let phase = log.run.phase.clone();
+        // The key windows are the server's word too: a page without them
+        // lets no retired key's signature count; a follow event, which says
+        // nothing of the run's status, bounds them no more than its head.
+        let keys = match v {
+            None => KeyWindows::Unrecorded,
+            Some(v) => v
+                .signing_keys
+                .as_deref()
+                .map(crate::controller::reconciler::status::windows_of)
+                .unwrap_or(SignatureRules::STRICT.keys),
+        };
         // Without the server's head, a final phase cannot say where the log
         // must end.
         let terminal = v.is_some()
@@ -88,7 +101,10 @@ impl Trust {
             anchor,
             phase,
             terminal,
-            rules: SignatureRules::STRICT,
+            rules: SignatureRules {
+                keys,
+                ..SignatureRules::STRICT
+            },
             secondhand: Some(why.to_string()),
         })
     }
@@ -206,7 +222,7 @@ impl Checker {
         let mut c = Checker {
             uid: uid.to_string(),
             keys,
-            rules: trust.rules,
+            rules: trust.rules.clone(),
             head: Head::EMPTY,
             hashes: Vec::new(),
             anchors: Vec::new(),
@@ -227,7 +243,7 @@ impl Checker {
 
     /// Adds what the run's status says now (a later status when following).
     pub fn expect(&mut self, trust: &Trust) {
-        self.rules = trust.rules;
+        self.rules = trust.rules.clone();
         if let Some(a) = trust.anchor
             && a.len > 0
             && !self.anchors.contains(&a)
@@ -274,7 +290,7 @@ impl Checker {
             wrong.push(chain_reason(&e));
         }
         if let Ok(keys) = &self.keys
-            && let Some(check) = keys.classify(&self.uid, r, self.rules)
+            && let Some(check) = keys.classify(&self.uid, r, &self.rules)
         {
             if !check.accepted() {
                 wrong.push(format!("the {} record's {check}", r.kind));
@@ -459,7 +475,7 @@ pub fn judge(
     }
     if let Ok(keys) = &keys {
         let exact = trust.anchor.filter(|_| trust.terminal).map(|a| a.hash);
-        let audit = Audit::of(uid, records, exact.as_ref(), keys, trust.rules);
+        let audit = Audit::of(uid, records, exact.as_ref(), keys, &trust.rules);
         if let Err(e) = &audit.chain
             && checker.verdict().ok()
         {

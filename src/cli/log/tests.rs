@@ -344,6 +344,7 @@ fn a_record_the_server_could_not_send_leaves_the_log_unverified_with_its_reason(
         head_length: 4,
         result: crate::api::runlog::FAILED.into(),
         message: "record 2 cannot be read as a record".into(),
+        signing_keys: None,
     });
     assert_eq!(pages.push(empty).unwrap(), None);
     let verdict = judge_pages(&pages, Ok(trust(&log, 4, "Succeeded")), keys()).unwrap();
@@ -512,6 +513,7 @@ fn a_reader_who_may_not_get_the_run_checks_against_the_log_apis_head_and_is_told
         head_length: 3,
         result: VERIFIED.into(),
         message: String::new(),
+        signing_keys: None,
     });
     let t = Trust::of_log(&last, "you may not get agentruns in namespace ns").unwrap();
     assert!(t.terminal && t.uid.as_deref() == Some(UID));
@@ -690,6 +692,7 @@ fn respond(s: &Served, path: &str, query: &BTreeMap<String, String>) -> axum::re
                 head_length: head.seq + 1,
                 result: VERIFIED.into(),
                 message: String::new(),
+                signing_keys: None,
             });
             json_response(200, serde_json::to_value(p).unwrap())
         }
@@ -990,4 +993,57 @@ async fn requests_name_the_run_and_where_to_resume() {
 
 fn api_client() -> kube::Client {
     kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap()
+}
+
+/// The plugin's and the console's verification after a rotation: the log
+/// was signed by the key now retired, and the run's status records that the
+/// new key signs from seq 2. The retired key's records before seq 2 verify;
+/// its `RunFinished` at seq 3 (what mallory, holding the leaked key and a
+/// database credential, would append) is refused, whether the windows come
+/// from the run or, for a reader who may not read the run, from the log API.
+#[test]
+fn verify_refuses_a_retired_keys_signature_after_the_switch() {
+    let log = chain(4);
+    let (old, new) = (signer(), RecordSigner::from_seed(&[8; 32]));
+    let ring =
+        Ok(
+            crate::store::RecordVerifier::new(vec![new.public_key(false), old.public_key(true)])
+                .unwrap(),
+        );
+    let windows = json!([{"key": old.key_id(), "from": 0}, {"key": new.key_id(), "from": 2}]);
+    let mut run = serde_json::to_value(agent_run(&log, 4, "Succeeded")).unwrap();
+    run["status"]["log"]["signingKeys"] = windows.clone();
+    let run: AgentRun = serde_json::from_value(run).unwrap();
+    let verdict = judge(UID, &log, ring.clone(), &Trust::of_run(&run).unwrap()).unwrap();
+    assert!(!verdict.ok());
+    assert_eq!(verdict.refused(), ["seq 3 (RunFinished)"]);
+    assert!(
+        verdict.marked[&3].iter().any(|p| p.contains("retired")),
+        "{:?}",
+        verdict.marked
+    );
+    // Before the rotation recorded anything, the same log verifies.
+    let verdict = judge(UID, &log, ring.clone(), &trust(&log, 4, "Succeeded")).unwrap();
+    assert!(verdict.ok(), "{:?}", verdict.problems());
+
+    // The log API's word, for a reader who may not read the run.
+    let mut last = run_log(Vec::new(), true, 4);
+    last.verification = Some(Verification {
+        head_hash: Some(log[3].hash.to_hex()),
+        head_length: 4,
+        result: VERIFIED.into(),
+        message: String::new(),
+        signing_keys: Some(serde_json::from_value(windows).unwrap()),
+    });
+    let t = Trust::of_log(&last, "you may not get agentruns in namespace ns").unwrap();
+    let verdict = judge(UID, &log, ring.clone(), &t).unwrap();
+    assert_eq!(verdict.refused(), ["seq 3 (RunFinished)"]);
+    // Without the server's windows no retired key's signature counts.
+    last.verification.as_mut().unwrap().signing_keys = None;
+    let t = Trust::of_log(&last, "you may not get agentruns in namespace ns").unwrap();
+    let verdict = judge(UID, &log, ring, &t).unwrap();
+    assert_eq!(
+        verdict.refused(),
+        ["seq 0 (RunStarted)", "seq 3 (RunFinished)"]
+    );
 }

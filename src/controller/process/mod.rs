@@ -574,6 +574,7 @@ fn context(
         },
     );
     let verifier = parts.tokens.record_verifier();
+    let key_id = parts.tokens.record_signer().key_id().to_string();
     let ctx = context::Context {
         client: parts.client,
         reporter: Reporter {
@@ -588,6 +589,7 @@ fn context(
             image: opts.step_image.clone(),
             store_url: parts.step_api_url,
             controller_key: verifier.to_hex(),
+            key_id: key_id.clone(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,

@@ -122,7 +122,7 @@ pub async fn resume(
     verifier: &RecordVerifier,
     uid: &str,
     checkpoint: &LogCheckpoint,
-    rules: crate::store::SignatureRules,
+    rules: &crate::store::SignatureRules,
 ) -> Result<Option<Resumed>, StoreError> {
     let Ok(link) = checkpoint.hash.parse::<Hash>() else {
         return Ok(None);
@@ -251,7 +251,7 @@ mod tests {
             &signer.verifier(),
             "uid-long",
             &cp,
-            crate::store::SignatureRules::STRICT,
+            &crate::store::SignatureRules::STRICT,
         )
         .await
         .unwrap()
@@ -302,6 +302,17 @@ mod tests {
         assert!(
             !trusted(&other_key, "uid-a", &cp, &whole.head),
             "another key"
+        );
+        // After a rotation its key is retired: the log is read whole once
+        // and a checkpoint of the new key made.
+        let rotated = crate::store::RecordVerifier::new(vec![
+            RecordSigner::from_seed(&[8; 32]).public_key(false),
+            signer.public_key(true),
+        ])
+        .unwrap();
+        assert!(
+            !trusted(&rotated, "uid-a", &cp, &whole.head),
+            "a retired key's"
         );
         assert!(
             !trusted(&verifier, "uid-b", &cp, &whole.head),
@@ -358,7 +369,7 @@ mod tests {
             &signer.verifier(),
             "uid-t",
             &cp,
-            crate::store::SignatureRules::STRICT,
+            &crate::store::SignatureRules::STRICT,
         )
         .await
         {

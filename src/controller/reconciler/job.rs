@@ -46,15 +46,23 @@ pub const SIGNED_FROM_ENV: &str = "AGENTRUN_SIGNED_FROM";
 /// Environment variable carrying `status.log.boundFrom`: controller records
 /// from there on must carry signatures bound to their run and seq.
 pub const BOUND_FROM_ENV: &str = "AGENTRUN_BOUND_FROM";
+/// Environment variable carrying where each controller key signs the run's
+/// records (`<key id>:<from seq>,...`, `status.log.signingKeys`): a retired
+/// key's signature counts only before the key after it took over.
+pub const SIGNING_KEYS_ENV: &str = "AGENTRUN_SIGNING_KEYS";
 /// Environment variable carrying the log head the controller anchored
 /// (`<length>:<hash hex>`): the runner refuses a log that does not extend it.
 pub const LOG_ANCHOR_ENV: &str = "AGENTRUN_LOG_ANCHOR";
 
 /// Name of the Secret (in the run's namespace, owned by the run) that holds
-/// the run's step-log gateway token. From the uid: a recreated run of the
-/// same name never meets an old credential.
-pub fn credential_secret(run_uid: &str) -> String {
-    format!("agentrun-step-{run_uid}")
+/// the run's step-log gateway token minted with key `key_id`. From the uid:
+/// a recreated run of the same name never meets an old credential; and
+/// from the key: the controller only creates Secrets, so after a rotation a
+/// run's next Job gets a new one holding a token of the new key (the
+/// retired key's token opens only runs created before its retirement, and
+/// once no Job holds it, the key can be pruned).
+pub fn credential_secret(run_uid: &str, key_id: &str) -> String {
+    format!("agentrun-step-{run_uid}-{key_id}")
 }
 
 /// Deterministic Job name: creating it twice is harmless, and a retry of the
@@ -158,7 +166,7 @@ fn run_env(
         plain(crate::store::STORE_URL_ENV, settings.store_url.clone()),
         secret(
             crate::store::STORE_TOKEN_ENV,
-            &credential_secret(&run.uid().unwrap_or_default()),
+            &credential_secret(&run.uid().unwrap_or_default(), &settings.key_id),
             TOKEN_KEY,
         ),
         plain(LOG_ANCHOR_ENV, format!("{}:{}", anchor.len, anchor.hash)),
@@ -171,8 +179,20 @@ fn run_env(
             BOUND_FROM_ENV,
             crate::controller::reconciler::status::bound_from_at(run, anchor.len).to_string(),
         ),
+        plain(
+            SIGNING_KEYS_ENV,
+            signing_keys_env(run, anchor.len, &settings.key_id),
+        ),
         pod_name_env(),
     ]
+}
+
+/// [`SIGNING_KEYS_ENV`]: the windows the run's next status records.
+fn signing_keys_env(run: &AgentRun, len: u64, key_id: &str) -> String {
+    let keys = crate::controller::reconciler::status::signing_keys_to_write(run, len, key_id);
+    crate::controller::reconciler::status::windows_of(&keys)
+        .to_text()
+        .unwrap_or_default()
 }
 
 /// `POD_NAME`, from the downward API: the runner's worker identity, which
@@ -366,6 +386,7 @@ mod tests {
             image: "agentrun:dev".into(),
             store_url: "http://gw:8081".into(),
             controller_key: "ab".repeat(32),
+            key_id: "00112233aabbccdd".into(),
             service_account: "default".into(),
             time_slice_seconds: 30,
             allow_failpoints: true,
@@ -485,10 +506,15 @@ mod tests {
             .secret_key_ref
             .as_ref()
             .unwrap();
+        // The Secret of the current key's token (a rotation gives new Jobs a new one).
         assert_eq!(
             (from.name.as_str(), from.key.as_str()),
-            ("agentrun-step-uid-1", "token")
+            ("agentrun-step-uid-1-00112233aabbccdd", "token")
         );
+        // The key windows the run's next status records: the current key,
+        // from seq 0 for a run with no status yet.
+        let windows = env.iter().find(|e| e.name == SIGNING_KEYS_ENV).unwrap();
+        assert_eq!(windows.value.as_deref(), Some("00112233aabbccdd:0"));
         let anchor = env
             .iter()
             .find(|e| e.name == "AGENTRUN_LOG_ANCHOR")

@@ -426,6 +426,7 @@ async fn record(
             .as_ref()
             .map(|w| (w.name.clone(), w.expires_at))
             .as_ref(),
+        ctx.signer.key_id(),
         now,
     );
     if let Some(log) = new_status.log.as_mut() {
@@ -544,6 +545,11 @@ fn only_progress(run: &AgentRun, new: &crate::api::AgentRunStatus) -> bool {
     };
     let mut old = old.clone();
     if old.log.is_none() {
+        return false;
+    }
+    // A key taking over is no progress: the key before it must stop
+    // counting at once.
+    if old.log.as_ref().map(|l| &l.signing_keys) != new.log.as_ref().map(|l| &l.signing_keys) {
         return false;
     }
     old.log.clone_from(&new.log);
@@ -831,6 +837,7 @@ async fn create_job(
         failed_jobs,
         stalled,
         started_at: Some(Time(now)),
+        token_key: Some(ctx.jobs.key_id.clone()),
     });
     Ok(idle_requeue(ctx, run, now))
 }
@@ -1060,7 +1067,7 @@ async fn replay(
     let anchor = anchored_head(run);
     let checked = check_anchor_after(&uid, &head, &records, &anchor).and_then(|()| {
         ctx.verifier
-            .check(&uid, &records, status::signature_rules(run))
+            .check(&uid, &records, &status::signature_rules(run))
     });
     if let Err(tampered) = checked {
         return Ok(Err(tampered));
@@ -1101,7 +1108,7 @@ async fn resume(
         &ctx.verifier,
         uid,
         cp,
-        status::signature_rules(run),
+        &status::signature_rules(run),
     )
     .await
     {
@@ -1137,7 +1144,7 @@ async fn verify_whole(
     Ok(
         check_anchor(uid, &records, &anchored_head(run)).and_then(|()| {
             ctx.verifier
-                .check(uid, &records, status::signature_rules(run))
+                .check(uid, &records, &status::signature_rules(run))
         }),
     )
 }
@@ -1514,8 +1521,9 @@ fn snapshot(
 }
 
 /// The run's step-log credential: a Secret owned by the run (collected with
-/// it) holding the gateway token bound to the run's uid. Created once, never
-/// patched, so the controller needs no write access to other Secrets.
+/// it) holding the gateway token bound to the run's uid, minted with the
+/// current key. Created once per key, never patched, so the controller
+/// needs no write access to other Secrets.
 async fn ensure_credential(
     run: &AgentRun,
     ctx: &Context,
@@ -1526,7 +1534,7 @@ async fn ensure_credential(
         return Ok(());
     }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    let name = job::credential_secret(uid);
+    let name = job::credential_secret(uid, &ctx.jobs.key_id);
     let body: Secret = serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Secret",

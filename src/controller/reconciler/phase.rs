@@ -686,6 +686,7 @@ mod tests {
             failed_jobs: 0,
             stalled: 0,
             started_at: Some(Time(t(0))),
+            token_key: None,
         });
         let log = started(None);
         let active = || job(1, 1, JobState::Active, None);
@@ -801,6 +802,7 @@ mod tests {
             failed_jobs: 0,
             stalled: 0,
             started_at: Some(Time(t(0))),
+            token_key: None,
         });
         let mut log = started(None);
         let observed = |log: &RunState, released: bool, running: bool| {

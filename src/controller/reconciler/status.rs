@@ -5,13 +5,14 @@ use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use crate::api::{
-    AgentRun, AgentRunStatus, CurrentStep, LogRef, PendingApproval, Phase, PinnedVersions, Usage,
+    AgentRun, AgentRunStatus, CurrentStep, LogRef, PendingApproval, Phase, PinnedVersions,
+    SigningKey, Usage,
 };
 use crate::controller::conditions::{condition, set_condition};
 use crate::controller::reconciler::phase::{JobState, JobView, deadline};
 use crate::runlog::records::{Outcome, RunFinished};
 use crate::runlog::replay::RunState;
-use crate::store::Head;
+use crate::store::{Head, KeyWindows};
 
 /// Longest `status.result` / `status.error`: a run's status stays small
 /// (etcd objects are limited, and every watcher receives it) whatever the
@@ -110,7 +111,51 @@ pub fn signature_rules(run: &AgentRun) -> crate::store::SignatureRules {
     crate::store::SignatureRules {
         signed_from: signed_from(run),
         bound_from: bound_from(run),
+        keys: key_windows(run),
     }
+}
+
+/// Where each of the controller's keys signs the run's records, as its
+/// status records them: for a run with no status yet, none (a retired key
+/// signed nothing for it); for an earlier release's run whose status
+/// records no keys yet, unbounded (as that release had it).
+pub fn key_windows(run: &AgentRun) -> KeyWindows {
+    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
+        None => KeyWindows::Recorded(Vec::new()),
+        Some(log) => match &log.signing_keys {
+            None => KeyWindows::Unrecorded,
+            Some(keys) => windows_of(keys),
+        },
+    }
+}
+
+/// `status.log.signingKeys` as the verifiers read it.
+pub fn windows_of(keys: &[SigningKey]) -> KeyWindows {
+    KeyWindows::Recorded(keys.iter().map(|k| (k.key.clone(), k.from)).collect())
+}
+
+/// The `signingKeys` a status written now records, by a controller signing
+/// with key `current` at head `len`: those recorded, and `current` from
+/// `len` on when another key was the last one (a rotation: the key before
+/// it signs nothing from there on), or from seq 0 for a run with no status
+/// yet. The same for a new step Job, so its runner applies the windows
+/// before the status is written.
+pub fn signing_keys_to_write(run: &AgentRun, len: u64, current: &str) -> Vec<SigningKey> {
+    let log = run.status.as_ref().and_then(|s| s.log.as_ref());
+    let mut keys = log.and_then(|l| l.signing_keys.clone()).unwrap_or_default();
+    if keys.last().is_some_and(|k| k.key == current) {
+        return keys;
+    }
+    // Never before a key recorded already (heads do not move backwards).
+    let from = match log {
+        None => 0,
+        Some(_) => len.max(keys.last().map_or(0, |k| k.from)),
+    };
+    keys.push(SigningKey {
+        key: current.to_string(),
+        from,
+    });
+    keys
 }
 
 /// The status a run should have now.
@@ -125,11 +170,12 @@ pub fn compose(
     concluded: Option<&RunFinished>,
     job: Option<&JobView>,
     awaiting: Option<&(String, Timestamp)>,
+    signing_key: &str,
     now: Timestamp,
 ) -> AgentRunStatus {
     let mut s = base;
     let generation = run.metadata.generation;
-    s.log = Some(log_ref(run, head, store, job));
+    s.log = Some(log_ref(run, head, store, job, signing_key));
     s.usage = Some(usage(log, head));
     s.pinned = pinned(log);
     s.step = step;
@@ -154,8 +200,14 @@ pub fn compose(
 }
 
 /// Where the run's log is and how far it reaches, with the signature rules
-/// its readers apply.
-fn log_ref(run: &AgentRun, head: &Head, store: &str, job: Option<&JobView>) -> LogRef {
+/// its readers apply (`signing_key`: the id of the key this controller signs with).
+fn log_ref(
+    run: &AgentRun,
+    head: &Head,
+    store: &str,
+    job: Option<&JobView>,
+    signing_key: &str,
+) -> LogRef {
     LogRef {
         store: store.to_string(),
         run_key: run.metadata.uid.clone().unwrap_or_default(),
@@ -163,6 +215,7 @@ fn log_ref(run: &AgentRun, head: &Head, store: &str, job: Option<&JobView>) -> L
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
         signed_from: signed_from_to_write(run, head, job),
         bound_from: bound_from_to_write(run, head, job),
+        signing_keys: Some(signing_keys_to_write(run, head.len, signing_key)),
         // Set by the reconcile, which holds the signing key.
         checkpoint: None,
     }
@@ -354,6 +407,66 @@ fn phase_name(phase: Phase) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run whose status records `keys` (`None`: a status without them,
+    /// as an earlier release wrote it; no status at all for `Err`).
+    fn run_with(keys: Result<Option<Vec<(&str, u64)>>, ()>) -> AgentRun {
+        let mut run = AgentRun::new("r", Default::default());
+        if let Ok(keys) = keys {
+            run.status = Some(AgentRunStatus {
+                log: Some(LogRef {
+                    length: 5,
+                    signing_keys: keys.map(|k| {
+                        k.into_iter()
+                            .map(|(key, from)| SigningKey {
+                                key: key.into(),
+                                from,
+                            })
+                            .collect()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+        run
+    }
+
+    fn keys(list: &[SigningKey]) -> Vec<(&str, u64)> {
+        list.iter().map(|k| (k.key.as_str(), k.from)).collect()
+    }
+
+    #[test]
+    fn a_status_records_which_key_signs_from_which_seq() {
+        // A new run: the current key from seq 0; no retired key counts.
+        let new = run_with(Err(()));
+        assert_eq!(keys(&signing_keys_to_write(&new, 1, "b")), [("b", 0)]);
+        assert_eq!(key_windows(&new), KeyWindows::Recorded(vec![]));
+        // Signed by the same key: unchanged.
+        let same = run_with(Ok(Some(vec![("b", 0)])));
+        assert_eq!(keys(&signing_keys_to_write(&same, 9, "b")), [("b", 0)]);
+        // A rotation: the new key from the head this status records.
+        let rotated = run_with(Ok(Some(vec![("a", 0)])));
+        assert_eq!(
+            keys(&signing_keys_to_write(&rotated, 9, "b")),
+            [("a", 0), ("b", 9)]
+        );
+        // Never before a key already recorded.
+        let ahead = run_with(Ok(Some(vec![("a", 0), ("b", 12)])));
+        assert_eq!(
+            keys(&signing_keys_to_write(&ahead, 9, "c")),
+            [("a", 0), ("b", 12), ("c", 12)]
+        );
+        // An earlier release's run: unbounded until this status records the
+        // current key from its head (what was before keeps verifying).
+        let earlier = run_with(Ok(None));
+        assert_eq!(key_windows(&earlier), KeyWindows::Unrecorded);
+        assert_eq!(keys(&signing_keys_to_write(&earlier, 5, "b")), [("b", 5)]);
+        assert_eq!(
+            key_windows(&rotated),
+            KeyWindows::Recorded(vec![("a".into(), 0)])
+        );
+    }
 
     #[test]
     fn long_answers_keep_a_bounded_excerpt_that_says_where_the_rest_is() {

@@ -163,6 +163,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
             image: "agentrun:test".into(),
             store_url: "http://gateway:8081".into(),
             controller_key: signer.public_key_hex(),
+            key_id: signer.key_id().to_string(),
             service_account: "default".into(),
             time_slice_seconds: 60,
             allow_failpoints: false,
@@ -885,4 +886,103 @@ async fn a_panic_in_one_reconcile_fails_that_run_and_the_process_goes_on() {
     let log = ctx.store.read_all("uid-r1").await.unwrap();
     assert_eq!(log.len(), 1);
     assert_eq!(log[0].kind.as_str(), "RunStarted");
+}
+
+/// The context of a controller whose key was rotated: `new` current, the
+/// test context's key retired.
+fn rotated(mut ctx: Context, new: &[u8]) -> Context {
+    use crate::controller::servers::step_token::TokenKey;
+    let retired = [
+        b"a key of the reconcile test, 32 bytes or more".as_slice(),
+        b" 2026-12-05T12:00:00Z",
+    ]
+    .concat();
+    let tokens = TokenKey::new(new).unwrap().with_retired(&retired).unwrap();
+    ctx.signer = tokens.record_signer();
+    ctx.verifier = tokens.record_verifier();
+    ctx.jobs.controller_key = ctx.verifier.to_hex();
+    ctx.jobs.key_id = ctx.signer.key_id().to_string();
+    ctx.tokens = tokens;
+    ctx
+}
+
+/// The status a reconcile wrote, from what [`answer_recording`] saw.
+fn written_status(seen: &[(String, Value)]) -> Value {
+    seen.iter()
+        .rev()
+        .find(|(what, _)| what.ends_with("/agentruns/r1/status"))
+        .map(|(_, body)| body.clone())
+        .expect("a status write")
+}
+
+/// After a rotation the controller records, in the run's status, the seq
+/// from which the new key signs; mallory (a database writer holding the
+/// leaked retired key) then appends a `RunFinished` she signed with it: the
+/// controller stops the run as tampered instead of finishing it.
+#[tokio::test]
+async fn reconcile_refuses_a_record_the_retired_key_signed_after_the_switch() {
+    use crate::store::{RecordDraft, StepKind};
+    let dir = tempfile::tempdir().unwrap();
+    let idle_job = json!({"apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "r1-951103-s1-a1", "namespace": "ns"}, "status": {"active": 1}});
+
+    // The run starts under the old key.
+    let (old, handle) = mocked(dir.path()).await;
+    let (_, seen) = reconcile_recorded(&old, handle, &run(), idle_job.clone()).await;
+    let status = written_status(&seen);
+    let old_id = old.signer.key_id().to_string();
+    assert_eq!(
+        status["status"]["log"]["signingKeys"],
+        json!([{"key": old_id, "from": 0}])
+    );
+
+    // The rotated controller's first status of the run records the switch.
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let new = Arc::new(rotated(
+        context(kube::Client::new(service, "ns"), dir.path()).await,
+        b"the rotated key of the reconcile test, 32 bytes",
+    ));
+    let r = with_status(run(), &status);
+    let (handle, seen) = reconcile_recorded(&new, handle, &r, idle_job.clone()).await;
+    let status = written_status(&seen);
+    let len = new.store.head("uid-r1").await.unwrap().len;
+    assert_eq!(
+        status["status"]["log"]["signingKeys"],
+        json!([{"key": old_id, "from": 0}, {"key": new.signer.key_id(), "from": len}])
+    );
+    assert_ne!(status["status"]["phase"], "Failed", "{status}");
+
+    // Mallory's RunFinished, signed with the retired key, after the switch.
+    let head = new.store.head("uid-r1").await.unwrap();
+    let forged = old
+        .signer
+        .seal(
+            "uid-r1",
+            RecordDraft::new(
+                StepKind::RunFinished,
+                json!({"outcome": "Succeeded", "result": "forged"}),
+            ),
+            &head,
+        )
+        .unwrap();
+    let lease = new
+        .store
+        .acquire("uid-r1", "mallory", Duration::from_secs(10))
+        .await
+        .unwrap();
+    new.store
+        .append("uid-r1", lease.epoch, &forged)
+        .await
+        .unwrap();
+    new.store.release(&lease).await.unwrap();
+    let r = with_status(r, &status);
+    let (_, seen) = reconcile_recorded(&new, handle, &r, idle_job).await;
+    let status = written_status(&seen);
+    assert_eq!(status["status"]["phase"], "Failed", "{status}");
+    let error = status["status"]["error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&format!("broken at seq {}", forged.seq)) && error.contains("retired"),
+        "{error}"
+    );
+    assert_ne!(status["status"]["result"], "forged");
 }

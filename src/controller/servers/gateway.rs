@@ -36,7 +36,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 
 use crate::controller::servers::run_index::{RunIndex, RunPresence};
-use crate::controller::servers::step_token::TokenKey;
+use crate::controller::servers::step_token::{TokenCheck, TokenKey};
 use crate::store::{
     AcquireBody, AppendBody, Lease, OpenOptions, StepKind, StepStore, StoreError, WireError,
 };
@@ -179,14 +179,36 @@ impl Gateway {
                     ),
                 )
             })?;
-        if !self.key.verify(run, token) {
-            return Err(Refusal::new(
+        let check = self.key.check(run, token);
+        let created = self.runs.created(run);
+        if check.opens(created) {
+            return Ok(());
+        }
+        Err(match (check, created) {
+            // Not seen yet (or the watch did not say when it was created):
+            // as for a run not known, retry rather than refuse for good.
+            (TokenCheck::Retired { key, retired_at }, None) => Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                format!(
+                    "run {run}: the token is of key {key}, retired at {retired_at}, and this \
+                     gateway does not know yet when the run was created; retry"
+                ),
+            ),
+            (TokenCheck::Retired { key, retired_at }, Some(created)) => Refusal::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!(
+                    "run {run}: the token is of key {key}, retired at {retired_at}, which opens \
+                     only runs created by then; this run was created at {created}"
+                ),
+            ),
+            _ => Refusal::new(
                 StatusCode::FORBIDDEN,
                 "forbidden",
                 format!("run {run}: the token is not this run's step token"),
-            ));
-        }
-        Ok(())
+            ),
+        })
     }
 
     async fn is_finished(&self, run: &str) -> Result<bool, Refusal> {
@@ -653,6 +675,65 @@ mod tests {
         // A run not seen yet: a retryable outage, not a refusal.
         let u = client(addr, &key.mint("run-u"));
         let e = u.head("run-u").await.unwrap_err();
+        assert!(e.is_retryable(), "{e}");
+    }
+
+    /// After a rotation (key `k` retired at noon, key `n` current), mallory
+    /// mints tokens with the leaked retired key: the run created after noon
+    /// refuses her (its log, its lease), the run created before it still
+    /// opens to its old token, and a run whose creation the gateway does
+    /// not know yet is held off.
+    #[tokio::test]
+    async fn gateway_opens_a_run_to_a_retired_keys_token_only_if_created_before_the_retirement() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("log.db").display());
+        let store = crate::store::open(&url).await.unwrap();
+        let old = TokenKey::new(&[b'k'; 32]).unwrap();
+        let retired = [[b'k'; 32].as_slice(), b" 2026-12-05T12:00:00Z"].concat();
+        let key = TokenKey::new(&[b'n'; 32])
+            .unwrap()
+            .with_retired(&retired)
+            .unwrap();
+        let at = |t: &str| Some(t.parse::<jiff::Timestamp>().unwrap());
+        let runs = RunIndex::with_created([
+            ("before".to_string(), at("2026-12-05T11:59:59Z")),
+            ("after".to_string(), at("2026-12-05T12:00:01Z")),
+            ("unsaid".to_string(), None),
+        ]);
+        let addr = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            Gateway::new(store, key.clone(), runs),
+            GatewayLimits::default().server,
+        )
+        .await
+        .unwrap();
+        let mallory = client(addr, &old.mint("after"));
+        let e = mallory.read_all("after").await.unwrap_err();
+        assert_eq!(e.metric_label(), "permission_denied", "{e}");
+        assert!(
+            e.to_string().contains("opens only runs created by then"),
+            "{e}"
+        );
+        let e = mallory
+            .acquire("after", "mallory", Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert_eq!(e.metric_label(), "permission_denied", "{e}");
+        // The new key's token opens it.
+        let own = client(addr, &key.mint("after"));
+        assert!(own.read_all("after").await.unwrap().is_empty());
+        // The run from before the rotation keeps working on its old token.
+        let before = client(addr, &old.mint("before"));
+        before
+            .acquire("before", "pod", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(before.read_all("before").await.unwrap().is_empty());
+        // When the run was created is not known: retry, not opened.
+        let e = client(addr, &old.mint("unsaid"))
+            .head("unsaid")
+            .await
+            .unwrap_err();
         assert!(e.is_retryable(), "{e}");
     }
 }

@@ -8,12 +8,18 @@
 //! a uid neither live nor gone is refused too (503, never seen), so the
 //! index holds the runs that exist and the recently deleted, not every run
 //! the replica ever saw.
+//!
+//! It also keeps each live run's `metadata.creationTimestamp` (set by the
+//! API server, which neither a run creator nor a database writer can move):
+//! a step token of a key a rotation retired opens only runs created by the
+//! time of its retirement.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use jiff::Timestamp;
 use kube::api::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event, watcher};
@@ -38,11 +44,12 @@ pub enum RunPresence {
 #[derive(Default)]
 struct Inner {
     synced: bool,
-    live: HashSet<String>,
+    /// Live runs, and when the API server created them.
+    live: HashMap<String, Option<Timestamp>>,
     /// Deleted runs, and since when.
     gone: HashMap<String, Instant>,
-    /// Live uids of a re-list in progress (swapped in at `InitDone`).
-    relist: HashSet<String>,
+    /// Live runs of a re-list in progress (swapped in at `InitDone`).
+    relist: HashMap<String, Option<Timestamp>>,
     pruned_at: Option<Instant>,
 }
 
@@ -55,6 +62,14 @@ pub struct RunIndex {
 impl RunIndex {
     /// An index that already knows `live` (tests, and callers with their own source).
     pub fn with_live<I: IntoIterator<Item = String>>(live: I) -> RunIndex {
+        RunIndex::with_created(live.into_iter().map(|uid| (uid, None)))
+    }
+
+    /// An index that knows `live` runs and when each was created.
+    pub fn with_created<I>(live: I) -> RunIndex
+    where
+        I: IntoIterator<Item = (String, Option<Timestamp>)>,
+    {
         let index = RunIndex::default();
         {
             let mut g = index.inner.write().expect("not poisoned");
@@ -66,7 +81,7 @@ impl RunIndex {
 
     pub fn presence(&self, uid: &str) -> RunPresence {
         let g = self.inner.read().expect("not poisoned");
-        if g.live.contains(uid) {
+        if g.live.contains_key(uid) {
             RunPresence::Live
         } else if g.gone.contains_key(uid) {
             RunPresence::Gone
@@ -75,6 +90,12 @@ impl RunIndex {
         } else {
             RunPresence::Unknown
         }
+    }
+
+    /// When live run `uid` was created (`None`: not live, or not said).
+    pub fn created(&self, uid: &str) -> Option<Timestamp> {
+        let g = self.inner.read().expect("not poisoned");
+        g.live.get(uid).copied().flatten()
     }
 
     /// Marks `uid` deleted (also what a watch Delete does).
@@ -100,7 +121,12 @@ impl RunIndex {
             Event::InitDone => {
                 let relisted = std::mem::take(&mut g.relist);
                 // What was live and is not any more was deleted meanwhile.
-                let vanished: Vec<String> = g.live.difference(&relisted).cloned().collect();
+                let vanished: Vec<String> = g
+                    .live
+                    .keys()
+                    .filter(|uid| !relisted.contains_key(*uid))
+                    .cloned()
+                    .collect();
                 let now = Instant::now();
                 g.gone.extend(vanished.into_iter().map(|u| (u, now)));
                 g.live = relisted;
@@ -149,10 +175,12 @@ fn note(g: &mut Inner, m: &PartialObjectMeta<AgentRun>, relist: bool) {
     if m.metadata.deletion_timestamp.is_some() {
         g.live.remove(&uid);
         g.gone.insert(uid, Instant::now());
-    } else if relist {
-        g.relist.insert(uid);
     } else {
-        g.live.insert(uid);
+        let created = m.metadata.creation_timestamp.as_ref().map(|t| t.0);
+        match relist {
+            true => g.relist.insert(uid, created),
+            false => g.live.insert(uid, created),
+        };
     }
 }
 
@@ -184,10 +212,24 @@ mod tests {
         assert_eq!(index.presence("a"), RunPresence::Live);
         assert_eq!(index.presence("b"), RunPresence::Gone);
         assert_eq!(index.presence("c"), RunPresence::Unknown);
-        index.apply(Event::Apply(meta("c", false)));
+        let mut created = meta("c", false);
+        let at: jiff::Timestamp = "2026-12-05T12:00:00Z".parse().unwrap();
+        created.metadata.creation_timestamp = Some(Time(at));
+        index.apply(Event::Apply(created));
         assert_eq!(index.presence("c"), RunPresence::Live);
+        assert_eq!(
+            index.created("c"),
+            Some(at),
+            "when the API server created it"
+        );
+        assert_eq!(index.created("a"), None, "not said");
         index.apply(Event::Delete(meta("c", false)));
         assert_eq!(index.presence("c"), RunPresence::Gone);
+        assert_eq!(
+            index.created("c"),
+            None,
+            "a deleted run opens to no retired key"
+        );
         // A re-list that no longer holds `a`: it was deleted while the watch was down.
         index.apply(Event::Init);
         index.apply(Event::InitDone);

@@ -26,6 +26,7 @@ fn step_args() -> StepArgs {
         controller_key: None,
         signed_from: 0,
         bound_from: Default::default(),
+        signing_keys: None,
         model_api_key: None,
         worker: "w".into(),
         attempt: 1,
@@ -510,4 +511,58 @@ async fn a_platform_gate_on_an_address_holds_for_a_name_that_resolves_to_it() {
         &search,
     );
     assert_refund_held(&standins, &prefix, &name).await;
+}
+
+/// A log of run_started then a `RunFinished`, both signed by `signer`.
+async fn signed_log(dir: &std::path::Path, signer: &store::RecordSigner) -> Arc<dyn StepStore> {
+    crate::tools::ensure_crypto_provider();
+    let url = format!("sqlite://{}", dir.join("log.db").display());
+    let store = store::open(&url).await.unwrap();
+    let lease = store.acquire(RUN, "mallory", LEASE_TTL).await.unwrap();
+    let started = run_started("http://127.0.0.1:9");
+    let mut head = Head::EMPTY;
+    for (kind, payload) in [
+        (started.store_kind(), started.payload()),
+        (
+            store::StepKind::RunFinished,
+            json!({"outcome": "Succeeded", "result": "forged"}),
+        ),
+    ] {
+        let record = signer
+            .seal(RUN, RecordDraft::new(kind, payload), &head)
+            .unwrap();
+        head = store
+            .append(RUN, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    store.release(&lease).await.unwrap();
+    store
+}
+
+/// The runner replays a log whose seq 1 the retired key signed after the
+/// run's status recorded the new key in charge from seq 1 (mallory holds the
+/// leaked retired key and a database credential): it refuses to go on.
+#[tokio::test]
+async fn the_runner_refuses_a_record_the_retired_key_signed_after_the_switch() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old, new) = (
+        store::RecordSigner::from_seed(&[1; 32]),
+        store::RecordSigner::from_seed(&[2; 32]),
+    );
+    let store = signed_log(dir.path(), &old).await;
+    let keys = store::RecordVerifier::new(vec![new.public_key(false), old.public_key(true)])
+        .unwrap()
+        .to_hex();
+    let mut args = step_args();
+    args.controller_key = Some(keys);
+    args.signing_keys = Some(format!("{}:0,{}:1", old.key_id(), new.key_id()));
+    let err = run_on(args, store.clone()).await.unwrap_err();
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("checking the controller's signatures") && err.contains("retired"),
+        "{err}"
+    );
+    assert_eq!(read_log(&*store).await.len(), 2, "nothing appended");
 }

@@ -161,6 +161,11 @@ async fn read_page(
         head_length,
         result: VERIFIED.into(),
         message: String::new(),
+        signing_keys: run
+            .status
+            .as_ref()
+            .and_then(|s| s.log.as_ref())
+            .and_then(|l| l.signing_keys.clone()),
     };
     // The record before the page, so its first record's link is checked too.
     let start = from.saturating_sub(1);
