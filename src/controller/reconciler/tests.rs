@@ -625,6 +625,7 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
     assert_eq!(kinds, ["RunStarted"], "the run started, not concluded");
 }
 
+mod claims;
 mod paths;
 
 /// Approval webhooks are counted by outcome: one the egress policy refuses
