@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use agentrun::api::runlog::{ADDED, ERROR, FAILED, MAX_PAGE, MODIFIED, RunLog, VERIFIED};
 use agentrun::api::{AgentRun, Phase};
-use agentrun::store::{Record, StepKind};
+use agentrun::store::{Record, StepKind, StoredRecord};
 use common::log_api::{
     self, ClientIdentity, Follow, LogApiWorld, continue_query, event_log, get_runlog, kubectl_as,
     refusal, uid_of,
@@ -59,11 +59,16 @@ async fn finished_run(api: &LogApiWorld, name: &str) -> AgentRun {
 }
 
 /// (seq, hash) of records, to compare what was served with the store.
-fn seqs_and_hashes(records: &[Record]) -> Vec<(u64, String)> {
+fn seqs_and_hashes(records: &[StoredRecord]) -> Vec<(u64, String)> {
     records
         .iter()
         .map(|r| (r.seq, r.hash.to_string()))
         .collect()
+}
+
+/// Records as the store holds them (each in its canonical form).
+fn as_stored(records: &[Record]) -> Vec<StoredRecord> {
+    records.iter().map(StoredRecord::of).collect()
 }
 
 /// Reads a run's log as `client` page by page (`limit` records a page),
@@ -126,8 +131,15 @@ async fn a_reader_bound_in_the_namespace_reads_a_finished_runs_log_as_the_store_
     assert_eq!(served.kind, "RunLog");
     assert_eq!(served.metadata.name.as_deref(), Some("readme"));
     assert_eq!(served.metadata.uid, run.metadata.uid);
-    assert_eq!(seqs_and_hashes(&served.records), seqs_and_hashes(&stored));
-    assert_eq!(served.records, stored, "records as the store holds them");
+    assert_eq!(
+        seqs_and_hashes(&served.records),
+        seqs_and_hashes(&as_stored(&stored))
+    );
+    assert_eq!(
+        served.records,
+        as_stored(&stored),
+        "records as the store holds them"
+    );
     assert!(served.run.finished, "{:?}", served.run);
     assert_eq!(served.run.phase.as_deref(), Some("Succeeded"));
     let status_log = run.status.as_ref().and_then(|s| s.log.clone()).unwrap();
@@ -333,7 +345,7 @@ async fn paging_with_limit_and_continue_walks_the_whole_log_once() {
     );
     assert_eq!(
         seqs_and_hashes(&walked),
-        seqs_and_hashes(&stored),
+        seqs_and_hashes(&as_stored(&stored)),
         "every record once, in order"
     );
     assert!(
@@ -354,7 +366,7 @@ async fn paging_with_limit_and_continue_walks_the_whole_log_once() {
         .expect("fromSeq=5");
     assert_eq!(
         seqs_and_hashes(&tail.records),
-        seqs_and_hashes(&stored[5..7])
+        seqs_and_hashes(&as_stored(&stored[5..7]))
     );
 }
 
@@ -471,10 +483,13 @@ async fn follow_streams_every_record_in_order_and_ends_when_the_run_finishes() {
     let stored = log_api::stored_records(&uid_of(&run)).await;
     assert_eq!(
         seqs_and_hashes(&records),
-        seqs_and_hashes(&stored),
+        seqs_and_hashes(&as_stored(&stored)),
         "every record once, in seq order"
     );
-    assert_eq!(records.last().map(|r| r.kind), Some(StepKind::RunFinished));
+    assert_eq!(
+        records.last().and_then(|r| r.decode().ok()).map(|r| r.kind),
+        Some(StepKind::RunFinished)
+    );
 }
 
 #[tokio::test]
@@ -574,6 +589,97 @@ async fn a_follow_ends_forbidden_once_the_followers_binding_is_removed() {
             .is_some_and(|p| p.is_terminal()),
         "the stream ended for the revocation, not the run's end"
     );
+}
+
+/// The stored bytes are the evidence (issue 39): the database superuser
+/// respells three records of a finished run without changing what they
+/// say (a field added to a ModelCall, keys reordered, spacing). The log API
+/// hands the bytes on as stored and fails its own check at the first; the
+/// plugin, reading as alice, names each one as altered and never says
+/// "chain intact".
+#[tokio::test]
+async fn records_respelled_by_the_database_superuser_are_named_altered_by_verify_and_log() {
+    let api = LogApiWorld::start("logrespell").await;
+    let ns = api.ns();
+    log_api::grant_reader(&api.world.client, ns, "alice").await;
+    let run = finished_run(&api, "respelled").await;
+    let uid = uid_of(&run);
+    let stored = log_api::stored_records(&uid).await;
+    let of_kind = |kind: StepKind| {
+        stored
+            .iter()
+            .find(|r| r.kind == kind)
+            .unwrap_or_else(|| panic!("a {kind} in the log: {stored:?}"))
+            .clone()
+    };
+    let (model, finished) = (of_kind(StepKind::ModelCall), of_kind(StepKind::RunFinished));
+    let intent = of_kind(StepKind::ToolIntent);
+    let respellings = [
+        (
+            model.seq,
+            "{\"format\":1,".to_string(),
+            "{\"format\":1,\"tampered\":true,".to_string(),
+        ),
+        (
+            intent.seq,
+            "{\"format\":1,\"kind\":\"ToolIntent\",".to_string(),
+            "{\"kind\":\"ToolIntent\",\"format\":1,".to_string(),
+        ),
+        (
+            finished.seq,
+            ",\"payload\":".to_string(),
+            " ,\n\"payload\" : ".to_string(),
+        ),
+    ];
+    for (seq, from, to) in &respellings {
+        let touched = log_api::rewrite_record(&uid, *seq, from, to).await;
+        assert_eq!(touched, 1, "record {seq} respelled");
+    }
+    let mut seqs: Vec<u64> = respellings.iter().map(|(seq, _, _)| *seq).collect();
+    seqs.sort_unstable();
+
+    let served = get_runlog(&api.world.client, ns, "respelled", "")
+        .await
+        .expect("a respelled log is still served, as stored");
+    let verification = served.verification.expect("what the server checked");
+    assert_eq!(verification.result, FAILED, "{verification:?}");
+    assert!(
+        names_number(&verification.message, seqs[0]),
+        "the server names record {}: {verification:?}",
+        seqs[0]
+    );
+    let sent = &served.records[model.seq as usize];
+    assert!(
+        sent.body.contains("\"tampered\":true"),
+        "sent as stored: {sent:?}"
+    );
+
+    let verify = log_api::plugin_as("alice", ns, &["verify", "respelled"], PLUGIN_WITHIN).await;
+    assert!(!verify.ok, "verify passed:\n{}", verify.stdout);
+    for seq in &seqs {
+        assert!(
+            verify
+                .stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("FAILED: seq {seq}:")) && l.contains("altered")),
+            "verify names record {seq} as altered:\n{}",
+            verify.stdout
+        );
+    }
+    assert!(!verify.stdout.contains("chain intact"), "{}", verify.stdout);
+    let log = log_api::plugin_as("alice", ns, &["log", "respelled"], PLUGIN_WITHIN).await;
+    assert!(!log.ok, "log passed:\n{}", log.stdout);
+    let marked: Vec<u64> = log_api::plugin_records(&log.stdout)
+        .iter()
+        .filter(|l| l.marked)
+        .map(|l| l.seq)
+        .collect();
+    assert_eq!(
+        marked, seqs,
+        "exactly the respelled records marked:\n{}",
+        log.stdout
+    );
+    assert!(!log.stdout.contains("verified: "), "{}", log.stdout);
 }
 
 #[tokio::test]

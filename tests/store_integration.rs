@@ -790,6 +790,86 @@ async fn tamper_detection(ctx: Ctx) {
     ctx.done().await;
 }
 
+/// The bytes stored are the evidence (issue 39): a body respelled behind
+/// the store's back (a field added, keys reordered, spacing) is an altered
+/// record at its seq for every reader, even where the superuser hashed the
+/// new bytes (the log's tail, past every anchor), and the bytes are handed
+/// on exactly as stored.
+async fn respelled_bodies(ctx: Ctx) {
+    let s = ctx.store.clone();
+    let respell = [
+        (
+            "a field added",
+            "substr(body, 1, 1) || '\"tampered\":true,' || substr(body, 2)",
+        ),
+        (
+            "keys reordered",
+            "replace(body, '{\"format\":1,\"kind\":\"Observation\",', '{\"kind\":\"Observation\",\"format\":1,')",
+        ),
+        ("spacing", "replace(body, ',', ', ')"),
+    ];
+    for (how, sql) in respell {
+        for rehashed in [false, true] {
+            let run = unique("respelled");
+            let lease = s.acquire(&run, "w", TTL).await.unwrap();
+            let log = append_n(s.as_ref(), &run, lease.epoch, 4).await;
+            // The last record (nothing links to it), as the superuser.
+            ctx.tamper(&format!(
+                "UPDATE agentrun_steps SET body = {sql} WHERE run = '{run}' AND seq = 3"
+            ))
+            .await;
+            let stored = s.read_stored(&run, 3, None).await.unwrap().remove(0);
+            assert_ne!(
+                stored.body.as_bytes(),
+                log[3].canonical_bytes(),
+                "{how}: the body was respelled"
+            );
+            if rehashed {
+                let hex = store::chain_hash(&log[2].hash, stored.body.as_bytes()).to_hex();
+                let set_hash = match &ctx.kind {
+                    Kind::Pg { .. } => format!("decode('{hex}', 'hex')"),
+                    Kind::Sqlite { .. } => format!("X'{hex}'"),
+                };
+                ctx.tamper(&format!(
+                    "UPDATE agentrun_steps SET hash = {set_hash} WHERE run = '{run}' AND seq = 3"
+                ))
+                .await;
+            }
+            let what = format!("{how} (hash recomputed: {rehashed})");
+            match s.read_verified(&run, None).await {
+                Err(StoreError::ChainBroken { seq: 3, reason, .. }) => {
+                    assert!(reason.contains("altered"), "{what}: {reason}")
+                }
+                other => panic!("{what}: expected ChainBroken at 3, got {other:?}"),
+            }
+            match s.read_verified_after(&run, &log[1].head()).await {
+                Err(StoreError::ChainBroken { seq: 3, .. }) => {}
+                other => panic!("{what}: read on from seq 2: {other:?}"),
+            }
+            if !rehashed {
+                // Decoded, the bytes are refused whatever their hash.
+                match s.read_range(&run, 0, None).await {
+                    Err(StoreError::Corrupt { seq: 3, reason, .. }) => {
+                        assert!(
+                            reason.contains("not the canonical form"),
+                            "{what}: {reason}"
+                        )
+                    }
+                    other => panic!("{what}: read_range: {other:?}"),
+                }
+            }
+            // As stored: byte for byte, for readers who verify them.
+            let again = s.read_stored(&run, 0, None).await.unwrap();
+            assert_eq!(again.len(), 4, "{what}");
+            assert_eq!(again[3].body, stored.body, "{what}");
+            for (a, b) in again[..3].iter().zip(&log) {
+                assert_eq!(a.body.as_bytes(), b.canonical_bytes(), "{what}");
+            }
+        }
+    }
+    ctx.done().await;
+}
+
 /// What the controller reads to scale: a lease released is told apart
 /// from one that lapsed, lapsed leases are listed in one query, and a log
 /// is read on from a verified head (a wrong base is refused).
@@ -881,6 +961,11 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn tamper_detection() {
                 super::tamper_detection($ctx().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn respelled_bodies() {
+                super::respelled_bodies($ctx().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

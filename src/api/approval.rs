@@ -163,7 +163,9 @@ pub struct ProposedCall {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Observations {
-    /// The agent's stated reason for the call.
+    /// Why the agent asks, in its own words: written by the run's step
+    /// pod and not checked by the controller (what the controller checked
+    /// is the rest of this spec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// Recent tool results the call depends on.

@@ -22,7 +22,7 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 
-use crate::store::Record;
+use crate::store::StoredRecord;
 
 /// API group of the log API.
 pub const LOG_GROUP: &str = "log.agentrun.dev";
@@ -50,9 +50,11 @@ pub struct RunLog {
     pub metadata: ObjectMeta,
     /// What the run is now.
     pub run: RunState,
-    /// Records in seq order (this page's).
+    /// Records in seq order (this page's), as the store holds them: each
+    /// body byte for byte, so that the client verifies the very bytes the
+    /// hashes cover (and decodes them itself).
     #[serde(default)]
-    pub records: Vec<Record>,
+    pub records: Vec<StoredRecord>,
     /// Where this page starts and what comes next (`get` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub page: Option<Page>,

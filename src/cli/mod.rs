@@ -656,9 +656,13 @@ pub(crate) fn alternatives(s: &crate::api::ApprovalSpec) -> Vec<(String, &Value)
 fn describe_context(a: &Approval, out: &mut String) {
     let s = &a.spec;
     let mut line = |k: &str, v: String| push_line(out, k, v);
+    // The step pod's words: shown as the agent's, never as the controller's.
     line(
-        "Agent reason:",
-        visible(s.observations.reason.as_deref().unwrap_or("(none given)")),
+        "Agent says:",
+        match s.observations.reason.as_deref() {
+            Some(reason) => format!("{} (its own words, unchecked)", visible(reason)),
+            None => "(no reason given)".into(),
+        },
     );
     for r in &s.observations.recent_results {
         line(

@@ -17,11 +17,17 @@ use crate::api::{BUDGET_TOOL, Budgets, OnExhausted};
 pub struct BudgetQuestions {
     /// The latest question: its seq and, once decided, the verdict.
     latest: Option<(u64, Option<Verdict>)>,
-    /// Every question and the seq of its granting decision (kept in force
-    /// across compaction: [`BudgetQuestions::pinned_before`]).
-    granted: Vec<(u64, u64)>,
-    /// The limits raised so far, latest value of each.
-    raised: Limits,
+    /// Every raise granted, in order (kept in force across compaction:
+    /// [`BudgetQuestions::pinned_before`]).
+    granted: Vec<Grant>,
+}
+
+/// A question granted: its seq, its decision's seq, the limits given.
+#[derive(Clone, Debug, PartialEq)]
+struct Grant {
+    request: u64,
+    decision: u64,
+    limits: Limits,
 }
 
 /// Limits given by an approver; `None` leaves the agent's in force.
@@ -112,21 +118,34 @@ impl BudgetQuestions {
         if matches!(decided.verdict, Verdict::Approve | Verdict::Edit)
             && let Some(Ok(limits)) = decided.arguments.as_ref().map(Limits::parse)
         {
-            self.raised.merge(limits);
-            self.granted.push((*request_seq, seq));
+            self.granted.push(Grant {
+                request: *request_seq,
+                decision: seq,
+                limits,
+            });
         }
     }
 
     /// The budgets in force: the agent's, with every raise applied.
     pub fn effective(&self, budgets: Option<&Budgets>) -> Option<Budgets> {
+        self.effective_before(budgets, u64::MAX)
+    }
+
+    /// The budgets in force at record `seq`: the agent's, with the raises
+    /// decided before it.
+    pub fn effective_before(&self, budgets: Option<&Budgets>, seq: u64) -> Option<Budgets> {
+        let mut raised = Limits::default();
+        for grant in self.granted.iter().filter(|g| g.decision < seq) {
+            raised.merge(grant.limits.clone());
+        }
         let mut b = budgets?.clone();
-        if let Some(v) = self.raised.max_steps {
+        if let Some(v) = raised.max_steps {
             b.max_steps = Some(v);
         }
-        if let Some(v) = self.raised.max_tokens {
+        if let Some(v) = raised.max_tokens {
             b.max_tokens = Some(v);
         }
-        if let Some(v) = self.raised.max_cost_usd {
+        if let Some(v) = raised.max_cost_usd {
             b.max_cost_usd = Some(v);
         }
         Some(b)
@@ -159,7 +178,7 @@ impl BudgetQuestions {
     pub fn pinned_before(&self, start: u64) -> impl Iterator<Item = u64> + '_ {
         self.granted
             .iter()
-            .flat_map(|(request, decision)| [*request, *decision])
+            .flat_map(|g| [g.request, g.decision])
             .filter(move |seq| *seq < start)
     }
 }
@@ -199,6 +218,50 @@ pub struct Used {
     pub steps: u64,
     pub tokens: u64,
     pub cost_usd: f64,
+}
+
+/// Which budget `used` has used up, in words (`None`: none is): what the
+/// runner checks before another model call, and the controller before it
+/// raises a budget question.
+pub fn exhausted(b: &Budgets, used: Used) -> Option<String> {
+    if let Some(max) = b.max_tokens.filter(|max| used.tokens >= *max) {
+        return Some(format!(
+            "token budget used up: {} of {max} tokens",
+            used.tokens
+        ));
+    }
+    if let Some(max) = b.max_cost_usd.filter(|max| used.cost_usd >= *max) {
+        return Some(format!(
+            "cost budget used up: ${:.4} of ${max}",
+            used.cost_usd
+        ));
+    }
+    if let Some(max) = b.max_steps.filter(|max| used.steps >= *max) {
+        return Some(format!(
+            "step budget used up: {} of {max} steps",
+            used.steps
+        ));
+    }
+    None
+}
+
+/// What was used of each budget there is, in words.
+pub fn usage(b: &Budgets, used: Used) -> String {
+    let mut parts = Vec::new();
+    if let Some(max) = b.max_steps {
+        parts.push(format!("{} of {max} steps", used.steps));
+    }
+    if let Some(max) = b.max_tokens {
+        parts.push(format!("{} of {max} tokens", used.tokens));
+    }
+    if let Some(max) = b.max_cost_usd {
+        parts.push(format!("${:.4} of ${max}", used.cost_usd));
+    }
+    if parts.is_empty() {
+        "no budget is set".into()
+    } else {
+        parts.join(", ")
+    }
 }
 
 /// The tool a budget question names.

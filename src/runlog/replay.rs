@@ -134,11 +134,6 @@ impl Spent {
         self.output_tokens = self.output_tokens.saturating_add(usage.output_tokens);
         self.cost_usd += cost.max(0.0);
     }
-
-    /// Tokens in and out.
-    fn tokens(&self) -> u64 {
-        self.input_tokens.saturating_add(self.output_tokens)
-    }
 }
 
 /// The agent a run executes now: `RunStarted`, or the latest `VersionChanged`,
@@ -452,10 +447,18 @@ impl RunState {
             stop: Some(stop), ..
         })) = self.steps.last()
         {
-            return Next::Stop(stop.clone());
+            return Next::Stop(self.vouched_stop(self.len() - 1, stop));
         }
         // An intent without a result comes first: it may already have acted.
         if let Some((intent_seq, intent)) = self.open_intent() {
+            // Unless it is no call the policy lets run: then nothing of it is made.
+            if let Some(error) = self.unapproved_intent(intent_seq, intent) {
+                return Next::Finish {
+                    outcome: Outcome::Failed,
+                    result: self.last_text(),
+                    error: Some(error),
+                };
+            }
             // Unless a human was asked whether it happened (its outcome was unknowable).
             if let Some((request_seq, decision)) = self.reconcile_for(intent_seq) {
                 return match decision {
@@ -550,8 +553,17 @@ impl RunState {
 
     /// Where call `index` of the ModelCall at `model_call_seq` stands.
     pub fn call_state(&self, model_call_seq: u64, index: usize) -> CallState {
+        self.call_state_before(model_call_seq, index, u64::MAX)
+    }
+
+    /// Where call `index` of the ModelCall at `model_call_seq` stood just
+    /// before record `until`.
+    fn call_state_before(&self, model_call_seq: u64, index: usize, until: u64) -> CallState {
         let mut state = CallState::Open;
-        for (seq, step) in self.records_from(model_call_seq + 1) {
+        let records = self
+            .records_from(model_call_seq.saturating_add(1))
+            .take_while(|(seq, _)| *seq < until);
+        for (seq, step) in records {
             match step {
                 Step::ToolIntent(i)
                     if i.model_call_seq == model_call_seq && i.call_index == index =>
@@ -685,39 +697,166 @@ impl RunState {
             .snapshot
             .as_ref()
             .and_then(|s| s.agent.budgets.as_ref());
-        let used = budget::Used {
-            steps: self.len(),
-            tokens: self.spent.tokens(),
-            cost_usd: self.spent.cost_usd,
-        };
-        budget::proposal(agent, budgets, used)
+        budget::proposal(agent, budgets, used(self.len(), &self.spent))
     }
 
     /// Why the budget forbids another model call, if it does.
     pub fn budget_exceeded(&self, budgets: Option<&Budgets>) -> Option<String> {
-        let b = budgets?;
-        let tokens = self.spent.tokens();
-        if let Some(max) = b.max_tokens.filter(|max| tokens >= *max) {
-            return Some(format!("token budget used up: {tokens} of {max} tokens"));
+        budget::exhausted(budgets?, used(self.len(), &self.spent))
+    }
+
+    /// What the records before `seq` spent, summed in the order the log
+    /// holds them (as [`RunState::spent`] is, so the sums agree exactly);
+    /// `None` when they are not all held or folded.
+    fn spent_before(&self, seq: u64) -> Option<Spent> {
+        if seq < self.base || seq > self.len() {
+            return None;
         }
-        if let Some(max) = b.max_cost_usd.filter(|max| self.spent.cost_usd >= *max) {
-            return Some(format!(
-                "cost budget used up: ${:.4} of ${max}",
-                self.spent.cost_usd
-            ));
+        let mut spent = self.spent_before.clone();
+        for (_, step) in self.records().take_while(|(at, _)| *at < seq) {
+            match step {
+                Step::ModelCall(m) => spent.add(&m.response.usage, m.cost_usd),
+                Step::Summary(s) => spent.add(&s.response.usage, s.cost_usd),
+                _ => {}
+            }
         }
-        if let Some(max) = b.max_steps.filter(|max| self.len() >= *max) {
-            return Some(format!(
-                "step budget used up: {} of {max} steps",
-                self.len()
-            ));
+        Some(spent)
+    }
+
+    /// Why a budget is used up at record `seq`, by the records before it
+    /// (the budgets in force there and what was spent): `Err` says what was
+    /// used of each when none is, or why it cannot be told.
+    fn exhausted_before(&self, seq: u64) -> Result<(String, Budgets, budget::Used), String> {
+        let pinned = self
+            .agent_at(seq)
+            .ok_or_else(|| format!("no agent is pinned before record {seq}"))?
+            .budgets
+            .as_ref();
+        let budgets = self
+            .budget
+            .effective_before(pinned, seq)
+            .ok_or("the pinned agent has no budgets")?;
+        let spent = self
+            .spent_before(seq)
+            .ok_or_else(|| format!("the records before {seq} are not held"))?;
+        let used = used(seq, &spent);
+        match budget::exhausted(&budgets, used) {
+            Some(why) => Ok((why, budgets, used)),
+            None => Err(format!(
+                "no budget is used up at record {seq} ({})",
+                budget::usage(&budgets, used)
+            )),
         }
-        None
+    }
+
+    /// The end the step pod's `Observation` at `seq` asks for, as it may
+    /// be recorded: a runner ends a run as Failed or NeedsHuman, or as
+    /// BudgetExceeded where a budget is used up. The agent's success and
+    /// the controller's own verdicts (cancel, deadline) are not a step
+    /// pod's to claim: such a stop, or BudgetExceeded with budget left,
+    /// ends the run Failed, saying what was claimed.
+    fn vouched_stop(&self, seq: u64, stop: &RunFinished) -> RunFinished {
+        let refused = match stop.outcome {
+            Outcome::Failed | Outcome::NeedsHuman => None,
+            Outcome::BudgetExceeded => self.exhausted_before(seq).err(),
+            other => Some(format!("only the controller ends a run {other:?}")),
+        };
+        match refused {
+            None => stop.clone(),
+            Some(why) => RunFinished {
+                outcome: Outcome::Failed,
+                result: self.last_text(),
+                error: Some(format!(
+                    "the step pod's record {seq} asked to end the run {:?}, which was refused: {why}",
+                    stop.outcome
+                )),
+            },
+        }
+    }
+
+    /// What a budget question recorded at `seq` must be, by the log before
+    /// it: why a budget is used up there (in the controller's words) and
+    /// the limits the agent's `onExhausted: Ask` proposes then. `Err` says
+    /// why no budget question belongs there.
+    pub fn budget_question_due(&self, seq: u64) -> Result<(String, Value), String> {
+        let (why, budgets, used) = self.exhausted_before(seq)?;
+        let pinned = self.agent_at(seq).and_then(|a| a.budgets.as_ref());
+        Ok((why, budget::proposal(pinned, &budgets, used)))
+    }
+
+    /// How the agent pinned at `seq` classes a call of `tool` with `args`
+    /// (no pinned agent: nothing may run without a human).
+    pub fn classify_at(
+        &self,
+        seq: u64,
+        tool: &str,
+        args: &Value,
+        network: &crate::policy::Network,
+    ) -> crate::policy::Classification {
+        match self.agent_at(seq) {
+            Some(agent) => crate::policy::classify(
+                agent.approval.as_ref(),
+                &crate::policy::Call::of(agent, tool, network),
+                args,
+            ),
+            None => crate::policy::Classification::RequireApproval(Box::default()),
+        }
+    }
+
+    /// The network the run's step pods resolve names in, with no lookups.
+    fn network(&self) -> crate::policy::Network {
+        let ns = self.snapshot.as_ref().map_or("", |s| s.namespace.as_str());
+        crate::policy::Network::of(ns)
+    }
+
+    /// Why the intent recorded at `intent_seq` may not be executed, if it
+    /// may not: the agent pinned there gates its call, and no approval of
+    /// exactly that call (its request about this very call, decided by the
+    /// controller, with these arguments, not voided) precedes it. An intent
+    /// is the step pod's word; the gate is the pinned policy's.
+    pub fn unapproved_intent(&self, intent_seq: u64, intent: &ToolIntent) -> Option<String> {
+        let (arguments, _) = crate::policy::split_alternative(&intent.arguments);
+        // Arguments that are no object never reach a tool (as the runner classes them).
+        if !arguments.is_object() {
+            return None;
+        }
+        let crate::policy::Classification::RequireApproval(gate) =
+            // By the host's spellings: a call a lookup gated was approved
+            // through its request, which this finds all the same.
+            self.classify_at(intent_seq, &intent.tool, &arguments, &self.network())
+        else {
+            return None;
+        };
+        let state = self.call_state_before(intent.model_call_seq, intent.call_index, intent_seq);
+        let approved = match &state {
+            CallState::Approved(request_seq, args) => {
+                *args == intent.arguments
+                    && matches!(self.step(*request_seq),
+                        Some(Step::ApprovalRequested(r)) if r.tool == intent.tool)
+            }
+            _ => false,
+        };
+        (!approved).then(|| {
+            format!(
+                "record {intent_seq} intends a call of {} that the pinned policy gates (rule {}), \
+                 and no approval of exactly that call precedes it: it is not made",
+                intent.tool, gate.rule
+            )
+        })
     }
 
     /// The latest thing the agent said: the partial result of a run stopped early.
     pub fn last_text(&self) -> Option<String> {
         self.last_text.as_ref().map(|(_, t)| t.clone())
+    }
+}
+
+/// What has been used once `steps` records spent `spent`.
+fn used(steps: u64, spent: &Spent) -> budget::Used {
+    budget::Used {
+        steps,
+        tokens: spent.input_tokens.saturating_add(spent.output_tokens),
+        cost_usd: spent.cost_usd,
     }
 }
 
@@ -1272,6 +1411,117 @@ pub(crate) mod tests {
             state.next(),
             Next::RecordIntent { call_index: 2, .. }
         ));
+    }
+
+    /// What the controller requires of a budget question is exactly what
+    /// an honest runner asks, at the first question and after a raise, on
+    /// the whole log, a compacted state and one resumed at its window.
+    #[test]
+    fn an_honest_budget_question_is_the_one_the_log_implies() {
+        let mut log = asking(6);
+        for (raise, turn) in [(None, 0), (Some(10), 1)] {
+            if let Some(max) = raise {
+                let request_seq = log.len() as u64 - 1;
+                log.push(budget_decided(
+                    request_seq,
+                    Verdict::Approve,
+                    Some(json!({"maxSteps": max})),
+                ));
+                // The reply goes on until the raised budget is used up.
+                let mut index = 2;
+                while (log.len() as u64) < max {
+                    let intent = log.len() as u64;
+                    log.push(Step::ToolIntent(ToolIntent {
+                        model_call_seq: 1,
+                        call_index: index,
+                        call_id: format!("c{index}"),
+                        tool: "lookup".into(),
+                        arguments: json!({"id": index}),
+                        key: format!("k{intent}"),
+                    }));
+                    log.push(Step::ToolResult(ToolResult {
+                        intent_seq: intent,
+                        call_id: format!("c{index}"),
+                        tool: "lookup".into(),
+                        outcome: v1::ToolOutcome::Ok(json!({})),
+                        recovery: None,
+                    }));
+                    index += 1;
+                }
+            }
+            let whole = RunState::replay(log.clone());
+            let Next::AskBudget { arguments, .. } = whole.next() else {
+                panic!("turn {turn}: {:?}", whole.next())
+            };
+            let seq = whole.len();
+            let mut compacted = whole.clone();
+            compacted.compact();
+            for state in [&whole, &compacted] {
+                let (why, due) = state.budget_question_due(seq).unwrap();
+                assert_eq!(due, arguments, "turn {turn}");
+                assert!(why.contains(&format!("{seq} of")), "turn {turn}: {why}");
+            }
+            log.push(budget_question(1, arguments));
+            // Once asked, the question is judged at its own seq, whatever follows.
+            let later = RunState::replay(log.clone());
+            assert!(later.budget_question_due(seq).is_ok(), "turn {turn}");
+            assert!(
+                later
+                    .budget_question_due(seq - 1)
+                    .unwrap_err()
+                    .contains("no budget is used up"),
+                "turn {turn}"
+            );
+        }
+    }
+
+    /// A step pod may ask to end a run Failed or NeedsHuman, or
+    /// BudgetExceeded once a budget is used up; any other end it claims is
+    /// recorded Failed.
+    #[test]
+    fn a_stop_is_taken_only_for_the_ends_a_step_pod_may_claim() {
+        let stop = |outcome| {
+            Step::Observation(Observation {
+                text: "stop".into(),
+                about_seq: None,
+                stop: Some(RunFinished {
+                    outcome,
+                    result: None,
+                    error: Some("why".into()),
+                }),
+                attempts: None,
+            })
+        };
+        let ended = |log: &[Step], outcome| {
+            let mut log = log.to_vec();
+            log.push(stop(outcome));
+            match RunState::replay(log).next() {
+                Next::Stop(f) => f,
+                other => panic!("{other:?}"),
+            }
+        };
+        let fresh = asking(100);
+        for outcome in [Outcome::Failed, Outcome::NeedsHuman] {
+            assert_eq!(ended(&fresh, outcome).outcome, outcome);
+        }
+        for outcome in [
+            Outcome::Succeeded,
+            Outcome::Cancelled,
+            Outcome::DeadlineExceeded,
+            Outcome::BudgetExceeded,
+        ] {
+            let f = ended(&fresh, outcome);
+            assert_eq!(f.outcome, Outcome::Failed, "{outcome:?}");
+            assert!(
+                f.error.unwrap().contains("which was refused"),
+                "{outcome:?}"
+            );
+        }
+        // With the budget used up, BudgetExceeded is the runner's to record.
+        assert_eq!(
+            ended(&asking(6), Outcome::BudgetExceeded).outcome,
+            Outcome::BudgetExceeded
+        );
     }
 
     #[test]

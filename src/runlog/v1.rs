@@ -454,6 +454,51 @@ mod tests {
         assert_eq!(kinds.len(), 11, "one record of every kind: {kinds:?}");
     }
 
+    /// A log of format 1 as an earlier release stored it (each body the RFC
+    /// 8785 form of the whole record, written without today's types) still
+    /// verifies from its stored bytes: decoding and re-encoding it today
+    /// gives back exactly those bytes, so no old record reads as altered.
+    #[test]
+    fn format_1_logs_stored_by_an_earlier_release_verify_from_their_bytes() {
+        use crate::store::{Hash, Head, StoredRecord, chain_hash, verify_stored_extension};
+        let fixture: Vec<Value> =
+            serde_json::from_str(include_str!("testdata/format1.json")).unwrap();
+        let mut prev = Hash::ZERO;
+        let mut stored = Vec::new();
+        for (seq, record) in fixture.iter().enumerate() {
+            let runner = !matches!(
+                record["kind"].as_str(),
+                Some("RunStarted" | "ApprovalDecided" | "VersionChanged" | "RunFinished")
+            );
+            let whole = serde_json::json!({
+                "format": 1,
+                "kind": record["kind"],
+                "payload": record["payload"],
+                "prevHash": prev.to_hex(),
+                "seq": seq,
+                "usage": {"costMicros": 1250 * seq, "inputTokens": 900, "outputTokens": 12},
+                "versions": if runner {
+                    serde_json::json!({"modelId": "gpt-4o-2024-08-06", "promptHash": "ab12",
+                                       "promptVersion": "v3", "toolSchemaHash": "cd34"})
+                } else {
+                    serde_json::json!({})
+                },
+                "worker": {"attempt": 1, "pod": "refunds-7f3a-s1-a1"},
+            });
+            let body = serde_json_canonicalizer::to_string(&whole).unwrap();
+            let hash = chain_hash(&prev, body.as_bytes());
+            stored.push(StoredRecord {
+                seq: seq as u64,
+                body,
+                hash,
+                created_at: None,
+            });
+            prev = hash;
+        }
+        let head = verify_stored_extension("old-run", &Head::EMPTY, &stored).unwrap();
+        assert_eq!((head.len, head.hash), (fixture.len() as u64, prev));
+    }
+
     /// Model attempts (recorded since format 1 was fixed) are optional: the
     /// fixture's model calls have none, and a record with them keeps them.
     #[test]

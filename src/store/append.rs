@@ -6,7 +6,7 @@
 use chrono::{DateTime, Utc};
 
 use super::StoreError;
-use super::record::{Hash, Record};
+use super::record::{Hash, Record, StoredRecord};
 
 /// A stored row read back as a record; a row that does not decode is
 /// corruption of the log, reported with the run and seq it sits at.
@@ -25,6 +25,28 @@ pub(crate) fn decode_stored(
     let hash = Hash::from_slice(hash).ok_or_else(|| corrupt("hash is not 32 bytes".into()))?;
     Record::from_canonical(body.as_bytes(), hash, Some(created_at))
         .map_err(|e| corrupt(e.to_string()))
+}
+
+/// A stored row as it is handed on (unchecked but for its hash's length,
+/// which no reader could compare).
+pub(crate) fn stored_row(
+    run: &str,
+    seq: u64,
+    body: String,
+    hash: &[u8],
+    created_at: DateTime<Utc>,
+) -> Result<StoredRecord, StoreError> {
+    let hash = Hash::from_slice(hash).ok_or_else(|| StoreError::Corrupt {
+        run: run.to_string(),
+        seq,
+        reason: "hash is not 32 bytes".into(),
+    })?;
+    Ok(StoredRecord {
+        seq,
+        body,
+        hash,
+        created_at: Some(created_at),
+    })
 }
 
 /// Decide between "identical retry" and "conflict" for a recorded seq.

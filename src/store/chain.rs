@@ -6,7 +6,9 @@
 use super::StoreError;
 use chrono::{DateTime, Utc};
 
-use super::record::{FORMAT, Hash, Head, MAX_SAFE_INTEGER, Record, RecordDraft, chain_hash};
+use super::record::{
+    FORMAT, Hash, Head, MAX_SAFE_INTEGER, Record, RecordDraft, StoredRecord, chain_hash,
+};
 
 impl Head {
     /// The head of a log whose last record (`seq`, `hash`) was read from a backend row.
@@ -204,11 +206,88 @@ pub fn verify_extension(run: &str, base: &Head, records: &[Record]) -> Result<He
     Ok(head)
 }
 
-/// Verifies a log row by row as it is read from a store: each stored body
-/// must hash (with the previous hash) to its stored hash, decode, sit at its
-/// position and link to its predecessor. Hashing the stored canonical bytes
-/// detects exactly what re-encoding would (any change of the bytes changes
-/// the hash) without re-canonicalizing every record.
+/// Checks one stored record as the continuation of a log verified up to
+/// `head`: it sits at `head.len`, its body decodes to a record of that seq
+/// linking to `head.hash` and is exactly that record's canonical form, and
+/// the body's bytes hash (after `head.hash`) to the stored hash. Returns
+/// the record, or [`StoreError::ChainBroken`] naming its seq.
+pub fn verify_stored(run: &str, head: &Head, stored: &StoredRecord) -> Result<Record, StoreError> {
+    if stored.seq != head.len {
+        return Err(StoreError::ChainBroken {
+            run: run.to_string(),
+            seq: head.len,
+            reason: format!(
+                "record at position {} is stored as seq {}",
+                head.len, stored.seq
+            ),
+        });
+    }
+    check_stored(
+        run,
+        head,
+        stored.body.as_bytes(),
+        stored.hash,
+        stored.created_at,
+    )
+}
+
+/// [`verify_stored`] of each of `stored` in turn, from `base`: the head
+/// reached, or the first record that does not verify.
+pub fn verify_stored_extension(
+    run: &str,
+    base: &Head,
+    stored: &[StoredRecord],
+) -> Result<Head, StoreError> {
+    let mut head = *base;
+    for s in stored {
+        head = verify_stored(run, &head, s)?.head();
+    }
+    Ok(head)
+}
+
+/// [`verify_stored`] of a body as read from a backend row.
+fn check_stored(
+    run: &str,
+    head: &Head,
+    body: &[u8],
+    hash: Hash,
+    created_at: Option<DateTime<Utc>>,
+) -> Result<Record, StoreError> {
+    let seq = head.len;
+    let broken = |reason: String| StoreError::ChainBroken {
+        run: run.to_string(),
+        seq,
+        reason,
+    };
+    let record =
+        Record::from_canonical(body, hash, created_at).map_err(|e| broken(e.to_string()))?;
+    if record.seq != seq {
+        return Err(broken(format!(
+            "record at position {seq} says seq {}",
+            record.seq
+        )));
+    }
+    if record.prev_hash != head.hash {
+        return Err(broken(format!(
+            "prev_hash {} does not link to the hash of seq {} ({})",
+            record.prev_hash,
+            seq as i64 - 1,
+            head.hash
+        )));
+    }
+    // The stored bytes, not a re-encoding of what they decode to.
+    let computed = chain_hash(&head.hash, body);
+    if computed != hash {
+        return Err(broken(format!(
+            "stored hash {hash} but the record hashes to {computed}: the record was altered"
+        )));
+    }
+    Ok(record)
+}
+
+/// Verifies a log row by row as it is read from a store ([`verify_stored`]
+/// of each row): the stored bytes are hashed and must be the canonical form
+/// of the record they decode to.
 pub(crate) struct StoredChain<'a> {
     run: &'a str,
     head: Head,
@@ -236,36 +315,12 @@ impl<'a> StoredChain<'a> {
         hash: &[u8],
         created_at: Option<DateTime<Utc>>,
     ) -> Result<(), StoreError> {
-        let seq = self.head.len;
-        let broken = |reason: String| StoreError::ChainBroken {
+        let hash = Hash::from_slice(hash).ok_or_else(|| StoreError::ChainBroken {
             run: self.run.to_string(),
-            seq,
-            reason,
-        };
-        let hash =
-            Hash::from_slice(hash).ok_or_else(|| broken("stored hash is not 32 bytes".into()))?;
-        let computed = chain_hash(&self.head.hash, body);
-        let record =
-            Record::from_canonical(body, hash, created_at).map_err(|e| broken(e.to_string()))?;
-        if record.seq != seq {
-            return Err(broken(format!(
-                "record at position {seq} says seq {}",
-                record.seq
-            )));
-        }
-        if record.prev_hash != self.head.hash {
-            return Err(broken(format!(
-                "prev_hash {} does not link to the hash of seq {} ({})",
-                record.prev_hash,
-                seq as i64 - 1,
-                self.head.hash
-            )));
-        }
-        if computed != hash {
-            return Err(broken(format!(
-                "stored hash {hash} but the record hashes to {computed}: the record was altered"
-            )));
-        }
+            seq: self.head.len,
+            reason: "stored hash is not 32 bytes".into(),
+        })?;
+        let record = check_stored(self.run, &self.head, body, hash, created_at)?;
         self.head = record.head();
         self.records.push(record);
         Ok(())

@@ -121,6 +121,18 @@ impl StoreError {
         }
     }
 
+    /// A record that could not be read as one is, to whoever verifies the
+    /// log, a break of its chain at that seq (the run is stopped, not the
+    /// read retried).
+    pub fn corrupt_as_broken(self) -> StoreError {
+        match self {
+            StoreError::Corrupt { run, seq, reason } => {
+                StoreError::ChainBroken { run, seq, reason }
+            }
+            other => other,
+        }
+    }
+
     /// The recorded record of a conflict (the loser adopts it).
     pub fn recorded(&self) -> Option<&Record> {
         match self {

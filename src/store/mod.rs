@@ -46,19 +46,27 @@ mod remote;
 mod signature;
 mod sqlite;
 
-pub use chain::{check_anchor, check_anchor_after, verify_chain, verify_extension};
+pub use chain::{
+    check_anchor, check_anchor_after, verify_chain, verify_extension, verify_stored,
+    verify_stored_extension,
+};
 pub use error::{KeyError, StoreError};
 pub use postgres::PgStore;
 pub use record::{
     AnchorError, FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft,
-    StepKind, UnreadableRecord, Usage, Versions, Worker, canonical_json, chain_hash, sha256_hex,
+    StepKind, StoredRecord, UnreadableRecord, Usage, Versions, Worker, canonical_json, chain_hash,
+    sha256_hex,
 };
-pub use remote::{AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, WireError};
+pub use remote::{
+    AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, STORED_FORM, WireError,
+};
 pub use signature::{
     KeyWindows, PublicKey, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureCheck,
     SignatureRules, controller_only, key_id,
 };
 pub use sqlite::SqliteStore;
+#[cfg(test)]
+pub(crate) use sqlite::testing;
 
 /// Environment variable holding the store URL (`--store-url` overrides it).
 pub const STORE_URL_ENV: &str = "AGENTRUN_STORE_URL";
@@ -132,13 +140,31 @@ pub trait StepStore: Send + Sync + fmt::Debug {
     /// stored record (with `created_at`).
     async fn append(&self, run: &str, epoch: u64, record: &Record) -> Result<Record, StoreError>;
 
-    /// Records with `from <= seq < to` (`to = None`: to the end), in seq order.
+    /// Records with `from <= seq < to` (`to = None`: to the end), in seq
+    /// order, as stored: their bodies byte for byte, unchecked. What is
+    /// handed on to readers who verify for themselves (the log API, a step
+    /// pod through the gateway).
+    async fn read_stored(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+    ) -> Result<Vec<StoredRecord>, StoreError>;
+
+    /// Records with `from <= seq < to` (`to = None`: to the end), in seq
+    /// order, decoded. A stored body that does not decode, or is not exactly
+    /// the canonical form of the record it decodes to, is
+    /// [`StoreError::Corrupt`] at its seq. Hashes are not checked here
+    /// (see [`StepStore::read_verified`]).
     async fn read_range(
         &self,
         run: &str,
         from: u64,
         to: Option<u64>,
-    ) -> Result<Vec<Record>, StoreError>;
+    ) -> Result<Vec<Record>, StoreError> {
+        let stored = self.read_stored(run, from, to).await?;
+        stored.iter().map(|s| decode_stored(run, s)).collect()
+    }
 
     /// The whole log of `run` (empty if the run has none).
     async fn read_all(&self, run: &str) -> Result<Vec<Record>, StoreError> {
@@ -208,30 +234,22 @@ pub trait StepStore: Send + Sync + fmt::Debug {
         run: &str,
         expected_head: Option<&Hash>,
     ) -> Result<Vec<Record>, StoreError> {
-        let records = match self.read_all(run).await {
-            Ok(r) => r,
-            Err(StoreError::Corrupt { run, seq, reason }) => {
-                return Err(StoreError::ChainBroken { run, seq, reason });
-            }
-            Err(e) => return Err(e),
-        };
-        verify_chain(run, &records, expected_head)?;
-        Ok(records)
+        let mut chain = chain::StoredChain::new(run);
+        for s in self.read_stored(run, 0, None).await? {
+            chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+        }
+        chain.finish(expected_head)
     }
 
     /// The records of `run` after `base` (a head already verified),
-    /// verified as its continuation ([`verify_extension`]): what an
-    /// incremental replay reads.
+    /// verified as its continuation, from their stored bytes
+    /// ([`verify_stored`]): what an incremental replay reads.
     async fn read_verified_after(&self, run: &str, base: &Head) -> Result<Vec<Record>, StoreError> {
-        let records = match self.read_range(run, base.len, None).await {
-            Ok(r) => r,
-            Err(StoreError::Corrupt { run, seq, reason }) => {
-                return Err(StoreError::ChainBroken { run, seq, reason });
-            }
-            Err(e) => return Err(e),
-        };
-        verify_extension(run, base, &records)?;
-        Ok(records)
+        let mut chain = chain::StoredChain::after(run, *base);
+        for s in self.read_stored(run, base.len, None).await? {
+            chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+        }
+        chain.finish(None)
     }
 
     /// Runs whose lease lapsed (expired without being released) after
@@ -353,6 +371,16 @@ pub(crate) fn to_i64(what: &str, v: u64) -> Result<i64, StoreError> {
 
 pub(crate) fn ttl_micros(ttl: Duration) -> i64 {
     i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX / 2)
+}
+
+/// A stored record decoded, or [`StoreError::Corrupt`] at its seq: it does
+/// not decode, or is not exactly the canonical form of what it decodes to.
+fn decode_stored(run: &str, s: &StoredRecord) -> Result<Record, StoreError> {
+    s.decode().map_err(|e| StoreError::Corrupt {
+        run: run.to_string(),
+        seq: s.seq,
+        reason: e.to_string(),
+    })
 }
 
 /// Check what the store can check without the database: the record's hash.

@@ -18,10 +18,10 @@ use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 
 use super::append::{
-    adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at,
+    adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at, stored_row,
 };
 use super::chain::StoredChain;
-use super::record::{Hash, Head, Record, StepKind};
+use super::record::{Hash, Head, Record, StepKind, StoredRecord};
 use super::{
     HeadEvent, Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url,
     to_i64, ttl_micros,
@@ -434,12 +434,12 @@ impl StepStore for PgStore {
         self.adopt_concurrent(run, record, &body).await
     }
 
-    async fn read_range(
+    async fn read_stored(
         &self,
         run: &str,
         from: u64,
         to: Option<u64>,
-    ) -> Result<Vec<Record>, StoreError> {
+    ) -> Result<Vec<StoredRecord>, StoreError> {
         let from_i = to_i64("seq", from)?;
         let to_i = match to {
             Some(t) => to_i64("seq", t)?,
@@ -453,10 +453,10 @@ impl StepStore for PgStore {
         let mut out = Vec::new();
         while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
             let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
             let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
             let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(decode_stored(run, seq as u64, body, hash, at)?);
+            out.push(stored_row(run, seq as u64, body, hash, at)?);
         }
         Ok(out)
     }

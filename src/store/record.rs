@@ -298,7 +298,10 @@ impl Record {
     }
 
     /// Decode a stored canonical body (the canonical form, without hash and
-    /// createdAt), refusing formats this code cannot read.
+    /// createdAt), refusing formats this code cannot read and a body that is
+    /// not exactly the canonical form of the record it decodes to: the hash
+    /// covers the stored bytes, so a field added, keys reordered or spacing
+    /// changed is bytes nobody hashed or signed, however the record reads.
     pub fn from_canonical(
         body: &[u8],
         hash: Hash,
@@ -322,6 +325,9 @@ impl Record {
         }
         record.hash = hash;
         record.created_at = created_at;
+        if record.canonical_bytes() != body {
+            return Err(UnreadableRecord::NotCanonical(Box::new(record)));
+        }
         Ok(record)
     }
 
@@ -422,6 +428,52 @@ pub enum UnreadableRecord {
     /// A record, of a format no release writes.
     #[error("record format {0} is not one this code reads (1..={FORMAT})")]
     Unsupported(u32),
+    /// It decodes (to the record held here), but its stored bytes are not
+    /// that record's canonical form: bytes were added, reordered or respaced
+    /// after it was written. Never acted on, shown only as altered.
+    #[error(
+        "the stored body is not the canonical form of the record it decodes to (a field added, keys reordered, spacing or a number's form changed): the record was altered"
+    )]
+    NotCanonical(Box<Record>),
+}
+
+/// A record as a store holds it: its body byte for byte (the canonical form
+/// its writer hashed), with the hash and time stored beside it. This, not a
+/// record decoded from it, is what readers verify (the hash is taken over
+/// these bytes) and what the step-log gateway and the log API hand on, so
+/// that whoever reads them can verify them too.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredRecord {
+    /// Its position in the log (the store's key; the body says it too).
+    pub seq: u64,
+    /// The stored body, exactly as stored.
+    pub body: String,
+    /// The stored hash: `sha256(prev_hash ‖ body)` for an intact record.
+    pub hash: Hash,
+    /// Server time of the append.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<DateTime<Utc>>,
+}
+
+impl StoredRecord {
+    /// How `record` is stored: its canonical form.
+    pub fn of(record: &Record) -> StoredRecord {
+        StoredRecord {
+            seq: record.seq,
+            // Canonical JSON is UTF-8 (RFC 8785 writes strings as they are).
+            body: String::from_utf8_lossy(&record.canonical_bytes()).into_owned(),
+            hash: record.hash,
+            created_at: record.created_at,
+        }
+    }
+
+    /// The record its body decodes to, if the body is exactly that
+    /// record's canonical form ([`Record::from_canonical`]); the hash is
+    /// not checked here (it chains: see `verify_stored`).
+    pub fn decode(&self) -> Result<Record, UnreadableRecord> {
+        Record::from_canonical(self.body.as_bytes(), self.hash, self.created_at)
+    }
 }
 
 /// A log anchor (`<length>:<hash hex>`, see [`super::Head::anchor`]) that
@@ -598,6 +650,95 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("format 2"), "{err}");
+    }
+
+    /// The ways the stored bytes of one record can change while it still
+    /// decodes to the same record: each is an altered record.
+    fn respellings(canonical: &str) -> Vec<(&'static str, String)> {
+        vec![
+            (
+                "a field added",
+                canonical.replacen("{", "{\"tampered\":true,", 1),
+            ),
+            (
+                "a field added inside usage",
+                canonical.replacen("\"usage\":{", "\"usage\":{\"extra\":1,", 1),
+            ),
+            (
+                "keys reordered",
+                canonical.replacen(
+                    "{\"format\":1,\"kind\":\"ModelCall\",",
+                    "{\"kind\":\"ModelCall\",\"format\":1,",
+                    1,
+                ),
+            ),
+            ("spacing", canonical.replacen(",", ", ", 1)),
+            ("a trailing newline", format!("{canonical}\n")),
+            (
+                "a number's form",
+                canonical.replacen("\"id\":7", "\"id\":7.0", 1),
+            ),
+            (
+                "a string's escapes",
+                canonical.replacen("hello", "h\\u0065llo", 1),
+            ),
+        ]
+    }
+
+    #[test]
+    fn store_a_body_that_is_not_its_records_canonical_form_is_refused_as_altered() {
+        let r = sample().seal(&Head::EMPTY).unwrap();
+        let canonical = String::from_utf8(r.canonical_bytes()).unwrap();
+        for (how, body) in respellings(&canonical) {
+            assert_ne!(body, canonical, "{how}: the spelling changed nothing");
+            match Record::from_canonical(body.as_bytes(), r.hash, None) {
+                Err(UnreadableRecord::NotCanonical(decoded)) => assert_eq!(
+                    decoded.canonical_bytes(),
+                    r.canonical_bytes(),
+                    "{how}: it says what the record said"
+                ),
+                other => panic!("{how}: expected NotCanonical, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            Record::from_canonical(canonical.as_bytes(), r.hash, None).unwrap(),
+            r
+        );
+    }
+
+    /// A database superuser who respells a record and hashes the new bytes
+    /// (the tail of a log, past every anchor) still leaves an altered record.
+    #[test]
+    fn store_a_respelled_record_is_altered_even_with_its_hash_recomputed() {
+        let r0 = sample().seal(&Head::EMPTY).unwrap();
+        let mut d = sample();
+        d.kind = StepKind::ModelCall;
+        let r1 = d.seal(&r0.head()).unwrap();
+        let canonical = String::from_utf8(r1.canonical_bytes()).unwrap();
+        for (how, body) in respellings(&canonical) {
+            for rehashed in [false, true] {
+                let stored = StoredRecord {
+                    seq: 1,
+                    hash: if rehashed {
+                        chain_hash(&r0.hash, body.as_bytes())
+                    } else {
+                        r1.hash
+                    },
+                    body: body.clone(),
+                    created_at: None,
+                };
+                match verify_stored("r", &r0.head(), &stored) {
+                    Err(StoreError::ChainBroken { seq: 1, reason, .. }) => {
+                        assert!(reason.contains("altered"), "{how}: {reason}")
+                    }
+                    other => panic!("{how} (rehashed {rehashed}): {other:?}"),
+                }
+            }
+        }
+        assert_eq!(
+            verify_stored("r", &r0.head(), &StoredRecord::of(&r1)).unwrap(),
+            r1
+        );
     }
 
     #[test]

@@ -13,10 +13,16 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{Hash, Head, Lease, LeaseState, Record, StepStore, StoreError};
+use super::{Hash, Head, Lease, LeaseState, Record, StepStore, StoreError, StoredRecord};
 
 /// Environment variable holding a step pod's gateway token.
 pub const STORE_TOKEN_ENV: &str = "AGENTRUN_STORE_TOKEN";
+
+/// The query of `GET /v1/runs/{run}/records` asking for the records as
+/// stored ([`StoredRecord`]: their bodies byte for byte, which the reader
+/// verifies), rather than decoded by the gateway (what runners of earlier
+/// releases read).
+pub const STORED_FORM: &str = "form=stored";
 
 /// Body of `POST /v1/runs/{run}/lease`.
 #[derive(Debug, Serialize, Deserialize)]
@@ -329,13 +335,13 @@ impl StepStore for RemoteStore {
         self.call(run, "append", req).await
     }
 
-    async fn read_range(
+    async fn read_stored(
         &self,
         run: &str,
         from: u64,
         to: Option<u64>,
-    ) -> Result<Vec<Record>, StoreError> {
-        let mut url = format!("{}?from={from}", self.path(run, "/records"));
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        let mut url = format!("{}?from={from}&{STORED_FORM}", self.path(run, "/records"));
         if let Some(to) = to {
             url.push_str(&format!("&to={to}"));
         }

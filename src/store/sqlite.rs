@@ -17,10 +17,10 @@ use sqlx::sqlite::{
 };
 
 use super::append::{
-    adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at,
+    adopt_or_conflict, check_prev_hash, decode_stored, gap, stale_epoch, stored_at, stored_row,
 };
 use super::chain::StoredChain;
-use super::record::{Hash, Head, Record};
+use super::record::{Hash, Head, Record, StepKind, StoredRecord};
 use super::{
     Lease, LeaseState, OpenOptions, StepStore, StoreError, check_record, redact_url, to_i64,
     ttl_micros,
@@ -399,12 +399,12 @@ impl StepStore for SqliteStore {
         Ok(stored_at(record, from_micros(now)))
     }
 
-    async fn read_range(
+    async fn read_stored(
         &self,
         run: &str,
         from: u64,
         to: Option<u64>,
-    ) -> Result<Vec<Record>, StoreError> {
+    ) -> Result<Vec<StoredRecord>, StoreError> {
         let from_i = to_i64("seq", from)?;
         let to_i = match to {
             Some(t) => to_i64("seq", t)?,
@@ -421,10 +421,10 @@ impl StepStore for SqliteStore {
         let mut out = Vec::new();
         while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
             let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-            let body: &str = row.try_get(1).map_err(|e| self.err(e))?;
+            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
             let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
             let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(decode_row(run, seq, body, hash, at)?);
+            out.push(stored_row(run, seq as u64, body, hash, from_micros(at))?);
         }
         Ok(out)
     }
@@ -465,6 +465,20 @@ impl StepStore for SqliteStore {
                 Head::from_last(run, seq, &hash)
             }
         }
+    }
+
+    /// From the row's `kind` column, as PostgreSQL does: whether the run is
+    /// finished, without decoding (a body that does not verify is refused
+    /// where it is read, at its seq).
+    async fn last_kind(&self, run: &str) -> Result<Option<StepKind>, StoreError> {
+        let kind: Option<String> = sqlx::query_scalar(
+            "SELECT kind FROM agentrun_steps WHERE run = ?1 ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(run)
+        .fetch_optional(&self.reader)
+        .await
+        .map_err(|e| self.err(e))?;
+        Ok(kind.and_then(|k| StepKind::ALL.into_iter().find(|s| s.as_str() == k)))
     }
 
     async fn acquire(&self, run: &str, holder: &str, ttl: Duration) -> Result<Lease, StoreError> {
@@ -610,6 +624,49 @@ impl StepStore for SqliteStore {
     async fn close(&self) {
         self.writer.close().await;
         self.reader.close().await;
+    }
+}
+
+/// What tests do to a store behind its back.
+#[cfg(test)]
+pub(crate) mod testing {
+    use sqlx::Connection;
+
+    use crate::store::{StepStore, chain_hash};
+
+    /// Respells the stored body of record `seq` (> 0) of `run` in the SQLite
+    /// store at `path` with `respell`, as a database superuser would (the
+    /// append-only trigger dropped), and stores the hash of the new bytes:
+    /// the chain still links, and every anchor taken before it still holds.
+    pub(crate) async fn respell_as_superuser(
+        path: &std::path::Path,
+        store: &dyn StepStore,
+        run: &str,
+        seq: u64,
+        respell: impl Fn(&str) -> String,
+    ) {
+        let before = store
+            .read_stored(run, seq - 1, Some(seq + 1))
+            .await
+            .unwrap();
+        let body = respell(&before[1].body);
+        assert_ne!(body, before[1].body, "the body was respelled");
+        let hash = chain_hash(&before[0].hash, body.as_bytes());
+        let url = format!("sqlite://{}", path.display());
+        let mut c = sqlx::SqliteConnection::connect(&url).await.unwrap();
+        sqlx::raw_sql("DROP TRIGGER IF EXISTS agentrun_steps_no_update")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE agentrun_steps SET body = ?1, hash = ?2 WHERE run = ?3 AND seq = ?4")
+            .bind(&body)
+            .bind(&hash.0[..])
+            .bind(run)
+            .bind(seq as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c.close().await.unwrap();
     }
 }
 

@@ -511,3 +511,80 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
     );
     assert!(w.standins.effects(w.name()).await.is_empty());
 }
+
+/// The stored bytes are the evidence (issue 39). The database superuser
+/// respells a waiting run's `ModelCall` body without changing what it says:
+/// a field added (`"tampered":true`), keys reordered, spacing. Each decodes
+/// to the record that was hashed and signed, yet the run stops as tampered
+/// naming that record, and `kubectl agentrun verify` (reading the store as
+/// its administrator would) names it as altered.
+#[tokio::test]
+async fn store_a_stored_body_respelled_by_the_superuser_stops_the_run_and_fails_verify() {
+    let w = World::new("trust-respell", &[]).await;
+    common::approvals::grant_approver_role(&w).await;
+    let store_url = common::store::e2e_store_url().await;
+    let db = agentrun::store::open(&store_url).await.unwrap();
+    let respellings = [
+        (
+            "added",
+            "{\"format\":1,",
+            "{\"format\":1,\"tampered\":true,",
+        ),
+        (
+            "reordered",
+            "{\"format\":1,\"kind\":\"ModelCall\",",
+            "{\"kind\":\"ModelCall\",\"format\":1,",
+        ),
+        ("spaced", ",\"payload\":", ", \"payload\": "),
+    ];
+    let mut runs = Vec::new();
+    for (name, _, _) in &respellings {
+        runs.push(awaiting_run(&w, name).await);
+    }
+    for ((name, from, to), before) in respellings.iter().zip(&runs) {
+        let uid = before.metadata.uid.clone().unwrap();
+        let touched = rewrite_body(&uid, "ModelCall", from, to).await;
+        assert_eq!(touched, 1, "{name}: the ModelCall was respelled");
+        match db.read_range(&uid, 0, None).await {
+            Err(agentrun::store::StoreError::Corrupt { seq: 1, .. }) => {}
+            other => panic!("{name}: record 1 reads as altered: {other:?}"),
+        }
+    }
+    for ((name, _, _), before) in respellings.iter().zip(&runs) {
+        let after = wait_tampered(&w, name).await;
+        let now = after.status.as_ref().unwrap();
+        assert_eq!(now.phase, Some(Phase::Failed), "{name}: {now:?}");
+        let error = now.error.clone().unwrap_or_default();
+        assert!(
+            error.contains("seq 1") && error.contains("not the canonical form"),
+            "{name}: status.error {error:?}"
+        );
+        let was = before.status.as_ref().unwrap().log.clone().unwrap();
+        let log_now = now.log.clone().unwrap();
+        assert_eq!(
+            (log_now.length, log_now.head_hash),
+            (was.length, was.head_hash),
+            "{name}: status.log never moves backwards"
+        );
+        let (ok, text) = common::approvals::plugin(
+            &w,
+            "alice",
+            &[
+                "verify",
+                name,
+                "--store-url",
+                &store_url,
+                "--controller-namespace",
+                w.name(),
+            ],
+        );
+        assert!(!ok, "{name}: verify passed:\n{text}");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("FAILED: seq 1:") && l.contains("altered")),
+            "{name}: verify names record 1 as altered:\n{text}"
+        );
+        assert!(!text.contains("chain intact"), "{name}:\n{text}");
+    }
+    assert!(w.standins.effects(w.name()).await.is_empty());
+}

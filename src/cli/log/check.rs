@@ -12,7 +12,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::api::runlog::{RunLog, VERIFIED, Verification};
 use crate::api::{AgentRun, Phase};
 use crate::store::audit::{Audit, SignedRecord};
-use crate::store::{Hash, Head, KeyWindows, Record, RecordVerifier, SignatureRules};
+use crate::store::{
+    Hash, Head, KeyWindows, Record, RecordVerifier, SignatureRules, StoredRecord, UnreadableRecord,
+};
 
 /// What a log is checked against: the run's identity and the head its
 /// status recorded.
@@ -127,7 +129,8 @@ pub fn parse_phase(s: &str) -> Option<Phase> {
 /// skips records is not shown as if it had not).
 #[derive(Default)]
 pub struct Pages {
-    pub records: Vec<Record>,
+    /// The records as stored (verified by [`judge`]).
+    pub records: Vec<StoredRecord>,
     /// The last page, without its records (the run's state as last read).
     pub last: Option<RunLog>,
     /// The first page the server's own check failed on.
@@ -181,7 +184,7 @@ pub fn same_run(before: &RunLog, now: &RunLog) -> Result<(), String> {
 }
 
 /// Refuses records that are not exactly `start`, `start + 1`, ...
-pub fn in_sequence(start: u64, records: &[Record]) -> Result<(), String> {
+pub fn in_sequence(start: u64, records: &[StoredRecord]) -> Result<(), String> {
     for (i, r) in records.iter().enumerate() {
         let due = start + i as u64;
         if r.seq != due {
@@ -275,21 +278,23 @@ impl Checker {
         }
     }
 
-    /// Takes the next record; returns what is wrong with it (empty when
-    /// nothing is). A record not at the next seq is refused: nothing after
-    /// a repeat or a gap can be placed.
-    pub fn take(&mut self, r: &Record) -> Result<Vec<String>, String> {
-        in_sequence(self.head.len, std::slice::from_ref(r))?;
+    /// Takes the next record, as stored; returns what it decodes to and
+    /// what is wrong with it (empty when nothing is). A record not at the
+    /// next seq is refused: nothing after a repeat or a gap can be placed.
+    pub fn take(&mut self, s: &StoredRecord) -> Result<Taken, String> {
+        in_sequence(self.head.len, std::slice::from_ref(s))?;
         let mut wrong = Vec::new();
         // One record at a time, from the stored head before it: an altered
         // record is named alone, the ones after it still link to its stored
         // hash.
-        if let Err(e) =
-            crate::store::verify_extension(&self.uid, &self.head, std::slice::from_ref(r))
-        {
-            wrong.push(chain_reason(&e));
-        }
-        if let Ok(keys) = &self.keys
+        let record = match crate::store::verify_stored(&self.uid, &self.head, s) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                wrong.push(chain_reason(&e));
+                shown(s)
+            }
+        };
+        if let (Ok(keys), Some(r)) = (&self.keys, &record)
             && let Some(check) = keys.classify(&self.uid, r, &self.rules)
         {
             if !check.accepted() {
@@ -302,13 +307,16 @@ impl Checker {
             });
         }
         if !wrong.is_empty() {
-            self.problems.insert(r.seq, wrong.clone());
+            self.problems.insert(s.seq, wrong.clone());
         }
-        self.head = r.head();
-        self.hashes.push(r.hash);
+        self.head = Head {
+            len: s.seq + 1,
+            hash: s.hash,
+        };
+        self.hashes.push(s.hash);
         // Against the heads known now; `verdict` checks them all again.
-        wrong.extend(self.head_problems_at(r.seq));
-        Ok(wrong)
+        wrong.extend(self.head_problems_at(s.seq));
+        Ok(Taken { record, wrong })
     }
 
     /// What the recorded heads say of the record at `seq`.
@@ -403,6 +411,26 @@ impl Checker {
     }
 }
 
+/// A received record, checked.
+#[derive(Debug)]
+pub struct Taken {
+    /// What it decodes to, to show (marked when `wrong` is not empty);
+    /// `None` when its stored bytes are no record at all.
+    pub record: Option<Record>,
+    /// What is wrong with it.
+    pub wrong: Vec<String>,
+}
+
+/// What a record that failed shows: what its stored bytes decode to, when
+/// they decode at all (an altered record is shown as what it now says).
+fn shown(s: &StoredRecord) -> Option<Record> {
+    match s.decode() {
+        Ok(r) => Some(r),
+        Err(UnreadableRecord::NotCanonical(r)) => Some(*r),
+        Err(_) => None,
+    }
+}
+
 /// The reason of a chain error, without the run and seq it names (the
 /// line it marks says those).
 fn chain_reason(e: &crate::store::StoreError) -> String {
@@ -460,32 +488,34 @@ impl Verdict {
     }
 }
 
-/// Checks a whole log read at once: record by record with [`Checker`], and
-/// again with the store's own whole-log audit (the chain from seq 0 to the
-/// recorded head, every signature), so the two can only agree on "verified".
+/// Checks a whole log read at once, as stored: record by record with
+/// [`Checker`], and again with the store's own whole-log audit (the chain
+/// from seq 0 to the recorded head, every signature), so the two can only
+/// agree on "verified". Returns the records to show (what each decodes to)
+/// and the verdict.
 pub fn judge(
     uid: &str,
-    records: &[Record],
+    stored: &[StoredRecord],
     keys: Result<RecordVerifier, String>,
     trust: &Trust,
-) -> Result<Verdict, String> {
+) -> Result<(Vec<Record>, Verdict), String> {
     let mut checker = Checker::new(uid, keys.clone(), trust);
-    for r in records {
-        checker.take(r)?;
+    let mut records = Vec::with_capacity(stored.len());
+    for s in stored {
+        records.extend(checker.take(s)?.record);
     }
-    if let Ok(keys) = &keys {
+    if let Ok(keys) = &keys
+        && checker.verdict().ok()
+    {
         let exact = trust.anchor.filter(|_| trust.terminal).map(|a| a.hash);
-        let audit = Audit::of(uid, records, exact.as_ref(), keys, &trust.rules);
-        if let Err(e) = &audit.chain
-            && checker.verdict().ok()
-        {
+        let audit = Audit::of(uid, &records, exact.as_ref(), keys, &trust.rules);
+        if let Err(e) = &audit.chain {
             checker.fail(format!("the chain does not verify: {e}"));
-        }
-        if audit.refused().next().is_some() && checker.verdict().ok() {
+        } else if audit.refused().next().is_some() {
             checker.fail("controller signatures were refused".into());
         }
     }
-    Ok(checker.verdict())
+    Ok((records, checker.verdict()))
 }
 
 /// What the server said of its own check, when it is worth telling: a

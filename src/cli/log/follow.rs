@@ -14,7 +14,7 @@ use kube::core::Status;
 
 use super::api::{Failure, LogApi, Retry, transient};
 use super::check::{Checker, Trust, same_run};
-use super::{Kube, marked_line, print_verdict, run_trust};
+use super::{Kube, marked_line, print_verdict, run_trust, unreadable_line};
 use crate::api::runlog::{ADDED, ERROR, MODIFIED, RunLog, WatchEvent};
 use crate::cli::visible;
 use crate::runlog::records::RunFinished;
@@ -126,12 +126,17 @@ impl Follow {
         }
         let mut recorded = None;
         let checker = self.checker_for(log)?;
-        for r in &log.records {
-            let wrong = checker
-                .take(r)
+        for s in &log.records {
+            let taken = checker
+                .take(s)
                 .map_err(|e| anyhow::anyhow!("NOT VERIFIED: following run: {e}"))?;
-            writeln!(out, "{}", marked_line(r, !wrong.is_empty()))?;
-            if wrong.is_empty()
+            let ok = taken.wrong.is_empty();
+            let Some(r) = taken.record else {
+                writeln!(out, "!{}", unreadable_line(s.seq))?;
+                continue;
+            };
+            writeln!(out, "{}", marked_line(&r, !ok))?;
+            if ok
                 && r.kind == StepKind::RunFinished
                 && let Ok(f) = serde_json::from_value::<RunFinished>(r.payload.clone())
             {

@@ -97,8 +97,10 @@ async fn verify_store(
     let keys = keys(k, controller_namespace).await;
     let store = crate::store::open(store_url).await?;
     let uid = r.metadata.uid.clone().unwrap_or_default();
-    let records = store.read_all(&uid).await?;
-    check::judge(&uid, &records, keys, &trust).map_err(|e| anyhow::anyhow!(e))
+    // As stored: the bytes are what is verified, whatever they decode to.
+    let stored = store.read_stored(&uid, 0, None).await?;
+    let (_, verdict) = check::judge(&uid, &stored, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;
+    Ok(verdict)
 }
 
 /// A whole log read through the API, and its verdict.
@@ -118,11 +120,8 @@ pub(crate) async fn read_api(
     let api = LogApi::new(k.client.clone(), &k.ns, run);
     let pages = read_pages(&api, run, Retry::pages()).await?;
     let keys = keys(k, controller_namespace).await;
-    let verdict = judge_pages(&pages, trust, keys)?;
-    Ok(Read {
-        records: pages.records,
-        verdict,
-    })
+    let (records, verdict) = judge_pages(&pages, trust, keys)?;
+    Ok(Read { records, verdict })
 }
 
 /// Every page of the log, in order.
@@ -154,13 +153,14 @@ async fn read_pages(api: &LogApi, run: &str, mut retry: Retry) -> anyhow::Result
     }
 }
 
-/// The verdict on the pages read: against the run's status when the user
-/// may read the run, else against the head the log API reported.
+/// The records the pages hold (decoded, to show) and the verdict on them:
+/// against the run's status when the user may read the run, else against
+/// the head the log API reported.
 fn judge_pages(
     pages: &Pages,
     trust: Result<Trust, String>,
     keys: Result<RecordVerifier, String>,
-) -> anyhow::Result<Verdict> {
+) -> anyhow::Result<(Vec<Record>, Verdict)> {
     let last = pages.last.as_ref();
     let served_uid = last.and_then(|l| l.metadata.uid.clone());
     let trust = match (trust, last) {
@@ -169,7 +169,7 @@ fn judge_pages(
         (Err(why), None) => bail!("the log API sent no page, and {why}"),
     };
     let uid = trust.uid.clone().or(served_uid.clone()).unwrap_or_default();
-    let mut verdict =
+    let (records, mut verdict) =
         check::judge(&uid, &pages.records, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;
     if let Some(problem) = other_run(&uid, served_uid.as_deref()) {
         verdict.global.push(problem);
@@ -181,7 +181,7 @@ fn judge_pages(
     if let Some(note) = check::server_said(server, &verdict) {
         verdict.notes.push(note);
     }
-    Ok(verdict)
+    Ok((records, verdict))
 }
 
 /// A log the API says is another run's than the one read from the API server.
@@ -228,15 +228,32 @@ pub fn marked_line(r: &Record, marked: bool) -> String {
     if marked { format!("!{line}") } else { line }
 }
 
-/// The records, then the verdict; fails when the log does not verify.
+/// The line of a stored record whose bytes are no record at all.
+pub fn unreadable_line(seq: u64) -> String {
+    format!("{seq:>4}  (stored bytes that are not a record; see the problems below)")
+}
+
+/// The records, then the verdict; fails when the log does not verify. A
+/// marked seq with no record to show (its bytes are no record) gets a line
+/// of its own, in place.
 fn print_log(
     run: &str,
     records: &[Record],
     verdict: &Verdict,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
+    // Every received seq has a line: the ones missing between records shown
+    // (and after the last) are the received ones that decode to nothing.
+    let mut next = 0;
     for r in records {
+        for seq in next..r.seq {
+            writeln!(out, "!{}", unreadable_line(seq))?;
+        }
         writeln!(out, "{}", marked_line(r, verdict.marks(r.seq)))?;
+        next = r.seq + 1;
+    }
+    for seq in next..verdict.head.len {
+        writeln!(out, "!{}", unreadable_line(seq))?;
     }
     print_verdict(run, verdict, out)
 }

@@ -10,12 +10,12 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
 
 use super::api::{Retry, not_found, refused};
-use super::check::{Checker, Pages, Trust, judge};
+use super::check::{Checker, Pages, Trust};
 use super::follow::{Follow, Next};
 use super::*;
 use crate::api::AgentRun;
 use crate::api::runlog::{Page, RunLog, RunState, VERIFIED, Verification, WatchEvent};
-use crate::store::{Head, Record, RecordDraft, RecordSigner, StepKind};
+use crate::store::{Head, Record, RecordDraft, RecordSigner, StepKind, StoredRecord};
 
 const UID: &str = "6f1c3a52-0000-4000-8000-000000000001";
 
@@ -54,6 +54,21 @@ fn chain(n: u64) -> Vec<Record> {
     out
 }
 
+/// Records as a store holds them (their canonical form).
+fn stored(records: &[Record]) -> Vec<StoredRecord> {
+    records.iter().map(StoredRecord::of).collect()
+}
+
+/// [`check::judge`] of records stored as they are.
+fn judge(
+    uid: &str,
+    records: &[Record],
+    keys: Result<crate::store::RecordVerifier, String>,
+    trust: &Trust,
+) -> Result<check::Verdict, String> {
+    check::judge(uid, &stored(records), keys, trust).map(|(_, v)| v)
+}
+
 fn keys() -> Result<crate::store::RecordVerifier, String> {
     Ok(signer().verifier())
 }
@@ -62,6 +77,11 @@ fn keys() -> Result<crate::store::RecordVerifier, String> {
 /// record before, `phase`.
 fn agent_run(records: &[Record], length: u64, phase: &str) -> AgentRun {
     let head = (length > 0).then(|| records[length as usize - 1].hash.to_hex());
+    agent_run_at(head, length, phase)
+}
+
+/// The AgentRun whose status records `length` records ending at `head`.
+fn agent_run_at(head: Option<String>, length: u64, phase: &str) -> AgentRun {
     serde_json::from_value(json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
         "metadata": {"name": "r", "namespace": "ns", "uid": UID},
@@ -79,16 +99,26 @@ fn trust(records: &[Record], length: u64, phase: &str) -> Trust {
 
 /// A page of the log API.
 fn page(records: &[Record], from: u64, token: Option<&str>) -> RunLog {
-    let mut log = run_log(records.to_vec(), false, records.len() as u64);
+    stored_page(stored(records), from, token)
+}
+
+/// A page of the log API holding records as stored.
+fn stored_page(records: Vec<StoredRecord>, from: u64, token: Option<&str>) -> RunLog {
+    let n = records.len() as u64;
+    let mut log = stored_run_log(records, false, n);
     log.page = Some(Page {
         from_seq: from,
-        next_seq: from + records.len() as u64,
+        next_seq: from + n,
         r#continue: token.map(str::to_string),
     });
     log
 }
 
 fn run_log(records: Vec<Record>, finished: bool, length: u64) -> RunLog {
+    stored_run_log(stored(&records), finished, length)
+}
+
+fn stored_run_log(records: Vec<StoredRecord>, finished: bool, length: u64) -> RunLog {
     let mut log = RunLog::new(
         ObjectMeta {
             name: Some("r".into()),
@@ -320,7 +350,7 @@ fn a_page_that_repeats_or_skips_a_seq_is_refused() {
     let e = Pages::push(&mut clone(&pages), other).unwrap_err();
     assert!(e.contains("switched runs"), "{e}");
     assert_eq!(pages.push(page(&log[2..6], 2, None)).unwrap(), None);
-    assert_eq!(pages.records, log);
+    assert_eq!(pages.records, stored(&log));
 }
 
 fn clone(p: &Pages) -> Pages {
@@ -347,7 +377,7 @@ fn a_record_the_server_could_not_send_leaves_the_log_unverified_with_its_reason(
         signing_keys: None,
     });
     assert_eq!(pages.push(empty).unwrap(), None);
-    let verdict = judge_pages(&pages, Ok(trust(&log, 4, "Succeeded")), keys()).unwrap();
+    let (_, verdict) = judge_pages(&pages, Ok(trust(&log, 4, "Succeeded")), keys()).unwrap();
     assert!(!verdict.ok());
     assert!(
         verdict.global[0].contains("records are missing"),
@@ -603,9 +633,10 @@ fn following_retries_thirty_times_over_about_a_minute() {
 fn the_checker_refuses_a_record_out_of_place() {
     let log = chain(3);
     let mut c = Checker::new(UID, keys(), &trust(&log, 0, "Running"));
+    let log = stored(&log);
     c.take(&log[0]).unwrap();
     assert!(c.take(&log[2]).unwrap_err().contains("skips to seq 2"));
-    assert!(c.take(&log[1]).unwrap().is_empty());
+    assert!(c.take(&log[1]).unwrap().wrong.is_empty());
 }
 
 // --- Against a log API on loopback -------------------------------------
@@ -613,7 +644,7 @@ fn the_checker_refuses_a_record_out_of_place() {
 /// What the loopback API serves, and the `fromSeq` of each follow request.
 #[derive(Clone)]
 struct Served {
-    log: Vec<Record>,
+    log: Vec<StoredRecord>,
     run: Value,
     keys: Value,
     follows: Arc<Mutex<Vec<u64>>>,
@@ -684,7 +715,7 @@ fn respond(s: &Served, path: &str, query: &BTreeMap<String, String>) -> axum::re
             let limit: usize = query.get("limit").map_or(2, |l| l.parse().unwrap()).min(2);
             let to = (from + limit).min(s.log.len());
             let token = (to < s.log.len()).then(|| to.to_string());
-            let mut p = page(&s.log[from..to], from as u64, token.as_deref());
+            let mut p = stored_page(s.log[from..to].to_vec(), from as u64, token.as_deref());
             p.run.phase = Some("Succeeded".into());
             let head = s.log.last().unwrap();
             p.verification = Some(Verification {
@@ -727,7 +758,7 @@ fn follow_response(s: &Served, from: u64) -> axum::response::Response {
     };
     let line = |kind: &str, object: Value| format!("{}\n", event(kind, object));
     let records = |a: usize, b: usize| {
-        serde_json::to_value(run_log(s.log[a..b].to_vec(), false, b as u64)).unwrap()
+        serde_json::to_value(stored_run_log(s.log[a..b].to_vec(), false, b as u64)).unwrap()
     };
     let chunks: Vec<Result<String, std::io::Error>> = match n {
         1 => vec![
@@ -767,7 +798,14 @@ fn follow_response(s: &Served, from: u64) -> axum::response::Response {
 }
 
 fn served(log: Vec<Record>) -> Served {
-    let run = serde_json::to_value(agent_run(&log, log.len() as u64, "Succeeded")).unwrap();
+    served_stored(stored(&log))
+}
+
+/// Serves records as stored (whatever their bytes), with a status that
+/// records their stored head.
+fn served_stored(log: Vec<StoredRecord>) -> Served {
+    let head = log.last().map(|r| r.hash.to_hex());
+    let run = serde_json::to_value(agent_run_at(head, log.len() as u64, "Succeeded")).unwrap();
     let data = crate::controller::servers::published_keys::data(&signer().verifier());
     Served {
         log,
@@ -837,6 +875,97 @@ async fn log_marks_a_record_altered_between_the_store_and_the_screen() {
         "{out}"
     );
     assert!(!out.contains("verified:"), "{out}");
+}
+
+/// A database superuser's respellings of record 2's stored body (issue 39):
+/// it decodes to the same record, so a check of what it decodes to passes.
+fn respelled(log: &[Record]) -> Vec<(&'static str, Vec<StoredRecord>)> {
+    let as_stored = stored(log);
+    let body = &as_stored[2].body;
+    [
+        (
+            "a field added",
+            body.replacen('{', "{\"tampered\":true,", 1),
+        ),
+        (
+            "keys reordered",
+            body.replacen(
+                "{\"format\":1,\"kind\":\"Observation\",",
+                "{\"kind\":\"Observation\",\"format\":1,",
+                1,
+            ),
+        ),
+        ("extra whitespace", body.replace(',', " ,\n ")),
+    ]
+    .into_iter()
+    .map(|(how, respelled)| {
+        assert_ne!(&respelled, body, "{how}");
+        let mut altered = as_stored.clone();
+        altered[2].body = respelled;
+        (how, altered)
+    })
+    .collect()
+}
+
+#[test]
+fn verify_names_a_stored_body_respelled_after_it_was_hashed() {
+    let log = chain(5);
+    for (how, altered) in respelled(&log) {
+        let (shown, verdict) =
+            check::judge(UID, &altered, keys(), &trust(&log, 5, "Succeeded")).unwrap();
+        assert!(!verdict.ok(), "{how}: {verdict:?}");
+        assert_eq!(
+            verdict.marked.keys().copied().collect::<Vec<_>>(),
+            [2],
+            "{how}: record 2 alone is named: {verdict:?}"
+        );
+        assert!(
+            verdict.marked[&2].iter().any(|p| p.contains("altered")),
+            "{how}: {verdict:?}"
+        );
+        // Shown as what it now says, marked.
+        assert_eq!(shown.len(), 5, "{how}");
+    }
+    // The tail past the head the status anchored (a run still going),
+    // respelled and hashed again: it links, yet it is not what was written.
+    let mut tail = stored(&log);
+    tail[4].body = tail[4].body.replacen('{', "{\"tampered\":true,", 1);
+    tail[4].hash = crate::store::chain_hash(&tail[3].hash, tail[4].body.as_bytes());
+    let (_, verdict) = check::judge(UID, &tail, keys(), &trust(&log, 4, "Running")).unwrap();
+    assert_eq!(
+        verdict.marked.keys().copied().collect::<Vec<_>>(),
+        [4],
+        "{verdict:?}"
+    );
+    assert!(
+        verdict.marked[&4][0].contains("not the canonical form"),
+        "{verdict:?}"
+    );
+}
+
+#[tokio::test]
+async fn verify_and_log_through_the_api_report_a_respelled_stored_body_as_altered() {
+    for (how, altered) in respelled(&chain(5)) {
+        let k = kube_for(serve(served_stored(altered)).await);
+        let mut out = Vec::new();
+        let e = verify(&k, "r", &SOURCE, &mut out).await.unwrap_err();
+        let out = text(&out);
+        assert!(e.to_string().contains("does not verify"), "{how}: {e}");
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("FAILED: seq 2:") && l.contains("altered")),
+            "{how}: {out}"
+        );
+        assert!(!out.contains("ok:"), "{how}: {out}");
+        let mut out = Vec::new();
+        log(&k, "r", &SOURCE, false, &mut out).await.unwrap_err();
+        let out = text(&out);
+        assert!(
+            out.lines().any(|l| l.starts_with("!   2 Observation")),
+            "{how}: {out}"
+        );
+        assert!(!out.contains("verified:"), "{how}: {out}");
+    }
 }
 
 #[tokio::test]

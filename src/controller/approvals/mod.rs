@@ -399,16 +399,21 @@ pub(super) async fn handle(
 ) -> Result<Option<Waiting>, Error> {
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
-    let Some(Step::ApprovalRequested(request)) = log.step(request_seq).cloned() else {
+    let Some(Step::ApprovalRequested(recorded)) = log.step(request_seq) else {
         return Ok(None);
     };
 
-    // The request is the step pod's word: check it against the pinned policy first.
-    if let Err(reason) = pinned_gate::check(log, request_seq).await {
-        let finished = refused(&request, request_seq, &reason, log, notices);
-        append(ctx, &uid, head, Step::RunFinished(finished)).await?;
-        return Ok(None);
-    }
+    // The request is the step pod's word: check it against the pinned policy
+    // first, and go on with what the controller vouches for (its gate, in
+    // its own words), never the pod's prose as if it were the policy's.
+    let request = match pinned_gate::check(log, request_seq).await {
+        Ok(vouched) => vouched,
+        Err(reason) => {
+            let finished = refused(recorded, request_seq, &reason, log, notices);
+            append(ctx, &uid, head, Step::RunFinished(finished)).await?;
+            return Ok(None);
+        }
+    };
     let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
     let existing = existing(&approvals, run, request_seq, &request).await?;
     let name = existing.as_ref().map_or_else(

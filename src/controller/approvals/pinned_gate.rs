@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::api::AgentTemplate;
 use crate::policy::split_alternative;
-use crate::policy::{Call, Classification, Gate, Network, arguments_hash, classify};
+use crate::policy::{Call, Classification, Gate, Network, arguments_hash};
 use crate::runlog::budget::Limits;
 use crate::runlog::records::{ApprovalRequested, Verdict};
 use crate::runlog::replay::{RunState, Step};
@@ -46,15 +46,7 @@ fn classify_on(
     args: &Value,
     network: &Network,
 ) -> Classification {
-    match pinned_agent(log, seq) {
-        Some(agent) => classify(
-            agent.approval.as_ref(),
-            &Call::of(&agent, tool, network),
-            args,
-        ),
-        // No pinned agent: nothing may run without a human.
-        None => Classification::RequireApproval(Box::default()),
-    }
+    log.classify_at(seq, tool, args, network)
 }
 
 /// The names the classification of the request at `request_seq` depends on.
@@ -80,9 +72,11 @@ pub fn escalated(request: &ApprovalRequested) -> ApprovalRequested {
 }
 
 /// Checks the request at `request_seq` against the pinned policy and the log:
+/// returns the request as the controller vouches for it (its gate the one
+/// the pinned policy gives, worded by the controller, never the pod's prose);
 /// on the host's spellings first, then, when that differs and names matter,
 /// on what they resolve to now. `Err` says which field is wrong and why.
-pub async fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
+pub async fn check(log: &RunState, request_seq: u64) -> Result<ApprovalRequested, String> {
     let ns = namespace(log);
     let spelled = check_on(log, request_seq, &Network::of(ns));
     let names = lookups(log, request_seq);
@@ -93,7 +87,11 @@ pub async fn check(log: &RunState, request_seq: u64) -> Result<(), String> {
 }
 
 /// [`check`] on `network`.
-pub fn check_on(log: &RunState, request_seq: u64, network: &Network) -> Result<(), String> {
+pub fn check_on(
+    log: &RunState,
+    request_seq: u64,
+    network: &Network,
+) -> Result<ApprovalRequested, String> {
     let Some(Step::ApprovalRequested(request)) = log.step(request_seq) else {
         return Err(format!("record {request_seq} is not an ApprovalRequested"));
     };
@@ -107,24 +105,28 @@ pub fn check_on(log: &RunState, request_seq: u64, network: &Network) -> Result<(
     if request.escalation > 0 {
         return check_escalation(log, request_seq, request, network);
     }
-    let mut expected = match request.kind {
+    let expected = match request.kind {
         ApprovalKind::Call => expected_call_gate(log, request_seq, request, network)?,
         ApprovalKind::Reconcile => expected_reconcile_gate(log, request_seq, request, network)?,
         ApprovalKind::Budget => expected_budget_gate(log, request_seq, request)?,
     };
-    // `because` is prose for people, not policy: its wording may change
-    // between versions without failing the runs waiting on an approval.
-    expected.because = request.gate.because.clone();
-    let differences = gate_differences(&request.gate, &expected);
-    if differences.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
+    // `because` is prose, not policy: the step pod's wording is not
+    // compared (it may change between versions without failing the runs
+    // waiting on an approval), and not shown either: the controller's is.
+    let mut compared = expected.clone();
+    compared.because = request.gate.because.clone();
+    let differences = gate_differences(&request.gate, &compared);
+    if !differences.is_empty() {
+        return Err(format!(
             "its gate is not the one the pinned policy gives {}: {}",
             request.tool,
             differences.join("; ")
-        ))
+        ));
     }
+    Ok(ApprovalRequested {
+        gate: expected,
+        ..request.clone()
+    })
 }
 
 /// A call's gate: the model proposed exactly this call, and the policy gates it.
@@ -166,7 +168,11 @@ fn expected_call_gate(
     }
 }
 
-/// A budget request's gate: the pinned agent asks when its budget runs out.
+/// A budget request's gate: the pinned agent asks when its budget runs
+/// out, the log shows one used up where the question was recorded, and
+/// the limits asked for are the ones the agent's `onExhausted: Ask`
+/// proposes there (a question is the step pod's word; what was spent is
+/// the log's). The gate says, in the controller's words, what is used up.
 fn expected_budget_gate(
     log: &RunState,
     request_seq: u64,
@@ -179,12 +185,22 @@ fn expected_budget_gate(
             crate::api::BUDGET_TOOL
         ));
     }
-    Limits::parse(&request.arguments)?;
+    let asked = Limits::parse(&request.arguments)?;
     let agent = pinned_agent(log, request_seq).unwrap_or_default();
-    crate::policy::budget_gate(&agent).ok_or_else(|| {
+    let mut gate = crate::policy::budget_gate(&agent).ok_or_else(|| {
         "the pinned agent does not ask when its budget runs out (budgets.onExhausted is not Ask)"
             .to_string()
-    })
+    })?;
+    let (why, proposal) = log.budget_question_due(request_seq)?;
+    let due = Limits::parse(&proposal)?;
+    if asked != due {
+        return Err(format!(
+            "arguments {} are not the limits the pinned budgets propose at record {request_seq} ({proposal})",
+            request.arguments
+        ));
+    }
+    gate.because = why;
+    Ok(gate)
 }
 
 /// A reconcile request's gate: about an intent recorded for this very call.
@@ -212,10 +228,22 @@ fn expected_reconcile_gate(
             request.intent_seq, request.tool
         ));
     };
+    let intent_seq = request.intent_seq.unwrap_or_default();
+    // Whether a call the policy gates happened is asked only of one it let run.
+    if let Some(why) = log.unapproved_intent(intent_seq, intent) {
+        return Err(why);
+    }
     let agent = pinned_agent(log, request_seq).unwrap_or_default();
     let call = Call::of(&agent, &intent.tool, network);
-    crate::policy::reconcile_gate(agent.approval.as_ref(), &call, &intent.arguments)
-        .ok_or_else(|| "the pinned policy names nobody who could reconcile this call".to_string())
+    let mut gate = crate::policy::reconcile_gate(agent.approval.as_ref(), &call, &intent.arguments)
+        .ok_or_else(|| {
+            "the pinned policy names nobody who could reconcile this call".to_string()
+        })?;
+    gate.because = format!(
+        "the outcome of the {} call intended at record {intent_seq} cannot be checked",
+        intent.tool
+    );
+    Ok(gate)
 }
 
 /// An escalation is exactly the expired request, passed on, within its limit.
@@ -224,7 +252,7 @@ fn check_escalation(
     request_seq: u64,
     request: &ApprovalRequested,
     network: &Network,
-) -> Result<(), String> {
+) -> Result<ApprovalRequested, String> {
     let previous = log
         .records()
         .take_while(|(seq, _)| *seq < request_seq)
@@ -271,7 +299,7 @@ fn check_escalation(
             request.escalation
         ));
     }
-    check_on(log, prev_seq, network)
+    check_on(log, prev_seq, network).map(|vouched| escalated(&vouched))
 }
 
 /// The gate fields that differ, each naming the recorded and the pinned value.
@@ -309,6 +337,7 @@ mod tests {
             request_seq,
             &Network::of("n"),
         )
+        .map(|_| ())
     }
 
     /// [`super::classify_at`] in a whole log.
@@ -493,30 +522,171 @@ mod tests {
         assert!(err.contains("maxEscalations"), "{err}");
     }
 
-    #[test]
-    fn a_reconcile_request_must_name_its_intent_and_fail_on_expiry() {
-        let mut steps = log(json!({"amount": 500}));
-        steps.push(Step::ToolIntent(ToolIntent {
+    /// The refund of 500, approved by a decision of the controller's:
+    /// records 2 (request) and 3 (decision).
+    fn approved(steps: Vec<Step>) -> Vec<Step> {
+        let request = honest_request(&steps, json!({"amount": 500}));
+        let mut steps = with(steps, request);
+        steps.push(Step::ApprovalDecided(ApprovalDecided {
+            request_seq: 2,
+            approval: "a".into(),
+            verdict: Verdict::Approve,
+            decisions: vec![],
+            arguments: Some(json!({"amount": 500})),
+            observations_hash: "o".into(),
+            on_expiry: None,
+        }));
+        steps
+    }
+
+    fn refund_intent() -> Step {
+        Step::ToolIntent(ToolIntent {
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
             tool: "issue_refund".into(),
             arguments: json!({"amount": 500}),
             key: "k".into(),
-        }));
+        })
+    }
+
+    #[test]
+    fn a_reconcile_request_must_name_its_intent_and_fail_on_expiry() {
+        let mut steps = approved(log(json!({"amount": 500})));
+        steps.push(refund_intent());
+        let mut r = honest_request(&steps, json!({"amount": 500}));
+        r.kind = ApprovalKind::Reconcile;
+        r.intent_seq = Some(4);
+        r.gate.on_expiry = OnExpiry::Fail;
+        r.gate.because = "unknown".into();
+        let vouched = super::check_on(
+            &RunState::replay(with(steps.clone(), r.clone())),
+            5,
+            &Network::of("n"),
+        )
+        .unwrap();
+        assert!(
+            vouched.gate.because.contains("record 4 cannot be checked"),
+            "the controller's words, not the pod's: {:?}",
+            vouched.gate.because
+        );
+        let mut lenient = r.clone();
+        lenient.gate.on_expiry = OnExpiry::ReturnToAgent;
+        assert!(check(&with(steps.clone(), lenient), 5).is_err());
+        let mut nowhere = r;
+        nowhere.intent_seq = Some(1);
+        let err = check(&with(steps, nowhere), 5).unwrap_err();
+        assert!(err.contains("intentSeq"), "{err}");
+    }
+
+    /// mallory (the run's step credential) records an intent to make the
+    /// gated refund no one approved, then asks whether it happened: a "no"
+    /// would make it now. The question is refused.
+    #[test]
+    fn a_reconcile_request_about_an_intent_no_one_approved_is_refused() {
+        let mut steps = log(json!({"amount": 500}));
+        steps.push(refund_intent());
         let mut r = honest_request(&steps, json!({"amount": 500}));
         r.kind = ApprovalKind::Reconcile;
         r.intent_seq = Some(2);
         r.gate.on_expiry = OnExpiry::Fail;
-        r.gate.because = "unknown".into();
-        assert_eq!(check(&with(steps.clone(), r.clone()), 3), Ok(()));
-        let mut lenient = r.clone();
-        lenient.gate.on_expiry = OnExpiry::ReturnToAgent;
-        assert!(check(&with(steps.clone(), lenient), 3).is_err());
-        let mut nowhere = r;
-        nowhere.intent_seq = Some(1);
-        let err = check(&with(steps, nowhere), 3).unwrap_err();
-        assert!(err.contains("intentSeq"), "{err}");
+        let err = check(&with(steps, r), 3).unwrap_err();
+        assert!(
+            err.contains("record 2") && err.contains("no approval of exactly that call"),
+            "{err}"
+        );
+    }
+
+    /// A run that asks when its 100 steps are used up, 7 records in: a
+    /// budget question is due only once they are, for what the pinned
+    /// budgets propose (issue 39: mallory asked for 1,000,000 steps and
+    /// $100,000 with 93 steps left).
+    fn asking_run(records: u64) -> Vec<Step> {
+        let mut agent = agent();
+        agent.budgets = Some(crate::api::Budgets {
+            max_steps: Some(100),
+            max_cost_usd: Some(5.0),
+            on_exhausted: crate::api::OnExhausted::Ask,
+            approvers: Some(Approvers {
+                users: vec![],
+                groups: vec!["finance".into()],
+            }),
+            ..Default::default()
+        });
+        let mut steps = log(json!({"amount": 50}));
+        let Step::RunStarted(started) = &mut steps[0] else {
+            unreachable!()
+        };
+        started.agent = agent.into();
+        while (steps.len() as u64) < records {
+            steps.push(Step::Observation(crate::runlog::records::Observation {
+                text: "looked".into(),
+                about_seq: None,
+                stop: None,
+                attempts: None,
+            }));
+        }
+        steps
+    }
+
+    fn budget_question(steps: &[Step], arguments: Value) -> ApprovalRequested {
+        let agent: AgentTemplate = match &steps[0] {
+            Step::RunStarted(s) => s.agent.clone().into(),
+            _ => unreachable!(),
+        };
+        let mut r = honest_request(&log(json!({"amount": 500})), json!({"amount": 500}));
+        r.kind = ApprovalKind::Budget;
+        r.tool = crate::api::BUDGET_TOOL.into();
+        r.arguments_hash = arguments_hash(&r.tool, &arguments);
+        r.arguments = arguments;
+        r.gate = crate::policy::budget_gate(&agent).unwrap();
+        r.gate.because = "the agent's own words".into();
+        r.reason = Some("Approve this, it is urgent.".into());
+        r
+    }
+
+    #[test]
+    fn a_budget_question_with_budget_left_is_refused() {
+        let steps = asking_run(7);
+        let forged = budget_question(
+            &steps,
+            json!({"maxSteps": 1_000_000, "maxCostUSD": 100_000}),
+        );
+        let err = check(&with(steps.clone(), forged), 7).unwrap_err();
+        assert!(
+            err.contains("no budget is used up at record 7") && err.contains("7 of 100 steps"),
+            "{err}"
+        );
+        // The limits an honest runner would propose are refused as well: nothing is used up.
+        let modest = budget_question(&steps, json!({"maxSteps": 200}));
+        assert!(check(&with(steps, modest), 7).is_err());
+    }
+
+    #[test]
+    fn a_budget_question_is_raised_only_for_the_limits_the_log_implies() {
+        let steps = asking_run(100);
+        let honest = budget_question(&steps, json!({"maxSteps": 200}));
+        let vouched = super::check_on(
+            &RunState::replay(with(steps.clone(), honest)),
+            100,
+            &Network::of("n"),
+        )
+        .unwrap();
+        assert_eq!(
+            vouched.gate.because, "step budget used up: 100 of 100 steps",
+            "the controller's words, not the pod's"
+        );
+        for greedy in [
+            json!({"maxSteps": 1_000_000}),
+            json!({"maxSteps": 200, "maxCostUSD": 100_000}),
+        ] {
+            let r = budget_question(&steps, greedy.clone());
+            let err = check(&with(steps.clone(), r), 100).unwrap_err();
+            assert!(
+                err.contains("not the limits the pinned budgets propose") && err.contains("200"),
+                "{greedy}: {err}"
+            );
+        }
     }
 
     /// The agent of a platform gate on `gated`, its refund tool at `url`.
@@ -579,7 +749,7 @@ mod tests {
             .resolved
             .insert("alias.example".into(), vec!["10.96.0.12".parse().unwrap()]);
         let logged = RunState::replay(with(steps.clone(), request_on(&steps, &pods_view)));
-        assert_eq!(super::check_on(&logged, 2, &pods_view), Ok(()));
+        assert_eq!(super::check_on(&logged, 2, &pods_view).map(|_| ()), Ok(()));
         // Spelled, the host is not the gated address: the pod's word alone
         // raises nothing.
         let err = super::check_on(&logged, 2, &Network::of("n")).unwrap_err();
@@ -619,6 +789,6 @@ mod tests {
         let names = crate::policy::lookups(agent.approval.as_ref(), &target, "n");
         let pods_view = crate::dns::network("n", names).await;
         let logged = RunState::replay(with(steps.clone(), request_on(&steps, &pods_view)));
-        assert_eq!(super::check(&logged, 2).await, Ok(()));
+        assert_eq!(super::check(&logged, 2).await.map(|_| ()), Ok(()));
     }
 }

@@ -135,7 +135,8 @@ pub async fn resume(
         };
         let record = store
             .read_range(uid, p.seq, Some(p.seq + 1))
-            .await?
+            .await
+            .map_err(StoreError::corrupt_as_broken)?
             .into_iter()
             .next();
         let broken = |reason: String| StoreError::ChainBroken {

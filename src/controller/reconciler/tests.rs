@@ -723,6 +723,7 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
     );
 }
 
+mod claims;
 mod paths;
 
 /// Approval webhooks are counted by outcome: one the egress policy refuses

@@ -403,39 +403,60 @@ pub async fn serve(
     Ok(local)
 }
 
-/// `from` and `to` of `GET …/records?from=N&to=M`.
-fn range(query: Option<&str>) -> Result<(u64, Option<u64>), Refusal> {
-    let (mut from, mut to) = (0, None);
+/// What `GET …/records?from=N&to=M[&form=stored]` asks for.
+struct Range {
+    from: u64,
+    to: Option<u64>,
+    /// The records as stored (their bodies byte for byte), not decoded.
+    stored: bool,
+}
+
+fn range(query: Option<&str>) -> Result<Range, Refusal> {
+    let mut range = Range {
+        from: 0,
+        to: None,
+        stored: false,
+    };
+    let stored = crate::store::STORED_FORM.split_once('=');
     for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-        let n = v.parse::<u64>().map_err(|_| {
-            Refusal::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("query parameter {k}={v:?} is not a record number"),
-            )
-        })?;
+        if Some((k.as_ref(), v.as_ref())) == stored {
+            range.stored = true;
+            continue;
+        }
+        let n = || {
+            v.parse::<u64>().map_err(|_| {
+                Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    format!("query parameter {k}={v:?} is not a record number"),
+                )
+            })
+        };
         match k.as_ref() {
-            "from" => from = n,
-            "to" => to = Some(n),
+            "from" => range.from = n()?,
+            "to" => range.to = Some(n()?),
             _ => {}
         }
     }
-    Ok((from, to))
+    Ok(range)
 }
 
+/// The run's records: as stored, for a runner that verifies their bytes;
+/// decoded, for a runner of an earlier release.
 async fn read(
     State(g): State<Gateway>,
     Path(run): Path<String>,
     RawQuery(query): RawQuery,
-) -> Reply<Vec<crate::store::Record>> {
+) -> Result<Response, Refusal> {
     g.admit(&run).await?;
-    let (from, to) = range(query.as_deref())?;
-    let records = g
-        .store
-        .read_range(&run, from, to)
-        .await
-        .map_err(Refusal::store)?;
-    Ok(Json(records))
+    let Range { from, to, stored } = range(query.as_deref())?;
+    Ok(if stored {
+        let records = g.store.read_stored(&run, from, to).await;
+        Json(records.map_err(Refusal::store)?).into_response()
+    } else {
+        let records = g.store.read_range(&run, from, to).await;
+        Json(records.map_err(Refusal::store)?).into_response()
+    })
 }
 
 async fn head(State(g): State<Gateway>, Path(run): Path<String>) -> Reply<crate::store::Head> {
@@ -560,6 +581,51 @@ mod tests {
 
     fn client(addr: SocketAddr, token: &str) -> RemoteStore {
         RemoteStore::new(&format!("http://{addr}"), token, Duration::from_secs(5)).unwrap()
+    }
+
+    /// A step pod reads its log as stored and verifies those bytes: a
+    /// record respelled in the database (its hash recomputed) is refused at
+    /// its seq, by the runner as by the gateway's own decoding.
+    #[tokio::test]
+    async fn a_runner_verifies_the_stored_bytes_the_gateway_hands_on() {
+        let (addr, key, store, _, dir) = gateway_with(&["run-a"]).await;
+        let lease = store
+            .acquire("run-a", "pod", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let mut head = crate::store::Head::EMPTY;
+        for n in 0..3 {
+            let r = RecordDraft::new(StepKind::Observation, serde_json::json!({"n": n}))
+                .seal(&head)
+                .unwrap();
+            head = store.append("run-a", lease.epoch, &r).await.unwrap().head();
+        }
+        let a = client(addr, &key.mint("run-a"));
+        assert_eq!(a.read_verified("run-a", None).await.unwrap().len(), 3);
+        let db = dir.path().join("log.db");
+        crate::store::testing::respell_as_superuser(&db, store.as_ref(), "run-a", 2, |b| {
+            b.replacen('{', "{\"tampered\":true,", 1)
+        })
+        .await;
+        let stored = a.read_stored("run-a", 2, None).await.unwrap();
+        assert!(
+            stored[0].body.starts_with("{\"tampered\":true,"),
+            "as stored"
+        );
+        for e in [
+            a.read_verified("run-a", None).await.unwrap_err(),
+            a.read_range("run-a", 0, None).await.unwrap_err(),
+        ] {
+            let (StoreError::ChainBroken { seq, reason, .. }
+            | StoreError::Corrupt { seq, reason, .. }) = &e
+            else {
+                panic!("{e:?}")
+            };
+            assert!(
+                *seq == 2 && reason.contains("not the canonical form"),
+                "{e}"
+            );
+        }
     }
 
     #[tokio::test]

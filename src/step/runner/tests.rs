@@ -566,3 +566,145 @@ async fn the_runner_refuses_a_record_the_retired_key_signed_after_the_switch() {
     );
     assert_eq!(read_log(&*store).await.len(), 2, "nothing appended");
 }
+
+/// The canned agent with `tool` gated above an amount of 10 (issue 39),
+/// `refund` declared idempotent: both `search` (read-only) and `refund`
+/// would be made again, with their key, when found intended without a
+/// result.
+fn gated_run_started(base: &str, tool: &str) -> Step {
+    let Step::RunStarted(mut started) = run_started(base) else {
+        unreachable!()
+    };
+    started.agent.tools[1].http.as_mut().unwrap().idempotent = true;
+    started.agent.approval = Some(
+        serde_json::from_value(json!({"rules": [{
+            "name": "large", "tool": tool, "when": "args.amount > 10",
+            "approvers": {"users": ["alice"]}}]}))
+        .unwrap(),
+    );
+    Step::RunStarted(started)
+}
+
+/// A log where the model proposed `tool` with an amount of 25 (record 1)
+/// and an intent to make it follows: with `decided`, after the request and
+/// the controller's approval of exactly that call; without, straight away
+/// (what the holder of the run's step credential can append).
+fn intended(base: &str, tool: &str, decided: bool) -> Vec<Step> {
+    let args = json!({"order": "A-7", "amount": 25});
+    let mut log = vec![gated_run_started(base, tool)];
+    log.push(Step::ModelCall(ModelCall {
+        response: v1::ModelResponse {
+            text: Some("Refunding A-7.".into()),
+            tool_calls: vec![v1::ToolCall {
+                id: "call_1_0".into(),
+                name: tool.into(),
+                arguments: args.clone(),
+            }],
+            usage: Default::default(),
+            model_id: "stand-in-2026".into(),
+            stop_reason: None,
+        },
+        cost_usd: 0.0,
+        context: ContextInfo::default(),
+        attempts: None,
+    }));
+    if decided {
+        let state = RunState::replay(log.clone());
+        let crate::policy::Classification::RequireApproval(gate) =
+            state.classify_at(2, tool, &args, &crate::policy::Network::of(""))
+        else {
+            panic!("{tool} is gated")
+        };
+        log.push(Step::ApprovalRequested(ApprovalRequested {
+            model_call_seq: 1,
+            call_index: 0,
+            call_id: "call_1_0".into(),
+            tool: tool.into(),
+            arguments_hash: crate::policy::arguments_hash(tool, &args),
+            arguments: args.clone(),
+            reason: None,
+            observations: vec![],
+            dependencies: vec![],
+            gate: *gate,
+            escalation: 0,
+            alternative: None,
+            kind: Default::default(),
+            intent_seq: None,
+        }));
+        log.push(Step::ApprovalDecided(
+            crate::runlog::records::ApprovalDecided {
+                request_seq: 2,
+                approval: "a".into(),
+                verdict: crate::runlog::records::Verdict::Approve,
+                decisions: vec![],
+                arguments: Some(args.clone()),
+                observations_hash: "o".into(),
+                on_expiry: None,
+            },
+        ));
+    }
+    log.push(Step::ToolIntent(ToolIntent {
+        model_call_seq: 1,
+        call_index: 0,
+        call_id: "call_1_0".into(),
+        tool: tool.into(),
+        arguments: args,
+        key: idempotency_key(RUN, 1, 0),
+    }));
+    log
+}
+
+/// An intent the step credential's holder appended for a gated call, with
+/// no decision before it, is never made: not for a read-only tool, not for
+/// an idempotent one. The runner appends nothing and leaves the end to the
+/// controller, which records why. With the approval in the log, the same
+/// intent is made.
+#[tokio::test]
+async fn an_intent_for_a_gated_call_with_no_approval_in_the_log_is_not_executed() {
+    let standins = Standins::start().await;
+    for tool in ["refund", "search"] {
+        for decided in [false, true] {
+            let prefix = intended(&standins.base, tool, decided);
+            let mut history = prefix.clone();
+            let intent_seq = prefix.len() as u64 - 1;
+            history.push(Step::ToolResult(ToolResult {
+                intent_seq,
+                call_id: "call_1_0".into(),
+                tool: tool.into(),
+                outcome: v1::ToolOutcome::Ok(json!({"refund": "R-1"})),
+                recovery: None,
+            }));
+            standins.script(&history);
+            standins.reset([]);
+            let dir = tempfile::tempdir().unwrap();
+            let store = log_with(dir.path(), &prefix).await;
+            // One step's worth: the runner stops where the controller decides.
+            let _ =
+                tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+                    .await
+                    .unwrap_or_else(|_| panic!("{tool}: no end in 30 s"));
+            let key = idempotency_key(RUN, 1, 0);
+            let posts = standins.counts().posts.get(&key).copied().unwrap_or(0);
+            let log = read_log(&*store).await;
+            if decided {
+                assert_eq!(posts, 1, "{tool}: the approved call is made");
+                assert!(matches!(log.get(prefix.len()), Some(Step::ToolResult(_))));
+                continue;
+            }
+            assert_eq!(posts, 0, "{tool}: the unapproved call was made");
+            assert_eq!(log, prefix, "{tool}: the runner appended nothing");
+            match RunState::replay(log).next() {
+                Next::Finish {
+                    outcome: Outcome::Failed,
+                    error: Some(error),
+                    ..
+                } => assert!(
+                    error.contains(&format!("record {intent_seq}"))
+                        && error.contains("no approval of exactly that call"),
+                    "{tool}: {error}"
+                ),
+                other => panic!("{tool}: {other:?}"),
+            }
+        }
+    }
+}

@@ -21,11 +21,11 @@ use crate::runlog::records::{ModelCall, Observation};
 use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ModelResponse, TokenUsage, ToolCall};
 
-const UID: &str = "uid-r1";
-const JOBS: &str = "/apis/batch/v1/namespaces/ns/jobs";
-const STATUS: &str = "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentruns/r1/status";
-const APPROVALS: &str = "/apis/agentrun.dev/v1alpha1/namespaces/ns/approvals";
-const STEP_1: &str = "r1-951103-s1-a1";
+pub(super) const UID: &str = "uid-r1";
+pub(super) const JOBS: &str = "/apis/batch/v1/namespaces/ns/jobs";
+pub(super) const STATUS: &str = "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentruns/r1/status";
+pub(super) const APPROVALS: &str = "/apis/agentrun.dev/v1alpha1/namespaces/ns/approvals";
+pub(super) const STEP_1: &str = "r1-951103-s1-a1";
 
 /// Answers the next request, checked, with a 404.
 async fn expect_not_found(handle: &mut Handle, method: &str, path: &str) {
@@ -48,19 +48,19 @@ async fn receive_status(handle: &mut Handle) -> (Value, impl FnOnce(&AgentRun)) 
 }
 
 /// The kinds of the run's log records, in order.
-async fn kinds(ctx: &Context) -> Vec<String> {
+pub(super) async fn kinds(ctx: &Context) -> Vec<String> {
     let log = ctx.store.read_all(UID).await.unwrap();
     log.iter().map(|r| r.kind.as_str().to_string()).collect()
 }
 
 /// The payload of the log's last record.
-async fn last_payload(ctx: &Context) -> Value {
+pub(super) async fn last_payload(ctx: &Context) -> Value {
     let log = ctx.store.read_all(UID).await.unwrap();
     log.last().expect("a record").payload.clone()
 }
 
 /// The run's log replayed, as the controller would see it.
-async fn replayed(ctx: &Context) -> RunState {
+pub(super) async fn replayed(ctx: &Context) -> RunState {
     let log = ctx.store.read_all(UID).await.unwrap();
     RunState::replay(
         log.iter()
@@ -69,7 +69,7 @@ async fn replayed(ctx: &Context) -> RunState {
     )
 }
 
-fn job(name: &str, status: Value) -> Value {
+pub(super) fn job(name: &str, status: Value) -> Value {
     json!({"apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "namespace": "ns",
             "ownerReferences": [{"apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
@@ -81,14 +81,14 @@ fn running() -> Value {
     json!({"active": 1, "ready": 1})
 }
 
-fn complete() -> Value {
+pub(super) fn complete() -> Value {
     json!({"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]})
 }
 
 /// What a step pod does: takes the run's lease for `ttl`, appends `steps`
 /// (unsigned, as a runner's records are) and, if `release`, gives the run
 /// back. Returns the epoch it held.
-async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool) -> u64 {
+pub(super) async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool) -> u64 {
     let lease = step_pod_holding(ctx, steps, ttl).await;
     if release {
         ctx.store.release(&lease).await.unwrap();
@@ -97,7 +97,11 @@ async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool)
 }
 
 /// A step pod that appends `steps` and still holds the run: its lease.
-async fn step_pod_holding(ctx: &Context, steps: Vec<Step>, ttl: Duration) -> crate::store::Lease {
+pub(super) async fn step_pod_holding(
+    ctx: &Context,
+    steps: Vec<Step>,
+    ttl: Duration,
+) -> crate::store::Lease {
     use crate::store::RecordDraft;
     let lease = ctx.store.acquire(UID, "r1-pod", ttl).await.unwrap();
     let mut head = ctx.store.head(UID).await.unwrap();
@@ -122,7 +126,7 @@ async fn fenced(ctx: &Context, epoch: u64) -> bool {
     lease.epoch > epoch
 }
 
-fn observation(text: &str) -> Step {
+pub(super) fn observation(text: &str) -> Step {
     Step::Observation(Observation {
         text: text.into(),
         about_seq: None,
@@ -131,7 +135,7 @@ fn observation(text: &str) -> Step {
     })
 }
 
-fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Step {
+pub(super) fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Step {
     Step::ModelCall(ModelCall {
         response: ModelResponse {
             text: text.map(Into::into),
@@ -149,7 +153,10 @@ fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Step {
 /// A run started and its first step's Job created (the order of those two
 /// reconciles is asserted by `reconcile_starts_a_run_then_creates_its_first_job_in_order`),
 /// with the run as its last status write left it.
-async fn started(dir: &std::path::Path, run: AgentRun) -> (Arc<Context>, Handle, AgentRun) {
+pub(super) async fn started(
+    dir: &std::path::Path,
+    run: AgentRun,
+) -> (Arc<Context>, Handle, AgentRun) {
     let (ctx, handle) = super::mocked(dir).await;
     start(ctx, handle, run).await
 }
@@ -276,7 +283,7 @@ async fn a_finished_step_starts_the_next_job_and_a_final_answer_finishes_the_run
 }
 
 /// The run of [`super::run`] whose agent gates refunds over 100 on alice.
-fn gated_run() -> AgentRun {
+pub(super) fn gated_run() -> AgentRun {
     let mut run = super::run();
     run.spec.agent.as_mut().unwrap().approval = Some(
         serde_json::from_value(json!({"rules": [{
@@ -289,7 +296,7 @@ fn gated_run() -> AgentRun {
 
 /// The request a step pod records for the call at `model_call_seq` (the
 /// gate the pinned policy gives it, as the runner computes it).
-fn approval_request(
+pub(super) fn approval_request(
     log: &RunState,
     request_seq: u64,
     model_call_seq: u64,
@@ -322,7 +329,7 @@ fn approval_request(
 /// Step 1's first pod: the model proposes a refund of 500 (record 1) and
 /// the pod gives the run back. The approval request the step's next pod
 /// appends (record 2), and the arguments.
-async fn refund_proposed(ctx: &Context) -> (Step, Value) {
+pub(super) async fn refund_proposed(ctx: &Context) -> (Step, Value) {
     let args = json!({"amount": 500});
     let call = ToolCall {
         id: "c0".into(),

@@ -20,11 +20,11 @@ use tokio::sync::mpsc;
 
 use super::authorize::{Answer, Question};
 use super::front_proxy::User;
-use super::pages::meta;
+use super::pages::{ends_the_log, meta};
 use super::{LogApi, status, status_body};
 use crate::api::AgentRun;
 use crate::api::runlog::{ADDED, ERROR, MAX_PAGE, MODIFIED, RunLog, RunState, WatchEvent};
-use crate::store::{Head, Record, StepKind, StoreError};
+use crate::store::{Head, StoreError, StoredRecord};
 
 /// How often a follower looks at the store when nothing woke it: seldom
 /// where head events are pushed (a safety net), often where they are not.
@@ -85,10 +85,14 @@ async fn base_of(api: &LogApi, uid: &str, from: u64) -> Result<Option<(Head, boo
     if from == 0 {
         return Ok(Some((Head::EMPTY, false)));
     }
-    let before = api.store.read_range(uid, from - 1, Some(from)).await?;
-    Ok(before
-        .first()
-        .map(|r| (r.head(), r.kind == StepKind::RunFinished)))
+    let before = api.store.read_stored(uid, from - 1, Some(from)).await?;
+    Ok(before.first().map(|r| {
+        let head = Head {
+            len: from,
+            hash: r.hash,
+        };
+        (head, ends_the_log(r))
+    }))
 }
 
 /// One follower: its run and the stream it writes to.
@@ -151,27 +155,39 @@ impl Follower {
     /// `Some` when the log ended with them.
     async fn send_new(&self, base: &mut Head) -> Result<Option<End>, End> {
         loop {
-            let records = self
+            let mut records = self
                 .api
                 .store
-                .read_range(&self.uid, base.len, Some(base.len + MAX_PAGE))
+                .read_stored(&self.uid, base.len, Some(base.len.saturating_add(MAX_PAGE)))
                 .await
                 .map_err(read_failed)?;
             if records.is_empty() {
                 return Ok(None);
             }
-            let next = crate::store::verify_extension(&self.uid, base, &records).map_err(|e| {
-                End::Error(
+            let full = records.len() as u64 == MAX_PAGE;
+            if let Err(e) = crate::store::verify_stored_extension(&self.uid, base, &records) {
+                // Sent as stored up to the one that fails, so that the
+                // client names it too; the stream stops there.
+                let bad = match &e {
+                    StoreError::ChainBroken { seq, .. } => *seq,
+                    _ => base.len,
+                };
+                records.retain(|r| r.seq <= bad);
+                self.send(ADDED, self.page(*base, records)).await?;
+                return Err(End::Error(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "InternalError",
                     format!("the log does not verify: {e}"),
-                )
-            })?;
+                ));
+            }
             let last = records.last().expect("not empty").clone();
-            let full = records.len() as u64 == MAX_PAGE;
+            let next = Head {
+                len: last.seq + 1,
+                hash: last.hash,
+            };
             *base = next;
             self.send(ADDED, self.page(next, records)).await?;
-            if last.kind == StepKind::RunFinished {
+            if ends_the_log(&last) {
                 return Ok(Some(End::Finished(outcome(&last))));
             }
             if !full {
@@ -181,7 +197,7 @@ impl Follower {
     }
 
     /// A RunLog event object holding `records`.
-    fn page(&self, head: Head, records: Vec<Record>) -> serde_json::Value {
+    fn page(&self, head: Head, records: Vec<StoredRecord>) -> serde_json::Value {
         let mut log = RunLog::new(
             meta(&self.run, head.len),
             RunState {
@@ -295,9 +311,11 @@ fn read_failed(e: StoreError) -> End {
     }
 }
 
-/// The outcome a `RunFinished` record names.
-fn outcome(r: &Record) -> Option<String> {
-    r.payload
+/// The outcome a stored `RunFinished` record names.
+fn outcome(r: &StoredRecord) -> Option<String> {
+    r.decode()
+        .ok()?
+        .payload
         .get("outcome")
         .and_then(|o| o.as_str())
         .map(str::to_string)

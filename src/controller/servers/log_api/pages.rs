@@ -15,7 +15,7 @@ use crate::api::runlog::{
     DEFAULT_PAGE, FAILED, LOG_API_VERSION, MAX_PAGE, Page, RunLog, RunLogList, RunState, VERIFIED,
     Verification,
 };
-use crate::store::{Hash, Head, Record, StepKind, StoreError};
+use crate::store::{Hash, Head, StepKind, StoreError, StoredRecord};
 
 /// What a continue token carries: the run it is for and where to go on.
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,9 +112,7 @@ pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &Header
         Err(e) => return unavailable(e),
     };
     let next = records.last().map(|r| r.seq + 1).unwrap_or(from);
-    let finished = records
-        .last()
-        .is_some_and(|r| r.kind == StepKind::RunFinished)
+    let finished = records.last().is_some_and(ends_the_log)
         || (next >= head.len && last_is_finished(api, &uid, head).await);
     let mut log = RunLog::new(
         meta(run, head.len),
@@ -137,6 +135,11 @@ pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &Header
     axum::Json(log).into_response()
 }
 
+/// A stored `RunFinished` that verifies as a record (an altered one ends nothing).
+pub fn ends_the_log(r: &StoredRecord) -> bool {
+    r.decode().is_ok_and(|r| r.kind == StepKind::RunFinished)
+}
+
 async fn last_is_finished(api: &LogApi, uid: &str, head: Head) -> bool {
     head.len > 0
         && api
@@ -146,15 +149,17 @@ async fn last_is_finished(api: &LogApi, uid: &str, head: Head) -> bool {
             .is_ok_and(|r| r.last().is_some_and(|r| r.kind == StepKind::RunFinished))
 }
 
-/// Records `from..from+size` and what checking them found. A record the
-/// store cannot decode (rewritten under it) fails the check at its seq.
+/// Records `from..from+size`, as stored, and what checking them found. A
+/// record that does not verify (its bytes altered, or not a record at all)
+/// fails the check at its seq; it is sent as stored all the same, so that
+/// the client names it too.
 async fn read_page(
     api: &LogApi,
     run: &AgentRun,
     uid: &str,
     from: u64,
     size: u64,
-) -> Result<(Vec<Record>, Verification), StoreError> {
+) -> Result<(Vec<StoredRecord>, Verification), StoreError> {
     let (head_hash, head_length) = recorded_head(run);
     let mut verification = Verification {
         head_hash: head_hash.clone(),
@@ -169,7 +174,11 @@ async fn read_page(
     };
     // The record before the page, so its first record's link is checked too.
     let start = from.saturating_sub(1);
-    let read = match api.store.read_range(uid, start, Some(from + size)).await {
+    let read = match api
+        .store
+        .read_stored(uid, start, Some(from.saturating_add(size)))
+        .await
+    {
         Ok(r) => r,
         Err(StoreError::Corrupt { seq, reason, .. }) => {
             verification.result = FAILED.into();
@@ -180,7 +189,13 @@ async fn read_page(
     };
     let (base, records) = match (from, read.first()) {
         (0, _) => (Head::EMPTY, read),
-        (_, Some(prev)) if prev.seq + 1 == from => (prev.head(), read[1..].to_vec()),
+        (_, Some(prev)) if prev.seq + 1 == from => (
+            Head {
+                len: from,
+                hash: prev.hash,
+            },
+            read[1..].to_vec(),
+        ),
         // Past the end: nothing to check.
         _ => (
             Head {
@@ -197,15 +212,16 @@ async fn read_page(
     Ok((records, verification))
 }
 
-/// The page's chain, and the recorded head where the page holds it.
+/// The page's chain, from the stored bytes, and the recorded head where
+/// the page holds it.
 pub fn check(
     uid: &str,
     base: &Head,
-    records: &[Record],
+    records: &[StoredRecord],
     head_hash: Option<&str>,
     head_length: u64,
 ) -> Result<(), String> {
-    crate::store::verify_extension(uid, base, records).map_err(|e| e.to_string())?;
+    crate::store::verify_stored_extension(uid, base, records).map_err(|e| e.to_string())?;
     let Some(expected) = head_hash else {
         return Ok(());
     };
@@ -328,16 +344,45 @@ fn table(rows: Vec<(ObjectMeta, RunState)>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::RecordDraft;
+    use crate::store::{Record, RecordDraft};
 
-    fn chain(n: u64) -> Vec<Record> {
+    fn chain(n: u64) -> Vec<StoredRecord> {
         let mut out: Vec<Record> = Vec::new();
         for seq in 0..n {
             let head = out.last().map(Record::head).unwrap_or(Head::EMPTY);
             let draft = RecordDraft::new(StepKind::Observation, json!({"text": format!("r{seq}")}));
             out.push(draft.seal(&head).unwrap());
         }
-        out
+        out.iter().map(StoredRecord::of).collect()
+    }
+
+    fn head(r: &StoredRecord) -> Head {
+        Head {
+            len: r.seq + 1,
+            hash: r.hash,
+        }
+    }
+
+    /// Stored bytes respelled behind the store's back (they decode to the
+    /// same record): the page fails at that record, even with its hash
+    /// recomputed over the new bytes.
+    #[test]
+    fn a_page_fails_at_a_record_whose_stored_bytes_are_not_its_canonical_form() {
+        let log = chain(4);
+        for body in [
+            log[2].body.replacen('{', "{\"tampered\":true,", 1),
+            log[2].body.replace(',', ", "),
+        ] {
+            for rehash in [false, true] {
+                let mut altered = log.clone();
+                altered[2].body = body.clone();
+                if rehash {
+                    altered[2].hash = crate::store::chain_hash(&log[1].hash, body.as_bytes());
+                }
+                let err = check("u", &Head::EMPTY, &altered, None, 4).unwrap_err();
+                assert!(err.contains("seq 2") && err.contains("altered"), "{err}");
+            }
+        }
     }
 
     #[test]
@@ -363,16 +408,16 @@ mod tests {
     #[test]
     fn a_page_is_checked_from_its_predecessor_and_against_the_recorded_head() {
         let log = chain(5);
-        let head = log[4].hash.to_hex();
-        assert!(check("u", &log[1].head(), &log[2..], Some(&head), 5).is_ok());
+        let head_hash = log[4].hash.to_hex();
+        assert!(check("u", &head(&log[1]), &log[2..], Some(&head_hash), 5).is_ok());
         let mut altered = log.clone();
-        altered[3].payload = json!({"text": "rewritten"});
-        let err = check("u", &log[1].head(), &altered[2..], Some(&head), 5).unwrap_err();
+        altered[3].body = altered[3].body.replace("r3", "rewritten");
+        let err = check("u", &head(&log[1]), &altered[2..], Some(&head_hash), 5).unwrap_err();
         assert!(err.contains("seq 3"), "{err}");
         let other = chain(6);
         let err = check(
             "u",
-            &log[1].head(),
+            &head(&log[1]),
             &log[2..],
             Some(&other[5].hash.to_hex()),
             5,
