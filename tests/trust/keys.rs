@@ -574,6 +574,7 @@ fn plugin_as_admin(w: &World, args: &[&str]) -> (bool, String) {
 async fn keys_prune_waits_for_the_runs_holding_a_retired_keys_token() {
     use k8s_openapi::api::core::v1::Secret;
     let mut w = World::new("trust-keys-prune", &[]).await;
+    grant_approver_role(&w).await;
     let store_url = common::store::e2e_store_url().await;
     // A key of this world's own: no other test's run holds its tokens.
     let old = format!(

@@ -941,6 +941,18 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
     }
 }
 
+/// Whether the run's status records another key than the one this
+/// controller signs with as its last (a rotation it has not recorded yet).
+fn signs_with_another_key(run: &AgentRun, ctx: &Context) -> bool {
+    let keys = run
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.signing_keys.as_ref());
+    keys.and_then(|k| k.last())
+        .is_some_and(|k| k.key != ctx.signer.key_id())
+}
+
 /// A waiting run with nothing to decide: how long it may sleep (to its
 /// Approval's expiry or its deadline), its log left unread. It has nothing
 /// to decide when its token ([`Asleep`]) finds the run, its Approval's
@@ -949,6 +961,12 @@ fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
 /// head where the status anchors it. `None`: read the log the ordinary way
 /// (whole, and verified, for a waiting run).
 async fn still_asleep(run: &AgentRun, ctx: &Context, uid: &str) -> Result<Option<Duration>, Error> {
+    // A rotated key ends the retired one's window at once, not at the run's
+    // next decision: a run whose status does not yet record the key this
+    // controller signs with is reconciled, and its status records it.
+    if signs_with_another_key(run, ctx) {
+        return Ok(None);
+    }
     // Its step Job, still named, is let go once done (`let_go_of_job`):
     // the Job's end wakes it for that (after a restart: a running
     // controller kept its log for it, see `record`).
