@@ -105,6 +105,31 @@ async fn expect_events(handle: &mut Handle, reasons: &[&str]) {
     }
 }
 
+/// The platform's policies, read before a run starts: one AgentPolicy that
+/// lets runs use the Secret `model-key`.
+async fn expect_policy_allowing_the_model_key(handle: &mut Handle) {
+    expect(
+        handle,
+        "GET",
+        "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
+        list("ClusterAgentPolicy"),
+    )
+    .await;
+    let mut policies = list("AgentPolicy");
+    policies["items"] = json!([{
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+        "metadata": {"name": "platform", "namespace": "ns"},
+        "spec": {"allowedSecrets": [{"name": "model-key"}]}
+    }]);
+    expect(
+        handle,
+        "GET",
+        "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
+        policies,
+    )
+    .await;
+}
+
 /// The platform's policies, read (none) before a run starts or a Job is made.
 async fn expect_policies(handle: &mut Handle) {
     for (path, kind) in [
@@ -591,26 +616,7 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
 
     let sent = run.clone();
     let server = tokio::spawn(async move {
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
-            list("ClusterAgentPolicy"),
-        )
-        .await;
-        let mut policies = list("AgentPolicy");
-        policies["items"] = json!([{
-            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
-            "metadata": {"name": "platform", "namespace": "ns"},
-            "spec": {"allowedSecrets": [{"name": "model-key"}]}
-        }]);
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
-            policies,
-        )
-        .await;
+        expect_policy_allowing_the_model_key(&mut handle).await;
         let status = expect_status(&mut handle, &sent).await;
         expect_events(&mut handle, &["AgentResolved", "RunStarted"]).await;
         expect_nothing_more(&mut handle).await;
@@ -684,26 +690,7 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
     let run = with_status(run, &status);
     let sent = run.clone();
     let server = tokio::spawn(async move {
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/clusteragentpolicies",
-            list("ClusterAgentPolicy"),
-        )
-        .await;
-        let mut policies = list("AgentPolicy");
-        policies["items"] = json!([{
-            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
-            "metadata": {"name": "platform", "namespace": "ns"},
-            "spec": {"allowedSecrets": [{"name": "model-key"}]}
-        }]);
-        expect(
-            &mut handle,
-            "GET",
-            "/apis/agentrun.dev/v1alpha1/namespaces/ns/agentpolicies",
-            policies,
-        )
-        .await;
+        expect_policy_allowing_the_model_key(&mut handle).await;
         let status = expect_status(&mut handle, &sent).await;
         expect_events(&mut handle, &["RunStarted", "PolicyAllowed"]).await;
         expect_nothing_more(&mut handle).await;
