@@ -467,12 +467,29 @@ async fn answer_recording(
     handle: &mut Handle,
     run: &AgentRun,
     job: &Value,
+    mut reconciled: tokio::sync::oneshot::Receiver<()>,
 ) -> Vec<(String, Value)> {
     let mut seen = Vec::new();
+    let mut done = false;
     loop {
-        let next =
-            tokio::time::timeout(std::time::Duration::from_millis(300), handle.next_request());
-        let Ok(Some((request, send))) = next.await else {
+        // Every request is answered while the reconcile runs, however slow
+        // a loaded machine makes it (a silence then is no end: a request
+        // nobody answers would hang it); after it, what follows at once.
+        let request = if done {
+            tokio::time::timeout(Duration::from_millis(300), handle.next_request())
+                .await
+                .ok()
+                .flatten()
+        } else {
+            tokio::select! {
+                r = handle.next_request() => r,
+                _ = &mut reconciled => {
+                    done = true;
+                    continue;
+                }
+            }
+        };
+        let Some((request, send)) = request else {
             return seen;
         };
         let what = format!("{} {}", request.method(), request.uri().path());
@@ -512,13 +529,15 @@ async fn reconcile_recorded(
     job: Value,
 ) -> (Handle, Vec<(String, Value)>) {
     let sent = run.clone();
+    let (reconciled, done) = tokio::sync::oneshot::channel();
     let server = tokio::spawn(async move {
-        let seen = answer_recording(&mut handle, &sent, &job).await;
+        let seen = answer_recording(&mut handle, &sent, &job, done).await;
         (handle, seen)
     });
     crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
         .await
         .unwrap();
+    let _ = reconciled.send(());
     server.await.unwrap()
 }
 
@@ -817,11 +836,13 @@ async fn a_panic_in_one_reconcile_fails_that_run_and_the_process_goes_on() {
 
     let sent = run.clone();
     let mut handle = handle;
+    let (reconciled, done) = tokio::sync::oneshot::channel();
     let server = tokio::spawn(async move {
-        let seen = answer_recording(&mut handle, &sent, &Value::Null).await;
+        let seen = answer_recording(&mut handle, &sent, &Value::Null, done).await;
         (handle, seen)
     });
     let result = reconcile(Arc::new(run.clone()), ctx.clone()).await;
+    let _ = reconciled.send(());
     let (handle, seen) = server.await.unwrap();
     let error = result.expect_err("the reconcile fails");
     assert!(matches!(error, Error::Panicked(_)), "{error}");

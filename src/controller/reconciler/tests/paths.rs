@@ -189,8 +189,11 @@ async fn reconcile_against<T: std::marker::Send + 'static>(
     server: impl std::future::Future<Output = T> + std::marker::Send + 'static,
 ) -> T {
     let server = tokio::spawn(server);
-    crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
+    // A request the script does not answer would wait for ever: fail instead.
+    let reconcile = crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone());
+    tokio::time::timeout(Duration::from_secs(60), reconcile)
         .await
+        .expect("the reconcile ended (a request the script did not answer?)")
         .unwrap();
     server.await.unwrap()
 }
