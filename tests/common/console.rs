@@ -225,14 +225,12 @@ impl Chrome {
     }
 
     /// The page's visible text.
+    /// Empty while a navigation has no document yet (callers wait on text).
     pub async fn text(&self) -> String {
-        self.browser
-            .find(Locator::Css("body"))
-            .await
-            .expect("a body")
-            .text()
-            .await
-            .unwrap_or_default()
+        match self.browser.find(Locator::Css("body")).await {
+            Ok(body) => body.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
     }
 
     /// Waits until the page's visible text contains `what`.
