@@ -130,6 +130,28 @@ async fn expect_policy_allowing_the_model_key(handle: &mut Handle) {
     .await;
 }
 
+/// Reconciles `run` against an API server whose one AgentPolicy allows the
+/// model key; expects its status and then the Events `events`. Returns the status.
+async fn reconcile_with_the_model_key_allowed(
+    ctx: &Arc<Context>,
+    mut handle: Handle,
+    run: AgentRun,
+    events: &'static [&'static str],
+) -> Value {
+    let sent = run.clone();
+    let server = tokio::spawn(async move {
+        expect_policy_allowing_the_model_key(&mut handle).await;
+        let status = expect_status(&mut handle, &sent).await;
+        expect_events(&mut handle, events).await;
+        expect_nothing_more(&mut handle).await;
+        status
+    });
+    crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone())
+        .await
+        .unwrap();
+    server.await.unwrap()
+}
+
 /// The platform's policies, read (none) before a run starts or a Job is made.
 async fn expect_policies(handle: &mut Handle) {
     for (path, kind) in [
@@ -633,18 +655,9 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
     run.spec.agent.as_mut().unwrap().model.secret_ref =
         Some(serde_json::from_value(json!({"name": "model-key", "key": "apiKey"})).unwrap());
 
-    let sent = run.clone();
-    let server = tokio::spawn(async move {
-        expect_policy_allowing_the_model_key(&mut handle).await;
-        let status = expect_status(&mut handle, &sent).await;
-        expect_events(&mut handle, &["AgentResolved", "RunStarted"]).await;
-        expect_nothing_more(&mut handle).await;
-        status
-    });
-    crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone())
-        .await
-        .unwrap();
-    let status = server.await.unwrap();
+    let status =
+        reconcile_with_the_model_key_allowed(&ctx, handle, run, &["AgentResolved", "RunStarted"])
+            .await;
     assert_ne!(status["status"]["phase"], "Failed", "{status}");
     let log = ctx.store.read_all("uid-r1").await.unwrap();
     let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
@@ -707,18 +720,9 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
 
     // The policy arrives: the same run (with the status it wrote) starts.
     let run = with_status(run, &status);
-    let sent = run.clone();
-    let server = tokio::spawn(async move {
-        expect_policy_allowing_the_model_key(&mut handle).await;
-        let status = expect_status(&mut handle, &sent).await;
-        expect_events(&mut handle, &["RunStarted", "PolicyAllowed"]).await;
-        expect_nothing_more(&mut handle).await;
-        status
-    });
-    crate::controller::reconciler::reconcile(Arc::new(run), ctx.clone())
-        .await
-        .unwrap();
-    let status = server.await.unwrap();
+    let status =
+        reconcile_with_the_model_key_allowed(&ctx, handle, run, &["RunStarted", "PolicyAllowed"])
+            .await;
     assert_ne!(status["status"]["phase"], "Failed", "{status}");
     let log = ctx.store.read_all("uid-r1").await.unwrap();
     let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
