@@ -646,7 +646,7 @@ fn listed_policies(
 async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api_server() {
     let dir = tempfile::tempdir().unwrap();
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let mut ctx = context(kube::Client::new(service, "ns"), dir.path()).await;
     let (cache, _writers) = listed_policies(Vec::new());
     ctx.policy_cache = Some(cache);
@@ -689,7 +689,7 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
     let action = crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
         .await
         .unwrap();
-    let (status, mut handle) = server.await.unwrap();
+    let (status, handle) = server.await.unwrap();
     assert_eq!(
         action,
         kube::runtime::controller::Action::requeue(std::time::Duration::from_secs(5))
