@@ -928,6 +928,54 @@ async fn released_lapsed_and_incremental(ctx: Ctx) {
     ctx.done().await;
 }
 
+/// A page holds the records whose bodies come to at most the bytes asked
+/// for (the first one whatever its size), so a log of large records is
+/// read a few at a time; a whole log read through pages is the log.
+async fn pages_by_bytes(ctx: Ctx) {
+    let s = &*ctx.store;
+    let run = unique("pages");
+    let lease = s.acquire(&run, "pod-a", TTL).await.unwrap();
+    let mb = 1 << 20;
+    let mut head = Head::EMPTY;
+    for (i, size) in [mb, mb, 3 * mb, mb, 10].into_iter().enumerate() {
+        let r = draft(
+            StepKind::ToolResult,
+            json!({"i": i, "text": "é".repeat(size / 2)}),
+            "pod-a",
+        )
+        .seal(&head)
+        .unwrap();
+        head = s.append(&run, lease.epoch, &r).await.unwrap().head();
+    }
+    let seqs =
+        |page: Vec<agentrun::store::StoredRecord>| page.iter().map(|r| r.seq).collect::<Vec<_>>();
+    // Bytes, not characters: two records of 1 MiB of two-byte characters.
+    let page = s
+        .read_stored_page(&run, 0, None, 2 * mb + 4096)
+        .await
+        .unwrap();
+    assert_eq!(seqs(page), [0, 1]);
+    let page = s.read_stored_page(&run, 2, None, 2 * mb).await.unwrap();
+    assert_eq!(
+        seqs(page),
+        [2],
+        "one record over the page is a page of its own"
+    );
+    let page = s.read_stored_page(&run, 3, None, 2 * mb).await.unwrap();
+    assert_eq!(seqs(page), [3, 4]);
+    let page = s.read_stored_page(&run, 3, Some(4), 2 * mb).await.unwrap();
+    assert_eq!(seqs(page), [3]);
+    assert!(
+        s.read_stored_page(&run, 5, None, mb)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let whole = s.read_verified(&run, Some(&head.hash)).await.unwrap();
+    assert_eq!(whole.len(), 5);
+    ctx.done().await;
+}
+
 macro_rules! suite {
     ($module:ident, $ctx:ident) => {
         mod $module {
@@ -966,6 +1014,11 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn respelled_bodies() {
                 super::respelled_bodies($ctx().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn pages_by_bytes() {
+                super::pages_by_bytes($ctx().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

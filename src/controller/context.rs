@@ -40,6 +40,8 @@ pub struct Context {
     /// What the reconciler remembers about each run between reconciles
     /// (its replayed log among it), forgotten in one place.
     pub memory: crate::controller::memory::RunMemory,
+    /// Pages of logs the reconciles read and hold at once (`--log-read-mib`).
+    pub reads: crate::store::ReadBudget,
     /// Whether the store pushes head events (else running runs are polled).
     pub store_pushes: bool,
     /// Step Jobs and Agents as the controller's watches last saw them (a

@@ -40,6 +40,7 @@ pub mod audit;
 mod chain;
 pub mod cli;
 mod error;
+mod pages;
 mod postgres;
 mod record;
 mod remote;
@@ -51,6 +52,7 @@ pub use chain::{
     verify_stored_extension,
 };
 pub use error::{KeyError, StoreError};
+pub use pages::{PAGE_HELD, PageTicket, Pages, ReadBudget};
 pub use postgres::PgStore;
 pub use record::{
     AnchorError, FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft,
@@ -69,6 +71,15 @@ pub use sqlite::SqliteStore;
 pub(crate) use sqlite::testing;
 
 /// Environment variable holding the store URL (`--store-url` overrides it).
+/// The bytes of stored bodies one page of a log comes to at most (unless
+/// its first record alone is larger): what every reader of whole logs asks
+/// for at a time.
+pub const PAGE_BYTES: usize = 4 << 20;
+
+/// The records one page holds at most, whatever their sizes (a page query
+/// looks at no more rows than this).
+pub const PAGE_RECORDS: u64 = 5_000;
+
 pub const STORE_URL_ENV: &str = "AGENTRUN_STORE_URL";
 
 /// PostgreSQL role with INSERT + SELECT on the step table (and the lease table).
@@ -149,6 +160,19 @@ pub trait StepStore: Send + Sync + fmt::Debug {
         run: &str,
         from: u64,
         to: Option<u64>,
+    ) -> Result<Vec<StoredRecord>, StoreError>;
+
+    /// The first records of [`StepStore::read_stored`]`(run, from, to)`
+    /// whose bodies come to at most `max_bytes` (the first one whatever its
+    /// size): one page of a log read by bytes, so that no reader holds more
+    /// of a log than it asked for, however large its records are. An empty
+    /// page is the end.
+    async fn read_stored_page(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+        max_bytes: usize,
     ) -> Result<Vec<StoredRecord>, StoreError>;
 
     /// Records with `from <= seq < to` (`to = None`: to the end), in seq
@@ -235,8 +259,14 @@ pub trait StepStore: Send + Sync + fmt::Debug {
         expected_head: Option<&Hash>,
     ) -> Result<Vec<Record>, StoreError> {
         let mut chain = chain::StoredChain::new(run);
-        for s in self.read_stored(run, 0, None).await? {
-            chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+        let mut from = 0;
+        loop {
+            let page = self.read_stored_page(run, from, None, PAGE_BYTES).await?;
+            let Some(last) = page.last() else { break };
+            from = last.seq + 1;
+            for s in page {
+                chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+            }
         }
         chain.finish(expected_head)
     }
@@ -246,8 +276,14 @@ pub trait StepStore: Send + Sync + fmt::Debug {
     /// ([`verify_stored`]): what an incremental replay reads.
     async fn read_verified_after(&self, run: &str, base: &Head) -> Result<Vec<Record>, StoreError> {
         let mut chain = chain::StoredChain::after(run, *base);
-        for s in self.read_stored(run, base.len, None).await? {
-            chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+        let mut from = base.len;
+        loop {
+            let page = self.read_stored_page(run, from, None, PAGE_BYTES).await?;
+            let Some(last) = page.last() else { break };
+            from = last.seq + 1;
+            for s in page {
+                chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+            }
         }
         chain.finish(None)
     }
@@ -363,6 +399,13 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Where a page from `from` ends at the latest: `to`, or [`PAGE_RECORDS`]
+/// on (capped at the largest seq a database holds).
+pub(crate) fn page_end(from: u64, to: Option<u64>) -> u64 {
+    let end = from.saturating_add(PAGE_RECORDS).min(i64::MAX as u64);
+    to.map_or(end, |to| to.min(end))
+}
+
 pub(crate) fn to_i64(what: &str, v: u64) -> Result<i64, StoreError> {
     i64::try_from(v).map_err(|_| StoreError::InvalidRecord {
         reason: format!("{what} {v} is out of range"),
@@ -376,11 +419,20 @@ pub(crate) fn ttl_micros(ttl: Duration) -> i64 {
 /// A stored record decoded, or [`StoreError::Corrupt`] at its seq: it does
 /// not decode, or is not exactly the canonical form of what it decodes to.
 fn decode_stored(run: &str, s: &StoredRecord) -> Result<Record, StoreError> {
-    s.decode().map_err(|e| StoreError::Corrupt {
-        run: run.to_string(),
-        seq: s.seq,
-        reason: e.to_string(),
-    })
+    s.decode_for(run)
+}
+
+impl StoredRecord {
+    /// The record of run `run` it stores; one that does not decode, or is
+    /// not exactly the canonical form of what it decodes to, is
+    /// [`StoreError::Corrupt`] at its seq.
+    pub fn decode_for(&self, run: &str) -> Result<Record, StoreError> {
+        self.decode().map_err(|e| StoreError::Corrupt {
+            run: run.to_string(),
+            seq: self.seq,
+            reason: e.to_string(),
+        })
+    }
 }
 
 /// Check what the store can check without the database: the record's hash.

@@ -101,6 +101,15 @@ const RECORDED_SQL: &str =
 const READ_SQL: &str = "SELECT seq, body, hash, created_at FROM agentrun_steps \
      WHERE run = $1 AND seq >= $2 AND seq < $3 ORDER BY seq";
 
+/// One page by bytes: the running total of the bodies' sizes (the stored
+/// lengths; no body is read to count it) cuts it, the first row always in.
+const PAGE_SQL: &str = "SELECT seq, body, hash, created_at FROM (\
+     SELECT seq, body, hash, created_at, \
+     sum(octet_length(body)) OVER (ORDER BY seq) AS upto, \
+     row_number() OVER (ORDER BY seq) AS n \
+     FROM agentrun_steps WHERE run = $1 AND seq >= $2 AND seq < $3) page \
+     WHERE n = 1 OR upto <= $4 ORDER BY seq";
+
 const HEAD_SQL: &str =
     "SELECT seq, hash FROM agentrun_steps WHERE run = $1 ORDER BY seq DESC LIMIT 1";
 
@@ -449,6 +458,31 @@ impl StepStore for PgStore {
             .bind(run)
             .bind(from_i)
             .bind(to_i)
+            .fetch(&self.pool);
+        let mut out = Vec::new();
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
+            out.push(stored_row(run, seq as u64, body, hash, at)?);
+        }
+        Ok(out)
+    }
+
+    async fn read_stored_page(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        let to = super::page_end(from, to);
+        let mut rows = sqlx::query(PAGE_SQL)
+            .bind(run)
+            .bind(to_i64("seq", from)?)
+            .bind(to_i64("seq", to)?)
+            .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
             .fetch(&self.pool);
         let mut out = Vec::new();
         while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {

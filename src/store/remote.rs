@@ -335,13 +335,39 @@ impl StepStore for RemoteStore {
         self.call(run, "append", req).await
     }
 
+    /// Page by page ([`super::PAGE_BYTES`] each): neither the gateway nor
+    /// this reader holds a response of the whole log at once.
     async fn read_stored(
         &self,
         run: &str,
         from: u64,
         to: Option<u64>,
     ) -> Result<Vec<StoredRecord>, StoreError> {
-        let mut url = format!("{}?from={from}&{STORED_FORM}", self.path(run, "/records"));
+        let mut out = Vec::new();
+        let mut next = from;
+        loop {
+            let page = self
+                .read_stored_page(run, next, to, super::PAGE_BYTES)
+                .await?;
+            let Some(last) = page.last() else {
+                return Ok(out);
+            };
+            next = last.seq + 1;
+            out.extend(page);
+        }
+    }
+
+    async fn read_stored_page(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        let mut url = format!(
+            "{}?from={from}&{STORED_FORM}&maxBytes={max_bytes}",
+            self.path(run, "/records")
+        );
         if let Some(to) = to {
             url.push_str(&format!("&to={to}"));
         }

@@ -429,6 +429,38 @@ impl StepStore for SqliteStore {
         Ok(out)
     }
 
+    async fn read_stored_page(
+        &self,
+        run: &str,
+        from: u64,
+        to: Option<u64>,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        let to = super::page_end(from, to);
+        let mut rows = sqlx::query(
+            "SELECT seq, body, hash, created_at FROM (\
+             SELECT seq, body, hash, created_at, \
+             sum(length(CAST(body AS BLOB))) OVER (ORDER BY seq) AS upto, \
+             row_number() OVER (ORDER BY seq) AS n \
+             FROM agentrun_steps WHERE run = ?1 AND seq >= ?2 AND seq < ?3) \
+             WHERE n = 1 OR upto <= ?4 ORDER BY seq",
+        )
+        .bind(run)
+        .bind(to_i64("seq", from)?)
+        .bind(to_i64("seq", to)?)
+        .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
+        .fetch(&self.reader);
+        let mut out = Vec::new();
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
+            out.push(stored_row(run, seq as u64, body, hash, from_micros(at))?);
+        }
+        Ok(out)
+    }
+
     async fn read_verified(
         &self,
         run: &str,

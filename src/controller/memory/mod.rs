@@ -84,6 +84,10 @@ struct Remembered {
     /// Reported with a broken log (counted once, however many reconciles
     /// see the break before the status says so).
     tampered: bool,
+    /// The head up to which this process verified the whole log, kept when
+    /// the log itself is too large to hold: a log resumed at its checkpoint
+    /// that reaches this head needs no whole verification again.
+    verified: Option<Head>,
 }
 
 /// A replayed log held, its estimated bytes, and when it was last kept.
@@ -226,8 +230,23 @@ impl RunMemory {
         self.runs().map.get_mut(uid)?.asleep.take()
     }
 
+    /// The run waits for a human: its log is read and verified whole when
+    /// it wakes (a log rewritten while it waited is caught then).
     pub fn put_asleep(&self, uid: &str, asleep: Asleep) {
-        self.runs().entry(uid).asleep = Some(asleep);
+        let mut runs = self.runs();
+        let run = runs.entry(uid);
+        run.asleep = Some(asleep);
+        run.verified = None;
+    }
+
+    /// This process verified the run's whole log up to `head`.
+    pub fn set_verified(&self, uid: &str, head: Head) {
+        self.runs().entry(uid).verified = Some(head);
+    }
+
+    /// The head up to which this process verified the run's whole log.
+    pub fn verified(&self, uid: &str) -> Option<Head> {
+        self.runs().map.get(uid)?.verified
     }
 
     /// The run's head moved (the controller appended): its log is no longer

@@ -25,6 +25,9 @@ pub struct Replayed {
     links: BTreeMap<u64, Hash>,
     /// Estimated bytes of each record the state still holds.
     pub(super) sizes: BTreeMap<u64, usize>,
+    /// Estimated bytes of the records read and let go since it was read
+    /// (from the start or from a checkpoint).
+    released: usize,
 }
 
 impl Replayed {
@@ -49,6 +52,7 @@ impl Replayed {
             hashes: BTreeMap::new(),
             links: BTreeMap::new(),
             sizes: BTreeMap::new(),
+            released: 0,
         }
     }
 
@@ -96,8 +100,19 @@ impl Replayed {
         self.hashes
             .retain(|seq, _| *seq >= base || pinned.contains(seq));
         self.links.retain(|seq, _| *seq >= base);
-        self.sizes
-            .retain(|seq, _| *seq >= base || pinned.contains(seq));
+        let mut released = 0;
+        self.sizes.retain(|seq, size| {
+            let keep = *seq >= base || pinned.contains(seq);
+            released += if keep { 0 } else { *size };
+            keep
+        });
+        self.released += released;
+    }
+
+    /// Estimated bytes of the records read and let go since it was read
+    /// from the start or from its checkpoint.
+    pub fn released(&self) -> usize {
+        self.released
     }
 
     /// Estimated bytes of the records it holds.

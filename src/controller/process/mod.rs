@@ -168,6 +168,11 @@ pub struct Options {
     /// (one run at most a quarter); runs beyond are read again from the store.
     #[arg(long, env = "AGENTRUN_LOG_CACHE_MIB", default_value_t = 64)]
     pub log_cache_mib: usize,
+    /// MiB of log pages the reconciles read and hold at once, over all
+    /// runs (pages of 4 MiB, or one record of up to 16 MiB: one page per 16
+    /// MiB, one at least).
+    #[arg(long, env = "AGENTRUN_LOG_READ_MIB", default_value_t = 32)]
+    pub log_read_mib: usize,
     /// Image of the step Jobs (the operator's own image).
     #[arg(long, env = "AGENTRUN_STEP_IMAGE", default_value = "agentrun:dev")]
     pub step_image: String,
@@ -601,6 +606,7 @@ fn context(
         http: crate::egress::client(user_urls.clone())?,
         user_urls,
         memory: memory::RunMemory::with_budget(opts.log_cache_mib << 20),
+        reads: crate::store::ReadBudget::new(opts.log_read_mib << 20),
         job_cache: Some(caches.jobs.clone()),
         agent_cache: Some(caches.agents.clone()),
         policy_cache: Some(parts.policies),

@@ -30,14 +30,19 @@ use crate::store::{
 use crate::controller::memory::Replayed;
 
 /// Logs whose window starts earlier are read whole: cheap, and no checkpoint
-/// to write (the default of `--checkpoint-min-records`).
+/// to write (the default of `--checkpoint-min-records`) ...
 pub const MIN_SEQ: u64 = 1_000;
+
+/// ... unless the records before the window come to this many bytes: a
+/// few large records cost what thousands of small ones do to read again.
+pub const MIN_BYTES: usize = crate::store::PAGE_BYTES;
 
 /// Domain separation of what is signed.
 const CONTEXT: &[u8] = b"agentrun.dev/log-checkpoint/v1\0";
 
 /// The checkpoint of `replayed` (compacted to its window), signed, if its
-/// window starts at `min_seq` or later. `previous` (the status's) is
+/// window starts at `min_seq` or later, or after [`MIN_BYTES`] of records,
+/// or the run has one already. `previous` (the status's) is
 /// returned as it is when nothing in it changed: most reconciles of a long
 /// run sign nothing.
 pub fn make(
@@ -49,7 +54,8 @@ pub fn make(
 ) -> Option<LogCheckpoint> {
     let state = &replayed.state;
     let seq = state.base();
-    if seq < min_seq.max(1) {
+    let long = seq >= min_seq || replayed.released() >= MIN_BYTES || previous.is_some();
+    if seq == 0 || !long {
         return None;
     }
     let hash = replayed.link_into(seq)?;

@@ -34,7 +34,7 @@ use crate::controller::watchers::discovery::Answer;
 use crate::failpoint;
 use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
 use crate::runlog::replay::{RunState, Step};
-use crate::store::{Head, StoreError, check_anchor, check_anchor_after, sha256_hex};
+use crate::store::{Head, Pages, StoreError, check_anchor_after, sha256_hex};
 use crate::tools::{McpCatalog, Toolbox};
 use phase::{Act, JobState, JobView, LeaseView, Observed};
 use plan::{AgentLookup, plan};
@@ -410,6 +410,9 @@ async fn record(
             return stop_tampered(run, ctx, &ns, tampered).await;
         }
         replayed.resumed = false;
+    }
+    if !replayed.resumed {
+        ctx.memory.set_verified(&uid, replayed.head);
     }
     replayed.compact();
     let mut new_status = status::compose(
@@ -1074,31 +1077,65 @@ async fn replay(
             Err(tampered) => return Ok(Err(tampered)),
         },
     };
-    let (head, head_at) = (replayed.head, replayed.head_at);
-    let records = match ctx.store.read_verified_after(&uid, &head).await {
-        Ok(records) => records,
-        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
-        Err(e) => return Err(Error::Store(e)),
-    };
-    ctx.metrics.observe_read(&records);
-    ctx.metrics.observe_log(&uid, &records);
-    let anchor = anchored_head(run);
-    let checked = check_anchor_after(&uid, &head, &records, &anchor).and_then(|()| {
-        ctx.verifier
-            .check(&uid, &records, &status::signature_rules(run))
-    });
-    if let Err(tampered) = checked {
+    let (anchor, rules) = (anchored_head(run), status::signature_rules(run));
+    // A log resumed at its checkpoint that reaches a head this process
+    // verified whole (a run too large to hold between reconciles) is that
+    // log: it is not verified whole again.
+    let verified = ctx.memory.verified(&uid).filter(|_| replayed.resumed);
+    if verified == Some(replayed.head) {
+        replayed.resumed = false;
+    }
+    // A page at a time, compacted after each: what a reconcile holds of a
+    // log is its window and one page, however large the records.
+    let mut pages = Pages::after(ctx.store.as_ref(), &ctx.reads, &uid, replayed.head);
+    loop {
+        let (records, _ticket) = match pages.next().await {
+            Ok(Some(page)) => page,
+            Ok(None) => break,
+            Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
+            Err(e) => return Err(Error::Store(e)),
+        };
+        ctx.metrics.observe_read(&records);
+        ctx.metrics.observe_log(&uid, &records);
+        let checked = check_anchor_within(&uid, &replayed.head, &records, &anchor)
+            .and_then(|()| ctx.verifier.check(&uid, &records, &rules));
+        if let Err(tampered) = checked {
+            return Ok(Err(tampered));
+        }
+        for r in &records {
+            if verified.is_some_and(|v| v == r.head()) {
+                replayed.resumed = false;
+            }
+            replayed.apply(
+                r,
+                Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
+            );
+        }
+        replayed.head_at = records
+            .last()
+            .and_then(|r| r.created_at)
+            .or(replayed.head_at);
+        replayed.compact();
+    }
+    if let Err(tampered) = check_anchor_after(&uid, &replayed.head, &[], &anchor) {
         return Ok(Err(tampered));
     }
-    for r in &records {
-        replayed.apply(
-            r,
-            Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
-        );
+    Ok(Ok(ctx.memory.stamp(replayed, generation)))
+}
+
+/// The anchor check of one page read past `base`, where the page reaches
+/// the anchored head (a later page, or the end of the log, checks it
+/// otherwise).
+fn check_anchor_within(
+    uid: &str,
+    base: &Head,
+    page: &[crate::store::Record],
+    anchor: &Head,
+) -> Result<(), StoreError> {
+    match anchor.len <= base.len + page.len() as u64 {
+        true => check_anchor_after(uid, base, page, anchor),
+        false => Ok(()),
     }
-    let mut replayed = ctx.memory.stamp(replayed, generation);
-    replayed.head_at = records.last().and_then(|r| r.created_at).or(head_at);
-    Ok(Ok(replayed))
 }
 
 /// The run's log resumed at its checkpoint (`Ok(None)`: none this
@@ -1153,18 +1190,24 @@ async fn verify_whole(
     run: &AgentRun,
     uid: &str,
 ) -> Result<Result<(), StoreError>, Error> {
-    let records = match ctx.store.read_verified(uid, None).await {
-        Ok(records) => records,
-        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
-        Err(e) => return Err(Error::Store(e)),
-    };
-    ctx.metrics.observe_read(&records);
-    Ok(
-        check_anchor(uid, &records, &anchored_head(run)).and_then(|()| {
-            ctx.verifier
-                .check(uid, &records, &status::signature_rules(run))
-        }),
-    )
+    let (anchor, rules) = (anchored_head(run), status::signature_rules(run));
+    let mut pages = Pages::after(ctx.store.as_ref(), &ctx.reads, uid, Head::EMPTY);
+    loop {
+        let base = pages.head();
+        let (records, _ticket) = match pages.next().await {
+            Ok(Some(page)) => page,
+            Ok(None) => break,
+            Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
+            Err(e) => return Err(Error::Store(e)),
+        };
+        ctx.metrics.observe_read(&records);
+        let checked = check_anchor_within(uid, &base, &records, &anchor)
+            .and_then(|()| ctx.verifier.check(uid, &records, &rules));
+        if let Err(tampered) = checked {
+            return Ok(Err(tampered));
+        }
+    }
+    Ok(check_anchor_after(uid, &pages.head(), &[], &anchor))
 }
 
 /// Keeps the run's replayed log for its next reconcile, or forgets it: a

@@ -226,6 +226,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         agent_cache: None,
         policy_cache: None,
         checkpoint_min: crate::controller::reconciler::checkpoint::MIN_SEQ,
+        reads: crate::store::ReadBudget::new(32 << 20),
         discovery: crate::controller::watchers::discovery::Discovery::new(
             reqwest::Client::new(),
             Default::default(),
@@ -248,10 +249,19 @@ fn with_status(mut run: AgentRun, patch: &Value) -> AgentRun {
 /// A context whose API server is the mock behind the returned handle, its
 /// log an SQLite store in `dir`.
 async fn mocked(dir: &std::path::Path) -> (Arc<Context>, Handle) {
+    mocked_with(dir, |_| {}).await
+}
+
+/// [`mocked`], the context changed by `change` first.
+async fn mocked_with(
+    dir: &std::path::Path,
+    change: impl FnOnce(&mut Context),
+) -> (Arc<Context>, Handle) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let ctx = Arc::new(context(kube::Client::new(service, "ns"), dir).await);
-    (ctx, handle)
+    let mut ctx = context(kube::Client::new(service, "ns"), dir).await;
+    change(&mut ctx);
+    (Arc::new(ctx), handle)
 }
 
 #[tokio::test]
@@ -733,6 +743,7 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
     );
 }
 
+mod bytes;
 mod claims;
 mod paths;
 

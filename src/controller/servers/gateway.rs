@@ -38,7 +38,8 @@ use tokio::sync::Semaphore;
 use crate::controller::servers::run_index::{RunIndex, RunPresence};
 use crate::controller::servers::step_token::{TokenCheck, TokenKey};
 use crate::store::{
-    AcquireBody, AppendBody, Lease, OpenOptions, StepKind, StepStore, StoreError, WireError,
+    AcquireBody, AppendBody, Lease, OpenOptions, Record, StepKind, StepStore, StoreError,
+    StoredRecord, WireError,
 };
 use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
@@ -403,12 +404,16 @@ pub async fn serve(
     Ok(local)
 }
 
-/// What `GET …/records?from=N&to=M[&form=stored]` asks for.
+/// What `GET …/records?from=N&to=M[&form=stored][&maxBytes=B]` asks for.
 struct Range {
     from: u64,
     to: Option<u64>,
     /// The records as stored (their bodies byte for byte), not decoded.
     stored: bool,
+    /// One page of at most this many bytes of bodies (capped at
+    /// [`crate::store::PAGE_BYTES`]); without it the whole range, streamed
+    /// page by page (what runners of earlier releases ask for).
+    max_bytes: Option<usize>,
 }
 
 fn range(query: Option<&str>) -> Result<Range, Refusal> {
@@ -416,6 +421,7 @@ fn range(query: Option<&str>) -> Result<Range, Refusal> {
         from: 0,
         to: None,
         stored: false,
+        max_bytes: None,
     };
     let stored = crate::store::STORED_FORM.split_once('=');
     for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
@@ -435,6 +441,10 @@ fn range(query: Option<&str>) -> Result<Range, Refusal> {
         match k.as_ref() {
             "from" => range.from = n()?,
             "to" => range.to = Some(n()?),
+            "maxBytes" => {
+                let max = usize::try_from(n()?).unwrap_or(usize::MAX);
+                range.max_bytes = Some(max.clamp(1, crate::store::PAGE_BYTES));
+            }
             _ => {}
         }
     }
@@ -449,14 +459,102 @@ async fn read(
     RawQuery(query): RawQuery,
 ) -> Result<Response, Refusal> {
     g.admit(&run).await?;
-    let Range { from, to, stored } = range(query.as_deref())?;
-    Ok(if stored {
-        let records = g.store.read_stored(&run, from, to).await;
-        Json(records.map_err(Refusal::store)?).into_response()
-    } else {
-        let records = g.store.read_range(&run, from, to).await;
-        Json(records.map_err(Refusal::store)?).into_response()
+    let range = range(query.as_deref())?;
+    let Some(max) = range.max_bytes else {
+        return Ok(streamed(g, run, range));
+    };
+    let page = g
+        .store
+        .read_stored_page(&run, range.from, range.to, max)
+        .await;
+    let page = page.map_err(Refusal::store)?;
+    Ok(match range.stored {
+        true => Json(page).into_response(),
+        false => Json(decoded(&run, &page).map_err(Refusal::store)?).into_response(),
     })
+}
+
+/// The records of `page` decoded, as a runner of an earlier release reads them.
+fn decoded(run: &str, page: &[StoredRecord]) -> Result<Vec<Record>, StoreError> {
+    page.iter().map(|s| s.decode_for(run)).collect()
+}
+
+/// The whole range as one JSON array, read and sent a page of
+/// [`crate::store::PAGE_BYTES`] at a time: the gateway holds one page
+/// however long the log. A store error midway ends the body short (the
+/// reader's JSON does not parse, and it reads again).
+fn streamed(g: Gateway, run: String, range: Range) -> Response {
+    struct Cursor {
+        g: Gateway,
+        run: String,
+        from: u64,
+        to: Option<u64>,
+        stored: bool,
+        /// `[` is sent.
+        opened: bool,
+        /// No record is sent yet.
+        first: bool,
+        done: bool,
+    }
+    let cursor = Cursor {
+        g,
+        run,
+        from: range.from,
+        to: range.to,
+        stored: range.stored,
+        opened: false,
+        first: true,
+        done: false,
+    };
+    let chunks = futures::stream::unfold(cursor, |mut c| async move {
+        if c.done {
+            return None;
+        }
+        let page =
+            c.g.store
+                .read_stored_page(&c.run, c.from, c.to, crate::store::PAGE_BYTES)
+                .await;
+        let page = match page {
+            Ok(page) => page,
+            Err(e) => return Some((Err(std::io::Error::other(e.to_string())), c)),
+        };
+        let mut chunk = Vec::new();
+        if !std::mem::replace(&mut c.opened, true) {
+            chunk.push(b'[');
+        }
+        let Some(last) = page.last() else {
+            chunk.push(b']');
+            c.done = true;
+            return Some((Ok(chunk), c));
+        };
+        c.from = last.seq + 1;
+        let items = match c.stored {
+            true => page
+                .iter()
+                .map(serde_json::to_vec)
+                .collect::<Result<Vec<_>, _>>(),
+            false => match decoded(&c.run, &page) {
+                Ok(records) => records.iter().map(serde_json::to_vec).collect(),
+                Err(e) => return Some((Err(std::io::Error::other(e.to_string())), c)),
+            },
+        };
+        let items = match items {
+            Ok(items) => items,
+            Err(e) => return Some((Err(std::io::Error::other(e)), c)),
+        };
+        for item in items {
+            if !std::mem::replace(&mut c.first, false) {
+                chunk.push(b',');
+            }
+            chunk.extend(item);
+        }
+        Some((Ok(chunk), c))
+    });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(chunks),
+    )
+        .into_response()
 }
 
 async fn head(State(g): State<Gateway>, Path(run): Path<String>) -> Reply<crate::store::Head> {

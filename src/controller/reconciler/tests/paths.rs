@@ -77,7 +77,7 @@ pub(super) fn job(name: &str, status: Value) -> Value {
         "status": status})
 }
 
-fn running() -> Value {
+pub(super) fn running() -> Value {
     json!({"active": 1, "ready": 1})
 }
 
@@ -162,7 +162,7 @@ pub(super) async fn started(
 }
 
 /// [`started`] with a context of one's own.
-async fn start(
+pub(super) async fn start(
     ctx: Arc<Context>,
     mut handle: Handle,
     mut run: AgentRun,
