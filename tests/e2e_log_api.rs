@@ -411,6 +411,63 @@ async fn a_huge_limit_is_capped_at_the_page_maximum() {
     );
 }
 
+/// A page holds at most `limitBytes` of record bodies, capped at 4 MiB
+/// (a larger record is a page of its own), whatever `limit` says: a log of
+/// large records is read a few records at a time and walked whole by its
+/// continue tokens.
+#[tokio::test]
+async fn a_page_holds_at_most_its_bytes_and_a_log_of_large_records_is_walked_whole() {
+    let api = LogApiWorld::start("logbytes").await;
+    let ns = api.ns();
+    let run = api
+        .world
+        .create_run(
+            "large",
+            json!({"input": "x", "agentRef": {"name": "no-such-agent"}}),
+            json!({}),
+        )
+        .await;
+    let mib = 1 << 20;
+    log_api::append_observations_of(&uid_of(&run), 7, 3 * mib / 2).await;
+    let client = &api.world.client;
+    wait_served(client, ns, "large").await;
+    let bytes = |page: &RunLog| page.records.iter().map(|r| r.body.len()).sum::<usize>();
+
+    let page = get_runlog(client, ns, "large", "limit=1000000")
+        .await
+        .unwrap();
+    assert_eq!(page.records.len(), 2, "two records of 1.5 MiB in 4 MiB");
+    assert!(bytes(&page) <= 4 * mib);
+    let one = get_runlog(client, ns, "large", "limitBytes=1")
+        .await
+        .unwrap();
+    assert_eq!(
+        one.records.len(),
+        1,
+        "a record larger than the page is a page"
+    );
+    let huge = format!("limitBytes={}", 1u64 << 40);
+    let capped = get_runlog(client, ns, "large", &huge).await.unwrap();
+    assert_eq!(capped.records.len(), 2, "limitBytes is capped at 4 MiB");
+
+    let mut walked = Vec::new();
+    let mut query = "limit=1000000".to_string();
+    loop {
+        let page = get_runlog(client, ns, "large", &query).await.unwrap();
+        assert!(page.records.len() <= 2, "{:?}", page.page);
+        walked.extend(page.records.iter().map(|r| r.seq));
+        match page.page.and_then(|p| p.r#continue) {
+            Some(token) => query = format!("limit=1000000&{}", continue_query(&token)),
+            None => break,
+        }
+    }
+    assert_eq!(
+        walked,
+        (0..7).collect::<Vec<u64>>(),
+        "every record once, in order"
+    );
+}
+
 #[tokio::test]
 async fn a_from_seq_past_the_head_is_an_empty_page_and_an_unknown_run_is_not_found() {
     let api = LogApiWorld::start("logbad").await;

@@ -206,7 +206,7 @@ mod tests {
             .unwrap();
         let budget = ReadBudget::new(PAGE_HELD);
         let mut pages = Pages::after(&store, &budget, "r", Head::EMPTY);
-        let err = pages.next().await.err().expect("the altered record fails");
+        let err = pages.next().await.expect_err("the altered record fails");
         assert!(
             matches!(err, StoreError::ChainBroken { seq: 2, .. }),
             "{err}"

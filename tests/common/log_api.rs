@@ -768,6 +768,11 @@ pub async fn stored_records(uid: &str) -> Vec<Record> {
 /// directly (under a store lease of its own): a long log without a long
 /// run.
 pub async fn append_observations(uid: &str, n: u64) {
+    append_observations_of(uid, n, 0).await
+}
+
+/// [`append_observations`], each text padded to `bytes` bytes.
+pub async fn append_observations_of(uid: &str, n: u64, bytes: usize) {
     let store: Arc<dyn StepStore> = agentrun::store::open(&super::store::e2e_store_url().await)
         .await
         .expect("opening the e2e store");
@@ -777,7 +782,8 @@ pub async fn append_observations(uid: &str, n: u64) {
         .expect("a store lease");
     let mut head: Head = store.head(uid).await.expect("head");
     for i in 0..n {
-        let record = RecordDraft::new(StepKind::Observation, json!({"text": format!("o{i}")}))
+        let text = format!("o{i}{}", "x".repeat(bytes));
+        let record = RecordDraft::new(StepKind::Observation, json!({"text": text}))
             .seal(&head)
             .expect("sealing");
         head = store

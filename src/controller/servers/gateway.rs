@@ -726,6 +726,51 @@ mod tests {
         }
     }
 
+    /// A log of large records is read by pages of at most 4 MiB (a
+    /// runner's read asks for them), and a reader of an earlier release,
+    /// which asks for the whole range at once, gets it whole, streamed a
+    /// page at a time.
+    #[tokio::test]
+    async fn a_log_is_read_by_pages_of_bytes_and_whole_only_as_a_stream() {
+        let (addr, key, store, _, _dir) = gateway_with(&["run-a"]).await;
+        let lease = store
+            .acquire("run-a", "pod", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let mut head = crate::store::Head::EMPTY;
+        for n in 0..5 {
+            let text = format!("{n}{}", "x".repeat(3 << 19));
+            let r = RecordDraft::new(StepKind::Observation, serde_json::json!({"text": text}))
+                .seal(&head)
+                .unwrap();
+            head = store.append("run-a", lease.epoch, &r).await.unwrap().head();
+        }
+        let token = key.mint("run-a");
+        let a = client(addr, &token);
+        let page = a
+            .read_stored_page("run-a", 0, None, usize::MAX)
+            .await
+            .unwrap();
+        assert_eq!(page.len(), 2, "1.5 MiB records, pages of at most 4 MiB");
+        let whole = a.read_verified("run-a", Some(&head.hash)).await.unwrap();
+        assert_eq!(whole.len(), 5, "the runner reads page after page");
+
+        // As an earlier runner asks: no maxBytes, every record in one body.
+        let url = format!("http://{addr}/v1/runs/run-a/records?from=1");
+        for form in ["", "&form=stored"] {
+            let reply = reqwest::Client::new()
+                .get(format!("{url}{form}"))
+                .bearer_auth(&token)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(reply.status(), 200);
+            let records: Vec<serde_json::Value> = reply.json().await.unwrap();
+            let seqs: Vec<u64> = records.iter().map(|r| r["seq"].as_u64().unwrap()).collect();
+            assert_eq!(seqs, [1, 2, 3, 4], "form {form:?}");
+        }
+    }
+
     #[tokio::test]
     async fn gateway_serves_a_runs_own_log_and_refuses_the_rest() {
         let (addr, key, _dir) = gateway().await;

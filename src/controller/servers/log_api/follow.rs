@@ -23,8 +23,8 @@ use super::front_proxy::User;
 use super::pages::{ends_the_log, meta};
 use super::{LogApi, status, status_body};
 use crate::api::AgentRun;
-use crate::api::runlog::{ADDED, ERROR, MAX_PAGE, MODIFIED, RunLog, RunState, WatchEvent};
-use crate::store::{Head, StoreError, StoredRecord};
+use crate::api::runlog::{ADDED, ERROR, MODIFIED, RunLog, RunState, WatchEvent};
+use crate::store::{Head, PageTicket, StoreError, StoredRecord};
 
 /// How often a follower looks at the store when nothing woke it: seldom
 /// where head events are pushed (a safety net), often where they are not.
@@ -59,7 +59,9 @@ pub async fn stream(api: LogApi, run: AgentRun, from: u64, access: Access) -> Re
             );
         }
     };
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    // Each page travels with its ticket of the read budget, let go once
+    // the body has handed its bytes on (the next poll).
+    let (tx, rx) = mpsc::channel::<(Bytes, Option<PageTicket>)>(2);
     let follower = Follower {
         api,
         run,
@@ -68,8 +70,10 @@ pub async fn stream(api: LogApi, run: AgentRun, from: u64, access: Access) -> Re
         access,
     };
     tokio::spawn(follower.run(base));
-    let body = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    let body = futures::stream::unfold((rx, None), |(mut rx, held)| async move {
+        drop(held);
+        let (bytes, ticket) = rx.recv().await?;
+        Some((Ok::<_, Infallible>(bytes), (rx, ticket)))
     });
     (
         [(header::CONTENT_TYPE, "application/json")],
@@ -100,7 +104,7 @@ struct Follower {
     api: LogApi,
     run: AgentRun,
     uid: String,
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<(Bytes, Option<PageTicket>)>,
     access: Access,
 }
 
@@ -155,16 +159,19 @@ impl Follower {
     /// `Some` when the log ended with them.
     async fn send_new(&self, base: &mut Head) -> Result<Option<End>, End> {
         loop {
+            let Some(ticket) = self.api.reads.page_within(super::READ_WAIT).await else {
+                // Not now: the next wake or poll tries again.
+                return Ok(None);
+            };
             let mut records = self
                 .api
                 .store
-                .read_stored(&self.uid, base.len, Some(base.len.saturating_add(MAX_PAGE)))
+                .read_stored_page(&self.uid, base.len, None, super::PAGE_BYTES)
                 .await
                 .map_err(read_failed)?;
             if records.is_empty() {
                 return Ok(None);
             }
-            let full = records.len() as u64 == MAX_PAGE;
             if let Err(e) = crate::store::verify_stored_extension(&self.uid, base, &records) {
                 // Sent as stored up to the one that fails, so that the
                 // client names it too; the stream stops there.
@@ -173,7 +180,7 @@ impl Follower {
                     _ => base.len,
                 };
                 records.retain(|r| r.seq <= bad);
-                self.send(ADDED, self.page(*base, records)).await?;
+                self.send_page(self.page(*base, records), ticket).await?;
                 return Err(End::Error(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "InternalError",
@@ -186,14 +193,16 @@ impl Follower {
                 hash: last.hash,
             };
             *base = next;
-            self.send(ADDED, self.page(next, records)).await?;
+            self.send_page(self.page(next, records), ticket).await?;
             if ends_the_log(&last) {
                 return Ok(Some(End::Finished(outcome(&last))));
             }
-            if !full {
-                return Ok(None);
-            }
         }
+    }
+
+    /// An `ADDED` event of a page, sent with the page's ticket.
+    async fn send_page(&self, object: serde_json::Value, ticket: PageTicket) -> Result<(), End> {
+        self.send_held(ADDED, object, Some(ticket)).await
     }
 
     /// A RunLog event object holding `records`.
@@ -283,6 +292,15 @@ impl Follower {
     }
 
     async fn send(&self, kind: &str, object: serde_json::Value) -> Result<(), End> {
+        self.send_held(kind, object, None).await
+    }
+
+    async fn send_held(
+        &self,
+        kind: &str,
+        object: serde_json::Value,
+        ticket: Option<PageTicket>,
+    ) -> Result<(), End> {
         let event = WatchEvent {
             kind: kind.into(),
             object,
@@ -290,7 +308,7 @@ impl Follower {
         let mut line = serde_json::to_vec(&event).expect("serializes");
         line.push(b'\n');
         self.tx
-            .send(Bytes::from(line))
+            .send((Bytes::from(line), ticket))
             .await
             .map_err(|_| End::Closed)
     }

@@ -47,7 +47,18 @@ pub struct LogApi {
     heads: tokio::sync::broadcast::Sender<HeadEvent>,
     /// Whether the store pushes head events; followers poll when it does not.
     pushes: bool,
+    /// Pages of logs its responses read and hold at once, over all
+    /// requests and followers, until their bytes are sent.
+    reads: crate::store::ReadBudget,
 }
+
+/// How long a request waits for a page of the read budget before it is
+/// answered busy (429, to try again).
+pub const READ_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The bytes of records one page of the log API holds at most (or one
+/// larger record): the default and the cap of `limitBytes`.
+pub const PAGE_BYTES: usize = crate::store::PAGE_BYTES;
 
 impl LogApi {
     /// The log API over `store`, asking `client` about runs and access.
@@ -77,6 +88,7 @@ impl LogApi {
             namespace,
             heads,
             pushes,
+            reads: crate::store::ReadBudget::new(LOG_API_READ_BYTES),
         })
     }
 
@@ -173,10 +185,15 @@ async fn admit(
     }
 }
 
+/// The bytes of pages the log API holds at once (four pages).
+pub const LOG_API_READ_BYTES: usize = 4 * crate::store::PAGE_HELD;
+
 /// The query parameters every read understands.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Params {
     pub limit: Option<u64>,
+    /// Bytes of record bodies a page holds at most (capped at [`PAGE_BYTES`]).
+    pub limit_bytes: Option<u64>,
     pub continue_token: Option<String>,
     pub from_seq: Option<u64>,
     pub follow: bool,
@@ -197,6 +214,7 @@ impl Params {
         for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
             match k.as_ref() {
                 "limit" => p.limit = Some(number("limit", &v)?),
+                "limitBytes" => p.limit_bytes = Some(number("limitBytes", &v)?),
                 "continue" if !v.is_empty() => p.continue_token = Some(v.into_owned()),
                 "fromSeq" => p.from_seq = Some(number("fromSeq", &v)?),
                 "follow" => p.follow = flag(&v),

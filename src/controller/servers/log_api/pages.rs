@@ -103,11 +103,15 @@ pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &Header
         (None, None) => 0,
     };
     let size = page_size(params.limit);
+    let bytes = page_bytes(params.limit_bytes);
+    let Some(ticket) = api.reads.page_within(super::READ_WAIT).await else {
+        return busy();
+    };
     let head = match api.store.head(&uid).await {
         Ok(h) => h,
         Err(e) => return unavailable(e),
     };
-    let (records, verification) = match read_page(api, run, &uid, from, size).await {
+    let (records, verification) = match read_page(api, run, &uid, from, size, bytes).await {
         Ok(read) => read,
         Err(e) => return unavailable(e),
     };
@@ -132,7 +136,37 @@ pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &Header
     if wants_table(headers) {
         return table(vec![(log.metadata.clone(), log.run.clone())]);
     }
-    axum::Json(log).into_response()
+    holding(axum::Json(log).into_response(), ticket)
+}
+
+/// The bytes of record bodies a page holds at most: `limitBytes`, capped at
+/// [`super::PAGE_BYTES`] (a record larger than that is a page of its own).
+pub fn page_bytes(limit: Option<u64>) -> usize {
+    match limit {
+        None | Some(0) => super::PAGE_BYTES,
+        Some(n) => usize::try_from(n).map_or(super::PAGE_BYTES, |n| n.min(super::PAGE_BYTES)),
+    }
+}
+
+/// The answer when the read budget stays taken: try again.
+pub fn busy() -> Response {
+    status(
+        StatusCode::TOO_MANY_REQUESTS,
+        "TooManyRequests",
+        "the log API is reading as many pages as it may at once; try again".to_string(),
+    )
+}
+
+/// `response`, holding `ticket` until its body is sent (or dropped): the
+/// page counts against the budget for as long as it is in memory.
+pub fn holding(response: Response, ticket: crate::store::PageTicket) -> Response {
+    use futures::StreamExt;
+    let (parts, body) = response.into_parts();
+    let chunks = body.into_data_stream().map(move |chunk| {
+        let _held = &ticket;
+        chunk
+    });
+    Response::from_parts(parts, axum::body::Body::from_stream(chunks))
 }
 
 /// A stored `RunFinished` that verifies as a record (an altered one ends nothing).
@@ -159,6 +193,7 @@ async fn read_page(
     uid: &str,
     from: u64,
     size: u64,
+    bytes: usize,
 ) -> Result<(Vec<StoredRecord>, Verification), StoreError> {
     let (head_hash, head_length) = recorded_head(run);
     let mut verification = Verification {
@@ -173,12 +208,19 @@ async fn read_page(
             .and_then(|l| l.signing_keys.clone()),
     };
     // The record before the page, so its first record's link is checked too.
-    let start = from.saturating_sub(1);
-    let read = match api
-        .store
-        .read_stored(uid, start, Some(from.saturating_add(size)))
-        .await
-    {
+    let before = match from {
+        0 => Ok(Vec::new()),
+        _ => api.store.read_stored(uid, from - 1, Some(from)).await,
+    };
+    let read = match before {
+        Ok(before) => api
+            .store
+            .read_stored_page(uid, from, Some(from.saturating_add(size)), bytes)
+            .await
+            .map(|page| (before, page)),
+        Err(e) => Err(e),
+    };
+    let (before, page) = match read {
         Ok(r) => r,
         Err(StoreError::Corrupt { seq, reason, .. }) => {
             verification.result = FAILED.into();
@@ -187,14 +229,14 @@ async fn read_page(
         }
         Err(e) => return Err(e),
     };
-    let (base, records) = match (from, read.first()) {
-        (0, _) => (Head::EMPTY, read),
-        (_, Some(prev)) if prev.seq + 1 == from => (
+    let (base, records) = match (from, before.first()) {
+        (0, _) => (Head::EMPTY, page),
+        (_, Some(prev)) => (
             Head {
                 len: from,
                 hash: prev.hash,
             },
-            read[1..].to_vec(),
+            page,
         ),
         // Past the end: nothing to check.
         _ => (
