@@ -23,7 +23,7 @@ use common::approvals::{
 };
 use common::log_api::{self, LogApiWorld};
 use common::world::{World, finish};
-use console::{Chrome, ConsoleProcess, FormBody as _, csrf_of, http};
+use console::{Chrome, ConsoleProcess, FormBody as _, csrf_of, http, session_cookie_of};
 use kube::api::{Api, PostParams};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -245,9 +245,10 @@ async fn bob_edits_the_amount_and_carol_may_not_decide() {
     assert!(refused.contains("carol is not an approver"), "{refused}");
     chrome.screenshot("carol-forged-decision").await;
     // The same by plain HTTP: 403 and the API server's words.
+    let carol_cookie = chrome.session_cookie(&carol).await;
     let page = http()
         .get(format!("{}{page_path}", carol.base))
-        .header("cookie", carol.cookie())
+        .header("cookie", &carol_cookie)
         .send()
         .await
         .unwrap()
@@ -256,7 +257,7 @@ async fn bob_edits_the_amount_and_carol_may_not_decide() {
         .unwrap();
     let res = http()
         .post(format!("{}{page_path}/decide", carol.base))
-        .header("cookie", carol.cookie())
+        .header("cookie", &carol_cookie)
         .form_pairs(&[
             ("csrf", csrf_of(&page).as_str()),
             ("hash", approval.spec.arguments_hash.as_str()),
@@ -370,7 +371,9 @@ async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
     assert!(refunds(&w).await.is_empty(), "a rejected call never runs");
     chrome.browser.clone().close().await.ok();
 
-    // Plain HTTP: the session secret, the Host, the Origin, the token.
+    // Plain HTTP, with a console of its own (the browser used the URL of
+    // the first): the session ticket, the Host, the Origin, the token.
+    let console = ConsoleProcess::loopback("alice", &ns);
     let c = http();
     let res = c.get(format!("{}/", console.base)).send().await.unwrap();
     assert_eq!(res.status(), StatusCode::FORBIDDEN, "no session");
@@ -387,9 +390,15 @@ async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
         set.contains("HttpOnly") && set.contains("SameSite=Strict"),
         "{set}"
     );
+    let session = session_cookie_of(&res);
+    // The URL opens one session: found again (a history, a command line),
+    // it opens nothing.
+    let again = c.get(&console.session_url).send().await.unwrap();
+    assert_eq!(again.status(), StatusCode::FORBIDDEN, "a used URL");
+    assert!(again.headers().get("set-cookie").is_none());
     let res = c
         .get(format!("{}/", console.base))
-        .header("cookie", console.cookie())
+        .header("cookie", &session)
         .header(
             "host",
             format!(
@@ -407,7 +416,7 @@ async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
     );
     let res = c
         .get(format!("{}/", console.base))
-        .header("cookie", console.cookie())
+        .header("cookie", &session)
         .header("origin", "http://evil.example")
         .send()
         .await
@@ -415,7 +424,7 @@ async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
     assert_eq!(res.status(), StatusCode::FORBIDDEN, "a foreign Origin");
     let res = c
         .get(format!("{}{page_path}", console.base))
-        .header("cookie", console.cookie())
+        .header("cookie", &session)
         .send()
         .await
         .unwrap();
@@ -430,7 +439,7 @@ async fn a_models_markup_shows_as_text_and_strangers_are_refused() {
     let write = |form: Vec<(&'static str, String)>, origin: Option<&'static str>| {
         let mut r = c
             .post(format!("{}{page_path}/decide", console.base))
-            .header("cookie", console.cookie())
+            .header("cookie", &session)
             .form_pairs(&form);
         if let Some(o) = origin {
             r = r.header("origin", o);

@@ -141,8 +141,8 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
             if let Some(sent) = query_param(req.uri().query(), "session") {
                 return open_session(&console, session, &sent, &path);
             }
-            match cookie(req.headers(), &cookie_name(&console)) {
-                Some(c) if same(c.as_bytes(), session.as_bytes()) => {}
+            let secret = match (cookie(req.headers(), &cookie_name(&console)), session.secret()) {
+                (Some(c), Some(secret)) if same(c.as_bytes(), secret.as_bytes()) => secret,
                 _ => {
                     return refuse(
                         &console,
@@ -150,13 +150,13 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
                         "no console session: open the URL that `kubectl agentrun console` printed",
                     );
                 }
-            }
+            };
             (
                 Caller {
                     client: client.clone(),
-                    csrf: csrf_token(&console.key, session),
+                    csrf: csrf_token(&console.key, secret),
                 },
-                session.clone(),
+                secret.to_string(),
             )
         }
         Mode::InCluster(cluster) => {
@@ -227,18 +227,42 @@ fn own_origin(console: &Console, origin: &[u8], headers: &HeaderMap) -> bool {
                 .is_some_and(|v| v.as_bytes() == b"same-origin"))
 }
 
-/// The session secret in the URL becomes the session cookie (HttpOnly,
-/// SameSite=Strict), and the browser is sent on without it in the URL.
-fn open_session(console: &Console, session: &str, sent: &str, path: &str) -> Response {
-    if !same(sent.as_bytes(), session.as_bytes()) {
+/// The ticket in the URL opens the session, once: a session cookie with a
+/// secret of its own (HttpOnly, SameSite=Strict), and the browser is sent
+/// on without the ticket in the URL. The ticket opens nothing after that.
+fn open_session(
+    console: &Console,
+    session: &super::LoopbackSession,
+    sent: &str,
+    path: &str,
+) -> Response {
+    if !session.is_ticket(sent) {
         return refuse(
             console,
             StatusCode::FORBIDDEN,
             "wrong console session: open the URL that `kubectl agentrun console` printed",
         );
     }
+    let secret = match session.open() {
+        Ok(Some(secret)) => secret,
+        Ok(None) => {
+            return refuse(
+                console,
+                StatusCode::FORBIDDEN,
+                "this console's URL has opened its session already (it works once, in one \
+                 browser): run `kubectl agentrun console` again for another",
+            );
+        }
+        Err(e) => {
+            return refuse(
+                console,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!("opening the session: {e:#}"),
+            );
+        }
+    };
     let cookie = format!(
-        "{}={session}; Path=/; HttpOnly; SameSite=Strict",
+        "{}={secret}; Path=/; HttpOnly; SameSite=Strict",
         cookie_name(console)
     );
     let location = if path.starts_with('/') && !path.starts_with("//") {

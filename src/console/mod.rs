@@ -98,14 +98,56 @@ pub struct InClusterArgs {
 
 /// How the console reaches the API server for a person.
 pub enum Mode {
-    /// One person, their kubeconfig client, and the session secret the URL
-    /// carried.
+    /// One person, their kubeconfig client, and their one session.
     Loopback {
         client: kube::Client,
-        session: String,
+        session: LoopbackSession,
     },
     /// Every request as the person whose token the login proxy forwarded.
     InCluster(ClusterAccess),
+}
+
+/// The one session of a loopback console. The URL printed carries a
+/// ticket that opens it once: its first use sets a session cookie with a
+/// secret of its own and burns the ticket, so the URL left in a command
+/// line, a terminal's scrollback or the browser's history opens nothing.
+pub struct LoopbackSession {
+    ticket: String,
+    secret: std::sync::OnceLock<String>,
+}
+
+impl LoopbackSession {
+    /// A session still to be opened with `ticket`.
+    pub fn new(ticket: String) -> LoopbackSession {
+        LoopbackSession {
+            ticket,
+            secret: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Whether `sent` is the ticket (constant time).
+    pub fn is_ticket(&self, sent: &str) -> bool {
+        guard::same(sent.as_bytes(), self.ticket.as_bytes())
+    }
+
+    /// Opens the session: its secret, or `None` when the ticket was used.
+    pub fn open(&self) -> anyhow::Result<Option<String>> {
+        let fresh = hex::encode(random_bytes()?);
+        Ok(self.secret.set(fresh.clone()).is_ok().then_some(fresh))
+    }
+
+    /// The session's secret, once opened.
+    pub fn secret(&self) -> Option<&str> {
+        self.secret.get().map(String::as_str)
+    }
+
+    /// A session `ticket` opened already, with `secret`.
+    #[cfg(test)]
+    pub fn opened(ticket: &str, secret: &str) -> LoopbackSession {
+        let session = LoopbackSession::new(ticket.into());
+        let _ = session.secret.set(secret.into());
+        session
+    }
 }
 
 /// The API server's address and CA: a client per forwarded token.
@@ -275,21 +317,21 @@ pub async fn serve_loopback(
     let listener = listen(args.address, args.port).await?;
     let bound = listener.local_addr()?;
     let host = bound.to_string();
-    let session = hex::encode(random_bytes()?);
+    let ticket = hex::encode(random_bytes()?);
     let mut namespaces = vec![namespace];
     namespaces.extend(args.also_namespaces.iter().cloned());
     namespaces.dedup();
     let console = Console::new(
         Mode::Loopback {
             client,
-            session: session.clone(),
+            session: LoopbackSession::new(ticket.clone()),
         },
         host.clone(),
         format!("http://{host}"),
         namespaces,
         args.controller_namespace.clone(),
     )?;
-    let url = format!("http://{host}/?session={session}");
+    let url = format!("http://{host}/?session={ticket}");
     {
         // Whoever reads the URL may stop reading: the console keeps serving.
         use std::io::Write as _;
@@ -297,7 +339,7 @@ pub async fn serve_loopback(
         let _ = writeln!(out, "agentrun console: {url}");
         let _ = writeln!(
             out,
-            "(acting as your kubeconfig user; the URL is your session: keep it to yourself; Ctrl-C stops)"
+            "(acting as your kubeconfig user; the URL opens your session once, in one browser; Ctrl-C stops)"
         );
         let _ = out.flush();
     }

@@ -16,6 +16,8 @@ use super::*;
 
 const HOST: &str = "127.0.0.1:4567";
 const SESSION: &str = "s3cr3t-session";
+/// The ticket of the console's URL (its session opened already in [`console`]).
+const TICKET: &str = "t1ck3t";
 const XSS_IMG: &str = "<img src=x onerror=alert(1)>";
 const XSS_SCRIPT: &str = "</script><script>alert(2)</script>";
 const XSS_LINK: &str = "javascript:alert(3)";
@@ -107,13 +109,14 @@ fn api_server() -> Router {
 }
 
 fn console() -> Arc<Console> {
+    console_of(super::LoopbackSession::opened(TICKET, SESSION))
+}
+
+fn console_of(session: super::LoopbackSession) -> Arc<Console> {
     let client = kube::Client::new(api_server(), "shop");
     Arc::new(
         Console::new(
-            Mode::Loopback {
-                client,
-                session: SESSION.into(),
-            },
+            Mode::Loopback { client, session },
             HOST.into(),
             format!("http://{HOST}"),
             vec!["shop".into()],
@@ -164,8 +167,8 @@ fn form(pairs: &[(&str, &str)]) -> Body {
 }
 
 #[tokio::test]
-async fn the_session_secret_opens_a_strict_httponly_cookie_and_nothing_opens_without_it() {
-    let c = console();
+async fn the_urls_ticket_opens_one_strict_httponly_session_once_and_nothing_opens_without_it() {
+    let c = console_of(super::LoopbackSession::new(TICKET.into()));
     let bare = |uri: &str| {
         Request::get(uri)
             .header(header::HOST, HOST)
@@ -190,17 +193,34 @@ async fn the_session_secret_opens_a_strict_httponly_cookie_and_nothing_opens_wit
         .body(Body::empty())
         .unwrap();
     assert_eq!(send(&c, wrong_cookie).await.0, StatusCode::FORBIDDEN);
-    let (s, h, _) = send(&c, bare(&format!("/?session={SESSION}"))).await;
+    let (s, h, _) = send(&c, bare(&format!("/?session={TICKET}"))).await;
     assert_eq!(s, StatusCode::SEE_OTHER);
     assert_eq!(h.get(header::LOCATION).unwrap(), "/");
     let set = h.get(header::SET_COOKIE).unwrap().to_str().unwrap();
-    assert!(set.starts_with(&format!("{}; ", cookie())), "{set}");
     assert!(
         set.contains("HttpOnly") && set.contains("SameSite=Strict"),
         "{set}"
     );
-    let (s, b) = get_page(&c, "/").await;
-    assert_eq!(s, StatusCode::OK, "{b}");
+    let session = set.split(';').next().unwrap().to_string();
+    let secret = session.strip_prefix("agentrun_console_4567=").unwrap();
+    assert!(secret.len() == 64 && secret != TICKET, "a secret of its own: {set}");
+    let with = |cookie: &str| {
+        Request::get("/")
+            .header(header::HOST, HOST)
+            .header(header::COOKIE, cookie)
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert_eq!(send(&c, with(&session)).await.0, StatusCode::OK);
+    // The URL, found again in a history or a command line, opens nothing,
+    // and its ticket is no session either.
+    let (s, h, b) = send(&c, bare(&format!("/?session={TICKET}"))).await;
+    assert_eq!(s, StatusCode::FORBIDDEN);
+    assert!(h.get(header::SET_COOKIE).is_none());
+    assert!(b.contains("opened its session already"), "{b}");
+    let ticket_cookie = format!("agentrun_console_4567={TICKET}");
+    assert_eq!(send(&c, with(&ticket_cookie)).await.0, StatusCode::FORBIDDEN);
+    assert_eq!(send(&c, with(&session)).await.0, StatusCode::OK);
     // The stylesheet and script are no secret (and carry no data).
     let (s, _, _) = send(&c, bare("/static/console.css")).await;
     assert_eq!(s, StatusCode::OK);
@@ -224,7 +244,7 @@ async fn a_foreign_host_or_origin_is_refused() {
         assert_eq!(h.get(header::CONTENT_SECURITY_POLICY).unwrap(), CSP);
     }
     // Even the session URL: a rebinding page cannot obtain the cookie.
-    let req = Request::get(format!("/?session={SESSION}"))
+    let req = Request::get(format!("/?session={TICKET}"))
         .header(header::HOST, "evil.example")
         .body(Body::empty())
         .unwrap();

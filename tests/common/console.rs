@@ -18,10 +18,8 @@ pub struct ConsoleProcess {
     child: Child,
     /// `http://127.0.0.1:PORT`.
     pub base: String,
-    /// The URL with the session secret (loopback only).
+    /// The URL with the ticket that opens its one session (loopback only).
     pub session_url: String,
-    /// The session secret (loopback only).
-    pub session: String,
 }
 
 impl Drop for ConsoleProcess {
@@ -54,12 +52,10 @@ impl ConsoleProcess {
             .unwrap_or_else(|| panic!("the console printed no URL: {line:?}"))
             .to_string();
         let base = url.split("/?").next().unwrap().to_string();
-        let session = url.split("session=").nth(1).unwrap_or_default().to_string();
         ConsoleProcess {
             child,
             base,
             session_url: url,
-            session,
         }
     }
 
@@ -101,20 +97,19 @@ impl ConsoleProcess {
             child,
             base,
             session_url: String::new(),
-            session: String::new(),
         }
-    }
-
-    /// The session cookie header of this (loopback) console.
-    pub fn cookie(&self) -> String {
-        let port = self.base.rsplit(':').next().unwrap();
-        format!("agentrun_console_{port}={}", self.session)
     }
 
     /// `host:port`.
     pub fn host(&self) -> String {
         self.base.trim_start_matches("http://").to_string()
     }
+}
+
+/// The `name=value` of the session cookie a response sets.
+pub fn session_cookie_of(res: &reqwest::Response) -> String {
+    let set = res.headers()["set-cookie"].to_str().unwrap();
+    set.split(';').next().unwrap().to_string()
 }
 
 /// A plain HTTP client that follows no redirect (the tests look at them).
@@ -203,6 +198,19 @@ impl Chrome {
     }
 
     /// Saves a screenshot of the whole page as `NAME.png` in [`artifacts`].
+    /// The `Cookie` header of `console`'s session as this browser holds it
+    /// (WebDriver reads HttpOnly cookies too).
+    pub async fn session_cookie(&self, console: &ConsoleProcess) -> String {
+        let port = console.base.rsplit(':').next().unwrap();
+        let name = format!("agentrun_console_{port}");
+        let cookie = self
+            .browser
+            .get_named_cookie(&name)
+            .await
+            .unwrap_or_else(|e| panic!("the browser holds no cookie {name}: {e}"));
+        format!("{name}={}", cookie.value())
+    }
+
     pub async fn screenshot(&self, name: &str) -> PathBuf {
         // The whole page: the window as tall as the document.
         let height = self
