@@ -141,7 +141,10 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
             if let Some(sent) = query_param(req.uri().query(), "session") {
                 return open_session(&console, session, &sent, &path);
             }
-            let secret = match (cookie(req.headers(), &cookie_name(&console)), session.secret()) {
+            let secret = match (
+                cookie(req.headers(), &cookie_name(&console)),
+                session.secret(),
+            ) {
                 (Some(c), Some(secret)) if same(c.as_bytes(), secret.as_bytes()) => secret,
                 _ => {
                     return refuse(

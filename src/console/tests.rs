@@ -203,7 +203,10 @@ async fn the_urls_ticket_opens_one_strict_httponly_session_once_and_nothing_open
     );
     let session = set.split(';').next().unwrap().to_string();
     let secret = session.strip_prefix("agentrun_console_4567=").unwrap();
-    assert!(secret.len() == 64 && secret != TICKET, "a secret of its own: {set}");
+    assert!(
+        secret.len() == 64 && secret != TICKET,
+        "a secret of its own: {set}"
+    );
     let with = |cookie: &str| {
         Request::get("/")
             .header(header::HOST, HOST)
@@ -219,7 +222,10 @@ async fn the_urls_ticket_opens_one_strict_httponly_session_once_and_nothing_open
     assert!(h.get(header::SET_COOKIE).is_none());
     assert!(b.contains("opened its session already"), "{b}");
     let ticket_cookie = format!("agentrun_console_4567={TICKET}");
-    assert_eq!(send(&c, with(&ticket_cookie)).await.0, StatusCode::FORBIDDEN);
+    assert_eq!(
+        send(&c, with(&ticket_cookie)).await.0,
+        StatusCode::FORBIDDEN
+    );
     assert_eq!(send(&c, with(&session)).await.0, StatusCode::OK);
     // The stylesheet and script are no secret (and carry no data).
     let (s, _, _) = send(&c, bare("/static/console.css")).await;

@@ -265,6 +265,12 @@ impl World {
         .await
     }
 
+    /// Waits until run `name` waits on its MCP discovery saying why (see
+    /// [`waiting_on_discovery`]).
+    pub async fn wait_discovery_failing(&self, name: &str, says: &[&str]) -> AgentRun {
+        waiting_on_discovery(&self.client, self.name(), name, says).await
+    }
+
     /// The run's log, decoded, after checking its hash chain ends at the
     /// head hash recorded in the run's status.
     pub async fn log(&self, run: &AgentRun) -> Vec<(agentrun::store::Record, Step)> {
@@ -327,4 +333,42 @@ pub fn local_model_agent(w: &World, provider: &str, endpoint: &str, max_steps: u
         ],
         "budgets": {"maxSteps": max_steps}
     })
+}
+
+/// Waits until run `name` of `ns` waits on its MCP discovery (not ended,
+/// `status.waitingOn` `mcp/discovery`, condition `ToolsDiscovered=False`
+/// whose message contains each of `says`): what a run shows while a server
+/// it names does not answer yet.
+pub async fn waiting_on_discovery(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+    says: &[&str],
+) -> AgentRun {
+    let runs: Api<AgentRun> = Api::namespaced(client.clone(), ns);
+    super::wait_for(
+        &format!("run {name} to wait on its MCP discovery"),
+        TIMEOUT,
+        || async {
+            let run = runs.get(name).await.map_err(|e| e.to_string())?;
+            let status = run.status.clone().unwrap_or_default();
+            if status.phase.is_some_and(|p| p.is_terminal()) {
+                panic!("run {name} ended instead of waiting: {status:?}");
+            }
+            let condition = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "ToolsDiscovered" && c.status == "False");
+            match condition {
+                Some(c)
+                    if status.waiting_on.as_deref() == Some("mcp/discovery")
+                        && says.iter().all(|s| c.message.contains(s)) =>
+                {
+                    Ok(run)
+                }
+                _ => Err(format!("{status:?}")),
+            }
+        },
+    )
+    .await
 }

@@ -445,6 +445,12 @@ async fn record(
     {
         notices.push(notice(warn, reason, message));
     }
+    let failed = acting.discovery.as_deref();
+    if let Some((warn, reason, message)) =
+        status::set_discovered(&mut new_status, failed, run.metadata.generation, now)
+    {
+        notices.push(notice(warn, reason, message));
+    }
     let ends_now = ends_now(run, &new_status);
     if let Some(outcome) = ends_now {
         notices.push(end_notice(outcome, &new_status));
@@ -580,6 +586,8 @@ struct Acting {
     now: Timestamp,
     /// What the run waits for from the platform (waitingOn, why), if anything.
     policy: Option<(String, String)>,
+    /// Why its MCP discovery failed, while it is asked again.
+    discovery: Option<String>,
 }
 
 impl Acting {
@@ -598,6 +606,7 @@ impl Acting {
             idle: false,
             now,
             policy: None,
+            discovery: None,
         }
     }
 }
@@ -675,6 +684,7 @@ async fn start_run(
     let uid = run.uid().unwrap_or_default();
     let mcp = match discovered(run, ctx, template) {
         Answer::Pending => return Ok(DISCOVERY_RECHECK),
+        Answer::Failed { reason, retry_in } => return Ok(rediscover(acting, reason, retry_in)),
         Answer::Ready(mcp) => mcp,
     };
     match mcp.and_then(|mcp| snapshot(run, template, agent_generation, mcp)) {
@@ -707,6 +717,14 @@ async fn start_run(
 /// looked at again, should the worker's wake-up be missed.
 const DISCOVERY_RECHECK: Duration = Duration::from_secs(60);
 
+/// A run whose MCP discovery failed waits, saying why, and is looked at
+/// again when the discovery may be asked again: a server applied with the
+/// run may not answer yet, and the run's deadline still ends the wait.
+fn rediscover(acting: &mut Acting, reason: String, retry_in: Duration) -> Duration {
+    acting.discovery = Some(reason);
+    retry_in.min(DISCOVERY_RECHECK)
+}
+
 /// The MCP catalog of the run's agent, from the discovery worker (never
 /// discovered here: see [`crate::controller::watchers::discovery`]).
 fn discovered(run: &AgentRun, ctx: &Context, template: &AgentTemplate) -> Answer {
@@ -735,6 +753,7 @@ async fn follow_agent(
         .unwrap_or_default();
     let mcp = match discovered(run, ctx, template) {
         Answer::Pending => return Ok(DISCOVERY_RECHECK),
+        Answer::Failed { reason, retry_in } => return Ok(rediscover(acting, reason, retry_in)),
         Answer::Ready(mcp) => mcp,
     };
     match mcp.and_then(|mcp| snapshot(run, template, agent_generation, mcp)) {

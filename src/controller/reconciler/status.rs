@@ -391,6 +391,56 @@ pub fn set_allowed(
     }
 }
 
+/// Condition type: whether the MCP tools of the run's agent were discovered.
+pub const TOOLS_DISCOVERED: &str = "ToolsDiscovered";
+
+/// What `status.waitingOn` says while discovery fails.
+pub const WAITING_ON_DISCOVERY: &str = "mcp/discovery";
+
+/// Sets `ToolsDiscovered` for a run whose MCP discovery failed (`failed`:
+/// why, naming the server; it is asked again) or no longer does; returns
+/// the Event to publish when it changed. A run never held back gets none.
+pub fn set_discovered(
+    s: &mut AgentRunStatus,
+    failed: Option<&str>,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Option<(bool, &'static str, String)> {
+    let was = s.conditions.iter().find(|c| c.type_ == TOOLS_DISCOVERED);
+    let was_failing = was.is_some_and(|c| c.status == "False");
+    match failed {
+        Some(reason) => {
+            s.waiting_on = Some(WAITING_ON_DISCOVERY.to_string());
+            let message = format!("{reason} (asked again with a backoff until the run's deadline)");
+            let changed = was.is_none_or(|c| c.status != "False" || c.message != message);
+            let c = condition(
+                TOOLS_DISCOVERED,
+                false,
+                "DiscoveryFailed",
+                &message,
+                generation,
+                now,
+            );
+            set_condition(&mut s.conditions, c);
+            changed.then_some((true, "DiscoveryFailed", message))
+        }
+        None if was_failing => {
+            let message = "the agent's MCP tools were discovered";
+            let c = condition(
+                TOOLS_DISCOVERED,
+                true,
+                "Discovered",
+                message,
+                generation,
+                now,
+            );
+            set_condition(&mut s.conditions, c);
+            Some((false, "ToolsDiscovered", message.to_string()))
+        }
+        None => None,
+    }
+}
+
 fn phase_name(phase: Phase) -> &'static str {
     match phase {
         Phase::Pending => "Pending",

@@ -15,9 +15,12 @@
 //!   tools per server.
 //!
 //! A result (catalog or failure) is kept until the run records it
-//! ([`Discovery::forget`]): one discovery per run and agent version, never
-//! a retry loop. Only the controller's memory holds it; the log keeps the
-//! catalog the run pinned (`RunStarted`, `VersionChanged`).
+//! ([`Discovery::forget`]): one discovery per run and agent version at a
+//! time. A failure is asked again after a backoff ([`retry_after`]: 5 s,
+//! doubling to 5 minutes), as a kubelet pulls an image again: the server
+//! may be arriving in the same apply as the run (its run waits, saying
+//! why, until its deadline). Only the controller's memory holds it; the
+//! log keeps the catalog the run pinned (`RunStarted`, `VersionChanged`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -63,6 +66,15 @@ pub enum Answer {
     Ready(Result<McpCatalog, String>),
     /// Being discovered: the run is woken when the answer is there.
     Pending,
+    /// Discovery failed (naming the server): asked again in `retry_in`.
+    Failed { reason: String, retry_in: Duration },
+}
+
+/// How long after its `failures`-th failure in a row a discovery is asked
+/// again: 5 s, doubling, at most 5 minutes.
+pub fn retry_after(failures: u32) -> Duration {
+    let doubled = 5u64.saturating_mul(1 << failures.saturating_sub(1).min(6));
+    Duration::from_secs(doubled.min(300))
 }
 
 enum State {
@@ -75,6 +87,8 @@ struct Ask {
     key: String,
     state: State,
     since: Instant,
+    /// Failures in a row before this one (the backoff).
+    failures: u32,
 }
 
 struct Shared {
@@ -163,11 +177,24 @@ impl Discovery {
         let uid = run.uid().unwrap_or_default();
         let key = ask_key(tools);
         let mut asks = self.shared.asks.lock().expect("not poisoned");
+        let mut failures = 0;
         if let Some(ask) = asks.get(&uid).filter(|a| a.key == key) {
-            return match &ask.state {
-                State::Done(result) => Answer::Ready(result.clone()),
-                State::Running(_) => Answer::Pending,
-            };
+            match &ask.state {
+                State::Done(Ok(catalog)) => return Answer::Ready(Ok(catalog.clone())),
+                State::Running(_) => return Answer::Pending,
+                State::Done(Err(reason)) => {
+                    let wait = retry_after(ask.failures + 1);
+                    if let Some(retry_in) = wait.checked_sub(ask.since.elapsed())
+                        && !retry_in.is_zero()
+                    {
+                        return Answer::Failed {
+                            reason: reason.clone(),
+                            retry_in,
+                        };
+                    }
+                    failures = ask.failures + 1;
+                }
+            }
         }
         // Asked for other tools before (the agent changed): that answer is moot.
         if let Some(Ask {
@@ -192,6 +219,7 @@ impl Discovery {
                 key,
                 state: State::Running(task.abort_handle()),
                 since: Instant::now(),
+                failures,
             },
         );
         Answer::Pending
@@ -371,19 +399,53 @@ mod tests {
         assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
         let woke = tokio::time::timeout(Duration::from_secs(5), woken.recv()).await;
         assert_eq!(woke.unwrap().unwrap().name, "u1");
-        let Answer::Ready(Err(why)) = d.catalog(&r, &tools, "spec.tools") else {
+        let Answer::Failed { reason, retry_in } = d.catalog(&r, &tools, "spec.tools") else {
             panic!("no failure recorded");
         };
         assert!(
-            why.contains(&url) && why.contains("no answer within"),
-            "{why}"
+            reason.contains(&url) && reason.contains("no answer within"),
+            "{reason}"
         );
-        // Asking again gives the same answer, without another request.
+        assert!(retry_in <= retry_after(1), "{retry_in:?}");
+        // Asking again within the backoff gives the same answer, without
+        // another request.
         assert!(matches!(
             d.catalog(&r, &tools, "spec.tools"),
-            Answer::Ready(Err(_))
+            Answer::Failed { .. }
         ));
         assert_eq!(seen.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_failed_discovery_is_asked_again_after_a_doubling_backoff() {
+        let waits: Vec<u64> = (1..=9).map(|n| retry_after(n).as_secs()).collect();
+        assert_eq!(waits, [5, 10, 20, 40, 80, 160, 300, 300, 300]);
+    }
+
+    /// A server that is not there yet (a GitOps apply brings it with the
+    /// run): the run's discovery fails, is asked again once its backoff is
+    /// over, and succeeds once the server answers.
+    #[tokio::test]
+    async fn a_server_arriving_after_the_run_is_discovered_on_a_later_ask() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let url = format!("http://{addr}/mcp");
+        let (d, mut woken) = Discovery::new(http(), loopback(), Limits::default());
+        let r = run("u1", "a");
+        let tools = [mcp("lookup", &url)];
+        assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
+        tokio::time::timeout(Duration::from_secs(5), woken.recv())
+            .await
+            .unwrap();
+        let Answer::Failed { reason, .. } = d.catalog(&r, &tools, "spec.tools") else {
+            panic!("the refused connection is a failure");
+        };
+        assert!(reason.contains(&url), "{reason}");
+        // The backoff over (as time passes), the next ask discovers again.
+        d.shared.asks.lock().unwrap().get_mut("u1").unwrap().since -= retry_after(1);
+        assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
+        assert_eq!(d.shared.asks.lock().unwrap()["u1"].failures, 1);
     }
 
     #[tokio::test]
