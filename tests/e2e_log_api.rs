@@ -468,6 +468,62 @@ async fn a_page_holds_at_most_its_bytes_and_a_log_of_large_records_is_walked_who
     );
 }
 
+/// The worst sizes the caps allow (issue 39): a run of 32 tool answers of
+/// 3.9 MiB each (124 MiB of log), read whole by six readers at once, each
+/// asking for as much as it may. Before, one page of it took the
+/// controller to 790 MiB; its peak memory now stays under the chart's
+/// limit (512 MiB), the budgets of `docs/memory.md` holding.
+#[tokio::test]
+async fn the_controllers_memory_stays_under_its_limit_while_the_largest_log_is_read() {
+    let api = LogApiWorld::start("logmem").await;
+    let ns = api.ns().to_string();
+    let run = api
+        .world
+        .create_run(
+            "largest",
+            json!({"input": "x", "agentRef": {"name": "no-such-agent"}}),
+            json!({}),
+        )
+        .await;
+    log_api::append_large_steps(&uid_of(&run), 32, 3_900_000).await;
+    let client = api.world.client.clone();
+    wait_served(&client, &ns, "largest").await;
+    let pid = api.world.controller_pid().expect("the controller runs");
+    let before = common::procs::status_kb(pid, "VmHWM");
+
+    let walk = |client: kube::Client, ns: String| async move {
+        let mut seqs = Vec::new();
+        let mut query = "limit=1000000&limitBytes=1000000000".to_string();
+        loop {
+            let page = get_runlog(&client, &ns, "largest", &query).await.unwrap();
+            seqs.extend(page.records.iter().map(|r| r.seq));
+            match page.page.and_then(|p| p.r#continue) {
+                Some(token) => query = format!("limit=1000000&{}", continue_query(&token)),
+                None => return seqs,
+            }
+        }
+    };
+    let walks = (0..6).map(|_| walk(client.clone(), ns.clone()));
+    for seqs in futures::future::join_all(walks).await {
+        assert_eq!(
+            seqs,
+            (0..64).collect::<Vec<u64>>(),
+            "each reader read it all"
+        );
+    }
+    let peak = common::procs::status_kb(pid, "VmHWM");
+    println!(
+        "controller peak memory: {} MiB before, {} MiB after",
+        before / 1024,
+        peak / 1024
+    );
+    assert!(
+        peak < 512 * 1024,
+        "the controller peaked at {} MiB, over the chart's 512 MiB",
+        peak / 1024
+    );
+}
+
 #[tokio::test]
 async fn a_from_seq_past_the_head_is_an_empty_page_and_an_unknown_run_is_not_found() {
     let api = LogApiWorld::start("logbad").await;

@@ -795,6 +795,54 @@ pub async fn append_observations_of(uid: &str, n: u64, bytes: usize) {
     store.release(&lease).await.expect("releasing the lease");
 }
 
+/// Appends `n` steps of the largest records a run may have: a model call
+/// (the window starts there) and a tool's answer of `bytes`, as a step pod
+/// would.
+pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
+    use agentrun::runlog::records::{ModelCall, Observation};
+    use agentrun::runlog::replay::Step;
+    use agentrun::runlog::v1::{ModelResponse, TokenUsage};
+    let store: Arc<dyn StepStore> = agentrun::store::open(&super::store::e2e_store_url().await)
+        .await
+        .expect("opening the e2e store");
+    let lease = store
+        .acquire(uid, "e2e-log-api", Duration::from_secs(600))
+        .await
+        .expect("a store lease");
+    let mut head: Head = store.head(uid).await.expect("head");
+    for i in 0..n {
+        let call = Step::ModelCall(ModelCall {
+            response: ModelResponse {
+                text: Some(format!("step {i}")),
+                tool_calls: vec![],
+                usage: TokenUsage::default(),
+                model_id: "m".into(),
+                stop_reason: None,
+            },
+            cost_usd: 0.0,
+            context: Default::default(),
+            attempts: None,
+        });
+        let answer = Step::Observation(Observation {
+            text: format!("{i}{}", "x".repeat(bytes)),
+            about_seq: None,
+            stop: None,
+            attempts: None,
+        });
+        for step in [call, answer] {
+            let record = RecordDraft::new(step.store_kind(), step.payload())
+                .seal(&head)
+                .expect("sealing");
+            head = store
+                .append(uid, lease.epoch, &record)
+                .await
+                .unwrap_or_else(|e| panic!("appending to {uid}: {e}"))
+                .head();
+        }
+    }
+    store.release(&lease).await.expect("releasing the lease");
+}
+
 /// Replaces `from` by `to` in the stored body of record `seq` of run `uid`,
 /// as the database superuser with the append-only trigger off (what no role
 /// of the project can do); returns the rows touched.
