@@ -258,34 +258,16 @@ pub trait StepStore: Send + Sync + fmt::Debug {
         run: &str,
         expected_head: Option<&Hash>,
     ) -> Result<Vec<Record>, StoreError> {
-        let mut chain = chain::StoredChain::new(run);
-        let mut from = 0;
-        loop {
-            let page = self.read_stored_page(run, from, None, PAGE_BYTES).await?;
-            let Some(last) = page.last() else { break };
-            from = last.seq + 1;
-            for s in page {
-                chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
-            }
-        }
-        chain.finish(expected_head)
+        paged_chain(self, run, Head::EMPTY)
+            .await?
+            .finish(expected_head)
     }
 
     /// The records of `run` after `base` (a head already verified),
     /// verified as its continuation, from their stored bytes
     /// ([`verify_stored`]): what an incremental replay reads.
     async fn read_verified_after(&self, run: &str, base: &Head) -> Result<Vec<Record>, StoreError> {
-        let mut chain = chain::StoredChain::after(run, *base);
-        let mut from = base.len;
-        loop {
-            let page = self.read_stored_page(run, from, None, PAGE_BYTES).await?;
-            let Some(last) = page.last() else { break };
-            from = last.seq + 1;
-            for s in page {
-                chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
-            }
-        }
-        chain.finish(None)
+        paged_chain(self, run, *base).await?.finish(None)
     }
 
     /// Runs whose lease lapsed (expired without being released) after
@@ -396,6 +378,27 @@ pub fn redact_url(url: &str) -> String {
             Some((scheme, _)) => format!("{scheme}://***"),
             None => "***".to_string(),
         },
+    }
+}
+
+/// The records of `run` after `base`, read a page at a time and verified
+/// as its continuation from their stored bytes.
+async fn paged_chain<'a, S: StepStore + ?Sized>(
+    store: &S,
+    run: &'a str,
+    base: Head,
+) -> Result<chain::StoredChain<'a>, StoreError> {
+    let mut chain = chain::StoredChain::after(run, base);
+    let mut from = base.len;
+    loop {
+        let page = store.read_stored_page(run, from, None, PAGE_BYTES).await?;
+        let Some(last) = page.last() else {
+            return Ok(chain);
+        };
+        from = last.seq + 1;
+        for s in page {
+            chain.push(s.body.as_bytes(), &s.hash.0, s.created_at)?;
+        }
     }
 }
 

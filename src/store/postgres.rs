@@ -267,6 +267,24 @@ impl PgStore {
         Ok(chain)
     }
 
+    /// The records a query of `(seq, body, hash, created_at)` rows finds, as stored.
+    async fn stored(
+        &self,
+        run: &str,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        let mut rows = query.fetch(&self.pool);
+        let mut out = Vec::new();
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
+            out.push(stored_row(run, seq as u64, body, hash, at)?);
+        }
+        Ok(out)
+    }
+
     /// The lease `holder` took, from the row an upsert returned.
     fn taken(
         &self,
@@ -454,20 +472,8 @@ impl StepStore for PgStore {
             Some(t) => to_i64("seq", t)?,
             None => i64::MAX,
         };
-        let mut rows = sqlx::query(READ_SQL)
-            .bind(run)
-            .bind(from_i)
-            .bind(to_i)
-            .fetch(&self.pool);
-        let mut out = Vec::new();
-        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
-            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
-            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
-            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(stored_row(run, seq as u64, body, hash, at)?);
-        }
-        Ok(out)
+        let query = sqlx::query(READ_SQL).bind(run).bind(from_i).bind(to_i);
+        self.stored(run, query).await
     }
 
     async fn read_stored_page(
@@ -478,21 +484,12 @@ impl StepStore for PgStore {
         max_bytes: usize,
     ) -> Result<Vec<StoredRecord>, StoreError> {
         let to = super::page_end(from, to);
-        let mut rows = sqlx::query(PAGE_SQL)
+        let query = sqlx::query(PAGE_SQL)
             .bind(run)
             .bind(to_i64("seq", from)?)
             .bind(to_i64("seq", to)?)
-            .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
-            .fetch(&self.pool);
-        let mut out = Vec::new();
-        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
-            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
-            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
-            let at: DateTime<Utc> = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(stored_row(run, seq as u64, body, hash, at)?);
-        }
-        Ok(out)
+            .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX));
+        self.stored(run, query).await
     }
 
     async fn read_verified(

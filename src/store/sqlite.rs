@@ -254,6 +254,24 @@ impl SqliteStore {
         StoreError::from_sqlx(&self.url, e)
     }
 
+    /// The records a query of `(seq, body, hash, created_at)` rows finds, as stored.
+    async fn stored(
+        &self,
+        run: &str,
+        query: sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+    ) -> Result<Vec<StoredRecord>, StoreError> {
+        let mut rows = query.fetch(&self.reader);
+        let mut out = Vec::new();
+        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
+            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
+            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
+            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
+            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
+            out.push(stored_row(run, seq as u64, body, hash, from_micros(at))?);
+        }
+        Ok(out)
+    }
+
     /// The writer pool (one connection; for administration and tests).
     pub fn pool(&self) -> &SqlitePool {
         &self.writer
@@ -410,23 +428,14 @@ impl StepStore for SqliteStore {
             Some(t) => to_i64("seq", t)?,
             None => i64::MAX,
         };
-        let mut rows = sqlx::query(
+        let query = sqlx::query(
             "SELECT seq, body, hash, created_at FROM agentrun_steps \
              WHERE run = ?1 AND seq >= ?2 AND seq < ?3 ORDER BY seq",
         )
         .bind(run)
         .bind(from_i)
-        .bind(to_i)
-        .fetch(&self.reader);
-        let mut out = Vec::new();
-        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
-            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
-            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
-            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(stored_row(run, seq as u64, body, hash, from_micros(at))?);
-        }
-        Ok(out)
+        .bind(to_i);
+        self.stored(run, query).await
     }
 
     async fn read_stored_page(
@@ -437,7 +446,7 @@ impl StepStore for SqliteStore {
         max_bytes: usize,
     ) -> Result<Vec<StoredRecord>, StoreError> {
         let to = super::page_end(from, to);
-        let mut rows = sqlx::query(
+        let query = sqlx::query(
             "SELECT seq, body, hash, created_at FROM (\
              SELECT seq, body, hash, created_at, \
              sum(length(CAST(body AS BLOB))) OVER (ORDER BY seq) AS upto, \
@@ -448,17 +457,8 @@ impl StepStore for SqliteStore {
         .bind(run)
         .bind(to_i64("seq", from)?)
         .bind(to_i64("seq", to)?)
-        .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
-        .fetch(&self.reader);
-        let mut out = Vec::new();
-        while let Some(row) = rows.try_next().await.map_err(|e| self.err(e))? {
-            let seq: i64 = row.try_get(0).map_err(|e| self.err(e))?;
-            let body: String = row.try_get(1).map_err(|e| self.err(e))?;
-            let hash: &[u8] = row.try_get(2).map_err(|e| self.err(e))?;
-            let at: i64 = row.try_get(3).map_err(|e| self.err(e))?;
-            out.push(stored_row(run, seq as u64, body, hash, from_micros(at))?);
-        }
-        Ok(out)
+        .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX));
+        self.stored(run, query).await
     }
 
     async fn read_verified(
