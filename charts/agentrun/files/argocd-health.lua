@@ -1,4 +1,4 @@
--- Argo CD health check for agentrun.dev/AgentRun (see README, "GitOps with Argo CD").
+-- Argo CD health check for agentrun.dev/AgentRun (see docs/install.md, "GitOps with Argo CD").
 -- Install it in argocd-cm as resource.customizations.health.agentrun.dev_AgentRun.
 --   Pending, Running                                   -> Progressing
 --   AwaitingApproval                                   -> Suspended (a person must decide)
