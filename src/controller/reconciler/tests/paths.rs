@@ -560,9 +560,15 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
 /// A running step whose pod took the lease for a moment and never renewed
 /// it (or was killed): returns the epoch it held, lapsed now.
 async fn lapsed_pod(ctx: &Context, steps: Vec<Step>) -> u64 {
-    let epoch = step_pod(ctx, steps, Duration::from_millis(100), false).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    epoch
+    // Appends under a lease long enough for a loaded machine, then lets it
+    // lapse at once (a short lease could lapse mid-append: CI saw that).
+    let lease = step_pod_holding(ctx, steps, Duration::from_secs(30)).await;
+    ctx.store
+        .renew(&lease, Duration::from_millis(1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    lease.epoch
 }
 
 #[tokio::test]
