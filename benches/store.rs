@@ -151,7 +151,7 @@ where
 async fn gateway_figures(url: &str, seconds: f64, direct: &[(usize, f64)]) {
     use agentrun::controller::servers::gateway::{Gateway, serve};
     use agentrun::controller::servers::run_index::RunIndex;
-    use agentrun::controller::servers::step_token::TokenKey;
+    use agentrun::keys::step_token::TokenKey;
     let behind = store::open_with(
         url,
         &OpenOptions {

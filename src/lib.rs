@@ -3,12 +3,15 @@
 //! of risky steps. See DESIGN.md for the contract.
 
 pub mod api;
+pub mod bounded;
 pub mod cli;
 pub mod console;
+pub mod contain;
 pub mod controller;
 pub mod dns;
 pub mod egress;
 pub mod failpoint;
+pub mod keys;
 pub mod model;
 pub mod policy;
 pub mod runlog;

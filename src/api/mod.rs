@@ -8,6 +8,7 @@ mod common;
 mod policy;
 mod run;
 pub mod runlog;
+pub mod signing;
 
 pub use agent::*;
 pub use approval::*;
@@ -22,6 +23,10 @@ use kube::CustomResourceExt;
 pub const GROUP: &str = "agentrun.dev";
 /// The one served and stored version.
 pub const VERSION: &str = "v1alpha1";
+
+/// The one field manager every write of the controller uses (and what
+/// readers check the controller's fields by).
+pub const FIELD_MANAGER: &str = "agentrun-controller";
 
 /// All CRDs this operator defines, in the order they are installed.
 pub fn crds() -> Vec<CustomResourceDefinition> {

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ListParams, PostParams};
 
 use crate::api::AgentRun;
-use crate::controller::servers::step_token::{RetiredKey, TokenKey, parse_retired, retired_text};
+use crate::keys::step_token::{RetiredKey, TokenKey, parse_retired, retired_text};
 
 type SecretData = BTreeMap<String, ByteString>;
 

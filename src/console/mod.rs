@@ -32,7 +32,7 @@ use axum::routing::{get, post};
 use minijinja::Environment;
 use serde::Serialize;
 
-use crate::controller::servers::bounded;
+use crate::bounded;
 
 /// `kubectl agentrun console`'s flags.
 #[derive(clap::Args, Clone, Debug)]

@@ -25,7 +25,7 @@ pub struct Context {
     /// Name of the store in `status.log.store`.
     pub store_name: String,
     /// Mints each run's step-log gateway token (handed over in a per-run Secret).
-    pub tokens: crate::controller::servers::step_token::TokenKey,
+    pub tokens: crate::keys::step_token::TokenKey,
     /// Signs the controller's own records; the verifier checks them on every read.
     pub signer: crate::store::RecordSigner,
     pub verifier: crate::store::RecordVerifier,

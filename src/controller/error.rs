@@ -22,9 +22,9 @@ pub enum Error {
     #[error("step log: {0}")]
     Decode(#[source] crate::runlog::replay::DecodeError),
     /// A bug that this run's input reached: the reconcile failed, the
-    /// process goes on (see [`crate::controller::contain`]).
+    /// process goes on (see [`crate::contain`]).
     #[error("reconcile {0}")]
-    Panicked(#[from] crate::controller::contain::Panicked),
+    Panicked(#[from] crate::contain::Panicked),
 }
 
 impl Error {

@@ -6,7 +6,9 @@
 //!
 //! - [`servers`]: what the controller serves others: the step-log gateway
 //!   with its per-run tokens (its client is [`crate::store::RemoteStore`]),
-//!   the probes and `/metrics`, the published public keys.
+//!   the probes and `/metrics`, publishing its public keys (the keys and
+//!   tokens themselves are [`crate::keys`], below the controller: the
+//!   plugin and the console use them too).
 //! - [`watchers`]: the Agent status controller, the platform's policies,
 //!   MCP discovery, and the health of every watch.
 //! - [`approvals`]: raising an Approval from a step's request, judging its
@@ -17,7 +19,6 @@
 
 pub mod approvals;
 mod conditions;
-pub(crate) mod contain;
 mod context;
 mod error;
 pub mod memory;
@@ -29,7 +30,7 @@ mod slots;
 pub mod watchers;
 
 /// The one field manager every write of the controller uses.
-pub const FIELD_MANAGER: &str = "agentrun-controller";
+pub use crate::api::FIELD_MANAGER;
 
 pub use error::Error;
 pub use process::{Options, run};

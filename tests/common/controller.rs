@@ -43,7 +43,7 @@ pub fn step_token_key() -> &'static str {
 /// The name of run `uid`'s step credential Secret, as a controller with the
 /// e2e key makes it (one per key).
 pub fn credential_secret(uid: &str) -> String {
-    let key = agentrun::controller::servers::step_token::TokenKey::new(step_token_key().as_bytes())
+    let key = agentrun::keys::step_token::TokenKey::new(step_token_key().as_bytes())
         .expect("the e2e key is long enough");
     agentrun::controller::reconciler::job::credential_secret(uid, key.record_signer().key_id())
 }

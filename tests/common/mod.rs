@@ -494,7 +494,7 @@ pub async fn publish_keys_to_everyone(client: &Client, namespace: &str) {
     let role: Role = serde_json::from_value(serde_json::json!({
         "metadata": {"name": "agentrun-controller-keys-reader"},
         "rules": [{"apiGroups": [""], "resources": ["configmaps"],
-                   "resourceNames": [agentrun::controller::servers::published_keys::CONFIGMAP], "verbs": ["get"]}]
+                   "resourceNames": [agentrun::keys::published::CONFIGMAP], "verbs": ["get"]}]
     }))
     .expect("role");
     let binding: RoleBinding = serde_json::from_value(serde_json::json!({

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Phase};
-use agentrun::controller::servers::step_token::TokenKey;
+use agentrun::keys::step_token::TokenKey;
 use agentrun::store::{Record, RecordDraft, RemoteStore, StepKind, StepStore};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
@@ -143,7 +143,7 @@ async fn replay_with(
 /// The controller's keys as its step Jobs get them.
 async fn published_keys(w: &World) -> String {
     let keys = common::wait_for("the controller's published keys", TIMEOUT, || async {
-        agentrun::controller::servers::published_keys::read(&w.client, w.name())
+        agentrun::keys::published::read(&w.client, w.name())
             .await
             .map_err(|e| e.to_string())
     })
@@ -346,7 +346,7 @@ async fn keys_a_rotation_keeps_waiting_and_running_runs_and_old_signatures() {
 
     // Both keys are published, the old one as retired.
     let published = common::wait_for("both keys published", TIMEOUT, || async {
-        let keys = agentrun::controller::servers::published_keys::read(&w.client, w.name())
+        let keys = agentrun::keys::published::read(&w.client, w.name())
             .await
             .map_err(|e| e.to_string())?;
         let ids: Vec<(String, bool)> = keys

@@ -57,7 +57,7 @@ impl Trust {
             anchor,
             phase: phase.map(|p| phase_name(&p)),
             terminal: phase.is_some_and(Phase::is_terminal),
-            rules: crate::controller::reconciler::status::signature_rules(run),
+            rules: crate::api::signing::signature_rules(run),
             secondhand: None,
         })
     }
@@ -88,7 +88,7 @@ impl Trust {
             Some(v) => v
                 .signing_keys
                 .as_deref()
-                .map(crate::controller::reconciler::status::windows_of)
+                .map(crate::api::signing::windows_of)
                 .unwrap_or(SignatureRules::STRICT.keys),
         };
         // Without the server's head, a final phase cannot say where the log

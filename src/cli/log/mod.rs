@@ -217,7 +217,7 @@ async fn run_trust(k: &Kube, run: &str) -> anyhow::Result<Result<Trust, String>>
 /// The controller's published public keys, or why they could not be read
 /// (the log is then not verified, but still shown).
 async fn keys(k: &Kube, controller_namespace: &str) -> Result<RecordVerifier, String> {
-    crate::controller::servers::published_keys::read(&k.client, controller_namespace)
+    crate::keys::published::read(&k.client, controller_namespace)
         .await
         .map_err(|e| format!("{e:#} (is --controller-namespace right?)"))
 }

@@ -806,7 +806,7 @@ fn served(log: Vec<Record>) -> Served {
 fn served_stored(log: Vec<StoredRecord>) -> Served {
     let head = log.last().map(|r| r.hash.to_hex());
     let run = serde_json::to_value(agent_run_at(head, log.len() as u64, "Succeeded")).unwrap();
-    let data = crate::controller::servers::published_keys::data(&signer().verifier());
+    let data = crate::keys::published::data(&signer().verifier());
     Served {
         log,
         run,

@@ -147,7 +147,7 @@ pub fn notify(
     let format = request.gate.notify_format.unwrap_or_default();
     // A bug the model's text reaches fails this notification, never the
     // reconcile that raised it (nor the process).
-    let body = crate::controller::contain::contain_sync(|| {
+    let body = crate::contain::contain_sync(|| {
         body(
             format,
             run,

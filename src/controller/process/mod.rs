@@ -23,9 +23,10 @@ use prometheus_client::registry::Registry;
 
 use super::memory;
 use super::reconciler::{self, job};
-use super::servers::{gateway, https, probes as http, published_keys, serving_cert, step_token};
+use super::servers::{gateway, https, probes as http, serving_cert};
 use super::watchers::{agent_status as agent, discovery, health as watches, platform};
 use super::{FIELD_MANAGER, context, metrics, slots};
+use crate::keys::{published as published_keys, step_token};
 
 use crate::api::{Agent, AgentRun, Approval};
 
@@ -284,7 +285,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let metrics = metrics::Metrics::new(&mut registry);
     let watches = watches::Watches::new(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
-    let open_files = super::servers::bounded::raise_open_files_limit();
+    let open_files = crate::bounded::raise_open_files_limit();
     serve_probes(&opts, registry, &ready, &watches).await?;
     let store = crate::store::open(&opts.store_url).await?;
     tracing::info!(store = %store.url(), "step store opened");
@@ -439,8 +440,8 @@ async fn serve_https(
         store_connections: opts.log_api_connections,
         namespace: opts.namespace.clone(),
         authz_ttl: Duration::from_secs(opts.authorization_cache_seconds),
-        limits: super::servers::bounded::Limits {
-            max_connections: super::servers::bounded::fitting_connections(wanted, open_files),
+        limits: crate::bounded::Limits {
+            max_connections: crate::bounded::fitting_connections(wanted, open_files),
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(10),
         },
@@ -845,7 +846,7 @@ const SWEEP_EVERY: Duration = Duration::from_secs(2);
 /// open-files limit (an exhausted descriptor table would silence the probes too).
 fn gateway_limits(opts: &Options, open_files: Option<u64>) -> gateway::GatewayLimits {
     let wanted = opts.step_api_max_connections.max(1);
-    let max_connections = super::servers::bounded::fitting_connections(wanted, open_files);
+    let max_connections = crate::bounded::fitting_connections(wanted, open_files);
     if max_connections < wanted {
         tracing::warn!(
             wanted,
@@ -855,7 +856,7 @@ fn gateway_limits(opts: &Options, open_files: Option<u64>) -> gateway::GatewayLi
         );
     }
     gateway::GatewayLimits {
-        server: super::servers::bounded::Limits {
+        server: crate::bounded::Limits {
             max_connections,
             header_timeout: Duration::from_secs(opts.step_api_header_timeout_seconds.max(1)),
             body_timeout: Duration::from_secs(opts.step_api_body_timeout_seconds.max(1)),

@@ -51,13 +51,13 @@ struct Resolved {
 /// that reconciles every run (kube-runtime would carry it up through the
 /// controller's own future).
 pub async fn reconcile(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, Error> {
-    crate::controller::contain::contain(reconcile_in_turn(run, ctx))
+    crate::contain::contain(reconcile_in_turn(run, ctx))
         .await
         .unwrap_or_else(panicked)
 }
 
 /// A reconcile's panic as its error, logged (the hook logged where).
-fn panicked(p: crate::controller::contain::Panicked) -> Result<Action, Error> {
+fn panicked(p: crate::contain::Panicked) -> Result<Action, Error> {
     tracing::error!(error = %p, "reconcile panicked; the run backs off");
     Err(p.into())
 }
@@ -82,7 +82,7 @@ async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
     ctx.metrics.reconciliations.inc();
     // A panic in the work is recorded like any failure (a Stalled condition
     // and Event, then the error backoff).
-    let result = crate::controller::contain::contain(reconcile_inner(&run, &ctx))
+    let result = crate::contain::contain(reconcile_inner(&run, &ctx))
         .await
         .unwrap_or_else(panicked);
     match &result {

@@ -12,7 +12,9 @@ use crate::controller::conditions::{condition, set_condition};
 use crate::controller::reconciler::phase::{JobState, JobView, deadline};
 use crate::runlog::records::{Outcome, RunFinished};
 use crate::runlog::replay::RunState;
-use crate::store::{Head, KeyWindows};
+use crate::store::Head;
+
+pub use crate::api::signing::{bound_from, key_windows, signature_rules, signed_from, windows_of};
 
 /// Longest `status.result` / `status.error`: a run's status stays small
 /// (etcd objects are limited, and every watcher receives it) whatever the
@@ -38,21 +40,6 @@ pub const STALLED: &str = "Stalled";
 /// Condition type that is True once a run succeeded, False once it ended otherwise.
 pub const SUCCEEDED: &str = "Succeeded";
 
-/// From which record on the run's controller records must be signed: every
-/// record of a run whose log this release anchored from the start, and the
-/// records past `signedFrom` for a run an older, unsigning release began.
-/// Such a run has no `signedFrom` until a status of this release fixes it
-/// ([`signed_from_to_write`]); until then nothing is checked (`u64::MAX`):
-/// the earlier release's step worker, still running across the upgrade,
-/// appends unsigned records of kinds that are the controller's now (its
-/// `RunFinished`), as that release did.
-pub fn signed_from(run: &AgentRun) -> u64 {
-    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
-        None => 0,
-        Some(log) => log.signed_from.unwrap_or(u64::MAX),
-    }
-}
-
 /// [`signed_from`], for a run not fixed yet the head `len` it continues
 /// from (what a new step Job of this release is given).
 pub fn signed_from_at(run: &AgentRun, len: u64) -> u64 {
@@ -76,17 +63,6 @@ fn signed_from_to_write(run: &AgentRun, head: &Head, job: Option<&JobView>) -> O
     }
 }
 
-/// From which record on the run's controller signatures must bind their
-/// place (v2): as [`signed_from`], for the release that began binding
-/// (`u64::MAX` until fixed: legacy v1 signatures of an earlier release's
-/// run count until its status records the head it had then).
-pub fn bound_from(run: &AgentRun) -> u64 {
-    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
-        None => 0,
-        Some(log) => log.bound_from.unwrap_or(u64::MAX),
-    }
-}
-
 /// [`bound_from`] for a new step Job continuing from head `len`.
 pub fn bound_from_at(run: &AgentRun, len: u64) -> u64 {
     match bound_from(run) {
@@ -104,34 +80,6 @@ fn bound_from_to_write(run: &AgentRun, head: &Head, job: Option<&JobView>) -> Op
             (!working).then_some(head.len)
         }),
     }
-}
-
-/// The signature rules of the run's log (see [`crate::store::SignatureRules`]).
-pub fn signature_rules(run: &AgentRun) -> crate::store::SignatureRules {
-    crate::store::SignatureRules {
-        signed_from: signed_from(run),
-        bound_from: bound_from(run),
-        keys: key_windows(run),
-    }
-}
-
-/// Where each of the controller's keys signs the run's records, as its
-/// status records them: for a run with no status yet, none (a retired key
-/// signed nothing for it); for an earlier release's run whose status
-/// records no keys yet, unbounded (as that release had it).
-pub fn key_windows(run: &AgentRun) -> KeyWindows {
-    match run.status.as_ref().and_then(|s| s.log.as_ref()) {
-        None => KeyWindows::Recorded(Vec::new()),
-        Some(log) => match &log.signing_keys {
-            None => KeyWindows::Unrecorded,
-            Some(keys) => windows_of(keys),
-        },
-    }
-}
-
-/// `status.log.signingKeys` as the verifiers read it.
-pub fn windows_of(keys: &[SigningKey]) -> KeyWindows {
-    KeyWindows::Recorded(keys.iter().map(|k| (k.key.clone(), k.from)).collect())
 }
 
 /// The `signingKeys` a status written now records, by a controller signing
@@ -457,6 +405,7 @@ fn phase_name(phase: Phase) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::KeyWindows;
 
     /// A run whose status records `keys` (`None`: a status without them,
     /// as an earlier release wrote it; no status at all for `Err`).

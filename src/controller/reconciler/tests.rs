@@ -189,10 +189,9 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
     let store = crate::store::open(&format!("sqlite://{}", dir.join("log.db").display()))
         .await
         .unwrap();
-    let tokens = crate::controller::servers::step_token::TokenKey::new(
-        b"a key of the reconcile test, 32 bytes or more",
-    )
-    .unwrap();
+    let tokens =
+        crate::keys::step_token::TokenKey::new(b"a key of the reconcile test, 32 bytes or more")
+            .unwrap();
     let signer = tokens.record_signer();
     let mut registry = Registry::default();
     Context {
@@ -915,7 +914,7 @@ async fn a_panic_in_one_reconcile_fails_that_run_and_the_process_goes_on() {
 /// The context of a controller whose key was rotated: `new` current, the
 /// test context's key retired.
 fn rotated(mut ctx: Context, new: &[u8]) -> Context {
-    use crate::controller::servers::step_token::TokenKey;
+    use crate::keys::step_token::TokenKey;
     let retired = [
         b"a key of the reconcile test, 32 bytes or more".as_slice(),
         b" 2026-12-05T12:00:00Z",

@@ -3,7 +3,7 @@
 //! [`crate::store::RemoteStore`].
 //!
 //! Each request carries `Authorization: Bearer <token>` where the token is
-//! the HMAC of the run uid in the path ([`crate::controller::servers::step_token`]). The gateway
+//! the HMAC of the run uid in the path ([`crate::keys::step_token`]). The gateway
 //! refuses:
 //! - a missing or malformed token (401), another run's token (403);
 //! - records only the controller writes (`RunStarted`, `VersionChanged`,
@@ -18,7 +18,7 @@
 //! pool, so heartbeats are never queued behind the reconciler's work.
 //!
 //! Before authentication a client gets nothing but a slot and a few seconds
-//! ([`crate::controller::servers::bounded`]: connection limit, header, idle and body timeouts). The
+//! ([`crate::bounded`]: connection limit, header, idle and body timeouts). The
 //! token is checked from the headers before any body is read ([`gate`]), and
 //! an authenticated body is read only within [`MAX_BODY`] and a byte budget
 //! shared by all requests in flight ([`GatewayLimits::body_budget`]), so
@@ -36,7 +36,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 
 use crate::controller::servers::run_index::{RunIndex, RunPresence};
-use crate::controller::servers::step_token::{TokenCheck, TokenKey};
+use crate::keys::step_token::{TokenCheck, TokenKey};
 use crate::store::{
     AcquireBody, AppendBody, Lease, OpenOptions, Record, StepKind, StepStore, StoreError,
     StoredRecord, WireError,
@@ -58,7 +58,7 @@ const BUDGET_WAIT: Duration = Duration::from_secs(5);
 #[derive(Clone, Copy, Debug)]
 pub struct GatewayLimits {
     /// Connections, timeouts (before authentication).
-    pub server: crate::controller::servers::bounded::Limits,
+    pub server: crate::bounded::Limits,
     /// Body bytes all authenticated requests may hold at once.
     pub body_budget: usize,
 }
@@ -66,7 +66,7 @@ pub struct GatewayLimits {
 impl Default for GatewayLimits {
     fn default() -> Self {
         GatewayLimits {
-            server: crate::controller::servers::bounded::Limits {
+            server: crate::bounded::Limits {
                 max_connections: 4096,
                 header_timeout: Duration::from_secs(10),
                 body_timeout: Duration::from_secs(60),
@@ -392,15 +392,11 @@ async fn start(
 pub async fn serve(
     addr: SocketAddr,
     gateway: Gateway,
-    limits: crate::controller::servers::bounded::Limits,
+    limits: crate::bounded::Limits,
 ) -> std::io::Result<SocketAddr> {
     let listener = super::own_runtime::bind_shared(addr)?;
     let local = listener.local_addr()?;
-    tokio::spawn(crate::controller::servers::bounded::serve(
-        listener,
-        router(gateway),
-        limits,
-    ));
+    tokio::spawn(crate::bounded::serve(listener, router(gateway), limits));
     Ok(local)
 }
 

@@ -12,10 +12,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::bounded::Limits;
 use super::log_api::LogApi;
 use super::log_api::front_proxy::RequestHeaderConfig;
-use super::tls::{Material, TlsConfigs};
+use crate::bounded::Limits;
+use crate::bounded::tls::{Material, TlsConfigs};
 
 /// How often the TLS material is looked at again.
 const REFRESH: Duration = Duration::from_secs(30);
@@ -78,7 +78,7 @@ async fn start(s: Settings) -> anyhow::Result<SocketAddr> {
     let local = listener.local_addr()?;
     tokio::spawn(refresh(client, s.cert, tls.clone(), api.clone()));
     let router = super::log_api::router(api).merge(super::admission::router());
-    tokio::spawn(super::bounded::serve_tls(listener, router, s.limits, tls));
+    tokio::spawn(crate::bounded::serve_tls(listener, router, s.limits, tls));
     Ok(local)
 }
 

@@ -38,12 +38,7 @@ pub fn router(health: Health) -> Router {
 /// on a listener and slots of its own: an attack on the step-log gateway
 /// never takes the probes' connections.
 pub async fn serve(listener: tokio::net::TcpListener, health: Health) {
-    crate::controller::servers::bounded::serve(
-        listener,
-        router(health),
-        crate::controller::servers::bounded::Limits::PROBES,
-    )
-    .await
+    crate::bounded::serve(listener, router(health), crate::bounded::Limits::PROBES).await
 }
 
 async fn metrics(

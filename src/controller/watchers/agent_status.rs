@@ -79,14 +79,14 @@ enum StatusError {
     /// A bug an Agent's spec reached (its CEL, its schemas): that Agent's
     /// status waits, every other Agent's and run's goes on.
     #[error("checking the agent {0}")]
-    Panicked(#[from] crate::controller::contain::Panicked),
+    Panicked(#[from] crate::contain::Panicked),
 }
 
 async fn reconcile_contained(
     agent: Arc<Agent>,
     client: Arc<kube::Client>,
 ) -> Result<Action, StatusError> {
-    Ok(crate::controller::contain::contain(reconcile(agent, client)).await??)
+    Ok(crate::contain::contain(reconcile(agent, client)).await??)
 }
 
 async fn reconcile(agent: Arc<Agent>, client: Arc<kube::Client>) -> Result<Action, kube::Error> {

@@ -12,7 +12,7 @@ use axum::http::HeaderMap;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Api;
 
-use crate::controller::servers::tls::PeerCert;
+use crate::bounded::tls::PeerCert;
 
 /// Namespace and name of the ConfigMap the API server publishes.
 pub const CONFIGMAP_NAMESPACE: &str = "kube-system";

@@ -31,7 +31,7 @@ use crate::store::{HeadEvent, StepStore};
 use authorize::{Answer, Authorizer, Question};
 use front_proxy::{RequestHeaderConfig, User};
 
-use super::tls::PeerCert;
+use crate::bounded::tls::PeerCert;
 
 /// What the handlers share.
 #[derive(Clone)]

@@ -78,7 +78,7 @@ pub async fn publish(
     });
     api.patch(
         CONFIGMAP,
-        &PatchParams::apply(crate::controller::FIELD_MANAGER).force(),
+        &PatchParams::apply(crate::api::FIELD_MANAGER).force(),
         &Patch::Apply(cm),
     )
     .await

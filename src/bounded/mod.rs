@@ -20,6 +20,8 @@
 //! answers `/readyz` (and the controller raises its open-files limit at start,
 //! [`raise_open_files_limit`], so the slots fit in it).
 
+pub mod tls;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -69,12 +71,12 @@ pub async fn serve(listener: TcpListener, router: Router, limits: Limits) {
 
 /// Same, over TLS: the handshake must end within the header timeout, and
 /// each request also carries the client's verified certificate as
-/// [`super::tls::PeerCert`].
+/// [`tls::PeerCert`].
 pub async fn serve_tls(
     listener: TcpListener,
     router: Router,
     limits: Limits,
-    tls: super::tls::TlsConfigs,
+    tls: tls::TlsConfigs,
 ) {
     serve_with(listener, router, limits, Some(tls)).await
 }
@@ -83,7 +85,7 @@ async fn serve_with(
     listener: TcpListener,
     router: Router,
     limits: Limits,
-    tls: Option<super::tls::TlsConfigs>,
+    tls: Option<tls::TlsConfigs>,
 ) {
     let slots = Slots::new(limits.max_connections);
     loop {
@@ -119,7 +121,7 @@ async fn serve_with(
                     let handshake = tls.acceptor().accept(stream);
                     match tokio::time::timeout(limits.header_timeout, handshake).await {
                         Ok(Ok(stream)) => {
-                            let cert = super::tls::PeerCert::of(stream.get_ref().1);
+                            let cert = tls::PeerCert::of(stream.get_ref().1);
                             let service = PeerService {
                                 cert: Some(cert),
                                 ..service
@@ -247,7 +249,7 @@ struct PeerService {
     body_timeout: Duration,
     conn: Arc<Conn>,
     /// The client's certificate, on a TLS listener.
-    cert: Option<super::tls::PeerCert>,
+    cert: Option<tls::PeerCert>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for PeerService {
@@ -266,8 +268,8 @@ impl hyper::service::Service<Request<Incoming>> for PeerService {
         let peer = self.peer;
         Box::pin(async move {
             // A panic in one request's handler answers that request 500 and
-            // ends nothing else (see `crate::controller::contain`).
-            let response = crate::controller::contain::contain(router.call(req))
+            // ends nothing else (see `crate::contain`).
+            let response = crate::contain::contain(router.call(req))
                 .await
                 .unwrap_or_else(|panicked| {
                     tracing::error!(%peer, error = %panicked, "a request's handler panicked");
