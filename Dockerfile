@@ -12,14 +12,15 @@
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-# Cargo.toml declares every target (also the e2e node, the stand-ins and the
-# benchmark), so their sources are part of the context; only the two shipped
-# binaries are built.
+# Cargo.toml declares every target (also the e2e node, the stand-ins, the
+# benchmarks and the suites that need a cluster), so their sources are part
+# of the context; only the two shipped binaries are built.
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY e2e/node ./e2e/node
 COPY e2e/standins ./e2e/standins
 COPY benches ./benches
+COPY tests ./tests
 ENV CARGO_PROFILE_RELEASE_STRIP=symbols
 # The cargo profile: release, the image users run. `--build-arg PROFILE=dev`
 # builds the same stages unoptimised, minutes faster (the e2e tests' real
