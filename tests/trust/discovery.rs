@@ -184,10 +184,40 @@ async fn a_noisy_namespace_does_not_delay_another_namespaces_first_job() {
     );
 
     // The flood's runs wait (their servers may yet answer), each saying
-    // why, naming the server; none ends and none has a Job.
+    // why once its turn came, naming the server; none ends and none has a
+    // Job.
     let prefix = format!("/mcp/{a}-");
-    let says = [prefix.as_str(), "no answer within"];
-    common::world::waiting_on_discovery(&client, a, "flood-0", &says).await;
+    let runs: Api<AgentRun> = Api::namespaced(client.clone(), a);
+    let waiting = common::wait_for("a noisy run to wait on its discovery", TIMEOUT, || async {
+        let list = runs
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        assert!(
+            !list.items.iter().any(|r| r
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(|p| p.is_terminal())),
+            "a noisy run ended instead of waiting"
+        );
+        list.items
+            .into_iter()
+            .find(|r| {
+                r.status.as_ref().is_some_and(|s| {
+                    s.waiting_on.as_deref() == Some("mcp/discovery")
+                        && s.conditions.iter().any(|c| {
+                            c.type_ == "ToolsDiscovered"
+                                && c.status == "False"
+                                && c.message.contains(&prefix)
+                                && c.message.contains("no answer within")
+                        })
+                })
+            })
+            .ok_or_else(|| "none waits on its discovery yet".to_string())
+    })
+    .await;
+    assert_eq!(waiting.status.unwrap().phase, Some(Phase::Pending));
     let flood_jobs: Api<Job> = Api::namespaced(client.clone(), a);
     let list = flood_jobs.list(&ListParams::default()).await.unwrap();
     assert!(list.items.is_empty(), "a noisy run got a Job");
