@@ -126,11 +126,24 @@ impl Runs {
     }
 }
 
+/// The runs whose end this process reported, the latest [`ENDED_KEPT`]: a
+/// reconcile that read the run before the end's status write came back
+/// decides the same end again, and must not report it twice (its span).
+#[derive(Default)]
+struct Ended {
+    uids: std::collections::HashSet<String>,
+    order: std::collections::VecDeque<String>,
+}
+
+/// How many ended runs [`Ended`] remembers.
+const ENDED_KEPT: usize = 4096;
+
 /// What the controller remembers about every run, and what the head events
 /// said since.
 #[derive(Default)]
 pub struct RunMemory {
     runs: Mutex<Runs>,
+    ended: Mutex<Ended>,
     /// Bytes of records all held logs may come to; 0: unbounded.
     budget: usize,
     /// Moves on whenever head events may have been missed; a log read
@@ -284,6 +297,22 @@ impl RunMemory {
         self.runs().map.get(uid).is_some_and(|r| r.run.is_some())
     }
 
+    /// Notes that this process reports the run's end: `true` the first
+    /// time, `false` when it did already (a stale read of the run).
+    pub fn first_end(&self, uid: &str) -> bool {
+        let mut ended = self.ended.lock().expect("not poisoned");
+        if !ended.uids.insert(uid.to_string()) {
+            return false;
+        }
+        ended.order.push_back(uid.to_string());
+        if ended.order.len() > ENDED_KEPT
+            && let Some(oldest) = ended.order.pop_front()
+        {
+            ended.uids.remove(&oldest);
+        }
+        true
+    }
+
     /// Forgets everything about a run (finished, deleted, or its log broken
     /// and said so): the one place a run leaves the memory.
     pub fn forget(&self, uid: &str) {
@@ -408,6 +437,17 @@ mod tests {
 
     fn run(name: &str) -> ObjectRef<AgentRun> {
         ObjectRef::new(name).within("ns")
+    }
+
+    #[test]
+    fn a_runs_end_is_first_once_and_the_oldest_ends_are_let_go() {
+        let memory = RunMemory::default();
+        assert!(memory.first_end("u1"));
+        assert!(!memory.first_end("u1"), "a stale read ends nothing twice");
+        for i in 0..ENDED_KEPT {
+            assert!(memory.first_end(&format!("other-{i}")));
+        }
+        assert!(memory.first_end("u1"), "bounded: the oldest is let go");
     }
 
     #[test]

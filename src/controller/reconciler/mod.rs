@@ -466,7 +466,7 @@ async fn record(
         },
         false => (requeue, write_status(run, ctx, &new_status, notices).await?),
     };
-    if ends_now.is_some() {
+    if ends_now.is_some() && ctx.memory.first_end(&uid) {
         report_run_span(run, &new_status);
     }
     // A waiting run whose step Job is not let go yet (its worker still
