@@ -15,6 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentrun::api::runlog::{LOG_GROUP, LOG_VERSION, RUNLOGS, RunLog, WatchEvent};
+use agentrun::runlog::records::Observation;
+use agentrun::runlog::replay::Step;
 use agentrun::store::{Head, Record, RecordDraft, StepKind, StepStore};
 use futures::{AsyncBufReadExt as _, Stream, StreamExt as _};
 use k8s_openapi::api::core::v1::Service;
@@ -773,44 +775,22 @@ pub async fn append_observations(uid: &str, n: u64) {
 
 /// [`append_observations`], each text padded to `bytes` bytes.
 pub async fn append_observations_of(uid: &str, n: u64, bytes: usize) {
-    let store: Arc<dyn StepStore> = agentrun::store::open(&super::store::e2e_store_url().await)
-        .await
-        .expect("opening the e2e store");
-    let lease = store
-        .acquire(uid, "e2e-log-api", Duration::from_secs(600))
-        .await
-        .expect("a store lease");
-    let mut head: Head = store.head(uid).await.expect("head");
-    for i in 0..n {
-        let text = format!("o{i}{}", "x".repeat(bytes));
-        let record = RecordDraft::new(StepKind::Observation, json!({"text": text}))
-            .seal(&head)
-            .expect("sealing");
-        head = store
-            .append(uid, lease.epoch, &record)
-            .await
-            .unwrap_or_else(|e| panic!("appending record {i} to {uid}: {e}"))
-            .head();
-    }
-    store.release(&lease).await.expect("releasing the lease");
+    let text = |i| Observation {
+        text: format!("o{i}{}", "x".repeat(bytes)),
+        about_seq: None,
+        stop: None,
+        attempts: None,
+    };
+    append_as_step_pod(uid, (0..n).map(|i| Step::Observation(text(i)))).await
 }
 
 /// Appends `n` steps of the largest records a run may have: a model call
 /// (the window starts there) and a tool's answer of `bytes`, as a step pod
 /// would.
 pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
-    use agentrun::runlog::records::{ModelCall, Observation};
-    use agentrun::runlog::replay::Step;
+    use agentrun::runlog::records::ModelCall;
     use agentrun::runlog::v1::{ModelResponse, TokenUsage};
-    let store: Arc<dyn StepStore> = agentrun::store::open(&super::store::e2e_store_url().await)
-        .await
-        .expect("opening the e2e store");
-    let lease = store
-        .acquire(uid, "e2e-log-api", Duration::from_secs(600))
-        .await
-        .expect("a store lease");
-    let mut head: Head = store.head(uid).await.expect("head");
-    for i in 0..n {
+    let steps = (0..n).flat_map(|i| {
         let call = Step::ModelCall(ModelCall {
             response: ModelResponse {
                 text: Some(format!("step {i}")),
@@ -829,16 +809,31 @@ pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
             stop: None,
             attempts: None,
         });
-        for step in [call, answer] {
-            let record = RecordDraft::new(step.store_kind(), step.payload())
-                .seal(&head)
-                .expect("sealing");
-            head = store
-                .append(uid, lease.epoch, &record)
-                .await
-                .unwrap_or_else(|e| panic!("appending to {uid}: {e}"))
-                .head();
-        }
+        [call, answer]
+    });
+    append_as_step_pod(uid, steps).await
+}
+
+/// Appends `steps` to run `uid` in the e2e store, under a lease, as a step
+/// pod would.
+async fn append_as_step_pod(uid: &str, steps: impl Iterator<Item = Step>) {
+    let store: Arc<dyn StepStore> = agentrun::store::open(&super::store::e2e_store_url().await)
+        .await
+        .expect("opening the e2e store");
+    let lease = store
+        .acquire(uid, "e2e-log-api", Duration::from_secs(600))
+        .await
+        .expect("a store lease");
+    let mut head: Head = store.head(uid).await.expect("head");
+    for step in steps {
+        let record = RecordDraft::new(step.store_kind(), step.payload())
+            .seal(&head)
+            .expect("sealing");
+        head = store
+            .append(uid, lease.epoch, &record)
+            .await
+            .unwrap_or_else(|e| panic!("appending to {uid}: {e}"))
+            .head();
     }
     store.release(&lease).await.expect("releasing the lease");
 }

@@ -1108,19 +1108,12 @@ async fn replay(
     // log is its window and one page, however large the records.
     let mut pages = Pages::after(ctx.store.as_ref(), &ctx.reads, &uid, replayed.head);
     loop {
-        let (records, _ticket) = match pages.next().await {
+        let (records, _ticket) = match checked_page(ctx, &uid, &mut pages, &anchor, &rules).await? {
             Ok(Some(page)) => page,
             Ok(None) => break,
-            Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
-            Err(e) => return Err(Error::Store(e)),
+            Err(tampered) => return Ok(Err(tampered)),
         };
-        ctx.metrics.observe_read(&records);
         ctx.metrics.observe_log(&uid, &records);
-        let checked = check_anchor_within(&uid, &replayed.head, &records, &anchor)
-            .and_then(|()| ctx.verifier.check(&uid, &records, &rules));
-        if let Err(tampered) = checked {
-            return Ok(Err(tampered));
-        }
         for r in &records {
             if verified.is_some_and(|v| v == r.head()) {
                 replayed.resumed = false;
@@ -1212,21 +1205,37 @@ async fn verify_whole(
     let (anchor, rules) = (anchored_head(run), status::signature_rules(run));
     let mut pages = Pages::after(ctx.store.as_ref(), &ctx.reads, uid, Head::EMPTY);
     loop {
-        let base = pages.head();
-        let (records, _ticket) = match pages.next().await {
-            Ok(Some(page)) => page,
+        match checked_page(ctx, uid, &mut pages, &anchor, &rules).await? {
+            Ok(Some(_)) => {}
             Ok(None) => break,
-            Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
-            Err(e) => return Err(Error::Store(e)),
-        };
-        ctx.metrics.observe_read(&records);
-        let checked = check_anchor_within(uid, &base, &records, &anchor)
-            .and_then(|()| ctx.verifier.check(uid, &records, &rules));
-        if let Err(tampered) = checked {
-            return Ok(Err(tampered));
+            Err(tampered) => return Ok(Err(tampered)),
         }
     }
     Ok(check_anchor_after(uid, &pages.head(), &[], &anchor))
+}
+
+/// The next page of `pages`, verified: its chain, the anchored head where
+/// it holds it, and the controller's signatures. The inner error is a log
+/// that failed verification; the outer one a store that could not be read.
+async fn checked_page(
+    ctx: &Context,
+    uid: &str,
+    pages: &mut Pages<'_>,
+    anchor: &Head,
+    rules: &crate::store::SignatureRules,
+) -> Result<Result<Option<(Vec<crate::store::Record>, crate::store::PageTicket)>, StoreError>, Error>
+{
+    let base = pages.head();
+    let (records, ticket) = match pages.next().await {
+        Ok(Some(page)) => page,
+        Ok(None) => return Ok(Ok(None)),
+        Err(e @ StoreError::ChainBroken { .. }) => return Ok(Err(e)),
+        Err(e) => return Err(Error::Store(e)),
+    };
+    ctx.metrics.observe_read(&records);
+    let checked = check_anchor_within(uid, &base, &records, anchor)
+        .and_then(|()| ctx.verifier.check(uid, &records, rules));
+    Ok(checked.map(|()| Some((records, ticket))))
 }
 
 /// Keeps the run's replayed log for its next reconcile, or forgets it: a
