@@ -5,6 +5,7 @@
 pub mod api;
 pub mod bounded;
 pub mod cli;
+pub mod client;
 pub mod console;
 pub mod contain;
 pub mod controller;
@@ -14,6 +15,7 @@ pub mod failpoint;
 pub mod keys;
 pub mod model;
 pub mod policy;
+pub mod replay;
 pub mod runlog;
 pub mod step;
 pub mod store;

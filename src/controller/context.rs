@@ -12,7 +12,7 @@ use crate::api::Agent;
 use crate::controller::error::Error;
 use crate::controller::metrics::Metrics;
 use crate::failpoint;
-use crate::runlog::replay::Step;
+use crate::replay::Entry;
 use crate::store::{Head, RecordDraft, StepStore, StoreError};
 
 /// Shared state of the reconciler.
@@ -52,7 +52,7 @@ pub struct Context {
     /// Logs whose window starts earlier get no checkpoint (`--checkpoint-min-records`).
     pub checkpoint_min: u64,
     /// MCP discovery, done outside the reconciles.
-    pub discovery: crate::controller::watchers::discovery::Discovery,
+    pub discovery: crate::controller::watchers::tool_discovery::Discovery,
     /// Reconcile slots, shared fairly between namespaces.
     pub slots: crate::controller::slots::Slots,
     /// The runs as the controller's watch has them (a reconcile that waited
@@ -75,7 +75,12 @@ impl Context {
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
 /// RunFinished), under the run's lease like any worker.
-pub(crate) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
+pub(crate) async fn append(
+    ctx: &Context,
+    uid: &str,
+    head: &Head,
+    step: Entry,
+) -> Result<(), Error> {
     let lease = ctx
         .store
         .acquire(uid, &ctx.identity, Duration::from_secs(10))

@@ -32,10 +32,10 @@ use crate::controller::context::{Context, append, notice};
 use crate::controller::error::Error;
 
 use crate::policy::Classification;
+use crate::replay::{Entry, RunState};
 use crate::runlog::records::{
     ApprovalDecided, ApprovalRequested, RecordedDecision, RunFinished, Verdict,
 };
-use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1;
 use crate::store::Head;
 
@@ -399,7 +399,7 @@ pub(super) async fn handle(
 ) -> Result<Option<Waiting>, Error> {
     let ns = run.namespace().unwrap_or_default();
     let uid = run.uid().unwrap_or_default();
-    let Some(Step::ApprovalRequested(recorded)) = log.step(request_seq) else {
+    let Some(Entry::ApprovalRequested(recorded)) = log.entry(request_seq) else {
         return Ok(None);
     };
 
@@ -410,7 +410,7 @@ pub(super) async fn handle(
         Ok(vouched) => vouched,
         Err(reason) => {
             let finished = refused(recorded, request_seq, &reason, log, notices);
-            append(ctx, &uid, head, Step::RunFinished(finished)).await?;
+            append(ctx, &uid, head, Entry::RunFinished(finished)).await?;
             return Ok(None);
         }
     };
@@ -440,7 +440,7 @@ pub(super) async fn handle(
     {
         // Creating it would be refused every time: the run ends instead.
         let finished = refused(&request, request_seq, &reason, log, notices);
-        append(ctx, &uid, head, Step::RunFinished(finished)).await?;
+        append(ctx, &uid, head, Entry::RunFinished(finished)).await?;
         return Ok(None);
     }
     let found = match existing {
@@ -478,7 +478,7 @@ pub(super) async fn handle(
 /// The decision recorded for the request at `request_seq`, if any.
 fn decided(log: &RunState, request_seq: u64) -> Option<ApprovalDecided> {
     log.records_from(request_seq).find_map(|(_, s)| match s {
-        Step::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
+        Entry::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
         _ => None,
     })
 }
@@ -502,7 +502,7 @@ async fn record_decision(
     };
     let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
     let uid = run.uid().unwrap_or_default();
-    append(ctx, &uid, head, Step::ApprovalDecided(record)).await?;
+    append(ctx, &uid, head, Entry::ApprovalDecided(record)).await?;
     notify(ctx, run, name, request, event, detail);
     Ok(())
 }
@@ -537,7 +537,7 @@ fn after_expiry(
     name: &str,
     log: &RunState,
     notices: &mut Vec<crate::controller::context::Notice>,
-) -> Step {
+) -> Entry {
     use crate::runlog::records::Outcome;
     let escalate = expired.on_expiry == Some(v1::OnExpiry::Escalate);
     if escalate && request.escalation < request.gate.max_escalations {
@@ -558,7 +558,7 @@ fn after_expiry(
             "escalated",
             json!({"escalation": next.escalation}),
         );
-        return Step::ApprovalRequested(next);
+        return Entry::ApprovalRequested(next);
     }
     let (outcome, error) = if request.kind == v1::ApprovalKind::Budget {
         (
@@ -592,7 +592,7 @@ fn after_expiry(
             ),
         )
     };
-    Step::RunFinished(RunFinished {
+    Entry::RunFinished(RunFinished {
         outcome,
         result: log.last_text(),
         error: Some(error),
@@ -1387,8 +1387,8 @@ mod tests {
         assert!(mismatches(&expected, &decided).is_empty());
     }
 
-    fn pinned(policy: crate::api::ApprovalPolicy) -> Vec<Step> {
-        vec![Step::RunStarted(crate::runlog::records::RunStarted {
+    fn pinned(policy: crate::api::ApprovalPolicy) -> Vec<Entry> {
+        vec![Entry::RunStarted(crate::runlog::records::RunStarted {
             run_name: "r".into(),
             namespace: "n".into(),
             input: "i".into(),

@@ -24,7 +24,9 @@ use prometheus_client::registry::Registry;
 use super::memory;
 use super::reconciler::{self, job};
 use super::servers::{gateway, https, probes as http, serving_cert};
-use super::watchers::{agent_status as agent, discovery, health as watches, platform};
+use super::watchers::{
+    agent_status as agent, health as watches, platform, tool_discovery as discovery,
+};
 use super::{FIELD_MANAGER, context, metrics, slots};
 use crate::keys::{published as published_keys, step_token};
 

@@ -30,10 +30,10 @@ use crate::controller::context::{Context, append, notice};
 use crate::controller::error::Error;
 use crate::controller::memory::{Asleep, Replayed};
 use crate::controller::metrics::ReasonLabel;
-use crate::controller::watchers::discovery::Answer;
+use crate::controller::watchers::tool_discovery::Answer;
 use crate::failpoint;
+use crate::replay::{Entry, RunState};
 use crate::runlog::records::{RunFinished, RunStarted, VersionChanged, Versions};
-use crate::runlog::replay::{RunState, Step};
 use crate::store::{Head, Pages, StoreError, check_anchor_after, sha256_hex};
 use crate::tools::{McpCatalog, Toolbox};
 use phase::{Act, JobState, JobView, LeaseView, Observed};
@@ -271,7 +271,7 @@ async fn finish(
     replayed: &Replayed,
     finished: RunFinished,
 ) -> Result<Duration, Error> {
-    let step = Step::RunFinished(finished);
+    let step = Entry::RunFinished(finished);
     match append(ctx, uid, &replayed.head, step.clone()).await {
         Ok(()) => Ok(Duration::ZERO),
         // A worker still holds the run (the step runner that reached the
@@ -689,7 +689,7 @@ async fn start_run(
     };
     match mcp.and_then(|mcp| snapshot(run, template, agent_generation, mcp)) {
         Ok(started) => {
-            append(ctx, &uid, &replayed.head, Step::RunStarted(started)).await?;
+            append(ctx, &uid, &replayed.head, Entry::RunStarted(started)).await?;
             ctx.discovery.forget(&uid);
             acting.notices.push(notice(
                 false,
@@ -726,7 +726,7 @@ fn rediscover(acting: &mut Acting, reason: String, retry_in: Duration) -> Durati
 }
 
 /// The MCP catalog of the run's agent, from the discovery worker (never
-/// discovered here: see [`crate::controller::watchers::discovery`]).
+/// discovered here: see [`crate::controller::watchers::tool_discovery`]).
 fn discovered(run: &AgentRun, ctx: &Context, template: &AgentTemplate) -> Answer {
     let field = match (&run.spec.agent, &run.spec.agent_ref) {
         (None, Some(r)) => format!("Agent {}: spec.tools", r.name),
@@ -769,7 +769,7 @@ async fn follow_agent(
                 from,
                 to: now_agent.versions,
             };
-            append(ctx, &uid, &replayed.head, Step::VersionChanged(changed)).await?;
+            append(ctx, &uid, &replayed.head, Entry::VersionChanged(changed)).await?;
             ctx.discovery.forget(&uid);
             acting.notices.push(notice(false, "VersionChanged", msg));
             Ok(Duration::ZERO)
@@ -1120,7 +1120,7 @@ async fn replay(
             }
             replayed.apply(
                 r,
-                Step::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
+                Entry::decode(r.seq, r.kind.as_str(), &r.payload).map_err(Error::Decode)?,
             );
         }
         replayed.head_at = records

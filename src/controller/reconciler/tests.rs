@@ -226,10 +226,10 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         policy_cache: None,
         checkpoint_min: crate::controller::reconciler::checkpoint::MIN_SEQ,
         reads: crate::store::ReadBudget::new(32 << 20),
-        discovery: crate::controller::watchers::discovery::Discovery::new(
+        discovery: crate::controller::watchers::tool_discovery::Discovery::new(
             reqwest::Client::new(),
             Default::default(),
-            crate::controller::watchers::discovery::Limits::default(),
+            crate::controller::watchers::tool_discovery::Limits::default(),
         )
         .0,
         slots: crate::controller::slots::Slots::new(0, 0),

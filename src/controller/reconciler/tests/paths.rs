@@ -17,8 +17,8 @@ use super::{
 };
 use crate::api::AgentRun;
 use crate::controller::context::Context;
+use crate::replay::{Entry, RunState};
 use crate::runlog::records::{ModelCall, Observation};
-use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ModelResponse, TokenUsage, ToolCall};
 
 pub(super) const UID: &str = "uid-r1";
@@ -64,7 +64,7 @@ pub(super) async fn replayed(ctx: &Context) -> RunState {
     let log = ctx.store.read_all(UID).await.unwrap();
     RunState::replay(
         log.iter()
-            .map(|r| Step::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+            .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
             .collect(),
     )
 }
@@ -88,7 +88,12 @@ pub(super) fn complete() -> Value {
 /// What a step pod does: takes the run's lease for `ttl`, appends `steps`
 /// (unsigned, as a runner's records are) and, if `release`, gives the run
 /// back. Returns the epoch it held.
-pub(super) async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool) -> u64 {
+pub(super) async fn step_pod(
+    ctx: &Context,
+    steps: Vec<Entry>,
+    ttl: Duration,
+    release: bool,
+) -> u64 {
     let lease = step_pod_holding(ctx, steps, ttl).await;
     if release {
         ctx.store.release(&lease).await.unwrap();
@@ -99,7 +104,7 @@ pub(super) async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, rel
 /// A step pod that appends `steps` and still holds the run: its lease.
 pub(super) async fn step_pod_holding(
     ctx: &Context,
-    steps: Vec<Step>,
+    steps: Vec<Entry>,
     ttl: Duration,
 ) -> crate::store::Lease {
     use crate::store::RecordDraft;
@@ -126,8 +131,8 @@ async fn fenced(ctx: &Context, epoch: u64) -> bool {
     lease.epoch > epoch
 }
 
-pub(super) fn observation(text: &str) -> Step {
-    Step::Observation(Observation {
+pub(super) fn observation(text: &str) -> Entry {
+    Entry::Observation(Observation {
         text: text.into(),
         about_seq: None,
         stop: None,
@@ -135,8 +140,8 @@ pub(super) fn observation(text: &str) -> Step {
     })
 }
 
-pub(super) fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Step {
-    Step::ModelCall(ModelCall {
+pub(super) fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Entry {
+    Entry::ModelCall(ModelCall {
         response: ModelResponse {
             text: text.map(Into::into),
             tool_calls: calls,
@@ -304,14 +309,14 @@ pub(super) fn approval_request(
     request_seq: u64,
     model_call_seq: u64,
     arguments: Value,
-) -> Step {
+) -> Entry {
     use crate::controller::approvals::pinned_gate::classify_at;
     let crate::policy::Classification::RequireApproval(gate) =
         classify_at(log, request_seq, "issue_refund", &arguments)
     else {
         panic!("the pinned policy gates the refund")
     };
-    Step::ApprovalRequested(crate::runlog::records::ApprovalRequested {
+    Entry::ApprovalRequested(crate::runlog::records::ApprovalRequested {
         model_call_seq,
         call_index: 0,
         call_id: "c0".into(),
@@ -332,7 +337,7 @@ pub(super) fn approval_request(
 /// Step 1's first pod: the model proposes a refund of 500 (record 1) and
 /// the pod gives the run back. The approval request the step's next pod
 /// appends (record 2), and the arguments.
-pub(super) async fn refund_proposed(ctx: &Context) -> (Step, Value) {
+pub(super) async fn refund_proposed(ctx: &Context) -> (Entry, Value) {
     let args = json!({"amount": 500});
     let call = ToolCall {
         id: "c0".into(),
@@ -559,7 +564,7 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
 
 /// A running step whose pod took the lease for a moment and never renewed
 /// it (or was killed): returns the epoch it held, lapsed now.
-async fn lapsed_pod(ctx: &Context, steps: Vec<Step>) -> u64 {
+async fn lapsed_pod(ctx: &Context, steps: Vec<Entry>) -> u64 {
     // Appends under a lease long enough for a loaded machine, then lets it
     // lapse at once (a short lease could lapse mid-append: CI saw that).
     let lease = step_pod_holding(ctx, steps, Duration::from_secs(30)).await;
