@@ -10,320 +10,36 @@
 //! exactly that, owned by the run. A deleted Approval is raised again with
 //! the same expiry; a look-alike is never acted on.
 
+mod decision;
 mod duties;
 pub mod notify;
 pub mod pinned_gate;
 
+pub use decision::{
+    Evaluation, MAX_APPROVAL_BYTES, alternative_to_run, approval_name, build, evaluate,
+    evaluate_as_recorded, expiry, fits_in_the_api, mismatches, state_of,
+};
+use decision::{RUN_LABEL, decided, judge, raised_for, refused};
 pub use notify::notify;
 
-use jiff::{SignedDuration, Timestamp};
+use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{Resource, ResourceExt};
 
-use crate::api::{
-    AgentRun, Approval, ApprovalSpec, ApprovalState, Observations, OnExpiry, ProposedCall, RunRef,
-    Verdict as ApiVerdict,
-};
+use crate::api::{AgentRun, Approval, ApprovalState};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::controller::FIELD_MANAGER;
 use crate::controller::context::{Context, append, notice};
 use crate::controller::error::Error;
 
-use crate::policy::Classification;
 use crate::replay::{Entry, RunState};
-use crate::runlog::records::{
-    ApprovalDecided, ApprovalRequested, RecordedDecision, RunFinished, Verdict,
-};
+use crate::runlog::records::{ApprovalDecided, ApprovalRequested, RunFinished, Verdict};
 use crate::runlog::v1;
 use crate::store::Head;
 
 pub use crate::api::REQUESTER_ANNOTATION;
-
-/// Name of the Approval for the request at `request_seq` of the run with
-/// `uid`: `<run>-a<seq>-<8 hex of sha256(uid)>`, at most 63 characters. The
-/// uid part keeps runs that share a name (re-created after an orphaning
-/// delete) or a long prefix from ever meeting each other's Approvals.
-pub fn approval_name(run_name: &str, uid: &str, request_seq: u64) -> String {
-    let digest = crate::store::sha256_hex(uid.as_bytes());
-    let suffix = format!("-a{request_seq}-{}", &digest[..8]);
-    let keep = 63usize.saturating_sub(suffix.len());
-    let kept = crate::text::prefix(run_name, keep);
-    format!("{}{suffix}", kept.trim_end_matches(['-', '.']))
-}
-
-/// When the request raised at `requested_at` expires: the same instant
-/// however often its Approval is raised again (whole seconds, as the API
-/// server stores it; rounded up, so an approver never gets less time).
-pub fn expiry(request: &ApprovalRequested, requested_at: Timestamp) -> Timestamp {
-    let expires_after = crate::api::parse_duration(&request.gate.expires_after)
-        .ok()
-        .and_then(|d| SignedDuration::try_from(d).ok())
-        .unwrap_or(SignedDuration::from_hours(1));
-    let at = requested_at
-        .checked_add(expires_after)
-        .unwrap_or(requested_at);
-    let whole = at.as_second() + i64::from(at.subsec_nanosecond() > 0);
-    Timestamp::from_second(whole).unwrap_or(at)
-}
-
-/// The Approval the controller expects for a request recorded at `requested_at`.
-pub fn build(
-    run: &AgentRun,
-    request_seq: u64,
-    request: &ApprovalRequested,
-    requested_at: Timestamp,
-) -> Approval {
-    let uid = run.uid().unwrap_or_default();
-    let mut approval = Approval::new(
-        &approval_name(&run.name_any(), &uid, request_seq),
-        ApprovalSpec {
-            run_ref: RunRef {
-                name: run.name_any(),
-                uid: run.uid(),
-            },
-            step: request_seq,
-            kind: request.kind.into(),
-            rule: Some(request.gate.rule.clone()),
-            tool: request.tool.clone(),
-            arguments: request.arguments.clone(),
-            arguments_hash: request.arguments_hash.clone(),
-            observations: Observations {
-                reason: request.reason.clone(),
-                recent_results: request
-                    .observations
-                    .iter()
-                    .cloned()
-                    .map(Into::into)
-                    .collect(),
-            },
-            dependencies: request
-                .dependencies
-                .iter()
-                .cloned()
-                .map(Into::into)
-                .collect(),
-            approvers: request.gate.approvers.clone().into(),
-            required_approvals: request.gate.required_approvals,
-            requester: run.annotations().get(REQUESTER_ANNOTATION).cloned(),
-            separation_of_duties: request.gate.separation_of_duties,
-            expires_at: Time(expiry(request, requested_at)),
-            on_expiry: request.gate.on_expiry.into(),
-            escalate_to: request.gate.escalate_to.clone().map(Into::into),
-            escalation: request.escalation,
-            alternative: request.alternative.clone().map(|arguments| ProposedCall {
-                tool: request.tool.clone(),
-                arguments,
-            }),
-            decisions: Vec::new(),
-        },
-    );
-    approval.metadata.namespace = run.namespace();
-    approval.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
-    approval.metadata.labels = Some([(RUN_LABEL.to_string(), run.name_any())].into());
-    approval
-}
-
-/// Why `found` is not the Approval the controller expects (empty: it is).
-/// Decisions are the one thing approvers write, so they are not compared.
-pub fn mismatches(expected: &Approval, found: &Approval) -> Vec<String> {
-    let mut out = Vec::new();
-    let owner = |a: &Approval| {
-        a.owner_references()
-            .iter()
-            .find(|o| o.controller == Some(true))
-            .map(|o| (o.kind.clone(), o.name.clone(), o.uid.clone()))
-    };
-    if owner(found) != owner(expected) {
-        out.push(format!(
-            "metadata.ownerReferences: its controller is {:?}, not the run {:?}",
-            owner(found),
-            owner(expected)
-        ));
-    }
-    let recomputed = crate::policy::arguments_hash(&found.spec.tool, &found.spec.arguments);
-    if found.spec.arguments_hash != recomputed {
-        out.push(format!(
-            "spec.argumentsHash {} is not the hash of spec.tool and spec.arguments ({recomputed})",
-            found.spec.arguments_hash
-        ));
-    }
-    let as_map = |spec: &ApprovalSpec| {
-        let mut v = serde_json::to_value(spec).unwrap_or_default();
-        if let Some(m) = v.as_object_mut() {
-            m.remove("decisions");
-        }
-        v.as_object().cloned().unwrap_or_default()
-    };
-    let (f, e) = (as_map(&found.spec), as_map(&expected.spec));
-    let mut keys: Vec<&String> = f.keys().chain(e.keys()).collect();
-    keys.sort();
-    keys.dedup();
-    for k in keys {
-        if f.get(k) != e.get(k) {
-            let show = |v: Option<&Value>| {
-                v.map_or("absent".to_string(), |v| abbreviate(&v.to_string(), 120))
-            };
-            out.push(format!(
-                "spec.{k} is {}, the request in the log says {}",
-                show(f.get(k)),
-                show(e.get(k))
-            ));
-        }
-    }
-    out
-}
-
-fn abbreviate(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        Some((i, _)) => format!("{}…", &s[..i]),
-        None => s.to_string(),
-    }
-}
-
-/// What the decisions on an Approval amount to now.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Evaluation {
-    /// No set of arguments has its quorum yet; look again at `expires_at` at
-    /// the latest. `approvals`: the most distinct approvers agreeing to one set.
-    Pending {
-        expires_at: Timestamp,
-        approvals: usize,
-    },
-    /// Decided: the verdict, the decisions that counted, the arguments to run.
-    Decided {
-        verdict: Verdict,
-        decisions: Vec<RecordedDecision>,
-        arguments: Option<serde_json::Value>,
-    },
-    /// Nobody decided in time.
-    Expired,
-}
-
-/// Evaluates an Approval's decisions (pure). Decisions quoting another hash,
-/// from the requester under separation of duties, or by someone not listed
-/// as a user when no group is listed, do not count (the API server refuses
-/// them first; this is the second line). Any reject rejects. Otherwise the
-/// counted decisions are grouped by the arguments they agree to (Approve:
-/// the requested ones; Edit: its own), and a set is decided only when
-/// `requiredApprovals` distinct approvers agree to exactly it: an edit needs
-/// the full quorum for the edited arguments.
-pub fn evaluate(spec: &ApprovalSpec, now: Timestamp) -> Evaluation {
-    // Decisions made after expiry never count: silence is not consent, and neither is lateness.
-    if now >= spec.expires_at.0 {
-        return Evaluation::Expired;
-    }
-    let counted: Vec<RecordedDecision> = spec
-        .decisions
-        .iter()
-        .filter(|d| d.arguments_hash == spec.arguments_hash)
-        .filter(|d| {
-            !(spec.separation_of_duties && spec.requester.as_deref() == Some(d.approver.as_str()))
-        })
-        .filter(|d| !spec.approvers.groups.is_empty() || spec.approvers.users.contains(&d.approver))
-        // An Edit without arguments agrees to nothing in particular.
-        .filter(|d| d.verdict != ApiVerdict::Edit || d.arguments.is_some())
-        // Nor does a budget edit whose limits do not read.
-        .filter(|d| spec.kind != crate::api::ApprovalKind::Budget || budget_edit_reads(d))
-        .map(|d| RecordedDecision {
-            approver: d.approver.clone(),
-            verdict: d.verdict.into(),
-            arguments_hash: d.arguments_hash.clone(),
-            arguments: d.arguments.clone(),
-            reason: d.reason.clone(),
-        })
-        .collect();
-    if let Some(reject) = counted.iter().find(|d| d.verdict == v1::Verdict::Reject) {
-        return Evaluation::Decided {
-            verdict: Verdict::Reject,
-            decisions: vec![reject.clone()],
-            arguments: None,
-        };
-    }
-    // Group by the exact arguments each decision agrees to, in decision order.
-    let mut groups: Vec<(Value, Vec<RecordedDecision>)> = Vec::new();
-    for d in counted {
-        let agreed = match d.verdict {
-            v1::Verdict::Edit => d.arguments.clone().unwrap_or_default(),
-            _ => spec.arguments.clone(),
-        };
-        match groups.iter_mut().find(|(args, _)| *args == agreed) {
-            Some((_, members)) if !members.iter().any(|m| m.approver == d.approver) => {
-                members.push(d)
-            }
-            Some(_) => {}
-            None => groups.push((agreed, vec![d])),
-        }
-    }
-    let required = spec.required_approvals.max(1) as usize;
-    let most = groups.iter().map(|(_, m)| m.len()).max().unwrap_or(0);
-    match groups.into_iter().find(|(_, m)| m.len() >= required) {
-        Some((arguments, decisions)) => Evaluation::Decided {
-            verdict: if arguments == spec.arguments {
-                Verdict::Approve
-            } else {
-                Verdict::Edit
-            },
-            decisions,
-            arguments: Some(arguments),
-        },
-        None => Evaluation::Pending {
-            expires_at: spec.expires_at.0,
-            approvals: most,
-        },
-    }
-}
-
-/// Whether a decision on a budget question gives limits that read (or
-/// is no edit at all).
-fn budget_edit_reads(d: &crate::api::Decision) -> bool {
-    d.verdict != ApiVerdict::Edit
-        || d.arguments
-            .as_ref()
-            .is_some_and(|a| crate::runlog::budget::Limits::parse(a).is_ok())
-}
-
-/// The Approval's state for its status.
-pub fn state_of(evaluation: &Evaluation, on_expiry: OnExpiry) -> ApprovalState {
-    match evaluation {
-        Evaluation::Pending { .. } => ApprovalState::Pending,
-        Evaluation::Decided {
-            verdict: Verdict::Approve,
-            ..
-        } => ApprovalState::Approved,
-        Evaluation::Decided {
-            verdict: Verdict::Edit,
-            ..
-        } => ApprovalState::Edited,
-        Evaluation::Decided { .. } => ApprovalState::Rejected,
-        Evaluation::Expired if on_expiry == OnExpiry::Escalate => ApprovalState::Escalated,
-        Evaluation::Expired => ApprovalState::Expired,
-    }
-}
-
-/// The arguments an expired request's `onExpiry: Alternative` may run: the
-/// agent's alternative, classified by the pinned policy like any call. A
-/// gated alternative never runs unapproved: the request settles back to the
-/// agent (`None`), which may propose it as a call of its own, gated then.
-pub fn alternative_to_run(
-    log: &RunState,
-    request_seq: u64,
-    request: &ApprovalRequested,
-) -> Result<Option<Value>, String> {
-    let Some(alternative) = &request.alternative else {
-        return Ok(None);
-    };
-    // An alternative carries no alternative of its own.
-    let (arguments, _) = crate::policy::split_alternative(alternative);
-    match pinned_gate::classify_at(log, request_seq, &request.tool, &arguments) {
-        Classification::Allow => Ok(Some(arguments)),
-        Classification::RequireApproval(gate) => Err(format!(
-            "the alternative {} {arguments} needs approval itself ({}); it was not run",
-            request.tool, gate.because
-        )),
-    }
-}
 
 /// When the request at `request_seq` was recorded (server time).
 async fn requested_at(ctx: &Context, uid: &str, request_seq: u64) -> Result<Timestamp, Error> {
@@ -475,14 +191,6 @@ pub(super) async fn handle(
     })
 }
 
-/// The decision recorded for the request at `request_seq`, if any.
-fn decided(log: &RunState, request_seq: u64) -> Option<ApprovalDecided> {
-    log.records_from(request_seq).find_map(|(_, s)| match s {
-        Entry::ApprovalDecided(d) if d.request_seq == request_seq => Some(d.clone()),
-        _ => None,
-    })
-}
-
 /// Records a decision (or the expiry) in the log, then tells the webhook.
 async fn record_decision(
     run: &AgentRun,
@@ -507,23 +215,152 @@ async fn record_decision(
     Ok(())
 }
 
-/// The end of a run whose approval request does not match the pinned policy.
-fn refused(
-    request: &ApprovalRequested,
+/// The Approval already raised for the request at `request_seq` of `run`,
+/// under whatever name the release that raised it gave it: the one this
+/// release names, else the one the run's status points to, else one
+/// labelled with the run that its controlling owner (the run's uid), its
+/// step and the exact call (tool and arguments hash) tie to the request.
+/// An upgraded controller thus continues on the Approval people have in
+/// front of them, and never raises a second one beside it.
+async fn existing(
+    approvals: &Api<Approval>,
+    run: &AgentRun,
     request_seq: u64,
-    reason: &str,
-    log: &RunState,
+    request: &ApprovalRequested,
+) -> Result<Option<Approval>, Error> {
+    let uid = run.uid().unwrap_or_default();
+    let named = approval_name(&run.name_any(), &uid, request_seq);
+    if let Some(found) = get_approval(approvals, &named).await? {
+        return Ok(Some(found));
+    }
+    let shown = run.status.as_ref().and_then(|s| s.approval.as_ref());
+    if let Some(shown) = shown.filter(|a| a.name != named)
+        && let Some(found) = get_approval(approvals, &shown.name).await?
+        && raised_for(&found, &uid, request_seq, request)
+    {
+        return Ok(Some(found));
+    }
+    // A label value has at most 63 characters: a longer run name never got one.
+    if run.name_any().len() > 63 {
+        return Ok(None);
+    }
+    let labelled = approvals
+        .list(&ListParams::default().labels(&format!("{RUN_LABEL}={}", run.name_any())))
+        .await
+        .map_err(|source| Error::Read {
+            what: "approvals",
+            source,
+        })?;
+    let mut tied: Vec<Approval> = labelled
+        .items
+        .into_iter()
+        .filter(|a| raised_for(a, &uid, request_seq, request))
+        .collect();
+    // Two would be one release's bug; the oldest is the one people saw first.
+    tied.sort_by_key(|a| (a.metadata.creation_timestamp.clone(), a.name_any()));
+    Ok(tied.into_iter().next())
+}
+
+/// Raises the run's Approval for the request, none being there (again, with
+/// its original expiry, if someone deleted it).
+async fn raise_missing(
+    run: &AgentRun,
+    ctx: &Context,
+    approvals: &Api<Approval>,
+    expected: &Approval,
+    name: &str,
+    request: &ApprovalRequested,
     notices: &mut Vec<crate::controller::context::Notice>,
-) -> RunFinished {
-    let error = format!(
-        "the approval request at log record {request_seq} ({}) was refused: {reason}; the call was not made",
-        request.tool
-    );
-    notices.push(notice(true, "ApprovalRequestRefused", error.clone()));
-    RunFinished {
-        outcome: crate::runlog::records::Outcome::Failed,
-        result: log.last_text(),
-        error: Some(error),
+) -> Result<Approval, Error> {
+    let raised = raise(approvals, expected, name).await?;
+    // The run already waited on it: someone deleted it.
+    let again = run
+        .status
+        .as_ref()
+        .and_then(|s| s.approval.as_ref())
+        .is_some_and(|a| a.name == name);
+    if again {
+        notices.push(notice(
+            true,
+            "ApprovalRaisedAgain",
+            format!(
+                "{name} had disappeared; raised again with its original expiry {}",
+                expected.spec.expires_at.0
+            ),
+        ));
+    } else {
+        notify(
+            ctx,
+            run,
+            name,
+            request,
+            "raised",
+            json!({"expiresAt": raised.spec.expires_at}),
+        );
+        notices.push(notice(
+            false,
+            "ApprovalRequested",
+            format!(
+                "{} needs approval ({}): kubectl agentrun show {name}",
+                request.tool, request.gate.because
+            ),
+        ));
+    }
+    Ok(raised)
+}
+
+async fn write_approval_status(
+    approvals: &Api<Approval>,
+    name: &str,
+    evaluation: &Evaluation,
+    state: ApprovalState,
+    now: Timestamp,
+) -> Result<(), Error> {
+    let decided_by: Vec<String> = match evaluation {
+        Evaluation::Decided { decisions, .. } => {
+            decisions.iter().map(|d| d.approver.clone()).collect()
+        }
+        _ => Vec::new(),
+    };
+    let status = crate::api::ApprovalStatus {
+        state: Some(state),
+        decided_at: (state != ApprovalState::Pending).then_some(Time(now)),
+        decided_by,
+        conditions: Vec::new(),
+    };
+    let body = json!({"apiVersion": Approval::api_version(&()), "kind": Approval::kind(&()), "status": status});
+    approvals
+        .patch_status(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(Error::Status)?;
+    Ok(())
+}
+
+/// Creates the expected Approval; one already there (a race) is read back.
+async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<Approval, Error> {
+    let params = PostParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    match api.create(&params, expected).await {
+        Ok(a) => {
+            crate::failpoint::hit("controller:after-create:Approval");
+            Ok(a)
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            api.get(name).await.map_err(|source| Error::Read {
+                what: "approval",
+                source,
+            })
+        }
+        Err(source) => Err(Error::Write {
+            what: "approval",
+            source,
+        }),
     }
 }
 
@@ -599,350 +436,11 @@ fn after_expiry(
     })
 }
 
-/// The Approval already raised for the request at `request_seq` of `run`,
-/// under whatever name the release that raised it gave it: the one this
-/// release names, else the one the run's status points to, else one
-/// labelled with the run that its controlling owner (the run's uid), its
-/// step and the exact call (tool and arguments hash) tie to the request.
-/// An upgraded controller thus continues on the Approval people have in
-/// front of them, and never raises a second one beside it.
-async fn existing(
-    approvals: &Api<Approval>,
-    run: &AgentRun,
-    request_seq: u64,
-    request: &ApprovalRequested,
-) -> Result<Option<Approval>, Error> {
-    let uid = run.uid().unwrap_or_default();
-    let named = approval_name(&run.name_any(), &uid, request_seq);
-    if let Some(found) = get_approval(approvals, &named).await? {
-        return Ok(Some(found));
-    }
-    let shown = run.status.as_ref().and_then(|s| s.approval.as_ref());
-    if let Some(shown) = shown.filter(|a| a.name != named)
-        && let Some(found) = get_approval(approvals, &shown.name).await?
-        && raised_for(&found, &uid, request_seq, request)
-    {
-        return Ok(Some(found));
-    }
-    // A label value has at most 63 characters: a longer run name never got one.
-    if run.name_any().len() > 63 {
-        return Ok(None);
-    }
-    let labelled = approvals
-        .list(&ListParams::default().labels(&format!("{RUN_LABEL}={}", run.name_any())))
-        .await
-        .map_err(|source| Error::Read {
-            what: "approvals",
-            source,
-        })?;
-    let mut tied: Vec<Approval> = labelled
-        .items
-        .into_iter()
-        .filter(|a| raised_for(a, &uid, request_seq, request))
-        .collect();
-    // Two would be one release's bug; the oldest is the one people saw first.
-    tied.sort_by_key(|a| (a.metadata.creation_timestamp.clone(), a.name_any()));
-    Ok(tied.into_iter().next())
-}
-
-/// Largest Approval the controller raises, as JSON: a third of the API
-/// server's 1.5 MiB object limit, leaving room for approvers' decisions
-/// (an edit repeats the arguments) and the status.
-pub const MAX_APPROVAL_BYTES: usize = 512 << 10;
-
-/// Whether `approval` is small enough to raise; the error names its size.
-pub fn fits_in_the_api(approval: &Approval) -> Result<(), String> {
-    let size = serde_json::to_vec(approval).map_or(usize::MAX, |v| v.len());
-    if size <= MAX_APPROVAL_BYTES {
-        return Ok(());
-    }
-    Err(format!(
-        "its Approval would be {size} bytes (arguments {} bytes), over the limit of {MAX_APPROVAL_BYTES} bytes an Approval may have",
-        serde_json::to_vec(&approval.spec.arguments).map_or(0, |v| v.len())
-    ))
-}
-
-/// Label an Approval carries with its run's name (every release has set it).
-const RUN_LABEL: &str = "agentrun.dev/run";
-
-/// Whether `a` was raised by the run with `uid` for the request at
-/// `request_seq`: controlled by that run, for that step and exactly that
-/// call. Whether its decisions count is judged after, as for any Approval.
-fn raised_for(a: &Approval, uid: &str, request_seq: u64, request: &ApprovalRequested) -> bool {
-    let controlled = a
-        .owner_references()
-        .iter()
-        .any(|o| o.controller == Some(true) && o.uid == uid);
-    controlled
-        && a.spec.run_ref.uid.as_deref() == Some(uid)
-        && a.spec.step == request_seq
-        && a.spec.tool == request.tool
-        && a.spec.arguments_hash == request.arguments_hash
-}
-
-/// Raises the run's Approval for the request, none being there (again, with
-/// its original expiry, if someone deleted it).
-async fn raise_missing(
-    run: &AgentRun,
-    ctx: &Context,
-    approvals: &Api<Approval>,
-    expected: &Approval,
-    name: &str,
-    request: &ApprovalRequested,
-    notices: &mut Vec<crate::controller::context::Notice>,
-) -> Result<Approval, Error> {
-    let raised = raise(approvals, expected, name).await?;
-    // The run already waited on it: someone deleted it.
-    let again = run
-        .status
-        .as_ref()
-        .and_then(|s| s.approval.as_ref())
-        .is_some_and(|a| a.name == name);
-    if again {
-        notices.push(notice(
-            true,
-            "ApprovalRaisedAgain",
-            format!(
-                "{name} had disappeared; raised again with its original expiry {}",
-                expected.spec.expires_at.0
-            ),
-        ));
-    } else {
-        notify(
-            ctx,
-            run,
-            name,
-            request,
-            "raised",
-            json!({"expiresAt": raised.spec.expires_at}),
-        );
-        notices.push(notice(
-            false,
-            "ApprovalRequested",
-            format!(
-                "{} needs approval ({}): kubectl agentrun show {name}",
-                request.tool, request.gate.because
-            ),
-        ));
-    }
-    Ok(raised)
-}
-
-/// What the Approval as found says, judged (pure).
-struct Judged {
-    evaluation: Evaluation,
-    state: ApprovalState,
-    /// The Approval's status does not show `state` yet.
-    status_behind: bool,
-    /// The decision to record, if the approval is decided or expired.
-    record: Option<ApprovalDecided>,
-}
-
-/// Judges the Approval found against the one the request implies: only the
-/// exact Approval of this request, owned by this run, decides, as of the
-/// time the API server recorded its decisions.
-#[allow(clippy::too_many_arguments)]
-fn judge(
-    expected: &Approval,
-    found: &Approval,
-    request: &ApprovalRequested,
-    log: &RunState,
-    request_seq: u64,
-    name: &str,
-    now: Timestamp,
-    notices: &mut Vec<crate::controller::context::Notice>,
-) -> Judged {
-    let wrong = mismatches(expected, found);
-    let bound = wrong.is_empty();
-    if !bound {
-        notices.push(notice(
-            true,
-            "ApprovalMismatch",
-            format!(
-                "{name} is not the Approval of the request at log record {request_seq}; its decisions are not acted on: {}",
-                wrong.join("; ")
-            ),
-        ));
-    }
-    let mut spec = expected.spec.clone();
-    if bound {
-        spec.decisions = found.spec.decisions.clone();
-    }
-    let evaluation = evaluate_as_recorded(&spec, bound.then_some(found), now);
-    let state = state_of(&evaluation, spec.on_expiry);
-    let status_behind = bound && found.status.as_ref().and_then(|s| s.state) != Some(state);
-    let record = decision_record(&evaluation, &spec, request, log, request_seq, name, notices);
-    Judged {
-        evaluation,
-        state,
-        status_behind,
-        record,
-    }
-}
-
-async fn write_approval_status(
-    approvals: &Api<Approval>,
-    name: &str,
-    evaluation: &Evaluation,
-    state: ApprovalState,
-    now: Timestamp,
-) -> Result<(), Error> {
-    let decided_by: Vec<String> = match evaluation {
-        Evaluation::Decided { decisions, .. } => {
-            decisions.iter().map(|d| d.approver.clone()).collect()
-        }
-        _ => Vec::new(),
-    };
-    let status = crate::api::ApprovalStatus {
-        state: Some(state),
-        decided_at: (state != ApprovalState::Pending).then_some(Time(now)),
-        decided_by,
-        conditions: Vec::new(),
-    };
-    let body = json!({"apiVersion": Approval::api_version(&()), "kind": Approval::kind(&()), "status": status});
-    approvals
-        .patch_status(
-            name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&body),
-        )
-        .await
-        .map_err(Error::Status)?;
-    Ok(())
-}
-
-/// Judges the decisions at the time the API server recorded them: a
-/// quorum complete before `expiresAt` is honoured even if the controller
-/// (down, or slow) only looks after it. The write time is the latest
-/// `managedFields` entry owning `spec.decisions`, which the API server
-/// stamps; later decisions move it past the expiry and are judged now.
-pub fn evaluate_as_recorded(
-    spec: &ApprovalSpec,
-    found: Option<&Approval>,
-    now: Timestamp,
-) -> Evaluation {
-    let written = found.and_then(decisions_written_at);
-    match written {
-        Some(at) if at < now => match evaluate(spec, at) {
-            decided @ Evaluation::Decided { .. } => decided,
-            _ => evaluate(spec, now),
-        },
-        _ => evaluate(spec, now),
-    }
-}
-
-/// When the API server last recorded a change to `spec.decisions`.
-fn decisions_written_at(approval: &Approval) -> Option<Timestamp> {
-    approval
-        .metadata
-        .managed_fields
-        .iter()
-        .flatten()
-        .filter(|m| {
-            m.fields_v1
-                .as_ref()
-                .is_some_and(|f| f.0.pointer("/f:spec/f:decisions").is_some())
-        })
-        .filter_map(|m| m.time.as_ref().map(|t| t.0))
-        .max()
-}
-
-/// The `ApprovalDecided` an evaluation amounts to (`None` while pending),
-/// with its notices.
-fn decision_record(
-    evaluation: &Evaluation,
-    spec: &ApprovalSpec,
-    request: &ApprovalRequested,
-    log: &RunState,
-    request_seq: u64,
-    name: &str,
-    notices: &mut Vec<crate::controller::context::Notice>,
-) -> Option<crate::runlog::records::ApprovalDecided> {
-    use crate::runlog::records::ApprovalDecided;
-    let observations_hash = crate::store::sha256_hex(&crate::store::canonical_json(
-        &serde_json::to_value(&spec.observations).unwrap_or_default(),
-    ));
-    Some(match evaluation.clone() {
-        Evaluation::Pending { .. } => return None,
-        Evaluation::Decided {
-            verdict,
-            decisions,
-            arguments,
-        } => {
-            let who: Vec<&str> = decisions.iter().map(|d| d.approver.as_str()).collect();
-            notices.push(notice(
-                verdict == Verdict::Reject,
-                "ApprovalDecided",
-                format!("{name}: {verdict:?} by {}", who.join(", ")),
-            ));
-            ApprovalDecided {
-                request_seq,
-                approval: name.to_string(),
-                verdict,
-                decisions,
-                arguments,
-                observations_hash,
-                on_expiry: None,
-            }
-        }
-        Evaluation::Expired => {
-            let on_expiry = spec.on_expiry;
-            notices.push(notice(
-                true,
-                "ApprovalExpired",
-                format!("{name} expired without a decision; onExpiry: {on_expiry:?}"),
-            ));
-            let arguments = match on_expiry {
-                OnExpiry::Alternative => match alternative_to_run(log, request_seq, request) {
-                    Ok(args) => args,
-                    Err(why) => {
-                        notices.push(notice(true, "AlternativeNeedsApproval", why));
-                        None
-                    }
-                },
-                _ => None,
-            };
-            ApprovalDecided {
-                request_seq,
-                approval: name.to_string(),
-                verdict: Verdict::Expired,
-                decisions: Vec::new(),
-                arguments,
-                observations_hash,
-                on_expiry: Some(on_expiry.into()),
-            }
-        }
-    })
-}
-
-/// Creates the expected Approval; one already there (a race) is read back.
-async fn raise(api: &Api<Approval>, expected: &Approval, name: &str) -> Result<Approval, Error> {
-    let params = PostParams {
-        field_manager: Some(FIELD_MANAGER.into()),
-        ..Default::default()
-    };
-    match api.create(&params, expected).await {
-        Ok(a) => {
-            crate::failpoint::hit("controller:after-create:Approval");
-            Ok(a)
-        }
-        Err(kube::Error::Api(e)) if e.code == 409 => {
-            api.get(name).await.map_err(|source| Error::Read {
-                what: "approval",
-                source,
-            })
-        }
-        Err(source) => Err(Error::Write {
-            what: "approval",
-            source,
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
 
     use super::*;
+    use crate::api::{ApprovalSpec, Observations, RunRef, Verdict as ApiVerdict};
     use crate::api::{Approvers, Decision, OnExpiry};
     use serde_json::json;
 
