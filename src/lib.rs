@@ -11,6 +11,7 @@ pub mod contain;
 pub mod controller;
 pub mod dns;
 pub mod egress;
+pub mod exit;
 pub mod failpoint;
 pub mod keys;
 pub mod model;

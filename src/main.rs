@@ -31,8 +31,12 @@ enum Command {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    let result = run(Cli::parse()).await;
+    agentrun::exit::code("agentrun", result)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     // kube, reqwest and sqlx share rustls; pick one crypto provider for the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     match cli.command {
