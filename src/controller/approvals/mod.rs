@@ -31,8 +31,9 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 use crate::controller::FIELD_MANAGER;
-use crate::controller::context::{Context, append, notice};
+use crate::controller::context::{Context, notice};
 use crate::controller::error::Error;
+use crate::controller::log_writer::append;
 
 use crate::replay::{Entry, RunState};
 use crate::runlog::records::{ApprovalDecided, ApprovalRequested, RunFinished, Verdict};
@@ -44,6 +45,7 @@ pub use crate::api::REQUESTER_ANNOTATION;
 /// When the request at `request_seq` was recorded (server time).
 async fn requested_at(ctx: &Context, uid: &str, request_seq: u64) -> Result<Timestamp, Error> {
     let records = ctx
+        .log
         .store
         .read_range(uid, request_seq, Some(request_seq + 1))
         .await

@@ -59,7 +59,13 @@ pub(super) fn next_checkpoint(
         .as_ref()
         .and_then(|s| s.log.as_ref())
         .and_then(|l| l.checkpoint.as_ref());
-    checkpoint::make(&ctx.signer, uid, replayed, ctx.checkpoint_min, previous)
+    checkpoint::make(
+        &ctx.log.signer,
+        uid,
+        replayed,
+        ctx.log.checkpoint_min,
+        previous,
+    )
 }
 
 /// The terminal phase the run reaches with this status, if it was not there.
@@ -122,7 +128,7 @@ pub(super) fn held_by_a_pod_of(holder: Option<&str>, job: &str) -> bool {
 /// log's head, its lease): at its deadline, and otherwise only as a safety
 /// net, or every few seconds when the store pushes no head events.
 pub(super) fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
-    let idle = if ctx.store_pushes {
+    let idle = if ctx.log.pushes {
         IDLE_REQUEUE
     } else {
         phase::RUNNING_REQUEUE
@@ -144,7 +150,7 @@ pub(super) fn signs_with_another_key(run: &AgentRun, ctx: &Context) -> bool {
         .and_then(|s| s.log.as_ref())
         .and_then(|l| l.signing_keys.as_ref());
     keys.and_then(|k| k.last())
-        .is_some_and(|k| k.key != ctx.signer.key_id())
+        .is_some_and(|k| k.key != ctx.log.signer.key_id())
 }
 
 /// Whether the run's status says it waits on an Approval, for the spec it

@@ -157,7 +157,7 @@ pub(super) async fn fence_previous(
     if !previous.is_some_and(|j| matches!(j.state, JobState::Failed { .. } | JobState::Missing)) {
         return Ok(());
     }
-    let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
+    let lease = ctx.log.store.lease(uid).await.map_err(Error::Store)?;
     match held_by_a_pod_of(lease.as_ref().map(|l| l.holder.as_str()), next) {
         true => Ok(()),
         false => fence_worker(ctx, uid).await,
@@ -228,7 +228,7 @@ pub(super) async fn read_job(
         return Ok(None);
     };
     let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-    let job = cached_or_get(ctx.job_cache.as_ref(), &jobs, ns, &name)
+    let job = cached_or_get(ctx.caches.jobs.as_ref(), &jobs, ns, &name)
         .await
         .map_err(|source| Error::Read {
             what: "step Job",
@@ -337,7 +337,7 @@ pub(super) async fn failed_pods(ctx: &Context, ns: &str, job: &str) -> Result<Fa
 /// lease (renewing revives a lapsed one nobody took), so only a worker
 /// judged lost is fenced ([`fence_worker`]).
 pub(super) async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, Error> {
-    let lease = ctx.store.lease(uid).await.map_err(Error::Store)?;
+    let lease = ctx.log.store.lease(uid).await.map_err(Error::Store)?;
     let live = lease.as_ref().is_some_and(|l| !l.expired);
     let released = lease.as_ref().is_some_and(|l| l.released);
     let free_for = ctx.memory.lease_free_for(uid, !live);
@@ -355,11 +355,12 @@ pub(super) async fn probe_lease(ctx: &Context, uid: &str) -> Result<LeaseView, E
 /// end, the next attempt) need not wait for its lease to lapse.
 pub(super) async fn fence_worker(ctx: &Context, uid: &str) -> Result<(), Error> {
     let lease = ctx
+        .log
         .store
-        .take_over(uid, &ctx.identity, Duration::from_secs(2))
+        .take_over(uid, &ctx.log.identity, Duration::from_secs(2))
         .await
         .map_err(Error::Store)?;
-    let _ = ctx.store.release(&lease).await;
+    let _ = ctx.log.store.release(&lease).await;
     Ok(())
 }
 
@@ -390,7 +391,7 @@ pub(super) async fn ensure_credential(
             "ownerReferences": run.controller_owner_ref(&()).map(|o| vec![o]),
         },
         "type": "Opaque",
-        "stringData": { job::TOKEN_KEY: ctx.tokens.mint(uid) },
+        "stringData": { job::TOKEN_KEY: ctx.log.tokens.mint(uid) },
     }))?;
     let params = PostParams {
         field_manager: Some(FIELD_MANAGER.into()),

@@ -60,7 +60,7 @@ pub(super) async fn still_asleep(
         Some(t) if ctx.memory.unchanged_since(uid, t.generation) => (t.head, t.generation),
         _ => {
             let generation = ctx.memory.begin_read(uid);
-            let head = ctx.store.head(uid).await.map_err(Error::Store)?;
+            let head = ctx.log.store.head(uid).await.map_err(Error::Store)?;
             ctx.metrics.observe_read(&[]);
             (head, generation)
         }
@@ -119,7 +119,7 @@ pub(super) async fn replay(
     }
     // A page at a time, compacted after each: what a reconcile holds of a
     // log is its window and one page, however large the records.
-    let mut pages = Pages::after(ctx.store.as_ref(), &ctx.reads, &uid, replayed.head);
+    let mut pages = Pages::after(ctx.log.store.as_ref(), &ctx.log.reads, &uid, replayed.head);
     loop {
         let (records, _ticket) = match checked_page(ctx, &uid, &mut pages, &anchor, &rules).await? {
             Ok(Some(page)) => page,
@@ -179,13 +179,13 @@ pub(super) async fn resume(
     else {
         return Ok(Ok(None));
     };
-    if !checkpoint::trusted(&ctx.verifier, uid, cp, &anchored_head(run)) {
+    if !checkpoint::trusted(&ctx.log.verifier, uid, cp, &anchored_head(run)) {
         tracing::warn!(run = %run.name_any(), "status.log.checkpoint is not this controller's: reading the log whole");
         return Ok(Ok(None));
     }
     match checkpoint::resume(
-        ctx.store.as_ref(),
-        &ctx.verifier,
+        ctx.log.store.as_ref(),
+        &ctx.log.verifier,
         uid,
         cp,
         &status::signature_rules(run),
@@ -216,7 +216,7 @@ pub(super) async fn verify_whole(
     uid: &str,
 ) -> Result<Result<(), StoreError>, Error> {
     let (anchor, rules) = (anchored_head(run), status::signature_rules(run));
-    let mut pages = Pages::after(ctx.store.as_ref(), &ctx.reads, uid, Head::EMPTY);
+    let mut pages = Pages::after(ctx.log.store.as_ref(), &ctx.log.reads, uid, Head::EMPTY);
     loop {
         match checked_page(ctx, uid, &mut pages, &anchor, &rules).await? {
             Ok(Some(_)) => {}
@@ -247,7 +247,7 @@ pub(super) async fn checked_page(
     };
     ctx.metrics.observe_read(&records);
     let checked = check_anchor_within(uid, &base, &records, anchor)
-        .and_then(|()| ctx.verifier.check(uid, &records, rules));
+        .and_then(|()| ctx.log.verifier.check(uid, &records, rules));
     Ok(checked.map(|()| Some((records, ticket))))
 }
 

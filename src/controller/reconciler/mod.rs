@@ -26,8 +26,9 @@ use serde_json::json;
 use crate::api::{Agent, AgentRun, AgentTemplate};
 use crate::controller::FIELD_MANAGER;
 use crate::controller::approvals::Waiting;
-use crate::controller::context::{Context, append, notice};
+use crate::controller::context::{Context, notice};
 use crate::controller::error::Error;
+use crate::controller::log_writer::append;
 use crate::controller::memory::Replayed;
 use crate::controller::metrics::ReasonLabel;
 use crate::controller::watchers::tool_discovery::Answer;
@@ -71,7 +72,7 @@ async fn reconcile_in_turn(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Acti
     let ns = run.namespace().unwrap_or_default();
     let _slot = ctx.slots.enter(&ns).await;
     // The run may have changed while this waited: read it as the watch has it now.
-    let run = match ctx.run_cache.as_ref() {
+    let run = match ctx.caches.runs.as_ref() {
         Some(cache) => match cache.get(&ObjectRef::from_obj(&*run)) {
             Some(now) => now,
             None => return Ok(Action::await_change()),
@@ -262,7 +263,11 @@ async fn act_on(
             POLICY_RECHECK
         }
         Act::AskToYield => {
-            ctx.store.request_yield(uid).await.map_err(Error::Store)?;
+            ctx.log
+                .store
+                .request_yield(uid)
+                .await
+                .map_err(Error::Store)?;
             idle_requeue(ctx, run, now)
         }
         Act::Idle => idle_requeue(ctx, run, now),
@@ -366,7 +371,7 @@ async fn record(
         planned,
         &replayed.state,
         &replayed.head,
-        &ctx.store_name,
+        &ctx.log.store_name,
         acting.step,
         acting.concluded.as_ref(),
         job,
@@ -375,7 +380,7 @@ async fn record(
             .as_ref()
             .map(|w| (w.name.clone(), w.expires_at))
             .as_ref(),
-        ctx.signer.key_id(),
+        ctx.log.signer.key_id(),
         now,
     );
     if let Some(log) = new_status.log.as_mut() {
@@ -513,9 +518,9 @@ async fn govern(
             .or_else(|| Platform::unjudgeable(run, &governed));
         (governed, refused, awaited)
     };
-    let cached = platform::read(&ctx.client, ctx.policy_cache.as_ref(), ns).await?;
+    let cached = platform::read(&ctx.client, ctx.caches.policies.as_ref(), ns).await?;
     let (mut governed, mut refused, mut awaited) = judge(&cached);
-    if (refused.is_some() || awaited.is_some()) && ctx.policy_cache.is_some() {
+    if (refused.is_some() || awaited.is_some()) && ctx.caches.policies.is_some() {
         // The watch cache may not have seen a policy created together with
         // the run yet: the API server's own policies decide it.
         let platform = platform::read(&ctx.client, None, ns).await?;
@@ -749,7 +754,7 @@ async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolv
         },
         (Some(r), None) => {
             let agents: Api<Agent> = Api::namespaced(ctx.client.clone(), ns);
-            match cached_or_get(ctx.agent_cache.as_ref(), &agents, ns, &r.name)
+            match cached_or_get(ctx.caches.agents.as_ref(), &agents, ns, &r.name)
                 .await
                 .map_err(|source| Error::Read {
                     what: "agent",

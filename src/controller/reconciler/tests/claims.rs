@@ -49,7 +49,7 @@ async fn a_record_whose_stored_bytes_are_not_its_canonical_form_stops_the_run() 
         )
         .await;
         let db = dir.path().join("log.db");
-        respell_as_superuser(&db, ctx.store.as_ref(), UID, 1, respell).await;
+        respell_as_superuser(&db, ctx.log.store.as_ref(), UID, 1, respell).await;
 
         let step = super::paths::STEP_1;
         let (_, seen) = super::reconcile_recorded(&ctx, handle, &run, job(step, complete())).await;
@@ -76,7 +76,7 @@ async fn a_record_whose_stored_bytes_are_not_its_canonical_form_stops_the_run() 
             "{how}: {message}"
         );
         // Nothing was recorded on the strength of it.
-        let stored = ctx.store.read_stored(UID, 0, None).await.unwrap();
+        let stored = ctx.log.store.read_stored(UID, 0, None).await.unwrap();
         assert_eq!(stored.len(), 2, "{how}: no RunFinished was appended");
     }
 }
@@ -95,7 +95,7 @@ fn asking_run() -> crate::api::AgentRun {
 
 /// What the log's last record says, and the requests a reconcile made.
 async fn ended_with(ctx: &crate::controller::context::Context) -> Value {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     let last = log.last().unwrap();
     assert_eq!(
         last.kind.as_str(),

@@ -49,19 +49,19 @@ async fn receive_status(handle: &mut Handle) -> (Value, impl FnOnce(&AgentRun)) 
 
 /// The kinds of the run's log records, in order.
 pub(super) async fn kinds(ctx: &Context) -> Vec<String> {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     log.iter().map(|r| r.kind.as_str().to_string()).collect()
 }
 
 /// The payload of the log's last record.
 pub(super) async fn last_payload(ctx: &Context) -> Value {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     log.last().expect("a record").payload.clone()
 }
 
 /// The run's log replayed, as the controller would see it.
 pub(super) async fn replayed(ctx: &Context) -> RunState {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     RunState::replay(
         log.iter()
             .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
@@ -96,7 +96,7 @@ pub(super) async fn step_pod(
 ) -> u64 {
     let lease = step_pod_holding(ctx, steps, ttl).await;
     if release {
-        ctx.store.release(&lease).await.unwrap();
+        ctx.log.store.release(&lease).await.unwrap();
     }
     lease.epoch
 }
@@ -108,13 +108,14 @@ pub(super) async fn step_pod_holding(
     ttl: Duration,
 ) -> crate::store::Lease {
     use crate::store::RecordDraft;
-    let lease = ctx.store.acquire(UID, "r1-pod", ttl).await.unwrap();
-    let mut head = ctx.store.head(UID).await.unwrap();
+    let lease = ctx.log.store.acquire(UID, "r1-pod", ttl).await.unwrap();
+    let mut head = ctx.log.store.head(UID).await.unwrap();
     for step in steps {
         let record = RecordDraft::new(step.store_kind(), step.payload())
             .seal(&head)
             .unwrap();
         head = ctx
+            .log
             .store
             .append(UID, lease.epoch, &record)
             .await
@@ -127,7 +128,7 @@ pub(super) async fn step_pod_holding(
 /// Whether the worker that held the lease at `epoch` is fenced: the lease
 /// was taken since, so that worker can neither renew nor append.
 async fn fenced(ctx: &Context, epoch: u64) -> bool {
-    let lease = ctx.store.lease(UID).await.unwrap().expect("leased");
+    let lease = ctx.log.store.lease(UID).await.unwrap().expect("leased");
     lease.epoch > epoch
 }
 
@@ -531,7 +532,7 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
 
     // The worker gives the run back and its Job completes: the run lets go
     // of the Job without reading its log again (it kept it for this).
-    ctx.store.release(&lease).await.unwrap();
+    ctx.log.store.release(&lease).await.unwrap();
     let read_before = ctx.metrics.store_read_records.get();
     let mut pending = raised.clone();
     pending["status"] = json!({"state": "Pending"});
@@ -568,7 +569,8 @@ async fn lapsed_pod(ctx: &Context, steps: Vec<Entry>) -> u64 {
     // Appends under a lease long enough for a loaded machine, then lets it
     // lapse at once (a short lease could lapse mid-append: CI saw that).
     let lease = step_pod_holding(ctx, steps, Duration::from_secs(30)).await;
-    ctx.store
+    ctx.log
+        .store
         .renew(&lease, Duration::from_millis(1))
         .await
         .unwrap();
@@ -593,7 +595,7 @@ async fn a_lost_worker_is_fenced_its_job_deleted_and_its_step_retried() {
         handle
     })
     .await;
-    let lease = ctx.store.lease(UID).await.unwrap().unwrap();
+    let lease = ctx.log.store.lease(UID).await.unwrap().unwrap();
     assert_eq!(lease.epoch, epoch, "the worker is not fenced yet");
 
     // Free for LOST_AFTER: the worker is fenced, then its Job deleted.
@@ -774,7 +776,7 @@ async fn mocked_with_job_cache(
     let (jobs, mut writer) = reflector::store();
     writer.apply_watcher_event(&Event::Init);
     writer.apply_watcher_event(&Event::InitDone);
-    ctx.job_cache = Some(jobs);
+    ctx.caches.jobs = Some(jobs);
     (Arc::new(ctx), handle, writer)
 }
 
@@ -809,7 +811,7 @@ async fn a_running_steps_progress_is_written_at_most_every_few_seconds() {
         (handle, status)
     })
     .await;
-    let head = ctx.store.head(UID).await.unwrap();
+    let head = ctx.log.store.head(UID).await.unwrap();
     let s = &status["status"];
     assert_eq!(
         (&s["phase"], &s["step"]["job"], &s["log"]["length"]),
