@@ -97,7 +97,7 @@ async fn verify_store(
     let trust = Trust::of_run(&r).map_err(|e| anyhow::anyhow!("run {run}: {e}"))?;
     let keys = keys(k, controller_namespace).await;
     let store = crate::store::open(store_url).await?;
-    let uid = r.metadata.uid.clone().unwrap_or_default();
+    let uid = crate::api::RunUid::of(&r);
     // As stored: the bytes are what is verified, whatever they decode to.
     let stored = store.read_stored(&uid, 0, None).await?;
     let (_, verdict) = check::judge(&uid, &stored, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;

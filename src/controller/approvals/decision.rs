@@ -58,7 +58,7 @@ pub fn build(
     request: &ApprovalRequested,
     requested_at: Timestamp,
 ) -> Approval {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let mut approval = Approval::new(
         &approval_name(&run.name_any(), &uid, request_seq),
         ApprovalSpec {

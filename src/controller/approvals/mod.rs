@@ -116,7 +116,7 @@ pub(super) async fn handle(
     notices: &mut Vec<crate::controller::context::Notice>,
 ) -> Result<Option<Waiting>, Error> {
     let ns = run.namespace().unwrap_or_default();
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let Some(Entry::ApprovalRequested(recorded)) = log.entry(request_seq) else {
         return Ok(None);
     };
@@ -211,7 +211,7 @@ async fn record_decision(
         "decided"
     };
     let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     append(ctx, &uid, head, Entry::ApprovalDecided(record)).await?;
     notify(ctx, run, name, request, event, detail);
     Ok(())
@@ -230,7 +230,7 @@ async fn existing(
     request_seq: u64,
     request: &ApprovalRequested,
 ) -> Result<Option<Approval>, Error> {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let named = approval_name(&run.name_any(), &uid, request_seq);
     if let Some(found) = get_approval(approvals, &named).await? {
         return Ok(Some(found));

@@ -89,7 +89,7 @@ pub(super) async fn create_job(
     now: Timestamp,
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     if attempt > 1 {
         // A failed attempt may have been a pod that could not mount the
         // credential (someone deleted the Secret): make sure it is there.
@@ -234,7 +234,7 @@ pub(super) async fn read_job(
             what: "step Job",
             source,
         })?;
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let job = job.filter(|j| controlled_by(j, &uid, &name));
     ctx.metrics.observe_job(&uid, job.as_ref());
     let ended_at = job.as_ref().and_then(job_ended_at);

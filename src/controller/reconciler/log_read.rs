@@ -97,7 +97,7 @@ pub(super) async fn replay(
     run: &AgentRun,
     cached: Option<Replayed>,
 ) -> Result<Result<Replayed, StoreError>, Error> {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     if cached.as_ref().is_some_and(|c| ctx.memory.current(&uid, c)) {
         return Ok(Ok(cached.expect("checked above")));
     }
@@ -296,13 +296,13 @@ pub(super) async fn stop_tampered(
     });
     if already {
         // Its status says so: nothing more to remember about it.
-        ctx.memory.forget(&run.uid().unwrap_or_default());
+        ctx.memory.forget(&crate::api::RunUid::of(run));
         return Ok(Action::await_change());
     }
     tracing::error!(run = %run.name_any(), namespace = %ns, error = %tampered, "step log failed verification; stopping the run");
     // A reconcile that starts before this one's status write is seen finds
     // the same break: one run, one count.
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     if ctx.memory.first_tamper(&uid) {
         ctx.metrics.log_integrity_failures.inc();
     }

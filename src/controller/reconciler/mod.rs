@@ -94,7 +94,7 @@ async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
     match &result {
         Err(e) => report_stalled(&run, &ctx, e).await,
         Ok(_) => {
-            let uid = run.uid().unwrap_or_default();
+            let uid = crate::api::RunUid::of(&run);
             ctx.memory.succeeded(&uid);
         }
     }
@@ -107,7 +107,7 @@ async fn reconcile_now(run: Arc<AgentRun>, ctx: Arc<Context>) -> Result<Action, 
 async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error> {
     let began = chrono::Utc::now();
     let ns = run.namespace().unwrap_or_default();
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
 
     // Read: the agent.
     let resolved = resolve_agent(run, ctx, &ns).await?;
@@ -342,7 +342,7 @@ async fn record(
     requeue: Duration,
 ) -> Result<Action, Error> {
     let (idle, now) = (acting.idle, acting.now);
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let ns = run.namespace().unwrap_or_default();
     let reread = acting.concluded.is_none() && (requeue.is_zero() || acting.awaiting.is_some());
     let mut replayed = if reread {
@@ -556,7 +556,7 @@ async fn start_run(
     agent_generation: Option<i64>,
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let mcp = match discovered(run, ctx, template) {
         Answer::Pending => return Ok(DISCOVERY_RECHECK),
         Answer::Failed { reason, retry_in } => return Ok(rediscover(acting, reason, retry_in)),
@@ -615,7 +615,7 @@ async fn follow_agent(
     agent_generation: Option<i64>,
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let from = replayed
         .state
         .snapshot
@@ -724,7 +724,7 @@ pub fn error_policy(run: Arc<AgentRun>, error: &Error, ctx: Arc<Context>) -> Act
             reason: error.metric_label().into(),
         })
         .inc();
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(&run);
     Action::requeue(error_backoff(ctx.memory.failed(&uid)))
 }
 
@@ -802,7 +802,7 @@ fn report_run_span(run: &AgentRun, status: &crate::api::AgentRunStatus) {
         .map_or(name.as_str(), |a| a.name.as_str());
     let phase = status.phase.map(|p| format!("{p:?}")).unwrap_or_default();
     crate::telemetry::trace::report_finished_run(&crate::telemetry::trace::FinishedRun {
-        uid: &run.uid().unwrap_or_default(),
+        uid: &crate::api::RunUid::of(run),
         name: &name,
         namespace: &run.namespace().unwrap_or_default(),
         agent,

@@ -158,7 +158,7 @@ fn log_ref(
 ) -> LogRef {
     LogRef {
         store: store.to_string(),
-        run_key: run.metadata.uid.clone().unwrap_or_default(),
+        run_key: crate::api::RunUid::of(run).into(),
         length: head.len,
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
         signed_from: signed_from_to_write(run, head, job),
