@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 
-use crate::policy::host::{self, Network, Place};
+use crate::host::{self, Network, Place};
 
 /// How long one lookup may take; a name that does not answer in time
 /// resolves to nothing (and a call to it cannot connect).

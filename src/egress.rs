@@ -30,7 +30,7 @@ pub fn forbidden(ip: IpAddr) -> Option<&'static str> {
 
 /// An IPv6 address that carries an IPv4 one is judged as that IPv4 address.
 fn canonical(ip: IpAddr) -> IpAddr {
-    crate::policy::host::unwrap_v4(ip)
+    crate::host::unwrap_v4(ip)
 }
 
 fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {

@@ -3,7 +3,7 @@
 //! writes the tool's URL and may spell the same endpoint many ways
 //! (`%72efunds`, `x/../refunds`, `refunds/`, `PAY.example.`, `localhost`
 //! for `127.0.0.1`, a Service's short name or its ClusterIP). Both are
-//! reduced to the host they lead to ([`super::host`]), a port and path
+//! reduced to the host they lead to ([`crate::host`]), a port and path
 //! segments before they are compared, and since a server may read a path in
 //! more than one way (is `%2F` a separator? are empty segments dropped? is
 //! the path case-sensitive?), every reading is considered: a gate applies
@@ -12,7 +12,7 @@
 
 use percent_encoding::percent_decode_str;
 
-use super::host::{self, Network};
+use crate::host::{self, Network};
 
 /// How a rule and a call are compared: a gate over-matches when in doubt,
 /// an exemption under-matches.

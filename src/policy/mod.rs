@@ -4,15 +4,15 @@
 
 pub mod condition;
 pub mod endpoint;
-pub mod host;
 
 use serde_json::Value;
 
 use crate::api::{ApprovalPolicy, ApprovalRule, CallMatch, DefaultAction};
+use crate::host;
+pub use crate::host::Network;
 pub use crate::runlog::records::Gate;
 use crate::runlog::v1;
 pub use endpoint::Reading;
-pub use host::Network;
 
 /// What a call needs before it may run.
 #[derive(Clone, Debug, PartialEq)]
