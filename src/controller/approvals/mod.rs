@@ -14,7 +14,7 @@ mod duties;
 pub mod notify;
 pub mod pinned_gate;
 
-pub use notify::notify;
+pub use notify::{NoticeKind, notify};
 
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -496,9 +496,9 @@ async fn record_decision(
     ctx.metrics
         .observe_approval_decided(raised, now, record.verdict);
     let event = if record.verdict == Verdict::Expired {
-        "expired"
+        NoticeKind::Expired
     } else {
-        "decided"
+        NoticeKind::Decided
     };
     let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
     let uid = run.uid().unwrap_or_default();
@@ -555,7 +555,7 @@ fn after_expiry(
             run,
             name,
             &next,
-            "escalated",
+            NoticeKind::Escalated,
             json!({"escalation": next.escalation}),
         );
         return Step::ApprovalRequested(next);
@@ -713,7 +713,7 @@ async fn raise_missing(
             run,
             name,
             request,
-            "raised",
+            NoticeKind::Raised,
             json!({"expiresAt": raised.spec.expires_at}),
         );
         notices.push(notice(
