@@ -14,9 +14,13 @@ pub mod failpoint;
 pub mod keys;
 pub mod model;
 pub mod policy;
+pub mod refusal;
 pub mod runlog;
 pub mod step;
 pub mod store;
 pub mod telemetry;
 pub mod text;
 pub mod tools;
+
+#[cfg(test)]
+mod error_rule;

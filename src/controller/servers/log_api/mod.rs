@@ -67,7 +67,7 @@ impl LogApi {
         client: kube::Client,
         namespace: Option<String>,
         authz_ttl: Duration,
-    ) -> anyhow::Result<LogApi> {
+    ) -> Result<LogApi, crate::store::StoreError> {
         let (heads, _) = tokio::sync::broadcast::channel(1024);
         let events = store.head_events().await?;
         let pushes = events.is_some();
