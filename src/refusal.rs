@@ -23,6 +23,15 @@ impl Refusal {
     }
 }
 
+/// Read as the text it is (`&refusal` where a `&str` is asked for).
+impl std::ops::Deref for Refusal {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl From<String> for Refusal {
     fn from(words: String) -> Refusal {
         Refusal(words)

@@ -17,6 +17,7 @@
 //! within a bounded number of deliveries in flight; one that finally fails
 //! becomes a Warning Event `ApprovalNotificationFailed` on the run.
 
+use crate::refusal::Refusal;
 use std::time::Duration;
 
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -973,26 +974,24 @@ fn adaptive_card(m: &Message, body: Vec<Value>) -> Value {
 
 /// Checks the console's base URL (`--console-url`): absolute http(s), a
 /// host, no credentials, query or fragment. Returns it without a trailing `/`.
-pub fn console_url(s: &str) -> Result<String, String> {
+pub fn console_url(s: &str) -> Result<String, Refusal> {
     let u = url::Url::parse(s).map_err(|e| format!("--console-url {s:?}: {e}"))?;
     if !matches!(u.scheme(), "http" | "https") {
-        return Err(format!("--console-url {s:?}: must be http or https"));
+        return Err(format!("--console-url {s:?}: must be http or https").into());
     }
     if u.host_str().is_none_or(str::is_empty) {
-        return Err(format!("--console-url {s:?}: has no host"));
+        return Err(format!("--console-url {s:?}: has no host").into());
     }
     if !u.username().is_empty() || u.password().is_some() {
         return Err("--console-url: must not carry credentials (messages carry no secret)".into());
     }
     if s.contains(['|', '<', '>', '"', ' ']) {
-        return Err(format!(
-            "--console-url {s:?}: must not contain |, <, >, quotes or spaces"
-        ));
+        return Err(
+            format!("--console-url {s:?}: must not contain |, <, >, quotes or spaces").into(),
+        );
     }
     if u.query().is_some() || u.fragment().is_some() {
-        return Err(format!(
-            "--console-url {s:?}: must have no query or fragment"
-        ));
+        return Err(format!("--console-url {s:?}: must have no query or fragment").into());
     }
     if s.len() > 1000 {
         return Err("--console-url: longer than 1000 characters".into());

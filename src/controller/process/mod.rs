@@ -4,6 +4,7 @@
 mod leader;
 mod throttle;
 
+use crate::refusal::Refusal;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -266,7 +267,7 @@ pub struct Options {
     pub allow_failpoints: bool,
 }
 
-fn parse_console_url(s: &str) -> Result<String, String> {
+fn parse_console_url(s: &str) -> Result<String, Refusal> {
     crate::controller::approvals::notify::console_url(s)
 }
 

@@ -16,6 +16,7 @@
 //! or a fragment.
 
 use crate::policy::host::{self, Network};
+use crate::refusal::Refusal;
 
 /// A URL as the check compares it.
 #[derive(Debug, PartialEq, Eq)]
@@ -28,16 +29,16 @@ pub struct Normalized {
 }
 
 /// `url` normalized, or why it is too ambiguous to be checked.
-pub fn normalize(url: &str) -> Result<Normalized, String> {
+pub fn normalize(url: &str) -> Result<Normalized, Refusal> {
     let parsed = url::Url::parse(url.trim()).map_err(|e| format!("{url:?} is not a URL: {e}"))?;
     if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err(format!("{url:?} carries a user name or password"));
+        return Err(format!("{url:?} carries a user name or password").into());
     }
     if parsed.query().is_some() || parsed.fragment().is_some() {
-        return Err(format!("{url:?} has a query or fragment"));
+        return Err(format!("{url:?} has a query or fragment").into());
     }
     let Some(host) = parsed.host().map(|h| h.to_owned()) else {
-        return Err(format!("{url:?} names no host"));
+        return Err(format!("{url:?} names no host").into());
     };
     let mut raw: Vec<&str> = parsed.path().split('/').skip(1).collect();
     if raw.last() == Some(&"") {
@@ -55,9 +56,9 @@ pub fn normalize(url: &str) -> Result<Normalized, String> {
     })
 }
 
-fn decode_segment(url: &str, segment: &str) -> Result<String, String> {
+fn decode_segment(url: &str, segment: &str) -> Result<String, Refusal> {
     if segment.is_empty() {
-        return Err(format!("{url:?} has an empty path segment (//)"));
+        return Err(format!("{url:?} has an empty path segment (//)").into());
     }
     let decoded = percent_encoding::percent_decode_str(segment)
         .decode_utf8()
@@ -65,7 +66,8 @@ fn decode_segment(url: &str, segment: &str) -> Result<String, String> {
     if decoded.contains(['/', '\\', '%']) || decoded == "." || decoded == ".." {
         return Err(format!(
             "{url:?} has an encoded slash, backslash, percent sign or dot segment in its path"
-        ));
+        )
+        .into());
     }
     Ok(decoded.into_owned())
 }
