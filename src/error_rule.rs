@@ -10,12 +10,30 @@ use std::path::{Path, PathBuf};
 /// output is printed.
 const ANYHOW_EDGES: &[&str] = &["src/main.rs", "src/bin/", "src/cli/"];
 
-/// Files another restructuring of issue 40 owns while this rule lands:
-/// their `String` errors are converted there, then leave this list.
-const PENDING: &[&str] = &[
+/// The functions `src/main.rs` calls to run a process: they hand it an
+/// `anyhow::Error` (it prints it, and the step runner's is downcast for its
+/// exit code); their bodies return typed errors through `?`.
+const ENTRY_POINTS: &[(&str, &str)] = &[
+    ("src/controller/process/mod.rs", "pub async fn run("),
+    ("src/step/runner.rs", "pub async fn run("),
+    ("src/store/cli.rs", "pub async fn main("),
+    ("src/console/mod.rs", "pub async fn serve_in_cluster("),
+];
+
+/// Still on `anyhow` inside, to be converted (issue 40): the step runner,
+/// the console, and `agentrun store`.
+const PENDING_ANYHOW: &[&str] = &["src/step/runner.rs", "src/console/", "src/store/cli.rs"];
+
+/// Still with `String` errors, to be converted (issue 40): the files the
+/// reconciler's restructuring owns, MCP discovery (its result is read by
+/// the reconciler), the console and the plugin.
+const PENDING_STRING: &[&str] = &[
     "src/controller/reconciler/",
     "src/controller/approvals/mod.rs",
     "src/runlog/replay.rs",
+    "src/controller/watchers/discovery.rs",
+    "src/console/",
+    "src/cli/",
 ];
 
 fn src() -> PathBuf {
@@ -95,6 +113,12 @@ fn is_string_error(line: &str) -> bool {
         || line.trim() == "type Err = String;"
 }
 
+fn is_entry_point(file: &str, line: &str) -> bool {
+    ENTRY_POINTS
+        .iter()
+        .any(|(f, signature)| *f == file && line.trim_start().starts_with(signature))
+}
+
 fn under(file: &str, prefixes: &[&str]) -> bool {
     prefixes
         .iter()
@@ -107,11 +131,11 @@ fn anyhow_is_used_only_at_the_binaries_edges() {
     rust_files(&src(), &mut files);
     let mut found: Vec<String> = files
         .iter()
-        .filter(|f| !under(f, ANYHOW_EDGES))
+        .filter(|f| !under(f, ANYHOW_EDGES) && !under(f, PENDING_ANYHOW))
         .flat_map(|f| {
             production_lines(f)
                 .into_iter()
-                .filter(|(_, l)| l.contains("anyhow"))
+                .filter(|(_, l)| l.contains("anyhow") && !is_entry_point(f, l))
                 .map(move |(n, l)| format!("{f}:{n}: {}", l.trim()))
         })
         .collect();
@@ -129,7 +153,7 @@ fn no_bare_string_is_an_error_type() {
     rust_files(&src(), &mut files);
     let mut found: Vec<String> = files
         .iter()
-        .filter(|f| !under(f, PENDING))
+        .filter(|f| !under(f, PENDING_STRING))
         .flat_map(|f| {
             production_lines(f)
                 .into_iter()
