@@ -323,3 +323,41 @@ pub struct PinnedVersions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_generation: Option<i64>,
 }
+
+/// A run's uid: the key of its log, of what the controller remembers about
+/// it and of its Approvals' and Secrets' names, where its name would let a
+/// re-created run meet an earlier one's. The API server sets it when the run
+/// is created, so every run a reconcile reads has one; an object never
+/// stored has none, and gets the empty uid, which names no log.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RunUid(String);
+
+impl RunUid {
+    /// The uid of `run` as the API server set it.
+    pub fn of(run: &AgentRun) -> RunUid {
+        RunUid(run.metadata.uid.clone().unwrap_or_default())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for RunUid {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for RunUid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<RunUid> for String {
+    fn from(uid: RunUid) -> String {
+        uid.0
+    }
+}

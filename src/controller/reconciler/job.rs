@@ -70,7 +70,7 @@ pub fn credential_secret(run_uid: &str, key_id: &str) -> String {
 /// run deleted and created again under its name never meets the Jobs of the
 /// one before (left behind by an orphaning delete, or not yet collected).
 pub fn job_name(run: &AgentRun, seq: u64, attempt: u32) -> String {
-    let uid = run.uid().unwrap_or_default();
+    let uid = crate::api::RunUid::of(run);
     let of_run = hex::encode(&Sha256::digest(uid.as_bytes())[..3]);
     let suffix = format!("-{of_run}-s{seq}-a{attempt}");
     let name = run.name_any();
@@ -150,7 +150,7 @@ fn run_env(
     settings: &JobSettings,
 ) -> Vec<EnvVar> {
     vec![
-        plain("AGENTRUN_RUN_UID", run.uid().unwrap_or_default()),
+        plain("AGENTRUN_RUN_UID", crate::api::RunUid::of(run)),
         plain("AGENTRUN_RUN_NAME", run.name_any()),
         plain("AGENTRUN_NAMESPACE", run.namespace().unwrap_or_default()),
         plain("AGENTRUN_ATTEMPT", attempt.to_string()),
@@ -166,7 +166,7 @@ fn run_env(
         plain(crate::store::STORE_URL_ENV, settings.store_url.clone()),
         secret(
             crate::store::STORE_TOKEN_ENV,
-            &credential_secret(&run.uid().unwrap_or_default(), &settings.key_id),
+            &credential_secret(&crate::api::RunUid::of(run), &settings.key_id),
             TOKEN_KEY,
         ),
         plain(LOG_ANCHOR_ENV, format!("{}:{}", anchor.len, anchor.hash)),

@@ -10,8 +10,8 @@ use crate::api::{
 };
 use crate::controller::conditions::{condition, set_condition};
 use crate::controller::reconciler::phase::{JobState, JobView, deadline};
+use crate::replay::RunState;
 use crate::runlog::records::{Outcome, RunFinished};
-use crate::runlog::replay::RunState;
 use crate::store::Head;
 
 pub use crate::api::signing::{bound_from, key_windows, signature_rules, signed_from, windows_of};
@@ -158,7 +158,7 @@ fn log_ref(
 ) -> LogRef {
     LogRef {
         store: store.to_string(),
-        run_key: run.metadata.uid.clone().unwrap_or_default(),
+        run_key: crate::api::RunUid::of(run).into(),
         length: head.len,
         head_hash: (!head.hash.is_zero()).then(|| head.hash.to_hex()),
         signed_from: signed_from_to_write(run, head, job),

@@ -41,7 +41,7 @@ pub struct Access {
 /// The stream response for `run`'s log from seq `from` on, or the error
 /// to answer instead (a `from` past the log's end, an unreachable store).
 pub async fn stream(api: LogApi, run: AgentRun, from: u64, access: Access) -> Response {
-    let uid = run.metadata.uid.clone().unwrap_or_default();
+    let uid = crate::api::RunUid::of(&run);
     let base = match base_of(&api, &uid, from).await {
         Ok(Some(base)) => base,
         Ok(None) => {
@@ -65,7 +65,7 @@ pub async fn stream(api: LogApi, run: AgentRun, from: u64, access: Access) -> Re
     let follower = Follower {
         api,
         run,
-        uid,
+        uid: uid.into(),
         tx,
         access,
     };

@@ -26,7 +26,6 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::{Semaphore, mpsc};
 
@@ -174,7 +173,7 @@ impl Discovery {
         if let Some(refused) = refuse(tools, field, &self.shared.policy) {
             return Answer::Ready(Err(refused));
         }
-        let uid = run.uid().unwrap_or_default();
+        let uid = String::from(crate::api::RunUid::of(run));
         let key = ask_key(tools);
         let mut asks = self.shared.asks.lock().expect("not poisoned");
         let mut failures = 0;

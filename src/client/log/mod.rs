@@ -14,7 +14,8 @@ use std::io::Write;
 
 use anyhow::{Context as _, bail};
 
-use super::{Kube, audit_line, visible};
+use super::Kube;
+use super::approvals::{audit_line, visible};
 use crate::store::{Record, RecordVerifier};
 use api::{Failure, LogApi, Retry};
 use check::{Pages, Trust, Verdict};
@@ -96,7 +97,7 @@ async fn verify_store(
     let trust = Trust::of_run(&r).map_err(|e| anyhow::anyhow!("run {run}: {e}"))?;
     let keys = keys(k, controller_namespace).await;
     let store = crate::store::open(store_url).await?;
-    let uid = r.metadata.uid.clone().unwrap_or_default();
+    let uid = crate::api::RunUid::of(&r);
     // As stored: the bytes are what is verified, whatever they decode to.
     let stored = store.read_stored(&uid, 0, None).await?;
     let (_, verdict) = check::judge(&uid, &stored, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;
