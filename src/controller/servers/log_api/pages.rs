@@ -94,7 +94,7 @@ fn unavailable(e: StoreError) -> Response {
 
 /// One page of the run's log.
 pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &HeaderMap) -> Response {
-    let uid = crate::api::RunUid::of(&run);
+    let uid = crate::api::RunUid::of(run);
     let from = match (&params.continue_token, params.from_seq) {
         (Some(token), _) => match decode_continue(token, &uid) {
             Ok(seq) => seq,
