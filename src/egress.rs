@@ -14,6 +14,7 @@
 //! too, by [`Resolver`]) and for IP literals, which reqwest does not
 //! resolve (by [`Policy::check_url`], which callers run first).
 
+use crate::refusal::Refusal;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -87,15 +88,15 @@ pub enum Entry {
 }
 
 impl FromStr for Entry {
-    type Err = String;
+    type Err = Refusal;
 
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, Refusal> {
         let s = s.trim();
         if s.contains('/') {
             return s
                 .parse::<IpNet>()
                 .map(|n| Entry::Net(n.trunc()))
-                .map_err(|e| format!("{s:?} is not a CIDR range: {e}"));
+                .map_err(|e| Refusal::new(format!("{s:?} is not a CIDR range: {e}")));
         }
         let bare = s.trim_start_matches('[').trim_end_matches(']');
         if let Ok(ip) = bare.parse::<IpAddr>() {
@@ -119,7 +120,7 @@ impl FromStr for Entry {
         };
         let url = url::Url::parse(&format!("http://{pattern}/"))
             .map_err(|e| format!("{s:?} is neither a CIDR range nor host[:port]: {e}"))?;
-        let bad = |why: &str| Err(format!("{s:?} is not host[:port]: {why}"));
+        let bad = |why: &str| Err(Refusal::new(format!("{s:?} is not host[:port]: {why}")));
         if !url.username().is_empty()
             || url.password().is_some()
             || url.path() != "/"
@@ -221,15 +222,13 @@ impl Policy {
     /// Refuses a URL the controller may not reach: not http(s), with
     /// credentials in it, or on an IP literal the platform does not allow
     /// (names are checked when they resolve, by [`Resolver`]).
-    pub fn check_url(&self, url: &str) -> Result<(), String> {
+    pub fn check_url(&self, url: &str) -> Result<(), Refusal> {
         let parsed = url::Url::parse(url).map_err(|e| format!("{url:?} is not a URL: {e}"))?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(format!("{url}: only http and https URLs are allowed"));
+            return Err(format!("{url}: only http and https URLs are allowed").into());
         }
         if !parsed.username().is_empty() || parsed.password().is_some() {
-            return Err(format!(
-                "{url}: a URL may not carry a user name or password"
-            ));
+            return Err(format!("{url}: a URL may not carry a user name or password").into());
         }
         let port = parsed.port_or_known_default();
         let ip = match parsed.host() {
@@ -240,16 +239,16 @@ impl Policy {
                 if self.host_allowed(host, None) && !self.host_allowed(host, port) {
                     return Err(format!(
                         "{url}: {host} is on the platform's allow-list (--user-url-allow) on other ports only; the controller never connects there"
-                    ));
+                    ).into());
                 }
                 return Ok(());
             }
-            None => return Err(format!("{url}: the URL names no host")),
+            None => return Err(format!("{url}: the URL names no host").into()),
         };
         match self.refusal(ip, false) {
-            Some(why) => Err(format!(
-                "{url}: {ip} is {why}; the controller never connects there"
-            )),
+            Some(why) => {
+                Err(format!("{url}: {ip} is {why}; the controller never connects there").into())
+            }
             None => Ok(()),
         }
     }

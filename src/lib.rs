@@ -17,6 +17,7 @@ pub mod host;
 pub mod keys;
 pub mod model;
 pub mod policy;
+pub mod refusal;
 pub mod replay;
 pub mod runlog;
 pub mod step;
@@ -24,3 +25,6 @@ pub mod store;
 pub mod telemetry;
 pub mod text;
 pub mod tools;
+
+#[cfg(test)]
+mod error_rule;

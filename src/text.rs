@@ -4,6 +4,19 @@
 
 /// The longest prefix of `text` of at most `max` bytes that ends on a
 /// character boundary.
+/// An error and its causes on one line, `what: why: why`, as people read
+/// them in a log line or a Warning.
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
+}
+
 pub fn prefix(text: &str, max: usize) -> &str {
     if text.len() <= max {
         return text;

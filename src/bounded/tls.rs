@@ -65,7 +65,7 @@ pub struct TlsConfigs {
 
 impl TlsConfigs {
     /// Builds the first configuration; an error names what is wrong.
-    pub fn new(material: Material) -> anyhow::Result<TlsConfigs> {
+    pub fn new(material: Material) -> Result<TlsConfigs, TlsError> {
         let acceptor = acceptor(&material)?;
         Ok(TlsConfigs {
             current: Arc::new(RwLock::new((material, acceptor))),
@@ -84,7 +84,7 @@ impl TlsConfigs {
 
     /// Switches to `material` when it differs; a material that does not
     /// make a configuration is refused and the current one kept.
-    pub fn update(&self, material: Material) -> anyhow::Result<bool> {
+    pub fn update(&self, material: Material) -> Result<bool, TlsError> {
         if self.material() == material {
             return Ok(false);
         }
@@ -94,31 +94,47 @@ impl TlsConfigs {
     }
 }
 
-fn acceptor(m: &Material) -> anyhow::Result<TlsAcceptor> {
+/// Why a material makes no TLS configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("the serving certificate: {0}")]
+    Certificate(rustls::pki_types::pem::Error),
+    #[error("the serving certificate: no CERTIFICATE block")]
+    NoCertificate,
+    #[error("the serving key: {0}")]
+    Key(rustls::pki_types::pem::Error),
+    #[error(transparent)]
+    Protocols(rustls::Error),
+    #[error("the front-proxy CA: {0}")]
+    FrontProxyCa(Box<dyn std::error::Error + Send + Sync>),
+    #[error("the serving certificate and key: {0}")]
+    CertificateAndKey(rustls::Error),
+}
+
+fn acceptor(m: &Material) -> Result<TlsAcceptor, TlsError> {
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(m.cert_pem.as_bytes())
         .collect::<Result<_, _>>()
-        .map_err(|e| anyhow::anyhow!("the serving certificate: {e}"))?;
-    anyhow::ensure!(
-        !certs.is_empty(),
-        "the serving certificate: no CERTIFICATE block"
-    );
-    let key = PrivateKeyDer::from_pem_slice(m.key_pem.as_bytes())
-        .map_err(|e| anyhow::anyhow!("the serving key: {e}"))?;
+        .map_err(TlsError::Certificate)?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate);
+    }
+    let key = PrivateKeyDer::from_pem_slice(m.key_pem.as_bytes()).map_err(TlsError::Key)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()?;
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Protocols)?;
     let mut config = match client_roots(&m.client_ca_pem)? {
         Some(roots) => {
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .allow_unauthenticated()
                 .build()
-                .map_err(|e| anyhow::anyhow!("the front-proxy CA: {e}"))?;
+                .map_err(|e| TlsError::FrontProxyCa(e.into()))?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
     }
     .with_single_cert(certs, key)
-    .map_err(|e| anyhow::anyhow!("the serving certificate and key: {e}"))?;
+    .map_err(TlsError::CertificateAndKey)?;
     // HTTP/1.1 only: watch streams are chunked responses, and the
     // connection slots count HTTP/1 connections.
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -126,16 +142,16 @@ fn acceptor(m: &Material) -> anyhow::Result<TlsAcceptor> {
 }
 
 /// The front-proxy CA bundle as roots; `None` for an empty bundle.
-fn client_roots(pem: &str) -> anyhow::Result<Option<RootCertStore>> {
+fn client_roots(pem: &str) -> Result<Option<RootCertStore>, TlsError> {
     if pem.trim().is_empty() {
         return Ok(None);
     }
     let mut roots = RootCertStore::empty();
     for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-        let cert = cert.map_err(|e| anyhow::anyhow!("the front-proxy CA: {e}"))?;
+        let cert = cert.map_err(|e| TlsError::FrontProxyCa(e.into()))?;
         roots
             .add(cert)
-            .map_err(|e| anyhow::anyhow!("the front-proxy CA: {e}"))?;
+            .map_err(|e| TlsError::FrontProxyCa(e.into()))?;
     }
     Ok((!roots.is_empty()).then_some(roots))
 }

@@ -168,7 +168,7 @@ pub fn rotated_key_data(
     let old = RetiredKey::new(&old.0, now).map_err(|e| format!("`key`: {e}"))?;
     let mut retired = vec![old.clone()];
     retired.extend(retired_of(data)?);
-    let new = TokenKey::new(fresh.as_bytes())?;
+    let new = TokenKey::new(fresh.as_bytes()).map_err(|e| e.to_string())?;
     let mut out = data.clone();
     out.insert("key".into(), ByteString(fresh.as_bytes().to_vec()));
     out.insert("retired".into(), ByteString(retired_text(&retired)));

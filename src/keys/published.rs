@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams};
 
-use crate::store::{PublicKey, RecordVerifier, key_id};
+use crate::store::{KeyError, PublicKey, RecordVerifier, key_id};
 
 /// Name of the ConfigMap (fixed, so `kubectl agentrun verify` finds it
 /// knowing only the namespace).
@@ -34,30 +34,54 @@ pub fn data(keys: &RecordVerifier) -> BTreeMap<String, String> {
     data
 }
 
+/// Why the published keys could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishedError {
+    #[error("reading the controller's public keys (ConfigMap {namespace}/{CONFIGMAP}): {error}")]
+    Read {
+        namespace: String,
+        error: kube::Error,
+    },
+    #[error(
+        "no ConfigMap {namespace}/{CONFIGMAP}: the controller publishes its public keys there \
+         (pass --controller-namespace if it runs elsewhere)"
+    )]
+    Missing { namespace: String },
+    #[error("ConfigMap {CONFIGMAP}: no `{CURRENT}` entry")]
+    NoCurrent,
+    #[error("ConfigMap {CONFIGMAP} entry {id}: {error}")]
+    Entry { id: String, error: KeyError },
+    #[error("ConfigMap {CONFIGMAP} entry {id}: the key's id is {actual}, not {id}")]
+    WrongId { id: String, actual: String },
+    #[error("ConfigMap {CONFIGMAP}: the current key {0} is not published")]
+    CurrentNotPublished(String),
+    #[error("ConfigMap {CONFIGMAP}: {0}")]
+    Keys(KeyError),
+}
+
 /// The keys a ConfigMap's `data` publishes; an error names the entry.
-pub fn parse(data: &BTreeMap<String, String>) -> Result<RecordVerifier, String> {
-    let current = data
-        .get(CURRENT)
-        .ok_or_else(|| format!("ConfigMap {CONFIGMAP}: no `{CURRENT}` entry"))?;
+pub fn parse(data: &BTreeMap<String, String>) -> Result<RecordVerifier, PublishedError> {
+    let current = data.get(CURRENT).ok_or(PublishedError::NoCurrent)?;
     let mut keys = Vec::new();
     for (id, hex) in data.iter().filter(|(k, _)| k.as_str() != CURRENT) {
-        let key = PublicKey::from_hex(hex, id != current)
-            .map_err(|e| format!("ConfigMap {CONFIGMAP} entry {id}: {e}"))?;
+        let key =
+            PublicKey::from_hex(hex, id != current).map_err(|error| PublishedError::Entry {
+                id: id.clone(),
+                error,
+            })?;
         if key_id(&key.key) != *id {
-            return Err(format!(
-                "ConfigMap {CONFIGMAP} entry {id}: the key's id is {}, not {id}",
-                key.id
-            ));
+            return Err(PublishedError::WrongId {
+                id: id.clone(),
+                actual: key.id,
+            });
         }
         keys.push(key);
     }
     if !keys.iter().any(|k| !k.retired) {
-        return Err(format!(
-            "ConfigMap {CONFIGMAP}: the current key {current} is not published"
-        ));
+        return Err(PublishedError::CurrentNotPublished(current.clone()));
     }
     keys.sort_by_key(|k| k.retired);
-    RecordVerifier::new(keys).map_err(|e| format!("ConfigMap {CONFIGMAP}: {e}"))
+    RecordVerifier::new(keys).map_err(PublishedError::Keys)
 }
 
 /// Writes the ConfigMap in `namespace`.
@@ -108,20 +132,22 @@ pub fn spawn_publish(client: kube::Client, namespace: String, keys: RecordVerifi
 }
 
 /// Reads the keys published in `namespace`.
-pub async fn read(client: &kube::Client, namespace: &str) -> anyhow::Result<RecordVerifier> {
+pub async fn read(
+    client: &kube::Client,
+    namespace: &str,
+) -> Result<RecordVerifier, PublishedError> {
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
-    let cm = api.get_opt(CONFIGMAP).await.map_err(|e| {
-        anyhow::anyhow!(
-            "reading the controller's public keys (ConfigMap {namespace}/{CONFIGMAP}): {e}"
-        )
+    let cm = api
+        .get_opt(CONFIGMAP)
+        .await
+        .map_err(|error| PublishedError::Read {
+            namespace: namespace.into(),
+            error,
+        })?;
+    let cm = cm.ok_or_else(|| PublishedError::Missing {
+        namespace: namespace.into(),
     })?;
-    let cm = cm.ok_or_else(|| {
-        anyhow::anyhow!(
-            "no ConfigMap {namespace}/{CONFIGMAP}: the controller publishes its public keys there \
-             (pass --controller-namespace if it runs elsewhere)"
-        )
-    })?;
-    parse(&cm.data.unwrap_or_default()).map_err(anyhow::Error::msg)
+    parse(&cm.data.unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -141,13 +167,24 @@ mod tests {
         assert_eq!(parse(&d).unwrap().keys(), keys.keys());
         let mut swapped = d.clone();
         swapped.insert(new.key_id().into(), old.public_key_hex());
-        assert!(parse(&swapped).unwrap_err().contains("the key's id is"));
+        assert!(
+            parse(&swapped)
+                .unwrap_err()
+                .to_string()
+                .contains("the key's id is")
+        );
         let mut no_current = d.clone();
         no_current.insert(CURRENT.into(), "0000".into());
-        assert!(parse(&no_current).unwrap_err().contains("not published"));
+        assert!(
+            parse(&no_current)
+                .unwrap_err()
+                .to_string()
+                .contains("not published")
+        );
         assert!(
             parse(&BTreeMap::new())
                 .unwrap_err()
+                .to_string()
                 .contains("no `current`")
         );
     }

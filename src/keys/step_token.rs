@@ -76,9 +76,46 @@ impl std::fmt::Debug for RetiredKey {
     }
 }
 
+/// Why a step token key, a retired key or their flags do not make a key.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    #[error("the step token key has {0} bytes; at least {MIN_KEY_LEN} are required")]
+    TooShort(usize),
+    #[error(
+        "no retirement time: a retired key is `<key> <RFC 3339 time it was retired>` \
+         (as kubectl agentrun rotate-key writes it), so its tokens open only runs \
+         created by then"
+    )]
+    NoRetirementTime,
+    #[error("the retirement time {0:?} is not an RFC 3339 time (e.g. 2026-12-05T10:00:00Z)")]
+    RetirementTime(String),
+    #[error("the pruned key's public key is not hex")]
+    PrunedNotHex,
+    #[error("the pruned key's public key ({PRUNED_PREFIX}<hex>): {0}")]
+    PrunedKey(crate::store::KeyError),
+    #[error("retired key (line {line}): {error}")]
+    RetiredLine { line: usize, error: Box<KeyError> },
+    #[error(
+        "no step token key: set --step-token-key-file or AGENTRUN_STEP_TOKEN_KEY \
+         (the chart shares one from a Secret in the controller's namespace)"
+    )]
+    NoKey,
+    #[error("reading {flag} {}: {error}", path.display())]
+    ReadFile {
+        flag: &'static str,
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
+    #[error("{flag}: {error}")]
+    Flag {
+        flag: &'static str,
+        error: Box<KeyError>,
+    },
+}
+
 impl RetiredKey {
     /// `secret`, retired at `at`.
-    pub fn new(secret: &[u8], at: Timestamp) -> Result<RetiredKey, String> {
+    pub fn new(secret: &[u8], at: Timestamp) -> Result<RetiredKey, KeyError> {
         let key = TokenKey::new(secret)?;
         Ok(RetiredKey {
             secret: Some(secret.trim_ascii().to_vec()),
@@ -88,34 +125,22 @@ impl RetiredKey {
     }
 
     /// One line of `retired` (surrounding whitespace ignored).
-    pub fn parse(line: &[u8]) -> Result<RetiredKey, String> {
+    pub fn parse(line: &[u8]) -> Result<RetiredKey, KeyError> {
         let line = line.trim_ascii();
         let Some(split) = line.iter().rposition(u8::is_ascii_whitespace) else {
-            return Err(
-                "no retirement time: a retired key is `<key> <RFC 3339 time it was retired>` \
-                 (as kubectl agentrun rotate-key writes it), so its tokens open only runs \
-                 created by then"
-                    .into(),
-            );
+            return Err(KeyError::NoRetirementTime);
         };
         let (key, at) = (line[..split].trim_ascii(), &line[split + 1..]);
         let at = std::str::from_utf8(at)
             .ok()
             .and_then(|t| t.parse::<Timestamp>().ok())
-            .ok_or_else(|| {
-                format!(
-                    "the retirement time {:?} is not an RFC 3339 time (e.g. 2026-12-05T10:00:00Z)",
-                    String::from_utf8_lossy(at)
-                )
-            })?;
+            .ok_or_else(|| KeyError::RetirementTime(String::from_utf8_lossy(at).into_owned()))?;
         match key.strip_prefix(PRUNED_PREFIX.as_bytes()) {
             Some(public) => {
                 let public = std::str::from_utf8(public)
-                    .map_err(|_| "the pruned key's public key is not hex".to_string())
+                    .map_err(|_| KeyError::PrunedNotHex)
                     .and_then(|hex| {
-                        crate::store::PublicKey::from_hex(hex, true).map_err(|e| {
-                            format!("the pruned key's public key ({PRUNED_PREFIX}<hex>): {e}")
-                        })
+                        crate::store::PublicKey::from_hex(hex, true).map_err(KeyError::PrunedKey)
                     })?;
                 Ok(RetiredKey {
                     secret: None,
@@ -164,15 +189,16 @@ impl RetiredKey {
 }
 
 /// The lines of `retired` (blank lines ignored); an error names the line.
-pub fn parse_retired(retired: &[u8]) -> Result<Vec<RetiredKey>, String> {
+pub fn parse_retired(retired: &[u8]) -> Result<Vec<RetiredKey>, KeyError> {
     let mut keys = Vec::new();
     for (i, line) in retired.split(|b| *b == b'\n').enumerate() {
         if line.trim_ascii().is_empty() {
             continue;
         }
-        keys.push(
-            RetiredKey::parse(line).map_err(|e| format!("retired key (line {}): {e}", i + 1))?,
-        );
+        keys.push(RetiredKey::parse(line).map_err(|e| KeyError::RetiredLine {
+            line: i + 1,
+            error: Box::new(e),
+        })?);
     }
     Ok(keys)
 }
@@ -214,13 +240,10 @@ impl TokenCheck {
 impl TokenKey {
     /// A key from its secret bytes (at least [`MIN_KEY_LEN`]; surrounding
     /// whitespace, as a file or Secret often has, is ignored).
-    pub fn new(secret: &[u8]) -> Result<TokenKey, String> {
+    pub fn new(secret: &[u8]) -> Result<TokenKey, KeyError> {
         let secret = secret.trim_ascii();
         if secret.len() < MIN_KEY_LEN {
-            return Err(format!(
-                "the step token key has {} bytes; at least {MIN_KEY_LEN} are required",
-                secret.len()
-            ));
+            return Err(KeyError::TooShort(secret.len()));
         }
         Ok(TokenKey {
             current: hmac::Key::new(hmac::HMAC_SHA256, secret),
@@ -230,7 +253,7 @@ impl TokenKey {
 
     /// This key with `retired` (keys a rotation replaced, one per line with
     /// the time each was retired; blank lines ignored).
-    pub fn with_retired(mut self, retired: &[u8]) -> Result<TokenKey, String> {
+    pub fn with_retired(mut self, retired: &[u8]) -> Result<TokenKey, KeyError> {
         self.retired = parse_retired(retired)?;
         Ok(self)
     }
@@ -243,24 +266,27 @@ impl TokenKey {
         inline: Option<&str>,
         retired_file: Option<&std::path::Path>,
         retired_inline: Option<&str>,
-    ) -> anyhow::Result<TokenKey> {
+    ) -> Result<TokenKey, KeyError> {
         let secret = match (file, inline) {
             (Some(path), _) => read(path, "--step-token-key-file")?,
             (None, Some(key)) => key.as_bytes().to_vec(),
-            (None, None) => anyhow::bail!(
-                "no step token key: set --step-token-key-file or AGENTRUN_STEP_TOKEN_KEY \
-                 (the chart shares one from a Secret in the controller's namespace)"
-            ),
+            (None, None) => return Err(KeyError::NoKey),
         };
         let retired = match (retired_file, retired_inline) {
             (Some(path), _) => read(path, "--step-token-retired-keys-file")?,
             (None, Some(keys)) => keys.as_bytes().to_vec(),
             (None, None) => Vec::new(),
         };
+        let flag = |flag| {
+            move |e| KeyError::Flag {
+                flag,
+                error: Box::new(e),
+            }
+        };
         TokenKey::new(&secret)
-            .map_err(|e| anyhow::anyhow!("--step-token-key: {e}"))?
+            .map_err(flag("--step-token-key"))?
             .with_retired(&retired)
-            .map_err(|e| anyhow::anyhow!("--step-token-retired-keys: {e}"))
+            .map_err(flag("--step-token-retired-keys"))
     }
 
     /// The controller's record-signing key, derived from the current key (so
@@ -315,8 +341,12 @@ impl TokenKey {
     }
 }
 
-fn read(path: &std::path::Path, flag: &str) -> anyhow::Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| anyhow::anyhow!("reading {flag} {}: {e}", path.display()))
+fn read(path: &std::path::Path, flag: &'static str) -> Result<Vec<u8>, KeyError> {
+    std::fs::read(path).map_err(|error| KeyError::ReadFile {
+        flag,
+        path: path.to_path_buf(),
+        error,
+    })
 }
 
 fn signer_of(key: &hmac::Key) -> crate::store::RecordSigner {
@@ -470,28 +500,36 @@ mod tests {
             pruned[..pruned.len() - 1]
         );
         // Bad lines are named, with the reason.
-        let e = key(8).with_retired(&[7; 32]).unwrap_err();
+        let e = key(8).with_retired(&[7; 32]).unwrap_err().to_string();
         assert!(
             e.contains("line 1") && e.contains("no retirement time"),
             "{e}"
         );
         let e = key(8)
             .with_retired(b"\nshort 2026-12-05T10:00:00Z")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("line 2") && e.contains("at least 32"), "{e}");
         let e = key(8)
             .with_retired(&[[7; 32].as_slice(), b" yesterday"].concat())
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not an RFC 3339 time"), "{e}");
         let e = key(8)
             .with_retired(b"ed25519:abcd 2026-12-05T10:00:00Z")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("pruned key's public key"), "{e}");
     }
 
     #[test]
     fn short_keys_are_refused() {
-        assert!(TokenKey::new(b"short").unwrap_err().contains("at least 32"));
+        assert!(
+            TokenKey::new(b"short")
+                .unwrap_err()
+                .to_string()
+                .contains("at least 32")
+        );
         assert!(TokenKey::new(format!("{}\n", "k".repeat(32)).as_bytes()).is_ok());
         let e = TokenKey::load(None, None, None, None)
             .unwrap_err()

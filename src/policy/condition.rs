@@ -4,6 +4,7 @@
 //! deadline: no condition can overflow the stack of the controller or the
 //! runner (a crash there stops every run), or hang them.
 
+use crate::refusal::Refusal;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -20,47 +21,46 @@ const STACK_BYTES: usize = 32 << 20;
 const DEADLINE: Duration = Duration::from_secs(2);
 
 /// Why a condition's shape is refused, or `Ok` (pure, no parsing).
-pub fn check(expr: &str) -> Result<(), String> {
+pub fn check(expr: &str) -> Result<(), Refusal> {
     if expr.len() > MAX_LEN {
         return Err(format!(
             "is {} bytes long; a condition may have at most {MAX_LEN}",
             expr.len()
-        ));
+        )
+        .into());
     }
     let shape = shape_of(expr);
     if shape.depth > MAX_DEPTH {
         return Err(format!(
             "nests {} levels deep (brackets and unary operators); at most {MAX_DEPTH}",
             shape.depth
-        ));
+        )
+        .into());
     }
     if shape.operators > MAX_OPERATORS {
-        return Err(format!(
-            "has {} operators; at most {MAX_OPERATORS}",
-            shape.operators
-        ));
+        return Err(format!("has {} operators; at most {MAX_OPERATORS}", shape.operators).into());
     }
     Ok(())
 }
 
 /// Checks the shape, then compiles the condition (on the bounded thread).
-pub fn compile(expr: &str) -> Result<(), String> {
+pub fn compile(expr: &str) -> Result<(), Refusal> {
     check(expr)?;
     let expr = expr.to_string();
     on_bounded_thread(move || {
         cel::Program::compile(&expr)
             .map(|_| ())
-            .map_err(|e| e.to_string())
+            .map_err(|e| Refusal::new(e.to_string()))
     })
 }
 
 /// Evaluates the condition with the call's arguments bound to `args`.
-pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
+pub fn evaluate(expr: &str, args: &Value) -> Result<bool, Refusal> {
     check(expr)?;
     evaluate_unchecked(expr.to_string(), args.clone())
 }
 
-fn evaluate_unchecked(expr: String, args: Value) -> Result<bool, String> {
+fn evaluate_unchecked(expr: String, args: Value) -> Result<bool, Refusal> {
     on_bounded_thread(move || {
         let program = cel::Program::compile(&expr).map_err(|e| e.to_string())?;
         let mut ctx = cel::Context::default();
@@ -68,7 +68,7 @@ fn evaluate_unchecked(expr: String, args: Value) -> Result<bool, String> {
         ctx.add_variable_from_value("args", value);
         match program.execute(&ctx).map_err(|e| e.to_string())? {
             cel::Value::Bool(b) => Ok(b),
-            other => Err(format!("the condition gave {other:?}, not a boolean")),
+            other => Err(format!("the condition gave {other:?}, not a boolean").into()),
         }
     })
 }
@@ -76,8 +76,8 @@ fn evaluate_unchecked(expr: String, args: Value) -> Result<bool, String> {
 /// Runs `f` on a fresh thread with a large stack; an error if it panics or
 /// passes the deadline (the thread is then left to finish on its own).
 fn on_bounded_thread<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, String> {
+    f: impl FnOnce() -> Result<T, Refusal> + Send + 'static,
+) -> Result<T, Refusal> {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("cel".into())
@@ -90,10 +90,7 @@ fn on_bounded_thread<T: Send + 'static>(
         .map_err(|e| format!("starting the condition's thread: {e}"))?;
     match rx.recv_timeout(DEADLINE) {
         Ok(result) => result,
-        Err(_) => Err(format!(
-            "the condition took longer than {} s",
-            DEADLINE.as_secs()
-        )),
+        Err(_) => Err(format!("the condition took longer than {} s", DEADLINE.as_secs()).into()),
     }
 }
 

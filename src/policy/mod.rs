@@ -5,6 +5,7 @@
 pub mod condition;
 pub mod endpoint;
 
+use crate::refusal::Refusal;
 use serde_json::Value;
 
 use crate::api::{ApprovalPolicy, ApprovalRule, CallMatch, DefaultAction};
@@ -337,7 +338,7 @@ pub fn arguments_hash(tool: &str, args: &Value) -> String {
 
 /// Evaluates a rule condition with the call's arguments bound to `args`.
 /// Bounded in shape and evaluated off the caller's stack (see `condition`).
-pub fn evaluate(expr: &str, args: &Value) -> Result<bool, String> {
+pub fn evaluate(expr: &str, args: &Value) -> Result<bool, Refusal> {
     condition::evaluate(expr, args)
 }
 

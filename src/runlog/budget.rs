@@ -6,6 +6,7 @@
 //! A reject, or silence until expiry, ends the run `BudgetExceeded`: expiry
 //! never raises a budget.
 
+use crate::refusal::Refusal;
 use serde_json::{Map, Value};
 
 use super::records::{ApprovalDecided, ApprovalRequested, Outcome, Verdict};
@@ -41,7 +42,7 @@ pub struct Limits {
 impl Limits {
     /// Reads the limits an approver gave: `maxSteps`/`maxTokens` positive
     /// integers, `maxCostUSD` a positive number. `Err` names the field.
-    pub fn parse(arguments: &Value) -> Result<Limits, String> {
+    pub fn parse(arguments: &Value) -> Result<Limits, Refusal> {
         let Value::Object(map) = arguments else {
             return Err("arguments: must be an object of limits".into());
         };
@@ -57,12 +58,17 @@ impl Limits {
                 "maxTokens" => limits.max_tokens = Some(positive_int(key, value)?),
                 "maxCostUSD" => match value.as_f64() {
                     Some(v) if v > 0.0 && v.is_finite() => limits.max_cost_usd = Some(v),
-                    _ => return Err(format!("arguments.{key}: must be a number greater than 0")),
+                    _ => {
+                        return Err(
+                            format!("arguments.{key}: must be a number greater than 0").into()
+                        );
+                    }
                 },
                 other => {
                     return Err(format!(
                         "arguments.{other}: not a budget (maxSteps, maxTokens or maxCostUSD)"
-                    ));
+                    )
+                    .into());
                 }
             }
         }
@@ -90,11 +96,12 @@ impl Limits {
     }
 }
 
-fn positive_int(key: &str, value: &Value) -> Result<u64, String> {
-    value
-        .as_u64()
-        .filter(|v| *v > 0)
-        .ok_or_else(|| format!("arguments.{key}: must be an integer greater than 0"))
+fn positive_int(key: &str, value: &Value) -> Result<u64, Refusal> {
+    value.as_u64().filter(|v| *v > 0).ok_or_else(|| {
+        Refusal::new(format!(
+            "arguments.{key}: must be an integer greater than 0"
+        ))
+    })
 }
 
 impl BudgetQuestions {

@@ -7,9 +7,20 @@
 
 use std::io::Write;
 
-use anyhow::Context;
-
 use super::{Hash, STORE_URL_ENV, StoreError};
+
+/// Why a store command failed (printed by the caller, which exits non-zero).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreCliError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("--head")]
+    Head(#[source] super::record::ParseHashError),
+    #[error(transparent)]
+    Output(#[from] std::io::Error),
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
 
 /// `agentrun store [--store-url URL] <command>`.
 #[derive(Debug, clap::Args)]
@@ -54,15 +65,15 @@ pub enum StoreCommand {
 
 /// Run `agentrun store …` with its own `--store-url`.
 pub async fn main(args: StoreArgs) -> anyhow::Result<()> {
-    run(&args.store_url, args.command).await
+    Ok(run(&args.store_url, args.command).await?)
 }
 
 /// Run one store command against `url`. Errors (a broken chain included)
 /// come back as `Err`: the caller prints them and exits non-zero.
-pub async fn run(url: &str, cmd: StoreCommand) -> anyhow::Result<()> {
+pub async fn run(url: &str, cmd: StoreCommand) -> Result<(), StoreCliError> {
     let store = super::open(url).await?;
     let mut out = std::io::stdout().lock();
-    let result: anyhow::Result<()> = async {
+    let result: Result<(), StoreCliError> = async {
         match cmd {
             StoreCommand::Migrate => {
                 store.migrate().await?;
@@ -73,7 +84,7 @@ pub async fn run(url: &str, cmd: StoreCommand) -> anyhow::Result<()> {
                     .as_deref()
                     .map(|h| h.parse::<Hash>())
                     .transpose()
-                    .context("--head")?;
+                    .map_err(StoreCliError::Head)?;
                 match store.verify(&run, expected.as_ref()).await {
                     Ok(h) => writeln!(
                         out,

@@ -23,6 +23,7 @@
 //! record it replays; the controller checks them on every read; `kubectl
 //! agentrun verify` checks them with the keys the controller publishes.
 
+use crate::refusal::Refusal;
 use ring::signature::{ED25519, Ed25519KeyPair, KeyPair, UnparsedPublicKey};
 use sha2::{Digest, Sha256};
 
@@ -135,7 +136,7 @@ impl KeyWindows {
 
     /// Parses `<key id>:<from>,...` (what a step Job is given); `none` (or
     /// nothing): recorded, with no key (every retired key refused).
-    pub fn parse(s: &str) -> Result<KeyWindows, String> {
+    pub fn parse(s: &str) -> Result<KeyWindows, Refusal> {
         let mut keys = Vec::new();
         if s.trim() == NO_KEYS {
             return Ok(KeyWindows::Recorded(keys));

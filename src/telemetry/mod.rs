@@ -2,6 +2,7 @@
 //! people, a log level that can be changed while the process runs, and
 //! OpenTelemetry traces when an OTLP endpoint is configured ([`trace`]).
 
+use crate::refusal::Refusal;
 use std::sync::{Mutex, OnceLock};
 
 use tracing_subscriber::{EnvFilter, Layer as _, Registry, fmt, prelude::*, reload};
@@ -82,7 +83,7 @@ pub fn log_level() -> Option<String> {
 
 /// Replaces the filter with `directives` (`RUST_LOG` syntax, e.g. `debug` or
 /// `info,agentrun=debug`) without restarting the process.
-pub fn set_log_level(directives: &str) -> Result<(), String> {
+pub fn set_log_level(directives: &str) -> Result<(), Refusal> {
     let directives = directives.trim();
     if directives.is_empty() {
         return Err("empty log level: send e.g. `debug` or `info,agentrun=debug`".into());

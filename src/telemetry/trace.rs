@@ -132,7 +132,18 @@ where
     )
 }
 
-fn provider(service: &str) -> Result<SdkTracerProvider, String> {
+/// Why traces cannot be exported (the process runs on without them).
+#[derive(Debug, thiserror::Error)]
+enum ExportError {
+    #[error(
+        "{var}={protocol}: only http/protobuf is built in (point the endpoint at the collector's OTLP/HTTP port)"
+    )]
+    Protocol { var: &'static str, protocol: String },
+    #[error("building the OTLP exporter: {0}")]
+    Build(opentelemetry_otlp::ExporterBuildError),
+}
+
+fn provider(service: &str) -> Result<SdkTracerProvider, ExportError> {
     for var in [
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
         "OTEL_EXPORTER_OTLP_PROTOCOL",
@@ -141,9 +152,7 @@ fn provider(service: &str) -> Result<SdkTracerProvider, String> {
             && !p.is_empty()
         {
             if p != "http/protobuf" {
-                return Err(format!(
-                    "{var}={p}: only http/protobuf is built in (point the endpoint at the collector's OTLP/HTTP port)"
-                ));
+                return Err(ExportError::Protocol { var, protocol: p });
             }
             break;
         }
@@ -159,9 +168,7 @@ fn provider(service: &str) -> Result<SdkTracerProvider, String> {
         use opentelemetry_otlp::WithExportConfig as _;
         exporter = exporter.with_timeout(DEFAULT_EXPORT_TIMEOUT);
     }
-    let exporter = exporter
-        .build()
-        .map_err(|e| format!("building the OTLP exporter: {e}"))?;
+    let exporter = exporter.build().map_err(ExportError::Build)?;
     let batch = BatchSpanProcessor::builder(exporter)
         .with_batch_config(
             BatchConfigBuilder::default()

@@ -17,6 +17,7 @@ mod key;
 mod mcp;
 mod schema;
 
+use crate::refusal::Refusal;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -228,7 +229,7 @@ pub fn finish_schema() -> Value {
 }
 
 /// The `result` of a `finish` call, or the observation for a malformed one.
-pub fn finish_result(args: &Value) -> Result<String, String> {
+pub fn finish_result(args: &Value) -> Result<String, Refusal> {
     finish_checker().check(FINISH_TOOL, args)?;
     Ok(args["result"].as_str().unwrap_or_default().to_string())
 }
@@ -462,10 +463,10 @@ impl Toolbox {
 
     /// Checks a call's arguments without making it; the error is the
     /// observation the model gets.
-    pub fn validate(&self, name: &str, args: &Value) -> Result<(), String> {
+    pub fn validate(&self, name: &str, args: &Value) -> Result<(), Refusal> {
         match self.tool(name) {
             Some(tool) => tool.schema.check(name, args),
-            None => Err(self.unknown_tool(name)),
+            None => Err(self.unknown_tool(name).into()),
         }
     }
 

@@ -1,5 +1,6 @@
 //! Argument validation against a tool's JSON Schema, with messages a model can act on.
 
+use crate::refusal::Refusal;
 use serde_json::Value;
 
 /// How many schema violations one observation lists at most.
@@ -18,17 +19,17 @@ impl std::fmt::Debug for ArgSchema {
 
 impl ArgSchema {
     /// Compiles a schema; the error says what is wrong with it.
-    pub(crate) fn compile(schema: &Value) -> Result<Self, String> {
+    pub(crate) fn compile(schema: &Value) -> Result<Self, Refusal> {
         // Only local references: a schema never makes the runner fetch anything.
         jsonschema::validator_for(schema)
             .map(|validator| Self { validator })
-            .map_err(|e| e.to_string())
+            .map_err(|e| Refusal::new(e.to_string()))
     }
 
     /// Checks `args` for a call of `tool`. The error is the observation the
     /// model gets, e.g. `issue_refund: arguments invalid: amount: -5 is less
     /// than the minimum of 0`.
-    pub(crate) fn check(&self, tool: &str, args: &Value) -> Result<(), String> {
+    pub(crate) fn check(&self, tool: &str, args: &Value) -> Result<(), Refusal> {
         check_object(tool, args)?;
         let mut problems: Vec<String> = Vec::new();
         let mut total = 0usize;
@@ -50,13 +51,13 @@ impl ArgSchema {
         if total > problems.len() {
             message.push_str(&format!(" (and {} more)", total - problems.len()));
         }
-        Err(message)
+        Err(message.into())
     }
 }
 
 /// Arguments must be a JSON object; a model reply that could not be parsed
 /// arrives as the raw string.
-pub(crate) fn check_object(tool: &str, args: &Value) -> Result<(), String> {
+pub(crate) fn check_object(tool: &str, args: &Value) -> Result<(), Refusal> {
     let kind = match args {
         Value::Object(_) => return Ok(()),
         Value::Null => "null",
@@ -66,9 +67,7 @@ pub(crate) fn check_object(tool: &str, args: &Value) -> Result<(), String> {
         Value::Array(_) => "an array",
     };
     let shown = crate::text::excerpt(&args.to_string(), 200);
-    Err(format!(
-        "{tool}: arguments invalid: expected a JSON object, got {kind}: {shown}"
-    ))
+    Err(format!("{tool}: arguments invalid: expected a JSON object, got {kind}: {shown}").into())
 }
 
 /// `/items/0/sku` -> `items.0.sku` (JSON pointer unescaped).
@@ -114,7 +113,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err,
-            "issue_refund: arguments invalid: amount: -5 is less than the minimum of 0"
+            "issue_refund: arguments invalid: amount: -5 is less than the minimum of 0".into()
         );
         let err = refund_schema()
             .check("issue_refund", &json!({"amount": 1}))

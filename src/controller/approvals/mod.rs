@@ -20,7 +20,7 @@ pub use decision::{
     evaluate_as_recorded, expiry, fits_in_the_api, mismatches, state_of,
 };
 use decision::{RUN_LABEL, decided, judge, raised_for, refused};
-pub use notify::notify;
+pub use notify::{NoticeKind, notify};
 
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -206,9 +206,9 @@ async fn record_decision(
     ctx.metrics
         .observe_approval_decided(raised, now, record.verdict);
     let event = if record.verdict == Verdict::Expired {
-        "expired"
+        NoticeKind::Expired
     } else {
-        "decided"
+        NoticeKind::Decided
     };
     let detail = json!({"verdict": record.verdict, "decisions": record.decisions});
     let uid = crate::api::RunUid::of(run);
@@ -296,7 +296,7 @@ async fn raise_missing(
             run,
             name,
             request,
-            "raised",
+            NoticeKind::Raised,
             json!({"expiresAt": raised.spec.expires_at}),
         );
         notices.push(notice(
@@ -394,7 +394,7 @@ fn after_expiry(
             run,
             name,
             &next,
-            "escalated",
+            NoticeKind::Escalated,
             json!({"escalation": next.escalation}),
         );
         return Entry::ApprovalRequested(next);

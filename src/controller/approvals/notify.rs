@@ -17,6 +17,7 @@
 //! within a bounded number of deliveries in flight; one that finally fails
 //! becomes a Warning Event `ApprovalNotificationFailed` on the run.
 
+use crate::refusal::Refusal;
 use std::time::Duration;
 
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -28,6 +29,51 @@ use crate::controller::context::Context;
 use crate::controller::metrics::OutcomeLabel;
 use crate::runlog::records::ApprovalRequested;
 use crate::runlog::v1::{ApprovalKind, NotifyFormat};
+
+/// What happened to an approval that its notification tells: sent as the
+/// JSON event's `event` and named in the Warning Event, lowercase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NoticeKind {
+    Raised,
+    Escalated,
+    Decided,
+    Expired,
+}
+
+impl NoticeKind {
+    /// The word on the wire and in messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NoticeKind::Raised => "raised",
+            NoticeKind::Escalated => "escalated",
+            NoticeKind::Decided => "decided",
+            NoticeKind::Expired => "expired",
+        }
+    }
+}
+
+/// The reconciler's tests still name the kind as a word (theirs to change).
+#[cfg(test)]
+impl From<&str> for NoticeKind {
+    fn from(word: &str) -> NoticeKind {
+        [
+            NoticeKind::Raised,
+            NoticeKind::Escalated,
+            NoticeKind::Decided,
+            NoticeKind::Expired,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == word)
+        .unwrap_or_else(|| panic!("no notice kind {word:?}"))
+    }
+}
+
+impl std::fmt::Display for NoticeKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// The reason of the Warning Event for a notification that never arrived.
 pub const FAILED_REASON: &str = "ApprovalNotificationFailed";
@@ -117,9 +163,10 @@ pub fn notify(
     run: &AgentRun,
     approval: &str,
     request: &ApprovalRequested,
-    event: &str,
+    event: impl Into<NoticeKind>,
     detail: Value,
 ) {
+    let event = event.into();
     let Some(url) = request.gate.notify_webhook.clone() else {
         return;
     };
@@ -136,10 +183,10 @@ pub fn notify(
         run: run.object_ref(&()),
         run_name: run.name_any(),
         approval: approval.to_string(),
-        event: event.to_string(),
+        event,
     };
     if let Err(e) = ctx.outbound.user_urls.check_url(&url) {
-        tracing::warn!(error = %e, approval, event, "approval webhook refused");
+        tracing::warn!(error = %e, approval, %event, "approval webhook refused");
         count("refused");
         tokio::spawn(failed.publish("refused by the controller's egress policy".into()));
         return;
@@ -161,7 +208,7 @@ pub fn notify(
     let body = match body {
         Ok(body) => body,
         Err(panicked) => {
-            tracing::error!(error = %panicked, approval, event, "formatting the approval notification panicked");
+            tracing::error!(error = %panicked, approval, %event, "formatting the approval notification panicked");
             count("failed");
             tokio::spawn(failed.publish("the message could not be formatted (a bug)".into()));
             return;
@@ -170,7 +217,7 @@ pub fn notify(
     let Some(permit) = WEBHOOK_SLOTS.try_acquire(&run.namespace().unwrap_or_default()) else {
         tracing::warn!(
             approval,
-            event,
+            %event,
             "approval webhook dropped: too many deliveries in flight"
         );
         count("dropped");
@@ -202,7 +249,7 @@ fn body(
     run: &AgentRun,
     approval: &str,
     request: &ApprovalRequested,
-    event: &str,
+    event: NoticeKind,
     detail: &Value,
     console_url: Option<&str>,
 ) -> Value {
@@ -225,7 +272,7 @@ struct FailedEvent {
     run: k8s_openapi::api::core::v1::ObjectReference,
     run_name: String,
     approval: String,
-    event: String,
+    event: NoticeKind,
 }
 
 impl FailedEvent {
@@ -352,7 +399,7 @@ fn json_body(
     run: &AgentRun,
     approval: &str,
     request: &ApprovalRequested,
-    event: &str,
+    event: NoticeKind,
     detail: &Value,
 ) -> Value {
     json!({
@@ -373,8 +420,7 @@ fn json_body(
 /// plain text (escaped and cut by each format).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Message {
-    /// `raised`, `escalated`, `decided` or `expired`.
-    pub event: String,
+    pub event: NoticeKind,
     /// A short title (no model-written text).
     pub title: String,
     /// What happened, one sentence (no model-written text).
@@ -408,7 +454,7 @@ impl Message {
         run: &AgentRun,
         approval: &str,
         request: &ApprovalRequested,
-        event: &str,
+        event: NoticeKind,
         detail: &Value,
         console_url: Option<&str>,
     ) -> Message {
@@ -417,7 +463,7 @@ impl Message {
         let tool = request.tool.clone();
         let who = approvers(&request.gate.approvers);
         let (title, summary) = match event {
-            "raised" => (
+            NoticeKind::Raised => (
                 format!("Approval needed: {tool}"),
                 match request.kind {
                     ApprovalKind::Reconcile => format!(
@@ -433,7 +479,7 @@ impl Message {
                     }
                 },
             ),
-            "escalated" => (
+            NoticeKind::Escalated => (
                 format!("Approval escalated: {tool}"),
                 format!(
                     "Nobody decided {approval} in time: escalated to {who} (escalation {} of {}). \
@@ -444,7 +490,7 @@ impl Message {
                     request.gate.max_escalations
                 ),
             ),
-            "decided" => {
+            NoticeKind::Decided => {
                 let verdict = match detail["verdict"].as_str() {
                     Some("Approve") => "approved",
                     Some("Reject") => "rejected",
@@ -456,16 +502,12 @@ impl Message {
                     format!("{approval} of run {name} in {namespace} was {verdict}."),
                 )
             }
-            "expired" => (
+            NoticeKind::Expired => (
                 format!("Approval expired: {tool}"),
                 format!(
                     "Nobody decided {approval} of run {name} in {namespace} in time; \
                      the call was not made."
                 ),
-            ),
-            other => (
-                format!("Approval {other}: {tool}"),
-                format!("{approval} of run {name} in {namespace}: {other}."),
             ),
         };
         let rule = if request.gate.because.is_empty() {
@@ -505,7 +547,7 @@ impl Message {
             })
             .unwrap_or_default();
         Message {
-            event: event.to_string(),
+            event,
             title,
             summary,
             link: console_url.map(|base| {
@@ -932,26 +974,24 @@ fn adaptive_card(m: &Message, body: Vec<Value>) -> Value {
 
 /// Checks the console's base URL (`--console-url`): absolute http(s), a
 /// host, no credentials, query or fragment. Returns it without a trailing `/`.
-pub fn console_url(s: &str) -> Result<String, String> {
+pub fn console_url(s: &str) -> Result<String, Refusal> {
     let u = url::Url::parse(s).map_err(|e| format!("--console-url {s:?}: {e}"))?;
     if !matches!(u.scheme(), "http" | "https") {
-        return Err(format!("--console-url {s:?}: must be http or https"));
+        return Err(format!("--console-url {s:?}: must be http or https").into());
     }
     if u.host_str().is_none_or(str::is_empty) {
-        return Err(format!("--console-url {s:?}: has no host"));
+        return Err(format!("--console-url {s:?}: has no host").into());
     }
     if !u.username().is_empty() || u.password().is_some() {
         return Err("--console-url: must not carry credentials (messages carry no secret)".into());
     }
     if s.contains(['|', '<', '>', '"', ' ']) {
-        return Err(format!(
-            "--console-url {s:?}: must not contain |, <, >, quotes or spaces"
-        ));
+        return Err(
+            format!("--console-url {s:?}: must not contain |, <, >, quotes or spaces").into(),
+        );
     }
     if u.query().is_some() || u.fragment().is_some() {
-        return Err(format!(
-            "--console-url {s:?}: must have no query or fragment"
-        ));
+        return Err(format!("--console-url {s:?}: must have no query or fragment").into());
     }
     if s.len() > 1000 {
         return Err("--console-url: longer than 1000 characters".into());

@@ -10,6 +10,7 @@
 //! looks the same names up itself: a gate is accepted only as the policy
 //! gives it on one of those two views, never on the pod's word.
 
+use crate::refusal::Refusal;
 use serde_json::Value;
 
 use crate::api::AgentTemplate;
@@ -76,7 +77,7 @@ pub fn escalated(request: &ApprovalRequested) -> ApprovalRequested {
 /// the pinned policy gives, worded by the controller, never the pod's prose);
 /// on the host's spellings first, then, when that differs and names matter,
 /// on what they resolve to now. `Err` says which field is wrong and why.
-pub async fn check(log: &RunState, request_seq: u64) -> Result<ApprovalRequested, String> {
+pub async fn check(log: &RunState, request_seq: u64) -> Result<ApprovalRequested, Refusal> {
     let ns = namespace(log);
     let spelled = check_on(log, request_seq, &Network::of(ns));
     let names = lookups(log, request_seq);
@@ -91,16 +92,17 @@ pub fn check_on(
     log: &RunState,
     request_seq: u64,
     network: &Network,
-) -> Result<ApprovalRequested, String> {
+) -> Result<ApprovalRequested, Refusal> {
     let Some(Entry::ApprovalRequested(request)) = log.entry(request_seq) else {
-        return Err(format!("record {request_seq} is not an ApprovalRequested"));
+        return Err(format!("record {request_seq} is not an ApprovalRequested").into());
     };
     let hash = arguments_hash(&request.tool, &request.arguments);
     if request.arguments_hash != hash {
         return Err(format!(
             "argumentsHash {} is not the hash of its tool and arguments ({hash})",
             request.arguments_hash
-        ));
+        )
+        .into());
     }
     if request.escalation > 0 {
         return check_escalation(log, request_seq, request, network);
@@ -121,7 +123,8 @@ pub fn check_on(
             "its gate is not the one the pinned policy gives {}: {}",
             request.tool,
             differences.join("; ")
-        ));
+        )
+        .into());
     }
     Ok(ApprovalRequested {
         gate: expected,
@@ -135,7 +138,7 @@ fn expected_call_gate(
     request_seq: u64,
     request: &ApprovalRequested,
     network: &Network,
-) -> Result<Gate, String> {
+) -> Result<Gate, Refusal> {
     let proposed = match log.entry(request.model_call_seq) {
         Some(Entry::ModelCall(m)) if request.model_call_seq < request_seq => {
             m.response.tool_calls.get(request.call_index)
@@ -146,7 +149,8 @@ fn expected_call_gate(
         return Err(format!(
             "modelCallSeq {} / callIndex {} name no call the model proposed",
             request.model_call_seq, request.call_index
-        ));
+        )
+        .into());
     };
     let (arguments, alternative) = split_alternative(&proposed.arguments);
     if proposed.name != request.tool
@@ -157,14 +161,16 @@ fn expected_call_gate(
         return Err(format!(
             "tool and arguments are not the call the model proposed at record {} ({})",
             request.model_call_seq, proposed.name
-        ));
+        )
+        .into());
     }
     match classify_on(log, request_seq, &request.tool, &request.arguments, network) {
         Classification::RequireApproval(gate) => Ok(*gate),
         Classification::Allow => Err(format!(
             "the pinned policy does not gate this {} call: nothing asked for an approval",
             request.tool
-        )),
+        )
+        .into()),
     }
 }
 
@@ -177,13 +183,14 @@ fn expected_budget_gate(
     log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
-) -> Result<Gate, String> {
+) -> Result<Gate, Refusal> {
     if request.tool != crate::api::BUDGET_TOOL {
         return Err(format!(
             "a budget question names tool {}, not {}",
             request.tool,
             crate::api::BUDGET_TOOL
-        ));
+        )
+        .into());
     }
     let asked = Limits::parse(&request.arguments)?;
     let agent = pinned_agent(log, request_seq).unwrap_or_default();
@@ -197,7 +204,7 @@ fn expected_budget_gate(
         return Err(format!(
             "arguments {} are not the limits the pinned budgets propose at record {request_seq} ({proposal})",
             request.arguments
-        ));
+        ).into());
     }
     gate.because = why;
     Ok(gate)
@@ -209,7 +216,7 @@ fn expected_reconcile_gate(
     request_seq: u64,
     request: &ApprovalRequested,
     network: &Network,
-) -> Result<Gate, String> {
+) -> Result<Gate, Refusal> {
     let intent = match request.intent_seq {
         Some(i) if i < request_seq => match log.entry(i) {
             Some(Entry::ToolIntent(intent)) => Some(intent),
@@ -226,12 +233,13 @@ fn expected_reconcile_gate(
         return Err(format!(
             "intentSeq {:?} names no recorded intent to call {} with these arguments",
             request.intent_seq, request.tool
-        ));
+        )
+        .into());
     };
     let intent_seq = request.intent_seq.unwrap_or_default();
     // Whether a call the policy gates happened is asked only of one it let run.
     if let Some(why) = log.unapproved_intent(intent_seq, intent) {
-        return Err(why);
+        return Err(why.into());
     }
     let agent = pinned_agent(log, request_seq).unwrap_or_default();
     let call = Call::of(&agent, &intent.tool, network);
@@ -252,7 +260,7 @@ fn check_escalation(
     request_seq: u64,
     request: &ApprovalRequested,
     network: &Network,
-) -> Result<ApprovalRequested, String> {
+) -> Result<ApprovalRequested, Refusal> {
     let previous = log
         .records()
         .take_while(|(seq, _)| *seq < request_seq)
@@ -271,7 +279,8 @@ fn check_escalation(
         return Err(format!(
             "escalation {} follows no earlier request for this call",
             request.escalation
-        ));
+        )
+        .into());
     };
     let expired_into_escalation = log
         .records_from(prev_seq)
@@ -285,19 +294,22 @@ fn check_escalation(
         return Err(format!(
             "escalation {}: the request at record {prev_seq} did not expire into an escalation",
             request.escalation
-        ));
+        )
+        .into());
     }
     if prev.escalation >= prev.gate.max_escalations {
         return Err(format!(
             "escalation {} exceeds maxEscalations {}",
             request.escalation, prev.gate.max_escalations
-        ));
+        )
+        .into());
     }
     if *request != escalated(prev) {
         return Err(format!(
             "escalation {} is not the request at record {prev_seq} passed on to escalateTo",
             request.escalation
-        ));
+        )
+        .into());
     }
     check_on(log, prev_seq, network).map(|vouched| escalated(&vouched))
 }
@@ -331,7 +343,7 @@ mod tests {
     use super::*;
 
     /// [`super::check_on`] of a whole log, on the host's spellings.
-    fn check(steps: &[Entry], request_seq: u64) -> Result<(), String> {
+    fn check(steps: &[Entry], request_seq: u64) -> Result<(), Refusal> {
         super::check_on(
             &RunState::replay(steps.to_vec()),
             request_seq,

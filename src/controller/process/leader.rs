@@ -12,6 +12,15 @@ pub struct Leadership {
     task: JoinHandle<kube_lease_manager::Result<LeaseManager>>,
 }
 
+/// Why this replica could not take part in the election.
+#[derive(Debug, thiserror::Error)]
+pub enum LeadershipError {
+    #[error(transparent)]
+    Lease(#[from] kube_lease_manager::LeaseManagerError),
+    #[error(transparent)]
+    Watch(#[from] tokio::sync::watch::error::RecvError),
+}
+
 /// Waits until this replica holds the Lease.
 pub async fn acquire(
     client: Client,
@@ -19,7 +28,7 @@ pub async fn acquire(
     lease: &str,
     identity: &str,
     seconds: u64,
-) -> anyhow::Result<Leadership> {
+) -> Result<Leadership, LeadershipError> {
     let manager = LeaseManagerBuilder::new(client, lease)
         .with_namespace(namespace)
         .with_identity(identity)

@@ -4,6 +4,7 @@
 mod leader;
 mod throttle;
 
+use crate::refusal::Refusal;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -268,12 +269,59 @@ pub struct Options {
     pub allow_failpoints: bool,
 }
 
-fn parse_console_url(s: &str) -> Result<String, String> {
+fn parse_console_url(s: &str) -> Result<String, Refusal> {
     crate::controller::approvals::notify::console_url(s)
 }
 
-/// Runs the controller until SIGTERM/SIGINT or until leadership is lost.
+/// Why the controller did not start, by the step of its start-up that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error(transparent)]
+    Config(#[from] kube::config::InferConfigError),
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    Key(#[from] step_token::KeyError),
+    #[error("serving the step-log gateway on --step-api-addr {addr}: {cause}")]
+    Gateway { addr: SocketAddr, cause: String },
+    #[error("serving HTTPS on --serving-addr {addr}: {cause}")]
+    Https { addr: SocketAddr, cause: String },
+    #[error(
+        "--serving-cert-secret needs --serving-dns-name (the Service's DNS names the API server calls)"
+    )]
+    NoDnsNames,
+    #[error(transparent)]
+    ServingCert(#[from] serving_cert::CertError),
+    #[error(transparent)]
+    Leadership(#[from] leader::LeadershipError),
+    #[error(transparent)]
+    Policies(#[from] kube::runtime::reflector::store::WriterDropped),
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+    #[error("--step-api-url {url:?}: {error}")]
+    StepApiUrl { url: String, error: url::ParseError },
+    #[error("--step-api-url {0:?}: expected an http:// or https:// URL")]
+    StepApiScheme(String),
+    #[error(
+        "--step-api-url is required when --step-api-addr ({0}) is a wildcard address: \
+         step pods need the address they reach the gateway at"
+    )]
+    StepApiWildcard(SocketAddr),
+    #[error(transparent)]
+    Crd(#[from] kube::runtime::wait::Error),
+}
+
+/// Runs the controller until SIGTERM/SIGINT or until leadership is lost
+/// (the process's edge: `agentrun controller` prints what this returns).
 pub async fn run(opts: Options) -> anyhow::Result<()> {
+    Ok(start_and_run(opts).await?)
+}
+
+async fn start_and_run(opts: Options) -> Result<(), StartupError> {
     if !opts.allow_failpoints {
         crate::failpoint::disable();
     }
@@ -347,7 +395,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 }
 
 /// The API client, behind the `--api-qps`/`--api-burst` token bucket.
-async fn api_client(opts: &Options) -> anyhow::Result<Client> {
+async fn api_client(opts: &Options) -> Result<Client, StartupError> {
     let config = kube::Config::infer().await?;
     Ok(kube::client::ClientBuilder::try_from(config)?
         .with_layer(&throttle::ThrottleLayer::new(opts.api_qps, opts.api_burst))
@@ -368,7 +416,7 @@ async fn serve_probes(
     registry: Registry,
     ready: &Arc<AtomicBool>,
     watches: &watches::Watches,
-) -> anyhow::Result<()> {
+) -> Result<(), StartupError> {
     let health = http::Health {
         registry: Arc::new(registry),
         ready: ready.clone(),
@@ -386,7 +434,7 @@ async fn serve_gateway(
     opts: &Options,
     tokens: &step_token::TokenKey,
     open_files: Option<u64>,
-) -> anyhow::Result<String> {
+) -> Result<String, StartupError> {
     // The gateway's own pool: step pods' traffic never starves the reconciler's.
     let gateway_pool = crate::store::OpenOptions {
         max_connections: opts.step_api_connections,
@@ -403,11 +451,9 @@ async fn serve_gateway(
         gateway_limits(opts, open_files),
     )
     .await
-    .map_err(|e| {
-        anyhow::anyhow!(
-            "serving the step-log gateway on --step-api-addr {}: {e:#}",
-            opts.step_api_addr
-        )
+    .map_err(|e| StartupError::Gateway {
+        addr: opts.step_api_addr,
+        cause: crate::text::chain(&e),
     })?;
     let url = step_api_url(opts, served)?;
     tracing::info!(addr = %served, url = %url, "serving the step-log gateway");
@@ -420,7 +466,7 @@ async fn serve_https(
     opts: &Options,
     client: &Client,
     open_files: Option<u64>,
-) -> anyhow::Result<()> {
+) -> Result<(), StartupError> {
     let cert = match (&opts.serving_cert_file, &opts.serving_key_file) {
         (Some(cert), Some(key)) => https::CertSource::Files {
             cert: cert.clone(),
@@ -448,12 +494,12 @@ async fn serve_https(
             body_timeout: Duration::from_secs(10),
         },
     };
-    let served = https::spawn(settings).await.map_err(|e| {
-        anyhow::anyhow!(
-            "serving HTTPS on --serving-addr {}: {e:#}",
-            opts.serving_addr
-        )
-    })?;
+    let served = https::spawn(settings)
+        .await
+        .map_err(|e| StartupError::Https {
+            addr: opts.serving_addr,
+            cause: crate::text::chain(&e),
+        })?;
     tracing::info!(addr = %served, "serving the log API and the admission webhook (HTTPS)");
     Ok(())
 }
@@ -461,12 +507,14 @@ async fn serve_https(
 /// The certificate the controller keeps in `--serving-cert-secret`
 /// (generating it the first time), its CA written where the API server
 /// reads it.
-async fn provisioned_cert(opts: &Options, client: &Client) -> anyhow::Result<https::CertSource> {
+async fn provisioned_cert(
+    opts: &Options,
+    client: &Client,
+) -> Result<https::CertSource, StartupError> {
     let secret = opts.serving_cert_secret.as_deref().unwrap_or_default();
-    anyhow::ensure!(
-        !opts.serving_dns_names.is_empty(),
-        "--serving-cert-secret needs --serving-dns-name (the Service's DNS names the API server calls)"
-    );
+    if opts.serving_dns_names.is_empty() {
+        return Err(StartupError::NoDnsNames);
+    }
     let ns = keys_namespace(opts);
     let cert = serving_cert::provision(client, &ns, secret, &opts.serving_dns_names).await?;
     serving_cert::inject_ca_bundle(
@@ -496,7 +544,7 @@ async fn lead(
     opts: &Options,
     client: &Client,
     identity: &str,
-) -> anyhow::Result<Option<leader::Leadership>> {
+) -> Result<Option<leader::Leadership>, StartupError> {
     if !opts.leader_elect {
         return Ok(None);
     }
@@ -565,7 +613,7 @@ fn context(
     opts: &Options,
     parts: Parts,
     caches: &Caches,
-) -> anyhow::Result<(Arc<context::Context>, Discovered)> {
+) -> Result<(Arc<context::Context>, Discovered), StartupError> {
     let user_urls = Arc::new(crate::egress::Policy::new(
         opts.user_url_allow.clone(),
         opts.user_url_deny.clone(),
@@ -874,28 +922,26 @@ fn gateway_limits(opts: &Options, open_files: Option<u64>) -> gateway::GatewayLi
     }
 }
 
-fn step_api_url(opts: &Options, served: SocketAddr) -> anyhow::Result<String> {
+fn step_api_url(opts: &Options, served: SocketAddr) -> Result<String, StartupError> {
     if let Some(url) = &opts.step_api_url {
-        let parsed =
-            url::Url::parse(url).map_err(|e| anyhow::anyhow!("--step-api-url {url:?}: {e}"))?;
-        anyhow::ensure!(
-            matches!(parsed.scheme(), "http" | "https"),
-            "--step-api-url {url:?}: expected an http:// or https:// URL"
-        );
+        let parsed = url::Url::parse(url).map_err(|error| StartupError::StepApiUrl {
+            url: url.clone(),
+            error,
+        })?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(StartupError::StepApiScheme(url.clone()));
+        }
         return Ok(url.trim_end_matches('/').to_string());
     }
-    anyhow::ensure!(
-        !opts.step_api_addr.ip().is_unspecified(),
-        "--step-api-url is required when --step-api-addr ({}) is a wildcard address: \
-         step pods need the address they reach the gateway at",
-        opts.step_api_addr
-    );
+    if opts.step_api_addr.ip().is_unspecified() {
+        return Err(StartupError::StepApiWildcard(opts.step_api_addr));
+    }
     Ok(format!("http://{served}"))
 }
 
 /// Waits until the agentrun CRDs are installed and established (`/readyz`
 /// names the one waited for).
-async fn wait_for_crds(client: &Client, watches: &watches::Watches) -> anyhow::Result<()> {
+async fn wait_for_crds(client: &Client, watches: &watches::Watches) -> Result<(), StartupError> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in crate::api::crds() {
         let name = crd.name_any();

@@ -20,6 +20,7 @@
 //! trusts the API server for `userInfo` (TLS from the chart; the API server
 //! is the only client the configuration sends here).
 
+use crate::refusal::Refusal;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::DefaultBodyLimit;
@@ -108,7 +109,7 @@ async fn stamp(body: Bytes) -> Response {
         Err(message) => (
             StatusCode::BAD_REQUEST,
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-            message,
+            String::from(message),
         )
             .into_response(),
     }
@@ -116,14 +117,14 @@ async fn stamp(body: Bytes) -> Response {
 
 /// The review's request, or why the body is not an `admission.k8s.io/v1`
 /// AdmissionReview with one.
-fn parse(body: &[u8]) -> Result<Request, String> {
+fn parse(body: &[u8]) -> Result<Request, Refusal> {
     let review: Review = serde_json::from_slice(body)
         .map_err(|e| format!("the body is not an {REVIEW_API_VERSION} {REVIEW_KIND}: {e}"))?;
     if review.api_version != REVIEW_API_VERSION || review.kind != REVIEW_KIND {
         return Err(format!(
             "apiVersion/kind: expected {REVIEW_API_VERSION} {REVIEW_KIND}, got {} {} (the webhook configuration must list admissionReviewVersions [v1])",
             review.api_version, review.kind
-        ));
+        ).into());
     }
     let request = review.request.ok_or_else(|| {
         format!("request: missing (an {REVIEW_KIND} sent to a webhook carries one)")

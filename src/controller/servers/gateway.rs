@@ -35,6 +35,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use crate::controller::servers::own_runtime::StartError;
 use crate::controller::servers::run_index::{RunIndex, RunPresence};
 use crate::keys::step_token::{TokenCheck, TokenKey};
 use crate::store::{
@@ -365,7 +366,7 @@ pub async fn spawn(
     pool: OpenOptions,
     key: TokenKey,
     limits: GatewayLimits,
-) -> anyhow::Result<SocketAddr> {
+) -> Result<SocketAddr, StartError> {
     super::own_runtime::spawn("step-gateway", move || async move {
         start(addr, &store_url, &pool, key, limits).await
     })
@@ -378,7 +379,7 @@ async fn start(
     pool: &OpenOptions,
     key: TokenKey,
     limits: GatewayLimits,
-) -> anyhow::Result<SocketAddr> {
+) -> Result<SocketAddr, StartError> {
     let store = crate::store::open_with(store_url, pool).await?;
     let client = kube::Client::try_default().await?;
     let runs = RunIndex::default();

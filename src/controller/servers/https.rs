@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use super::log_api::LogApi;
 use super::log_api::front_proxy::RequestHeaderConfig;
+use super::own_runtime::StartError;
 use crate::bounded::Limits;
 use crate::bounded::tls::{Material, TlsConfigs};
 
@@ -30,12 +31,14 @@ pub enum CertSource {
 }
 
 impl CertSource {
-    fn read(&self) -> anyhow::Result<(String, String)> {
+    fn read(&self) -> Result<(String, String), StartError> {
         match self {
             CertSource::Files { cert, key } => {
-                let read = |p: &PathBuf, what: &str| {
-                    std::fs::read_to_string(p).map_err(|e| {
-                        anyhow::anyhow!("reading the serving {what} {}: {e}", p.display())
+                let read = |p: &PathBuf, what| {
+                    std::fs::read_to_string(p).map_err(|error| StartError::ReadCertificate {
+                        what,
+                        path: p.clone(),
+                        error,
                     })
                 };
                 Ok((read(cert, "certificate")?, read(key, "key")?))
@@ -58,11 +61,11 @@ pub struct Settings {
 }
 
 /// Starts the server on a runtime of its own; returns the bound address.
-pub async fn spawn(settings: Settings) -> anyhow::Result<SocketAddr> {
+pub async fn spawn(settings: Settings) -> Result<SocketAddr, StartError> {
     super::own_runtime::spawn("https", move || start(settings)).await
 }
 
-async fn start(s: Settings) -> anyhow::Result<SocketAddr> {
+async fn start(s: Settings) -> Result<SocketAddr, StartError> {
     let pool = crate::store::OpenOptions {
         max_connections: s.store_connections.max(2),
         ..Default::default()

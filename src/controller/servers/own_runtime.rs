@@ -5,12 +5,35 @@
 use std::future::Future;
 use std::net::SocketAddr;
 
+/// Why a server did not start: what its start-up needed, by what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("starting its runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Gone(#[from] tokio::sync::oneshot::error::RecvError),
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Tls(#[from] crate::bounded::tls::TlsError),
+    #[error("reading the serving {what} {}: {error}", path.display())]
+    ReadCertificate {
+        what: &'static str,
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
+}
+
 /// Runs `start` on a new runtime named `name` and keeps that runtime alive
 /// once it succeeded; returns what `start` returned (the bound address).
-pub async fn spawn<F, Fut>(name: &'static str, start: F) -> anyhow::Result<SocketAddr>
+pub async fn spawn<F, Fut>(name: &'static str, start: F) -> Result<SocketAddr, StartError>
 where
     F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = anyhow::Result<SocketAddr>>,
+    Fut: Future<Output = Result<SocketAddr, StartError>>,
 {
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
@@ -24,7 +47,7 @@ where
             {
                 Ok(rt) => rt,
                 Err(e) => {
-                    let _ = tx.send(Err(anyhow::Error::new(e).context("starting its runtime")));
+                    let _ = tx.send(Err(StartError::Runtime(e)));
                     return;
                 }
             };

@@ -15,7 +15,6 @@
 //! [`inject_ca_bundle`] then writes the CA into the APIService and the
 //! mutating webhook configuration, so the API server trusts the leaf.
 
-use anyhow::{Context as _, bail};
 use base64::Engine as _;
 use chrono::{Datelike as _, Days, NaiveDate, Utc};
 use k8s_openapi::ByteString;
@@ -54,6 +53,70 @@ impl std::fmt::Debug for ServingCert {
     }
 }
 
+/// Why the serving certificate could not be had: what was being done (the
+/// text) and why (the source), as the controller's start-up prints them.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    #[error("{what}")]
+    Api {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("{0}: no `{1}` entry (delete the Secret to have the controller generate one)")]
+    NoEntry(String, String),
+    #[error("{what}: `{key}` is not PEM text")]
+    NotText {
+        what: String,
+        key: String,
+        #[source]
+        source: std::string::FromUtf8Error,
+    },
+    #[error("{what}: `{CERT_KEY}`")]
+    Leaf {
+        what: String,
+        #[source]
+        source: Box<CertError>,
+    },
+    #[error("not a PEM certificate: {0}")]
+    NotPem(String),
+    #[error("not an X.509 certificate: {0}")]
+    NotX509(String),
+    #[error(
+        "expired or not yet valid (valid from {0} to {1}); delete the Secret and restart the controller to generate a new one"
+    )]
+    NotValidNow(String, String),
+    #[error("unreadable subjectAltName: {0}")]
+    SubjectAltName(String),
+    #[error(
+        "does not name {missing:?} (it names {names:?}); delete the Secret and restart the controller to generate one for the current names"
+    )]
+    Unnamed {
+        missing: Vec<String>,
+        names: Vec<String>,
+    },
+    #[error(
+        "--serving-dns-name: at least one DNS name is needed (the Service's, e.g. agentrun-controller.agentrun-system.svc)"
+    )]
+    NoDnsName,
+    #[error(transparent)]
+    Params(rcgen::Error),
+    #[error("{0}")]
+    Generate(&'static str, #[source] rcgen::Error),
+    #[error("{what}")]
+    Inject {
+        what: String,
+        #[source]
+        source: Box<CertError>,
+    },
+    #[error("{0}")]
+    Step(&'static str, #[source] kube::Error),
+    #[error("it has no webhooks")]
+    NoWebhooks,
+    #[error("building the patch")]
+    Patch(#[source] serde_json::Error),
+}
+
 /// The serving certificate in Secret `namespace/secret`, generated for
 /// `dns_names` and stored there when the Secret does not exist.
 pub async fn provision(
@@ -61,13 +124,16 @@ pub async fn provision(
     namespace: &str,
     secret: &str,
     dns_names: &[String],
-) -> anyhow::Result<ServingCert> {
+) -> Result<ServingCert, CertError> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let where_ = format!("Secret {namespace}/{secret}");
     if let Some(existing) = secrets
         .get_opt(secret)
         .await
-        .with_context(|| format!("reading {where_}"))?
+        .map_err(|source| CertError::Api {
+            what: format!("reading {where_}"),
+            source,
+        })?
     {
         return checked(&existing, &where_, dns_names);
     }
@@ -82,56 +148,62 @@ pub async fn provision(
         }
         // Another replica created it first: use theirs, so both serve one certificate.
         Err(kube::Error::Api(e)) if e.code == 409 => {
-            let existing = secrets
-                .get(secret)
-                .await
-                .with_context(|| format!("reading {where_} after another replica created it"))?;
+            let existing = secrets.get(secret).await.map_err(|source| CertError::Api {
+                what: format!("reading {where_} after another replica created it"),
+                source,
+            })?;
             checked(&existing, &where_, dns_names)
         }
-        Err(e) => Err(e).with_context(|| format!("creating {where_}")),
+        Err(source) => Err(CertError::Api {
+            what: format!("creating {where_}"),
+            source,
+        }),
     }
 }
 
 /// The certificate of an existing Secret, refused (naming the key and the
 /// reason) when it is incomplete, expired or does not cover `dns_names`: a
 /// certificate the API server would refuse fails here, where it is said why.
-fn checked(secret: &Secret, where_: &str, dns_names: &[String]) -> anyhow::Result<ServingCert> {
+fn checked(secret: &Secret, where_: &str, dns_names: &[String]) -> Result<ServingCert, CertError> {
     let data = secret.data.clone().unwrap_or_default();
-    let text = |key: &str| -> anyhow::Result<String> {
-        let bytes = data.get(key).with_context(|| {
-            format!(
-                "{where_}: no `{key}` entry (delete the Secret to have the controller generate one)"
-            )
-        })?;
-        String::from_utf8(bytes.0.clone())
-            .with_context(|| format!("{where_}: `{key}` is not PEM text"))
+    let text = |key: &str| -> Result<String, CertError> {
+        let bytes = data
+            .get(key)
+            .ok_or_else(|| CertError::NoEntry(where_.into(), key.into()))?;
+        String::from_utf8(bytes.0.clone()).map_err(|source| CertError::NotText {
+            what: where_.into(),
+            key: key.into(),
+            source,
+        })
     };
     let cert = ServingCert {
         cert_pem: text(CERT_KEY)?,
         key_pem: text(KEY_KEY)?,
         ca_pem: text(CA_KEY)?,
     };
-    check_leaf(&cert.cert_pem, dns_names).with_context(|| format!("{where_}: `{CERT_KEY}`"))?;
+    check_leaf(&cert.cert_pem, dns_names).map_err(|e| CertError::Leaf {
+        what: where_.into(),
+        source: Box::new(e),
+    })?;
     Ok(cert)
 }
 
 /// The leaf is current and names every one of `dns_names`.
-fn check_leaf(cert_pem: &str, dns_names: &[String]) -> anyhow::Result<()> {
+fn check_leaf(cert_pem: &str, dns_names: &[String]) -> Result<(), CertError> {
     let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
-        .map_err(|e| anyhow::anyhow!("not a PEM certificate: {e}"))?;
+        .map_err(|e| CertError::NotPem(e.to_string()))?;
     let cert = pem
         .parse_x509()
-        .map_err(|e| anyhow::anyhow!("not an X.509 certificate: {e}"))?;
+        .map_err(|e| CertError::NotX509(e.to_string()))?;
     if !cert.validity().is_valid() {
-        bail!(
-            "expired or not yet valid (valid from {} to {}); delete the Secret and restart the controller to generate a new one",
-            cert.validity().not_before,
-            cert.validity().not_after
-        );
+        return Err(CertError::NotValidNow(
+            cert.validity().not_before.to_string(),
+            cert.validity().not_after.to_string(),
+        ));
     }
     let names: Vec<&str> = cert
         .subject_alternative_name()
-        .map_err(|e| anyhow::anyhow!("unreadable subjectAltName: {e}"))?
+        .map_err(|e| CertError::SubjectAltName(e.to_string()))?
         .map(|san| {
             san.value
                 .general_names
@@ -148,23 +220,23 @@ fn check_leaf(cert_pem: &str, dns_names: &[String]) -> anyhow::Result<()> {
         .filter(|d| !names.contains(&d.as_str()))
         .collect();
     if !missing.is_empty() {
-        bail!(
-            "does not name {missing:?} (it names {names:?}); delete the Secret and restart the controller to generate one for the current names"
-        );
+        return Err(CertError::Unnamed {
+            missing: missing.into_iter().cloned().collect(),
+            names: names.into_iter().map(str::to_string).collect(),
+        });
     }
     Ok(())
 }
 
 /// A new CA and a leaf it signed for `dns_names` (ECDSA P-256).
-pub fn generate(dns_names: &[String]) -> anyhow::Result<ServingCert> {
+pub fn generate(dns_names: &[String]) -> Result<ServingCert, CertError> {
     if dns_names.is_empty() {
-        bail!(
-            "--serving-dns-name: at least one DNS name is needed (the Service's, e.g. agentrun-controller.agentrun-system.svc)"
-        );
+        return Err(CertError::NoDnsName);
     }
     let today = Utc::now().date_naive();
 
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    let mut ca_params =
+        rcgen::CertificateParams::new(Vec::<String>::new()).map_err(CertError::Params)?;
     ca_params.distinguished_name = rcgen::DistinguishedName::new();
     ca_params
         .distinguished_name
@@ -176,12 +248,13 @@ pub fn generate(dns_names: &[String]) -> anyhow::Result<ServingCert> {
         rcgen::KeyUsagePurpose::DigitalSignature,
     ];
     set_validity(&mut ca_params, today);
-    let ca_key = rcgen::KeyPair::generate().context("generating the CA key")?;
+    let ca_key =
+        rcgen::KeyPair::generate().map_err(|e| CertError::Generate("generating the CA key", e))?;
     let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key)
-        .context("signing the CA certificate")?;
+        .map_err(|e| CertError::Generate("signing the CA certificate", e))?;
 
     let mut leaf_params = rcgen::CertificateParams::new(dns_names.to_vec())
-        .context("--serving-dns-name: not a valid DNS name")?;
+        .map_err(|e| CertError::Generate("--serving-dns-name: not a valid DNS name", e))?;
     leaf_params.distinguished_name = rcgen::DistinguishedName::new();
     leaf_params
         .distinguished_name
@@ -193,10 +266,11 @@ pub fn generate(dns_names: &[String]) -> anyhow::Result<ServingCert> {
     leaf_params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
     leaf_params.use_authority_key_identifier_extension = true;
     set_validity(&mut leaf_params, today);
-    let leaf_key = rcgen::KeyPair::generate().context("generating the serving key")?;
+    let leaf_key = rcgen::KeyPair::generate()
+        .map_err(|e| CertError::Generate("generating the serving key", e))?;
     let leaf = leaf_params
         .signed_by(&leaf_key, &ca)
-        .context("signing the serving certificate")?;
+        .map_err(|e| CertError::Generate("signing the serving certificate", e))?;
 
     Ok(ServingCert {
         cert_pem: leaf.pem(),
@@ -271,22 +345,37 @@ pub async fn inject_ca_bundle(
     ca_pem: &str,
     apiservice: Option<&str>,
     webhook: Option<&str>,
-) -> anyhow::Result<()> {
+) -> Result<(), CertError> {
     let bundle = base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes());
     if let Some(name) = apiservice {
         inject_apiservice(client, name, &bundle)
             .await
-            .with_context(|| format!("--inject-ca-apiservice: APIService {name}: spec.caBundle"))?;
+            .map_err(|e| CertError::Inject {
+                what: format!("--inject-ca-apiservice: APIService {name}: spec.caBundle"),
+                source: Box::new(e),
+            })?;
     }
     if let Some(name) = webhook {
-        inject_webhook(client, name, &bundle).await.with_context(|| format!("--inject-ca-webhook: MutatingWebhookConfiguration {name}: webhooks[].clientConfig.caBundle"))?;
+        inject_webhook(client, name, &bundle).await.map_err(|e| CertError::Inject {
+            what: format!(
+                "--inject-ca-webhook: MutatingWebhookConfiguration {name}: webhooks[].clientConfig.caBundle"
+            ),
+            source: Box::new(e),
+        })?;
     }
     Ok(())
 }
 
-async fn inject_apiservice(client: &kube::Client, name: &str, bundle: &str) -> anyhow::Result<()> {
+async fn inject_apiservice(
+    client: &kube::Client,
+    name: &str,
+    bundle: &str,
+) -> Result<(), CertError> {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &apiservice_resource());
-    let current = api.get(name).await.context("reading it")?;
+    let current = api
+        .get(name)
+        .await
+        .map_err(|e| CertError::Step("reading it", e))?;
     if current.data["spec"]["caBundle"].as_str() == Some(bundle) {
         return Ok(());
     }
@@ -294,7 +383,7 @@ async fn inject_apiservice(client: &kube::Client, name: &str, bundle: &str) -> a
     let patch = json!({"spec": {"caBundle": bundle}});
     api.patch(name, &patch_params(), &Patch::Merge(&patch))
         .await
-        .context("patching it")?;
+        .map_err(|e| CertError::Step("patching it", e))?;
     tracing::info!(
         apiservice = name,
         "wrote the serving CA into the APIService"
@@ -302,12 +391,15 @@ async fn inject_apiservice(client: &kube::Client, name: &str, bundle: &str) -> a
     Ok(())
 }
 
-async fn inject_webhook(client: &kube::Client, name: &str, bundle: &str) -> anyhow::Result<()> {
+async fn inject_webhook(client: &kube::Client, name: &str, bundle: &str) -> Result<(), CertError> {
     let api: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    let current = api.get(name).await.context("reading it")?;
+    let current = api
+        .get(name)
+        .await
+        .map_err(|e| CertError::Step("reading it", e))?;
     let webhooks = current.webhooks.unwrap_or_default();
     if webhooks.is_empty() {
-        bail!("it has no webhooks");
+        return Err(CertError::NoWebhooks);
     }
     let ops = webhook_patch(&webhooks, bundle);
     if ops.is_empty() {
@@ -317,10 +409,10 @@ async fn inject_webhook(client: &kube::Client, name: &str, bundle: &str) -> anyh
     // is guarded by a test of the webhook's name at that index, so a
     // configuration changed since it was read is refused, not corrupted.
     let patch: json_patch::Patch =
-        serde_json::from_value(serde_json::Value::Array(ops)).context("building the patch")?;
+        serde_json::from_value(serde_json::Value::Array(ops)).map_err(CertError::Patch)?;
     api.patch(name, &patch_params(), &Patch::<()>::Json(patch))
         .await
-        .context("patching it")?;
+        .map_err(|e| CertError::Step("patching it", e))?;
     tracing::info!(
         webhook = name,
         "wrote the serving CA into the webhook configuration"

@@ -65,7 +65,7 @@ fn raised(request: &ApprovalRequested, console: Option<&str>) -> Message {
         &run(),
         APPROVAL,
         request,
-        "raised",
+        NoticeKind::Raised,
         &json!({"expiresAt": "2026-12-04T05:00:00Z"}),
         console,
     )
@@ -96,7 +96,7 @@ fn a_decision_in_slack_names_the_approvers_and_without_a_console_has_no_link() {
         &run(),
         APPROVAL,
         &refund(),
-        "decided",
+        NoticeKind::Decided,
         &json!({"verdict": "Reject", "decisions": [
             {"approver": "alice", "verdict": "Reject", "argumentsHash": "h", "reason": "amount exceeds policy"}
         ]}),
@@ -126,26 +126,29 @@ fn a_raised_approval_in_teams_is_the_published_adaptive_card_message() {
 #[test]
 fn every_event_says_what_happened() {
     let r = refund();
-    let say = |event: &str, detail: Value| {
+    let say = |event: NoticeKind, detail: Value| {
         let m = Message::of(&run(), APPROVAL, &r, event, &detail, None);
         (m.title, m.summary)
     };
-    assert_eq!(say("raised", json!({})).0, "Approval needed: issue_refund");
-    let (title, summary) = say("escalated", json!({"escalation": 1}));
+    assert_eq!(
+        say(NoticeKind::Raised, json!({})).0,
+        "Approval needed: issue_refund"
+    );
+    let (title, summary) = say(NoticeKind::Escalated, json!({"escalation": 1}));
     assert_eq!(title, "Approval escalated: issue_refund");
     assert!(
         summary.contains("Nobody decided refund-order-1042-a4-9f86d081 in time: escalated to group finance-approvers (escalation 1 of"),
         "{summary}"
     );
     assert_eq!(
-        say("decided", json!({"verdict": "Approve"})).0,
+        say(NoticeKind::Decided, json!({"verdict": "Approve"})).0,
         "Approval approved: issue_refund"
     );
     assert_eq!(
-        say("decided", json!({"verdict": "Edit"})).0,
+        say(NoticeKind::Decided, json!({"verdict": "Edit"})).0,
         "Approval approved with edited arguments: issue_refund"
     );
-    let (title, summary) = say("expired", json!({"verdict": "Expired"}));
+    let (title, summary) = say(NoticeKind::Expired, json!({"verdict": "Expired"}));
     assert_eq!(title, "Approval expired: issue_refund");
     assert!(summary.contains("the call was not made"), "{summary}");
 }
@@ -551,7 +554,7 @@ fn the_json_event_is_unchanged() {
         &run(),
         APPROVAL,
         &refund(),
-        "raised",
+        NoticeKind::Raised,
         &json!({"expiresAt": "2026-12-04T05:00:00Z"}),
     );
     assert_eq!(
@@ -621,13 +624,13 @@ mod fuzz {
         let decisions = prop::collection::vec((text(), text(), prop::option::of(text())), 0..8);
         (names, facts, arguments, prop::option::of(text()), decisions).prop_map(
             |(
-                (event, title, summary, namespace, run, approval, tool),
+                (_event, title, summary, namespace, run, approval, tool),
                 (requester, rule, expires_at, quorum, link, command),
                 arguments,
                 reason,
                 decisions,
             )| Message {
-                event,
+                event: NoticeKind::Decided,
                 title,
                 summary,
                 namespace,

@@ -47,6 +47,12 @@ pub struct Authorizer {
 /// flood of distinct users costs reviews, never memory).
 const MAX_CACHED: usize = 10_000;
 
+/// The API server did not answer whether someone may ask: the caller
+/// answers 503, never a yes.
+#[derive(Debug, thiserror::Error)]
+#[error("creating a SubjectAccessReview: {0}")]
+pub struct ReviewError(kube::Error);
+
 impl Authorizer {
     pub fn new(client: kube::Client, ttl: Duration) -> Authorizer {
         Authorizer {
@@ -63,7 +69,7 @@ impl Authorizer {
 
     /// Whether `user` may ask `question`; an API failure is an error (the
     /// caller answers 503, never a yes).
-    pub async fn check(&self, user: &User, question: &Question) -> anyhow::Result<Answer> {
+    pub async fn check(&self, user: &User, question: &Question) -> Result<Answer, ReviewError> {
         let key = (user.clone(), question.clone());
         if let Some((answer, at)) = self.cache.lock().expect("not poisoned").get(&key)
             && at.elapsed() < self.ttl
@@ -79,7 +85,7 @@ impl Authorizer {
         Ok(answer)
     }
 
-    async fn review(&self, user: &User, q: &Question) -> anyhow::Result<Answer> {
+    async fn review(&self, user: &User, q: &Question) -> Result<Answer, ReviewError> {
         let api: Api<SubjectAccessReview> = Api::all(self.client.clone());
         let review = SubjectAccessReview {
             spec: review_spec(user, q),
@@ -88,7 +94,7 @@ impl Authorizer {
         let reviewed = api
             .create(&PostParams::default(), &review)
             .await
-            .map_err(|e| anyhow::anyhow!("creating a SubjectAccessReview: {e}"))?;
+            .map_err(ReviewError)?;
         let status = reviewed.status.unwrap_or_default();
         Ok(if status.allowed && !status.denied.unwrap_or(false) {
             Answer::Allowed

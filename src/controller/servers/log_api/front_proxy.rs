@@ -31,16 +31,30 @@ pub struct RequestHeaderConfig {
     pub extra_prefixes: Vec<String>,
 }
 
+/// Why the front-proxy settings could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FrontProxyError {
+    #[error("reading ConfigMap {CONFIGMAP_NAMESPACE}/{CONFIGMAP}: {0}")]
+    Read(kube::Error),
+    #[error("{CONFIGMAP_NAMESPACE}/{CONFIGMAP} entry {key}: not a JSON list of strings: {error}")]
+    Entry {
+        key: &'static str,
+        error: serde_json::Error,
+    },
+}
+
 impl RequestHeaderConfig {
     /// Reads it from the ConfigMap's `data`; an error names the entry.
-    pub fn from_data(data: &BTreeMap<String, String>) -> Result<RequestHeaderConfig, String> {
-        let list = |key: &str| -> Result<Vec<String>, String> {
+    pub fn from_data(
+        data: &BTreeMap<String, String>,
+    ) -> Result<RequestHeaderConfig, FrontProxyError> {
+        let list = |key: &'static str| -> Result<Vec<String>, FrontProxyError> {
             match data.get(key) {
                 None => Ok(Vec::new()),
                 Some(v) if v.trim().is_empty() => Ok(Vec::new()),
-                Some(v) => serde_json::from_str(v).map_err(|e| {
-                    format!("{CONFIGMAP_NAMESPACE}/{CONFIGMAP} entry {key}: not a JSON list of strings: {e}")
-                }),
+                Some(v) => {
+                    serde_json::from_str(v).map_err(|error| FrontProxyError::Entry { key, error })
+                }
             }
         };
         Ok(RequestHeaderConfig {
@@ -58,14 +72,16 @@ impl RequestHeaderConfig {
 
     /// Reads the ConfigMap; `Ok(None)` when the API server publishes none
     /// (the aggregation layer is off: nothing can be authenticated).
-    pub async fn read(client: &kube::Client) -> anyhow::Result<Option<RequestHeaderConfig>> {
+    pub async fn read(
+        client: &kube::Client,
+    ) -> Result<Option<RequestHeaderConfig>, FrontProxyError> {
         let api: Api<ConfigMap> = Api::namespaced(client.clone(), CONFIGMAP_NAMESPACE);
-        let cm = api.get_opt(CONFIGMAP).await.map_err(|e| {
-            anyhow::anyhow!("reading ConfigMap {CONFIGMAP_NAMESPACE}/{CONFIGMAP}: {e}")
-        })?;
+        let cm = api
+            .get_opt(CONFIGMAP)
+            .await
+            .map_err(FrontProxyError::Read)?;
         let Some(cm) = cm else { return Ok(None) };
-        let config = RequestHeaderConfig::from_data(&cm.data.unwrap_or_default())
-            .map_err(anyhow::Error::msg)?;
+        let config = RequestHeaderConfig::from_data(&cm.data.unwrap_or_default())?;
         Ok((!config.client_ca_pem.trim().is_empty()).then_some(config))
     }
 }
@@ -243,7 +259,9 @@ mod tests {
             "front".to_string(),
         )]
         .into();
-        let err = RequestHeaderConfig::from_data(&data).unwrap_err();
+        let err = RequestHeaderConfig::from_data(&data)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("requestheader-allowed-names"), "{err}");
     }
 }

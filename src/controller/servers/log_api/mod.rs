@@ -15,6 +15,7 @@ pub mod follow;
 pub mod front_proxy;
 pub mod pages;
 
+use crate::refusal::Refusal;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -67,7 +68,7 @@ impl LogApi {
         client: kube::Client,
         namespace: Option<String>,
         authz_ttl: Duration,
-    ) -> anyhow::Result<LogApi> {
+    ) -> Result<LogApi, crate::store::StoreError> {
         let (heads, _) = tokio::sync::broadcast::channel(1024);
         let events = store.head_events().await?;
         let pushes = events.is_some();
@@ -204,7 +205,7 @@ pub struct Params {
 
 impl Params {
     /// Parses a query string; an error names the parameter.
-    pub fn parse(query: Option<&str>) -> Result<Params, String> {
+    pub fn parse(query: Option<&str>) -> Result<Params, Refusal> {
         let mut p = Params::default();
         let number = |k: &str, v: &str| {
             v.parse::<u64>()
@@ -229,14 +230,16 @@ impl Params {
 }
 
 /// `metadata.name=NAME` (or `==`): the only field selector runlogs have.
-fn name_selector(selector: &str) -> Result<String, String> {
+fn name_selector(selector: &str) -> Result<String, Refusal> {
     selector
         .strip_prefix("metadata.name==")
         .or_else(|| selector.strip_prefix("metadata.name="))
         .filter(|n| !n.is_empty() && !n.contains(','))
         .map(str::to_string)
         .ok_or_else(|| {
-            format!("fieldSelector={selector:?}: only metadata.name=NAME is supported for runlogs")
+            Refusal::new(format!(
+                "fieldSelector={selector:?}: only metadata.name=NAME is supported for runlogs"
+            ))
         })
 }
 
@@ -285,7 +288,7 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Asked {
         parts: &mut axum::http::request::Parts,
         _: &S,
     ) -> Result<Asked, Response> {
-        let params = Params::parse(parts.uri.query()).map_err(bad_request)?;
+        let params = Params::parse(parts.uri.query()).map_err(|e| bad_request(e.into()))?;
         Ok(Asked {
             params,
             cert: parts.extensions.get::<PeerCert>().cloned(),
@@ -327,12 +330,12 @@ impl Asked {
 
     /// Where a watch starts: `fromSeq`, else the resourceVersion it saw
     /// (the log's length), else the beginning.
-    fn watch_from(&self) -> Result<u64, String> {
+    fn watch_from(&self) -> Result<u64, Refusal> {
         match (self.params.from_seq, &self.params.resource_version) {
             (Some(seq), _) => Ok(seq),
-            (None, Some(rv)) => rv
-                .parse::<u64>()
-                .map_err(|_| format!("resourceVersion={rv:?}: expected a log length")),
+            (None, Some(rv)) => rv.parse::<u64>().map_err(|_| {
+                Refusal::new(format!("resourceVersion={rv:?}: expected a log length"))
+            }),
             (None, None) => Ok(0),
         }
     }
@@ -369,7 +372,7 @@ async fn watch_one(
 async fn watch_named(api: &LogApi, ns: &str, name: &str, asked: &Asked) -> Response {
     let from = match asked.watch_from() {
         Ok(from) => from,
-        Err(bad) => return bad_request(bad),
+        Err(bad) => return bad_request(bad.into()),
     };
     match asked.run(api, "watch", ns, name).await {
         Ok((run, access)) => follow::stream(api.clone(), run, from, access).await,

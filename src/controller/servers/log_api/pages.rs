@@ -1,6 +1,7 @@
 //! `get` (one run's records, a page at a time, with what the server checked
 //! of them) and `list` (the runs whose logs there are, without records).
 
+use crate::refusal::Refusal;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
@@ -34,7 +35,7 @@ fn encode_continue(uid: &str, seq: u64) -> String {
 }
 
 /// The seq a token says to go on from; an error says why it is refused.
-fn decode_continue(token: &str, uid: &str) -> Result<u64, String> {
+fn decode_continue(token: &str, uid: &str) -> Result<u64, Refusal> {
     let c: Continue = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(token)
         .ok()
@@ -93,7 +94,7 @@ fn unavailable(e: StoreError) -> Response {
 
 /// One page of the run's log.
 pub async fn get(api: &LogApi, run: &AgentRun, params: &Params, headers: &HeaderMap) -> Response {
-    let uid = crate::api::RunUid::of(&run);
+    let uid = crate::api::RunUid::of(run);
     let from = match (&params.continue_token, params.from_seq) {
         (Some(token), _) => match decode_continue(token, &uid) {
             Ok(seq) => seq,
@@ -249,7 +250,7 @@ async fn read_page(
     };
     if let Err(e) = check(uid, &base, &records, head_hash.as_deref(), head_length) {
         verification.result = FAILED.into();
-        verification.message = e;
+        verification.message = e.into();
     }
     Ok((records, verification))
 }
@@ -262,7 +263,7 @@ pub fn check(
     records: &[StoredRecord],
     head_hash: Option<&str>,
     head_length: u64,
-) -> Result<(), String> {
+) -> Result<(), Refusal> {
     crate::store::verify_stored_extension(uid, base, records).map_err(|e| e.to_string())?;
     let Some(expected) = head_hash else {
         return Ok(());
@@ -272,7 +273,8 @@ pub fn check(
             "record {} has hash {}, but the run's status.log.headHash is {expected}",
             r.seq,
             r.hash.to_hex()
-        )),
+        )
+        .into()),
         _ => Ok(()),
     }
 }
