@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use crate::api::Budgets;
 use crate::model::ToolCall;
+use crate::refusal::Refusal;
 use crate::runlog::budget::{self, Answer, BudgetQuestions};
 use crate::runlog::records::*;
 use crate::tools::FINISH_TOOL;
@@ -727,7 +728,10 @@ impl RunState {
     /// Why a budget is used up at record `seq`, by the records before it
     /// (the budgets in force there and what was spent): `Err` says what was
     /// used of each when none is, or why it cannot be told.
-    fn exhausted_before(&self, seq: u64) -> Result<(String, Budgets, budget::Used), String> {
+    fn exhausted_before(
+        &self,
+        seq: u64,
+    ) -> Result<(String, Budgets, budget::Used), crate::refusal::Refusal> {
         let pinned = self
             .agent_at(seq)
             .ok_or_else(|| format!("no agent is pinned before record {seq}"))?
@@ -739,14 +743,14 @@ impl RunState {
             .ok_or("the pinned agent has no budgets")?;
         let spent = self
             .spent_before(seq)
-            .ok_or_else(|| format!("the records before {seq} are not held"))?;
+            .ok_or_else(|| Refusal::new(format!("the records before {seq} are not held")))?;
         let used = used(seq, &spent);
         match budget::exhausted(&budgets, used) {
             Some(why) => Ok((why, budgets, used)),
-            None => Err(format!(
+            None => Err(Refusal::new(format!(
                 "no budget is used up at record {seq} ({})",
                 budget::usage(&budgets, used)
-            )),
+            ))),
         }
     }
 
@@ -760,7 +764,9 @@ impl RunState {
         let refused = match stop.outcome {
             Outcome::Failed | Outcome::NeedsHuman => None,
             Outcome::BudgetExceeded => self.exhausted_before(seq).err(),
-            other => Some(format!("only the controller ends a run {other:?}")),
+            other => Some(Refusal::new(format!(
+                "only the controller ends a run {other:?}"
+            ))),
         };
         match refused {
             None => stop.clone(),
@@ -779,7 +785,10 @@ impl RunState {
     /// it: why a budget is used up there (in the controller's words) and
     /// the limits the agent's `onExhausted: Ask` proposes then. `Err` says
     /// why no budget question belongs there.
-    pub fn budget_question_due(&self, seq: u64) -> Result<(String, Value), String> {
+    pub fn budget_question_due(
+        &self,
+        seq: u64,
+    ) -> Result<(String, Value), crate::refusal::Refusal> {
         let (why, budgets, used) = self.exhausted_before(seq)?;
         let pinned = self.agent_at(seq).and_then(|a| a.budgets.as_ref());
         Ok((why, budget::proposal(pinned, &budgets, used)))

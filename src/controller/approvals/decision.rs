@@ -293,7 +293,7 @@ pub fn alternative_to_run(
     log: &RunState,
     request_seq: u64,
     request: &ApprovalRequested,
-) -> Result<Option<Value>, String> {
+) -> Result<Option<Value>, crate::refusal::Refusal> {
     let Some(alternative) = &request.alternative else {
         return Ok(None);
     };
@@ -301,10 +301,10 @@ pub fn alternative_to_run(
     let (arguments, _) = crate::policy::split_alternative(alternative);
     match super::pinned_gate::classify_at(log, request_seq, &request.tool, &arguments) {
         Classification::Allow => Ok(Some(arguments)),
-        Classification::RequireApproval(gate) => Err(format!(
+        Classification::RequireApproval(gate) => Err(crate::refusal::Refusal::new(format!(
             "the alternative {} {arguments} needs approval itself ({}); it was not run",
             request.tool, gate.because
-        )),
+        ))),
     }
 }
 
@@ -342,15 +342,15 @@ pub(super) fn refused(
 pub const MAX_APPROVAL_BYTES: usize = 512 << 10;
 
 /// Whether `approval` is small enough to raise; the error names its size.
-pub fn fits_in_the_api(approval: &Approval) -> Result<(), String> {
+pub fn fits_in_the_api(approval: &Approval) -> Result<(), crate::refusal::Refusal> {
     let size = serde_json::to_vec(approval).map_or(usize::MAX, |v| v.len());
     if size <= MAX_APPROVAL_BYTES {
         return Ok(());
     }
-    Err(format!(
+    Err(crate::refusal::Refusal::new(format!(
         "its Approval would be {size} bytes (arguments {} bytes), over the limit of {MAX_APPROVAL_BYTES} bytes an Approval may have",
         serde_json::to_vec(&approval.spec.arguments).map_or(0, |v| v.len())
-    ))
+    )))
 }
 
 /// Label an Approval carries with its run's name (every release has set it).
@@ -513,7 +513,7 @@ pub(super) fn decision_record(
                 OnExpiry::Alternative => match alternative_to_run(log, request_seq, request) {
                     Ok(args) => args,
                     Err(why) => {
-                        notices.push(notice(true, "AlternativeNeedsApproval", why));
+                        notices.push(notice(true, "AlternativeNeedsApproval", why.into()));
                         None
                     }
                 },

@@ -53,22 +53,6 @@ impl NoticeKind {
     }
 }
 
-/// The reconciler's tests still name the kind as a word (theirs to change).
-#[cfg(test)]
-impl From<&str> for NoticeKind {
-    fn from(word: &str) -> NoticeKind {
-        [
-            NoticeKind::Raised,
-            NoticeKind::Escalated,
-            NoticeKind::Decided,
-            NoticeKind::Expired,
-        ]
-        .into_iter()
-        .find(|k| k.as_str() == word)
-        .unwrap_or_else(|| panic!("no notice kind {word:?}"))
-    }
-}
-
 impl std::fmt::Display for NoticeKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -163,10 +147,9 @@ pub fn notify(
     run: &AgentRun,
     approval: &str,
     request: &ApprovalRequested,
-    event: impl Into<NoticeKind>,
+    event: NoticeKind,
     detail: Value,
 ) {
-    let event = event.into();
     let Some(url) = request.gate.notify_webhook.clone() else {
         return;
     };

@@ -260,7 +260,7 @@ pub(super) fn snapshot(
     template: &AgentTemplate,
     generation: Option<i64>,
     mcp: McpCatalog,
-) -> Result<RunStarted, String> {
+) -> Result<RunStarted, crate::refusal::Refusal> {
     let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
     let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
     Ok(RunStarted {

@@ -577,11 +577,11 @@ async fn start_run(
             ctx.discovery.forget(&uid);
             acting
                 .notices
-                .push(notice(true, "InvalidAgent", reason.clone()));
+                .push(notice(true, "InvalidAgent", reason.to_string()));
             acting.concluded = Some(RunFinished {
                 outcome: crate::runlog::records::Outcome::Failed,
                 result: None,
-                error: Some(reason),
+                error: Some(reason.into()),
             });
             Ok(Duration::MAX)
         }

@@ -798,7 +798,14 @@ async fn approval_webhooks_are_counted_by_outcome() {
     };
     let run = run();
     // The test context allows no user address at all.
-    crate::controller::approvals::notify(&ctx, &run, "a", &request, "raised", json!({}));
+    crate::controller::approvals::notify(
+        &ctx,
+        &run,
+        "a",
+        &request,
+        crate::controller::approvals::notify::NoticeKind::Raised,
+        json!({}),
+    );
     assert_eq!(count(&ctx, "refused"), 1);
     assert!(got.try_recv().is_err(), "a refused webhook never leaves");
 
@@ -808,7 +815,14 @@ async fn approval_webhooks_are_counted_by_outcome() {
         false,
     ));
     ctx.outbound.http = crate::egress::client(ctx.outbound.user_urls.clone()).unwrap();
-    crate::controller::approvals::notify(&ctx, &run, "a", &request, "raised", json!({}));
+    crate::controller::approvals::notify(
+        &ctx,
+        &run,
+        "a",
+        &request,
+        crate::controller::approvals::notify::NoticeKind::Raised,
+        json!({}),
+    );
     tokio::time::timeout(Duration::from_secs(10), got.recv())
         .await
         .expect("the webhook was delivered")

@@ -62,7 +62,7 @@ impl Default for Limits {
 #[derive(Debug, PartialEq)]
 pub enum Answer {
     /// The catalog, or why there is none (naming the field or the server).
-    Ready(Result<McpCatalog, String>),
+    Ready(Result<McpCatalog, crate::refusal::Refusal>),
     /// Being discovered: the run is woken when the answer is there.
     Pending,
     /// Discovery failed (naming the server): asked again in `retry_in`.
@@ -78,7 +78,7 @@ pub fn retry_after(failures: u32) -> Duration {
 
 enum State {
     Running(tokio::task::AbortHandle),
-    Done(Result<McpCatalog, String>),
+    Done(Result<McpCatalog, crate::refusal::Refusal>),
 }
 
 struct Ask {
@@ -171,7 +171,7 @@ impl Discovery {
             return Answer::Ready(Ok(McpCatalog::new()));
         }
         if let Some(refused) = refuse(tools, field, &self.shared.policy) {
-            return Answer::Ready(Err(refused));
+            return Answer::Ready(Err(refused.into()));
         }
         let uid = String::from(crate::api::RunUid::of(run));
         let key = ask_key(tools);
@@ -187,7 +187,7 @@ impl Discovery {
                         && !retry_in.is_zero()
                     {
                         return Answer::Failed {
-                            reason: reason.clone(),
+                            reason: reason.to_string(),
                             retry_in,
                         };
                     }
@@ -271,7 +271,7 @@ impl Discovery {
             .get_mut(&uid)
             .filter(|a| a.key == key)
         {
-            ask.state = State::Done(result);
+            ask.state = State::Done(result.map_err(crate::refusal::Refusal::from));
             ask.since = Instant::now();
         }
         let _ = self.shared.wake.send(run);
