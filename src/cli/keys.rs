@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ListParams, PostParams};
 
 use crate::api::AgentRun;
-use crate::keys::step_token::{RetiredKey, TokenKey, parse_retired, retired_text};
+use crate::keys::step_token::{KeyError, RetiredKey, TokenKey, parse_retired, retired_text};
 
 type SecretData = BTreeMap<String, ByteString>;
 
@@ -155,6 +155,21 @@ fn random_key() -> anyhow::Result<[u8; 32]> {
     Ok(key)
 }
 
+/// Why the key Secret's data cannot be rotated or pruned. Each message
+/// quotes its cause, so the cause is a plain field, not a `#[source]`
+/// (the chain would print it twice).
+#[derive(Debug, thiserror::Error)]
+pub enum KeyDataError {
+    #[error("no `key` entry to rotate")]
+    NoKey,
+    #[error("`key`: {0}")]
+    Key(KeyError),
+    #[error("{0}")]
+    Fresh(KeyError),
+    #[error("`retired`: {0}")]
+    Retired(KeyError),
+}
+
 /// The Secret `data` after a rotation to `fresh` at `now`: `key` = `fresh`,
 /// `retired` = the old key retired at `now`, then the keys retired before;
 /// and the key ids (new, old). Refuses data with no valid `key` or an
@@ -163,12 +178,12 @@ pub fn rotated_key_data(
     data: &SecretData,
     fresh: &str,
     now: Timestamp,
-) -> Result<(SecretData, (String, String)), String> {
-    let old = data.get("key").ok_or("no `key` entry to rotate")?;
-    let old = RetiredKey::new(&old.0, now).map_err(|e| format!("`key`: {e}"))?;
+) -> Result<(SecretData, (String, String)), KeyDataError> {
+    let old = data.get("key").ok_or(KeyDataError::NoKey)?;
+    let old = RetiredKey::new(&old.0, now).map_err(KeyDataError::Key)?;
     let mut retired = vec![old.clone()];
     retired.extend(retired_of(data)?);
-    let new = TokenKey::new(fresh.as_bytes()).map_err(|e| e.to_string())?;
+    let new = TokenKey::new(fresh.as_bytes()).map_err(KeyDataError::Fresh)?;
     let mut out = data.clone();
     out.insert("key".into(), ByteString(fresh.as_bytes().to_vec()));
     out.insert("retired".into(), ByteString(retired_text(&retired)));
@@ -181,9 +196,8 @@ pub fn rotated_key_data(
     ))
 }
 
-fn retired_of(data: &SecretData) -> Result<Vec<RetiredKey>, String> {
-    parse_retired(data.get("retired").map_or(&[][..], |r| &r.0))
-        .map_err(|e| format!("`retired`: {e}"))
+fn retired_of(data: &SecretData) -> Result<Vec<RetiredKey>, KeyDataError> {
+    parse_retired(data.get("retired").map_or(&[][..], |r| &r.0)).map_err(KeyDataError::Retired)
 }
 
 /// What `--prune` does to the Secret.
@@ -198,7 +212,7 @@ pub struct PrunePlan {
 }
 
 /// Which retired keys of `data` are pruned, given every AgentRun.
-pub fn prune_plan(data: &SecretData, runs: &[AgentRun]) -> Result<PrunePlan, String> {
+pub fn prune_plan(data: &SecretData, runs: &[AgentRun]) -> Result<PrunePlan, KeyDataError> {
     let mut plan = PrunePlan {
         data: data.clone(),
         pruned: Vec::new(),
@@ -301,7 +315,7 @@ mod tests {
         );
         assert_eq!(keys.record_verifier().keys().len(), 3);
         let e = rotated_key_data(&BTreeMap::new(), &c, t("2026-12-05T10:00:00Z")).unwrap_err();
-        assert!(e.contains("`key`"), "{e}");
+        assert!(e.to_string().contains("`key`"), "{e}");
     }
 
     /// A run in namespace `ns` created at `created`, in phase `phase`,
