@@ -188,7 +188,9 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
         Command::Cancel { run } => cancel(&k, &run, &mut out).await,
         Command::Console(args) => {
             drop(out);
-            crate::console::serve_loopback(k.client, k.ns, args).await
+            crate::console::serve_loopback(k.client, k.ns, args)
+                .await
+                .map_err(Into::into)
         }
         Command::RotateKey {
             prune: false,

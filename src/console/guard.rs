@@ -177,7 +177,10 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
                     return refuse(
                         &console,
                         StatusCode::INTERNAL_SERVER_ERROR,
-                        &format!("building a client for the API server: {e:#}"),
+                        &format!(
+                            "building a client for the API server: {}",
+                            crate::text::chain(&e)
+                        ),
                     );
                 }
             };

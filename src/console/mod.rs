@@ -25,7 +25,6 @@ mod views;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use anyhow::Context as _;
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
@@ -131,7 +130,7 @@ impl LoopbackSession {
     }
 
     /// Opens the session: its secret, or `None` when the ticket was used.
-    pub fn open(&self) -> anyhow::Result<Option<String>> {
+    pub fn open(&self) -> Result<Option<String>, NoRandomness> {
         let fresh = hex::encode(random_bytes()?);
         Ok(self.secret.set(fresh.clone()).is_ok().then_some(fresh))
     }
@@ -159,12 +158,12 @@ pub struct ClusterAccess {
 impl ClusterAccess {
     /// A client acting as the holder of `token` (nothing else: no
     /// kubeconfig, no service account).
-    pub fn client_for(&self, token: &str) -> anyhow::Result<kube::Client> {
+    pub fn client_for(&self, token: &str) -> Result<kube::Client, kube::Error> {
         let mut config = kube::Config::new(self.api_server.clone());
         config.root_cert = Some(self.ca.clone());
         config.auth_info.token = Some(token.to_string().into());
         config.default_namespace = "default".into();
-        Ok(kube::Client::try_from(config)?)
+        kube::Client::try_from(config)
     }
 }
 
@@ -190,7 +189,7 @@ impl Console {
         origin: String,
         namespaces: Vec<String>,
         controller_namespace: String,
-    ) -> anyhow::Result<Console> {
+    ) -> Result<Console, NoRandomness> {
         Ok(Console {
             mode,
             key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &random_bytes()?),
@@ -203,11 +202,14 @@ impl Console {
     }
 
     /// Renders template `name` (escaping HTML: the names end in `.html`).
-    pub fn render(&self, name: &str, ctx: impl Serialize) -> Result<String, String> {
+    pub fn render(&self, name: &str, ctx: impl Serialize) -> Result<String, RenderError> {
         self.templates
             .get_template(name)
             .and_then(|t| t.render(minijinja::value::Serde(&ctx)))
-            .map_err(|e| format!("rendering {name}: {e}"))
+            .map_err(|error| RenderError {
+                name: name.to_string(),
+                error,
+            })
     }
 
     /// The page saying why a request was refused or failed.
@@ -219,7 +221,7 @@ impl Console {
         };
         axum::response::Html(self.render("error.html", ctx).unwrap_or_else(|e| {
             // Never the raw message: escaped by hand here.
-            format!("<!doctype html><p>{}</p>", html_escape(&e))
+            format!("<!doctype html><p>{}</p>", html_escape(&e.to_string()))
         }))
     }
 }
@@ -251,18 +253,24 @@ fn templates() -> Environment<'static> {
 /// Listens on `address`, or on a loopback address of its own: a random
 /// 127.x.y.z (x not 0, so never 127.0.0.1's neighbours other tools take),
 /// else 127.0.0.1 where the system answers only that one.
-async fn listen(address: Option<IpAddr>, port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+async fn listen(address: Option<IpAddr>, port: u16) -> Result<tokio::net::TcpListener, ServeError> {
     if let Some(address) = address {
         return tokio::net::TcpListener::bind((address, port))
             .await
-            .with_context(|| format!("listening on {address}:{port}"));
+            .map_err(|source| ServeError::Listen {
+                address: format!("{address}:{port}"),
+                source,
+            });
     }
     let own = own_loopback(random_bytes()?);
     match tokio::net::TcpListener::bind((own, port)).await {
         Ok(listener) => Ok(listener),
         Err(_) => tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, port))
             .await
-            .with_context(|| format!("listening on 127.0.0.1:{port}")),
+            .map_err(|source| ServeError::Listen {
+                address: format!("127.0.0.1:{port}"),
+                source,
+            }),
     }
 }
 
@@ -271,12 +279,57 @@ fn own_loopback(random: [u8; 32]) -> std::net::Ipv4Addr {
     std::net::Ipv4Addr::new(127, random[0].max(1), random[1], random[2].max(1))
 }
 
-fn random_bytes() -> anyhow::Result<[u8; 32]> {
+/// Why the console could not start or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    NoRandomness(#[from] NoRandomness),
+    #[error("listening on {address}")]
+    Listen {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("no --api-server and no KUBERNETES_SERVICE_HOST: not in a pod?")]
+    NoApiServer(#[source] std::env::VarError),
+    #[error("reading the API server's CA {}", .0.display())]
+    ReadCa(std::path::PathBuf, #[source] rustls::pki_types::pem::Error),
+    #[error("parsing {}", .0.display())]
+    ParseCa(std::path::PathBuf, #[source] rustls::pki_types::pem::Error),
+    #[error(
+        "--public-url {0}: the console serves its pages at the root of its URL; give it without a path"
+    )]
+    PublicUrlPath(url::Url),
+    #[error("--public-url {0} has no host")]
+    PublicUrlHost(url::Url),
+    #[error("--api-server {0}")]
+    ApiServer(String, #[source] axum::http::uri::InvalidUri),
+    #[error("the console's listener on {0} failed")]
+    ListenerFailed(SocketAddr),
+}
+
+/// The system gave no random bytes.
+#[derive(Debug, thiserror::Error)]
+#[error("no system randomness")]
+pub struct NoRandomness;
+
+/// A console template that did not render. The message quotes the cause,
+/// so it is a plain field, not a `#[source]` (the chain would say it twice).
+#[derive(Debug, thiserror::Error)]
+#[error("rendering {name}: {error}")]
+pub struct RenderError {
+    name: String,
+    error: minijinja::Error,
+}
+
+fn random_bytes() -> Result<[u8; 32], NoRandomness> {
     use ring::rand::SecureRandom;
     let mut b = [0u8; 32];
     ring::rand::SystemRandom::new()
         .fill(&mut b)
-        .map_err(|_| anyhow::anyhow!("no system randomness"))?;
+        .map_err(|_| NoRandomness)?;
     Ok(b)
 }
 
@@ -307,7 +360,7 @@ pub async fn serve_loopback(
     client: kube::Client,
     namespace: String,
     args: LoopbackArgs,
-) -> anyhow::Result<()> {
+) -> Result<(), ServeError> {
     if let Some(address) = args.address.filter(|a| !a.is_loopback()) {
         eprintln!(
             "warning: --address {address} is not a loopback address: anyone who can reach it and \
@@ -373,8 +426,7 @@ pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
     let api_server = match &args.api_server {
         Some(a) => a.clone(),
         None => {
-            let host = std::env::var("KUBERNETES_SERVICE_HOST")
-                .context("no --api-server and no KUBERNETES_SERVICE_HOST: not in a pod?")?;
+            let host = std::env::var("KUBERNETES_SERVICE_HOST").map_err(ServeError::NoApiServer)?;
             let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
             if host.contains(':') {
                 format!("https://[{host}]:{port}")
@@ -384,27 +436,24 @@ pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
         }
     };
     let ca: Vec<Vec<u8>> = CertificateDer::pem_file_iter(&args.ca_file)
-        .with_context(|| format!("reading the API server's CA {}", args.ca_file.display()))?
+        .map_err(|e| ServeError::ReadCa(args.ca_file.clone(), e))?
         .map(|c| c.map(|c| c.to_vec()))
         .collect::<Result<_, _>>()
-        .with_context(|| format!("parsing {}", args.ca_file.display()))?;
+        .map_err(|e| ServeError::ParseCa(args.ca_file.clone(), e))?;
     if args.public_url.path() != "/" {
-        anyhow::bail!(
-            "--public-url {}: the console serves its pages at the root of its URL; give it without a path",
-            args.public_url
-        );
+        return Err(ServeError::PublicUrlPath(args.public_url.clone()).into());
     }
     let origin = args.public_url.origin().ascii_serialization();
     let host = match (args.public_url.host_str(), args.public_url.port()) {
         (Some(h), Some(p)) => format!("{h}:{p}"),
         (Some(h), None) => h.to_string(),
-        _ => anyhow::bail!("--public-url {} has no host", args.public_url),
+        _ => return Err(ServeError::PublicUrlHost(args.public_url.clone()).into()),
     };
     let console = Console::new(
         Mode::InCluster(ClusterAccess {
             api_server: api_server
                 .parse()
-                .with_context(|| format!("--api-server {api_server}"))?,
+                .map_err(|e| ServeError::ApiServer(api_server.clone(), e))?,
             ca,
         }),
         host,
@@ -414,7 +463,10 @@ pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
     )?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .with_context(|| format!("listening on {}", args.listen))?;
+        .map_err(|source| ServeError::Listen {
+            address: args.listen.to_string(),
+            source,
+        })?;
     tracing::info!(listen = %args.listen, public_url = %args.public_url, "console serving");
     println!(
         "agentrun console on {} for {} (acting with each request's forwarded token)",
@@ -438,7 +490,7 @@ pub async fn serve_in_cluster(args: InClusterArgs) -> anyhow::Result<()> {
     };
     tokio::select! {
         () = bounded::serve(listener, router(Arc::new(console)), limits) => {
-            anyhow::bail!("the console's listener on {} failed", args.listen)
+            Err(ServeError::ListenerFailed(args.listen).into())
         }
         () = shutdown => Ok(()),
     }

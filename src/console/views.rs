@@ -215,10 +215,10 @@ fn row(a: &Approval, me: &Me) -> Row {
     }
 }
 
-fn html(status: StatusCode, body: Result<String, String>) -> Response {
+fn html(status: StatusCode, body: Result<String, super::RenderError>) -> Response {
     match body {
         Ok(b) => (status, Html(b)).into_response(),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     }
 }
 
