@@ -7,6 +7,8 @@
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::refusal::Refusal;
+
 /// The prefix of argument fields' names (`arg.amount`).
 pub const PREFIX: &str = "arg.";
 
@@ -148,7 +150,7 @@ pub fn parse(
     schema: Option<&Value>,
     current: &Value,
     form: &[(String, String)],
-) -> Result<Value, Vec<String>> {
+) -> Result<Value, Vec<Refusal>> {
     let mut args = Map::new();
     let mut problems = Vec::new();
     for f in fields(schema, current) {
@@ -159,13 +161,13 @@ pub fn parse(
             .unwrap_or("");
         if raw.trim().is_empty() && f.kind != Kind::String {
             if f.required {
-                problems.push(format!("{} is required", f.name));
+                problems.push(Refusal::new(format!("{} is required", f.name)));
             }
             continue;
         }
         if raw.is_empty() {
             if f.required {
-                problems.push(format!("{} is required", f.name));
+                problems.push(Refusal::new(format!("{} is required", f.name)));
             }
             continue;
         }
@@ -178,7 +180,7 @@ pub fn parse(
             Ok(v) => {
                 args.insert(f.name.clone(), v);
             }
-            Err(why) => problems.push(format!("{}: {why}", f.name)),
+            Err(why) => problems.push(why.within(&f.name)),
         }
     }
     if !problems.is_empty() {
@@ -188,7 +190,7 @@ pub fn parse(
     if let Some(schema) = schema {
         match jsonschema::validator_for(schema) {
             Ok(v) => {
-                let found: Vec<String> = v
+                let found: Vec<Refusal> = v
                     .iter_errors(&args)
                     .map(|e| {
                         let path = e
@@ -196,24 +198,28 @@ pub fn parse(
                             .as_str()
                             .trim_start_matches('/')
                             .replace('/', ".");
-                        if path.is_empty() {
+                        Refusal::new(if path.is_empty() {
                             e.to_string()
                         } else {
                             format!("{path}: {e}")
-                        }
+                        })
                     })
                     .collect();
                 if !found.is_empty() {
                     return Err(found);
                 }
             }
-            Err(e) => return Err(vec![format!("the tool's schema does not compile: {e}")]),
+            Err(e) => {
+                return Err(vec![Refusal::new(format!(
+                    "the tool's schema does not compile: {e}"
+                ))]);
+            }
         }
     }
     Ok(args)
 }
 
-fn value_of(f: &Field, raw: &str) -> Result<Value, String> {
+fn value_of(f: &Field, raw: &str) -> Result<Value, Refusal> {
     match f.kind {
         Kind::String => Ok(Value::String(raw.to_string())),
         Kind::Integer => match serde_json::from_str::<Value>(raw) {
@@ -224,24 +230,24 @@ fn value_of(f: &Field, raw: &str) -> Result<Value, String> {
             {
                 Ok(Value::from(n.as_f64().unwrap_or_default() as i64))
             }
-            _ => Err(format!("{raw:?} is not a whole number")),
+            _ => Err(Refusal::new(format!("{raw:?} is not a whole number"))),
         },
         Kind::Number => match serde_json::from_str::<Value>(raw) {
             Ok(Value::Number(n)) => Ok(Value::Number(n)),
-            _ => Err(format!("{raw:?} is not a number")),
+            _ => Err(Refusal::new(format!("{raw:?} is not a number"))),
         },
         Kind::Boolean => match raw {
             "true" => Ok(Value::Bool(true)),
             "false" => Ok(Value::Bool(false)),
-            _ => Err(format!("{raw:?} is not true or false")),
+            _ => Err(Refusal::new(format!("{raw:?} is not true or false"))),
         },
         Kind::Choice => f
             .options
             .iter()
             .position(|o| o == raw)
             .map(|i| f.choices[i].clone())
-            .ok_or_else(|| format!("{raw:?} is not one of {}", f.options.join(", "))),
-        Kind::Json => serde_json::from_str(raw).map_err(|e| format!("not JSON: {e}")),
+            .ok_or_else(|| Refusal::new(format!("{raw:?} is not one of {}", f.options.join(", ")))),
+        Kind::Json => serde_json::from_str(raw).map_err(|e| Refusal::new(format!("not JSON: {e}"))),
     }
 }
 
@@ -333,7 +339,7 @@ mod tests {
             json!({"orderId": "1042", "amount": 300, "count": 2, "notify": true, "reason": 3, "meta": {"a": [1]}})
         );
         let e = parse(Some(&s), &cur, &form(&[("orderId", "1042")])).unwrap_err();
-        assert_eq!(e, ["amount is required"]);
+        assert_eq!(e, [Refusal::new("amount is required")]);
         let e = parse(
             Some(&s),
             &cur,

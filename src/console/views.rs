@@ -533,7 +533,7 @@ pub async fn decide(
                 return refuse(
                     StatusCode::UNPROCESSABLE_ENTITY,
                     "The edited arguments do not fit the tool's schema:".into(),
-                    problems,
+                    problems.into_iter().map(String::from).collect(),
                 )
                 .await;
             }
