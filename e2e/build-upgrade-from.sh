@@ -43,7 +43,9 @@ t0=$SECONDS
 for b in "${BINS[@]}"; do
   [ -x "$TARGET/debug/$b" ] || { echo "error: cargo built no $TARGET/debug/$b" >&2; exit 1; }
 done
-# Only the bins of this commit matter; the seeded ones of main are left out of PATH by the test.
+# Only the bins of this commit matter: the rest (the seeded copy of main's
+# target dir, the deps) would hold 15 GB of the disk for good.
+find "$TARGET/debug" -mindepth 1 -maxdepth 1 $(printf -- "! -name %s " "${BINS[@]}") -exec rm -rf {} +
 touch "$done_marker"
 printf '[upgrade-from] %s built in %s s\n' "$SHORT" "$((SECONDS - t0))" >&2
 echo "$TARGET/debug"

@@ -22,7 +22,7 @@ enum Command {
     /// Execute the next step(s) of a run; this is what each step Job runs.
     Step(agentrun::step::runner::StepArgs),
     /// Step-log store tools: migrate the schema, verify a run's hash chain.
-    Store(agentrun::store::cli::StoreArgs),
+    Store(agentrun::store::admin::StoreArgs),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
     Crds,
     /// Serve the approvers' web console in the cluster, behind a login proxy
@@ -31,8 +31,12 @@ enum Command {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+async fn main() -> std::process::ExitCode {
+    let result = run(Cli::parse()).await;
+    agentrun::exit::code("agentrun", result)
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     // kube, reqwest and sqlx share rustls; pick one crypto provider for the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     match cli.command {
@@ -63,7 +67,7 @@ async fn main() -> anyhow::Result<()> {
             }
             result
         }
-        Command::Store(args) => agentrun::store::cli::main(args).await,
+        Command::Store(args) => agentrun::store::admin::main(args).await,
         Command::Console(args) => {
             agentrun::telemetry::init("agentrun-console");
             agentrun::console::serve_in_cluster(args).await

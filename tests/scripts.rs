@@ -241,3 +241,171 @@ fn mutating_admission_policy_is_on_for_the_process_node_and_off_for_the_real_nod
         );
     }
 }
+
+/// `e2e/install-host ARGS...`: the demo's install (stdout lines).
+fn install_host(args: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new(root().join("e2e/install-host"))
+        .args(args)
+        .output()
+        .expect("running e2e/install-host");
+    assert!(
+        out.status.success(),
+        "e2e/install-host {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// The `  - NAME` resources of a kustomization.yaml.
+fn kustomize_resources(dir: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(dir).join("kustomization.yaml")).expect(dir);
+    text.lines()
+        .filter_map(|l| l.strip_prefix("  - "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The kinds of the objects in a YAML file.
+fn kinds(path: &str) -> BTreeSet<String> {
+    std::fs::read_to_string(root().join(path))
+        .expect(path)
+        .lines()
+        .filter_map(|l| l.strip_prefix("kind: "))
+        .map(str::to_string)
+        .collect()
+}
+
+// The demo world is an installation (issue 40): e2e/demo applies every object
+// of config/ (which e2e/suites/tests/packaging.rs keeps equal to the chart's
+// render), so its rights are the chart's; only the Deployment and the
+// Services selecting its pods are replaced by the controller on the host.
+#[test]
+fn the_demo_installs_every_object_of_config_but_the_controllers_pods() {
+    let config = root().join("config");
+    let rel = |p: &str| {
+        Path::new(p)
+            .strip_prefix(&config)
+            .unwrap_or_else(|_| panic!("{p} is not under config/"))
+            .display()
+            .to_string()
+    };
+    let replaced = ["manager.yaml", "service.yaml"];
+    for stamp in ["webhook", "policy"] {
+        let applied: BTreeSet<String> = install_host(&["files", stamp])
+            .iter()
+            .map(|p| rel(p))
+            .collect();
+        for dir in kustomize_resources("config/default") {
+            let dir = dir.trim_start_matches("../").to_string();
+            if dir == "manager" {
+                continue;
+            }
+            assert!(
+                applied.contains(&dir),
+                "with the {stamp}, the demo does not apply config/{dir}: {applied:?}"
+            );
+        }
+        for file in kustomize_resources("config/manager") {
+            let want = match (stamp, file.as_str()) {
+                (_, f) if replaced.contains(&f) => continue,
+                ("policy", "requester_stamp.yaml") => {
+                    "requester-stamp/mutating-policy.yaml".to_string()
+                }
+                _ => format!("manager/{file}"),
+            };
+            assert!(
+                applied.contains(&want),
+                "with the {stamp}, the demo does not apply config/{want}: {applied:?}"
+            );
+        }
+        let stamps = applied.iter().filter(|f| f.contains("requester")).count();
+        assert_eq!(
+            stamps, 1,
+            "one requester stamp with the {stamp}: {applied:?}"
+        );
+    }
+    // What the host process replaces grants no rights and configures nothing
+    // the demo would miss.
+    for file in replaced {
+        let found = kinds(&format!("config/manager/{file}"));
+        let allowed: BTreeSet<String> = ["Deployment", "PodDisruptionBudget", "Service"]
+            .map(String::from)
+            .into();
+        assert!(
+            found.is_subset(&allowed),
+            "config/manager/{file} holds {found:?}: the demo must apply those"
+        );
+    }
+}
+
+#[test]
+fn the_demos_controller_gets_the_flags_of_the_charts_deployment() {
+    let manifest =
+        std::fs::read_to_string(root().join("config/manager/manager.yaml")).expect("manager.yaml");
+    let flags: Vec<&str> = manifest
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- --"))
+        .collect();
+    assert!(
+        flags.len() > 5,
+        "config/manager/manager.yaml: no controller flags found"
+    );
+    for stamp in ["webhook", "policy"] {
+        let got = install_host(&["controller", stamp]);
+        for flag in &flags {
+            let line = format!("arg --{flag}");
+            // Where the API server serves the policy, the chart (auto) has no webhook to inject.
+            let expected = !(stamp == "policy" && flag.starts_with("inject-ca-webhook="));
+            assert_eq!(got.contains(&line), expected, "{stamp}: {line} in {got:?}");
+        }
+        // Its environment: every variable the Deployment sets.
+        for name in manifest
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("- name: "))
+        {
+            if name.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+                assert!(
+                    got.iter()
+                        .any(|l| l == &format!("env {name}")
+                            || l.starts_with(&format!("env {name}="))),
+                    "{stamp}: the controller's env {name} is missing: {got:?}"
+                );
+            }
+        }
+    }
+}
+
+// The plugin looks for the controller's keys where the chart (and config/,
+// and so the demo) publishes them and lets every authenticated user read them.
+#[test]
+fn the_plugin_looks_for_the_keys_where_the_chart_lets_everyone_read_them() {
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"))
+        .args(["log", "--help"])
+        .env_remove("AGENTRUN_CONTROLLER_NAMESPACE")
+        .output()
+        .expect("kubectl-agentrun log --help");
+    let help = String::from_utf8_lossy(&help.stdout).to_string();
+    assert!(help.contains("[default: agentrun-system]"), "{help}");
+    let roles = std::fs::read_to_string(root().join("config/rbac/role.yaml")).expect("role.yaml");
+    let reader = roles
+        .split("\n---\n")
+        .find(|d| d.contains("kind: Role\n") && d.contains("name: agentrun-controller-keys-reader"))
+        .expect("the keys reader Role in config/rbac/role.yaml");
+    assert!(reader.contains("namespace: agentrun-system"), "{reader}");
+    let binding = roles
+        .split("\n---\n")
+        .find(|d| {
+            d.contains("kind: RoleBinding")
+                && d.contains("name: agentrun-controller-keys-reader\n  namespace")
+        })
+        .expect("its RoleBinding");
+    assert!(
+        binding.contains("namespace: agentrun-system")
+            && binding.contains("name: system:authenticated"),
+        "{binding}"
+    );
+}

@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 use super::guard::{Caller, query_param};
 use super::{Console, form};
 use crate::api::{Agent, AgentRun, Approval, ApprovalKind, ApprovalState, Verdict};
-use crate::cli::{self, Kube};
+use crate::client::approvals as shown;
+use crate::client::{Kube, log};
 
 /// Who the person is (from a SelfSubjectReview with their credential).
 struct Me {
@@ -25,7 +26,7 @@ struct Me {
 }
 
 async fn me(client: &kube::Client) -> Result<Me, String> {
-    cli::whoami_with_groups(client)
+    crate::client::whoami_with_groups(client)
         .await
         .map(|(user, groups)| Me { user, groups })
         .map_err(|e| api_words("asking the API server who you are", &e))
@@ -134,7 +135,7 @@ fn name_of(v: &impl Serialize) -> String {
 
 /// Why the person may not decide `a`, or `None` when they may.
 pub(crate) fn may_not_decide(a: &Approval, user: &str, groups: &[String]) -> Option<String> {
-    let st = cli::state(a);
+    let st = shown::state(a);
     if st != ApprovalState::Pending {
         return Some(format!("already {}", name_of(&st)));
     }
@@ -193,7 +194,7 @@ fn row(a: &Approval, me: &Me) -> Row {
         kind: name_of(&a.spec.kind),
         requester: a.spec.requester.clone().unwrap_or_default(),
         expires: a.spec.expires_at.0.to_string(),
-        left: cli::time_left(a),
+        left: shown::time_left(a),
         quorum: format!("{agreeing} of {}", a.spec.required_approvals),
         decided: a
             .spec
@@ -201,12 +202,12 @@ fn row(a: &Approval, me: &Me) -> Row {
             .iter()
             .map(|d| format!("{} ({})", d.approver, name_of(&d.verdict)))
             .collect(),
-        state: if cli::state(a) == ApprovalState::Pending
+        state: if shown::state(a) == ApprovalState::Pending
             && jiff::Timestamp::now() >= a.spec.expires_at.0
         {
             "Expired".into()
         } else {
-            name_of(&cli::state(a))
+            name_of(&shown::state(a))
         },
         cannot: may_not_decide(a, &me.user, &me.groups),
         namespace: ns,
@@ -258,7 +259,7 @@ struct Cell {
 /// The arguments table: one row per argument, a column per set of
 /// arguments (proposed, the alternative, each edit).
 fn compare(spec: &crate::api::ApprovalSpec) -> (Vec<String>, Vec<(String, Vec<Cell>)>) {
-    let columns = cli::alternatives(spec);
+    let columns = shown::alternatives(spec);
     let mut keys: Vec<String> = Vec::new();
     for (_, v) in &columns {
         match v.as_object() {
@@ -541,7 +542,7 @@ pub async fn decide(
         None
     };
     let k = Kube::new(caller.client.clone(), &ns);
-    match cli::decide(&k, &name, verdict, arguments, reason).await {
+    match shown::decide(&k, &name, verdict, arguments, reason).await {
         Ok(_) => {
             let to = format!(
                 "{}?decided={}",
@@ -642,11 +643,11 @@ pub(crate) struct Entry {
 }
 
 pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
-    use crate::runlog::replay::Step;
-    let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).ok();
+    use crate::replay::Entry as Decoded;
+    let step = Decoded::decode(r.seq, r.kind.as_str(), &r.payload).ok();
     let mut what = step
         .as_ref()
-        .and_then(cli::describe_step)
+        .and_then(shown::describe_entry)
         .unwrap_or_else(|| r.kind.as_str().to_string());
     if r.usage.input_tokens > 0 || r.usage.output_tokens > 0 {
         what.push_str(&format!(
@@ -657,7 +658,7 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
         ));
     }
     match &step {
-        Some(Step::RunStarted(st)) => {
+        Some(Decoded::RunStarted(st)) => {
             what = format!(
                 "started on prompt {} ({}), model {}, tool schema {}",
                 st.versions.prompt_version,
@@ -666,7 +667,7 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
                 short(&st.versions.tool_schema_hash)
             )
         }
-        Some(Step::VersionChanged(vc)) => {
+        Some(Decoded::VersionChanged(vc)) => {
             what = format!(
                 "version changed: prompt {} → {}, model {} → {}, tool schema {} → {}",
                 vc.from.prompt_version,
@@ -715,7 +716,7 @@ async fn timeline(
     from: u64,
 ) -> Result<Timeline, String> {
     let k = Kube::new(caller.client.clone(), ns);
-    let read = cli::log::read_api(&k, name, &c.controller_namespace)
+    let read = log::read_api(&k, name, &c.controller_namespace)
         .await
         .map_err(|e| format!("{e:#}"))?;
     let v = &read.verdict;
@@ -730,7 +731,7 @@ async fn timeline(
         // The plugin prints the problems before its verdict; here they follow it.
         format!(
             "NOT VERIFIED: {}",
-            cli::log::summary(v).replace("(see above)", "(see below)")
+            log::summary(v).replace("(see above)", "(see below)")
         )
     };
     let mut problems = v.notes.clone();

@@ -1,66 +1,84 @@
-//! What every part of the reconciler shares: the clients, caches and keys
-//! of one controller process ([`Context`]), and the controller's own writes
-//! to the log and to Events' wording. Depends on no other reconciler module.
+//! What every part of the reconciler shares: the handles of one controller
+//! process ([`Context`]: the API client, the step log's access, the Job
+//! settings, outbound requests, the watches' caches, the memory of each run)
+//! and Events' wording. The controller's own appends are in `log_writer`.
+//! Depends on no other reconciler module.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
 use kube::runtime::events::{Recorder, Reporter};
 
 use crate::api::Agent;
-use crate::controller::error::Error;
 use crate::controller::metrics::Metrics;
-use crate::failpoint;
-use crate::runlog::replay::Step;
-use crate::store::{Head, RecordDraft, StepStore, StoreError};
+use crate::store::StepStore;
 
-/// Shared state of the reconciler.
+/// What every reconcile works with: handles, each grouping what one
+/// concern needs.
 pub struct Context {
     pub client: kube::Client,
     /// Who publishes the run's Events (see [`Context::recorder`]).
     pub reporter: Reporter,
     pub metrics: Metrics,
+    /// The step log: its store, the keys that sign and check it, what reads may hold.
+    pub log: LogAccess,
+    /// Controller settings that shape step Jobs.
+    pub jobs: JobSettings,
+    /// What the controller reaches at addresses users chose.
+    pub outbound: Outbound,
+    /// Objects as the controller's watches last saw them.
+    pub caches: Caches,
+    /// What the reconciler remembers about each run between reconciles
+    /// (its replayed log among it), forgotten in one place.
+    pub memory: crate::controller::memory::RunMemory,
+    /// MCP discovery, done outside the reconciles.
+    pub discovery: crate::controller::watchers::tool_discovery::Discovery,
+    /// Reconcile slots, shared fairly between namespaces.
+    pub slots: crate::controller::slots::Slots,
+}
+
+/// The step log as the controller reads, appends to and hands it out.
+pub struct LogAccess {
     pub store: Arc<dyn StepStore>,
     /// Name of the store in `status.log.store`.
     pub store_name: String,
-    /// Mints each run's step-log gateway token (handed over in a per-run Secret).
-    pub tokens: crate::keys::step_token::TokenKey,
+    /// Whether the store pushes head events (else running runs are polled).
+    pub pushes: bool,
     /// Signs the controller's own records; the verifier checks them on every read.
     pub signer: crate::store::RecordSigner,
     pub verifier: crate::store::RecordVerifier,
-    pub jobs: JobSettings,
+    /// Mints each run's step-log gateway token (handed over in a per-run Secret).
+    pub tokens: crate::keys::step_token::TokenKey,
     /// Identity used for the controller's own appends.
     pub identity: String,
-    /// For user-chosen addresses (approval webhooks, MCP discovery): egress-guarded.
+    /// Pages of logs the reconciles read and hold at once (`--log-read-mib`).
+    pub reads: crate::store::ReadBudget,
+    /// Logs whose window starts earlier get no checkpoint (`--checkpoint-min-records`).
+    pub checkpoint_min: u64,
+}
+
+/// Requests to addresses users chose (approval webhooks, MCP discovery).
+pub struct Outbound {
+    /// Egress-guarded client.
     pub http: reqwest::Client,
     /// Which addresses `http` may reach (`--user-url-allow`): check a URL
     /// with it first, as IP literals bypass the client's resolver.
     pub user_urls: Arc<crate::egress::Policy>,
-    /// What the reconciler remembers about each run between reconciles
-    /// (its replayed log among it), forgotten in one place.
-    pub memory: crate::controller::memory::RunMemory,
-    /// Pages of logs the reconciles read and hold at once (`--log-read-mib`).
-    pub reads: crate::store::ReadBudget,
-    /// Whether the store pushes head events (else running runs are polled).
-    pub store_pushes: bool,
-    /// Step Jobs and Agents as the controller's watches last saw them (a
-    /// name missing there is read from the API server before it counts as gone).
-    pub job_cache: Option<kube::runtime::reflector::Store<Job>>,
-    pub agent_cache: Option<kube::runtime::reflector::Store<Agent>>,
-    pub policy_cache: Option<crate::controller::watchers::platform::PolicyCache>,
-    /// Logs whose window starts earlier get no checkpoint (`--checkpoint-min-records`).
-    pub checkpoint_min: u64,
-    /// MCP discovery, done outside the reconciles.
-    pub discovery: crate::controller::watchers::discovery::Discovery,
-    /// Reconcile slots, shared fairly between namespaces.
-    pub slots: crate::controller::slots::Slots,
-    /// The runs as the controller's watch has them (a reconcile that waited
-    /// for its slot reads its run again from here).
-    pub run_cache: Option<kube::runtime::reflector::Store<crate::api::AgentRun>>,
     /// The console's base URL (`--console-url`), for the links in approval
     /// notifications; none without it.
     pub console_url: Option<String>,
+}
+
+/// Step Jobs, Agents, platform policies and runs as the controller's watches
+/// last saw them (a name missing there is read from the API server before it
+/// counts as gone). None in tests that run without watches.
+#[derive(Default)]
+pub struct Caches {
+    pub jobs: Option<kube::runtime::reflector::Store<Job>>,
+    pub agents: Option<kube::runtime::reflector::Store<Agent>>,
+    pub policies: Option<crate::controller::watchers::platform::PolicyCache>,
+    /// The runs (a reconcile that waited for its slot reads its run again from here).
+    pub runs: Option<kube::runtime::reflector::Store<crate::api::AgentRun>>,
 }
 
 impl Context {
@@ -70,46 +88,6 @@ impl Context {
     /// runs would keep theirs for good, and every publish would scan them).
     pub fn recorder(&self) -> Recorder {
         Recorder::new(self.client.clone(), self.reporter.clone())
-    }
-}
-
-/// Appends one record as the controller (RunStarted, VersionChanged, its own
-/// RunFinished), under the run's lease like any worker.
-pub(crate) async fn append(ctx: &Context, uid: &str, head: &Head, step: Step) -> Result<(), Error> {
-    let lease = ctx
-        .store
-        .acquire(uid, &ctx.identity, Duration::from_secs(10))
-        .await
-        .map_err(Error::Store)?;
-    let kind = step.store_kind();
-    failpoint::hit(&format!("controller:before-append:{kind}"));
-    let mut draft = RecordDraft::new(kind, step.payload());
-    draft.worker = crate::store::Worker {
-        pod: ctx.identity.clone(),
-        attempt: 0,
-    };
-    let started = Instant::now();
-    let result = match ctx.signer.seal(uid, draft, head) {
-        Ok(record) => ctx
-            .store
-            .append(uid, lease.epoch, &record)
-            .await
-            .map(|_| ()),
-        Err(e) => Err(e),
-    };
-    ctx.metrics.observe_append(started.elapsed(), &result);
-    if result.is_ok() {
-        failpoint::hit(&format!("controller:after-append:{kind}"));
-    }
-    let _ = ctx.store.release(&lease).await;
-    if matches!(result, Ok(()) | Err(StoreError::Conflict { .. })) {
-        // The head moved under the run's cached log: read past it next time.
-        ctx.memory.mark_changed(uid);
-    }
-    match result {
-        // Someone recorded that seq first: reconcile again from the new head.
-        Ok(()) | Err(StoreError::Conflict { .. }) => Ok(()),
-        Err(e) => Err(Error::Store(e)),
     }
 }
 

@@ -20,7 +20,7 @@ pub enum Error {
     #[error("step store: {0}")]
     Store(#[source] crate::store::StoreError),
     #[error("step log: {0}")]
-    Decode(#[source] crate::runlog::replay::DecodeError),
+    Decode(#[source] crate::replay::DecodeError),
     /// A bug that this run's input reached: the reconcile failed, the
     /// process goes on (see [`crate::contain`]).
     #[error("reconcile {0}")]

@@ -21,6 +21,7 @@ pub mod approvals;
 mod conditions;
 mod context;
 mod error;
+mod log_writer;
 pub mod memory;
 pub mod metrics;
 mod process;

@@ -61,6 +61,60 @@ pub fn same_tool(a: &str, b: &str, reading: Reading) -> bool {
     }
 }
 
+/// Why `url` is too ambiguous to be allowed anything, if it is: what the
+/// URL parser keeps and a server may still read differently. An encoded
+/// `/` or `\` or a dot segment or `%` left after decoding a segment
+/// (`..%2F`, `%252e`), an empty segment (`//`), user information, a query or
+/// a fragment. A gate needs no such check (it applies when any reading lies
+/// under it); an allowance does (`allowedSecrets[].endpoints`).
+pub fn ambiguity(url: &str) -> Option<String> {
+    let parsed = match url::Url::parse(url.trim()) {
+        Ok(parsed) => parsed,
+        Err(e) => return Some(format!("{url:?} is not a URL: {e}")),
+    };
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Some(format!("{url:?} carries a user name or password"));
+    }
+    if parsed.query().is_some() || parsed.fragment().is_some() {
+        return Some(format!("{url:?} has a query or fragment"));
+    }
+    if parsed.host().is_none() {
+        return Some(format!("{url:?} names no host"));
+    }
+    let mut raw: Vec<&str> = parsed.path().split('/').skip(1).collect();
+    if raw.last() == Some(&"") {
+        raw.pop();
+    }
+    raw.into_iter()
+        .find_map(|segment| segment_ambiguity(url, segment))
+}
+
+fn segment_ambiguity(url: &str, segment: &str) -> Option<String> {
+    if segment.is_empty() {
+        return Some(format!("{url:?} has an empty path segment (//)"));
+    }
+    let Ok(decoded) = percent_decode_str(segment).decode_utf8() else {
+        return Some(format!(
+            "{url:?} has a path segment that is not UTF-8 once decoded"
+        ));
+    };
+    (decoded.contains(['/', '\\', '%']) || decoded == "." || decoded == "..").then(|| {
+        format!("{url:?} has an encoded slash, backslash, percent sign or dot segment in its path")
+    })
+}
+
+/// Does the allowance `allowed` let a request go to `endpoint`, from a step
+/// pod in `namespace`? Neither may be ambiguous, and `endpoint` lies under
+/// `allowed` in every reading ([`Reading::Every`]): same scheme and port, a
+/// host that is a spelling of `allowed`'s (what names resolve to never
+/// widens an allowance), `allowed`'s path segments the first of
+/// `endpoint`'s.
+pub fn allows(endpoint: &str, allowed: &str, namespace: &str) -> bool {
+    ambiguity(endpoint).is_none()
+        && ambiguity(allowed).is_none()
+        && within(endpoint, allowed, Reading::Every, &Network::of(namespace))
+}
+
 #[derive(Debug)]
 struct Parsed {
     scheme: String,
@@ -307,5 +361,117 @@ mod tests {
             )
             .is_empty()
         );
+    }
+}
+
+#[cfg(test)]
+mod allowance_tests {
+    use super::*;
+    fn within(endpoint: &str, allowed: &str, namespace: &str) -> bool {
+        allows(endpoint, allowed, namespace)
+    }
+    fn normalize(url: &str) -> Result<(), String> {
+        ambiguity(url).map_or(Ok(()), Err)
+    }
+
+    const ALLOWED: &str = "https://models.example.com/openai/";
+    /// The run's namespace.
+    const NS: &str = "ai";
+
+    #[test]
+    fn endpoints_below_the_prefix_pass_in_any_plain_spelling() {
+        for good in [
+            "https://models.example.com/openai",
+            "https://models.example.com/openai/",
+            "https://models.example.com/openai/v1",
+            "HTTPS://Models.Example.COM/openai/v1",
+            "https://models.example.com:443/openai/v1",
+            "https://models.example.com./openai/v1",
+            "https://models.example.com/openai/x/../v1",
+            "https://models.example.com/openai/%2e/v1",
+            "https://models.example.com/%6Fpenai/v1", // an encoded `o`
+        ] {
+            assert!(within(good, ALLOWED, NS), "{good} refused");
+        }
+        for spelling in [
+            "http://127.0.0.1:8080/v1",
+            "http://2130706433:8080/v1",
+            "http://localhost:8080/v1",
+            "http://[::ffff:127.0.0.1]:8080/v1",
+        ] {
+            assert!(within(spelling, "http://127.0.0.1:8080", NS), "{spelling}");
+        }
+        // A Service by any of its names in the run's namespace.
+        for spelling in [
+            "http://llm/v1",
+            "http://llm.ai/v1",
+            "http://llm.ai.svc/v1",
+            "http://llm.ai.svc.cluster.local./v1",
+        ] {
+            assert!(within(spelling, "http://llm.ai/", NS), "{spelling}");
+            // `llm.ai` may also be a public host: the short name is not it.
+            let public = spelling == "http://llm.ai/v1";
+            assert_eq!(within(spelling, "http://llm/", NS), !public, "{spelling}");
+        }
+    }
+
+    #[test]
+    fn every_trick_to_leave_the_prefix_is_refused() {
+        for bad in [
+            // `..` and `.`, plain and percent-encoded: resolved, then outside.
+            "https://models.example.com/openai/../admin",
+            "https://models.example.com/openai/%2e%2e/admin",
+            "https://models.example.com/openai/.%2E/admin",
+            "https://models.example.com/openai/..",
+            // An encoded slash or backslash a server may decode before routing.
+            "https://models.example.com/openai/..%2Fadmin",
+            "https://models.example.com/openai/..%2fadmin",
+            "https://models.example.com/openai/..%5Cadmin",
+            "https://models.example.com/openai\\..\\admin",
+            // Double encoding.
+            "https://models.example.com/openai/%252e%252e/admin",
+            // Double slashes.
+            "https://models.example.com//openai/v1",
+            "https://models.example.com/openai//v1",
+            // Another port, scheme or host.
+            "https://models.example.com:8443/openai/v1",
+            "http://models.example.com/openai/v1",
+            "https://models.example.com.evil.example/openai/v1",
+            "https://evil.example/openai/v1",
+            // A prefix of a segment is not the segment.
+            "https://models.example.com/openai-admin/v1",
+            // User information, query, fragment.
+            "https://models.example.com@evil.example/openai/v1",
+            "https://user@models.example.com/openai/v1",
+            "https://:pw@models.example.com/openai/v1",
+            "https://models.example.com/openai/v1?x=1",
+            "https://models.example.com/openai/v1#x",
+            "not a url",
+        ] {
+            assert!(!within(bad, ALLOWED, NS), "{bad} passed");
+        }
+        // A name that may be a public host is not the Service's full name,
+        // and what a name resolves to never counts for an allowance.
+        assert!(!within(
+            "http://llm.ai/v1",
+            "http://llm.ai.svc.cluster.local/",
+            NS
+        ));
+        assert!(!within("http://10.96.0.9/v1", "http://llm.ai/", NS));
+        assert!(!within(
+            "http://localhost.evil.example/v1",
+            "http://localhost/",
+            NS
+        ));
+    }
+
+    #[test]
+    fn an_ambiguous_endpoint_says_why() {
+        let err = normalize("https://models.example.com/openai/..%2Fadmin").unwrap_err();
+        assert!(err.contains("encoded slash"), "{err}");
+        let err = normalize("https://u@models.example.com/").unwrap_err();
+        assert!(err.contains("user name"), "{err}");
+        let err = normalize("https://models.example.com//v1").unwrap_err();
+        assert!(err.contains("empty path segment"), "{err}");
     }
 }

@@ -143,7 +143,7 @@ pub fn classify(policy: Option<&ApprovalPolicy>, call: &Call<'_>, args: &Value) 
         return Classification::Allow;
     };
     let tool = call.name;
-    if tool == crate::runlog::replay::FINISH_TOOL {
+    if tool == crate::tools::FINISH_TOOL {
         return Classification::Allow;
     }
     for rule in &policy.rules {

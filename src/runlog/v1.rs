@@ -429,7 +429,7 @@ pub enum Verdict {
 mod tests {
     use serde_json::Value;
 
-    use crate::runlog::replay::Step;
+    use crate::replay::Entry;
     use crate::store::canonical_json;
 
     /// Every record of the format-1 fixture decodes with today's record types
@@ -442,7 +442,7 @@ mod tests {
         for (i, record) in fixture.iter().enumerate() {
             let kind = record["kind"].as_str().unwrap();
             let payload = &record["payload"];
-            let step = Step::decode(i as u64, kind, payload).unwrap();
+            let step = Entry::decode(i as u64, kind, payload).unwrap();
             assert_eq!(step.kind(), kind);
             assert_eq!(
                 String::from_utf8(canonical_json(&step.payload())).unwrap(),
@@ -509,7 +509,7 @@ mod tests {
             .iter()
             .find(|r| r["kind"] == "ModelCall")
             .expect("a ModelCall in the fixture");
-        let Step::ModelCall(mut call) = Step::decode(1, "ModelCall", &record["payload"]).unwrap()
+        let Entry::ModelCall(mut call) = Entry::decode(1, "ModelCall", &record["payload"]).unwrap()
         else {
             panic!("not a ModelCall")
         };
@@ -518,13 +518,13 @@ mod tests {
             provider: "OpenAI".into(),
             outcomes: vec!["5xx".into(), "ok".into()],
         });
-        let payload = Step::ModelCall(call.clone()).payload();
+        let payload = Entry::ModelCall(call.clone()).payload();
         assert_eq!(
             payload["attempts"],
             serde_json::json!({"provider": "OpenAI", "outcomes": ["5xx", "ok"]})
         );
-        match Step::decode(1, "ModelCall", &payload).unwrap() {
-            Step::ModelCall(back) => assert_eq!(back, call),
+        match Entry::decode(1, "ModelCall", &payload).unwrap() {
+            Entry::ModelCall(back) => assert_eq!(back, call),
             other => panic!("{other:?}"),
         }
     }

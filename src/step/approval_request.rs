@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use crate::model::ToolCall;
 use crate::policy::{Gate, arguments_hash};
+use crate::replay::{Entry, RunState};
 use crate::runlog::records::ApprovalRequested;
-use crate::runlog::replay::{RunState, Step};
 // What a request holds is built in the log's stored types directly.
 use crate::runlog::v1::{
     ApprovalKind, Dependency, DependencyVersion, ObservedResult, OnExpiry, ToolOutcome,
@@ -29,8 +29,8 @@ pub async fn request(
     gate: Gate,
     http: &reqwest::Client,
 ) -> ApprovalRequested {
-    let reason = match state.step(model_call_seq) {
-        Some(Step::ModelCall(m)) => m.response.text.clone(),
+    let reason = match state.entry(model_call_seq) {
+        Some(Entry::ModelCall(m)) => m.response.text.clone(),
         _ => None,
     };
     let dependencies = read_dependencies(&gate.dependencies, &arguments, http).await;
@@ -100,7 +100,7 @@ pub fn budget_request(
     let model_call_seq = state
         .records()
         .rev()
-        .find_map(|(seq, s)| matches!(s, Step::ModelCall(_)).then_some(seq))
+        .find_map(|(seq, s)| matches!(s, Entry::ModelCall(_)).then_some(seq))
         .unwrap_or_default();
     gate.because = reason.to_string();
     let tool = crate::api::BUDGET_TOOL;
@@ -138,8 +138,8 @@ fn spent_on(state: &RunState) -> String {
     let mut tools: std::collections::BTreeMap<&str, usize> = Default::default();
     for (_, step) in state.records() {
         match step {
-            Step::ModelCall(_) | Step::Summary(_) => model_calls += 1,
-            Step::ToolResult(r) => *tools.entry(r.tool.as_str()).or_default() += 1,
+            Entry::ModelCall(_) | Entry::Summary(_) => model_calls += 1,
+            Entry::ToolResult(r) => *tools.entry(r.tool.as_str()).or_default() += 1,
             _ => {}
         }
     }
@@ -154,7 +154,7 @@ fn recent_results(state: &RunState) -> Vec<ObservedResult> {
         .records()
         .rev()
         .filter_map(|(seq, s)| match s {
-            Step::ToolResult(r) => Some(ObservedResult {
+            Entry::ToolResult(r) => Some(ObservedResult {
                 seq,
                 tool: r.tool.clone(),
                 summary: abbreviate(&match &r.outcome {

@@ -2,8 +2,8 @@
 //! recent steps. The full log is always kept; only the context is compacted.
 
 use crate::model::{Message, ModelRequest, estimate_tokens};
+use crate::replay::{Entry, RunState, Snapshot};
 use crate::runlog::records::{ApprovalDecided, ApprovalRequested, ContextInfo, Summary, Verdict};
-use crate::runlog::replay::{RunState, Snapshot, Step};
 use crate::runlog::v1::{self, ToolOutcome};
 
 /// Steps sent verbatim after a summary when the Agent does not say.
@@ -73,7 +73,8 @@ pub fn compaction_boundary(state: &RunState, recent: u32) -> Option<u64> {
     let len = state.len();
     let keep_from = len.saturating_sub(recent as u64);
     // The first ModelCall at or after keep_from starts the kept part.
-    let cut = (keep_from..len).find(|&seq| matches!(state.step(seq), Some(Step::ModelCall(_))))?;
+    let cut =
+        (keep_from..len).find(|&seq| matches!(state.entry(seq), Some(Entry::ModelCall(_))))?;
     // Compacting only pays if something between the last summary and the cut is a step.
     let through = cut.checked_sub(1)?;
     (through > after).then_some(through)
@@ -123,7 +124,7 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
             break;
         }
         match step {
-            Step::ModelCall(m) => {
+            Entry::ModelCall(m) => {
                 // The model sees each call as it ran: edited arguments, not the proposal.
                 let mut tool_calls: Vec<crate::model::ToolCall> = m
                     .response
@@ -142,7 +143,7 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                     tool_calls,
                 });
             }
-            Step::ToolResult(r) => {
+            Entry::ToolResult(r) => {
                 let (mut content, is_error) = outcome_for_model(&r.outcome);
                 if let Some(note) = edit_note(state, r.intent_seq) {
                     content = format!("{note}\nResult: {content}");
@@ -155,8 +156,8 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                 });
             }
             // A call that never ran still gets its answer: why it did not.
-            Step::ApprovalDecided(d) if d.settles_without_running() => {
-                if let Some(Step::ApprovalRequested(r)) = state.step(d.request_seq) {
+            Entry::ApprovalDecided(d) if d.settles_without_running() => {
+                if let Some(Entry::ApprovalRequested(r)) = state.entry(d.request_seq) {
                     messages.push(Message::ToolResult {
                         call_id: r.call_id.clone(),
                         name: r.tool.clone(),
@@ -165,7 +166,7 @@ fn push_records(messages: &mut Vec<Message>, state: &RunState, from: u64, throug
                     });
                 }
             }
-            Step::Observation(o) => messages.push(Message::User {
+            Entry::Observation(o) => messages.push(Message::User {
                 text: o.text.clone(),
             }),
             _ => {}
@@ -182,7 +183,7 @@ fn executed_arguments(
     state
         .records_from(model_call_seq + 1)
         .find_map(|(_, s)| match s {
-            Step::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
+            Entry::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
                 Some(i.arguments.clone())
             }
             _ => None,
@@ -191,7 +192,7 @@ fn executed_arguments(
 
 /// "bob changed amount from 500 to 300: partial refund", for an edited call.
 fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
-    let Some(Step::ToolIntent(intent)) = state.step(intent_seq) else {
+    let Some(Entry::ToolIntent(intent)) = state.entry(intent_seq) else {
         return None;
     };
     let (request, decided) = state
@@ -201,9 +202,9 @@ fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
         .into_iter()
         .rev()
         .find_map(|(_, s)| match s {
-            Step::ApprovalDecided(d) if d.verdict == Verdict::Edit => {
-                match state.step(d.request_seq) {
-                    Some(Step::ApprovalRequested(r))
+            Entry::ApprovalDecided(d) if d.verdict == Verdict::Edit => {
+                match state.entry(d.request_seq) {
+                    Some(Entry::ApprovalRequested(r))
                         if r.model_call_seq == intent.model_call_seq
                             && r.call_index == intent.call_index =>
                     {

@@ -15,9 +15,9 @@ use super::spans;
 use crate::failpoint;
 use crate::model::{AttemptOutcome, ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
+use crate::replay::{Entry, Next, RunState, Snapshot};
 use crate::runlog::budget;
 use crate::runlog::records::*;
-use crate::runlog::replay::{Next, RunState, Snapshot, Step};
 use crate::store::{self, Head, Lease, RecordDraft, StepStore, StoreError};
 use crate::telemetry::trace;
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
@@ -291,7 +291,7 @@ impl Runner {
         }
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
-            steps.push(Step::decode(r.seq, r.kind.as_str(), &r.payload)?);
+            steps.push(Entry::decode(r.seq, r.kind.as_str(), &r.payload)?);
         }
         let head = records.last().map(|r| r.head()).unwrap_or(Head::EMPTY);
         let state = RunState::replay(steps);
@@ -422,7 +422,7 @@ impl Runner {
                 )
                 .await;
                 tracing::info!(tool = %call.name, rule = %request.gate.rule, "call needs approval; stopping");
-                self.append(Step::ApprovalRequested(request), None).await?;
+                self.append(Entry::ApprovalRequested(request), None).await?;
                 Ok(Flow::Exit)
             }
         }
@@ -441,7 +441,7 @@ impl Runner {
         };
         let request = approval_request::budget_request(&self.state, reason, arguments, gate);
         tracing::info!(%reason, "budget used up; asking its approvers and stopping");
-        self.append(Step::ApprovalRequested(request), None).await?;
+        self.append(Entry::ApprovalRequested(request), None).await?;
         Ok(Flow::Exit)
     }
 
@@ -477,7 +477,7 @@ impl Runner {
             outcome: outcome.into(),
             recovery: Some(recovery),
         };
-        self.append(Step::ToolResult(result), None).await?;
+        self.append(Entry::ToolResult(result), None).await?;
         Ok(())
     }
 
@@ -500,7 +500,7 @@ impl Runner {
                 reason,
                 dependencies: now,
             };
-            self.append(Step::ApprovalVoided(voided), None).await?;
+            self.append(Entry::ApprovalVoided(voided), None).await?;
             return Ok(Flow::Again);
         }
         self.intend(
@@ -531,7 +531,7 @@ impl Runner {
             arguments,
             key: idempotency_key(&self.args.run_uid, model_call_seq, call_index),
         };
-        let seq = self.append(Step::ToolIntent(intent), None).await?;
+        let seq = self.append(Entry::ToolIntent(intent), None).await?;
         self.own_intents.insert(seq);
         Ok(())
     }
@@ -579,7 +579,7 @@ impl Runner {
                     cost_usd: cost,
                     attempts: Some(attempts),
                 };
-                self.append(Step::Summary(summary), None).await?;
+                self.append(Entry::Summary(summary), None).await?;
             }
             ContextPlan::Call(request, context) => {
                 let Some((response, attempts)) = self.ask(&client, &request).await? else {
@@ -588,7 +588,7 @@ impl Runner {
                 let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
                 let model_id = response.model_id.clone();
                 self.append(
-                    Step::ModelCall(ModelCall {
+                    Entry::ModelCall(ModelCall {
                         response: response.into(),
                         cost_usd: cost,
                         context,
@@ -641,7 +641,7 @@ impl Runner {
                     "Your previous reply could not be read ({e}). Reply again, with valid tool calls."
                 );
                 self.append(
-                    Step::Observation(Observation {
+                    Entry::Observation(Observation {
                         text,
                         about_seq: None,
                         stop: None,
@@ -675,7 +675,7 @@ impl Runner {
         };
         let text = crate::text::escape_controls(&format!("the {} {why}: {e}", client.describe()));
         self.append(
-            Step::Observation(Observation {
+            Entry::Observation(Observation {
                 text: text.clone(),
                 about_seq: None,
                 stop: None,
@@ -754,13 +754,15 @@ impl Runner {
                         &intent.arguments,
                     );
                     let step = match gate {
-                        Some(gate) => Step::ApprovalRequested(approval_request::reconcile_request(
-                            &self.state,
-                            intent_seq,
-                            &intent,
-                            gate,
-                            &reason,
-                        )),
+                        Some(gate) => {
+                            Entry::ApprovalRequested(approval_request::reconcile_request(
+                                &self.state,
+                                intent_seq,
+                                &intent,
+                                gate,
+                                &reason,
+                            ))
+                        }
                         None => stop_step(RunFinished {
                             outcome: Outcome::NeedsHuman,
                             result: self.state.last_text(),
@@ -784,7 +786,7 @@ impl Runner {
             outcome: outcome.into(),
             recovery,
         };
-        self.append(Step::ToolResult(result), None).await?;
+        self.append(Entry::ToolResult(result), None).await?;
         Ok(())
     }
 
@@ -809,7 +811,7 @@ impl Runner {
     /// Appends a record at the head, adopting the recorded one if another
     /// worker won that seq. Returns the seq. Store outages are waited out.
     #[tracing::instrument(name = "append", skip_all, fields(step = self.head.len, kind = step.kind()))]
-    async fn append(&mut self, step: Step, model_id: Option<String>) -> anyhow::Result<u64> {
+    async fn append(&mut self, step: Entry, model_id: Option<String>) -> anyhow::Result<u64> {
         let kind = step.kind();
         failpoint::hit(&format!("before-append:{kind}"));
         let mut draft = RecordDraft::new(step.store_kind(), step.payload());
@@ -821,10 +823,10 @@ impl Runner {
                 tool_schema_hash: Some(snap.versions.tool_schema_hash.clone()),
             };
         }
-        if let Step::ModelCall(ModelCall {
+        if let Entry::ModelCall(ModelCall {
             response, cost_usd, ..
         })
-        | Step::Summary(Summary {
+        | Entry::Summary(Summary {
             response, cost_usd, ..
         }) = &step
         {
@@ -870,7 +872,7 @@ impl Runner {
                     "another worker recorded this step first; adopting its record"
                 );
                 self.head = recorded.head();
-                self.state.apply(Step::decode(
+                self.state.apply(Entry::decode(
                     recorded.seq,
                     recorded.kind.as_str(),
                     &recorded.payload,
@@ -920,8 +922,8 @@ async fn call_tool(tools: &Toolbox, intent: &ToolIntent, ctx: &CallContext) -> T
 }
 
 /// The `Observation` asking the controller to end the run with `finished`.
-fn stop_step(finished: RunFinished) -> Step {
-    Step::Observation(Observation {
+fn stop_step(finished: RunFinished) -> Entry {
+    Entry::Observation(Observation {
         text: finished.error.clone().unwrap_or_default(),
         about_seq: None,
         stop: Some(finished),

@@ -35,10 +35,10 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+pub mod admin;
 mod append;
 pub mod audit;
 mod chain;
-pub mod cli;
 mod error;
 mod pages;
 mod postgres;

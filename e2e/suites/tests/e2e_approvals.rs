@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Approval, Phase};
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use common::approvals::{
     decide, entry, gated_agent, grant_approver_role, pending_approval, plugin, refund, refusal,
 };
@@ -137,7 +137,7 @@ async fn an_approved_call_runs_once_with_exactly_the_approved_arguments() {
     );
     let log = w.log(&run).await;
     let decided = log.iter().find_map(|(_, s)| match s {
-        Step::ApprovalDecided(d) => Some(d.clone()),
+        Entry::ApprovalDecided(d) => Some(d.clone()),
         _ => None,
     });
     let decided = decided.expect("ApprovalDecided in the log");
@@ -775,7 +775,7 @@ async fn an_unknowable_outcome_asks_a_human_to_reconcile() {
         .count();
     assert_eq!(pages, 1, "confirmed as done, the page was not sent again");
     let recovered = w.log(&run).await.iter().find_map(|(_, s)| match s {
-        Step::ToolResult(r) => r.recovery,
+        Entry::ToolResult(r) => r.recovery,
         _ => None,
     });
     assert_eq!(

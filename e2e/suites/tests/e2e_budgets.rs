@@ -6,7 +6,7 @@
 mod common;
 
 use agentrun::api::{Approval, ApprovalKind, Phase};
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use common::approvals::{decide, entry, grant_approver_role, pending_approval, refusal};
 use common::world::{TIMEOUT, World, call, finish};
 use k8s_openapi::api::core::v1::Pod;
@@ -140,7 +140,7 @@ async fn a_used_up_budget_asks_and_a_raise_by_five_steps_lets_the_run_succeed() 
     let run = w.wait_phase("b", Phase::Succeeded).await;
     let log = w.log(&run).await;
     let raise = log.iter().find_map(|(_, s)| match s {
-        Step::ApprovalDecided(d) if d.request_seq == 10 => Some(d.clone()),
+        Entry::ApprovalDecided(d) if d.request_seq == 10 => Some(d.clone()),
         _ => None,
     });
     let raise = raise.expect("the raise is recorded in the log");
@@ -200,8 +200,8 @@ async fn a_run_killed_right_after_the_raise_resumes_with_the_raised_cap_not_a_fr
         records
             .iter()
             .any(|r| {
-                matches!(Step::decode(r.seq, r.kind.as_str(), &r.payload),
-                         Ok(Step::ApprovalDecided(d)) if d.request_seq == 10)
+                matches!(Entry::decode(r.seq, r.kind.as_str(), &r.payload),
+                         Ok(Entry::ApprovalDecided(d)) if d.request_seq == 10)
             })
             .then_some(())
     })

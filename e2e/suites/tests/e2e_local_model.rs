@@ -10,7 +10,7 @@
 mod common;
 
 use agentrun::api::Phase;
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use common::world::World;
 use serde_json::{Value, json};
 
@@ -60,7 +60,7 @@ async fn run_killed_once(w: &World, llama: &str, name: &str, provider: &str, end
     let calls: Vec<_> = log
         .iter()
         .filter_map(|(_, s)| match s {
-            Step::ModelCall(c) => Some(c),
+            Entry::ModelCall(c) => Some(c),
             _ => None,
         })
         .collect();
@@ -100,13 +100,13 @@ async fn run_killed_once(w: &World, llama: &str, name: &str, provider: &str, end
     let intents: Vec<_> = log
         .iter()
         .filter_map(|(_, s)| match s {
-            Step::ToolIntent(i) => Some(i),
+            Entry::ToolIntent(i) => Some(i),
             _ => None,
         })
         .collect();
     let results = log
         .iter()
-        .filter(|(_, s)| matches!(s, Step::ToolResult(_)))
+        .filter(|(_, s)| matches!(s, Entry::ToolResult(_)))
         .count();
     assert_eq!(
         intents.len(),

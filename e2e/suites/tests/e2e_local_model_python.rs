@@ -15,8 +15,8 @@ mod common;
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Phase};
+use agentrun::replay::Entry;
 use agentrun::runlog::records::{ModelAttempts, ModelCall};
-use agentrun::runlog::replay::Step;
 use common::world::{World, kinds};
 use kube::api::Api;
 use serde_json::{Value, json};
@@ -96,7 +96,7 @@ async fn a_run_through_llama_cpp_python_gets_past_its_second_model_call() {
         .iter()
         .enumerate()
         .filter_map(|(i, (_, s))| match s {
-            Step::ModelCall(c) => Some((i, c)),
+            Entry::ModelCall(c) => Some((i, c)),
             _ => None,
         })
         .collect();
@@ -114,7 +114,7 @@ async fn a_run_through_llama_cpp_python_gets_past_its_second_model_call() {
     assert!(
         log[first.0..second.0]
             .iter()
-            .any(|(_, s)| matches!(s, Step::ToolResult(_))),
+            .any(|(_, s)| matches!(s, Entry::ToolResult(_))),
         "a tool result between the two calls: {:?}",
         kinds(&log)
     );

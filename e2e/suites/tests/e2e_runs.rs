@@ -6,7 +6,7 @@
 mod common;
 
 use agentrun::api::{AgentRun, Phase};
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use common::world::{TIMEOUT, World, call, finish, kinds};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -65,7 +65,7 @@ async fn a_twenty_step_run_succeeds_with_every_step_in_the_log() {
     assert_eq!(http_effects + tickets, 19, "one side effect per tool call");
     // The MCP tool's schema, as discovered, is pinned in RunStarted.
     match &log[0].1 {
-        Step::RunStarted(s) => assert!(
+        Entry::RunStarted(s) => assert!(
             s.mcp.0.contains_key("create_ticket")
                 && s.tools.iter().any(|t| t.name == "create_ticket")
         ),
@@ -99,7 +99,7 @@ async fn a_step_killed_after_recording_the_model_call_resumes_without_asking_aga
     let log = w.log(&run).await;
     let model_calls = log
         .iter()
-        .filter(|(_, s)| matches!(s, Step::ModelCall(_)))
+        .filter(|(_, s)| matches!(s, Entry::ModelCall(_)))
         .count();
     assert_eq!(model_calls, 3);
     assert_eq!(
@@ -193,9 +193,9 @@ async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
         "with the same idempotency key"
     );
 
-    let recovery = |log: &[(agentrun::store::Record, Step)]| {
+    let recovery = |log: &[(agentrun::store::Record, Entry)]| {
         log.iter().find_map(|(_, s)| match s {
-            Step::ToolResult(r) => r.recovery,
+            Entry::ToolResult(r) => r.recovery,
             _ => None,
         })
     };
@@ -226,7 +226,7 @@ async fn a_step_killed_after_the_tool_call_repeats_it_safely_exactly_once() {
         "the call whose outcome is unknown was not repeated"
     );
     match &w.log(&blind).await.last().unwrap().1 {
-        Step::RunFinished(f) => {
+        Entry::RunFinished(f) => {
             assert_eq!(f.outcome, agentrun::runlog::records::Outcome::NeedsHuman)
         }
         other => panic!("last record is {other:?}"),
@@ -685,7 +685,7 @@ async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends()
         .retain(|t| t.get("mcp").is_none());
     let template: agentrun::api::AgentTemplate = serde_json::from_value(agent).unwrap();
     let toolbox = Toolbox::new(&template.tools, &McpCatalog::new()).unwrap();
-    let started = Step::RunStarted(RunStarted {
+    let started = Entry::RunStarted(RunStarted {
         run_name: "zombie".into(),
         namespace: w.name().into(),
         input: "Refund order 7.".into(),
@@ -849,7 +849,7 @@ async fn a_provider_answering_500_twice_then_200_is_one_answer_without_a_crash()
     let log = w.log(&run).await;
     let calls = log
         .iter()
-        .filter(|(_, s)| matches!(s, Step::ModelCall(_)))
+        .filter(|(_, s)| matches!(s, Entry::ModelCall(_)))
         .count();
     assert_eq!(calls, 1, "{:?}", kinds(&log));
     // The step pod that retried is gone: the controller counts the attempts
@@ -915,7 +915,7 @@ async fn a_provider_refusing_the_request_stops_the_run_with_its_message() {
     let tail: Vec<_> = kinds(&log).into_iter().rev().take(2).collect();
     assert_eq!(tail, vec!["RunFinished", "Observation"]);
     match &log[log.len() - 2].1 {
-        Step::Observation(o) => assert!(o.text.contains("HTTP 400"), "{}", o.text),
+        Entry::Observation(o) => assert!(o.text.contains("HTTP 400"), "{}", o.text),
         other => panic!("{other:?}"),
     }
     let events: Api<k8s_openapi::api::core::v1::Event> =

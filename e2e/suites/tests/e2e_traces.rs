@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use agentrun::api::Phase;
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use common::world::{World, call, finish};
 use kube::ResourceExt as _;
 use serde_json::{Value, json};
@@ -121,16 +121,16 @@ async fn a_run_killed_mid_step_is_one_trace_with_each_call_reported_once() {
     let log = w.log(&run).await;
     let model_calls = log
         .iter()
-        .filter(|(_, s)| matches!(s, Step::ModelCall(_)))
+        .filter(|(_, s)| matches!(s, Entry::ModelCall(_)))
         .count();
     let tool_results = log
         .iter()
-        .filter(|(_, s)| matches!(s, Step::ToolResult(_)))
+        .filter(|(_, s)| matches!(s, Entry::ToolResult(_)))
         .count();
     let keys: Vec<String> = log
         .iter()
         .filter_map(|(_, s)| match s {
-            Step::ToolIntent(i) => Some(i.key.clone()),
+            Entry::ToolIntent(i) => Some(i.key.clone()),
             _ => None,
         })
         .collect();

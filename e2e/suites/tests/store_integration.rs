@@ -681,9 +681,9 @@ async fn tamper_detection(ctx: Ctx) {
         assert!(a.same_as(b));
         assert_eq!(a.created_at, b.created_at);
     }
-    store::cli::run(
+    store::admin::run(
         &ctx.url,
-        store::cli::StoreCommand::Verify {
+        store::admin::StoreCommand::Verify {
             run: run.clone(),
             head: Some(head.hash.to_hex()),
         },
@@ -736,9 +736,9 @@ async fn tamper_detection(ctx: Ctx) {
         store::verify_chain(&run, &all, None),
         Err(StoreError::ChainBroken { seq: 3, .. })
     ));
-    let cli = store::cli::run(
+    let cli = store::admin::run(
         &ctx.url,
-        store::cli::StoreCommand::Verify {
+        store::admin::StoreCommand::Verify {
             run: run.clone(),
             head: None,
         },

@@ -138,7 +138,7 @@ pub fn notify(
         approval: approval.to_string(),
         event: event.to_string(),
     };
-    if let Err(e) = ctx.user_urls.check_url(&url) {
+    if let Err(e) = ctx.outbound.user_urls.check_url(&url) {
         tracing::warn!(error = %e, approval, event, "approval webhook refused");
         count("refused");
         tokio::spawn(failed.publish("refused by the controller's egress policy".into()));
@@ -155,7 +155,7 @@ pub fn notify(
             request,
             event,
             &detail,
-            ctx.console_url.as_deref(),
+            ctx.outbound.console_url.as_deref(),
         )
     });
     let body = match body {
@@ -176,7 +176,7 @@ pub fn notify(
         count("dropped");
         return;
     };
-    let http = ctx.http.clone();
+    let http = ctx.outbound.http.clone();
     tokio::spawn(async move {
         let _permit = permit;
         match deliver(&http, &url, &body, RETRY).await {

@@ -15,9 +15,9 @@ use serde_json::Value;
 use crate::api::AgentTemplate;
 use crate::policy::split_alternative;
 use crate::policy::{Call, Classification, Gate, Network, arguments_hash};
+use crate::replay::{Entry, RunState};
 use crate::runlog::budget::Limits;
 use crate::runlog::records::{ApprovalRequested, Verdict};
-use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ApprovalKind, OnExpiry};
 
 /// The agent in force at `seq`: the latest `RunStarted` or `VersionChanged` before it.
@@ -51,8 +51,8 @@ fn classify_on(
 
 /// The names the classification of the request at `request_seq` depends on.
 fn lookups(log: &RunState, request_seq: u64) -> Vec<String> {
-    let (Some(Step::ApprovalRequested(request)), Some(agent)) =
-        (log.step(request_seq), pinned_agent(log, request_seq))
+    let (Some(Entry::ApprovalRequested(request)), Some(agent)) =
+        (log.entry(request_seq), pinned_agent(log, request_seq))
     else {
         return Vec::new();
     };
@@ -92,7 +92,7 @@ pub fn check_on(
     request_seq: u64,
     network: &Network,
 ) -> Result<ApprovalRequested, String> {
-    let Some(Step::ApprovalRequested(request)) = log.step(request_seq) else {
+    let Some(Entry::ApprovalRequested(request)) = log.entry(request_seq) else {
         return Err(format!("record {request_seq} is not an ApprovalRequested"));
     };
     let hash = arguments_hash(&request.tool, &request.arguments);
@@ -136,8 +136,8 @@ fn expected_call_gate(
     request: &ApprovalRequested,
     network: &Network,
 ) -> Result<Gate, String> {
-    let proposed = match log.step(request.model_call_seq) {
-        Some(Step::ModelCall(m)) if request.model_call_seq < request_seq => {
+    let proposed = match log.entry(request.model_call_seq) {
+        Some(Entry::ModelCall(m)) if request.model_call_seq < request_seq => {
             m.response.tool_calls.get(request.call_index)
         }
         _ => None,
@@ -211,8 +211,8 @@ fn expected_reconcile_gate(
     network: &Network,
 ) -> Result<Gate, String> {
     let intent = match request.intent_seq {
-        Some(i) if i < request_seq => match log.step(i) {
-            Some(Step::ToolIntent(intent)) => Some(intent),
+        Some(i) if i < request_seq => match log.entry(i) {
+            Some(Entry::ToolIntent(intent)) => Some(intent),
             _ => None,
         },
         _ => None,
@@ -257,7 +257,7 @@ fn check_escalation(
         .records()
         .take_while(|(seq, _)| *seq < request_seq)
         .filter_map(|(seq, s)| match s {
-            Step::ApprovalRequested(r)
+            Entry::ApprovalRequested(r)
                 if r.model_call_seq == request.model_call_seq
                     && r.call_index == request.call_index
                     && r.kind == request.kind =>
@@ -277,7 +277,7 @@ fn check_escalation(
         .records_from(prev_seq)
         .take_while(|(seq, _)| *seq < request_seq)
         .any(|(_, s)| {
-            matches!(s, Step::ApprovalDecided(d) if d.request_seq == prev_seq
+            matches!(s, Entry::ApprovalDecided(d) if d.request_seq == prev_seq
                 && d.verdict == Verdict::Expired
                 && d.on_expiry == Some(OnExpiry::Escalate))
         });
@@ -331,7 +331,7 @@ mod tests {
     use super::*;
 
     /// [`super::check_on`] of a whole log, on the host's spellings.
-    fn check(steps: &[Step], request_seq: u64) -> Result<(), String> {
+    fn check(steps: &[Entry], request_seq: u64) -> Result<(), String> {
         super::check_on(
             &RunState::replay(steps.to_vec()),
             request_seq,
@@ -341,7 +341,7 @@ mod tests {
     }
 
     /// [`super::classify_at`] in a whole log.
-    fn classify_at(steps: &[Step], seq: u64, tool: &str, args: &Value) -> Classification {
+    fn classify_at(steps: &[Entry], seq: u64, tool: &str, args: &Value) -> Classification {
         super::classify_at(&RunState::replay(steps.to_vec()), seq, tool, args)
     }
     use crate::api::{ApprovalPolicy, ApprovalRule, Approvers};
@@ -376,13 +376,13 @@ mod tests {
         }
     }
 
-    fn log(args: Value) -> Vec<Step> {
+    fn log(args: Value) -> Vec<Entry> {
         log_of(agent(), args)
     }
 
-    fn log_of(agent: AgentTemplate, args: Value) -> Vec<Step> {
+    fn log_of(agent: AgentTemplate, args: Value) -> Vec<Entry> {
         vec![
-            Step::RunStarted(RunStarted {
+            Entry::RunStarted(RunStarted {
                 run_name: "r".into(),
                 namespace: "n".into(),
                 input: "i".into(),
@@ -391,7 +391,7 @@ mod tests {
                 mcp: Default::default(),
                 versions: Default::default(),
             }),
-            Step::ModelCall(ModelCall {
+            Entry::ModelCall(ModelCall {
                 response: ModelResponse {
                     text: None,
                     tool_calls: vec![ToolCall {
@@ -410,7 +410,7 @@ mod tests {
         ]
     }
 
-    fn honest_request(steps: &[Step], args: Value) -> ApprovalRequested {
+    fn honest_request(steps: &[Entry], args: Value) -> ApprovalRequested {
         let Classification::RequireApproval(gate) = classify_at(steps, 2, "issue_refund", &args)
         else {
             panic!("gated")
@@ -433,8 +433,8 @@ mod tests {
         }
     }
 
-    fn with(mut steps: Vec<Step>, request: ApprovalRequested) -> Vec<Step> {
-        steps.push(Step::ApprovalRequested(request));
+    fn with(mut steps: Vec<Entry>, request: ApprovalRequested) -> Vec<Entry> {
+        steps.push(Entry::ApprovalRequested(request));
         steps
     }
 
@@ -492,7 +492,7 @@ mod tests {
         let err = check(&with(steps.clone(), escalated(&first)), 3).unwrap_err();
         assert!(err.contains("did not expire"), "{err}");
         let mut expired = steps.clone();
-        expired.push(Step::ApprovalDecided(ApprovalDecided {
+        expired.push(Entry::ApprovalDecided(ApprovalDecided {
             request_seq: 2,
             approval: "a".into(),
             verdict: Verdict::Expired,
@@ -509,7 +509,7 @@ mod tests {
         assert!(check(&with(expired.clone(), forged), 4).is_err());
         // maxEscalations is 1: a second escalation is refused.
         let mut twice = with(expired, second.clone());
-        twice.push(Step::ApprovalDecided(ApprovalDecided {
+        twice.push(Entry::ApprovalDecided(ApprovalDecided {
             request_seq: 4,
             approval: "b".into(),
             verdict: Verdict::Expired,
@@ -524,10 +524,10 @@ mod tests {
 
     /// The refund of 500, approved by a decision of the controller's:
     /// records 2 (request) and 3 (decision).
-    fn approved(steps: Vec<Step>) -> Vec<Step> {
+    fn approved(steps: Vec<Entry>) -> Vec<Entry> {
         let request = honest_request(&steps, json!({"amount": 500}));
         let mut steps = with(steps, request);
-        steps.push(Step::ApprovalDecided(ApprovalDecided {
+        steps.push(Entry::ApprovalDecided(ApprovalDecided {
             request_seq: 2,
             approval: "a".into(),
             verdict: Verdict::Approve,
@@ -539,8 +539,8 @@ mod tests {
         steps
     }
 
-    fn refund_intent() -> Step {
-        Step::ToolIntent(ToolIntent {
+    fn refund_intent() -> Entry {
+        Entry::ToolIntent(ToolIntent {
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -601,7 +601,7 @@ mod tests {
     /// budget question is due only once they are, for what the pinned
     /// budgets propose (issue 39: mallory asked for 1,000,000 steps and
     /// $100,000 with 93 steps left).
-    fn asking_run(records: u64) -> Vec<Step> {
+    fn asking_run(records: u64) -> Vec<Entry> {
         let mut agent = agent();
         agent.budgets = Some(crate::api::Budgets {
             max_steps: Some(100),
@@ -614,12 +614,12 @@ mod tests {
             ..Default::default()
         });
         let mut steps = log(json!({"amount": 50}));
-        let Step::RunStarted(started) = &mut steps[0] else {
+        let Entry::RunStarted(started) = &mut steps[0] else {
             unreachable!()
         };
         started.agent = agent.into();
         while (steps.len() as u64) < records {
-            steps.push(Step::Observation(crate::runlog::records::Observation {
+            steps.push(Entry::Observation(crate::runlog::records::Observation {
                 text: "looked".into(),
                 about_seq: None,
                 stop: None,
@@ -629,9 +629,9 @@ mod tests {
         steps
     }
 
-    fn budget_question(steps: &[Step], arguments: Value) -> ApprovalRequested {
+    fn budget_question(steps: &[Entry], arguments: Value) -> ApprovalRequested {
         let agent: AgentTemplate = match &steps[0] {
-            Step::RunStarted(s) => s.agent.clone().into(),
+            Entry::RunStarted(s) => s.agent.clone().into(),
             _ => unreachable!(),
         };
         let mut r = honest_request(&log(json!({"amount": 500})), json!({"amount": 500}));
@@ -705,7 +705,7 @@ mod tests {
     }
 
     /// The request a step pod that saw `network` writes.
-    fn request_on(steps: &[Step], network: &Network) -> ApprovalRequested {
+    fn request_on(steps: &[Entry], network: &Network) -> ApprovalRequested {
         let args = json!({"amount": 5000});
         let Classification::RequireApproval(gate) = super::classify_on(
             &RunState::replay(steps.to_vec()),

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::runlog::replay::{RunState, Step};
+use crate::replay::{Entry, RunState};
 use crate::store::{Hash, Head, Record};
 
 /// A run's log replayed up to `head`.
@@ -70,19 +70,19 @@ impl Replayed {
 
     /// Folds in the next record (decoded as `step`), remembering the hashes
     /// a checkpoint may name.
-    pub fn apply(&mut self, record: &Record, step: Step) {
+    pub fn apply(&mut self, record: &Record, step: Entry) {
         self.sizes.insert(record.seq, record_bytes(record));
         match &step {
-            Step::RunStarted(_) | Step::VersionChanged(_) | Step::Summary(_) => {
+            Entry::RunStarted(_) | Entry::VersionChanged(_) | Entry::Summary(_) => {
                 self.hashes.insert(record.seq, record.hash);
             }
-            Step::ModelCall(m) => {
+            Entry::ModelCall(m) => {
                 if m.response.text.as_ref().is_some_and(|t| !t.is_empty()) {
                     self.hashes.insert(record.seq, record.hash);
                 }
                 self.links.insert(record.seq, record.prev_hash);
             }
-            Step::ToolIntent(_) => {
+            Entry::ToolIntent(_) => {
                 self.links.insert(record.seq, record.prev_hash);
             }
             _ => {}

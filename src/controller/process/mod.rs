@@ -24,7 +24,9 @@ use prometheus_client::registry::Registry;
 use super::memory;
 use super::reconciler::{self, job};
 use super::servers::{gateway, https, probes as http, serving_cert};
-use super::watchers::{agent_status as agent, discovery, health as watches, platform};
+use super::watchers::{
+    agent_status as agent, health as watches, platform, tool_discovery as discovery,
+};
 use super::{FIELD_MANAGER, context, metrics, slots};
 use crate::keys::{published as published_keys, step_token};
 
@@ -581,6 +583,7 @@ fn context(
     );
     let verifier = parts.tokens.record_verifier();
     let key_id = parts.tokens.record_signer().key_id().to_string();
+    let verifier_hex = verifier.to_hex();
     let ctx = context::Context {
         client: parts.client,
         reporter: Reporter {
@@ -588,38 +591,44 @@ fn context(
             instance: Some(parts.identity.clone()),
         },
         metrics: parts.metrics,
-        store_name: "default".into(),
-        signer: parts.tokens.record_signer(),
-        tokens: parts.tokens,
+        log: context::LogAccess {
+            store: parts.store,
+            store_name: "default".into(),
+            pushes: parts.store_pushes,
+            signer: parts.tokens.record_signer(),
+            verifier,
+            tokens: parts.tokens,
+            identity: format!("controller/{}", parts.identity),
+            reads: crate::store::ReadBudget::new(opts.log_read_mib << 20),
+            checkpoint_min: opts.checkpoint_min_records,
+        },
         jobs: context::JobSettings {
             image: opts.step_image.clone(),
             store_url: parts.step_api_url,
-            controller_key: verifier.to_hex(),
+            controller_key: verifier_hex,
             key_id: key_id.clone(),
             service_account: opts.step_service_account.clone(),
             time_slice_seconds: opts.time_slice_seconds,
             allow_failpoints: opts.allow_failpoints,
             telemetry_env: crate::telemetry::step_env(),
         },
-        verifier,
-        store: parts.store,
-        identity: format!("controller/{}", parts.identity),
-        http: crate::egress::client(user_urls.clone())?,
-        user_urls,
+        outbound: context::Outbound {
+            http: crate::egress::client(user_urls.clone())?,
+            user_urls,
+            console_url: opts.console_url.clone(),
+        },
+        caches: context::Caches {
+            jobs: Some(caches.jobs.clone()),
+            agents: Some(caches.agents.clone()),
+            policies: Some(parts.policies),
+            runs: Some(caches.runs.clone()),
+        },
         memory: memory::RunMemory::with_budget(opts.log_cache_mib << 20),
-        reads: crate::store::ReadBudget::new(opts.log_read_mib << 20),
-        job_cache: Some(caches.jobs.clone()),
-        agent_cache: Some(caches.agents.clone()),
-        policy_cache: Some(parts.policies),
-        store_pushes: parts.store_pushes,
-        checkpoint_min: opts.checkpoint_min_records,
         discovery,
         slots: slots::Slots::new(
             opts.reconcile_concurrency.into(),
             namespace_slots(opts).into(),
         ),
-        run_cache: Some(caches.runs.clone()),
-        console_url: opts.console_url.clone(),
     };
     Ok((Arc::new(ctx), discovered))
 }

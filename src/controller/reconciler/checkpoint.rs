@@ -22,7 +22,7 @@
 //! on any of it.
 
 use crate::api::{LogCheckpoint, PinnedRecord};
-use crate::runlog::replay::{RunState, Spent, Step};
+use crate::replay::{Entry, RunState, Spent};
 use crate::store::{
     Hash, Head, Record, RecordSigner, RecordVerifier, StepStore, StoreError, canonical_json,
 };
@@ -163,7 +163,7 @@ pub async fn resume(
             )));
         }
         verifier.check(uid, std::slice::from_ref(&record), rules)?;
-        let Ok(step) = Step::decode(record.seq, record.kind.as_str(), &record.payload) else {
+        let Ok(step) = Entry::decode(record.seq, record.kind.as_str(), &record.payload) else {
             return Ok(None);
         };
         pinned.push((record.seq, step));
@@ -189,7 +189,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::runlog::replay::tests::{long_log, seen};
+    use crate::replay::tests::{long_log, seen};
     use crate::store::{RecordDraft, SqliteStore};
 
     /// A SQLite store holding `log` as run `uid`, controller records signed.
@@ -197,7 +197,7 @@ mod tests {
         dir: &std::path::Path,
         signer: &RecordSigner,
         uid: &str,
-        log: &[Step],
+        log: &[Entry],
     ) -> SqliteStore {
         let url = format!("sqlite://{}", dir.join("log.db").display());
         let store = SqliteStore::open(&url, &Default::default()).await.unwrap();
@@ -227,7 +227,7 @@ mod tests {
     async fn read_whole(store: &SqliteStore, uid: &str) -> Replayed {
         let mut whole = Replayed::empty();
         for r in store.read_verified(uid, None).await.unwrap() {
-            let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).unwrap();
+            let step = Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap();
             whole.apply(&r, step);
         }
         whole.compact();
@@ -275,7 +275,7 @@ mod tests {
             .unwrap();
         assert!(window.len() < 10, "read {} records", window.len());
         for r in &window {
-            let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).unwrap();
+            let step = Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap();
             replayed.apply(r, step);
         }
         assert_eq!(replayed.head, whole.head);

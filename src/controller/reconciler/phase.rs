@@ -7,8 +7,8 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use crate::api::AgentRun;
+use crate::replay::{Next, RunState};
 use crate::runlog::records::{Outcome, RunFinished};
-use crate::runlog::replay::{Next, RunState};
 
 /// Attempts of one step that record nothing before the run fails, unless
 /// the agent's `retry` says otherwise.
@@ -357,8 +357,8 @@ pub fn deadline(run: &AgentRun) -> Option<Timestamp> {
 mod tests {
     use super::*;
     use crate::api::{AgentRunSpec, AgentRunStatus, CurrentStep, Phase, VersionPolicy};
+    use crate::replay::Entry;
     use crate::runlog::records::{RunStarted, Versions};
-    use crate::runlog::replay::Step;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     fn t(s: i64) -> Timestamp {
@@ -381,7 +381,7 @@ mod tests {
     }
 
     fn started(generation: Option<i64>) -> RunState {
-        RunState::replay(vec![Step::RunStarted(RunStarted {
+        RunState::replay(vec![Entry::RunStarted(RunStarted {
             run_name: "r".into(),
             namespace: "ns".into(),
             input: "task".into(),
@@ -457,7 +457,7 @@ mod tests {
             result: Some("done".into()),
             error: None,
         };
-        log.apply(Step::RunFinished(fin.clone()));
+        log.apply(Entry::RunFinished(fin.clone()));
         assert_eq!(
             decide_at(
                 &run(),
@@ -473,7 +473,7 @@ mod tests {
     #[test]
     fn the_controller_records_the_end_the_log_asks_for() {
         let mut log = started(None);
-        log.apply(Step::Observation(crate::runlog::records::Observation {
+        log.apply(Entry::Observation(crate::runlog::records::Observation {
             text: "the model refused the request".into(),
             about_seq: None,
             attempts: None,
@@ -503,7 +503,7 @@ mod tests {
     #[test]
     fn progress_schedules_the_next_seq_as_a_first_attempt() {
         let mut log = started(None);
-        log.apply(Step::Observation(crate::runlog::records::Observation {
+        log.apply(Entry::Observation(crate::runlog::records::Observation {
             text: "x".into(),
             about_seq: None,
             stop: None,
@@ -717,7 +717,7 @@ mod tests {
         let mut r = run();
         r.spec.cancel = true;
         let mut log = started(None);
-        log.apply(Step::Observation(crate::runlog::records::Observation {
+        log.apply(Entry::Observation(crate::runlog::records::Observation {
             text: "x".into(),
             about_seq: None,
             stop: None,
@@ -823,7 +823,7 @@ mod tests {
         };
         // Released without recording anything: the Job's own end decides.
         assert_eq!(observed(&log, true, true), Act::Idle);
-        log.apply(Step::Observation(crate::runlog::records::Observation {
+        log.apply(Entry::Observation(crate::runlog::records::Observation {
             text: "x".into(),
             about_seq: None,
             stop: None,

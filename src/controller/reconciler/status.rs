@@ -10,8 +10,8 @@ use crate::api::{
 };
 use crate::controller::conditions::{condition, set_condition};
 use crate::controller::reconciler::phase::{JobState, JobView, deadline};
+use crate::replay::RunState;
 use crate::runlog::records::{Outcome, RunFinished};
-use crate::runlog::replay::RunState;
 use crate::store::Head;
 
 pub use crate::api::signing::{bound_from, key_windows, signature_rules, signed_from, windows_of};

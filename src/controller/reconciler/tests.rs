@@ -201,10 +201,6 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
         },
         client,
         metrics: crate::controller::metrics::Metrics::new(&mut registry),
-        store,
-        store_name: "default".into(),
-        tokens,
-        verifier: signer.verifier(),
         jobs: JobSettings {
             image: "agentrun:test".into(),
             store_url: "http://gateway:8081".into(),
@@ -215,26 +211,31 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
             allow_failpoints: false,
             telemetry_env: Vec::new(),
         },
-        signer,
-        identity: "controller/test".into(),
-        http: reqwest::Client::new(),
-        user_urls: Default::default(),
+        log: crate::controller::context::LogAccess {
+            store,
+            store_name: "default".into(),
+            pushes: false,
+            tokens,
+            verifier: signer.verifier(),
+            signer,
+            identity: "controller/test".into(),
+            reads: crate::store::ReadBudget::new(32 << 20),
+            checkpoint_min: crate::controller::reconciler::checkpoint::MIN_SEQ,
+        },
+        outbound: crate::controller::context::Outbound {
+            http: reqwest::Client::new(),
+            user_urls: Default::default(),
+            console_url: None,
+        },
+        caches: Default::default(),
         memory: Default::default(),
-        store_pushes: false,
-        job_cache: None,
-        agent_cache: None,
-        policy_cache: None,
-        checkpoint_min: crate::controller::reconciler::checkpoint::MIN_SEQ,
-        reads: crate::store::ReadBudget::new(32 << 20),
-        discovery: crate::controller::watchers::discovery::Discovery::new(
+        discovery: crate::controller::watchers::tool_discovery::Discovery::new(
             reqwest::Client::new(),
             Default::default(),
-            crate::controller::watchers::discovery::Limits::default(),
+            crate::controller::watchers::tool_discovery::Limits::default(),
         )
         .0,
         slots: crate::controller::slots::Slots::new(0, 0),
-        run_cache: None,
-        console_url: None,
     }
 }
 
@@ -284,7 +285,7 @@ async fn reconcile_starts_a_run_then_creates_its_first_job_in_order() {
         .unwrap();
     let (mut handle, status) = server.await.unwrap();
     assert_eq!(status["status"]["log"]["length"], 1, "{status}");
-    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    let log = ctx.log.store.read_all("uid-r1").await.unwrap();
     assert_eq!(log.len(), 1);
     assert_eq!(log[0].kind.as_str(), "RunStarted");
 
@@ -413,6 +414,7 @@ async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
 
     // A log left by an earlier process, the run's status anchoring its head.
     let lease = ctx
+        .log
         .store
         .acquire("uid-r1", "test", std::time::Duration::from_secs(5))
         .await
@@ -423,6 +425,7 @@ async fn reconcile_reads_no_log_of_a_waiting_run_until_it_is_woken() {
             .seal(&head)
             .unwrap();
         head = ctx
+            .log
             .store
             .append("uid-r1", lease.epoch, &record)
             .await
@@ -658,7 +661,7 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let mut ctx = context(kube::Client::new(service, "ns"), dir.path()).await;
     let (cache, _writers) = listed_policies(Vec::new());
-    ctx.policy_cache = Some(cache);
+    ctx.caches.policies = Some(cache);
     let ctx = Arc::new(ctx);
     let mut run = run();
     run.spec.agent.as_mut().unwrap().model.secret_ref =
@@ -668,7 +671,7 @@ async fn a_secret_refused_by_a_policy_cache_that_lags_is_judged_again_by_the_api
         reconcile_with_the_model_key_allowed(&ctx, handle, run, &["AgentResolved", "RunStarted"])
             .await;
     assert_ne!(status["status"]["phase"], "Failed", "{status}");
-    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    let log = ctx.log.store.read_all("uid-r1").await.unwrap();
     let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
     assert_eq!(kinds, ["RunStarted"], "the run started, not concluded");
 }
@@ -723,7 +726,7 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
             .contains("spec.model.secretRef")
     );
     assert!(
-        ctx.store.read_all("uid-r1").await.unwrap().is_empty(),
+        ctx.log.store.read_all("uid-r1").await.unwrap().is_empty(),
         "nothing recorded"
     );
 
@@ -733,7 +736,7 @@ async fn a_run_whose_secret_no_policy_lists_yet_waits_for_the_policy_then_starts
         reconcile_with_the_model_key_allowed(&ctx, handle, run, &["RunStarted", "PolicyAllowed"])
             .await;
     assert_ne!(status["status"]["phase"], "Failed", "{status}");
-    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    let log = ctx.log.store.read_all("uid-r1").await.unwrap();
     let kinds: Vec<_> = log.iter().map(|r| r.kind.as_str()).collect();
     assert_eq!(
         kinds,
@@ -799,12 +802,12 @@ async fn approval_webhooks_are_counted_by_outcome() {
     assert_eq!(count(&ctx, "refused"), 1);
     assert!(got.try_recv().is_err(), "a refused webhook never leaves");
 
-    ctx.user_urls = Arc::new(crate::egress::Policy::new(
+    ctx.outbound.user_urls = Arc::new(crate::egress::Policy::new(
         vec!["127.0.0.1/32".parse().unwrap()],
         vec![],
         false,
     ));
-    ctx.http = crate::egress::client(ctx.user_urls.clone()).unwrap();
+    ctx.outbound.http = crate::egress::client(ctx.outbound.user_urls.clone()).unwrap();
     crate::controller::approvals::notify(&ctx, &run, "a", &request, "raised", json!({}));
     tokio::time::timeout(Duration::from_secs(10), got.recv())
         .await
@@ -906,7 +909,7 @@ async fn a_panic_in_one_reconcile_fails_that_run_and_the_process_goes_on() {
 
     // The process goes on: the next reconcile starts the run.
     reconcile_recorded(&ctx, handle, &run, Value::Null).await;
-    let log = ctx.store.read_all("uid-r1").await.unwrap();
+    let log = ctx.log.store.read_all("uid-r1").await.unwrap();
     assert_eq!(log.len(), 1);
     assert_eq!(log[0].kind.as_str(), "RunStarted");
 }
@@ -921,11 +924,11 @@ fn rotated(mut ctx: Context, new: &[u8]) -> Context {
     ]
     .concat();
     let tokens = TokenKey::new(new).unwrap().with_retired(&retired).unwrap();
-    ctx.signer = tokens.record_signer();
-    ctx.verifier = tokens.record_verifier();
-    ctx.jobs.controller_key = ctx.verifier.to_hex();
-    ctx.jobs.key_id = ctx.signer.key_id().to_string();
-    ctx.tokens = tokens;
+    ctx.log.signer = tokens.record_signer();
+    ctx.log.verifier = tokens.record_verifier();
+    ctx.jobs.controller_key = ctx.log.verifier.to_hex();
+    ctx.jobs.key_id = ctx.log.signer.key_id().to_string();
+    ctx.log.tokens = tokens;
     ctx
 }
 
@@ -953,7 +956,7 @@ async fn reconcile_refuses_a_record_the_retired_key_signed_after_the_switch() {
     let (old, handle) = mocked(dir.path()).await;
     let (_, seen) = reconcile_recorded(&old, handle, &run(), idle_job.clone()).await;
     let status = written_status(&seen);
-    let old_id = old.signer.key_id().to_string();
+    let old_id = old.log.signer.key_id().to_string();
     assert_eq!(
         status["status"]["log"]["signingKeys"],
         json!([{"key": old_id, "from": 0}])
@@ -968,16 +971,17 @@ async fn reconcile_refuses_a_record_the_retired_key_signed_after_the_switch() {
     let r = with_status(run(), &status);
     let (handle, seen) = reconcile_recorded(&new, handle, &r, idle_job.clone()).await;
     let status = written_status(&seen);
-    let len = new.store.head("uid-r1").await.unwrap().len;
+    let len = new.log.store.head("uid-r1").await.unwrap().len;
     assert_eq!(
         status["status"]["log"]["signingKeys"],
-        json!([{"key": old_id, "from": 0}, {"key": new.signer.key_id(), "from": len}])
+        json!([{"key": old_id, "from": 0}, {"key": new.log.signer.key_id(), "from": len}])
     );
     assert_ne!(status["status"]["phase"], "Failed", "{status}");
 
     // Mallory's RunFinished, signed with the retired key, after the switch.
-    let head = new.store.head("uid-r1").await.unwrap();
+    let head = new.log.store.head("uid-r1").await.unwrap();
     let forged = old
+        .log
         .signer
         .seal(
             "uid-r1",
@@ -989,15 +993,17 @@ async fn reconcile_refuses_a_record_the_retired_key_signed_after_the_switch() {
         )
         .unwrap();
     let lease = new
+        .log
         .store
         .acquire("uid-r1", "mallory", Duration::from_secs(10))
         .await
         .unwrap();
-    new.store
+    new.log
+        .store
         .append("uid-r1", lease.epoch, &forged)
         .await
         .unwrap();
-    new.store.release(&lease).await.unwrap();
+    new.log.store.release(&lease).await.unwrap();
     let r = with_status(r, &status);
     let (_, seen) = reconcile_recorded(&new, handle, &r, idle_job).await;
     let status = written_status(&seen);

@@ -29,7 +29,8 @@ pub fn check(t: &AgentTemplate) -> Option<String> {
             ));
         }
     }
-    if let Some(refused) = crate::controller::watchers::discovery::too_many(&t.tools, "spec.tools")
+    if let Some(refused) =
+        crate::controller::watchers::tool_discovery::too_many(&t.tools, "spec.tools")
     {
         return Some(refused);
     }

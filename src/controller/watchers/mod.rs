@@ -4,7 +4,6 @@
 //! reconcile), and the health of every watch (`/readyz`).
 
 pub mod agent_status;
-pub mod discovery;
-pub mod endpoint;
 pub mod health;
 pub mod platform;
+pub mod tool_discovery;

@@ -207,7 +207,7 @@ impl Platform {
                     crate::api::Provider::Anthropic => crate::model::ANTHROPIC_DEFAULT_ENDPOINT,
                 });
         if !allowed.endpoints.is_empty()
-            && let Err(why) = crate::controller::watchers::endpoint::normalize(endpoint)
+            && let Some(why) = crate::policy::endpoint::ambiguity(endpoint)
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, and the endpoint is ambiguous: {why}",
@@ -219,7 +219,7 @@ impl Platform {
             && !allowed
                 .endpoints
                 .iter()
-                .any(|p| crate::controller::watchers::endpoint::within(endpoint, p, &namespace))
+                .any(|p| crate::policy::endpoint::allows(endpoint, p, &namespace))
         {
             return Some(format!(
                 "spec.model.endpoint: Secret {:?} may only be sent to {:?}, not to {endpoint:?}",
@@ -695,12 +695,12 @@ mod tests {
                 "{lookalike} passed as the allowed endpoint"
             );
         }
-        assert!(crate::controller::watchers::endpoint::within(
+        assert!(crate::policy::endpoint::allows(
             "https://h/v1/chat",
             "https://h/v1",
             "shop"
         ));
-        assert!(!crate::controller::watchers::endpoint::within(
+        assert!(!crate::policy::endpoint::allows(
             "https://h/v10",
             "https://h/v1",
             "shop"

@@ -952,16 +952,16 @@ mod tests {
     use serde_json::Value;
 
     use super::super::*;
-    use crate::runlog::replay::Step;
+    use crate::replay::Entry;
     use crate::{api, model, tools};
 
-    fn fixture() -> Vec<Step> {
+    fn fixture() -> Vec<Entry> {
         let records: Vec<Value> =
             serde_json::from_str(include_str!("../testdata/format1.json")).unwrap();
         records
             .iter()
             .enumerate()
-            .map(|(i, r)| Step::decode(i as u64, r["kind"].as_str().unwrap(), &r["payload"]))
+            .map(|(i, r)| Entry::decode(i as u64, r["kind"].as_str().unwrap(), &r["payload"]))
             .collect::<Result<_, _>>()
             .unwrap()
     }
@@ -980,7 +980,7 @@ mod tests {
 
     #[test]
     fn a_full_agent_converts_to_the_api_type_and_back_losslessly() {
-        let Step::RunStarted(started) = &fixture()[0] else {
+        let Entry::RunStarted(started) = &fixture()[0] else {
             panic!("the fixture starts with a RunStarted")
         };
         let agent = api::AgentTemplate::from(started.agent.clone());
@@ -999,24 +999,26 @@ mod tests {
     fn every_stored_value_of_the_fixture_survives_a_round_trip() {
         for step in fixture() {
             match &step {
-                Step::RunStarted(s) => {
+                Entry::RunStarted(s) => {
                     both_ways::<AgentTemplate, api::AgentTemplate>(&s.agent);
                     s.tools
                         .iter()
                         .for_each(both_ways::<ToolDef, model::ToolDef>);
                     both_ways::<McpCatalog, tools::McpCatalog>(&s.mcp);
                 }
-                Step::VersionChanged(v) => {
+                Entry::VersionChanged(v) => {
                     both_ways::<AgentTemplate, api::AgentTemplate>(&v.agent);
                     v.tools
                         .iter()
                         .for_each(both_ways::<ToolDef, model::ToolDef>);
                     both_ways::<McpCatalog, tools::McpCatalog>(&v.mcp);
                 }
-                Step::ModelCall(m) => both_ways::<ModelResponse, model::ModelResponse>(&m.response),
-                Step::Summary(s) => both_ways::<ModelResponse, model::ModelResponse>(&s.response),
-                Step::ToolResult(r) => both_ways::<ToolOutcome, tools::ToolOutcome>(&r.outcome),
-                Step::ApprovalRequested(r) => {
+                Entry::ModelCall(m) => {
+                    both_ways::<ModelResponse, model::ModelResponse>(&m.response)
+                }
+                Entry::Summary(s) => both_ways::<ModelResponse, model::ModelResponse>(&s.response),
+                Entry::ToolResult(r) => both_ways::<ToolOutcome, tools::ToolOutcome>(&r.outcome),
+                Entry::ApprovalRequested(r) => {
                     r.observations
                         .iter()
                         .for_each(both_ways::<ObservedResult, api::ObservedResult>);
@@ -1031,7 +1033,7 @@ mod tests {
                         .iter()
                         .for_each(both_ways::<Dependency, api::Dependency>);
                 }
-                Step::ApprovalDecided(d) => {
+                Entry::ApprovalDecided(d) => {
                     for decision in &d.decisions {
                         both_ways::<Verdict, api::Verdict>(&decision.verdict);
                     }

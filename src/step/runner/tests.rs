@@ -49,7 +49,7 @@ fn model_calls_end_before_the_step_timeout() {
 /// The agent of the canned run: an OpenAI-style model and two HTTP tools
 /// at the stand-ins. `search` is read-only (repeating it is harmless);
 /// `refund` is neither idempotent nor read-only, and declares a lookup.
-fn run_started(base: &str) -> Step {
+fn run_started(base: &str) -> Entry {
     let agent: v1::AgentTemplate = serde_json::from_value(json!({
         "prompt": {"version": "v1", "system": "Refund what the order shows, no more."},
         "model": {"provider": "OpenAI", "name": "stand-in", "endpoint": format!("{base}/v1")},
@@ -60,7 +60,7 @@ fn run_started(base: &str) -> Step {
         ],
     }))
     .unwrap();
-    Step::RunStarted(RunStarted {
+    Entry::RunStarted(RunStarted {
         run_name: "r1".into(),
         namespace: "ns".into(),
         input: "Refund order A-7.".into(),
@@ -113,7 +113,7 @@ fn turns() -> Vec<Turn> {
 
 /// The canned history: a whole run as a worker records it, up to the
 /// `finish` call after which the controller appends `RunFinished`.
-fn history(base: &str) -> Vec<Step> {
+fn history(base: &str) -> Vec<Entry> {
     let mut log = vec![run_started(base)];
     for (text, calls) in turns() {
         let model_call_seq = log.len() as u64;
@@ -125,7 +125,7 @@ fn history(base: &str) -> Vec<Step> {
                 name: tool.to_string(),
                 arguments: args.clone(),
             });
-        log.push(Step::ModelCall(ModelCall {
+        log.push(Entry::ModelCall(ModelCall {
             response: v1::ModelResponse {
                 text: text.map(str::to_string),
                 tool_calls: tool_calls.collect(),
@@ -141,12 +141,12 @@ fn history(base: &str) -> Vec<Step> {
             attempts: None,
         }));
         for (index, (tool, arguments, result)) in calls.into_iter().enumerate() {
-            if tool == crate::runlog::replay::FINISH_TOOL {
+            if tool == crate::tools::FINISH_TOOL {
                 continue;
             }
             let intent_seq = log.len() as u64;
             let call_id = format!("call_{model_call_seq}_{index}");
-            log.push(Step::ToolIntent(ToolIntent {
+            log.push(Entry::ToolIntent(ToolIntent {
                 model_call_seq,
                 call_index: index,
                 call_id: call_id.clone(),
@@ -154,7 +154,7 @@ fn history(base: &str) -> Vec<Step> {
                 arguments,
                 key: idempotency_key(RUN, model_call_seq, index),
             }));
-            log.push(Step::ToolResult(ToolResult {
+            log.push(Entry::ToolResult(ToolResult {
                 intent_seq,
                 call_id,
                 tool: tool.into(),
@@ -169,7 +169,7 @@ fn history(base: &str) -> Vec<Step> {
 /// A step log holding `prefix`, as a worker that died after its last
 /// record left it. (Its lease is released: a dead worker's would expire,
 /// which the runner waits out, slowly.)
-async fn log_with(dir: &std::path::Path, prefix: &[Step]) -> Arc<dyn StepStore> {
+async fn log_with(dir: &std::path::Path, prefix: &[Entry]) -> Arc<dyn StepStore> {
     // The binaries install it at start; the runner's clients need one.
     crate::tools::ensure_crypto_provider();
     let url = format!("sqlite://{}", dir.join("log.db").display());
@@ -190,44 +190,44 @@ async fn log_with(dir: &std::path::Path, prefix: &[Step]) -> Arc<dyn StepStore> 
     store
 }
 
-async fn read_log(store: &dyn StepStore) -> Vec<Step> {
+async fn read_log(store: &dyn StepStore) -> Vec<Entry> {
     let records = store.read_verified(RUN, None).await.unwrap();
     let decoded = records
         .iter()
-        .map(|r| Step::decode(r.seq, r.kind.as_str(), &r.payload));
+        .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload));
     decoded.collect::<Result<_, _>>().unwrap()
 }
 
 /// A record without what depends on the worker that wrote it (its context
 /// estimate, the attempts it took, how it recovered a call): what any
 /// worker must record the same.
-fn essence(step: &Step) -> Step {
+fn essence(step: &Entry) -> Entry {
     let mut step = step.clone();
     match &mut step {
-        Step::ModelCall(m) => {
+        Entry::ModelCall(m) => {
             m.context = ContextInfo::default();
             m.attempts = None;
         }
-        Step::ToolResult(r) => r.recovery = None,
+        Entry::ToolResult(r) => r.recovery = None,
         _ => {}
     }
     step
 }
 
-fn model_calls(log: &[Step]) -> usize {
+fn model_calls(log: &[Entry]) -> usize {
     log.iter()
-        .filter(|s| matches!(s, Step::ModelCall(_)))
+        .filter(|s| matches!(s, Entry::ModelCall(_)))
         .count()
 }
 
 /// What a resumed worker must do about one recorded call: its POSTs, its
 /// lookups, and the recovery its result names.
 fn expected_call(
-    prefix: &[Step],
+    prefix: &[Entry],
     intent_seq: usize,
     took_effect: bool,
 ) -> (u32, u32, Option<Recovery>) {
-    let Some(Step::ToolIntent(intent)) = prefix.get(intent_seq) else {
+    let Some(Entry::ToolIntent(intent)) = prefix.get(intent_seq) else {
         // Not yet intended: this worker makes the call, once.
         return (1, 0, None);
     };
@@ -257,7 +257,7 @@ async fn resume_after_every_record(took_effect: bool) {
         // What the dead worker's calls did: those with a recorded result took
         // effect, and the one whose intent ends the log did if `took_effect`.
         let done = prefix.iter().enumerate().filter_map(|(seq, s)| match s {
-            Step::ToolIntent(i) if seq + 1 < n || took_effect => Some(i.key.clone()),
+            Entry::ToolIntent(i) if seq + 1 < n || took_effect => Some(i.key.clone()),
             _ => None,
         });
         standins.reset(done);
@@ -269,9 +269,9 @@ async fn resume_after_every_record(took_effect: bool) {
             .unwrap_or_else(|e| panic!("resumed after {n} records: {e:#}"));
 
         let log = read_log(&*store).await;
-        let kinds = |l: &[Step]| l.iter().map(Step::kind).collect::<Vec<_>>();
+        let kinds = |l: &[Entry]| l.iter().map(Entry::kind).collect::<Vec<_>>();
         assert_eq!(kinds(&log), kinds(&history), "resumed after {n} records");
-        let same: Vec<Step> = log.iter().map(essence).collect();
+        let same: Vec<Entry> = log.iter().map(essence).collect();
         assert_eq!(
             same,
             history.iter().map(essence).collect::<Vec<_>>(),
@@ -295,16 +295,16 @@ async fn resume_after_every_record(took_effect: bool) {
 
 /// Every call of the run, as the stand-in tools counted it after a resume.
 fn check_calls(
-    history: &[Step],
-    prefix: &[Step],
-    log: &[Step],
+    history: &[Entry],
+    prefix: &[Entry],
+    log: &[Entry],
     counts: &standins::Counts,
     took_effect: bool,
 ) {
     let n = prefix.len();
     let mut keys = HashMap::new();
     for (seq, step) in history.iter().enumerate() {
-        let Step::ToolIntent(intent) = step else {
+        let Entry::ToolIntent(intent) = step else {
             continue;
         };
         let (posts, lookups, recovery) = expected_call(prefix, seq, took_effect);
@@ -320,7 +320,7 @@ fn check_calls(
             lookups,
             "{at}: lookups"
         );
-        let Some(Step::ToolResult(result)) = log.get(seq + 1) else {
+        let Some(Entry::ToolResult(result)) = log.get(seq + 1) else {
             panic!("{at}: no result after the intent");
         };
         assert_eq!(result.recovery, recovery, "{at}: recovery");
@@ -365,7 +365,7 @@ async fn a_log_without_run_started_is_refused() {
 /// `gated` (pinned in `RunStarted` as the run's first rule), and the tools
 /// `refund_customer` at `refund` and `search` at `search`, and whose model
 /// proposed a search then a refund of 5000.
-fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Vec<Step> {
+fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Vec<Entry> {
     let agent: v1::AgentTemplate = serde_json::from_value(json!({
         "prompt": {"version": "v1", "system": "Refund what the order shows."},
         "model": {"provider": "OpenAI", "name": "stand-in", "endpoint": format!("{}/v1", standins.base)},
@@ -380,7 +380,7 @@ fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Ve
         }]}
     }))
     .unwrap();
-    let Step::RunStarted(mut started) = run_started(&standins.base) else {
+    let Entry::RunStarted(mut started) = run_started(&standins.base) else {
         unreachable!("run_started is a RunStarted")
     };
     started.agent = agent;
@@ -389,7 +389,7 @@ fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Ve
         name: name.into(),
         arguments,
     };
-    let proposal = Step::ModelCall(ModelCall {
+    let proposal = Entry::ModelCall(ModelCall {
         response: v1::ModelResponse {
             text: Some("Looking it up, then refunding 5000.".into()),
             tool_calls: vec![
@@ -408,13 +408,13 @@ fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Ve
         context: ContextInfo::default(),
         attempts: None,
     });
-    vec![Step::RunStarted(started), proposal]
+    vec![Entry::RunStarted(started), proposal]
 }
 
 /// Runs one step over `prefix`: the search is made (and reaches the
 /// stand-in, wherever its URL's host was pinned), and the refund must wait
 /// for the platform's Approval without reaching the tool.
-async fn assert_refund_held(standins: &Standins, prefix: &[Step], spelling: &str) {
+async fn assert_refund_held(standins: &Standins, prefix: &[Entry], spelling: &str) {
     standins.reset([]);
     let dir = tempfile::tempdir().unwrap();
     let store = log_with(dir.path(), prefix).await;
@@ -423,9 +423,9 @@ async fn assert_refund_held(standins: &Standins, prefix: &[Step], spelling: &str
         .expect("the step ends")
         .unwrap_or_else(|e| panic!("{spelling}: {e:#}"));
     let log = read_log(&*store).await;
-    let kinds: Vec<&str> = log.iter().map(Step::kind).collect();
+    let kinds: Vec<&str> = log.iter().map(Entry::kind).collect();
     match log.last() {
-        Some(Step::ApprovalRequested(r)) => {
+        Some(Entry::ApprovalRequested(r)) => {
             assert_eq!(r.gate.rule, "AgentPolicy/finance/refunds", "{spelling}");
             assert_eq!(r.tool, "refund_customer", "{spelling}");
         }
@@ -571,8 +571,8 @@ async fn the_runner_refuses_a_record_the_retired_key_signed_after_the_switch() {
 /// `refund` declared idempotent: both `search` (read-only) and `refund`
 /// would be made again, with their key, when found intended without a
 /// result.
-fn gated_run_started(base: &str, tool: &str) -> Step {
-    let Step::RunStarted(mut started) = run_started(base) else {
+fn gated_run_started(base: &str, tool: &str) -> Entry {
+    let Entry::RunStarted(mut started) = run_started(base) else {
         unreachable!()
     };
     started.agent.tools[1].http.as_mut().unwrap().idempotent = true;
@@ -582,17 +582,17 @@ fn gated_run_started(base: &str, tool: &str) -> Step {
             "approvers": {"users": ["alice"]}}]}))
         .unwrap(),
     );
-    Step::RunStarted(started)
+    Entry::RunStarted(started)
 }
 
 /// A log where the model proposed `tool` with an amount of 25 (record 1)
 /// and an intent to make it follows: with `decided`, after the request and
 /// the controller's approval of exactly that call; without, straight away
 /// (what the holder of the run's step credential can append).
-fn intended(base: &str, tool: &str, decided: bool) -> Vec<Step> {
+fn intended(base: &str, tool: &str, decided: bool) -> Vec<Entry> {
     let args = json!({"order": "A-7", "amount": 25});
     let mut log = vec![gated_run_started(base, tool)];
-    log.push(Step::ModelCall(ModelCall {
+    log.push(Entry::ModelCall(ModelCall {
         response: v1::ModelResponse {
             text: Some("Refunding A-7.".into()),
             tool_calls: vec![v1::ToolCall {
@@ -615,7 +615,7 @@ fn intended(base: &str, tool: &str, decided: bool) -> Vec<Step> {
         else {
             panic!("{tool} is gated")
         };
-        log.push(Step::ApprovalRequested(ApprovalRequested {
+        log.push(Entry::ApprovalRequested(ApprovalRequested {
             model_call_seq: 1,
             call_index: 0,
             call_id: "call_1_0".into(),
@@ -631,7 +631,7 @@ fn intended(base: &str, tool: &str, decided: bool) -> Vec<Step> {
             kind: Default::default(),
             intent_seq: None,
         }));
-        log.push(Step::ApprovalDecided(
+        log.push(Entry::ApprovalDecided(
             crate::runlog::records::ApprovalDecided {
                 request_seq: 2,
                 approval: "a".into(),
@@ -643,7 +643,7 @@ fn intended(base: &str, tool: &str, decided: bool) -> Vec<Step> {
             },
         ));
     }
-    log.push(Step::ToolIntent(ToolIntent {
+    log.push(Entry::ToolIntent(ToolIntent {
         model_call_seq: 1,
         call_index: 0,
         call_id: "call_1_0".into(),
@@ -667,7 +667,7 @@ async fn an_intent_for_a_gated_call_with_no_approval_in_the_log_is_not_executed(
             let prefix = intended(&standins.base, tool, decided);
             let mut history = prefix.clone();
             let intent_seq = prefix.len() as u64 - 1;
-            history.push(Step::ToolResult(ToolResult {
+            history.push(Entry::ToolResult(ToolResult {
                 intent_seq,
                 call_id: "call_1_0".into(),
                 tool: tool.into(),
@@ -688,7 +688,7 @@ async fn an_intent_for_a_gated_call_with_no_approval_in_the_log_is_not_executed(
             let log = read_log(&*store).await;
             if decided {
                 assert_eq!(posts, 1, "{tool}: the approved call is made");
-                assert!(matches!(log.get(prefix.len()), Some(Step::ToolResult(_))));
+                assert!(matches!(log.get(prefix.len()), Some(Entry::ToolResult(_))));
                 continue;
             }
             assert_eq!(posts, 0, "{tool}: the unapproved call was made");

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentrun::api::runlog::{LOG_GROUP, LOG_VERSION, RUNLOGS, RunLog, WatchEvent};
+use agentrun::replay::Entry;
 use agentrun::runlog::records::Observation;
-use agentrun::runlog::replay::Step;
 use agentrun::store::{Head, Record, RecordDraft, StepKind, StepStore};
 use futures::{AsyncBufReadExt as _, Stream, StreamExt as _};
 use k8s_openapi::api::core::v1::Service;
@@ -781,7 +781,7 @@ pub async fn append_observations_of(uid: &str, n: u64, bytes: usize) {
         stop: None,
         attempts: None,
     };
-    append_as_step_pod(uid, (0..n).map(|i| Step::Observation(text(i)))).await
+    append_as_step_pod(uid, (0..n).map(|i| Entry::Observation(text(i)))).await
 }
 
 /// Appends `n` steps of the largest records a run may have: a model call
@@ -791,7 +791,7 @@ pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
     use agentrun::runlog::records::ModelCall;
     use agentrun::runlog::v1::{ModelResponse, TokenUsage};
     let steps = (0..n).flat_map(|i| {
-        let call = Step::ModelCall(ModelCall {
+        let call = Entry::ModelCall(ModelCall {
             response: ModelResponse {
                 text: Some(format!("step {i}")),
                 tool_calls: vec![],
@@ -803,7 +803,7 @@ pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
             context: Default::default(),
             attempts: None,
         });
-        let answer = Step::Observation(Observation {
+        let answer = Entry::Observation(Observation {
             text: format!("{i}{}", "x".repeat(bytes)),
             about_seq: None,
             stop: None,
@@ -816,7 +816,7 @@ pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
 
 /// Appends `steps` to run `uid` in the e2e store, under a lease, as a step
 /// pod would.
-async fn append_as_step_pod(uid: &str, steps: impl Iterator<Item = Step>) {
+async fn append_as_step_pod(uid: &str, steps: impl Iterator<Item = Entry>) {
     let store: Arc<dyn StepStore> = agentrun::store::open(&super::store::e2e_store_url().await)
         .await
         .expect("opening the e2e store");

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Phase};
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
@@ -273,7 +273,7 @@ impl World {
 
     /// The run's log, decoded, after checking its hash chain ends at the
     /// head hash recorded in the run's status.
-    pub async fn log(&self, run: &AgentRun) -> Vec<(agentrun::store::Record, Step)> {
+    pub async fn log(&self, run: &AgentRun) -> Vec<(agentrun::store::Record, Entry)> {
         let store = self.store().await;
         let uid = run.metadata.uid.clone().unwrap();
         let status_log = run
@@ -293,14 +293,14 @@ impl World {
             .unwrap()
             .into_iter()
             .map(|r| {
-                let step = Step::decode(r.seq, r.kind.as_str(), &r.payload).expect("decodes");
+                let step = Entry::decode(r.seq, r.kind.as_str(), &r.payload).expect("decodes");
                 (r, step)
             })
             .collect()
     }
 }
 
-pub fn kinds(log: &[(agentrun::store::Record, Step)]) -> Vec<&'static str> {
+pub fn kinds(log: &[(agentrun::store::Record, Entry)]) -> Vec<&'static str> {
     log.iter().map(|(_, s)| s.kind()).collect()
 }
 

@@ -7,8 +7,8 @@
 //! the run's log still verifies against its status.
 
 use agentrun::api::{AgentRun, Approval, ApprovalState, Phase};
+use agentrun::replay::Entry;
 use agentrun::runlog::records::{Outcome, Verdict};
-use agentrun::runlog::replay::Step;
 use k8s_openapi::api::core::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -69,7 +69,7 @@ async fn refunds(w: &World) -> Vec<Value> {
 }
 
 /// The decoded log of a finished run (its chain verified against its status).
-async fn verified_log(w: &World, run: &str) -> Vec<Step> {
+async fn verified_log(w: &World, run: &str) -> Vec<Entry> {
     let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
     let run = runs.get(run).await.expect("the run");
     w.log(&run).await.into_iter().map(|(_, s)| s).collect()
@@ -174,7 +174,7 @@ async fn an_orphaned_approval_never_decides_a_run_recreated_under_its_name() {
     let decided: Vec<_> = log
         .iter()
         .filter_map(|s| match s {
-            Step::ApprovalDecided(d) => Some(d.clone()),
+            Entry::ApprovalDecided(d) => Some(d.clone()),
             _ => None,
         })
         .collect();
@@ -320,7 +320,7 @@ async fn a_forged_approval_is_never_acted_on() {
     w.wait_phase("victim", Phase::Cancelled).await;
     let log = verified_log(&w, "victim").await;
     assert!(
-        !log.iter().any(|s| matches!(s, Step::ApprovalDecided(_))),
+        !log.iter().any(|s| matches!(s, Entry::ApprovalDecided(_))),
         "no decision was recorded"
     );
     assert!(refunds(&w).await.is_empty());
@@ -377,7 +377,7 @@ async fn an_edit_needs_the_full_quorum_for_the_edited_arguments() {
     let decided = log
         .iter()
         .find_map(|s| match s {
-            Step::ApprovalDecided(d) => Some(d.clone()),
+            Entry::ApprovalDecided(d) => Some(d.clone()),
             _ => None,
         })
         .expect("a decision");
@@ -436,7 +436,7 @@ async fn a_gated_alternative_never_runs_on_expiry() {
     let decided = log
         .iter()
         .find_map(|s| match s {
-            Step::ApprovalDecided(d) => Some(d.clone()),
+            Entry::ApprovalDecided(d) => Some(d.clone()),
             _ => None,
         })
         .expect("the expiry is recorded");
@@ -444,7 +444,7 @@ async fn a_gated_alternative_never_runs_on_expiry() {
         (decided.verdict, decided.arguments),
         (Verdict::Expired, None)
     );
-    assert!(!log.iter().any(|s| matches!(s, Step::ToolIntent(_))));
+    assert!(!log.iter().any(|s| matches!(s, Entry::ToolIntent(_))));
     let told = w
         .standins
         .model_requests("alt")
@@ -521,16 +521,16 @@ async fn an_expired_reconcile_approval_never_counts_as_did_not_happen() {
     assert_eq!(pages, 1, "the page was not sent again");
     let log = verified_log(&w, "rec").await;
     match log.last() {
-        Some(Step::RunFinished(f)) => assert_eq!(f.outcome, Outcome::NeedsHuman),
+        Some(Entry::RunFinished(f)) => assert_eq!(f.outcome, Outcome::NeedsHuman),
         other => panic!("{other:?}"),
     }
     assert_eq!(
         log.iter()
-            .filter(|s| matches!(s, Step::ToolIntent(_)))
+            .filter(|s| matches!(s, Entry::ToolIntent(_)))
             .count(),
         1
     );
-    assert!(!log.iter().any(|s| matches!(s, Step::ToolResult(_))));
+    assert!(!log.iter().any(|s| matches!(s, Entry::ToolResult(_))));
 }
 
 #[tokio::test]
@@ -606,7 +606,7 @@ async fn approvals_cannot_be_deleted_or_rewired_and_come_back_with_their_expiry(
     let log = verified_log(&w, "del").await;
     assert_eq!(
         log.iter()
-            .filter(|s| matches!(s, Step::ApprovalRequested(_)))
+            .filter(|s| matches!(s, Entry::ApprovalRequested(_)))
             .count(),
         1,
         "raising it again added no request"
@@ -677,13 +677,13 @@ async fn no_decision_is_taken_once_the_controller_marked_the_approval_expired() 
     let log = verified_log(&w, "late").await;
     assert!(
         log.iter()
-            .any(|s| matches!(s, Step::ApprovalDecided(d) if d.verdict == Verdict::Expired))
+            .any(|s| matches!(s, Entry::ApprovalDecided(d) if d.verdict == Verdict::Expired))
     );
 }
 
 /// Appends `step` to the run's log as whoever holds the run's store
 /// credential could (a step pod, or a namespace user who read it).
-async fn append_as_the_step_pod(uid: &str, step: Step) {
+async fn append_as_the_step_pod(uid: &str, step: Entry) {
     use agentrun::store::{RecordDraft, StepKind};
     let store = agentrun::store::open(&common::store::e2e_store_url().await)
         .await
@@ -729,19 +729,19 @@ async fn a_request_whose_gate_the_pinned_policy_does_not_give_stops_the_run() {
     let uid = runs.get("gate").await.unwrap().metadata.uid.unwrap();
 
     // The same call asked again, with a gate carol alone may pass.
-    let mut weaker = match Step::decode(
+    let mut weaker = match Entry::decode(
         honest.spec.step,
         "ApprovalRequested",
         &verified_log(&w, "gate").await[honest.spec.step as usize].payload(),
     )
     .unwrap()
     {
-        Step::ApprovalRequested(r) => r,
+        Entry::ApprovalRequested(r) => r,
         other => panic!("{other:?}"),
     };
     weaker.gate.required_approvals = 1;
     weaker.gate.approvers = serde_json::from_value(json!({"users": ["carol"]})).unwrap();
-    append_as_the_step_pod(&uid, Step::ApprovalRequested(weaker)).await;
+    append_as_the_step_pod(&uid, Entry::ApprovalRequested(weaker)).await;
     // A waiting run is looked at again at its expiry or on any change: make one now.
     runs.patch(
         "gate",
@@ -817,11 +817,11 @@ async fn a_gated_call_too_large_for_an_approval_ends_the_run_once_naming_its_siz
     let log = verified_log(&w, "huge").await;
     let finished: Vec<_> = log
         .iter()
-        .filter(|s| matches!(s, Step::RunFinished(_)))
+        .filter(|s| matches!(s, Entry::RunFinished(_)))
         .collect();
     assert_eq!(finished.len(), 1, "the run ended once: {finished:?}");
     let proposed = log.iter().find_map(|s| match s {
-        Step::ModelCall(c) => c.response.tool_calls.first().map(|t| t.arguments.clone()),
+        Entry::ModelCall(c) => c.response.tool_calls.first().map(|t| t.arguments.clone()),
         _ => None,
     });
     assert_eq!(
@@ -855,7 +855,7 @@ async fn waiting_asking_run(
     let runs: Api<AgentRun> = Api::namespaced(w.client.clone(), w.name());
     let uid = runs.get(name).await.unwrap().metadata.uid.unwrap();
     let pinned = match &verified_log(w, name).await[0] {
-        Step::RunStarted(s) => s.agent.clone().into(),
+        Entry::RunStarted(s) => s.agent.clone().into(),
         other => panic!("{other:?}"),
     };
     (uid, pinned, honest)
@@ -884,7 +884,7 @@ async fn an_intent_for_a_gated_call_with_no_decision_is_never_made() {
     let (uid, _, honest) = waiting_asking_run(&w, "intent").await;
     append_as_the_step_pod(
         &uid,
-        Step::ToolIntent(ToolIntent {
+        Entry::ToolIntent(ToolIntent {
             model_call_seq: 1,
             call_index: 0,
             call_id: String::new(),

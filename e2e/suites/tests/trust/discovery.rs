@@ -322,7 +322,7 @@ async fn a_followed_agent_that_gains_a_hanging_tool_waits_until_it_is_fixed() {
 #[tokio::test]
 async fn too_many_mcp_servers_are_refused_naming_the_field() {
     let w = World::new("mcp-count", &[]).await;
-    let n = agentrun::controller::watchers::discovery::MAX_MCP_SERVERS + 1;
+    let n = agentrun::controller::watchers::tool_discovery::MAX_MCP_SERVERS + 1;
     let servers: Vec<_> = (0..n)
         .map(|i| {
             (

@@ -9,8 +9,8 @@
 //! called again with the same key after a crash instead of stopping the run.
 
 use agentrun::api::{AgentPolicy, Phase};
+use agentrun::replay::Entry;
 use agentrun::runlog::records::Recovery;
-use agentrun::runlog::replay::Step;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
@@ -326,7 +326,7 @@ async fn an_idempotent_mcp_call_cut_by_a_crash_is_made_again_with_the_same_key()
         "one ticket: {seen}"
     );
     let recovery = w.log(&run).await.into_iter().find_map(|(_, s)| match s {
-        Step::ToolResult(r) => r.recovery,
+        Entry::ToolResult(r) => r.recovery,
         _ => None,
     });
     assert_eq!(recovery, Some(Recovery::RetriedWithSameKey));

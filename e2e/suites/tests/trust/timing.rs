@@ -6,8 +6,8 @@
 //! and as a namespace admin with every verb on Approvals and runs.
 
 use agentrun::api::{AgentRun, Approval, Phase};
+use agentrun::replay::Entry;
 use agentrun::runlog::records::Verdict;
-use agentrun::runlog::replay::Step;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
@@ -110,7 +110,7 @@ async fn a_late_decision_cannot_be_back_dated_through_managed_fields() {
     let log = w.log(&runs.get("backdate").await.unwrap()).await;
     assert!(
         log.iter()
-            .any(|(_, s)| matches!(s, Step::ApprovalDecided(d) if d.verdict == Verdict::Expired)),
+            .any(|(_, s)| matches!(s, Entry::ApprovalDecided(d) if d.verdict == Verdict::Expired)),
         "{:?}",
         super::common::world::kinds(&log)
     );

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use agentrun::api::{AgentRun, Approval, Phase};
-use agentrun::runlog::replay::Step;
+use agentrun::replay::Entry;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -263,11 +263,11 @@ async fn a_waiting_run_continues_on_the_approval_an_earlier_release_raised() {
         decided.status.and_then(|s| s.state),
         Some(agentrun::api::ApprovalState::Approved)
     );
-    let log: Vec<Step> = w.log(&done).await.into_iter().map(|(_, s)| s).collect();
+    let log: Vec<Entry> = w.log(&done).await.into_iter().map(|(_, s)| s).collect();
     let decisions: Vec<&str> = log
         .iter()
         .filter_map(|s| match s {
-            Step::ApprovalDecided(d) => Some(d.approval.as_str()),
+            Entry::ApprovalDecided(d) => Some(d.approval.as_str()),
             _ => None,
         })
         .collect();

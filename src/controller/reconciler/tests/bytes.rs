@@ -80,5 +80,5 @@ async fn a_log_too_large_to_hold_is_resumed_at_its_checkpoint_not_read_whole_at_
             "a reconcile read {read} bytes of a log of {whole}"
         );
     }
-    assert_eq!(ctx.store.head(UID).await.unwrap().len, 6);
+    assert_eq!(ctx.log.store.head(UID).await.unwrap().len, 6);
 }

@@ -17,8 +17,8 @@ use super::{
 };
 use crate::api::AgentRun;
 use crate::controller::context::Context;
+use crate::replay::{Entry, RunState};
 use crate::runlog::records::{ModelCall, Observation};
-use crate::runlog::replay::{RunState, Step};
 use crate::runlog::v1::{ModelResponse, TokenUsage, ToolCall};
 
 pub(super) const UID: &str = "uid-r1";
@@ -49,22 +49,22 @@ async fn receive_status(handle: &mut Handle) -> (Value, impl FnOnce(&AgentRun)) 
 
 /// The kinds of the run's log records, in order.
 pub(super) async fn kinds(ctx: &Context) -> Vec<String> {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     log.iter().map(|r| r.kind.as_str().to_string()).collect()
 }
 
 /// The payload of the log's last record.
 pub(super) async fn last_payload(ctx: &Context) -> Value {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     log.last().expect("a record").payload.clone()
 }
 
 /// The run's log replayed, as the controller would see it.
 pub(super) async fn replayed(ctx: &Context) -> RunState {
-    let log = ctx.store.read_all(UID).await.unwrap();
+    let log = ctx.log.store.read_all(UID).await.unwrap();
     RunState::replay(
         log.iter()
-            .map(|r| Step::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+            .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
             .collect(),
     )
 }
@@ -88,10 +88,15 @@ pub(super) fn complete() -> Value {
 /// What a step pod does: takes the run's lease for `ttl`, appends `steps`
 /// (unsigned, as a runner's records are) and, if `release`, gives the run
 /// back. Returns the epoch it held.
-pub(super) async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, release: bool) -> u64 {
+pub(super) async fn step_pod(
+    ctx: &Context,
+    steps: Vec<Entry>,
+    ttl: Duration,
+    release: bool,
+) -> u64 {
     let lease = step_pod_holding(ctx, steps, ttl).await;
     if release {
-        ctx.store.release(&lease).await.unwrap();
+        ctx.log.store.release(&lease).await.unwrap();
     }
     lease.epoch
 }
@@ -99,17 +104,18 @@ pub(super) async fn step_pod(ctx: &Context, steps: Vec<Step>, ttl: Duration, rel
 /// A step pod that appends `steps` and still holds the run: its lease.
 pub(super) async fn step_pod_holding(
     ctx: &Context,
-    steps: Vec<Step>,
+    steps: Vec<Entry>,
     ttl: Duration,
 ) -> crate::store::Lease {
     use crate::store::RecordDraft;
-    let lease = ctx.store.acquire(UID, "r1-pod", ttl).await.unwrap();
-    let mut head = ctx.store.head(UID).await.unwrap();
+    let lease = ctx.log.store.acquire(UID, "r1-pod", ttl).await.unwrap();
+    let mut head = ctx.log.store.head(UID).await.unwrap();
     for step in steps {
         let record = RecordDraft::new(step.store_kind(), step.payload())
             .seal(&head)
             .unwrap();
         head = ctx
+            .log
             .store
             .append(UID, lease.epoch, &record)
             .await
@@ -122,12 +128,12 @@ pub(super) async fn step_pod_holding(
 /// Whether the worker that held the lease at `epoch` is fenced: the lease
 /// was taken since, so that worker can neither renew nor append.
 async fn fenced(ctx: &Context, epoch: u64) -> bool {
-    let lease = ctx.store.lease(UID).await.unwrap().expect("leased");
+    let lease = ctx.log.store.lease(UID).await.unwrap().expect("leased");
     lease.epoch > epoch
 }
 
-pub(super) fn observation(text: &str) -> Step {
-    Step::Observation(Observation {
+pub(super) fn observation(text: &str) -> Entry {
+    Entry::Observation(Observation {
         text: text.into(),
         about_seq: None,
         stop: None,
@@ -135,8 +141,8 @@ pub(super) fn observation(text: &str) -> Step {
     })
 }
 
-pub(super) fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Step {
-    Step::ModelCall(ModelCall {
+pub(super) fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Entry {
+    Entry::ModelCall(ModelCall {
         response: ModelResponse {
             text: text.map(Into::into),
             tool_calls: calls,
@@ -304,14 +310,14 @@ pub(super) fn approval_request(
     request_seq: u64,
     model_call_seq: u64,
     arguments: Value,
-) -> Step {
+) -> Entry {
     use crate::controller::approvals::pinned_gate::classify_at;
     let crate::policy::Classification::RequireApproval(gate) =
         classify_at(log, request_seq, "issue_refund", &arguments)
     else {
         panic!("the pinned policy gates the refund")
     };
-    Step::ApprovalRequested(crate::runlog::records::ApprovalRequested {
+    Entry::ApprovalRequested(crate::runlog::records::ApprovalRequested {
         model_call_seq,
         call_index: 0,
         call_id: "c0".into(),
@@ -332,7 +338,7 @@ pub(super) fn approval_request(
 /// Step 1's first pod: the model proposes a refund of 500 (record 1) and
 /// the pod gives the run back. The approval request the step's next pod
 /// appends (record 2), and the arguments.
-pub(super) async fn refund_proposed(ctx: &Context) -> (Step, Value) {
+pub(super) async fn refund_proposed(ctx: &Context) -> (Entry, Value) {
     let args = json!({"amount": 500});
     let call = ToolCall {
         id: "c0".into(),
@@ -526,7 +532,7 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
 
     // The worker gives the run back and its Job completes: the run lets go
     // of the Job without reading its log again (it kept it for this).
-    ctx.store.release(&lease).await.unwrap();
+    ctx.log.store.release(&lease).await.unwrap();
     let read_before = ctx.metrics.store_read_records.get();
     let mut pending = raised.clone();
     pending["status"] = json!({"state": "Pending"});
@@ -559,11 +565,12 @@ async fn a_waiting_run_lets_go_of_its_job_when_its_worker_ends_without_reading_i
 
 /// A running step whose pod took the lease for a moment and never renewed
 /// it (or was killed): returns the epoch it held, lapsed now.
-async fn lapsed_pod(ctx: &Context, steps: Vec<Step>) -> u64 {
+async fn lapsed_pod(ctx: &Context, steps: Vec<Entry>) -> u64 {
     // Appends under a lease long enough for a loaded machine, then lets it
     // lapse at once (a short lease could lapse mid-append: CI saw that).
     let lease = step_pod_holding(ctx, steps, Duration::from_secs(30)).await;
-    ctx.store
+    ctx.log
+        .store
         .renew(&lease, Duration::from_millis(1))
         .await
         .unwrap();
@@ -588,7 +595,7 @@ async fn a_lost_worker_is_fenced_its_job_deleted_and_its_step_retried() {
         handle
     })
     .await;
-    let lease = ctx.store.lease(UID).await.unwrap().unwrap();
+    let lease = ctx.log.store.lease(UID).await.unwrap().unwrap();
     assert_eq!(lease.epoch, epoch, "the worker is not fenced yet");
 
     // Free for LOST_AFTER: the worker is fenced, then its Job deleted.
@@ -769,7 +776,7 @@ async fn mocked_with_job_cache(
     let (jobs, mut writer) = reflector::store();
     writer.apply_watcher_event(&Event::Init);
     writer.apply_watcher_event(&Event::InitDone);
-    ctx.job_cache = Some(jobs);
+    ctx.caches.jobs = Some(jobs);
     (Arc::new(ctx), handle, writer)
 }
 
@@ -804,7 +811,7 @@ async fn a_running_steps_progress_is_written_at_most_every_few_seconds() {
         (handle, status)
     })
     .await;
-    let head = ctx.store.head(UID).await.unwrap();
+    let head = ctx.log.store.head(UID).await.unwrap();
     let s = &status["status"];
     assert_eq!(
         (&s["phase"], &s["step"]["job"], &s["log"]["length"]),

@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
-use crate::runlog::replay::Step;
+use crate::replay::Entry;
 use crate::runlog::v1;
 
 /// What the stand-ins were asked since the last [`Standins::reset`].
@@ -77,15 +77,15 @@ impl Standins {
     }
 
     /// Scripts the answers from `history`: its model calls and tool results.
-    pub fn script(&self, history: &[Step]) {
+    pub fn script(&self, history: &[Entry]) {
         let mut script = self.shared.lock().unwrap();
         let mut results = 0;
         for (seq, step) in history.iter().enumerate() {
             match step {
-                Step::ModelCall(m) => script.answers.push((m.response.clone(), results)),
-                Step::ToolResult(r) => {
+                Entry::ModelCall(m) => script.answers.push((m.response.clone(), results)),
+                Entry::ToolResult(r) => {
                     results += 1;
-                    let Some(Step::ToolIntent(intent)) = history.get(r.intent_seq as usize) else {
+                    let Some(Entry::ToolIntent(intent)) = history.get(r.intent_seq as usize) else {
                         panic!("result {seq} answers no intent");
                     };
                     let v1::ToolOutcome::Ok(result) = &r.outcome else {

@@ -5,17 +5,18 @@
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use super::budget::{self, Answer, BudgetQuestions};
-use super::records::*;
 use crate::api::Budgets;
 use crate::model::ToolCall;
+use crate::runlog::budget::{self, Answer, BudgetQuestions};
+use crate::runlog::records::*;
+use crate::tools::FINISH_TOOL;
 
-/// Name of the built-in tool that ends the run with its `result`.
-pub const FINISH_TOOL: &str = "finish";
+#[cfg(test)]
+mod fuzz;
 
 /// One decoded record.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Step {
+pub enum Entry {
     RunStarted(RunStarted),
     ModelCall(ModelCall),
     ToolIntent(ToolIntent),
@@ -39,9 +40,9 @@ pub struct DecodeError {
     pub reason: String,
 }
 
-impl Step {
+impl Entry {
     /// Decodes a record's payload by its kind name.
-    pub fn decode(seq: u64, kind: &str, payload: &Value) -> Result<Step, DecodeError> {
+    pub fn decode(seq: u64, kind: &str, payload: &Value) -> Result<Entry, DecodeError> {
         fn de<T: DeserializeOwned>(seq: u64, kind: &str, v: &Value) -> Result<T, DecodeError> {
             T::deserialize(v).map_err(|e| DecodeError {
                 seq,
@@ -50,17 +51,17 @@ impl Step {
             })
         }
         Ok(match kind {
-            "RunStarted" => Step::RunStarted(de(seq, kind, payload)?),
-            "ModelCall" => Step::ModelCall(de(seq, kind, payload)?),
-            "ToolIntent" => Step::ToolIntent(de(seq, kind, payload)?),
-            "ToolResult" => Step::ToolResult(de(seq, kind, payload)?),
-            "ApprovalRequested" => Step::ApprovalRequested(de(seq, kind, payload)?),
-            "ApprovalDecided" => Step::ApprovalDecided(de(seq, kind, payload)?),
-            "ApprovalVoided" => Step::ApprovalVoided(de(seq, kind, payload)?),
-            "Observation" => Step::Observation(de(seq, kind, payload)?),
-            "Summary" => Step::Summary(de(seq, kind, payload)?),
-            "VersionChanged" => Step::VersionChanged(de(seq, kind, payload)?),
-            "RunFinished" => Step::RunFinished(de(seq, kind, payload)?),
+            "RunStarted" => Entry::RunStarted(de(seq, kind, payload)?),
+            "ModelCall" => Entry::ModelCall(de(seq, kind, payload)?),
+            "ToolIntent" => Entry::ToolIntent(de(seq, kind, payload)?),
+            "ToolResult" => Entry::ToolResult(de(seq, kind, payload)?),
+            "ApprovalRequested" => Entry::ApprovalRequested(de(seq, kind, payload)?),
+            "ApprovalDecided" => Entry::ApprovalDecided(de(seq, kind, payload)?),
+            "ApprovalVoided" => Entry::ApprovalVoided(de(seq, kind, payload)?),
+            "Observation" => Entry::Observation(de(seq, kind, payload)?),
+            "Summary" => Entry::Summary(de(seq, kind, payload)?),
+            "VersionChanged" => Entry::VersionChanged(de(seq, kind, payload)?),
+            "RunFinished" => Entry::RunFinished(de(seq, kind, payload)?),
             other => {
                 return Err(DecodeError {
                     seq,
@@ -74,17 +75,17 @@ impl Step {
     /// The record kind name, as the store keeps it.
     pub fn kind(&self) -> &'static str {
         match self {
-            Step::RunStarted(_) => "RunStarted",
-            Step::ModelCall(_) => "ModelCall",
-            Step::ToolIntent(_) => "ToolIntent",
-            Step::ToolResult(_) => "ToolResult",
-            Step::ApprovalRequested(_) => "ApprovalRequested",
-            Step::ApprovalDecided(_) => "ApprovalDecided",
-            Step::ApprovalVoided(_) => "ApprovalVoided",
-            Step::Observation(_) => "Observation",
-            Step::Summary(_) => "Summary",
-            Step::VersionChanged(_) => "VersionChanged",
-            Step::RunFinished(_) => "RunFinished",
+            Entry::RunStarted(_) => "RunStarted",
+            Entry::ModelCall(_) => "ModelCall",
+            Entry::ToolIntent(_) => "ToolIntent",
+            Entry::ToolResult(_) => "ToolResult",
+            Entry::ApprovalRequested(_) => "ApprovalRequested",
+            Entry::ApprovalDecided(_) => "ApprovalDecided",
+            Entry::ApprovalVoided(_) => "ApprovalVoided",
+            Entry::Observation(_) => "Observation",
+            Entry::Summary(_) => "Summary",
+            Entry::VersionChanged(_) => "VersionChanged",
+            Entry::RunFinished(_) => "RunFinished",
         }
     }
 
@@ -94,23 +95,23 @@ impl Step {
         crate::store::StepKind::ALL
             .into_iter()
             .find(|k| k.as_str() == name)
-            .expect("every Step kind is a StepKind")
+            .expect("every Entry kind is a StepKind")
     }
 
     /// The payload as JSON.
     pub fn payload(&self) -> Value {
         let v = match self {
-            Step::RunStarted(p) => serde_json::to_value(p),
-            Step::ModelCall(p) => serde_json::to_value(p),
-            Step::ToolIntent(p) => serde_json::to_value(p),
-            Step::ToolResult(p) => serde_json::to_value(p),
-            Step::ApprovalRequested(p) => serde_json::to_value(p),
-            Step::ApprovalDecided(p) => serde_json::to_value(p),
-            Step::ApprovalVoided(p) => serde_json::to_value(p),
-            Step::Observation(p) => serde_json::to_value(p),
-            Step::Summary(p) => serde_json::to_value(p),
-            Step::VersionChanged(p) => serde_json::to_value(p),
-            Step::RunFinished(p) => serde_json::to_value(p),
+            Entry::RunStarted(p) => serde_json::to_value(p),
+            Entry::ModelCall(p) => serde_json::to_value(p),
+            Entry::ToolIntent(p) => serde_json::to_value(p),
+            Entry::ToolResult(p) => serde_json::to_value(p),
+            Entry::ApprovalRequested(p) => serde_json::to_value(p),
+            Entry::ApprovalDecided(p) => serde_json::to_value(p),
+            Entry::ApprovalVoided(p) => serde_json::to_value(p),
+            Entry::Observation(p) => serde_json::to_value(p),
+            Entry::Summary(p) => serde_json::to_value(p),
+            Entry::VersionChanged(p) => serde_json::to_value(p),
+            Entry::RunFinished(p) => serde_json::to_value(p),
         };
         v.expect("record payloads are plain data and always serialize")
     }
@@ -129,7 +130,7 @@ impl Spent {
     /// (a model's own report): sums saturate rather than overflow, and a
     /// negative cost counts as none, so the total never goes down (nor
     /// becomes NaN, which no budget would stop).
-    fn add(&mut self, usage: &super::v1::TokenUsage, cost: f64) {
+    fn add(&mut self, usage: &crate::runlog::v1::TokenUsage, cost: f64) {
         self.input_tokens = self.input_tokens.saturating_add(usage.input_tokens);
         self.output_tokens = self.output_tokens.saturating_add(usage.output_tokens);
         self.cost_usd += cost.max(0.0);
@@ -157,7 +158,7 @@ pub struct RunState {
     /// fields below and let go ([`RunState::compact`]); 0 for a whole log.
     base: u64,
     /// The records from `base` on, in order; `steps[i]` has seq `base + i`.
-    steps: Vec<Step>,
+    steps: Vec<Entry>,
     pub snapshot: Option<Snapshot>,
     pub spent: Spent,
     pub finished: Option<RunFinished>,
@@ -240,7 +241,7 @@ pub enum Next {
 
 impl RunState {
     /// Rebuilds the state from decoded records, in seq order.
-    pub fn replay(steps: Vec<Step>) -> RunState {
+    pub fn replay(steps: Vec<Entry>) -> RunState {
         let mut state = RunState::default();
         for step in steps {
             state.apply(step);
@@ -253,7 +254,7 @@ impl RunState {
     /// force (`pinned`: `RunStarted`, the latest `VersionChanged`, `Summary`
     /// and `ModelCall` with text before `base`, each with its seq), as a
     /// checkpoint keeps them. Fold the records from `base` on with `apply`.
-    pub fn resume_at(base: u64, pinned: Vec<(u64, Step)>, spent: Spent) -> RunState {
+    pub fn resume_at(base: u64, pinned: Vec<(u64, Entry)>, spent: Spent) -> RunState {
         let mut state = RunState::default();
         for (seq, step) in pinned {
             state.fold(seq, &step);
@@ -265,16 +266,16 @@ impl RunState {
     }
 
     /// Folds one more record into the state (used after each append, too).
-    pub fn apply(&mut self, step: Step) {
+    pub fn apply(&mut self, step: Entry) {
         let seq = self.len();
         self.fold(seq, &step);
         self.steps.push(step);
     }
 
     /// What record `seq` changes beyond being held.
-    fn fold(&mut self, seq: u64, step: &Step) {
+    fn fold(&mut self, seq: u64, step: &Entry) {
         match step {
-            Step::RunStarted(s) => {
+            Entry::RunStarted(s) => {
                 self.agents = vec![(seq, s.agent.clone().into())];
                 self.snapshot = Some(Snapshot {
                     run_name: s.run_name.clone(),
@@ -286,7 +287,7 @@ impl RunState {
                     versions: s.versions.clone(),
                 })
             }
-            Step::VersionChanged(v) => {
+            Entry::VersionChanged(v) => {
                 self.agents.push((seq, v.agent.clone().into()));
                 if let Some(snap) = &mut self.snapshot {
                     snap.agent = v.agent.clone().into();
@@ -295,19 +296,19 @@ impl RunState {
                     snap.versions = v.to.clone();
                 }
             }
-            Step::ModelCall(m) => {
+            Entry::ModelCall(m) => {
                 self.spent.add(&m.response.usage, m.cost_usd);
                 if let Some(text) = m.response.text.as_ref().filter(|t| !t.is_empty()) {
                     self.last_text = Some((seq, text.clone()));
                 }
             }
-            Step::Summary(s) => {
+            Entry::Summary(s) => {
                 self.spent.add(&s.response.usage, s.cost_usd);
                 self.summary = Some((seq, s.clone()));
             }
-            Step::RunFinished(f) => self.finished = Some(f.clone()),
-            Step::ApprovalRequested(r) => self.budget.requested(seq, r),
-            Step::ApprovalDecided(d) => self.budget.decided(seq, d),
+            Entry::RunFinished(f) => self.finished = Some(f.clone()),
+            Entry::ApprovalRequested(r) => self.budget.requested(seq, r),
+            Entry::ApprovalDecided(d) => self.budget.decided(seq, d),
             _ => {}
         }
     }
@@ -318,18 +319,18 @@ impl RunState {
     }
 
     /// The records held, from [`RunState::base`] on.
-    pub fn steps(&self) -> &[Step] {
+    pub fn entries(&self) -> &[Entry] {
         &self.steps
     }
 
     /// Record `seq`, if held.
-    pub fn step(&self, seq: u64) -> Option<&Step> {
+    pub fn entry(&self, seq: u64) -> Option<&Entry> {
         self.steps
             .get(usize::try_from(seq.checked_sub(self.base)?).ok()?)
     }
 
     /// The records held with their seqs.
-    pub fn records(&self) -> impl DoubleEndedIterator<Item = (u64, &Step)> {
+    pub fn records(&self) -> impl DoubleEndedIterator<Item = (u64, &Entry)> {
         let base = self.base;
         self.steps
             .iter()
@@ -338,7 +339,7 @@ impl RunState {
     }
 
     /// The records held from seq `from` on, with their seqs.
-    pub fn records_from(&self, from: u64) -> impl DoubleEndedIterator<Item = (u64, &Step)> {
+    pub fn records_from(&self, from: u64) -> impl DoubleEndedIterator<Item = (u64, &Entry)> {
         let skip = (from.saturating_sub(self.base) as usize).min(self.steps.len());
         let first = self.base + skip as u64;
         self.steps[skip..]
@@ -385,8 +386,8 @@ impl RunState {
         if start > self.base {
             for step in self.steps.drain(..(start - self.base) as usize) {
                 match &step {
-                    Step::ModelCall(m) => self.spent_before.add(&m.response.usage, m.cost_usd),
-                    Step::Summary(s) => self.spent_before.add(&s.response.usage, s.cost_usd),
+                    Entry::ModelCall(m) => self.spent_before.add(&m.response.usage, m.cost_usd),
+                    Entry::Summary(s) => self.spent_before.add(&s.response.usage, s.cost_usd),
                     _ => {}
                 }
             }
@@ -443,7 +444,7 @@ impl RunState {
         if self.snapshot.is_none() {
             return Next::NotStarted;
         }
-        if let Some(Step::Observation(Observation {
+        if let Some(Entry::Observation(Observation {
             stop: Some(stop), ..
         })) = self.steps.last()
         {
@@ -517,7 +518,7 @@ impl RunState {
                 CallState::Intended | CallState::Settled => continue,
                 CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
                 CallState::Approved(request_seq, arguments) => {
-                    let Some(Step::ApprovalRequested(request)) = self.step(request_seq) else {
+                    let Some(Entry::ApprovalRequested(request)) = self.entry(request_seq) else {
                         unreachable!("call_state returns the seq of an ApprovalRequested")
                     };
                     return Next::Approved {
@@ -565,23 +566,23 @@ impl RunState {
             .take_while(|(seq, _)| *seq < until);
         for (seq, step) in records {
             match step {
-                Step::ToolIntent(i)
+                Entry::ToolIntent(i)
                     if i.model_call_seq == model_call_seq && i.call_index == index =>
                 {
                     return CallState::Intended;
                 }
-                Step::ApprovalRequested(r)
+                Entry::ApprovalRequested(r)
                     if r.model_call_seq == model_call_seq
                         && r.call_index == index
-                        && r.kind != super::v1::ApprovalKind::Budget =>
+                        && r.kind != crate::runlog::v1::ApprovalKind::Budget =>
                 {
                     state = CallState::Pending(seq);
                 }
-                Step::ApprovalVoided(v) if matches!(&state, CallState::Pending(r) | CallState::Approved(r, _) if *r == v.request_seq) =>
+                Entry::ApprovalVoided(v) if matches!(&state, CallState::Pending(r) | CallState::Approved(r, _) if *r == v.request_seq) =>
                 {
                     state = CallState::Open;
                 }
-                Step::ApprovalDecided(d) if state == CallState::Pending(d.request_seq) => {
+                Entry::ApprovalDecided(d) if state == CallState::Pending(d.request_seq) => {
                     state = match (&d.arguments, d.settles_without_running()) {
                         (_, true) => CallState::Settled,
                         (Some(args), false) => CallState::Approved(d.request_seq, args.clone()),
@@ -597,8 +598,8 @@ impl RunState {
 
     /// Where the call that the request at `request_seq` is about stands.
     pub fn call_state_of(&self, request_seq: u64) -> Option<CallState> {
-        match self.step(request_seq)? {
-            Step::ApprovalRequested(r) => Some(self.call_state(r.model_call_seq, r.call_index)),
+        match self.entry(request_seq)? {
+            Entry::ApprovalRequested(r) => Some(self.call_state(r.model_call_seq, r.call_index)),
             _ => None,
         }
     }
@@ -606,8 +607,8 @@ impl RunState {
     /// The request currently waiting for a decision, if any.
     pub fn pending_approval(&self) -> Option<(u64, &ApprovalRequested)> {
         match self.next() {
-            Next::AwaitApproval { request_seq } => match self.step(request_seq) {
-                Some(Step::ApprovalRequested(r)) => Some((request_seq, r)),
+            Next::AwaitApproval { request_seq } => match self.entry(request_seq) {
+                Some(Entry::ApprovalRequested(r)) => Some((request_seq, r)),
                 _ => None,
             },
             _ => None,
@@ -620,10 +621,10 @@ impl RunState {
         let mut found = None;
         for (seq, step) in self.records_from(intent_seq + 1) {
             match step {
-                Step::ApprovalRequested(r) if r.intent_seq == Some(intent_seq) => {
+                Entry::ApprovalRequested(r) if r.intent_seq == Some(intent_seq) => {
                     found = Some((seq, None))
                 }
-                Step::ApprovalDecided(d) if found.is_some_and(|(r, _)| r == d.request_seq) => {
+                Entry::ApprovalDecided(d) if found.is_some_and(|(r, _)| r == d.request_seq) => {
                     // Only a human answers "did it happen?". An expiry is no
                     // answer: the request stays open for the controller,
                     // which escalates or stops the run, never calls again.
@@ -645,19 +646,19 @@ impl RunState {
             .steps
             .iter()
             .filter_map(|s| match s {
-                Step::ToolResult(r) => Some(r.intent_seq),
+                Entry::ToolResult(r) => Some(r.intent_seq),
                 _ => None,
             })
             .collect();
         self.records().find_map(|(seq, s)| match s {
-            Step::ToolIntent(i) if !answered.contains(&seq) => Some((seq, i)),
+            Entry::ToolIntent(i) if !answered.contains(&seq) => Some((seq, i)),
             _ => None,
         })
     }
 
     fn last_model_call(&self) -> Option<(u64, &ModelCall)> {
         self.records().rev().find_map(|(seq, s)| match s {
-            Step::ModelCall(m) => Some((seq, m)),
+            Entry::ModelCall(m) => Some((seq, m)),
             _ => None,
         })
     }
@@ -715,8 +716,8 @@ impl RunState {
         let mut spent = self.spent_before.clone();
         for (_, step) in self.records().take_while(|(at, _)| *at < seq) {
             match step {
-                Step::ModelCall(m) => spent.add(&m.response.usage, m.cost_usd),
-                Step::Summary(s) => spent.add(&s.response.usage, s.cost_usd),
+                Entry::ModelCall(m) => spent.add(&m.response.usage, m.cost_usd),
+                Entry::Summary(s) => spent.add(&s.response.usage, s.cost_usd),
                 _ => {}
             }
         }
@@ -831,8 +832,8 @@ impl RunState {
         let approved = match &state {
             CallState::Approved(request_seq, args) => {
                 *args == intent.arguments
-                    && matches!(self.step(*request_seq),
-                        Some(Step::ApprovalRequested(r)) if r.tool == intent.tool)
+                    && matches!(self.entry(*request_seq),
+                        Some(Entry::ApprovalRequested(r)) if r.tool == intent.tool)
             }
             _ => false,
         };
@@ -876,7 +877,7 @@ pub(crate) mod tests {
     use serde_json::json;
 
     fn started() -> RunState {
-        RunState::replay(vec![Step::RunStarted(RunStarted {
+        RunState::replay(vec![Entry::RunStarted(RunStarted {
             run_name: "r".into(),
             namespace: "n".into(),
             input: "task".into(),
@@ -887,8 +888,8 @@ pub(crate) mod tests {
         })])
     }
 
-    fn model_call(calls: &[(&str, serde_json::Value)]) -> Step {
-        Step::ModelCall(ModelCall {
+    fn model_call(calls: &[(&str, serde_json::Value)]) -> Entry {
+        Entry::ModelCall(ModelCall {
             response: ModelResponse {
                 text: Some("thinking".into()),
                 tool_calls: calls
@@ -913,8 +914,8 @@ pub(crate) mod tests {
         })
     }
 
-    fn request() -> Step {
-        Step::ApprovalRequested(ApprovalRequested {
+    fn request() -> Entry {
+        Entry::ApprovalRequested(ApprovalRequested {
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -949,8 +950,8 @@ pub(crate) mod tests {
         verdict: Verdict,
         on_expiry: Option<OnExpiry>,
         args: Option<serde_json::Value>,
-    ) -> Step {
-        Step::ApprovalDecided(ApprovalDecided {
+    ) -> Entry {
+        Entry::ApprovalDecided(ApprovalDecided {
             request_seq: 2,
             approval: "a".into(),
             verdict,
@@ -963,7 +964,7 @@ pub(crate) mod tests {
 
     /// Several turns: a lookup and a gated refund per reply (approved, or
     /// edited), a summary, replies without text, and the final answer.
-    pub(crate) fn long_log(turns: u64) -> Vec<Step> {
+    pub(crate) fn long_log(turns: u64) -> Vec<Entry> {
         let mut v = started().steps;
         for turn in 0..turns {
             let mc = v.len() as u64;
@@ -972,7 +973,7 @@ pub(crate) mod tests {
                 ("refund", json!({"amount": 500 + turn})),
             ]);
             if turn == 2
-                && let Step::ModelCall(m) = &mut call
+                && let Entry::ModelCall(m) = &mut call
             {
                 m.response.text = None;
             }
@@ -983,21 +984,21 @@ pub(crate) mod tests {
             ] {
                 if index == 1 {
                     let req = v.len() as u64;
-                    let Step::ApprovalRequested(mut r) = request() else {
+                    let Entry::ApprovalRequested(mut r) = request() else {
                         unreachable!()
                     };
                     (r.model_call_seq, r.call_index, r.call_id) = (mc, 1, "c1".into());
-                    v.push(Step::ApprovalRequested(r));
-                    let Step::ApprovalDecided(mut d) =
+                    v.push(Entry::ApprovalRequested(r));
+                    let Entry::ApprovalDecided(mut d) =
                         decided(Verdict::Edit, None, Some(json!({"amount": 300})))
                     else {
                         unreachable!()
                     };
                     d.request_seq = req;
-                    v.push(Step::ApprovalDecided(d));
+                    v.push(Entry::ApprovalDecided(d));
                 }
                 let intent = v.len() as u64;
-                v.push(Step::ToolIntent(ToolIntent {
+                v.push(Entry::ToolIntent(ToolIntent {
                     model_call_seq: mc,
                     call_index: index,
                     call_id: format!("c{index}"),
@@ -1005,7 +1006,7 @@ pub(crate) mod tests {
                     arguments: args,
                     key: format!("k{intent}"),
                 }));
-                v.push(Step::ToolResult(ToolResult {
+                v.push(Entry::ToolResult(ToolResult {
                     intent_seq: intent,
                     call_id: format!("c{index}"),
                     tool: tool.into(),
@@ -1017,7 +1018,7 @@ pub(crate) mod tests {
                 // FollowLatest: a new agent version at a step boundary.
                 let mut agent = AgentTemplate::default();
                 agent.prompt.version = format!("v{turn}");
-                v.push(Step::VersionChanged(VersionChanged {
+                v.push(Entry::VersionChanged(VersionChanged {
                     agent,
                     tools: vec![],
                     mcp: Default::default(),
@@ -1026,10 +1027,10 @@ pub(crate) mod tests {
                 }));
             }
             if turn == 1 {
-                let Step::ModelCall(m) = model_call(&[]) else {
+                let Entry::ModelCall(m) = model_call(&[]) else {
                     unreachable!()
                 };
-                v.push(Step::Summary(Summary {
+                v.push(Entry::Summary(Summary {
                     text: "so far".into(),
                     through_seq: v.len() as u64 - 1,
                     response: m.response,
@@ -1066,9 +1067,9 @@ pub(crate) mod tests {
             let whole = RunState::replay(log[..=n].to_vec());
             assert_eq!(seen(&compacted), seen(&whole), "after record {n}");
             assert!(
-                compacted.steps().len() <= 8,
+                compacted.entries().len() <= 8,
                 "holds {} records",
-                compacted.steps().len()
+                compacted.entries().len()
             );
             assert_eq!(
                 compacted.spent_before_base(),
@@ -1115,7 +1116,7 @@ pub(crate) mod tests {
                 ..
             }
         ));
-        s.apply(Step::ToolIntent(ToolIntent {
+        s.apply(Entry::ToolIntent(ToolIntent {
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -1124,7 +1125,7 @@ pub(crate) mod tests {
             key: "k".into(),
         }));
         assert!(matches!(s.next(), Next::ExecuteTool { intent_seq: 2, .. }));
-        s.apply(Step::ToolResult(ToolResult {
+        s.apply(Entry::ToolResult(ToolResult {
             intent_seq: 2,
             call_id: "c0".into(),
             tool: "lookup".into(),
@@ -1182,7 +1183,7 @@ pub(crate) mod tests {
             other => panic!("{other:?}"),
         }
         // A voided approval asks again instead of running.
-        s.apply(Step::ApprovalVoided(ApprovalVoided {
+        s.apply(Entry::ApprovalVoided(ApprovalVoided {
             request_seq: 2,
             reason: "changed".into(),
             dependencies: vec![],
@@ -1252,7 +1253,7 @@ pub(crate) mod tests {
         let calls: Vec<(&str, serde_json::Value)> = (0..10).map(|_| ("x", json!({}))).collect();
         s.apply(model_call(&calls));
         assert!(matches!(s.next(), Next::RecordIntent { call_index: 0, .. }));
-        s.apply(Step::ToolIntent(ToolIntent {
+        s.apply(Entry::ToolIntent(ToolIntent {
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -1260,7 +1261,7 @@ pub(crate) mod tests {
             arguments: json!({}),
             key: "k".into(),
         }));
-        s.apply(Step::ToolResult(ToolResult {
+        s.apply(Entry::ToolResult(ToolResult {
             intent_seq: 2,
             call_id: "c0".into(),
             tool: "x".into(),
@@ -1280,7 +1281,7 @@ pub(crate) mod tests {
     fn an_expired_reconcile_never_counts_as_did_not_happen() {
         let mut s = started();
         s.apply(model_call(&[("page", json!({"why": "x"}))]));
-        s.apply(Step::ToolIntent(ToolIntent {
+        s.apply(Entry::ToolIntent(ToolIntent {
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -1288,14 +1289,14 @@ pub(crate) mod tests {
             arguments: json!({"why": "x"}),
             key: "k".into(),
         }));
-        let Step::ApprovalRequested(mut r) = request() else {
+        let Entry::ApprovalRequested(mut r) = request() else {
             unreachable!()
         };
         r.kind = v1::ApprovalKind::Reconcile;
         r.intent_seq = Some(2);
-        s.apply(Step::ApprovalRequested(r));
+        s.apply(Entry::ApprovalRequested(r));
         let mut expired = decided(Verdict::Expired, Some(OnExpiry::Fail), None);
-        if let Step::ApprovalDecided(d) = &mut expired {
+        if let Entry::ApprovalDecided(d) = &mut expired {
             d.request_seq = 3;
         }
         s.apply(expired);
@@ -1305,7 +1306,7 @@ pub(crate) mod tests {
             "nobody said it did not happen: the controller stops the run, the call is not made again"
         );
         let mut rejected = decided(Verdict::Reject, None, None);
-        if let Step::ApprovalDecided(d) = &mut rejected {
+        if let Entry::ApprovalDecided(d) = &mut rejected {
             d.request_seq = 3;
         }
         s.apply(rejected);
@@ -1319,7 +1320,7 @@ pub(crate) mod tests {
     }
 
     /// A run whose agent asks when its `max` steps are used up.
-    fn asking(max: u64) -> Vec<Step> {
+    fn asking(max: u64) -> Vec<Entry> {
         let agent = AgentTemplate {
             budgets: Some(v1::Budgets {
                 max_steps: Some(max),
@@ -1332,17 +1333,17 @@ pub(crate) mod tests {
             }),
             ..Default::default()
         };
-        let Step::RunStarted(mut s) = started().steps.remove(0) else {
+        let Entry::RunStarted(mut s) = started().steps.remove(0) else {
             unreachable!()
         };
         s.agent = agent;
-        let mut v = vec![Step::RunStarted(s)];
+        let mut v = vec![Entry::RunStarted(s)];
         let lookups: Vec<(&str, serde_json::Value)> =
             (0..6).map(|i| ("lookup", json!({"id": i}))).collect();
         v.push(model_call(&lookups));
         for index in 0..2 {
             let intent = v.len() as u64;
-            v.push(Step::ToolIntent(ToolIntent {
+            v.push(Entry::ToolIntent(ToolIntent {
                 model_call_seq: 1,
                 call_index: index,
                 call_id: format!("c{index}"),
@@ -1350,7 +1351,7 @@ pub(crate) mod tests {
                 arguments: json!({"id": index}),
                 key: format!("k{intent}"),
             }));
-            v.push(Step::ToolResult(ToolResult {
+            v.push(Entry::ToolResult(ToolResult {
                 intent_seq: intent,
                 call_id: format!("c{index}"),
                 tool: "lookup".into(),
@@ -1361,23 +1362,27 @@ pub(crate) mod tests {
         v
     }
 
-    fn budget_question(seq_of_model_call: u64, arguments: serde_json::Value) -> Step {
-        let Step::ApprovalRequested(mut r) = request() else {
+    fn budget_question(seq_of_model_call: u64, arguments: serde_json::Value) -> Entry {
+        let Entry::ApprovalRequested(mut r) = request() else {
             unreachable!()
         };
         r.kind = v1::ApprovalKind::Budget;
         r.tool = crate::api::BUDGET_TOOL.into();
         r.model_call_seq = seq_of_model_call;
         r.arguments = arguments;
-        Step::ApprovalRequested(r)
+        Entry::ApprovalRequested(r)
     }
 
-    fn budget_decided(request_seq: u64, verdict: Verdict, args: Option<serde_json::Value>) -> Step {
-        let Step::ApprovalDecided(mut d) = decided(verdict, None, args) else {
+    fn budget_decided(
+        request_seq: u64,
+        verdict: Verdict,
+        args: Option<serde_json::Value>,
+    ) -> Entry {
+        let Entry::ApprovalDecided(mut d) = decided(verdict, None, args) else {
             unreachable!()
         };
         d.request_seq = request_seq;
-        Step::ApprovalDecided(d)
+        Entry::ApprovalDecided(d)
     }
 
     #[test]
@@ -1431,7 +1436,7 @@ pub(crate) mod tests {
                 let mut index = 2;
                 while (log.len() as u64) < max {
                     let intent = log.len() as u64;
-                    log.push(Step::ToolIntent(ToolIntent {
+                    log.push(Entry::ToolIntent(ToolIntent {
                         model_call_seq: 1,
                         call_index: index,
                         call_id: format!("c{index}"),
@@ -1439,7 +1444,7 @@ pub(crate) mod tests {
                         arguments: json!({"id": index}),
                         key: format!("k{intent}"),
                     }));
-                    log.push(Step::ToolResult(ToolResult {
+                    log.push(Entry::ToolResult(ToolResult {
                         intent_seq: intent,
                         call_id: format!("c{index}"),
                         tool: "lookup".into(),
@@ -1481,7 +1486,7 @@ pub(crate) mod tests {
     #[test]
     fn a_stop_is_taken_only_for_the_ends_a_step_pod_may_claim() {
         let stop = |outcome| {
-            Step::Observation(Observation {
+            Entry::Observation(Observation {
                 text: "stop".into(),
                 about_seq: None,
                 stop: Some(RunFinished {
@@ -1492,7 +1497,7 @@ pub(crate) mod tests {
                 attempts: None,
             })
         };
-        let ended = |log: &[Step], outcome| {
+        let ended = |log: &[Entry], outcome| {
             let mut log = log.to_vec();
             log.push(stop(outcome));
             match RunState::replay(log).next() {
@@ -1543,7 +1548,7 @@ pub(crate) mod tests {
     #[test]
     fn a_budget_that_fails_ends_inside_the_reply_without_asking() {
         let mut log = asking(6);
-        let Step::RunStarted(s) = &mut log[0] else {
+        let Entry::RunStarted(s) = &mut log[0] else {
             unreachable!()
         };
         s.agent.budgets.as_mut().unwrap().on_exhausted = None;
@@ -1572,7 +1577,7 @@ pub(crate) mod tests {
         let whole = RunState::replay(log.clone());
         let start = whole.window_start();
         assert_eq!(start, mc);
-        let pinned: Vec<(u64, Step)> = whole
+        let pinned: Vec<(u64, Entry)> = whole
             .pinned_before(start)
             .into_iter()
             .map(|seq| (seq, log[seq as usize].clone()))

@@ -1,8 +1,8 @@
 //! `agentrun store …`: administration of the step log.
 //!
 //! Wire into the main CLI as
-//! `Store(agentrun::store::cli::StoreArgs)` and call
-//! `agentrun::store::cli::main(args).await`, or use [`StoreCommand`] with
+//! `Store(agentrun::store::admin::StoreArgs)` and call
+//! `agentrun::store::admin::main(args).await`, or use [`StoreCommand`] with
 //! your own `--store-url` and call [`run`].
 
 use std::io::Write;

@@ -131,7 +131,7 @@ impl LogApi {
                 true => Failure::Transient(format!(
                     "the log API answered {} {}",
                     s.code,
-                    crate::cli::visible(&s.message)
+                    crate::client::approvals::visible(&s.message)
                 )),
                 false => Failure::Final(anyhow::anyhow!(refused(&s, verb, &self.ns))),
             },
@@ -204,14 +204,14 @@ pub fn not_found(s: &Status, ns: &str, run: &str, group_served: Option<bool>) ->
         ),
         _ => format!(
             "no run {run} in namespace {ns} (the log API: {})",
-            crate::cli::visible(&s.message)
+            crate::client::approvals::visible(&s.message)
         ),
     }
 }
 
 /// The message of any other refusal (403 first: the missing right).
 pub fn refused(s: &Status, verb: &str, ns: &str) -> String {
-    let message = crate::cli::visible(&s.message);
+    let message = crate::client::approvals::visible(&s.message);
     match s.code {
         403 => format!(
             "you may not {verb} runlogs in namespace {ns} (ask for the agentrun-log-reader role): {message}"
@@ -219,11 +219,11 @@ pub fn refused(s: &Status, verb: &str, ns: &str) -> String {
         401 => format!("the API server did not accept your credentials: {message}"),
         code if code >= 500 => format!(
             "the log API failed ({code} {}): {message}",
-            crate::cli::visible(&s.reason)
+            crate::client::approvals::visible(&s.reason)
         ),
         code => format!(
             "the log API refused the request ({code} {}): {message}",
-            crate::cli::visible(&s.reason)
+            crate::client::approvals::visible(&s.reason)
         ),
     }
 }

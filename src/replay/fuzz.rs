@@ -11,15 +11,16 @@
 use proptest::prelude::*;
 use serde_json::Value;
 
+use crate::replay::{Entry, RunState};
 use crate::runlog::budget::Limits;
-use crate::runlog::replay::{RunState, Step};
 use crate::store::{Hash, Head, Record, StepKind, Usage, Versions, Worker};
 
 /// The fixture's records, each a (kind, payload).
 fn fixture() -> &'static [(String, Value)] {
     static RECORDS: std::sync::LazyLock<Vec<(String, Value)>> = std::sync::LazyLock::new(|| {
-        let records: Vec<Value> = serde_json::from_str(include_str!("testdata/format1.json"))
-            .expect("the fixture is JSON");
+        let records: Vec<Value> =
+            serde_json::from_str(include_str!("../runlog/testdata/format1.json"))
+                .expect("the fixture is JSON");
         records
             .into_iter()
             .map(|r| {
@@ -169,7 +170,7 @@ fn decode_stored(body: &[u8]) {
     if let Ok(record) = Record::from_canonical(body, Hash::ZERO, None) {
         let _ = record.canonical_bytes();
         let _ = record.compute_hash();
-        if let Ok(step) = Step::decode(record.seq, record.kind.as_str(), &record.payload) {
+        if let Ok(step) = Entry::decode(record.seq, record.kind.as_str(), &record.payload) {
             let _ = step.payload();
         }
     }
@@ -177,7 +178,7 @@ fn decode_stored(body: &[u8]) {
 
 /// Replays `steps` and asks the state everything the runner and the
 /// controller ask of it.
-fn replay_and_ask(steps: Vec<Step>) {
+fn replay_and_ask(steps: Vec<Entry>) {
     let mut state = RunState::replay(steps);
     let _ = state.next();
     let _ = state.pending_approval();
@@ -188,7 +189,7 @@ fn replay_and_ask(steps: Vec<Step>) {
         let _ = state.budget_proposal(b);
     }
     for (seq, step) in state.records().collect::<Vec<_>>() {
-        if let Step::ModelCall(call) = step {
+        if let Entry::ModelCall(call) = step {
             for index in 0..call.response.tool_calls.len() {
                 let _ = state.call_state(seq, index);
             }
@@ -218,7 +219,7 @@ proptest! {
         kind in prop::sample::select(StepKind::ALL.to_vec()),
     ) {
         decode_stored(&serde_json::to_vec(&v).unwrap());
-        if let Ok(step) = Step::decode(0, kind.as_str(), &v) {
+        if let Ok(step) = Entry::decode(0, kind.as_str(), &v) {
             replay_and_ask(vec![step]);
         }
         let _ = Limits::parse(&v);
@@ -241,12 +242,12 @@ proptest! {
         log in prop::collection::vec((any::<prop::sample::Index>(), changes()), 0..24),
     ) {
         let records = fixture();
-        let steps: Vec<Step> = log
+        let steps: Vec<Entry> = log
             .iter()
             .enumerate()
             .filter_map(|(seq, (which, changes))| {
                 let (kind, payload) = &records[which.index(records.len())];
-                Step::decode(seq as u64, kind, &mutated(payload.clone(), changes)).ok()
+                Entry::decode(seq as u64, kind, &mutated(payload.clone(), changes)).ok()
             })
             .collect();
         replay_and_ask(steps);
@@ -278,9 +279,9 @@ fn the_most_tokens_reported_twice_saturate_the_budget_spent() {
         .find(|(kind, _)| kind == "RunStarted")
         .unwrap();
     let steps = vec![
-        Step::decode(0, "RunStarted", &started.1).unwrap(),
-        Step::decode(1, kind, &payload).unwrap(),
-        Step::decode(2, kind, &payload).unwrap(),
+        Entry::decode(0, "RunStarted", &started.1).unwrap(),
+        Entry::decode(1, kind, &payload).unwrap(),
+        Entry::decode(2, kind, &payload).unwrap(),
     ];
     let state = RunState::replay(steps);
     assert_eq!(state.spent.input_tokens, u64::MAX);

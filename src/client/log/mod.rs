@@ -14,7 +14,8 @@ use std::io::Write;
 
 use anyhow::{Context as _, bail};
 
-use super::{Kube, audit_line, visible};
+use super::Kube;
+use super::approvals::{audit_line, visible};
 use crate::store::{Record, RecordVerifier};
 use api::{Failure, LogApi, Retry};
 use check::{Pages, Trust, Verdict};

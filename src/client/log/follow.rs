@@ -16,7 +16,7 @@ use super::api::{Failure, LogApi, Retry, transient};
 use super::check::{Checker, Trust, same_run};
 use super::{Kube, marked_line, print_verdict, run_trust, unreadable_line};
 use crate::api::runlog::{ADDED, ERROR, MODIFIED, RunLog, WatchEvent};
-use crate::cli::visible;
+use crate::client::approvals::visible;
 use crate::runlog::records::RunFinished;
 use crate::store::RecordVerifier;
 use crate::store::StepKind;

@@ -1,0 +1,333 @@
+//! Deciding without acting: the reconcile's judgements that read only what
+//! was already read (the run, its Job as seen, the controller's settings)
+//! and touch nothing: deadlines and requeues, whether a status write is
+//! progress only, how a run ended, what a Job's pods said.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::ResourceExt;
+
+use super::phase::{JobState, JobView};
+use super::{checkpoint, phase};
+use crate::api::{AgentRun, AgentTemplate};
+use crate::controller::approvals::Waiting;
+use crate::controller::context::{Context, notice};
+use crate::controller::memory::{Asleep, Replayed};
+use crate::runlog::records::{RunStarted, Versions};
+use crate::store::{Head, sha256_hex};
+use crate::tools::{McpCatalog, Toolbox};
+
+/// Whether a waiting run still naming `job` lets go of it later, when it
+/// ends (a failed Job is kept for good: nothing to wait for).
+pub(super) fn lets_go_later(job: Option<&JobView>) -> bool {
+    job.is_some_and(|j| !matches!(j.state, JobState::Failed { .. }))
+}
+
+/// How often a run waiting for an AgentPolicy looks again (policies do not
+/// wake runs; a GitOps apply brings the policy within moments).
+pub(super) const POLICY_RECHECK: Duration = Duration::from_secs(5);
+
+/// "Look again at once": after a write of the controller's own (its status,
+/// a record), long enough for the watch to bring the run's new version back
+/// in the usual case (a few ms on a local API server), short enough not to
+/// show in the time from a decision or a start to the next Job (it is on
+/// both paths). The log, not the status, decides what comes next, so a
+/// stale read costs a repeated write at most.
+pub(super) const AT_ONCE: Duration = Duration::from_millis(10);
+
+/// How long until the run's deadline (`MAX` without one): whatever a
+/// reconcile waits for, the deadline acts on time.
+pub(super) fn until_deadline(run: &AgentRun, now: Timestamp) -> Duration {
+    phase::deadline(run).map_or(Duration::MAX, |d| {
+        Duration::try_from(d.duration_since(now)).unwrap_or_default()
+    })
+}
+
+/// The run's checkpoint to write with its status (signed; kept when the
+/// log has not gone far enough past the previous one).
+pub(super) fn next_checkpoint(
+    run: &AgentRun,
+    ctx: &Context,
+    uid: &str,
+    replayed: &Replayed,
+) -> Option<crate::api::LogCheckpoint> {
+    let previous = run
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.checkpoint.as_ref());
+    checkpoint::make(
+        &ctx.log.signer,
+        uid,
+        replayed,
+        ctx.log.checkpoint_min,
+        previous,
+    )
+}
+
+/// The terminal phase the run reaches with this status, if it was not there.
+pub(super) fn ends_now(
+    run: &AgentRun,
+    new: &crate::api::AgentRunStatus,
+) -> Option<crate::api::Phase> {
+    new.phase
+        .filter(|p| p.is_terminal())
+        .filter(|&p| run.status.as_ref().and_then(|s| s.phase) != Some(p))
+}
+
+/// The Event saying how the run ended, with its error or result.
+pub(super) fn end_notice(
+    outcome: crate::api::Phase,
+    new: &crate::api::AgentRunStatus,
+) -> crate::controller::context::Notice {
+    let warn = outcome != crate::api::Phase::Succeeded;
+    let msg = new.error.clone().or(new.result.clone()).unwrap_or_default();
+    notice(warn, phase_reason(outcome), truncate(&msg, 900))
+}
+
+/// How often a running step's progress (log length and head, usage) is
+/// written to its run's status.
+pub(super) const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// Whether `new` differs from the run's status in its progress only.
+pub(super) fn only_progress(run: &AgentRun, new: &crate::api::AgentRunStatus) -> bool {
+    let Some(old) = run.status.as_ref() else {
+        return false;
+    };
+    let mut old = old.clone();
+    if old.log.is_none() {
+        return false;
+    }
+    // A key taking over is no progress: the key before it must stop
+    // counting at once.
+    if old.log.as_ref().map(|l| &l.signing_keys) != new.log.as_ref().map(|l| &l.signing_keys) {
+        return false;
+    }
+    old.log.clone_from(&new.log);
+    old.usage.clone_from(&new.usage);
+    old == *new
+}
+
+/// How long a run whose catalog is being discovered waits before it is
+/// looked at again, should the worker's wake-up be missed.
+pub(super) const DISCOVERY_RECHECK: Duration = Duration::from_secs(60);
+
+/// Whether the lease's holder is a pod of Job `job` (pods are named
+/// `<job>-<suffix>`; a Job whose name merely starts with `job` is another).
+pub(super) fn held_by_a_pod_of(holder: Option<&str>, job: &str) -> bool {
+    holder.is_some_and(|h| {
+        h.strip_prefix(job)
+            .is_some_and(|pod| pod.starts_with('-') && pod.len() > 1)
+    })
+}
+
+/// When to look at a run again that waits on events alone (its Job, its
+/// log's head, its lease): at its deadline, and otherwise only as a safety
+/// net, or every few seconds when the store pushes no head events.
+pub(super) fn idle_requeue(ctx: &Context, run: &AgentRun, now: Timestamp) -> Duration {
+    let idle = if ctx.log.pushes {
+        IDLE_REQUEUE
+    } else {
+        phase::RUNNING_REQUEUE
+    };
+    match phase::deadline(run) {
+        Some(deadline) => Duration::try_from(deadline.duration_since(now))
+            .unwrap_or_default()
+            .clamp(Duration::from_millis(100), idle),
+        None => idle,
+    }
+}
+
+/// Whether the run's status records another key than the one this
+/// controller signs with as its last (a rotation it has not recorded yet).
+pub(super) fn signs_with_another_key(run: &AgentRun, ctx: &Context) -> bool {
+    let keys = run
+        .status
+        .as_ref()
+        .and_then(|s| s.log.as_ref())
+        .and_then(|l| l.signing_keys.as_ref());
+    keys.and_then(|k| k.last())
+        .is_some_and(|k| k.key != ctx.log.signer.key_id())
+}
+
+/// Whether the run's status says it waits on an Approval, for the spec it
+/// has now, with a log: how the controller left it.
+pub(super) fn waits_as_left(run: &AgentRun) -> bool {
+    let Some(s) = run.status.as_ref() else {
+        return false;
+    };
+    s.phase == Some(crate::api::Phase::AwaitingApproval)
+        && s.approval.is_some()
+        && s.observed_generation == run.metadata.generation
+        && !run.spec.cancel
+        && run.metadata.deletion_timestamp.is_none()
+        && anchored_head(run).len > 0
+}
+
+/// The token of a run waiting on `waiting` with its log at `head`.
+pub(super) fn asleep(
+    run: &AgentRun,
+    head: Head,
+    generation: u64,
+    waiting: &Waiting,
+    run_version: Option<String>,
+) -> Asleep {
+    let wake_at = phase::deadline(run).map_or(waiting.expires_at, |d| d.min(waiting.expires_at));
+    Asleep {
+        head,
+        generation,
+        run_version,
+        approval: waiting.name.clone(),
+        approval_generation: waiting.generation,
+        wake_at,
+    }
+}
+
+/// The safety-net requeue of a run waiting on events.
+pub(super) const IDLE_REQUEUE: Duration = Duration::from_secs(300);
+
+/// 1 s after the first failure in a row, doubling up to 5 minutes.
+pub(super) fn error_backoff(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(9);
+    Duration::from_secs(1 << exp).min(Duration::from_secs(300))
+}
+
+/// A Job of the step's name that this run does not control was made by
+/// someone else: it is no Job of the run's, and its state is never acted
+/// on (the run takes its next attempt under another name).
+pub(super) fn controlled_by(job: &Job, uid: &str, name: &str) -> bool {
+    let ours = job
+        .owner_references()
+        .iter()
+        .any(|o| o.controller == Some(true) && o.uid == uid);
+    if !ours {
+        tracing::warn!(job = %name, "a Job of the step's name is not this run's; ignored");
+    }
+    ours
+}
+
+/// When the Job completed, or when it was marked failed.
+pub(super) fn job_ended_at(job: &Job) -> Option<Time> {
+    let s = job.status.as_ref()?;
+    let failed = s
+        .conditions
+        .iter()
+        .flatten()
+        .find(|c| (c.type_ == "Failed" || c.type_ == "FailureTarget") && c.status == "True");
+    s.completion_time
+        .clone()
+        .or_else(|| failed.and_then(|c| c.last_transition_time.clone()))
+}
+
+/// Longest termination message quoted in a run's status.
+pub(super) const MAX_QUOTED_BYTES: usize = 1024;
+
+/// The `step` container's termination message, if it left one.
+pub(super) fn termination_message(pod: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    let step = statuses.iter().find(|c| c.name == "step")?;
+    let text = step
+        .state
+        .as_ref()?
+        .terminated
+        .as_ref()?
+        .message
+        .as_deref()?;
+    let text = text.trim();
+    (!text.is_empty())
+        .then(|| crate::text::tail(&crate::text::escape_controls(text), MAX_QUOTED_BYTES))
+}
+
+/// The run's failed step Jobs so far, counting `previous` if it failed or vanished.
+pub(super) fn failed_jobs_before(run: &AgentRun, previous: Option<&JobView>) -> u32 {
+    let before = run
+        .status
+        .as_ref()
+        .and_then(|s| s.step.as_ref())
+        .map_or(0, |s| s.failed_jobs);
+    let failed =
+        previous.is_some_and(|j| matches!(j.state, JobState::Failed { .. } | JobState::Missing));
+    before + u32::from(failed)
+}
+
+/// Resolves everything the run will execute with, for `RunStarted`, from
+/// the catalog discovery found.
+pub(super) fn snapshot(
+    run: &AgentRun,
+    template: &AgentTemplate,
+    generation: Option<i64>,
+    mcp: McpCatalog,
+) -> Result<RunStarted, String> {
+    let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
+    let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
+    Ok(RunStarted {
+        run_name: run.name_any(),
+        namespace: run.namespace().unwrap_or_default(),
+        input: run.spec.input.clone(),
+        agent: template.clone().into(),
+        tools: toolbox.defs().into_iter().map(Into::into).collect(),
+        mcp: mcp.into(),
+        versions: Versions {
+            prompt_version: template.prompt.version.clone(),
+            prompt_hash: sha256_hex(&crate::store::canonical_json(&prompt)),
+            model: template.model.name.clone(),
+            tool_schema_hash: toolbox.schema_hash(),
+            agent_generation: generation,
+        },
+    })
+}
+
+/// The log head the controller recorded in `status.log` (never moves backwards).
+pub(super) fn anchored_head(run: &AgentRun) -> Head {
+    let Some(log) = run.status.as_ref().and_then(|s| s.log.as_ref()) else {
+        return Head::EMPTY;
+    };
+    match log.head_hash.as_deref().map(str::parse) {
+        Some(Ok(hash)) => Head {
+            len: log.length,
+            hash,
+        },
+        _ => Head::EMPTY,
+    }
+}
+
+pub(super) fn phase_reason(phase: crate::api::Phase) -> &'static str {
+    use crate::api::Phase::*;
+    match phase {
+        Succeeded => "RunSucceeded",
+        Failed => "RunFailed",
+        Cancelled => "RunCancelled",
+        BudgetExceeded => "BudgetExceeded",
+        DeadlineExceeded => "DeadlineExceeded",
+        Pending | Running | AwaitingApproval => "RunProgressing",
+    }
+}
+
+pub(super) fn truncate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::held_by_a_pod_of;
+
+    #[test]
+    fn only_a_pod_of_the_next_job_keeps_the_previous_worker_unfenced() {
+        // A reconcile on a stale status re-creates Job r-s5-2 whose pod
+        // already holds the lease: its worker must not be stopped.
+        assert!(held_by_a_pod_of(Some("r-s5-2-x7k2p"), "r-s5-2"));
+        // The failed attempt's worker, another Job sharing the prefix, a
+        // bare Job name, no lease: fenced.
+        assert!(!held_by_a_pod_of(Some("r-s5-1-abcde"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(Some("r-s5-20-abcde"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(Some("r-s5-2-"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(Some("r-s5-2"), "r-s5-2"));
+        assert!(!held_by_a_pod_of(None, "r-s5-2"));
+    }
+}
