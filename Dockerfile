@@ -5,22 +5,22 @@
 #   docker build -t agentrun:dev .
 #   kind load docker-image agentrun:dev
 #
-# tests/packaging.rs checks this file without a container engine: the build
-# context holds every file the two binaries are compiled from, the binaries
-# copied below are the ones the build stage produces (release by default),
-# the final user is not root.
+# e2e/suites/tests/packaging.rs checks this file without a container engine:
+# the build context holds every file the two binaries are compiled from, the
+# binaries copied below are the ones the build stage produces (release by
+# default), the final user is not root.
 
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-# Cargo.toml declares every target (also the e2e node, the stand-ins, the
-# benchmarks and the suites that need a cluster), so their sources are part
-# of the context; only the two shipped binaries are built.
+# The operator's package, and the manifests of the workspace's other members
+# (the test fixtures and the suites), which cargo reads to build any of it:
+# their targets name their paths, so only what is built needs its sources.
+# Only the two shipped binaries are built.
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
-COPY e2e/node ./e2e/node
-COPY e2e/standins ./e2e/standins
-COPY benches ./benches
-COPY tests ./tests
+COPY e2e/node/Cargo.toml ./e2e/node/
+COPY e2e/standins/Cargo.toml ./e2e/standins/
+COPY e2e/suites/Cargo.toml ./e2e/suites/
 ENV CARGO_PROFILE_RELEASE_STRIP=symbols
 # The cargo profile: release, the image users run. `--build-arg PROFILE=dev`
 # builds the same stages unoptimised, minutes faster (the e2e tests' real

@@ -3,7 +3,7 @@
 # once per version into a virtualenv under ~/.cache/agentrun/, from the same
 # source distribution e2e/build-llama.sh builds llama.cpp from, for the tests
 # that drive a run against a model server nobody here wrote
-# (tests/e2e_local_model_python.rs, through e2e/llama-python).
+# (e2e/suites/tests/e2e_local_model_python.rs, through e2e/llama-python).
 #
 #   e2e/build-llama-python.sh [build|paths]
 #     paths: print LLAMA_PYTHON=<the venv's python> and LLAMA_CPP_LIB_PATH=<libs>

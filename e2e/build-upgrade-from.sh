@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the binaries of an earlier commit of this repository, the release an
-# upgrade test upgrades from (tests/e2e_upgrade.rs). Cached by the commit: a
+# upgrade test upgrades from (e2e/suites/tests/e2e_upgrade.rs). Cached by the commit: a
 # second call prints the directory at once, so CI builds it once.
 #
 #   e2e/build-upgrade-from.sh [COMMIT]   build (default: $AGENTRUN_UPGRADE_FROM or 391b983,

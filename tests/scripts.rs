@@ -59,23 +59,42 @@ fn started_by(text: &str) -> BTreeSet<String> {
     names
 }
 
+/// The bin targets of the workspace's members (`cargo metadata`).
+fn workspace_bins() -> BTreeSet<String> {
+    let out = std::process::Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--locked",
+            "--offline",
+            "--no-deps",
+            "--format-version",
+            "1",
+        ])
+        .current_dir(root())
+        .output()
+        .expect("running cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("metadata JSON");
+    meta["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .flat_map(|p| p["targets"].as_array().expect("targets"))
+        .filter(|t| t["kind"][0] == "bin")
+        .map(|t| t["name"].as_str().expect("a name").to_string())
+        .collect()
+}
+
 #[test]
-fn the_build_step_builds_every_binary_of_the_crate() {
-    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).expect("Cargo.toml");
-    let bins: BTreeSet<String> = manifest
-        .split("[[bin]]")
-        .skip(1)
-        .filter_map(|section| {
-            section
-                .lines()
-                .find_map(|l| l.trim().strip_prefix("name = "))
-                .map(|n| n.trim_matches('"').to_string())
-        })
-        .collect();
+fn the_build_step_builds_every_binary_of_the_workspace() {
     assert_eq!(
         built(),
-        bins,
-        "e2e/build-binaries must build every [[bin]] of Cargo.toml"
+        workspace_bins(),
+        "e2e/build-binaries must build every [[bin]] of the workspace's members"
     );
 }
 
@@ -261,9 +280,9 @@ fn kinds(path: &str) -> BTreeSet<String> {
 }
 
 // The demo world is an installation (issue 40): e2e/demo applies every object
-// of config/ (which tests/packaging.rs keeps equal to the chart's render), so
-// its rights are the chart's; only the Deployment and the Services selecting
-// its pods are replaced by the controller on the host.
+// of config/ (which e2e/suites/tests/packaging.rs keeps equal to the chart's
+// render), so its rights are the chart's; only the Deployment and the
+// Services selecting its pods are replaced by the controller on the host.
 #[test]
 fn the_demo_installs_every_object_of_config_but_the_controllers_pods() {
     let config = root().join("config");

@@ -29,6 +29,15 @@
 //! link from the cached head, its hash, the controller's signature and the
 //! anchored head). A controller restart starts cold and verifies whole
 //! logs again; step runners verify the whole chain at every Job start.
+//!
+//! Two per-run states live outside, each with its owner, because their
+//! lifetimes are not the reconciler's: the metrics' count of what they
+//! already counted (`metrics::Seen`: it must outlive this memory's
+//! forgetting at a run's end, or a finished run reconciled again would be
+//! counted twice), and MCP discovery's asks in flight (`tool_discovery`:
+//! work its worker owns while a reconcile holds nothing, dropped when its
+//! answer is collected or after `UNCOLLECTED_TTL`). The metrics let go of a
+//! run once it leaves the watch cache, as [`RunMemory::retain`] does.
 
 mod replayed;
 

@@ -503,7 +503,7 @@ async fn random_faults_by_seed_keep_every_invariant() {
                 faults.push("SIGKILLed the controller".to_string());
             }
             10 if rng.below(2) == 0 && !common::existing_cluster() => {
-                let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/cluster");
+                let script = common::root().join("e2e/cluster");
                 let out = std::process::Command::new("bash")
                     .arg(&script)
                     .arg("restart-node")

@@ -8,7 +8,6 @@
 //! ~/.cache/agentrun), as for tests/packaging.rs.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 use std::sync::OnceLock;
 
 use prometheus_client::registry::Registry;
@@ -18,14 +17,10 @@ use serde_json::{Value, json};
 use agentrun::controller::metrics;
 
 mod common;
+use common::root;
 use common::scripts::{helm_lint, helm_run};
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const DASHBOARD: &str = "charts/agentrun/dashboards/agentrun.json";
-
-fn root() -> &'static Path {
-    Path::new(ROOT)
-}
 
 fn dashboard() -> Value {
     let text = std::fs::read_to_string(root().join(DASHBOARD)).expect("reading the dashboard");

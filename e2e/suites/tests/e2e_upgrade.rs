@@ -34,7 +34,7 @@ fn old_release() -> PathBuf {
     if let Ok(dir) = std::env::var("AGENTRUN_UPGRADE_FROM_BIN") {
         return PathBuf::from(dir);
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/build-upgrade-from.sh");
+    let script = common::root().join("e2e/build-upgrade-from.sh");
     let out = std::process::Command::new(script)
         .output()
         .expect("running e2e/build-upgrade-from.sh");

@@ -24,7 +24,7 @@ use sqlx::Connection;
 const OUTAGE_INSTANCE: (&str, &str) = ("pg-outage-test", "25433");
 
 fn e2e_postgres(instance: Option<(&str, &str)>, arg: &str) -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../postgres");
     let mut cmd = Command::new("bash");
     cmd.arg(&script).arg(arg);
     if let Some((name, port)) = instance {

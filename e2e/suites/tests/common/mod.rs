@@ -12,7 +12,6 @@ pub mod ports;
 pub mod procs;
 pub mod realnode;
 pub mod scripts;
-pub mod standins;
 pub mod store;
 pub mod world;
 
@@ -33,6 +32,20 @@ use kube::{
     discovery::ApiResource,
 };
 use serde::Deserialize as _;
+
+/// The stand-ins (e2e/standins): one copy, shared with the in-process tests.
+pub use agentrun_standins as standins;
+/// The workspace's binaries as `e2e/build-binaries` built them (refused when
+/// older than their sources).
+pub use agentrun_standins::binaries::built as binary;
+
+/// The repository's root (this crate is `e2e/suites` in it).
+pub fn root() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("e2e/suites is two levels below the root")
+}
 
 const HOW_TO_START: &str = "start the local cluster with `e2e/cluster up` and then run \
      `eval \"$(e2e/cluster env)\"` (or set KUBECONFIG and AGENTRUN_E2E_CLUSTER=existing for another cluster)";
@@ -303,11 +316,7 @@ pub async fn wait_established(client: &Client, crd_name: &str) {
 /// Installs (server-side applies) the project's CRDs from `crds/crds.yaml`
 /// and waits until they are served. Safe to call from tests in parallel.
 pub async fn install_crds(client: &Client) {
-    apply_crds(
-        client,
-        concat!(env!("CARGO_MANIFEST_DIR"), "/crds/crds.yaml"),
-    )
-    .await;
+    apply_crds(client, &root().join("crds/crds.yaml").to_string_lossy()).await;
     apply_admission_policies(client).await;
 }
 
@@ -347,7 +356,7 @@ pub async fn apply_crds(client: &Client, path: &str) {
 pub async fn apply_admission_policies(client: &Client) {
     apply_manifests(
         client,
-        concat!(env!("CARGO_MANIFEST_DIR"), "/crds/admission.yaml"),
+        &root().join("crds/admission.yaml").to_string_lossy(),
     )
     .await;
     apply_requester_stamp(client).await;
@@ -358,14 +367,8 @@ pub async fn apply_admission_policies(client: &Client) {
 /// requester would get one stamped.
 pub async fn apply_requester_stamp(client: &Client) {
     if serves_mutating_policies(client).await {
-        apply_manifests(
-            client,
-            concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/config/requester-stamp/mutating-policy.yaml"
-            ),
-        )
-        .await;
+        let policy = root().join("config/requester-stamp/mutating-policy.yaml");
+        apply_manifests(client, &policy.to_string_lossy()).await;
         wait_requester_stamped(client).await;
     }
 }

@@ -35,7 +35,7 @@ fn env_num<T: std::str::FromStr>(name: &str, default: T) -> T {
 }
 
 fn e2e_postgres(arg: &str) -> String {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../postgres");
     let out = Command::new("bash")
         .arg(&script)
         .arg(arg)

@@ -1,7 +1,6 @@
 //! The PostgreSQL step store the e2e tests use: the instance of `e2e/postgres`
 //! (started here if it is not running), database `agentrun_e2e`, migrated once.
 
-use std::path::Path;
 use std::process::Command;
 use std::sync::OnceLock;
 
@@ -135,7 +134,7 @@ impl PrivatePostgres {
 
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/postgres");
+        let script = super::root().join("e2e/postgres");
         let _ = Command::new("bash")
             .arg(&script)
             .arg("down")

@@ -29,7 +29,6 @@ use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(240);
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// The real node's containerd socket (`e2e/cluster env` exports it).
 fn containerd_socket() -> PathBuf {
@@ -60,7 +59,7 @@ fn ctr(args: &[&str]) -> String {
 
 /// Applies a sample of config/samples with the stand-ins' address put in.
 fn apply_sample(ns: &str, sample: &str, base: &str) {
-    let text = std::fs::read_to_string(Path::new(ROOT).join("config/samples").join(sample))
+    let text = std::fs::read_to_string(common::root().join("config/samples").join(sample))
         .unwrap()
         .replace("http://127.0.0.1:18080", base);
     let file = tempfile::NamedTempFile::new().unwrap();
@@ -504,12 +503,10 @@ async fn the_chart_runs_samples_on_the_real_node_through_an_approval_and_a_kille
         apply_sample(&ns, sample, &base);
     }
     let agent_sample: Value = serde_yaml::from_str(
-        &std::fs::read_to_string(
-            Path::new(ROOT).join("config/samples/agent-refund-assistant.yaml"),
-        )
-        .unwrap()
-        .replace("http://127.0.0.1:18080", &base)
-        .replace("/scripts/refund-demo/", "/scripts/refund-big/"),
+        &std::fs::read_to_string(common::root().join("config/samples/agent-refund-assistant.yaml"))
+            .unwrap()
+            .replace("http://127.0.0.1:18080", &base)
+            .replace("/scripts/refund-demo/", "/scripts/refund-big/"),
     )
     .unwrap();
     let runs: Api<AgentRun> = Api::namespaced(client.clone(), &ns);

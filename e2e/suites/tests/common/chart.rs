@@ -4,7 +4,7 @@
 //! containers, step Jobs as containers. Shared by the chart's real-node test
 //! and the peers benchmark's real-node side.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use k8s_openapi::api::core::v1::{PersistentVolume, Service};
@@ -16,11 +16,10 @@ use super::realnode::NODE;
 
 /// The release name every install here uses.
 pub const RELEASE: &str = "agentrun";
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// `SCRIPT paths` of an e2e/realnode image script: its `KEY=value` lines.
 pub fn image_paths(script: &str) -> Vec<(String, String)> {
-    let path = Path::new(ROOT).join("e2e/realnode").join(script);
+    let path = super::root().join("e2e/realnode").join(script);
     let out = Command::new("bash")
         .arg(&path)
         .arg("paths")
@@ -240,7 +239,7 @@ pub async fn install_on_real_node(client: &kube::Client, ns: &str, values: Value
     let started = std::time::Instant::now();
     let (ok, out) = run_cmd(
         Command::new(super::scripts::helm())
-            .current_dir(ROOT)
+            .current_dir(super::root())
             .args(["install", RELEASE, "charts/agentrun", "--namespace", ns])
             .arg("--values")
             .arg(values_file.path())

@@ -489,7 +489,7 @@ async fn store_a_log_rewritten_in_the_database_stops_the_run() {
         .unwrap()["token"]
         .0
         .clone();
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentrun"))
+    let out = tokio::process::Command::new(common::binary("agentrun"))
         .arg("step")
         .env("AGENTRUN_RUN_UID", &uid_cut)
         .env("AGENTRUN_STORE_URL", w.step_api_url())

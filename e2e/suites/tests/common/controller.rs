@@ -111,7 +111,7 @@ impl ControllerProcess {
         let out = std::fs::File::create(&log).expect("log file");
         let metrics_port = super::ports::reserve();
         let step_api_port = step_api_port(namespace);
-        let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
+        let child = Command::new(super::binary("agentrun"))
             .arg("controller")
             .args(scope)
             .args(["--identity", identity, "--lease-seconds", "6"])

@@ -6,9 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-pub fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
+pub use super::root;
 
 /// Runs `e2e/SCRIPT ARG` with extra environment and returns its stdout
 /// (trimmed); fails loudly, saying that `needed_for` needs it.

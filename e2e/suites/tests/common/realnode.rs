@@ -19,8 +19,9 @@ pub fn test_image() -> String {
     {
         return image;
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/realnode/images.sh");
-    let out = Command::new(script)
+    let path = super::root().join("e2e/realnode/images.sh");
+    let script = path.display();
+    let out = Command::new(&path)
         .arg("paths")
         .output()
         .unwrap_or_else(|e| panic!("running {script} paths: {e}"));

@@ -162,7 +162,7 @@ pub fn refusal<T: std::fmt::Debug>(result: Result<T, kube::Error>) -> String {
 
 /// Runs `kubectl agentrun ARGS` as `user` in the test namespace.
 pub fn plugin(w: &World, user: &str, args: &[&str]) -> (bool, String) {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
+    let mut cmd = std::process::Command::new(super::binary("kubectl-agentrun"));
     cmd.args(["-n", w.name()]);
     if super::existing_cluster() {
         cmd.args(["--as", user]);

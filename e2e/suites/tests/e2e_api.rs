@@ -17,7 +17,7 @@ use kube::core::GroupVersionKind;
 use kube::discovery::ApiResource;
 
 fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    common::root()
 }
 
 fn yaml_files(dir: &str) -> Vec<PathBuf> {

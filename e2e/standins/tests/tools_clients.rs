@@ -1,8 +1,6 @@
 //! The tool clients (`agentrun::tools`) against the stand-in tool and MCP
 //! servers (`agentrun-standins`), over real HTTP.
 
-mod common;
-
 use std::time::Duration;
 
 use agentrun::api::{HttpTool, McpTool, ToolSpec};
@@ -12,18 +10,18 @@ use agentrun::tools::{
 };
 use serde_json::{Value, json};
 
-/// The stand-in servers (see tests/common/standins.rs), with tool helpers.
-struct Standins(common::standins::Standins);
+/// The stand-in servers (see e2e/standins/fixture.rs), with tool helpers.
+struct Standins(agentrun_standins::Standins);
 
 impl std::ops::Deref for Standins {
-    type Target = common::standins::Standins;
+    type Target = agentrun_standins::Standins;
     fn deref(&self) -> &Self::Target {
         &self.0
     }
 }
 
 fn standins() -> Standins {
-    Standins(common::standins::Standins::start())
+    Standins(agentrun_standins::Standins::start())
 }
 
 impl Standins {

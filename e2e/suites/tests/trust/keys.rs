@@ -121,7 +121,7 @@ async fn replay_with(
     keys: &str,
     windows: Option<&str>,
 ) -> (bool, String) {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_agentrun"));
+    let mut cmd = tokio::process::Command::new(super::common::binary("agentrun"));
     cmd.arg("step")
         .env("AGENTRUN_RUN_UID", uid)
         .env("AGENTRUN_STORE_URL", w.step_api_url())
@@ -551,7 +551,7 @@ async fn keys_a_retired_key_opens_and_signs_nothing_after_its_retirement() {
 /// `kubectl agentrun` as the cluster's administrator (the `admin` context
 /// when the kubeconfig has one).
 fn plugin_as_admin(w: &World, args: &[&str]) -> (bool, String) {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
+    let mut cmd = std::process::Command::new(super::common::binary("kubectl-agentrun"));
     cmd.args(["-n", w.name()]);
     if !common::existing_cluster() {
         cmd.args(["--context", "admin"]);

@@ -33,7 +33,7 @@ impl ConsoleProcess {
     /// `kubectl agentrun console` as `user` (its kubeconfig context) in
     /// `namespace`, the controller's keys in `namespace` too.
     pub fn loopback(user: &str, namespace: &str) -> ConsoleProcess {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"))
+        let mut child = Command::new(crate::common::binary("kubectl-agentrun"))
             .args(["--context", user, "-n", namespace, "console"])
             .args(["--controller-namespace", namespace])
             .stdout(Stdio::piped())
@@ -69,7 +69,7 @@ impl ConsoleProcess {
     ) -> ConsoleProcess {
         let port = crate::common::ports::reserve();
         let base = format!("http://127.0.0.1:{port}");
-        let child = Command::new(env!("CARGO_BIN_EXE_agentrun"))
+        let child = Command::new(crate::common::binary("agentrun"))
             // No kubeconfig to fall back on: only the forwarded tokens.
             .env_remove("KUBECONFIG")
             .args(["console", "--listen", &format!("127.0.0.1:{port}")])
@@ -134,7 +134,7 @@ pub fn csrf_of(page: &str) -> String {
 pub fn artifacts() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+        .unwrap_or_else(|| crate::common::root().join("target"));
     let dir = target.join("e2e-artifacts").join("console");
     std::fs::create_dir_all(&dir).unwrap();
     dir

@@ -588,7 +588,7 @@ pub fn kubectl_as(user: &str, args: &[&str]) -> KubectlOutput {
 /// controller publishes its keys there (the tests' controllers run in the
 /// namespace they serve).
 fn plugin_command(user: &str, namespace: &str, args: &[&str]) -> tokio::process::Command {
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun"));
+    let mut cmd = tokio::process::Command::new(super::binary("kubectl-agentrun"));
     cmd.args(args)
         .args(["-n", namespace, "--context", user])
         .args(["--controller-namespace", namespace])

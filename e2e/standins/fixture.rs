@@ -1,5 +1,10 @@
-//! The stand-in model, tool and MCP servers (`agentrun-standins`), one
-//! process per test, killed when dropped.
+//! The stand-ins as a test fixture: the model, tool and MCP servers
+//! (`agentrun-standins`, this package's binary) started as one process per
+//! test, killed when dropped; and where tests find the workspace's binaries
+//! ([`binaries`]). The in-process tests (tests/) and the cluster suites
+//! (e2e/suites) share this one copy.
+
+pub mod binaries;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
@@ -23,7 +28,7 @@ impl Standins {
     /// address, pods reach it.
     pub fn start_on(addr: &str) -> Standins {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_agentrun-standins"))
+        let mut child = Command::new(binaries::built("agentrun-standins"))
             .args(["--addr", addr])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())

@@ -20,7 +20,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,6 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Granted but not exercised by this test, and why. Everything else the
@@ -74,7 +73,7 @@ const NOT_EXERCISED: &[(&str, &str, &str, &str)] = &[
 
 fn helm() -> PathBuf {
     let out = Command::new("bash")
-        .arg(Path::new(ROOT).join("e2e/build-helm.sh"))
+        .arg(common::root().join("e2e/build-helm.sh"))
         .arg("path")
         .stderr(Stdio::inherit())
         .output()
@@ -117,7 +116,7 @@ fn helm_template_with(release: &str, ns: &str, values: &Value, extra: &[&str]) -
     std::fs::write(&file, values.to_string()).unwrap();
     docs(&run_ok(
         Command::new(helm())
-            .current_dir(ROOT)
+            .current_dir(common::root())
             .args(["template", release, "charts/agentrun", "--namespace", ns])
             .arg("--values")
             .arg(&file)
@@ -148,7 +147,7 @@ async fn generated_key_survives_upgrades_and_rotations(
     let upgrade = || {
         run_ok(
             Command::new(helm())
-                .current_dir(ROOT)
+                .current_dir(common::root())
                 .args(["upgrade", release, "charts/agentrun", "--namespace", ns])
                 .args(["--reuse-values", "--wait", "--timeout", "180s"]),
         )
@@ -166,7 +165,7 @@ async fn generated_key_survives_upgrades_and_rotations(
         "helm upgrade kept the generated key"
     );
 
-    let out = run_ok(Command::new(env!("CARGO_BIN_EXE_kubectl-agentrun")).args([
+    let out = run_ok(Command::new(common::binary("kubectl-agentrun")).args([
         "rotate-key",
         "--controller-namespace",
         ns,
@@ -330,7 +329,7 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
         format!(
             "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {}\nresources:\n  - {up}{}/config/default\n",
             ns.name(),
-            ROOT.trim_start_matches('/')
+            common::root().to_string_lossy().trim_start_matches('/')
         ),
     )
     .unwrap();
@@ -354,9 +353,10 @@ async fn the_rendered_chart_and_config_default_pass_a_server_side_dry_run() {
     }
     assert_all_applied(&dry_run_apply(&objs), &objs);
     // And config/default itself builds (what `kubectl apply -k config/default` sends).
-    let plain = docs(&run_ok(
-        Command::new("kubectl").args(["kustomize", &format!("{ROOT}/config/default")]),
-    ));
+    let plain = docs(&run_ok(Command::new("kubectl").args([
+        "kustomize",
+        &format!("{}/config/default", common::root().display()),
+    ])));
     assert!(
         plain
             .iter()
@@ -449,9 +449,9 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
     );
     // The chart's copy of crds/ must be current before it is applied to the
     // shared cluster (a stale copy would downgrade the CRDs other tests use).
-    for f in std::fs::read_dir(Path::new(ROOT).join("crds")).unwrap() {
+    for f in std::fs::read_dir(common::root().join("crds")).unwrap() {
         let f = f.unwrap().path();
-        let copy = Path::new(ROOT)
+        let copy = common::root()
             .join("charts/agentrun/files/crds")
             .join(f.file_name().unwrap());
         assert!(
@@ -473,7 +473,7 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
     // are cluster-wide and shared with the other tests).
     let crd_yaml = run_ok(
         Command::new(helm())
-            .current_dir(ROOT)
+            .current_dir(common::root())
             .args(["template", &release, "charts/agentrun", "--namespace", &ns])
             .args([
                 "--set",
@@ -552,7 +552,7 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
     let started = Instant::now();
     run_ok(
         Command::new(helm())
-            .current_dir(ROOT)
+            .current_dir(common::root())
             .args(["install", &release, "charts/agentrun", "--namespace", &ns])
             .arg("--values")
             .arg(values_file.path())
@@ -640,7 +640,7 @@ async fn the_chart_installs_a_controller_that_runs_a_sample_with_least_privilege
             json!([]),
         )
         .await;
-    let samples = Path::new(ROOT).join("config/samples");
+    let samples = common::root().join("config/samples");
     for sample in [
         "agentpolicy-platform.yaml",
         "agent-refund-assistant.yaml",

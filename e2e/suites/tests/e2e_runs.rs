@@ -713,7 +713,7 @@ async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends()
     store.release(&lease).await.unwrap();
 
     // The worker freezes (SIGSTOP) right after recording the intent.
-    let zombie = std::process::Command::new(env!("CARGO_BIN_EXE_agentrun"))
+    let zombie = std::process::Command::new(common::binary("agentrun"))
         .args(["step"])
         .env("AGENTRUN_RUN_UID", &uid)
         .env("AGENTRUN_STORE_URL", &url)

@@ -2,8 +2,6 @@
 //! over real HTTP in both wire formats: OpenAI chat completions and Anthropic
 //! Messages. Every case runs for both providers.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use agentrun::api::{ModelSpec, Provider};
@@ -13,11 +11,11 @@ use agentrun::model::{
 };
 use serde_json::{Value, json};
 
-/// The stand-in binary on a free port (see tests/common/standins.rs).
-struct Standin(common::standins::Standins);
+/// The stand-in binary on a free port (see e2e/standins/fixture.rs).
+struct Standin(agentrun_standins::Standins);
 
 impl std::ops::Deref for Standin {
-    type Target = common::standins::Standins;
+    type Target = agentrun_standins::Standins;
     fn deref(&self) -> &Self::Target {
         &self.0
     }
@@ -25,7 +23,7 @@ impl std::ops::Deref for Standin {
 
 impl Standin {
     fn start() -> Self {
-        Standin(common::standins::Standins::start())
+        Standin(agentrun_standins::Standins::start())
     }
 
     async fn script(&self, id: &str, replies: Value) {
