@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::{Context as _, bail};
 use jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
@@ -14,14 +13,62 @@ use crate::api::{Approval, ApprovalState, Verdict};
 use crate::replay::Entry;
 use crate::runlog::records::ApprovalDecided;
 
+/// Why a decision was not added.
+#[derive(Debug, thiserror::Error)]
+pub enum DecideError {
+    #[error("no approval named {name:?} in namespace {ns:?}")]
+    NoApproval { name: String, ns: String },
+    #[error("approval {name} is already {state:?}: no more decisions are taken")]
+    Closed { name: String, state: ApprovalState },
+    #[error("approval {name} expired at {at}")]
+    Expired { name: String, at: Timestamp },
+    #[error("{me} has already decided approval {name}")]
+    AlreadyDecided { me: String, name: String },
+    #[error("the API server refused the decision: {0}")]
+    Refused(String),
+    /// Reading the approval or asking who the caller is failed as the API server said.
+    #[error(transparent)]
+    Client(#[from] crate::client::ClientError),
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error(transparent)]
+    Patch(#[from] serde_json::Error),
+}
+
+/// Why edited arguments were refused, in words for the person editing.
+#[derive(Debug, thiserror::Error)]
+pub enum EditError {
+    #[error(transparent)]
+    Read(#[from] std::io::Error),
+    #[error("{path} is not JSON")]
+    NotJson {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("edit needs --set KEY=VALUE or -f FILE")]
+    Nothing,
+    #[error("arguments must be a JSON object")]
+    NotObject,
+    #[error("--set {0}: expected KEY=VALUE")]
+    BadSet(String),
+}
+
 pub(crate) fn state(a: &Approval) -> ApprovalState {
     a.status.as_ref().and_then(|s| s.state).unwrap_or_default()
 }
 
-pub(crate) async fn get(api: &Api<Approval>, name: &str, ns: &str) -> anyhow::Result<Approval> {
+pub(crate) async fn get(
+    api: &Api<Approval>,
+    name: &str,
+    ns: &str,
+) -> Result<Approval, DecideError> {
     api.get_opt(name)
         .await?
-        .with_context(|| format!("no approval named {name:?} in namespace {ns:?}"))
+        .ok_or_else(|| DecideError::NoApproval {
+            name: name.to_string(),
+            ns: ns.to_string(),
+        })
 }
 
 /// Adds the caller's own decision, quoting the hash of what they were shown.
@@ -31,19 +78,28 @@ pub(crate) async fn decide(
     verdict: Verdict,
     arguments: Option<Value>,
     reason: Option<String>,
-) -> anyhow::Result<Approval> {
+) -> Result<Approval, DecideError> {
     let (api, client) = (&k.approvals, &k.client);
     let a = get(api, name, &k.ns).await?;
     let st = state(&a);
     if st != ApprovalState::Pending {
-        bail!("approval {name} is already {st:?}: no more decisions are taken");
+        return Err(DecideError::Closed {
+            name: name.to_string(),
+            state: st,
+        });
     }
     if Timestamp::now() >= a.spec.expires_at.0 {
-        bail!("approval {name} expired at {}", a.spec.expires_at.0);
+        return Err(DecideError::Expired {
+            name: name.to_string(),
+            at: a.spec.expires_at.0,
+        });
     }
     let me = whoami(client).await?;
     if a.spec.decisions.iter().any(|d| d.approver == me) {
-        bail!("{me} has already decided approval {name}");
+        return Err(DecideError::AlreadyDecided {
+            me,
+            name: name.to_string(),
+        });
     }
     let mut entry =
         json!({"approver": me, "verdict": verdict, "argumentsHash": a.spec.arguments_hash});
@@ -63,7 +119,7 @@ pub(crate) async fn decide(
         .await
     {
         Ok(a) => Ok(a),
-        Err(kube::Error::Api(e)) => bail!("the API server refused the decision: {}", e.message),
+        Err(kube::Error::Api(e)) => Err(DecideError::Refused(e.message)),
         Err(e) => Err(e.into()),
     }
 }
@@ -73,22 +129,24 @@ pub fn edited_arguments(
     current: &Value,
     set: &[String],
     file: Option<&std::path::Path>,
-) -> anyhow::Result<Value> {
+) -> Result<Value, EditError> {
     let mut args = match file {
-        Some(path) => serde_json::from_str(&std::fs::read_to_string(path)?)
-            .with_context(|| format!("{} is not JSON", path.display()))?,
+        Some(path) => serde_json::from_str(&std::fs::read_to_string(path)?).map_err(|source| {
+            EditError::NotJson {
+                path: path.display().to_string(),
+                source,
+            }
+        })?,
         None => current.clone(),
     };
     if set.is_empty() && file.is_none() {
-        bail!("edit needs --set KEY=VALUE or -f FILE");
+        return Err(EditError::Nothing);
     }
-    let map = args
-        .as_object_mut()
-        .context("arguments must be a JSON object")?;
+    let map = args.as_object_mut().ok_or(EditError::NotObject)?;
     for kv in set {
         let (k, v) = kv
             .split_once('=')
-            .with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
+            .ok_or_else(|| EditError::BadSet(kv.clone()))?;
         let value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()));
         map.insert(k.to_string(), value);
     }

@@ -3,11 +3,27 @@
 //! approvals the same way, and read and verify a run's log the same way.
 //! Both sit above this module; it imports neither.
 
-use anyhow::Context as _;
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use kube::api::{Api, PostParams};
 
 use crate::api::{AgentRun, Approval};
+
+/// What went wrong acting as the person.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("no run {name:?} in namespace {ns:?}")]
+    NoRun {
+        name: String,
+        ns: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// A request the API server answered with an error, passed on as it said it.
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error("the API server did not say who you are")]
+    Unknown,
+}
 
 pub mod approvals;
 pub mod log;
@@ -31,23 +47,27 @@ impl Kube {
         }
     }
 
-    async fn run(&self, name: &str) -> anyhow::Result<AgentRun> {
+    async fn run(&self, name: &str) -> Result<AgentRun, ClientError> {
         self.runs
             .get(name)
             .await
-            .with_context(|| format!("no run {name:?} in namespace {:?}", self.ns))
+            .map_err(|source| ClientError::NoRun {
+                name: name.to_string(),
+                ns: self.ns.clone(),
+                source,
+            })
     }
 }
 
 /// The caller's user name, as the API server sees it.
-pub(crate) async fn whoami(client: &kube::Client) -> anyhow::Result<String> {
+pub(crate) async fn whoami(client: &kube::Client) -> Result<String, ClientError> {
     Ok(whoami_with_groups(client).await?.0)
 }
 
 /// The caller's user name and groups, as the API server sees them.
 pub(crate) async fn whoami_with_groups(
     client: &kube::Client,
-) -> anyhow::Result<(String, Vec<String>)> {
+) -> Result<(String, Vec<String>), ClientError> {
     let api: Api<SelfSubjectReview> = Api::all(client.clone());
     let review = api
         .create(&PostParams::default(), &SelfSubjectReview::default())
@@ -55,9 +75,7 @@ pub(crate) async fn whoami_with_groups(
     let user = review
         .status
         .and_then(|s| s.user_info)
-        .context("the API server did not say who you are")?;
-    let name = user
-        .username
-        .context("the API server did not say who you are")?;
+        .ok_or(ClientError::Unknown)?;
+    let name = user.username.ok_or(ClientError::Unknown)?;
     Ok((name, user.groups.unwrap_or_default()))
 }

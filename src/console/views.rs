@@ -18,6 +18,7 @@ use super::{Console, form};
 use crate::api::{Agent, AgentRun, Approval, ApprovalKind, ApprovalState, Verdict};
 use crate::client::approvals as shown;
 use crate::client::{Kube, log};
+use crate::refusal::Refusal;
 
 /// Who the person is (from a SelfSubjectReview with their credential).
 struct Me {
@@ -25,20 +26,20 @@ struct Me {
     groups: Vec<String>,
 }
 
-async fn me(client: &kube::Client) -> Result<Me, String> {
+async fn me(client: &kube::Client) -> Result<Me, Refusal> {
     crate::client::whoami_with_groups(client)
         .await
         .map(|(user, groups)| Me { user, groups })
-        .map_err(|e| api_words("asking the API server who you are", &e))
+        .map_err(|e| Refusal::new(client_words("asking the API server who you are", &e)))
 }
 
-/// A failure in words: the API server's message, not a trace.
-fn api_words(what: &str, e: &anyhow::Error) -> String {
-    match e.downcast_ref::<kube::Error>() {
-        Some(kube::Error::Api(s)) => {
+/// A failure acting as the person, in words: the API server's message, not a trace.
+fn client_words(what: &str, e: &crate::client::ClientError) -> String {
+    match e {
+        crate::client::ClientError::Api(kube::Error::Api(s)) => {
             format!("{what}: the API server answered {} ({})", s.code, s.message)
         }
-        _ => format!("{what}: {e:#}"),
+        other => format!("{what}: {}", crate::text::chain(other)),
     }
 }
 
@@ -316,7 +317,7 @@ async fn tool_schema(
     client: &kube::Client,
     ns: &str,
     a: &Approval,
-) -> Result<Option<Value>, String> {
+) -> Result<Option<Value>, Refusal> {
     if a.spec.kind == ApprovalKind::Budget {
         return Ok(Some(crate::api::budget_arguments_schema()));
     }
@@ -556,13 +557,13 @@ pub async fn decide(
             res
         }
         Err(e) => {
-            let words = format!("{e:#}");
-            let status = if words.contains("refused") {
+            // The API server's admission refused it: the person may not decide.
+            let status = if matches!(e, shown::DecideError::Refused(_)) {
                 StatusCode::FORBIDDEN
             } else {
                 StatusCode::CONFLICT
             };
-            refuse(status, words, vec![]).await
+            refuse(status, crate::text::chain(&e), vec![]).await
         }
     }
 }
@@ -714,7 +715,7 @@ async fn timeline(
     ns: &str,
     name: &str,
     from: u64,
-) -> Result<Timeline, String> {
+) -> Result<Timeline, Refusal> {
     let k = Kube::new(caller.client.clone(), ns);
     let read = log::read_api(&k, name, &c.controller_namespace)
         .await
@@ -775,7 +776,7 @@ pub async fn run(
     let live = !s.phase.is_some_and(|p| p.is_terminal());
     let (tl, log_error) = match timeline(&c, &caller, &ns, &name, 0).await {
         Ok(t) => (Some(t), None),
-        Err(e) => (None, Some(e)),
+        Err(e) => (None, Some(e.to_string())),
     };
     let approvals: Api<Approval> = Api::namespaced(caller.client.clone(), &ns);
     let related: Vec<Value> = approvals
@@ -838,7 +839,11 @@ pub async fn records(
             "phase": phase.map(|p| name_of(&p)), "finished": phase.is_some_and(|p| p.is_terminal()),
         }))
         .into_response(),
-        Err(e) => (StatusCode::BAD_GATEWAY, axum::Json(json!({"error": e}))).into_response(),
+        Err(e) => (
+            StatusCode::BAD_GATEWAY,
+            axum::Json(json!({"error": e.as_str()})),
+        )
+            .into_response(),
     }
 }
 
