@@ -236,7 +236,8 @@ pub(super) async fn read_job(
         })?;
     let uid = crate::api::RunUid::of(run);
     let job = job.filter(|j| controlled_by(j, &uid, &name));
-    ctx.metrics.observe_job(&uid, job.as_ref());
+    ctx.memory
+        .counted(&uid, |c| ctx.metrics.observe_job(c, job.as_ref()));
     let ended_at = job.as_ref().and_then(job_ended_at);
     let running = job
         .as_ref()

@@ -126,7 +126,8 @@ pub(super) async fn replay(
             Ok(None) => break,
             Err(tampered) => return Ok(Err(tampered)),
         };
-        ctx.metrics.observe_log(&uid, &records);
+        ctx.memory
+            .counted(&uid, |c| ctx.metrics.observe_log(c, &records));
         for r in &records {
             if verified.is_some_and(|v| v == r.head()) {
                 replayed.resumed = false;
@@ -264,7 +265,7 @@ pub(super) fn keep_replayed(
     asleep: Option<Asleep>,
 ) {
     if finished {
-        ctx.memory.forget(uid);
+        ctx.memory.finished(uid);
         return;
     }
     ctx.memory.follow(uid, ObjectRef::from_obj(run));
@@ -296,7 +297,7 @@ pub(super) async fn stop_tampered(
     });
     if already {
         // Its status says so: nothing more to remember about it.
-        ctx.memory.forget(&crate::api::RunUid::of(run));
+        ctx.memory.finished(&crate::api::RunUid::of(run));
         return Ok(Action::await_change());
     }
     tracing::error!(run = %run.name_any(), namespace = %ns, error = %tampered, "step log failed verification; stopping the run");
