@@ -12,7 +12,10 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use super::decide::*;
+use super::decide::{
+    controlled_by, failed_jobs_before, held_by_a_pod_of, idle_requeue, job_ended_at,
+    termination_message,
+};
 use super::phase::{JobState, JobView, LeaseView};
 use super::{Acting, cached_or_get, job, phase};
 use crate::api::{AgentRun, AgentTemplate};

@@ -10,8 +10,10 @@ use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 
-use super::decide::*;
-use super::job_io::*;
+use super::decide::{
+    anchored_head, asleep, lets_go_later, signs_with_another_key, truncate, waits_as_left,
+};
+use super::job_io::{delete_step_job, read_job};
 use super::{checkpoint, phase, status, write_status};
 use crate::api::AgentRun;
 use crate::controller::context::{Context, notice};
