@@ -1,0 +1,1 @@
+//! What of a request identifies it, how it is recorded, and where two requests first differ.

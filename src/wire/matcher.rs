@@ -1,0 +1,1 @@
+//! Which recorded answer a request gets on replay.
