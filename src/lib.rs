@@ -25,6 +25,7 @@ pub mod store;
 pub mod telemetry;
 pub mod text;
 pub mod tools;
+pub mod wire;
 
 #[cfg(test)]
 mod error_rule;

@@ -52,13 +52,52 @@ fn newer_source(bin: &Path, built_at: SystemTime) -> Option<PathBuf> {
             dep_info.display()
         )
     });
-    let (_, inputs) = text.split_once(": ")?;
-    inputs
-        .split_whitespace()
-        .map(PathBuf::from)
+    let (_, inputs) = text.lines().next()?.split_once(": ")?;
+    dep_paths(inputs)
+        .into_iter()
         .find(|source| modified(source).is_ok_and(|t| t > built_at))
+}
+
+/// The paths of a dep-info rule's inputs: separated by spaces, a space
+/// inside a path escaped as `\ ` (make's syntax, which cargo writes).
+fn dep_paths(inputs: &str) -> Vec<PathBuf> {
+    let mut paths = Vec::new();
+    let mut path = String::new();
+    let mut chars = inputs.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if chars.peek() == Some(&' ') => path.push(chars.next().unwrap_or(' ')),
+            c if c.is_whitespace() => {
+                if !path.is_empty() {
+                    paths.push(PathBuf::from(std::mem::take(&mut path)));
+                }
+            }
+            c => path.push(c),
+        }
+    }
+    if !path.is_empty() {
+        paths.push(PathBuf::from(path));
+    }
+    paths
 }
 
 fn modified(path: &Path) -> std::io::Result<SystemTime> {
     std::fs::metadata(path)?.modified()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dep_info_paths_keep_escaped_spaces() {
+        assert_eq!(
+            dep_paths("/a/b.rs /my\\ dir/c.rs  d.rs"),
+            [
+                PathBuf::from("/a/b.rs"),
+                PathBuf::from("/my dir/c.rs"),
+                PathBuf::from("d.rs")
+            ]
+        );
+    }
 }

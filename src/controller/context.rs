@@ -30,7 +30,7 @@ pub struct Context {
     pub caches: Caches,
     /// What the reconciler remembers about each run between reconciles
     /// (its replayed log among it), forgotten in one place.
-    pub memory: crate::controller::memory::RunMemory,
+    pub memory: std::sync::Arc<crate::controller::memory::RunMemory>,
     /// MCP discovery, done outside the reconciles.
     pub discovery: crate::controller::watchers::tool_discovery::Discovery,
     /// Reconcile slots, shared fairly between namespaces.

@@ -20,9 +20,8 @@
 //! (they start at zero with it, like any Prometheus counter); a record
 //! appended while no controller ran is not counted by any.
 
-use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -136,23 +135,20 @@ pub struct Metrics {
 struct Shared {
     /// The reconciler's cache of runs, once this replica leads.
     runs: RwLock<Option<Store<AgentRun>>>,
-    seen: Mutex<Seen>,
 }
 
-/// Per run: how much of its log and which Job were counted already.
-#[derive(Default)]
-struct Seen {
-    log_len: HashMap<String, usize>,
-    last_job: HashMap<String, String>,
+/// Per run: how much of its log and which Job were counted already. The
+/// run's memory keeps it (`controller::memory`), until the run is deleted.
+#[derive(Default, Debug)]
+pub struct Counted {
+    log_len: Option<usize>,
+    last_job: Option<String>,
 }
 
-impl Seen {
-    /// Forgets runs that are gone (keeps the maps as small as the cache).
-    fn prune(&mut self, runs: &Store<AgentRun>) {
-        let live: std::collections::HashSet<String> =
-            runs.state().iter().filter_map(|r| r.uid()).collect();
-        self.log_len.retain(|uid, _| live.contains(uid));
-        self.last_job.retain(|uid, _| live.contains(uid));
+impl Counted {
+    /// Whether nothing of the run was counted yet.
+    pub fn is_empty(&self) -> bool {
+        self.log_len.is_none() && self.last_job.is_none()
     }
 }
 
@@ -320,10 +316,9 @@ impl Metrics {
     }
 
     /// Counts the records of a run's log not counted yet: kinds, tokens, cost.
-    pub fn observe_log(&self, uid: &str, records: &[Record]) {
-        let mut seen = self.shared.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let first_sight = !seen.log_len.contains_key(uid);
-        let from = seen.log_len.get(uid).copied().unwrap_or(0);
+    pub fn observe_log(&self, counted: &mut Counted, records: &[Record]) {
+        let first_sight = counted.log_len.is_none();
+        let from = counted.log_len.unwrap_or(0);
         for r in records.iter().filter(|r| r.seq as usize >= from) {
             if first_sight && r.created_at.is_some_and(|t| t < self.started) {
                 continue;
@@ -355,13 +350,7 @@ impl Metrics {
             self.count_attempts(r);
         }
         let end = records.last().map_or(0, |r| r.seq as usize + 1);
-        seen.log_len.insert(uid.to_string(), end.max(from));
-        if seen.log_len.len().is_multiple_of(1024) {
-            let runs = self.shared.runs.read().unwrap_or_else(|e| e.into_inner());
-            if let Some(runs) = runs.as_ref() {
-                seen.prune(runs);
-            }
-        }
+        counted.log_len = Some(end.max(from));
     }
 
     /// The model attempts a record carries (only model-call records do; older
@@ -392,16 +381,15 @@ impl Metrics {
     }
 
     /// Observes the duration of a run's step Job once it has ended.
-    pub fn observe_job(&self, uid: &str, job: Option<&Job>) {
+    pub fn observe_job(&self, counted: &mut Counted, job: Option<&Job>) {
         let Some((name, outcome, seconds, ended)) = job.and_then(job_duration) else {
             return;
         };
-        let mut seen = self.shared.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.last_job.get(uid) == Some(&name) {
+        if counted.last_job.as_ref() == Some(&name) {
             return;
         }
-        let first_sight = !seen.last_job.contains_key(uid);
-        seen.last_job.insert(uid.to_string(), name);
+        let first_sight = counted.last_job.is_none();
+        counted.last_job = Some(name);
         if first_sight && ended < self.started {
             return;
         }
@@ -531,9 +519,6 @@ impl Collector for RunsByPhase {
                 })
                 .inc();
         }
-        if let Ok(mut seen) = self.0.seen.try_lock() {
-            seen.prune(runs);
-        }
         let metric = encoder.encode_descriptor(
             "agentrun_runs",
             "AgentRuns by phase, as the leading controller's reconciler sees them",
@@ -593,6 +578,7 @@ mod tests {
 
     #[test]
     fn counts_each_record_once_and_skips_what_was_there_before_start() {
+        let mut counted = Counted::default();
         let mut registry = Registry::default();
         let m = Metrics::new(&mut registry);
         let before = m.started - chrono::Duration::seconds(60);
@@ -602,11 +588,11 @@ mod tests {
             record(1, StepKind::ModelCall, (100, 20), 1500, before),
             record(2, StepKind::ModelCall, (10, 5), 250, after),
         ];
-        m.observe_log("u1", &log);
-        m.observe_log("u1", &log);
+        m.observe_log(&mut counted, &log);
+        m.observe_log(&mut counted, &log);
         log.push(record(3, StepKind::ToolIntent, (0, 0), 0, after));
         log.push(record(4, StepKind::ToolResult, (0, 0), 0, after));
-        m.observe_log("u1", &log);
+        m.observe_log(&mut counted, &log);
         let t = text(&registry);
         assert!(
             t.contains(r#"agentrun_steps_total{kind="ModelCall"} 1"#),
@@ -629,6 +615,7 @@ mod tests {
 
     #[test]
     fn counts_the_model_attempts_records_carry_once_each() {
+        let mut counted = Counted::default();
         let mut registry = Registry::default();
         let m = Metrics::new(&mut registry);
         let before = m.started - chrono::Duration::seconds(60);
@@ -646,12 +633,12 @@ mod tests {
             record(2, StepKind::ModelCall, (1, 1), 0, after),
             with(3, StepKind::ModelCall, json!(["5xx", "5xx", "ok"]), after),
         ];
-        m.observe_log("u1", &log);
-        m.observe_log("u1", &log);
+        m.observe_log(&mut counted, &log);
+        m.observe_log(&mut counted, &log);
         log.push(with(4, StepKind::Observation, json!(["4xx"]), after));
         // Only model-call records carry attempts.
         log.push(with(5, StepKind::ToolResult, json!(["ok"]), after));
-        m.observe_log("u1", &log);
+        m.observe_log(&mut counted, &log);
         let t = text(&registry);
         for (outcome, n) in [("5xx", 2), ("ok", 1), ("4xx", 1)] {
             let sample = format!(
@@ -663,6 +650,7 @@ mod tests {
 
     #[test]
     fn observes_a_job_once_when_it_ends() {
+        let mut counted = Counted::default();
         let mut registry = Registry::default();
         let m = Metrics::new(&mut registry);
         let start = jiff::Timestamp::now();
@@ -671,13 +659,13 @@ mod tests {
             "status": {"startTime": start.to_string()}
         }))
         .unwrap();
-        m.observe_job("u1", Some(&job));
+        m.observe_job(&mut counted, Some(&job));
         assert!(!text(&registry).contains("agentrun_step_duration_seconds_count"));
         let end = start + jiff::SignedDuration::from_secs(3);
         job.status.as_mut().unwrap().completion_time =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(end));
-        m.observe_job("u1", Some(&job));
-        m.observe_job("u1", Some(&job));
+        m.observe_job(&mut counted, Some(&job));
+        m.observe_job(&mut counted, Some(&job));
         let t = text(&registry);
         assert!(
             t.contains(r#"agentrun_step_duration_seconds_count{outcome="succeeded"} 1"#),

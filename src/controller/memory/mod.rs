@@ -1,9 +1,20 @@
 //! What the controller remembers about each run between reconciles, in one
 //! place: one [`Remembered`] per run uid, created when a reconcile first
-//! needs it and forgotten whole, in one call ([`RunMemory::forget`]), when
-//! the run finishes, when it is deleted ([`RunMemory::retain`]), or when the
-//! process stops leading ([`RunMemory::clear`]). A new thing to remember is
-//! a field here, never another map with its own forgetting rule.
+//! needs it. A new thing to remember is a field here, never another map
+//! with its own forgetting rule. The rule has two parts:
+//!
+//! - **What drives a run** (its replayed log, its sleep token, how to
+//!   reconcile it, its lease, credential, progress and failure notes, its
+//!   MCP discovery in flight) is let go in one call when the run finishes
+//!   or its log is found broken ([`RunMemory::finished`]), and for every run
+//!   when this process stops leading ([`RunMemory::clear`]): whoever drives
+//!   it next reads it again.
+//! - **What must not happen twice** while the run exists (the records and
+//!   Jobs the metrics counted, its end and its broken log reported) stays a
+//!   few words per run until the run leaves the watch cache
+//!   ([`RunMemory::retain`]), the one place a run leaves whole. A finished
+//!   run reconciled again replays its log; with its count forgotten, its
+//!   records would be counted twice.
 //!
 //! The largest part is each run's replayed log: a reconcile reads only the
 //! records past the head it was built from, and none at all while the
@@ -29,16 +40,8 @@
 //! link from the cached head, its hash, the controller's signature and the
 //! anchored head). A controller restart starts cold and verifies whole
 //! logs again; step runners verify the whole chain at every Job start.
-//!
-//! Two per-run states live outside, each with its owner, because their
-//! lifetimes are not the reconciler's: the metrics' count of what they
-//! already counted (`metrics::Seen`: it must outlive this memory's
-//! forgetting at a run's end, or a finished run reconciled again would be
-//! counted twice), and MCP discovery's asks in flight (`tool_discovery`:
-//! work its worker owns while a reconcile holds nothing, dropped when its
-//! answer is collected or after `UNCOLLECTED_TTL`). The metrics let go of a
-//! run once it leaves the watch cache, as [`RunMemory::retain`] does.
 
+mod asks;
 mod replayed;
 
 use std::collections::{BTreeMap, HashMap};
@@ -48,9 +51,11 @@ use std::time::{Duration, Instant};
 
 use kube::runtime::reflector::ObjectRef;
 
+pub use asks::{Ask, AskState};
 pub use replayed::Replayed;
 
 use crate::api::AgentRun;
+use crate::controller::metrics::Counted;
 use crate::store::{Head, HeadEvent};
 
 /// What a waiting run was last found waiting on. While none of it changes
@@ -91,12 +96,33 @@ struct Remembered {
     /// Failed reconciles in a row (the error backoff).
     failures: u32,
     /// Reported with a broken log (counted once, however many reconciles
-    /// see the break before the status says so).
+    /// see the break before the status says so): kept until it is deleted.
     tampered: bool,
     /// The head up to which this process verified the whole log, kept when
     /// the log itself is too large to hold: a log resumed at its checkpoint
     /// that reaches this head needs no whole verification again.
     verified: Option<Head>,
+    /// Its MCP discovery asked for or answered, until the run records it.
+    discovery: Option<Ask>,
+    // What must not happen twice: kept until the run is deleted.
+    /// How much of its log and which Job the metrics counted.
+    counted: Counted,
+    /// Its end was reported (a reconcile that read the run before the end's
+    /// status write came back decides the same end again).
+    ended: bool,
+}
+
+impl Remembered {
+    /// Lets go of what drives the run, keeping what must not happen twice.
+    /// (Dropping a discovery in flight aborts it.)
+    fn let_go(&mut self) {
+        *self = Remembered {
+            counted: std::mem::take(&mut self.counted),
+            ended: self.ended,
+            tampered: self.tampered,
+            ..Remembered::default()
+        };
+    }
 }
 
 /// A replayed log held, its estimated bytes, and when it was last kept.
@@ -133,26 +159,20 @@ impl Runs {
         self.take_log(uid);
         self.map.remove(uid);
     }
-}
 
-/// The runs whose end this process reported, the latest [`ENDED_KEPT`]: a
-/// reconcile that read the run before the end's status write came back
-/// decides the same end again, and must not report it twice (its span).
-#[derive(Default)]
-struct Ended {
-    uids: std::collections::HashSet<String>,
-    order: std::collections::VecDeque<String>,
+    fn let_go(&mut self, uid: &str) {
+        self.take_log(uid);
+        if let Some(r) = self.map.get_mut(uid) {
+            r.let_go();
+        }
+    }
 }
-
-/// How many ended runs [`Ended`] remembers.
-const ENDED_KEPT: usize = 4096;
 
 /// What the controller remembers about every run, and what the head events
 /// said since.
 #[derive(Default)]
 pub struct RunMemory {
     runs: Mutex<Runs>,
-    ended: Mutex<Ended>,
     /// Bytes of records all held logs may come to; 0: unbounded.
     budget: usize,
     /// Moves on whenever head events may have been missed; a log read
@@ -309,27 +329,41 @@ impl RunMemory {
     /// Notes that this process reports the run's end: `true` the first
     /// time, `false` when it did already (a stale read of the run).
     pub fn first_end(&self, uid: &str) -> bool {
-        let mut ended = self.ended.lock().expect("not poisoned");
-        if !ended.uids.insert(uid.to_string()) {
-            return false;
-        }
-        ended.order.push_back(uid.to_string());
-        if ended.order.len() > ENDED_KEPT
-            && let Some(oldest) = ended.order.pop_front()
+        !std::mem::replace(&mut self.runs().entry(uid).ended, true)
+    }
+
+    /// Lets go of what drives a run that finished, or whose broken log its
+    /// status now reports (see the module's forgetting rule).
+    pub fn finished(&self, uid: &str) {
+        self.runs().let_go(uid);
+    }
+
+    /// The run's counts of what the metrics counted already (see
+    /// [`crate::controller::metrics::Metrics::observe_log`]).
+    pub fn counted<R>(&self, uid: &str, count: impl FnOnce(&mut Counted) -> R) -> R {
+        count(&mut self.runs().entry(uid).counted)
+    }
+
+    /// The run's MCP discovery, asked for or answered (the reconcile asks).
+    pub fn ask<R>(&self, uid: &str, f: impl FnOnce(&mut Option<Ask>) -> R) -> R {
+        f(&mut self.runs().entry(uid).discovery)
+    }
+
+    /// The run's MCP discovery if the run is still remembered (the worker
+    /// answers: a run let go of meanwhile gets no entry back).
+    pub fn answer(&self, uid: &str, f: impl FnOnce(&mut Ask)) {
+        if let Some(ask) = self
+            .runs()
+            .map
+            .get_mut(uid)
+            .and_then(|r| r.discovery.as_mut())
         {
-            ended.uids.remove(&oldest);
+            f(ask);
         }
-        true
     }
 
-    /// Forgets everything about a run (finished, deleted, or its log broken
-    /// and said so): the one place a run leaves the memory.
-    pub fn forget(&self, uid: &str) {
-        self.runs().remove(uid);
-    }
-
-    /// Keeps only the runs that still exist (`exists` of their uid): runs
-    /// deleted while unfinished leave nothing behind.
+    /// Keeps only the runs that still exist (`exists` of their uid): a
+    /// deleted run, finished or not, leaves nothing behind.
     pub fn retain(&self, exists: impl Fn(&str) -> bool) {
         let mut runs = self.runs();
         let gone: Vec<String> = runs.map.keys().filter(|u| !exists(u)).cloned().collect();
@@ -338,9 +372,14 @@ impl RunMemory {
         }
     }
 
-    /// Forgets every run (leadership lost: another replica drives them now).
+    /// Lets go of what drives every run (leadership lost: another replica
+    /// drives them now).
     pub fn clear(&self) {
-        *self.runs() = Runs::default();
+        let mut runs = self.runs();
+        let uids: Vec<String> = runs.map.keys().cloned().collect();
+        for uid in uids {
+            runs.let_go(&uid);
+        }
     }
 
     /// Head events arrive from now on.
@@ -449,14 +488,15 @@ mod tests {
     }
 
     #[test]
-    fn a_runs_end_is_first_once_and_the_oldest_ends_are_let_go() {
+    fn a_runs_end_is_first_once_until_the_run_is_deleted() {
         let memory = RunMemory::default();
         assert!(memory.first_end("u1"));
         assert!(!memory.first_end("u1"), "a stale read ends nothing twice");
-        for i in 0..ENDED_KEPT {
-            assert!(memory.first_end(&format!("other-{i}")));
-        }
-        assert!(memory.first_end("u1"), "bounded: the oldest is let go");
+        memory.finished("u1");
+        memory.clear();
+        assert!(!memory.first_end("u1"), "kept while the run exists");
+        memory.retain(|_| false);
+        assert!(memory.first_end("u1"), "a deleted run leaves nothing");
     }
 
     #[test]
@@ -547,7 +587,7 @@ mod tests {
         assert_eq!(cache.bytes(), held - 250);
         cache.keep("more-9", r);
         assert_eq!(cache.bytes(), held);
-        cache.forget("more-9");
+        cache.finished("more-9");
         assert_eq!(cache.bytes(), held - 250);
     }
 
@@ -591,34 +631,56 @@ mod tests {
         memory.set_credential(uid, true);
         memory.progress_due(uid, Duration::from_secs(5));
         memory.failed(uid);
+        memory.ask(uid, |ask| {
+            *ask = Some(Ask {
+                key: "k".into(),
+                state: AskState::Done(Ok(Default::default())),
+                since: Instant::now(),
+                failures: 0,
+            })
+        });
+        let metrics = crate::controller::metrics::Metrics::new(&mut Default::default());
+        memory.counted(uid, |c| metrics.observe_log(c, &[]));
+        memory.first_end(uid);
         memory.first_tamper(uid);
     }
 
+    /// Nothing of what drives the run is left.
+    fn drives_nothing(memory: &RunMemory, uid: &str) {
+        assert!(memory.take(uid).is_none() && memory.take_asleep(uid).is_none());
+        assert!(!memory.follows(uid) && !memory.has_credential(uid));
+        assert!(memory.refs_of(&[uid.into()]).is_empty());
+        let mut asked = false;
+        memory.answer(uid, |_| asked = true);
+        assert!(!asked, "{uid}: its discovery was let go");
+        assert_eq!(memory.failed(uid), 1, "{uid}: failures count afresh");
+        assert_eq!(memory.lease_free_for(uid, false), Duration::ZERO);
+    }
+
     #[test]
-    fn a_finished_or_deleted_run_leaves_nothing_behind() {
+    fn a_finished_run_keeps_only_what_must_not_happen_twice_and_a_deleted_one_nothing() {
         let memory = RunMemory::with_budget(1 << 20);
         remember_everything(&memory, "finished");
         remember_everything(&memory, "deleted");
         remember_everything(&memory, "running");
-        memory.forget("finished");
+        memory.finished("finished");
         memory.retain(|uid| uid != "deleted");
-        for gone in ["finished", "deleted"] {
-            assert!(!memory.remembers(gone), "{gone}");
-            assert!(memory.take(gone).is_none() && memory.take_asleep(gone).is_none());
-            assert!(!memory.follows(gone) && !memory.has_credential(gone));
-            assert!(memory.refs_of(&[gone.into()]).is_empty());
-            assert!(
-                memory.first_tamper(gone),
-                "counted afresh: nothing was kept"
-            );
-            memory.forget(gone);
-        }
-        assert_eq!(memory.len(), 1);
+        drives_nothing(&memory, "finished");
+        assert!(
+            !memory.counted("finished", |c| c.is_empty()),
+            "its counts stay"
+        );
+        assert!(!memory.first_end("finished") && !memory.first_tamper("finished"));
+        assert!(!memory.remembers("deleted"));
+        assert!(memory.counted("deleted", |c| c.is_empty()));
+        assert!(memory.first_end("deleted") && memory.first_tamper("deleted"));
         assert_eq!(memory.logs_held(), 1);
         assert_eq!(memory.bytes(), 10);
-        // Leadership lost: nothing at all.
+        // Leadership lost: nothing drives any run; the counts stay.
         memory.clear();
-        assert!(memory.is_empty() && memory.bytes() == 0 && memory.logs_held() == 0);
+        drives_nothing(&memory, "running");
+        assert!(memory.bytes() == 0 && memory.logs_held() == 0);
+        assert!(!memory.counted("running", |c| c.is_empty()));
     }
 
     #[test]

@@ -619,6 +619,7 @@ fn context(
         opts.user_url_deny.clone(),
         opts.user_url_public,
     ));
+    let memory = Arc::new(memory::RunMemory::with_budget(opts.log_cache_mib << 20));
     let (discovery, discovered) = discovery::Discovery::new(
         crate::egress::client(user_urls.clone())?,
         user_urls.clone(),
@@ -628,6 +629,7 @@ fn context(
             concurrency: opts.discovery_concurrency.into(),
             namespace_concurrency: opts.discovery_namespace_concurrency.into(),
         },
+        memory.clone(),
     );
     let verifier = parts.tokens.record_verifier();
     let key_id = parts.tokens.record_signer().key_id().to_string();
@@ -671,7 +673,7 @@ fn context(
             policies: Some(parts.policies),
             runs: Some(caches.runs.clone()),
         },
-        memory: memory::RunMemory::with_budget(opts.log_cache_mib << 20),
+        memory,
         discovery,
         slots: slots::Slots::new(
             opts.reconcile_concurrency.into(),

@@ -12,7 +12,10 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use super::decide::*;
+use super::decide::{
+    controlled_by, failed_jobs_before, held_by_a_pod_of, idle_requeue, job_ended_at,
+    termination_message,
+};
 use super::phase::{JobState, JobView, LeaseView};
 use super::{Acting, cached_or_get, job, phase};
 use crate::api::{AgentRun, AgentTemplate};
@@ -236,7 +239,8 @@ pub(super) async fn read_job(
         })?;
     let uid = crate::api::RunUid::of(run);
     let job = job.filter(|j| controlled_by(j, &uid, &name));
-    ctx.metrics.observe_job(&uid, job.as_ref());
+    ctx.memory
+        .counted(&uid, |c| ctx.metrics.observe_job(c, job.as_ref()));
     let ended_at = job.as_ref().and_then(job_ended_at);
     let running = job
         .as_ref()

@@ -10,8 +10,10 @@ use kube::ResourceExt;
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 
-use super::decide::*;
-use super::job_io::*;
+use super::decide::{
+    anchored_head, asleep, lets_go_later, signs_with_another_key, truncate, waits_as_left,
+};
+use super::job_io::{delete_step_job, read_job};
 use super::{checkpoint, phase, status, write_status};
 use crate::api::AgentRun;
 use crate::controller::context::{Context, notice};
@@ -126,7 +128,8 @@ pub(super) async fn replay(
             Ok(None) => break,
             Err(tampered) => return Ok(Err(tampered)),
         };
-        ctx.metrics.observe_log(&uid, &records);
+        ctx.memory
+            .counted(&uid, |c| ctx.metrics.observe_log(c, &records));
         for r in &records {
             if verified.is_some_and(|v| v == r.head()) {
                 replayed.resumed = false;
@@ -264,7 +267,7 @@ pub(super) fn keep_replayed(
     asleep: Option<Asleep>,
 ) {
     if finished {
-        ctx.memory.forget(uid);
+        ctx.memory.finished(uid);
         return;
     }
     ctx.memory.follow(uid, ObjectRef::from_obj(run));
@@ -296,7 +299,7 @@ pub(super) async fn stop_tampered(
     });
     if already {
         // Its status says so: nothing more to remember about it.
-        ctx.memory.forget(&crate::api::RunUid::of(run));
+        ctx.memory.finished(&crate::api::RunUid::of(run));
         return Ok(Action::await_change());
     }
     tracing::error!(run = %run.name_any(), namespace = %ns, error = %tampered, "step log failed verification; stopping the run");

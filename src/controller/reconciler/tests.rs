@@ -194,6 +194,7 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
             .unwrap();
     let signer = tokens.record_signer();
     let mut registry = Registry::default();
+    let memory = std::sync::Arc::new(crate::controller::memory::RunMemory::default());
     Context {
         reporter: Reporter {
             controller: "agentrun-controller".into(),
@@ -228,11 +229,12 @@ async fn context(client: kube::Client, dir: &std::path::Path) -> Context {
             console_url: None,
         },
         caches: Default::default(),
-        memory: Default::default(),
+        memory: memory.clone(),
         discovery: crate::controller::watchers::tool_discovery::Discovery::new(
             reqwest::Client::new(),
             Default::default(),
             crate::controller::watchers::tool_discovery::Limits::default(),
+            memory,
         )
         .0,
         slots: crate::controller::slots::Slots::new(0, 0),

@@ -14,9 +14,9 @@
 //!   request, naming the field), [`crate::tools::MAX_TOOLS_PER_SERVER`]
 //!   tools per server.
 //!
-//! A result (catalog or failure) is kept until the run records it
-//! ([`Discovery::forget`]): one discovery per run and agent version at a
-//! time. A failure is asked again after a backoff ([`retry_after`]: 5 s,
+//! A result (catalog or failure) is kept in the run's memory until the run
+//! records it ([`Discovery::forget`]), finishes or is deleted: one discovery
+//! per run and agent version at a time. A failure is asked again after a backoff ([`retry_after`]: 5 s,
 //! doubling to 5 minutes), as a kubelet pulls an image again: the server
 //! may be arriving in the same apply as the run (its run waits, saying
 //! why, until its deadline). Only the controller's memory holds it; the
@@ -30,13 +30,12 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::{Semaphore, mpsc};
 
 use crate::api::{AgentRun, ToolSpec};
+use crate::controller::memory::{Ask, AskState, RunMemory};
 use crate::egress::Policy;
 use crate::tools::{DiscoveryBounds, McpCatalog, discover_catalog_with};
 
 /// Distinct MCP servers one agent may name.
 pub const MAX_MCP_SERVERS: usize = 8;
-/// How long a result nobody collected is kept (its run was deleted).
-const UNCOLLECTED_TTL: Duration = Duration::from_secs(15 * 60);
 
 /// The bounds of discovery (controller flags).
 #[derive(Clone, Copy, Debug)]
@@ -76,27 +75,13 @@ pub fn retry_after(failures: u32) -> Duration {
     Duration::from_secs(doubled.min(300))
 }
 
-enum State {
-    Running(tokio::task::AbortHandle),
-    Done(Result<McpCatalog, crate::refusal::Refusal>),
-}
-
-struct Ask {
-    /// Which MCP tools were asked for (a changed agent asks anew).
-    key: String,
-    state: State,
-    since: Instant,
-    /// Failures in a row before this one (the backoff).
-    failures: u32,
-}
-
 struct Shared {
     http: reqwest::Client,
     policy: Arc<Policy>,
     limits: Limits,
     global: Arc<Semaphore>,
     namespaces: Mutex<HashMap<String, Arc<Semaphore>>>,
-    asks: Mutex<HashMap<String, Ask>>,
+    memory: Arc<RunMemory>,
     wake: mpsc::UnboundedSender<ObjectRef<AgentRun>>,
 }
 
@@ -145,6 +130,7 @@ impl Discovery {
         http: reqwest::Client,
         policy: Arc<Policy>,
         limits: Limits,
+        memory: Arc<RunMemory>,
     ) -> (Discovery, mpsc::UnboundedReceiver<ObjectRef<AgentRun>>) {
         let (wake, woken) = mpsc::unbounded_channel();
         let shared = Shared {
@@ -153,7 +139,7 @@ impl Discovery {
             limits,
             global: Arc::new(Semaphore::new(limits.concurrency.max(1))),
             namespaces: Mutex::default(),
-            asks: Mutex::default(),
+            memory,
             wake,
         };
         (
@@ -175,13 +161,27 @@ impl Discovery {
         }
         let uid = String::from(crate::api::RunUid::of(run));
         let key = ask_key(tools);
-        let mut asks = self.shared.asks.lock().expect("not poisoned");
+        self.shared
+            .memory
+            .ask(&uid, |ask| self.answer_or_ask(ask, run, &uid, key, tools))
+    }
+
+    /// The answer `ask` holds for `key`, or a new discovery in its place
+    /// (dropping one asked for other tools aborts it: the agent changed).
+    fn answer_or_ask(
+        &self,
+        ask: &mut Option<Ask>,
+        run: &AgentRun,
+        uid: &str,
+        key: String,
+        tools: &[ToolSpec],
+    ) -> Answer {
         let mut failures = 0;
-        if let Some(ask) = asks.get(&uid).filter(|a| a.key == key) {
+        if let Some(ask) = ask.as_ref().filter(|a| a.key == key) {
             match &ask.state {
-                State::Done(Ok(catalog)) => return Answer::Ready(Ok(catalog.clone())),
-                State::Running(_) => return Answer::Pending,
-                State::Done(Err(reason)) => {
+                AskState::Done(Ok(catalog)) => return Answer::Ready(Ok(catalog.clone())),
+                AskState::Running(_) => return Answer::Pending,
+                AskState::Done(Err(reason)) => {
                     let wait = retry_after(ask.failures + 1);
                     if let Some(retry_in) = wait.checked_sub(ask.since.elapsed())
                         && !retry_in.is_zero()
@@ -195,45 +195,24 @@ impl Discovery {
                 }
             }
         }
-        // Asked for other tools before (the agent changed): that answer is moot.
-        if let Some(Ask {
-            state: State::Running(task),
-            ..
-        }) = asks.remove(&uid)
-        {
-            task.abort();
-        }
-        asks.retain(|_, a| {
-            matches!(a.state, State::Running(_)) || a.since.elapsed() < UNCOLLECTED_TTL
-        });
         let task = tokio::spawn(self.clone().discover(
             ObjectRef::from_obj(run),
-            uid.clone(),
+            uid.to_string(),
             key.clone(),
             tools.to_vec(),
         ));
-        asks.insert(
-            uid,
-            Ask {
-                key,
-                state: State::Running(task.abort_handle()),
-                since: Instant::now(),
-                failures,
-            },
-        );
+        *ask = Some(Ask {
+            key,
+            state: AskState::Running(task.abort_handle()),
+            since: Instant::now(),
+            failures,
+        });
         Answer::Pending
     }
 
-    /// Drops the run's answer once the run recorded it (or ended).
+    /// Drops the run's answer once the run recorded it.
     pub fn forget(&self, uid: &str) {
-        let mut asks = self.shared.asks.lock().expect("not poisoned");
-        if let Some(Ask {
-            state: State::Running(task),
-            ..
-        }) = asks.remove(uid)
-        {
-            task.abort();
-        }
+        self.shared.memory.ask(uid, |ask| *ask = None);
     }
 
     /// Runs one discovery in its turn and wakes the run with the answer.
@@ -263,17 +242,12 @@ impl Discovery {
                 limits.deadline
             )),
         };
-        if let Some(ask) = self
-            .shared
-            .asks
-            .lock()
-            .expect("not poisoned")
-            .get_mut(&uid)
-            .filter(|a| a.key == key)
-        {
-            ask.state = State::Done(result.map_err(crate::refusal::Refusal::from));
-            ask.since = Instant::now();
-        }
+        self.shared.memory.answer(&uid, |ask| {
+            if ask.key == key {
+                ask.state = AskState::Done(result.map_err(crate::refusal::Refusal::from));
+                ask.since = Instant::now();
+            }
+        });
         let _ = self.shared.wake.send(run);
     }
 
@@ -391,7 +365,7 @@ mod tests {
             deadline: Duration::from_secs(5),
             ..Default::default()
         };
-        let (d, mut woken) = Discovery::new(http(), loopback(), limits);
+        let (d, mut woken) = Discovery::new(http(), loopback(), limits, Arc::default());
         let r = run("u1", "a");
         let tools = [mcp("t", &url)];
         assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
@@ -430,7 +404,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let url = format!("http://{addr}/mcp");
-        let (d, mut woken) = Discovery::new(http(), loopback(), Limits::default());
+        let (d, mut woken) = Discovery::new(http(), loopback(), Limits::default(), Arc::default());
         let r = run("u1", "a");
         let tools = [mcp("lookup", &url)];
         assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
@@ -442,9 +416,43 @@ mod tests {
         };
         assert!(reason.contains(&url), "{reason}");
         // The backoff over (as time passes), the next ask discovers again.
-        d.shared.asks.lock().unwrap().get_mut("u1").unwrap().since -= retry_after(1);
+        d.shared.memory.answer("u1", |a| a.since -= retry_after(1));
         assert_eq!(d.catalog(&r, &tools, "spec.tools"), Answer::Pending);
-        assert_eq!(d.shared.asks.lock().unwrap()["u1"].failures, 1);
+        let mut failures = 0;
+        d.shared.memory.answer("u1", |a| failures = a.failures);
+        assert_eq!(failures, 1);
+    }
+
+    /// A run let go of (finished, or leadership lost) stops its discovery:
+    /// the task in flight is aborted, its permits return, and no answer is
+    /// kept for it.
+    #[tokio::test]
+    async fn a_run_let_go_of_stops_its_discovery() {
+        let (url, _) = hanging_server().await;
+        let (d, _woken) = Discovery::new(http(), loopback(), Limits::default(), Arc::default());
+        let all = Limits::default().concurrency;
+        assert_eq!(
+            d.catalog(&run("u1", "a"), &[mcp("t", &url)], "spec.tools"),
+            Answer::Pending
+        );
+        let wait = |want| {
+            let d = d.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(5), async {
+                    while d.shared.global.available_permits() != want {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+                .await
+                .expect("the permits as expected")
+            }
+        };
+        wait(all - 1).await;
+        d.shared.memory.finished("u1");
+        wait(all).await;
+        let mut kept = false;
+        d.shared.memory.answer("u1", |_| kept = true);
+        assert!(!kept);
     }
 
     #[tokio::test]
@@ -456,7 +464,7 @@ mod tests {
             concurrency: 3,
             namespace_concurrency: 2,
         };
-        let (d, _woken) = Discovery::new(http(), loopback(), limits);
+        let (d, _woken) = Discovery::new(http(), loopback(), limits, Arc::default());
         for i in 0..10 {
             d.catalog(&run(&format!("a{i}"), "a"), &[mcp("t", &url)], "spec.tools");
         }
@@ -471,7 +479,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_agent_without_mcp_servers_gets_its_empty_catalog_at_once() {
-        let (d, _woken) = Discovery::new(http(), loopback(), Limits::default());
+        let (d, _woken) = Discovery::new(http(), loopback(), Limits::default(), Arc::default());
         let http: ToolSpec =
             serde_json::from_value(serde_json::json!({"name": "h", "http": {"url": "http://h/x"}}))
                 .unwrap();

@@ -20,7 +20,7 @@ async fn a_log_too_large_to_hold_is_resumed_at_its_checkpoint_not_read_whole_at_
     let dir = tempfile::tempdir().unwrap();
     // One run may hold a quarter of the memory's budget: 1 MiB here.
     let (ctx, handle) = super::mocked_with(dir.path(), |ctx| {
-        ctx.memory = RunMemory::with_budget(4 * MIB);
+        ctx.memory = std::sync::Arc::new(RunMemory::with_budget(4 * MIB));
     })
     .await;
     let (ctx, handle, run) = start(ctx, handle, super::run()).await;
