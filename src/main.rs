@@ -63,8 +63,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             // A worker whose lease was taken over exits with its own code.
             if let Err(e) = &result
-                && e.downcast_ref::<agentrun::step::runner::LeaseLost>()
-                    .is_some()
+                && e.downcast_ref::<agentrun::step::runner::StepError>()
+                    .is_some_and(agentrun::step::runner::StepError::lease_lost)
             {
                 std::process::exit(agentrun::step::runner::LEASE_LOST_EXIT_CODE);
             }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use agentrun::step::runner::{LEASE_LOST_EXIT_CODE, LeaseLost, StepArgs};
+use agentrun::step::runner::{LEASE_LOST_EXIT_CODE, StepArgs, StepError};
 use agentrun::store::{self, RemoteStore, StepStore};
 use tokio::runtime::Handle;
 use tracing::info;
@@ -161,14 +161,14 @@ pub async fn run(
     ));
     let mut task = steps.spawn(async move {
         let store = open_store(&args.store_url, token.as_deref()).await?;
-        agentrun::step::runner::run_on(args, store).await
+        Ok::<(), anyhow::Error>(agentrun::step::runner::run_on(args, store).await?)
     });
     // The message is what `agentrun step` writes to its termination log
     // (src/main.rs): its error, or its panic.
     let (code, outcome, message) = tokio::select! {
         joined = &mut task => match joined {
             Ok(Ok(())) => (0, "finished".to_string(), None),
-            Ok(Err(e)) if e.downcast_ref::<LeaseLost>().is_some() => {
+            Ok(Err(e)) if e.downcast_ref::<StepError>().is_some_and(StepError::lease_lost) => {
                 (LEASE_LOST_EXIT_CODE, format!("stopped: {e:#}"), Some(format!("{e:#}")))
             }
             Ok(Err(e)) => (1, format!("failed: {e:#}"), Some(format!("{e:#}"))),

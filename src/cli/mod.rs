@@ -183,8 +183,10 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             run,
             follow,
             source,
-        } => log::log(&k, &run, &source.source(), follow, &mut out).await,
-        Command::Verify { run, source } => log::verify(&k, &run, &source.source(), &mut out).await,
+        } => Ok(log::log(&k, &run, &source.source(), follow, &mut out).await?),
+        Command::Verify { run, source } => {
+            Ok(log::verify(&k, &run, &source.source(), &mut out).await?)
+        }
         Command::Cancel { run } => cancel(&k, &run, &mut out).await,
         Command::Console(args) => {
             drop(out);

@@ -719,7 +719,7 @@ async fn timeline(
     let k = Kube::new(caller.client.clone(), ns);
     let read = log::read_api(&k, name, &c.controller_namespace)
         .await
-        .map_err(|e| format!("{e:#}"))?;
+        .map_err(|e| Refusal::new(crate::text::chain(&e)))?;
     let v = &read.verdict;
     let verdict = if v.ok() {
         format!(

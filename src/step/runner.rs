@@ -6,7 +6,6 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
 use tracing::Instrument as _;
 
 use super::approval_request;
@@ -15,12 +14,14 @@ use super::spans;
 use crate::failpoint;
 use crate::model::{AttemptOutcome, ModelClient, ModelError, ModelResponse, cost_usd};
 use crate::policy::{Classification, classify};
+use crate::refusal::Refusal;
+use crate::replay::DecodeError;
 use crate::replay::{Entry, Next, RunState, Snapshot};
 use crate::runlog::budget;
 use crate::runlog::records::*;
-use crate::store::{self, Head, Lease, StepStore, StoreError};
+use crate::store::{self, AnchorError, Head, KeyError, Lease, StepStore, StoreError};
 use crate::telemetry::trace;
-use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
+use crate::tools::{CallContext, LookupOutcome, ToolError, ToolOutcome, Toolbox, idempotency_key};
 
 /// How long a lease lives without a heartbeat; the controller notices a lost
 /// worker once it expires.
@@ -82,10 +83,9 @@ const RECORD_MARGIN: Duration = Duration::from_secs(5);
 
 impl StepArgs {
     /// The signature rules the controller passed for this run's log.
-    fn signature_rules(&self) -> anyhow::Result<store::SignatureRules> {
+    fn signature_rules(&self) -> Result<store::SignatureRules, StepError> {
         let keys = match &self.signing_keys {
-            Some(text) => store::KeyWindows::parse(text)
-                .map_err(|e| anyhow::anyhow!("AGENTRUN_SIGNING_KEYS: {e}"))?,
+            Some(text) => store::KeyWindows::parse(text).map_err(StepError::SigningKeys)?,
             None => store::KeyWindows::Unrecorded,
         };
         Ok(store::SignatureRules {
@@ -115,27 +115,86 @@ pub struct LeaseLost;
 /// Exit code of `agentrun step` when the worker lost its lease ([`LeaseLost`]).
 pub const LEASE_LOST_EXIT_CODE: i32 = 3;
 
+/// Why a step Job stopped short. Each variant names what was being done;
+/// the store's, model's or tools' error below it says why. Where the
+/// message always quoted its cause (a malformed environment variable), the
+/// cause is a plain field, so the line never says it twice.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("opening the step store")]
+    OpenStore(#[source] StoreError),
+    #[error("taking the run lease")]
+    TakeLease(#[source] StoreError),
+    #[error(transparent)]
+    LeaseLost(#[from] LeaseLost),
+    #[error("AGENTRUN_LOG_ANCHOR: {0}")]
+    LogAnchor(AnchorError),
+    #[error("AGENTRUN_CONTROLLER_KEY: {0}")]
+    ControllerKey(KeyError),
+    #[error("AGENTRUN_SIGNING_KEYS: {0}")]
+    SigningKeys(Refusal),
+    #[error("reading and verifying the step log")]
+    ReadLog(#[source] StoreError),
+    #[error("checking the step log against the controller's anchor")]
+    CheckAnchor(#[source] StoreError),
+    #[error("checking the controller's signatures in the step log")]
+    CheckSignatures(#[source] StoreError),
+    /// A record the log holds that is no step of this release.
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    /// The client dependency lookups are made with.
+    #[error(transparent)]
+    LookupClient(#[from] reqwest::Error),
+    #[error("the log of run {run} has no RunStarted record")]
+    NoRunStarted { run: String },
+    #[error("run has no snapshot")]
+    NoSnapshot,
+    #[error("budgets.onExhausted is Ask but the agent names no budget approvers")]
+    NoBudgetApprovers,
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tools(#[from] ToolError),
+    #[error("lost the run lease: another worker took the run over; not calling out")]
+    HoldLease(#[source] StoreError),
+    /// The next record could not be sealed onto the head.
+    #[error(transparent)]
+    Seal(StoreError),
+    #[error("reviving the lapsed run lease")]
+    ReviveLease(#[source] StoreError),
+    #[error("appending to the step log")]
+    Append(#[source] StoreError),
+}
+
+impl StepError {
+    /// Whether the worker stopped because another took the run over (the
+    /// `step` subcommand then exits with [`LEASE_LOST_EXIT_CODE`]).
+    pub fn lease_lost(&self) -> bool {
+        matches!(self, StepError::LeaseLost(_))
+    }
+}
+
 /// Runs steps until the slice ends or the run is done.
 pub async fn run(args: StepArgs) -> anyhow::Result<()> {
     let store = store::open(&args.store_url)
         .await
-        .context("opening the step store")?;
-    run_on(args, store).await
+        .map_err(StepError::OpenStore)?;
+    Ok(run_on(args, store).await?)
 }
 
 /// [`run`] on a store opened by the caller (the e2e process node runs step
 /// pods in process, with each pod's gateway token, not the process's env).
 #[tracing::instrument(name = "step_job", skip_all, fields(run = %args.run_name, run_uid = %args.run_uid, attempt = args.attempt, pod = %args.worker))]
-pub async fn run_on(args: StepArgs, store: Arc<dyn StepStore>) -> anyhow::Result<()> {
+pub async fn run_on(args: StepArgs, store: Arc<dyn StepStore>) -> Result<(), StepError> {
     let span = spans::step(&args.run_name, &args.run_uid, args.attempt, &args.worker);
     let started = Instant::now();
     let result = attempt(args, store, &span, started)
         .instrument(span.clone())
         .await;
     if let Err(e) = &result {
-        let kind = match e.downcast_ref::<LeaseLost>() {
-            Some(_) => "lease_lost",
-            None => "step_failed",
+        let kind = match e.lease_lost() {
+            true => "lease_lost",
+            false => "step_failed",
         };
         spans::record_error(&span, kind);
     }
@@ -147,7 +206,7 @@ async fn attempt(
     store: Arc<dyn StepStore>,
     span: &tracing::Span,
     started: Instant,
-) -> anyhow::Result<()> {
+) -> Result<(), StepError> {
     let lease = acquire(&*store, &args).await?;
     failpoint::hit("after-lease");
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
@@ -183,7 +242,7 @@ async fn attempt(
 
 /// Takes the lease, waiting out a previous worker's lease if it is still
 /// live, and a store (or gateway) outage as long as appends would.
-async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease> {
+async fn acquire(store: &dyn StepStore, args: &StepArgs) -> Result<Lease, StepError> {
     let started = Instant::now();
     loop {
         let waited = started.elapsed();
@@ -200,7 +259,7 @@ async fn acquire(store: &dyn StepStore, args: &StepArgs) -> anyhow::Result<Lease
                 tracing::info!(error = %e, "waiting for the run lease");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
-            Err(e) => return Err(e).context("taking the run lease"),
+            Err(e) => return Err(StepError::TakeLease(e)),
         }
     }
 }
@@ -270,24 +329,21 @@ impl Runner {
         args: &StepArgs,
         lease: Lease,
         started: Instant,
-    ) -> anyhow::Result<Runner> {
+    ) -> Result<Runner, StepError> {
         // The whole chain is verified, and it must extend what the controller anchored.
         let anchor = match &args.log_anchor {
-            Some(a) => {
-                Head::parse_anchor(a).map_err(|e| anyhow::anyhow!("AGENTRUN_LOG_ANCHOR: {e}"))?
-            }
+            Some(a) => Head::parse_anchor(a).map_err(StepError::LogAnchor)?,
             None => Head::EMPTY,
         };
         let records = with_store_retry(|| store.read_verified(&args.run_uid, None))
             .await
-            .context("reading and verifying the step log")?;
-        store::check_anchor(&args.run_uid, &records, &anchor)
-            .context("checking the step log against the controller's anchor")?;
+            .map_err(StepError::ReadLog)?;
+        store::check_anchor(&args.run_uid, &records, &anchor).map_err(StepError::CheckAnchor)?;
         if let Some(key) = &args.controller_key {
             store::RecordVerifier::from_hex(key)
-                .map_err(|e| anyhow::anyhow!("AGENTRUN_CONTROLLER_KEY: {e}"))?
+                .map_err(StepError::ControllerKey)?
                 .check(&args.run_uid, &records, &args.signature_rules()?)
-                .context("checking the controller's signatures in the step log")?;
+                .map_err(StepError::CheckSignatures)?;
         }
         let mut steps = Vec::with_capacity(records.len());
         for r in &records {
@@ -313,7 +369,7 @@ impl Runner {
 
     /// Takes steps until one needs the controller, the agent changes, or the
     /// time slice is over.
-    async fn drive(&mut self, slice: Duration) -> anyhow::Result<()> {
+    async fn drive(&mut self, slice: Duration) -> Result<(), StepError> {
         let until = Instant::now() + slice;
         loop {
             match self.take_step(self.state.next()).await? {
@@ -326,13 +382,14 @@ impl Runner {
     }
 
     /// Does what the log says comes next, and says whether to go on.
-    async fn take_step(&mut self, next: Next) -> anyhow::Result<Flow> {
+    async fn take_step(&mut self, next: Next) -> Result<Flow, StepError> {
         match next {
             Next::Done => return Ok(Flow::Exit),
-            Next::NotStarted => bail!(
-                "the log of run {} has no RunStarted record",
-                self.args.run_uid
-            ),
+            Next::NotStarted => {
+                return Err(StepError::NoRunStarted {
+                    run: self.args.run_uid.clone(),
+                });
+            }
             Next::CallModel => self.model_step().await?,
             Next::RecordIntent {
                 model_call_seq,
@@ -398,7 +455,7 @@ impl Runner {
         model_call_seq: u64,
         call_index: usize,
         call: crate::model::ToolCall,
-    ) -> anyhow::Result<Flow> {
+    ) -> Result<Flow, StepError> {
         let snap = self.snapshot()?;
         let (arguments, alternative) = crate::policy::split_alternative(&call.arguments);
         let network = self.network(&snap, &call.name).await;
@@ -434,10 +491,10 @@ impl Runner {
         &mut self,
         reason: &str,
         arguments: serde_json::Value,
-    ) -> anyhow::Result<Flow> {
+    ) -> Result<Flow, StepError> {
         let snap = self.snapshot()?;
         let Some(gate) = crate::policy::budget_gate(&snap.agent) else {
-            bail!("budgets.onExhausted is Ask but the agent names no budget approvers");
+            return Err(StepError::NoBudgetApprovers);
         };
         let request = approval_request::budget_request(&self.state, reason, arguments, gate);
         tracing::info!(%reason, "budget used up; asking its approvers and stopping");
@@ -453,7 +510,7 @@ impl Runner {
         intent: ToolIntent,
         happened: bool,
         decided_seq: u64,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), StepError> {
         let (outcome, recovery) = if happened {
             let note =
                 format!("a human confirmed the call happened (decision at record {decided_seq})");
@@ -489,7 +546,7 @@ impl Runner {
         request_seq: u64,
         request: ApprovalRequested,
         arguments: serde_json::Value,
-    ) -> anyhow::Result<Flow> {
+    ) -> Result<Flow, StepError> {
         let now =
             approval_request::read_dependencies(&request.gate.dependencies, &arguments, &self.http)
                 .await;
@@ -522,7 +579,7 @@ impl Runner {
         call_id: &str,
         tool: &str,
         arguments: serde_json::Value,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), StepError> {
         let intent = ToolIntent {
             model_call_seq,
             call_index,
@@ -536,12 +593,12 @@ impl Runner {
         Ok(())
     }
 
-    fn snapshot(&self) -> anyhow::Result<Snapshot> {
-        self.state.snapshot.clone().context("run has no snapshot")
+    fn snapshot(&self) -> Result<Snapshot, StepError> {
+        self.state.snapshot.clone().ok_or(StepError::NoSnapshot)
     }
 
     #[tracing::instrument(name = "model_step", skip_all, fields(step = self.head.len))]
-    async fn model_step(&mut self) -> anyhow::Result<()> {
+    async fn model_step(&mut self) -> Result<(), StepError> {
         let snap = self.snapshot()?;
         let budgets = self.state.budgets();
         if let Some(reason) = self.state.budget_exceeded(budgets.as_ref()) {
@@ -611,7 +668,7 @@ impl Runner {
         &mut self,
         client: &ModelClient,
         request: &crate::model::ModelRequest,
-    ) -> anyhow::Result<Option<(ModelResponse, ModelAttempts)>> {
+    ) -> Result<Option<(ModelResponse, ModelAttempts)>, StepError> {
         self.hold_lease("before-model-call").await?;
         // A model call starts a step: where a FollowLatest run moves to its
         // Agent's new version, never with the old prompt asked once more.
@@ -668,7 +725,7 @@ impl Runner {
         client: &ModelClient,
         e: &ModelError,
         attempts: ModelAttempts,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), StepError> {
         let why = match e {
             ModelError::Unavailable { .. } => "did not answer in time",
             ModelError::Config(_) => "could not be called",
@@ -696,7 +753,7 @@ impl Runner {
 
     /// The toolbox of the current snapshot, taken out of `self` while in use
     /// (put it back with `self.tools = Some(..)`); rebuilt when versions change.
-    fn take_toolbox(&mut self) -> anyhow::Result<(String, Toolbox)> {
+    fn take_toolbox(&mut self) -> Result<(String, Toolbox), StepError> {
         let snap = self.snapshot()?;
         let stamp = snap.versions.tool_schema_hash.clone();
         match self.tools.take() {
@@ -720,7 +777,7 @@ impl Runner {
     }
 
     #[tracing::instrument(name = "tool_step", skip_all, fields(step = self.head.len, intent = intent_seq, tool = %intent.tool))]
-    async fn tool_step(&mut self, intent_seq: u64, intent: ToolIntent) -> anyhow::Result<()> {
+    async fn tool_step(&mut self, intent_seq: u64, intent: ToolIntent) -> Result<(), StepError> {
         let recovering = !self.own_intents.contains(&intent_seq);
         let ctx = CallContext::new(self.args.run_uid.clone(), intent_seq, intent.key.clone());
         let (stamp, tools) = self.take_toolbox()?;
@@ -792,7 +849,7 @@ impl Runner {
     }
 
     /// Records why the run cannot go on, for the controller to end it.
-    async fn stop(&mut self, finished: RunFinished) -> anyhow::Result<()> {
+    async fn stop(&mut self, finished: RunFinished) -> Result<(), StepError> {
         self.append(stop_step(finished), None).await.map(|_| ())
     }
 
@@ -800,10 +857,10 @@ impl Runner {
     /// out (a renew succeeds only for the current epoch), so a worker that
     /// froze and was replaced never makes a call after waking. Then the
     /// failpoint of that boundary.
-    async fn hold_lease(&mut self, failpoint_name: &str) -> anyhow::Result<()> {
+    async fn hold_lease(&mut self, failpoint_name: &str) -> Result<(), StepError> {
         let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))
             .await
-            .context("lost the run lease: another worker took the run over; not calling out")?;
+            .map_err(StepError::HoldLease)?;
         self.lease = renewed;
         failpoint::hit(failpoint_name);
         Ok(())
@@ -812,7 +869,7 @@ impl Runner {
     /// Appends a record at the head, adopting the recorded one if another
     /// worker won that seq. Returns the seq. Store outages are waited out.
     #[tracing::instrument(name = "append", skip_all, fields(step = self.head.len, kind = step.kind()))]
-    async fn append(&mut self, step: Entry, model_id: Option<String>) -> anyhow::Result<u64> {
+    async fn append(&mut self, step: Entry, model_id: Option<String>) -> Result<u64, StepError> {
         let kind = step.kind();
         failpoint::hit(&format!("before-append:{kind}"));
         let mut draft = step.draft();
@@ -841,7 +898,7 @@ impl Runner {
             pod: self.args.worker.clone(),
             attempt: self.args.attempt,
         };
-        let record = draft.seal(&self.head)?;
+        let record = draft.seal(&self.head).map_err(StepError::Seal)?;
         let seq = record.seq;
         let mut outcome = with_store_retry(|| {
             self.store
@@ -855,7 +912,7 @@ impl Runner {
                 .store
                 .renew(&self.lease, LEASE_TTL)
                 .await
-                .context("reviving the lapsed run lease")?;
+                .map_err(StepError::ReviveLease)?;
             outcome = with_store_retry(|| {
                 self.store
                     .append(&self.args.run_uid, self.lease.epoch, &record)
@@ -879,7 +936,7 @@ impl Runner {
                     &recorded.payload,
                 )?);
             }
-            Err(e) => return Err(e).context("appending to the step log"),
+            Err(e) => return Err(StepError::Append(e)),
         }
         failpoint::hit(&format!("after-append:{kind}"));
         Ok(seq)

@@ -60,6 +60,7 @@ fn figure(name: &str, value: f64, unit: &str) {
 
 fn draft(i: u64, pod: &str) -> RecordDraft {
     RecordDraft {
+        format: agentrun::store::FORMAT_1,
         kind: if i.is_multiple_of(2) {
             StepKind::ModelCall
         } else {

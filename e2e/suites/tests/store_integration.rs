@@ -241,6 +241,7 @@ impl Ctx {
 
 fn draft(kind: StepKind, payload: serde_json::Value, pod: &str) -> RecordDraft {
     RecordDraft {
+        format: agentrun::store::FORMAT_1,
         kind,
         payload,
         versions: Default::default(),

@@ -11,6 +11,7 @@ use futures::{AsyncBufReadExt as _, Stream};
 use kube::core::Status;
 
 use crate::api::runlog::{LOG_GROUP, LOG_VERSION, MAX_PAGE, RUNLOGS, RunLog};
+use crate::refusal::Refusal;
 
 /// Lines of a follow stream (each a `WatchEvent`); an error is a dropped
 /// connection.
@@ -23,7 +24,33 @@ pub enum Failure {
     /// was briefly unavailable (a replica restarting: 503, 429...).
     Transient(String),
     /// Final: refused, not found, not installed, not understood.
-    Final(anyhow::Error),
+    Final(LogApiError),
+}
+
+/// A request to the log API that will not succeed when asked again.
+#[derive(Debug, thiserror::Error)]
+pub enum LogApiError {
+    /// A 404, in the user's terms: the log API is not installed, or there
+    /// is no such run ([`not_found`]).
+    #[error("{0}")]
+    NotFound(Refusal),
+    /// Any other refusal, in the user's terms: the right that is missing,
+    /// the credentials, the server's failure ([`refused`]).
+    #[error("{0}")]
+    Refused(Refusal),
+    #[error("reading the log of run {run} in namespace {ns} through the log API")]
+    Request {
+        run: String,
+        ns: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("building the request for {path}")]
+    Build {
+        path: String,
+        #[source]
+        source: hyper::http::Error,
+    },
 }
 
 /// One run's log, through the API.
@@ -125,7 +152,9 @@ impl LogApi {
         match e {
             kube::Error::Api(s) if s.code == 404 => {
                 let served = self.group_served().await;
-                Failure::Final(anyhow::anyhow!(not_found(&s, &self.ns, &self.run, served)))
+                Failure::Final(LogApiError::NotFound(Refusal::new(not_found(
+                    &s, &self.ns, &self.run, served,
+                ))))
             }
             kube::Error::Api(s) => match transient(&s) {
                 true => Failure::Transient(format!(
@@ -133,15 +162,18 @@ impl LogApi {
                     s.code,
                     crate::client::approvals::visible(&s.message)
                 )),
-                false => Failure::Final(anyhow::anyhow!(refused(&s, verb, &self.ns))),
+                false => Failure::Final(LogApiError::Refused(Refusal::new(refused(
+                    &s, verb, &self.ns,
+                )))),
             },
             kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
                 Failure::Transient(format!("connecting to the API server: {e}"))
             }
-            other => Failure::Final(anyhow::Error::new(other).context(format!(
-                "reading the log of run {} in namespace {} through the log API",
-                self.run, self.ns
-            ))),
+            source => Failure::Final(LogApiError::Request {
+                run: self.run.clone(),
+                ns: self.ns.clone(),
+                source,
+            }),
         }
     }
 
@@ -182,7 +214,12 @@ fn get(path: &str) -> Result<hyper::Request<Vec<u8>>, Failure> {
     hyper::Request::get(path)
         .header(hyper::header::ACCEPT, "application/json")
         .body(Vec::new())
-        .map_err(|e| Failure::Final(anyhow::anyhow!("building the request for {path}: {e}")))
+        .map_err(|source| {
+            Failure::Final(LogApiError::Build {
+                path: path.to_string(),
+                source,
+            })
+        })
 }
 
 /// Whether a failed answer may succeed when asked again: the server or a

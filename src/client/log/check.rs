@@ -11,10 +11,21 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::api::runlog::{RunLog, VERIFIED, Verification};
 use crate::api::{AgentRun, Phase};
+use crate::refusal::Refusal;
 use crate::store::audit::{Audit, SignedRecord};
 use crate::store::{
-    Hash, Head, KeyWindows, Record, RecordVerifier, SignatureRules, StoredRecord, UnreadableRecord,
+    Hash, Head, KeyWindows, ParseHashError, Record, RecordVerifier, SignatureRules, StoredRecord,
+    UnreadableRecord,
 };
+
+/// A head recorded for the run that is no hash: nothing to check against.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    #[error("status.log.headHash")]
+    StatusHead(#[source] ParseHashError),
+    #[error("the log API's verification.headHash")]
+    ServedHead(#[source] ParseHashError),
+}
 
 /// What a log is checked against: the run's identity and the head its
 /// status recorded.
@@ -39,15 +50,13 @@ pub struct Trust {
 
 impl Trust {
     /// From the AgentRun, read from the API server with the user's identity.
-    pub fn of_run(run: &AgentRun) -> Result<Trust, String> {
+    pub fn of_run(run: &AgentRun) -> Result<Trust, TrustError> {
         let status = run.status.as_ref();
         let log = status.and_then(|s| s.log.as_ref());
         let anchor = match log.and_then(|l| l.head_hash.as_deref()) {
             Some(hash) => Some(Head {
                 len: log.map_or(0, |l| l.length),
-                hash: hash
-                    .parse()
-                    .map_err(|e| format!("status.log.headHash: {e}"))?,
+                hash: hash.parse().map_err(TrustError::StatusHead)?,
             }),
             None => None,
         };
@@ -68,14 +77,12 @@ impl Trust {
     /// signed and bound), as the run's own exemptions are not known, with
     /// the key windows the server read in the run's status (none: no
     /// retired key's signature counts).
-    pub fn of_log(log: &RunLog, why: &str) -> Result<Trust, String> {
+    pub fn of_log(log: &RunLog, why: &str) -> Result<Trust, TrustError> {
         let v = log.verification.as_ref();
         let anchor = match v.and_then(|v| v.head_hash.as_deref()) {
             Some(hash) => Some(Head {
                 len: v.map_or(0, |v| v.head_length),
-                hash: hash
-                    .parse()
-                    .map_err(|e| format!("the log API's verification.headHash: {e}"))?,
+                hash: hash.parse().map_err(TrustError::ServedHead)?,
             }),
             None => None,
         };
@@ -139,7 +146,7 @@ pub struct Pages {
 
 impl Pages {
     /// Adds a page; returns the token of the next one, `None` after the last.
-    pub fn push(&mut self, mut page: RunLog) -> Result<Option<String>, String> {
+    pub fn push(&mut self, mut page: RunLog) -> Result<Option<String>, Refusal> {
         let start = self.records.len() as u64;
         if let Some(before) = &self.last {
             same_run(before, &page)?;
@@ -149,19 +156,19 @@ impl Pages {
         let token = match &page.page {
             Some(p) => {
                 if p.from_seq != start || p.next_seq != start + received {
-                    return Err(format!(
+                    return Err(Refusal::new(format!(
                         "the log API sent a page said to hold seq {}..{} where seq {start} was due, with {received} records: refusing it",
                         p.from_seq, p.next_seq
-                    ));
+                    )));
                 }
                 p.r#continue.clone()
             }
             None => None,
         };
         if token.is_some() && received == 0 {
-            return Err(format!(
+            return Err(Refusal::new(format!(
                 "the log API sent an empty page at seq {start} with a next one: refusing to loop"
-            ));
+            )));
         }
         self.records.append(&mut page.records);
         if self.failed.is_none() {
@@ -174,25 +181,25 @@ impl Pages {
 
 /// Refuses a page or event of another run than the ones before (the run
 /// was deleted and created again under its name while it was read).
-pub fn same_run(before: &RunLog, now: &RunLog) -> Result<(), String> {
+pub fn same_run(before: &RunLog, now: &RunLog) -> Result<(), Refusal> {
     match (&before.metadata.uid, &now.metadata.uid) {
-        (Some(a), Some(b)) if a != b => Err(format!(
+        (Some(a), Some(b)) if a != b => Err(Refusal::new(format!(
             "the log API switched runs while the log was read (uid {a}, then {b}): the run was replaced"
-        )),
+        ))),
         _ => Ok(()),
     }
 }
 
 /// Refuses records that are not exactly `start`, `start + 1`, ...
-pub fn in_sequence(start: u64, records: &[StoredRecord]) -> Result<(), String> {
+pub fn in_sequence(start: u64, records: &[StoredRecord]) -> Result<(), Refusal> {
     for (i, r) in records.iter().enumerate() {
         let due = start + i as u64;
         if r.seq != due {
             let what = if r.seq < due { "repeats" } else { "skips to" };
-            return Err(format!(
+            return Err(Refusal::new(format!(
                 "the log API {what} seq {} where seq {due} was due: refusing the records from there",
                 r.seq
-            ));
+            )));
         }
     }
     Ok(())
@@ -201,7 +208,7 @@ pub fn in_sequence(start: u64, records: &[StoredRecord]) -> Result<(), String> {
 /// Checks records one at a time, in seq order from 0.
 pub struct Checker {
     uid: String,
-    keys: Result<RecordVerifier, String>,
+    keys: Result<RecordVerifier, Refusal>,
     rules: SignatureRules,
     /// The head of what was received (the stored hashes, checked or not).
     head: Head,
@@ -221,7 +228,7 @@ pub struct Checker {
 
 impl Checker {
     /// Checks run `uid`'s log with the controller's published `keys`.
-    pub fn new(uid: &str, keys: Result<RecordVerifier, String>, trust: &Trust) -> Checker {
+    pub fn new(uid: &str, keys: Result<RecordVerifier, Refusal>, trust: &Trust) -> Checker {
         let mut c = Checker {
             uid: uid.to_string(),
             keys,
@@ -281,7 +288,7 @@ impl Checker {
     /// Takes the next record, as stored; returns what it decodes to and
     /// what is wrong with it (empty when nothing is). A record not at the
     /// next seq is refused: nothing after a repeat or a gap can be placed.
-    pub fn take(&mut self, s: &StoredRecord) -> Result<Taken, String> {
+    pub fn take(&mut self, s: &StoredRecord) -> Result<Taken, Refusal> {
         in_sequence(self.head.len, std::slice::from_ref(s))?;
         let mut wrong = Vec::new();
         // One record at a time, from the stored head before it: an altered
@@ -496,9 +503,9 @@ impl Verdict {
 pub fn judge(
     uid: &str,
     stored: &[StoredRecord],
-    keys: Result<RecordVerifier, String>,
+    keys: Result<RecordVerifier, Refusal>,
     trust: &Trust,
-) -> Result<(Vec<Record>, Verdict), String> {
+) -> Result<(Vec<Record>, Verdict), Refusal> {
     let mut checker = Checker::new(uid, keys.clone(), trust);
     let mut records = Vec::with_capacity(stored.len());
     for s in stored {

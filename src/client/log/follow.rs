@@ -8,15 +8,15 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
 use futures::StreamExt as _;
 use kube::core::Status;
 
 use super::api::{Failure, LogApi, Retry, transient};
 use super::check::{Checker, Trust, same_run};
-use super::{Kube, marked_line, print_verdict, run_trust, unreadable_line};
+use super::{Kube, LogError, marked_line, print_verdict, run_trust, unreadable_line};
 use crate::api::runlog::{ADDED, ERROR, MODIFIED, RunLog, WatchEvent};
 use crate::client::approvals::visible;
+use crate::refusal::Refusal;
 use crate::runlog::records::RunFinished;
 use crate::store::RecordVerifier;
 use crate::store::StepKind;
@@ -40,9 +40,9 @@ pub enum Next {
 /// What is followed: what was received and checked so far.
 pub struct Follow {
     run: String,
-    keys: Result<RecordVerifier, String>,
+    keys: Result<RecordVerifier, Refusal>,
     /// The run's status read at the start, or why it could not be.
-    trust: Result<Trust, String>,
+    trust: Result<Trust, Refusal>,
     /// Set up at the first event when the run could not be read.
     checker: Option<Checker>,
     /// The first event's log (which run the stream is of).
@@ -56,8 +56,8 @@ pub struct Follow {
 impl Follow {
     pub fn new(
         run: &str,
-        trust: Result<Trust, String>,
-        keys: Result<RecordVerifier, String>,
+        trust: Result<Trust, Refusal>,
+        keys: Result<RecordVerifier, Refusal>,
     ) -> Follow {
         let mut f = Follow {
             run: run.to_string(),
@@ -82,23 +82,22 @@ impl Follow {
 
     /// Handles one line of the stream, printing the records it brings.
     /// An error is final (the stream refused, the server's end of it).
-    pub fn line(&mut self, line: &str, out: &mut impl Write) -> anyhow::Result<Next> {
+    pub fn line(&mut self, line: &str, out: &mut impl Write) -> Result<Next, LogError> {
         if line.trim().is_empty() {
             return Ok(Next::More { records: 0 });
         }
-        let event: WatchEvent = serde_json::from_str(line).map_err(|e| {
-            anyhow::anyhow!(
-                "following run {}: the log API sent a line that is not an event: {e}",
-                self.run
-            )
-        })?;
+        let event: WatchEvent =
+            serde_json::from_str(line).map_err(|source| LogError::NotAnEvent {
+                run: self.run.clone(),
+                source,
+            })?;
         match event.kind.as_str() {
             ADDED | MODIFIED => {
-                let log: RunLog = serde_json::from_value(event.object).map_err(|e| {
-                    anyhow::anyhow!(
-                        "following run {}: the log API sent an event that is not a RunLog: {e}",
-                        self.run
-                    )
+                let log: RunLog = serde_json::from_value(event.object).map_err(|source| {
+                    LogError::NotARunLog {
+                        run: self.run.clone(),
+                        source,
+                    }
                 })?;
                 let records = self.records(&log, out)?;
                 Ok(if log.run.finished {
@@ -117,19 +116,15 @@ impl Follow {
     }
 
     /// Checks and prints the records of one event.
-    fn records(&mut self, log: &RunLog, out: &mut impl Write) -> anyhow::Result<usize> {
+    fn records(&mut self, log: &RunLog, out: &mut impl Write) -> Result<usize, LogError> {
         match &self.first {
-            Some(first) => {
-                same_run(first, log).map_err(|e| anyhow::anyhow!("NOT VERIFIED: {e}"))?
-            }
+            Some(first) => same_run(first, log).map_err(LogError::RunReplaced)?,
             None => self.first = Some(log.clone()),
         }
         let mut recorded = None;
         let checker = self.checker_for(log)?;
         for s in &log.records {
-            let taken = checker
-                .take(s)
-                .map_err(|e| anyhow::anyhow!("NOT VERIFIED: following run: {e}"))?;
+            let taken = checker.take(s).map_err(LogError::FollowRefused)?;
             let ok = taken.wrong.is_empty();
             let Some(r) = taken.record else {
                 writeln!(out, "!{}", unreadable_line(s.seq))?;
@@ -152,11 +147,11 @@ impl Follow {
 
     /// The checker, set up from the first event when the run could not be
     /// read (its uid and head are then the log API's word).
-    fn checker_for(&mut self, log: &RunLog) -> anyhow::Result<&mut Checker> {
+    fn checker_for(&mut self, log: &RunLog) -> Result<&mut Checker, LogError> {
         if self.checker.is_none() {
             let trust = match &self.trust {
                 Ok(t) => t.clone(),
-                Err(why) => Trust::of_log(log, why).map_err(|e| anyhow::anyhow!(e))?,
+                Err(why) => Trust::of_log(log, why).map_err(LogError::ServedStatus)?,
             };
             let uid = trust.uid.clone().unwrap_or_default();
             let mut checker = Checker::new(&uid, self.keys.clone(), &trust);
@@ -174,12 +169,12 @@ impl Follow {
     pub fn finish(
         mut self,
         last: &RunLog,
-        fin: Result<Trust, String>,
+        fin: Result<Trust, Refusal>,
         out: &mut impl Write,
-    ) -> anyhow::Result<()> {
+    ) -> Result<(), LogError> {
         let fin = match fin {
             Ok(t) => t,
-            Err(why) => Trust::of_log(last, &why).map_err(|e| anyhow::anyhow!(e))?,
+            Err(why) => Trust::of_log(last, &why).map_err(LogError::ServedStatus)?,
         };
         let checker = self.checker_for(last)?;
         checker.expect(&fin);
@@ -223,7 +218,7 @@ impl Follow {
 
 /// What an `ERROR` event means: a server that is briefly unavailable is
 /// asked again; any other reason ends the command with it.
-fn stopped(run: &str, status: &Status) -> anyhow::Result<Next> {
+fn stopped(run: &str, status: &Status) -> Result<Next, LogError> {
     let message = visible(&status.message);
     if transient(status) {
         return Ok(Next::Resume(format!(
@@ -232,12 +227,16 @@ fn stopped(run: &str, status: &Status) -> anyhow::Result<Next> {
         )));
     }
     match status.code {
-        404 | 410 => bail!("following run {run}: the run is gone: {message}"),
-        _ => bail!(
-            "following run {run}: the log API ended the stream ({} {}): {message}",
-            status.code,
-            visible(&status.reason)
-        ),
+        404 | 410 => Err(LogError::RunGone {
+            run: run.to_string(),
+            message,
+        }),
+        _ => Err(LogError::StreamEnded {
+            run: run.to_string(),
+            code: status.code,
+            reason: visible(&status.reason),
+            message,
+        }),
     }
 }
 
@@ -246,15 +245,15 @@ pub async fn follow(
     k: &Kube,
     api: &LogApi,
     run: &str,
-    trust: Result<Trust, String>,
-    keys: Result<RecordVerifier, String>,
+    trust: Result<Trust, Refusal>,
+    keys: Result<RecordVerifier, Refusal>,
     mut retry: Retry,
     out: &mut impl Write,
-) -> anyhow::Result<()> {
+) -> Result<(), LogError> {
     let mut state = Follow::new(run, trust, keys);
     loop {
         let why = match api.follow(state.next_seq()).await {
-            Err(Failure::Final(e)) => return Err(e),
+            Err(Failure::Final(e)) => return Err(e.into()),
             Err(Failure::Transient(why)) => why,
             Ok(lines) => match read_stream(&mut state, lines, &mut retry, out).await? {
                 Ended::Finished(last) => {
@@ -266,11 +265,12 @@ pub async fn follow(
             },
         };
         let Some(pause) = retry.next_pause() else {
-            bail!(
-                "following run {run}: {why}; gave up after {} tries to resume from seq {}",
-                retry.count().1,
-                state.next_seq()
-            );
+            return Err(LogError::FollowGaveUp {
+                run: run.to_string(),
+                why,
+                tries: retry.count().1,
+                seq: state.next_seq(),
+            });
         };
         let (used, of) = retry.count();
         eprintln!(
@@ -293,7 +293,7 @@ async fn read_stream(
     mut lines: super::api::Lines,
     retry: &mut Retry,
     out: &mut impl Write,
-) -> anyhow::Result<Ended> {
+) -> Result<Ended, LogError> {
     let opened = Instant::now();
     let why = loop {
         match lines.next().await {
@@ -324,7 +324,7 @@ async fn with_server_head(
     api: &LogApi,
     state: &Follow,
     mut last: RunLog,
-    fin: &Result<Trust, String>,
+    fin: &Result<Trust, Refusal>,
 ) -> RunLog {
     if fin.is_ok() || last.verification.is_some() || state.next_seq() == 0 {
         return last;
@@ -339,7 +339,7 @@ async fn with_server_head(
 /// The run's status once finished: its phase is written with (or just
 /// after) the log's last record, so a status still showing a running phase
 /// is read again for a few seconds.
-async fn final_trust(k: &Kube, run: &str) -> anyhow::Result<Result<Trust, String>> {
+async fn final_trust(k: &Kube, run: &str) -> Result<Result<Trust, Refusal>, LogError> {
     let mut trust = run_trust(k, run).await?;
     for _ in 0..10 {
         match &trust {

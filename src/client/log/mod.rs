@@ -12,13 +12,103 @@ mod follow;
 
 use std::io::Write;
 
-use anyhow::{Context as _, bail};
-
-use super::Kube;
 use super::approvals::{audit_line, visible};
-use crate::store::{Record, RecordVerifier};
+use super::{ClientError, Kube};
+use crate::refusal::Refusal;
+use crate::store::{Record, RecordVerifier, StoreError};
+pub use api::LogApiError;
 use api::{Failure, LogApi, Retry};
+pub use check::TrustError;
 use check::{Pages, Trust, Verdict};
+
+/// Why a run's log could not be read, or does not verify. What a person
+/// is told of a log that does not verify (`NOT VERIFIED: ...`) carries the
+/// refusal's words as they are; a failure below (the API server, the store,
+/// a malformed head) is the source.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// Reading the run as the person failed as the API server said.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error(transparent)]
+    Api(#[from] LogApiError),
+    /// Reading the store (administrators, `--store-url`).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Writing the output.
+    #[error(transparent)]
+    Write(#[from] std::io::Error),
+    #[error("no run {run} in namespace {ns}")]
+    NoRun { run: String, ns: String },
+    #[error("reading run {run} in namespace {ns}")]
+    ReadRun {
+        run: String,
+        ns: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// The run's status records a head that is no hash.
+    #[error("run {run}")]
+    RunStatus {
+        run: String,
+        #[source]
+        source: TrustError,
+    },
+    /// The log API reports a head that is no hash.
+    #[error(transparent)]
+    ServedStatus(TrustError),
+    #[error("the log API sent no page, and {why}")]
+    NoPage { why: Refusal },
+    #[error("reading the log of run {run}: {why} (gave up after {tries} tries)")]
+    PagesGaveUp {
+        run: String,
+        why: String,
+        tries: u32,
+    },
+    #[error("NOT VERIFIED: reading the log of run {run}: {refusal}")]
+    PageRefused { run: String, refusal: Refusal },
+    /// A record the log API sent out of place (a repeat or a gap).
+    #[error("{0}")]
+    RecordOutOfPlace(Refusal),
+    #[error("following run {run}: the log API sent a line that is not an event")]
+    NotAnEvent {
+        run: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("following run {run}: the log API sent an event that is not a RunLog")]
+    NotARunLog {
+        run: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("NOT VERIFIED: {0}")]
+    RunReplaced(Refusal),
+    #[error("NOT VERIFIED: following run: {0}")]
+    FollowRefused(Refusal),
+    #[error("following run {run}: the run is gone: {message}")]
+    RunGone { run: String, message: String },
+    #[error("following run {run}: the log API ended the stream ({code} {reason}): {message}")]
+    StreamEnded {
+        run: String,
+        code: u16,
+        reason: String,
+        message: String,
+    },
+    #[error("following run {run}: {why}; gave up after {tries} tries to resume from seq {seq}")]
+    FollowGaveUp {
+        run: String,
+        why: String,
+        tries: u32,
+        seq: u64,
+    },
+    /// `log`: the records and the problems were printed.
+    #[error("the log of run {run} does not verify")]
+    NotVerified { run: String },
+    /// `verify`: the checks and the failures were printed.
+    #[error("run {run} does not verify")]
+    VerifyFailed { run: String },
+}
 
 /// Where the log is read from and what it is checked with.
 pub struct Source<'a> {
@@ -35,7 +125,7 @@ pub async fn log(
     source: &Source<'_>,
     follow: bool,
     out: &mut impl Write,
-) -> anyhow::Result<()> {
+) -> Result<(), LogError> {
     match (source.store_url, follow) {
         (Some(url), false) => log_from_store(k, run, url, out).await,
         (store_url, true) => {
@@ -63,7 +153,7 @@ pub async fn verify(
     run: &str,
     source: &Source<'_>,
     out: &mut impl Write,
-) -> anyhow::Result<()> {
+) -> Result<(), LogError> {
     let verdict = match source.store_url {
         Some(url) => verify_store(k, run, url, source.controller_namespace).await?,
         None => read_api(k, run, source.controller_namespace).await?.verdict,
@@ -77,7 +167,7 @@ async fn log_from_store(
     run: &str,
     store_url: &str,
     out: &mut impl Write,
-) -> anyhow::Result<()> {
+) -> Result<(), LogError> {
     let r = k.run(run).await?;
     let store = crate::store::open(store_url).await?;
     for record in store.read_all(&r.metadata.uid.unwrap_or_default()).await? {
@@ -92,15 +182,19 @@ async fn verify_store(
     run: &str,
     store_url: &str,
     controller_namespace: &str,
-) -> anyhow::Result<Verdict> {
+) -> Result<Verdict, LogError> {
     let r = k.run(run).await?;
-    let trust = Trust::of_run(&r).map_err(|e| anyhow::anyhow!("run {run}: {e}"))?;
+    let trust = Trust::of_run(&r).map_err(|source| LogError::RunStatus {
+        run: run.to_string(),
+        source,
+    })?;
     let keys = keys(k, controller_namespace).await;
     let store = crate::store::open(store_url).await?;
     let uid = crate::api::RunUid::of(&r);
     // As stored: the bytes are what is verified, whatever they decode to.
     let stored = store.read_stored(&uid, 0, None).await?;
-    let (_, verdict) = check::judge(&uid, &stored, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;
+    let (_, verdict) =
+        check::judge(&uid, &stored, keys, &trust).map_err(LogError::RecordOutOfPlace)?;
     Ok(verdict)
 }
 
@@ -116,7 +210,7 @@ pub(crate) async fn read_api(
     k: &Kube,
     run: &str,
     controller_namespace: &str,
-) -> anyhow::Result<Read> {
+) -> Result<Read, LogError> {
     let trust = run_trust(k, run).await?;
     let api = LogApi::new(k.client.clone(), &k.ns, run);
     let pages = read_pages(&api, run, Retry::pages()).await?;
@@ -126,28 +220,30 @@ pub(crate) async fn read_api(
 }
 
 /// Every page of the log, in order.
-async fn read_pages(api: &LogApi, run: &str, mut retry: Retry) -> anyhow::Result<Pages> {
+async fn read_pages(api: &LogApi, run: &str, mut retry: Retry) -> Result<Pages, LogError> {
     let mut pages = Pages::default();
     let mut token: Option<String> = None;
     loop {
         let page = match api.page(token.as_deref()).await {
             Ok(page) => page,
-            Err(Failure::Final(e)) => return Err(e),
+            Err(Failure::Final(e)) => return Err(e.into()),
             Err(Failure::Transient(why)) => {
                 let Some(pause) = retry.next_pause() else {
-                    bail!(
-                        "reading the log of run {run}: {why} (gave up after {} tries)",
-                        retry.count().1
-                    );
+                    return Err(LogError::PagesGaveUp {
+                        run: run.to_string(),
+                        why,
+                        tries: retry.count().1,
+                    });
                 };
                 tokio::time::sleep(pause).await;
                 continue;
             }
         };
         retry.reset();
-        token = pages
-            .push(page)
-            .map_err(|e| anyhow::anyhow!("NOT VERIFIED: reading the log of run {run}: {e}"))?;
+        token = pages.push(page).map_err(|refusal| LogError::PageRefused {
+            run: run.to_string(),
+            refusal,
+        })?;
         if token.is_none() {
             return Ok(pages);
         }
@@ -159,19 +255,19 @@ async fn read_pages(api: &LogApi, run: &str, mut retry: Retry) -> anyhow::Result
 /// the head the log API reported.
 fn judge_pages(
     pages: &Pages,
-    trust: Result<Trust, String>,
-    keys: Result<RecordVerifier, String>,
-) -> anyhow::Result<(Vec<Record>, Verdict)> {
+    trust: Result<Trust, Refusal>,
+    keys: Result<RecordVerifier, Refusal>,
+) -> Result<(Vec<Record>, Verdict), LogError> {
     let last = pages.last.as_ref();
     let served_uid = last.and_then(|l| l.metadata.uid.clone());
     let trust = match (trust, last) {
         (Ok(t), _) => t,
-        (Err(why), Some(l)) => Trust::of_log(l, &why).map_err(|e| anyhow::anyhow!(e))?,
-        (Err(why), None) => bail!("the log API sent no page, and {why}"),
+        (Err(why), Some(l)) => Trust::of_log(l, &why).map_err(LogError::ServedStatus)?,
+        (Err(why), None) => return Err(LogError::NoPage { why }),
     };
     let uid = trust.uid.clone().or(served_uid.clone()).unwrap_or_default();
     let (records, mut verdict) =
-        check::judge(&uid, &pages.records, keys, &trust).map_err(|e| anyhow::anyhow!(e))?;
+        check::judge(&uid, &pages.records, keys, &trust).map_err(LogError::RecordOutOfPlace)?;
     if let Some(problem) = other_run(&uid, served_uid.as_deref()) {
         verdict.global.push(problem);
     }
@@ -199,28 +295,41 @@ fn other_run(uid: &str, served: Option<&str>) -> Option<String> {
 
 /// What to check the log against: the run's status, or (`Err`) why the
 /// user may not read the run (the log API's word is used then).
-async fn run_trust(k: &Kube, run: &str) -> anyhow::Result<Result<Trust, String>> {
+async fn run_trust(k: &Kube, run: &str) -> Result<Result<Trust, Refusal>, LogError> {
     match k.runs.get(run).await {
-        Ok(r) => Ok(Ok(
-            Trust::of_run(&r).map_err(|e| anyhow::anyhow!("run {run}: {e}"))?
-        )),
-        Err(kube::Error::Api(s)) if s.code == 403 => Ok(Err(format!(
+        Ok(r) => Ok(Ok(Trust::of_run(&r).map_err(|source| {
+            LogError::RunStatus {
+                run: run.to_string(),
+                source,
+            }
+        })?)),
+        Err(kube::Error::Api(s)) if s.code == 403 => Ok(Err(Refusal::new(format!(
             "you may not get agentruns in namespace {}",
             k.ns
-        ))),
-        Err(kube::Error::Api(s)) if s.code == 404 => {
-            bail!("no run {run} in namespace {}", k.ns)
-        }
-        Err(e) => Err(e).with_context(|| format!("reading run {run} in namespace {}", k.ns)),
+        )))),
+        Err(kube::Error::Api(s)) if s.code == 404 => Err(LogError::NoRun {
+            run: run.to_string(),
+            ns: k.ns.clone(),
+        }),
+        Err(source) => Err(LogError::ReadRun {
+            run: run.to_string(),
+            ns: k.ns.clone(),
+            source,
+        }),
     }
 }
 
 /// The controller's published public keys, or why they could not be read
 /// (the log is then not verified, but still shown).
-async fn keys(k: &Kube, controller_namespace: &str) -> Result<RecordVerifier, String> {
+async fn keys(k: &Kube, controller_namespace: &str) -> Result<RecordVerifier, Refusal> {
     crate::keys::published::read(&k.client, controller_namespace)
         .await
-        .map_err(|e| format!("{e:#} (is --controller-namespace right?)"))
+        .map_err(|e| {
+            Refusal::new(format!(
+                "{} (is --controller-namespace right?)",
+                crate::text::chain(&e)
+            ))
+        })
 }
 
 /// A record's trail line, marked `!` when it failed.
@@ -242,7 +351,7 @@ fn print_log(
     records: &[Record],
     verdict: &Verdict,
     out: &mut impl Write,
-) -> anyhow::Result<()> {
+) -> Result<(), LogError> {
     // Every received seq has a line: the ones missing between records shown
     // (and after the last) are the received ones that decode to nothing.
     let mut next = 0;
@@ -261,7 +370,7 @@ fn print_log(
 
 /// The verdict lines of `log`: `verified: ...`, or every problem and a
 /// final `NOT VERIFIED: ...` (and the command fails).
-fn print_verdict(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<()> {
+fn print_verdict(run: &str, verdict: &Verdict, out: &mut impl Write) -> Result<(), LogError> {
     if print_notes_and_ok("verified", verdict, out)? {
         return Ok(());
     }
@@ -269,12 +378,18 @@ fn print_verdict(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::
         writeln!(out, "! {}", visible(&p))?;
     }
     writeln!(out, "NOT VERIFIED: {}", summary(verdict))?;
-    bail!("the log of run {run} does not verify")
+    Err(LogError::NotVerified {
+        run: run.to_string(),
+    })
 }
 
 /// The verdict's notes, then, when it verifies, the line saying so
 /// (`WORD: N records, chain intact, ...`); whether it verifies.
-fn print_notes_and_ok(word: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<bool> {
+fn print_notes_and_ok(
+    word: &str,
+    verdict: &Verdict,
+    out: &mut impl Write,
+) -> Result<bool, LogError> {
     for note in &verdict.notes {
         writeln!(out, "note: {}", visible(note))?;
     }
@@ -310,7 +425,7 @@ pub(crate) fn summary(verdict: &Verdict) -> String {
 }
 
 /// `verify`'s lines (as they were when it read the store only).
-fn print_verify(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::Result<()> {
+fn print_verify(run: &str, verdict: &Verdict, out: &mut impl Write) -> Result<(), LogError> {
     for s in &verdict.signed {
         writeln!(out, "seq {} {}: {}", s.seq, s.kind, s.check)?;
     }
@@ -328,7 +443,9 @@ fn print_verify(run: &str, verdict: &Verdict, out: &mut impl Write) -> anyhow::R
             refused.join(", ")
         )?;
     }
-    bail!("run {run} does not verify")
+    Err(LogError::VerifyFailed {
+        run: run.to_string(),
+    })
 }
 
 #[cfg(test)]

@@ -63,13 +63,13 @@ fn stored(records: &[Record]) -> Vec<StoredRecord> {
 fn judge(
     uid: &str,
     records: &[Record],
-    keys: Result<crate::store::RecordVerifier, String>,
+    keys: Result<crate::store::RecordVerifier, crate::refusal::Refusal>,
     trust: &Trust,
-) -> Result<check::Verdict, String> {
+) -> Result<check::Verdict, crate::refusal::Refusal> {
     check::judge(uid, &stored(records), keys, trust).map(|(_, v)| v)
 }
 
-fn keys() -> Result<crate::store::RecordVerifier, String> {
+fn keys() -> Result<crate::store::RecordVerifier, crate::refusal::Refusal> {
     Ok(signer().verifier())
 }
 
@@ -574,7 +574,7 @@ fn a_follow_that_ends_before_the_status_does_names_the_phase_its_verified_log_re
     let Next::Finished(last) = f.line(&event("ADDED", end), &mut out).unwrap() else {
         panic!("a finished event ends it")
     };
-    let fin = Trust::of_log(&last, why);
+    let fin = Ok(Trust::of_log(&last, why).unwrap());
     f.finish(&last, fin, &mut out).unwrap();
     let out = text(&out);
     assert_eq!(

@@ -559,7 +559,7 @@ async fn the_runner_refuses_a_record_the_retired_key_signed_after_the_switch() {
     args.controller_key = Some(keys);
     args.signing_keys = Some(format!("{}:0,{}:1", old.key_id(), new.key_id()));
     let err = run_on(args, store.clone()).await.unwrap_err();
-    let err = format!("{err:#}");
+    let err = crate::text::chain(&err);
     assert!(
         err.contains("checking the controller's signatures") && err.contains("retired"),
         "{err}"

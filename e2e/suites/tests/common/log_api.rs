@@ -792,6 +792,7 @@ pub async fn append_large_steps(uid: &str, n: u64, bytes: usize) {
     use agentrun::runlog::v1::{ModelResponse, TokenUsage};
     let steps = (0..n).flat_map(|i| {
         let call = Entry::ModelCall(ModelCall {
+            request: None,
             response: ModelResponse {
                 text: Some(format!("step {i}")),
                 tool_calls: vec![],
