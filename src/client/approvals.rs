@@ -745,6 +745,7 @@ mod tests {
             on_expiry: None,
         };
         let intent = ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: "c1".into(),

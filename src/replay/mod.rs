@@ -104,6 +104,7 @@ impl Entry {
     pub fn format(&self) -> u32 {
         match self {
             Entry::ModelCall(c) if c.request.is_some() => crate::store::FORMAT_2,
+            Entry::ToolIntent(i) if i.requested.is_some() => crate::store::FORMAT_2,
             _ => crate::store::FORMAT_1,
         }
     }
@@ -1047,6 +1048,7 @@ pub(crate) mod tests {
                 }
                 let intent = v.len() as u64;
                 v.push(Entry::ToolIntent(ToolIntent {
+                    requested: None,
                     model_call_seq: mc,
                     call_index: index,
                     call_id: format!("c{index}"),
@@ -1165,6 +1167,7 @@ pub(crate) mod tests {
             }
         ));
         s.apply(Entry::ToolIntent(ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -1302,6 +1305,7 @@ pub(crate) mod tests {
         s.apply(model_call(&calls));
         assert!(matches!(s.next(), Next::RecordIntent { call_index: 0, .. }));
         s.apply(Entry::ToolIntent(ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -1330,6 +1334,7 @@ pub(crate) mod tests {
         let mut s = started();
         s.apply(model_call(&[("page", json!({"why": "x"}))]));
         s.apply(Entry::ToolIntent(ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -1392,6 +1397,7 @@ pub(crate) mod tests {
         for index in 0..2 {
             let intent = v.len() as u64;
             v.push(Entry::ToolIntent(ToolIntent {
+                requested: None,
                 model_call_seq: 1,
                 call_index: index,
                 call_id: format!("c{index}"),
@@ -1485,6 +1491,7 @@ pub(crate) mod tests {
                 while (log.len() as u64) < max {
                     let intent = log.len() as u64;
                     log.push(Entry::ToolIntent(ToolIntent {
+                        requested: None,
                         model_call_seq: 1,
                         call_index: index,
                         call_id: format!("c{index}"),

@@ -100,6 +100,12 @@ pub struct ToolIntent {
     pub tool: String,
     pub arguments: serde_json::Value,
     pub key: String,
+    /// A container agent's request this call answers: the digest of the
+    /// tool and the arguments as the agent sent them (an approver's edit
+    /// changes `arguments`, not what the agent asks again on replay).
+    /// Format 2; none for a built-in agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested: Option<String>,
 }
 
 /// How an intent found without a result was settled.

@@ -581,6 +581,7 @@ impl Runner {
         arguments: serde_json::Value,
     ) -> Result<(), StepError> {
         let intent = ToolIntent {
+            requested: None,
             model_call_seq,
             call_index,
             call_id: call_id.to_string(),

@@ -59,6 +59,15 @@ impl Canonical {
     }
 }
 
+/// The digest of a tool call: the Agent's tool name and the arguments, in
+/// canonical JSON (what `ToolIntent` records, so the log needs no more).
+pub fn tool_digest(tool: &str, arguments: &Value) -> String {
+    let whole = serde_json::json!({"tool": tool, "arguments": arguments});
+    let bytes = serde_json_canonicalizer::to_vec(&whole)
+        .expect("a serde_json::Value is always canonicalizable");
+    hex::encode(Sha256::digest(bytes))
+}
+
 /// A request as the log holds it: a delta against the run's previous
 /// recorded request (see the module's comment).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -292,6 +301,18 @@ mod tests {
                 .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("turn {i}")}))
                 .collect(),
         )
+    }
+
+    #[test]
+    fn a_tool_calls_digest_is_its_tool_and_arguments_whatever_their_key_order() {
+        let a = tool_digest("refund", &json!({"order": "A-1", "amount": 300}));
+        let b: Value = serde_json::from_str(r#"{"amount": 300, "order": "A-1"}"#).unwrap();
+        assert_eq!(a, tool_digest("refund", &b));
+        assert_ne!(
+            a,
+            tool_digest("refund", &json!({"order": "A-1", "amount": 500}))
+        );
+        assert_ne!(a, tool_digest("lookup", &b));
     }
 
     #[test]

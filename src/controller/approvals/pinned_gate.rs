@@ -554,6 +554,7 @@ mod tests {
 
     fn refund_intent() -> Entry {
         Entry::ToolIntent(ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),

@@ -148,6 +148,7 @@ fn history(base: &str) -> Vec<Entry> {
             let intent_seq = log.len() as u64;
             let call_id = format!("call_{model_call_seq}_{index}");
             log.push(Entry::ToolIntent(ToolIntent {
+                requested: None,
                 model_call_seq,
                 call_index: index,
                 call_id: call_id.clone(),
@@ -645,6 +646,7 @@ fn intended(base: &str, tool: &str, decided: bool) -> Vec<Entry> {
         ));
     }
     log.push(Entry::ToolIntent(ToolIntent {
+        requested: None,
         model_call_seq: 1,
         call_index: 0,
         call_id: "call_1_0".into(),

@@ -885,6 +885,7 @@ async fn an_intent_for_a_gated_call_with_no_decision_is_never_made() {
     append_as_the_step_pod(
         &uid,
         Entry::ToolIntent(ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: String::new(),

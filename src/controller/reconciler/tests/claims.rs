@@ -155,6 +155,7 @@ async fn a_forged_budget_question_with_budget_left_raises_no_approval() {
     };
     let made = [
         Entry::ToolIntent(crate::runlog::records::ToolIntent {
+            requested: None,
             model_call_seq: 1,
             call_index: 0,
             call_id: "c0".into(),
@@ -213,6 +214,7 @@ async fn an_intent_for_a_gated_call_without_its_approval_ends_the_run() {
         arguments: args.clone(),
     };
     let intent = Entry::ToolIntent(ToolIntent {
+        requested: None,
         model_call_seq: 1,
         call_index: 0,
         call_id: "c0".into(),
