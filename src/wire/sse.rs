@@ -1,0 +1,47 @@
+//! Server-sent-event framing of a streamed answer: each string one complete
+//! event, ready to be written to the agent as it is.
+
+use serde_json::Value;
+
+/// One event carrying `data` as compact JSON, under `event: <name>` when the
+/// dialect names its events (Responses, Messages; Chat Completions does not).
+pub fn event(name: Option<&str>, data: &Value) -> String {
+    match name {
+        Some(name) => format!("event: {name}\ndata: {data}\n\n"),
+        None => format!("data: {data}\n\n"),
+    }
+}
+
+/// Chat Completions' end of stream.
+pub fn done() -> String {
+    "data: [DONE]\n\n".to_string()
+}
+
+/// The `data` payloads of `events`, parsed, in order (`[DONE]` left out):
+/// what a client reads back, for tests.
+#[cfg(test)]
+pub(crate) fn payloads(events: &[String]) -> Vec<Value> {
+    events
+        .iter()
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("event data is JSON"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn frames_named_and_unnamed_events() {
+        let data = json!({"type": "ping", "text": "a\nb"});
+        assert_eq!(
+            event(Some("ping"), &data),
+            "event: ping\ndata: {\"type\":\"ping\",\"text\":\"a\\nb\"}\n\n"
+        );
+        assert_eq!(event(None, &json!(1)), "data: 1\n\n");
+        assert_eq!(payloads(&[event(None, &data), done()]), vec![data]);
+    }
+}
