@@ -144,7 +144,14 @@ fn assistant(
     path: &str,
     conversation: &mut Conversation,
 ) -> Result<(), BadRequest> {
-    plain_keys(&["content", "tool_calls"]).check(o, path)?;
+    // `annotations` are a provider's citations of its own web search:
+    // nothing to carry (the SDK's message objects hold `[]`).
+    Keys {
+        carried: &["content", "tool_calls"],
+        dropped: &["role", "name", "annotations"],
+        only: &[],
+    }
+    .check(o, path)?;
     conversation.assistant(Some(content(o, path)?));
     let calls_path = at(path, "tool_calls");
     for (j, c) in list(o, "tool_calls", path)?.iter().enumerate() {
@@ -352,4 +359,283 @@ pub fn error(status: u16, message: &str) -> Value {
         _ => ("server_error", None),
     };
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Message;
+    use crate::wire::sdk_fixtures::{CREATED, ID, MODEL, answer, answers, captured, second_turn};
+
+    #[test]
+    fn langgraph_requests_parse() {
+        let first = request(&captured("langgraph-1")).unwrap();
+        assert_eq!(first.system, "You are careful.");
+        assert_eq!(
+            first.messages,
+            vec![Message::user("What about orders 42 and 43?")]
+        );
+        assert_eq!(first.max_output_tokens, None);
+        let lookup = ToolDef {
+            name: "lookup".into(),
+            description: "Find an order.".into(),
+            input_schema: json!({"properties": {"order": {"type": "integer"}},
+                                 "required": ["order"], "type": "object"}),
+        };
+        assert_eq!(first.tools, vec![lookup]);
+        let second = request(&captured("langgraph-2")).unwrap();
+        assert_eq!(
+            second.messages,
+            second_turn([json!({"order": 42}), json!({"order": 43})])
+        );
+        assert_eq!(second.tools, first.tools);
+        assert!(!streams(&captured("langgraph-2")));
+        let streaming = captured("langgraph_streaming-2");
+        assert!(streams(&streaming));
+        assert!(!include_usage(&streaming));
+        assert_eq!(request(&streaming).unwrap(), second);
+    }
+
+    #[test]
+    fn system_parts_and_bounds() {
+        let body = json!({
+            "model": "x", "temperature": 0, "n": 1, "tool_choice": "auto",
+            "stream_options": {"include_usage": true},
+            "max_tokens": 50, "max_completion_tokens": 70,
+            "messages": [
+                {"role": "system", "content": "A."},
+                {"role": "developer", "content": [{"type": "text", "text": "B."}]},
+                {"role": "user", "name": "bob", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+                {"role": "assistant", "content": "Sure.", "refusal": null},
+            ],
+        });
+        let r = request(&body).unwrap();
+        assert_eq!(r.system, "A.\n\nB.");
+        let said = Message::Assistant {
+            text: Some("Sure.".into()),
+            tool_calls: vec![],
+        };
+        assert_eq!(r.messages, vec![Message::user("one\ntwo"), said]);
+        assert_eq!(r.max_output_tokens, Some(70));
+        assert!(include_usage(&body));
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_naming_the_field() {
+        let user = |content: Value| json!({"messages": [{"role": "user", "content": content}]});
+        let cases = [
+            (json!([]), "body"),
+            (json!({"model": "x"}), "messages"),
+            (json!({"messages": []}), "messages"),
+            (
+                user(json!([{"type": "image_url", "image_url": {"url": "u"}}])),
+                "messages[0].content[0].type",
+            ),
+            (user(json!(7)), "messages[0].content"),
+            (
+                json!({"messages": [{"role": "function", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"messages": [{"role": "tool", "tool_call_id": "nope", "content": "x"}]}),
+                "messages[0].tool_call_id",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]}]}),
+                "messages[0].tool_calls[0].function.name",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "custom", "custom": {}}]}]}),
+                "messages[0].tool_calls[0].type",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x", "audio": {}}]}),
+                "messages[0].audio",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "custom": {"name": "x"}}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+                "n",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}}),
+                "logit_bias",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
+                "max_tokens",
+            ),
+        ];
+        for (body, field) in cases {
+            let err = request(&body).expect_err(&body.to_string());
+            assert_eq!(err.field, field, "{body}: {err}");
+        }
+    }
+
+    #[test]
+    fn responses_have_the_answers_fields() {
+        for (name, a) in answers() {
+            let r = response(&a, MODEL, ID, CREATED);
+            assert_eq!(r["object"], "chat.completion");
+            assert_eq!(r["id"], format!("chatcmpl-{ID}"));
+            assert_eq!(r["usage"]["total_tokens"], 132, "{name}");
+            let m = &r["choices"][0]["message"];
+            let expected = match name {
+                "text" => ("stop", json!("Order 42 was refunded.")),
+                "tools" => ("tool_calls", Value::Null),
+                "both" => ("tool_calls", json!("Refunding 300 of order 42.")),
+                _ => ("length", json!("The order history begins")),
+            };
+            assert_eq!(
+                (
+                    r["choices"][0]["finish_reason"].as_str().unwrap(),
+                    m["content"].clone()
+                ),
+                expected
+            );
+            let calls: Vec<(String, String, Value)> = m["tool_calls"]
+                .as_array()
+                .map(|c| {
+                    c.iter()
+                        .map(|c| {
+                            let args =
+                                serde_json::from_str(c["function"]["arguments"].as_str().unwrap())
+                                    .unwrap();
+                            (
+                                c["id"].as_str().unwrap().into(),
+                                c["function"]["name"].as_str().unwrap().into(),
+                                args,
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let recorded: Vec<_> = a
+                .tool_calls
+                .iter()
+                .map(|c| (c.id.clone(), c.name.clone(), c.arguments.clone()))
+                .collect();
+            assert_eq!(calls, recorded, "{name}");
+        }
+    }
+
+    /// What a client rebuilds from the chunks: text, calls, finish reason.
+    fn accumulate(
+        events: &[String],
+    ) -> (String, Vec<(String, String, String)>, String, Option<Value>) {
+        let (mut text, mut calls, mut finish, mut usage) =
+            (String::new(), Vec::new(), String::new(), None);
+        for chunk in sse::payloads(events) {
+            assert_eq!(chunk["object"], "chat.completion.chunk");
+            if !chunk["usage"].is_null() {
+                usage = Some(chunk["usage"].clone());
+            }
+            let Some(choice) = chunk["choices"].get(0) else {
+                continue;
+            };
+            text += choice["delta"]["content"].as_str().unwrap_or("");
+            for d in choice["delta"]["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let k = d["index"].as_u64().unwrap() as usize;
+                if k == calls.len() {
+                    calls.push((
+                        d["id"].as_str().unwrap().into(),
+                        d["function"]["name"].as_str().unwrap().into(),
+                        String::new(),
+                    ));
+                }
+                calls[k].2 += d["function"]["arguments"].as_str().unwrap_or("");
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = f.into();
+            }
+        }
+        (text, calls, finish, usage)
+    }
+
+    #[test]
+    fn streams_rebuild_the_answer() {
+        for (name, a) in answers() {
+            let events = stream(&a, MODEL, ID, CREATED, true);
+            assert_eq!(events.last().unwrap(), "data: [DONE]\n\n");
+            assert!(
+                events
+                    .iter()
+                    .all(|e| e.starts_with("data: ") && e.ends_with("\n\n"))
+            );
+            let (text, calls, finish, usage) = accumulate(&events);
+            let plain = response(&a, MODEL, ID, CREATED);
+            assert_eq!(
+                text,
+                plain["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap_or(""),
+                "{name}"
+            );
+            assert_eq!(finish, plain["choices"][0]["finish_reason"], "{name}");
+            let expected: Vec<_> = a
+                .tool_calls
+                .iter()
+                .map(|c| (c.id.clone(), c.name.clone(), c.arguments.to_string()))
+                .collect();
+            assert_eq!(calls, expected, "{name}");
+            assert_eq!(usage, Some(plain["usage"].clone()));
+            let (.., no_usage) = accumulate(&stream(&a, MODEL, ID, CREATED, false));
+            assert_eq!(no_usage, None);
+        }
+    }
+
+    #[test]
+    fn an_answer_sent_back_as_history_reads_as_recorded() {
+        for (name, a) in answers() {
+            let said = response(&a, MODEL, ID, CREATED)["choices"][0]["message"].clone();
+            let body = json!({"messages": [{"role": "user", "content": "q"}, said]});
+            let r = request(&body).unwrap();
+            let expected = Message::Assistant {
+                text: a.text.clone(),
+                tool_calls: a.tool_calls.clone(),
+            };
+            assert_eq!(r.messages[1], expected, "{name}");
+        }
+        let raw = ModelResponse {
+            tool_calls: vec![ToolCall {
+                id: "c".into(),
+                name: "x".into(),
+                arguments: json!("{\"cut"),
+            }],
+            ..answer("tools")
+        };
+        let args = &response(&raw, MODEL, ID, CREATED)["choices"][0]["message"]["tool_calls"][0]["function"]
+            ["arguments"];
+        assert_eq!(
+            args, "{\"cut",
+            "malformed arguments go back as the model wrote them"
+        );
+    }
+
+    #[test]
+    fn errors_take_their_type_from_the_status() {
+        let e = error(400, "messages: is required");
+        assert_eq!(
+            e,
+            json!({"error": {"message": "messages: is required", "type": "invalid_request_error", "param": null, "code": null}})
+        );
+        assert_eq!(error(401, "x")["error"]["code"], "invalid_api_key");
+        assert_eq!(error(429, "x")["error"]["type"], "rate_limit_error");
+        assert_eq!(error(503, "x")["error"]["type"], "server_error");
+    }
 }

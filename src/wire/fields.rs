@@ -117,30 +117,28 @@ pub(crate) struct Keys<'a> {
 
 impl Keys<'_> {
     pub(crate) fn check(&self, o: &Map<String, Value>, path: &str) -> Result<(), BadRequest> {
-        for (k, v) in o {
-            if v.is_null()
-                || self.carried.contains(&k.as_str())
-                || self.dropped.contains(&k.as_str())
-            {
-                continue;
-            }
-            match self.only.iter().find(|(name, _)| name == k) {
-                Some((_, accepts)) if accepts(v) => {}
-                Some(_) => {
-                    return Err(BadRequest::new(
-                        at(path, k),
-                        format!("agentrun cannot honour {v} here"),
-                    ));
-                }
-                None => {
-                    return Err(BadRequest::new(
-                        at(path, k),
-                        "not supported: agentrun cannot carry this field to the model",
-                    ));
-                }
+        // Keys held to a value first: they say more than an unknown key
+        // beside them (`type: "custom"` before the `custom` it brings).
+        for (key, accepts) in self.only {
+            if let Some(v) = get(o, key).filter(|v| !accepts(v)) {
+                return Err(BadRequest::new(
+                    at(path, key),
+                    format!("agentrun cannot honour {v} here"),
+                ));
             }
         }
-        Ok(())
+        let known = |k: &str| {
+            self.carried.contains(&k)
+                || self.dropped.contains(&k)
+                || self.only.iter().any(|(name, _)| *name == k)
+        };
+        match o.iter().find(|(k, v)| !v.is_null() && !known(k)) {
+            Some((k, _)) => Err(BadRequest::new(
+                at(path, k),
+                "not supported: agentrun cannot carry this field to the model",
+            )),
+            None => Ok(()),
+        }
     }
 }
 

@@ -26,6 +26,8 @@ mod fields;
 pub mod matcher;
 pub mod messages;
 pub mod responses;
+#[cfg(test)]
+mod sdk_fixtures;
 pub mod sse;
 
 use serde::{Deserialize, Serialize};

@@ -42,10 +42,34 @@ const BODY: Keys = Keys {
         ("parallel_tool_calls", |v| v == &Value::Bool(true)),
         ("truncation", |v| v == "disabled"),
         ("background", |v| v == &Value::Bool(false)),
-        ("text", |v| v == &json!({"format": {"type": "text"}})),
+        ("text", plain_text),
+        ("reasoning", no_summary),
         ("top_logprobs", |v| v == 0),
     ],
 };
+
+/// `text`: plain text out (`format` absent or `text`); `verbosity` is a
+/// sampling setting, dropped (the Agents SDK sends `"low"` by default).
+fn plain_text(v: &Value) -> bool {
+    v.as_object().is_some_and(|o| {
+        o.iter().all(|(k, v)| match k.as_str() {
+            "format" => v.is_null() || v == &json!({"type": "text"}),
+            "verbosity" => true,
+            _ => false,
+        })
+    })
+}
+
+/// `reasoning`: its `effort` is a sampling setting, dropped (the Agents SDK
+/// sends `"none"` by default); a summary would be output agentrun's
+/// answers do not hold.
+fn no_summary(v: &Value) -> bool {
+    v.as_object().is_some_and(|o| {
+        o.iter().all(|(k, v)| {
+            k == "effort" || ((k == "summary" || k == "generate_summary") && v.is_null())
+        })
+    })
+}
 
 /// Text parts of an input message, whoever speaks.
 const TEXT: &[&str] = &["input_text", "output_text"];

@@ -37,10 +37,13 @@ mod tests {
     #[test]
     fn frames_named_and_unnamed_events() {
         let data = json!({"type": "ping", "text": "a\nb"});
-        assert_eq!(
-            event(Some("ping"), &data),
-            "event: ping\ndata: {\"type\":\"ping\",\"text\":\"a\\nb\"}\n\n"
+        let named = event(Some("ping"), &data);
+        assert!(named.starts_with("event: ping\ndata: {"), "{named}");
+        assert!(
+            named.ends_with("}\n\n") && named.lines().count() == 3,
+            "{named:?}"
         );
+        assert_eq!(payloads(&[named]), vec![data.clone()]);
         assert_eq!(event(None, &json!(1)), "data: 1\n\n");
         assert_eq!(payloads(&[event(None, &data), done()]), vec![data]);
     }
