@@ -394,6 +394,12 @@ mod tests {
         assert!(streams(&streaming));
         assert!(!include_usage(&streaming));
         assert_eq!(request(&streaming).unwrap(), second);
+        // A plain agent appending the SDK's own message object to its history.
+        let plain = captured("openai_sdk-2");
+        assert!(include_usage(&plain));
+        let plain = request(&plain).unwrap();
+        assert_eq!(plain.messages, second.messages);
+        assert_eq!(plain.system, "You are careful.");
     }
 
     #[test]

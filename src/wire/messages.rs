@@ -342,3 +342,248 @@ pub fn error(status: u16, message: &str) -> Value {
     };
     json!({"type": "error", "error": {"type": kind, "message": message}})
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Message;
+    use crate::wire::sdk_fixtures::{CREATED, ID, MODEL, answer, answers, captured, second_turn};
+
+    #[test]
+    fn anthropic_sdk_requests_parse() {
+        let first = request(&captured("anthropic_sdk-1")).unwrap();
+        assert_eq!(first.system, "You are careful.");
+        assert_eq!(
+            first.messages,
+            vec![Message::user("What about orders 42 and 43?")]
+        );
+        assert_eq!(first.max_output_tokens, Some(1024));
+        let lookup = ToolDef {
+            name: "lookup".into(),
+            description: "Find an order".into(),
+            input_schema: json!({"type": "object", "properties": {"order": {"type": "integer"}}}),
+        };
+        assert_eq!(first.tools, vec![lookup]);
+        let second = request(&captured("anthropic_sdk-2")).unwrap();
+        assert_eq!(
+            second.messages,
+            second_turn([json!({"order": 42}), json!({"order": 43})])
+        );
+    }
+
+    #[test]
+    fn system_blocks_mixed_turns_and_errors() {
+        let body = json!({
+            "max_tokens": 10,
+            "system": [{"type": "text", "text": "A.", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "B."}],
+            "tool_choice": {"type": "auto"},
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Let me see."}, {"type": "tool_use", "id": "t1", "name": "x", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "is_error": true, "content": [{"type": "text", "text": "boom"}]},
+                    {"type": "text", "text": "try again"},
+                ]},
+            ],
+        });
+        let r = request(&body).unwrap();
+        assert_eq!(r.system, "A.\nB.");
+        assert_eq!(
+            r.messages[2],
+            Message::ToolResult {
+                call_id: "t1".into(),
+                name: "x".into(),
+                content: "boom".into(),
+                is_error: true
+            }
+        );
+        assert_eq!(r.messages[3], Message::user("try again"));
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_naming_the_field() {
+        let user = |content: Value| json!({"max_tokens": 5, "messages": [{"role": "user", "content": content}]});
+        let cases = [
+            (json!({"max_tokens": 5}), "messages"),
+            (
+                user(json!([{"type": "image", "source": {}}])),
+                "messages[0].content[0].type",
+            ),
+            (
+                user(json!([{"type": "tool_result", "tool_use_id": "nope", "content": "x"}])),
+                "messages[0].content[0].tool_use_id",
+            ),
+            (user(json!(null)), "messages[0].content"),
+            (
+                json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": {}}]},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {}}]}]}]}),
+                "messages[2].content[0].content[0].type",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": ""}]}]}),
+                "messages[0].content[0].type",
+            ),
+            (
+                json!({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "x", "input": "{}"}]}]}),
+                "messages[0].content[0].input",
+            ),
+            (
+                json!({"messages": [{"role": "system", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+                "thinking",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}),
+                "tool_choice",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "mcp_servers": []}),
+                "mcp_servers",
+            ),
+        ];
+        for (body, field) in cases {
+            let err = request(&body).expect_err(&body.to_string());
+            assert_eq!(err.field, field, "{body}: {err}");
+        }
+    }
+
+    #[test]
+    fn responses_have_the_answers_fields() {
+        for (name, a) in answers() {
+            let m = response(&a, MODEL, ID, CREATED);
+            assert_eq!(
+                (m["type"].as_str(), m["id"].as_str()),
+                (Some("message"), Some("msg_0d2c6f1e"))
+            );
+            let stop = match name {
+                "text" => "end_turn",
+                "limit" => "max_tokens",
+                _ => "tool_use",
+            };
+            assert_eq!(m["stop_reason"], stop, "{name}");
+            assert_eq!(
+                (
+                    m["usage"]["input_tokens"].as_u64(),
+                    m["usage"]["output_tokens"].as_u64()
+                ),
+                (Some(120), Some(12))
+            );
+            assert_eq!(m["content"], Value::Array(content_blocks(&a)));
+            let uses: Vec<_> = m["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|b| b["type"] == "tool_use")
+                .map(|b| (b["id"].as_str().unwrap().to_string(), b["input"].clone()))
+                .collect();
+            let recorded: Vec<_> = a
+                .tool_calls
+                .iter()
+                .map(|c| (c.id.clone(), c.arguments.clone()))
+                .collect();
+            assert_eq!(uses, recorded, "{name}");
+        }
+        let raw = ModelResponse {
+            tool_calls: vec![ToolCall {
+                id: "t".into(),
+                name: "x".into(),
+                arguments: json!("{\"cut"),
+            }],
+            ..answer("tools")
+        };
+        assert_eq!(
+            response(&raw, MODEL, ID, CREATED)["content"][0]["input"],
+            json!({})
+        );
+    }
+
+    #[test]
+    fn streams_rebuild_the_answer() {
+        for (name, a) in answers() {
+            let payloads = sse::payloads(&stream(&a, MODEL, ID, CREATED));
+            let kinds: Vec<&str> = payloads
+                .iter()
+                .map(|p| p["type"].as_str().unwrap())
+                .collect();
+            assert_eq!(kinds[0], "message_start");
+            assert_eq!(kinds[kinds.len() - 2..], ["message_delta", "message_stop"]);
+            // What the SDK's accumulator does: blocks started, deltas applied.
+            let mut message = payloads[0]["message"].clone();
+            let mut json_parts: Vec<String> = Vec::new();
+            for p in &payloads[1..] {
+                let i = p["index"].as_u64().unwrap_or(0) as usize;
+                match p["type"].as_str().unwrap() {
+                    "content_block_start" => {
+                        message["content"]
+                            .as_array_mut()
+                            .unwrap()
+                            .push(p["content_block"].clone());
+                        json_parts.push(String::new());
+                    }
+                    "content_block_delta" if p["delta"]["type"] == "text_delta" => {
+                        let t = message["content"][i]["text"].as_str().unwrap().to_string()
+                            + p["delta"]["text"].as_str().unwrap();
+                        message["content"][i]["text"] = json!(t);
+                    }
+                    "content_block_delta" => {
+                        json_parts[i] += p["delta"]["partial_json"].as_str().unwrap()
+                    }
+                    "content_block_stop" if message["content"][i]["type"] == "tool_use" => {
+                        message["content"][i]["input"] =
+                            serde_json::from_str(&json_parts[i]).unwrap();
+                    }
+                    "message_delta" => {
+                        message["stop_reason"] = p["delta"]["stop_reason"].clone();
+                        message["usage"]["output_tokens"] = p["usage"]["output_tokens"].clone();
+                    }
+                    _ => {}
+                }
+            }
+            assert_eq!(message, response(&a, MODEL, ID, CREATED), "{name}");
+        }
+    }
+
+    #[test]
+    fn an_answer_sent_back_as_history_reads_as_recorded() {
+        for (name, a) in answers() {
+            let content = response(&a, MODEL, ID, CREATED)["content"].clone();
+            let body = json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": content}]});
+            let expected = Message::Assistant {
+                text: a.text.clone(),
+                tool_calls: a.tool_calls.clone(),
+            };
+            assert_eq!(request(&body).unwrap().messages[1], expected, "{name}");
+        }
+    }
+
+    #[test]
+    fn errors_take_their_type_from_the_status() {
+        assert_eq!(
+            error(400, "m"),
+            json!({"type": "error", "error": {"type": "invalid_request_error", "message": "m"}})
+        );
+        let kinds: Vec<_> = [401, 403, 404, 413, 429, 500, 529]
+            .iter()
+            .map(|s| error(*s, "m")["error"]["type"].clone())
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "authentication_error",
+                "permission_error",
+                "not_found_error",
+                "request_too_large",
+                "rate_limit_error",
+                "api_error",
+                "overloaded_error"
+            ]
+        );
+    }
+}

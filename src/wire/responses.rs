@@ -403,3 +403,223 @@ fn merged(base: &Value, extra: Value) -> Value {
 pub fn error(status: u16, message: &str) -> Value {
     super::chat_completions::error(status, message)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Message;
+    use crate::wire::sdk_fixtures::{CREATED, ID, MODEL, answers, captured, second_turn};
+
+    #[test]
+    fn agents_sdk_requests_parse() {
+        let first = request(&captured("agents_sdk-1")).unwrap();
+        assert_eq!(first.system, "You are careful.");
+        assert_eq!(
+            first.messages,
+            vec![Message::user("What about orders 42 and 43?")]
+        );
+        assert_eq!(first.tools.len(), 1);
+        assert_eq!(first.tools[0].name, "lookup");
+        assert_eq!(first.tools[0].description, "Find an order.");
+        assert_eq!(first.tools[0].input_schema["required"], json!(["order"]));
+        let second = request(&captured("agents_sdk-2")).unwrap();
+        assert_eq!(
+            second.messages,
+            second_turn([json!({"order": 42}), json!({"order": 43})])
+        );
+        assert!(!streams(&captured("agents_sdk-2")));
+        let streamed = captured("agents_sdk_streamed-2");
+        assert!(streams(&streamed));
+        assert_eq!(request(&streamed).unwrap(), second);
+    }
+
+    #[test]
+    fn instructions_system_items_and_string_input() {
+        let body = json!({
+            "instructions": "A.", "input": "hi", "max_output_tokens": 9,
+            "text": {"format": {"type": "text"}, "verbosity": "low"},
+            "reasoning": {"effort": "low", "summary": null},
+        });
+        let r = request(&body).unwrap();
+        assert_eq!(
+            (r.system.as_str(), r.messages, r.max_output_tokens),
+            ("A.", vec![Message::user("hi")], Some(9))
+        );
+        let body = json!({"instructions": "A.", "input": [
+            {"role": "developer", "content": "B."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}, {"type": "input_text", "text": "y"}]},
+        ]});
+        let r = request(&body).unwrap();
+        assert_eq!(
+            (r.system.as_str(), r.messages),
+            ("A.\n\nB.", vec![Message::user("x\ny")])
+        );
+    }
+
+    #[test]
+    fn malformed_requests_are_refused_naming_the_field() {
+        let with = |extra: Value| {
+            let mut b = json!({"input": "hi"});
+            b.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            b
+        };
+        let cases = [
+            (json!({"model": "x"}), "input"),
+            (json!({"input": 3}), "input"),
+            (
+                with(json!({"tools": [{"type": "web_search"}]})),
+                "tools[0].type",
+            ),
+            (
+                with(json!({"previous_response_id": "resp_1"})),
+                "previous_response_id",
+            ),
+            (with(json!({"tool_choice": "required"})), "tool_choice"),
+            (
+                with(
+                    json!({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}),
+                ),
+                "text",
+            ),
+            (
+                with(json!({"reasoning": {"effort": "high", "summary": "auto"}})),
+                "reasoning",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+                "input[0].content[0].type",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": "a"}, {"type": "reasoning", "summary": []}]}),
+                "input[1].type",
+            ),
+            (
+                json!({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}),
+                "input[0].call_id",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}),
+                "input[0].name",
+            ),
+            (
+                json!({"input": [{"role": "tool", "content": "x"}]}),
+                "input[0].role",
+            ),
+        ];
+        for (body, field) in cases {
+            let err = request(&body).expect_err(&body.to_string());
+            assert_eq!(err.field, field, "{body}: {err}");
+        }
+    }
+
+    /// The output items as (type, text or call id, arguments).
+    fn items(output: &Value) -> Vec<(String, String, Value)> {
+        output
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| match o["type"].as_str().unwrap() {
+                "message" => (
+                    "message".into(),
+                    o["content"][0]["text"].as_str().unwrap().into(),
+                    Value::Null,
+                ),
+                kind => {
+                    let args = serde_json::from_str(o["arguments"].as_str().unwrap()).unwrap();
+                    (kind.into(), o["call_id"].as_str().unwrap().into(), args)
+                }
+            })
+            .collect()
+    }
+
+    fn expected_items(a: &ModelResponse) -> Vec<(String, String, Value)> {
+        let text = a
+            .text
+            .iter()
+            .map(|t| ("message".into(), t.clone(), Value::Null));
+        let calls = a
+            .tool_calls
+            .iter()
+            .map(|c| ("function_call".into(), c.id.clone(), c.arguments.clone()));
+        text.chain(calls).collect()
+    }
+
+    #[test]
+    fn responses_have_the_answers_fields() {
+        for (name, a) in answers() {
+            let r = response(&a, MODEL, ID, CREATED);
+            assert_eq!(
+                (r["object"].as_str(), r["id"].as_str()),
+                (Some("response"), Some("resp_0d2c6f1e"))
+            );
+            let status = if name == "limit" {
+                "incomplete"
+            } else {
+                "completed"
+            };
+            assert_eq!(r["status"], status, "{name}");
+            assert_eq!(items(&r["output"]), expected_items(&a), "{name}");
+            assert_eq!(r["usage"]["total_tokens"], 132);
+        }
+    }
+
+    #[test]
+    fn streams_rebuild_the_answer() {
+        for (name, a) in answers() {
+            let events = stream(&a, MODEL, ID, CREATED);
+            let payloads = sse::payloads(&events);
+            for (n, (e, p)) in events.iter().zip(&payloads).enumerate() {
+                assert_eq!(p["sequence_number"], n, "{name}");
+                assert!(e.starts_with(&format!("event: {}\ndata: ", p["type"].as_str().unwrap())));
+            }
+            let kinds: Vec<&str> = payloads
+                .iter()
+                .map(|p| p["type"].as_str().unwrap())
+                .collect();
+            assert_eq!(kinds[..2], ["response.created", "response.in_progress"]);
+            let plain = response(&a, MODEL, ID, CREATED);
+            let last = payloads.last().unwrap();
+            assert_eq!(last["response"], plain, "{name}");
+            let (mut text, mut args, mut done_items) = (String::new(), Vec::new(), Vec::new());
+            for p in &payloads {
+                match p["type"].as_str().unwrap() {
+                    "response.output_text.delta" => text += p["delta"].as_str().unwrap(),
+                    "response.function_call_arguments.delta" => {
+                        args.push(p["delta"].as_str().unwrap().to_string())
+                    }
+                    "response.output_item.done" => done_items.push(p["item"].clone()),
+                    _ => {}
+                }
+            }
+            assert_eq!(text, a.text.clone().unwrap_or_default());
+            let recorded: Vec<String> = a
+                .tool_calls
+                .iter()
+                .map(|c| c.arguments.to_string())
+                .collect();
+            assert_eq!(args, recorded);
+            assert_eq!(Value::Array(done_items), plain["output"]);
+        }
+    }
+
+    #[test]
+    fn an_answer_sent_back_as_history_reads_as_recorded() {
+        for (name, a) in answers() {
+            let mut input = vec![json!({"role": "user", "content": "q"})];
+            input.extend(
+                response(&a, MODEL, ID, CREATED)["output"]
+                    .as_array()
+                    .unwrap()
+                    .clone(),
+            );
+            let r = request(&json!({"input": input})).unwrap();
+            let expected = Message::Assistant {
+                text: a.text.clone(),
+                tool_calls: a.tool_calls.clone(),
+            };
+            assert_eq!(r.messages[1..], [expected], "{name}");
+        }
+    }
+}
