@@ -536,41 +536,47 @@ mod tests {
         }
     }
 
-    /// What a client rebuilds from the chunks: text, calls, finish reason.
-    fn accumulate(
-        events: &[String],
-    ) -> (String, Vec<(String, String, String)>, String, Option<Value>) {
-        let (mut text, mut calls, mut finish, mut usage) =
-            (String::new(), Vec::new(), String::new(), None);
+    /// What a client rebuilds from the chunks: text, calls (id, name,
+    /// arguments), finish reason, usage.
+    #[derive(Default)]
+    struct Rebuilt {
+        text: String,
+        calls: Vec<(String, String, String)>,
+        finish: String,
+        usage: Option<Value>,
+    }
+
+    fn accumulate(events: &[String]) -> Rebuilt {
+        let mut r = Rebuilt::default();
         for chunk in sse::payloads(events) {
             assert_eq!(chunk["object"], "chat.completion.chunk");
             if !chunk["usage"].is_null() {
-                usage = Some(chunk["usage"].clone());
+                r.usage = Some(chunk["usage"].clone());
             }
             let Some(choice) = chunk["choices"].get(0) else {
                 continue;
             };
-            text += choice["delta"]["content"].as_str().unwrap_or("");
+            r.text += choice["delta"]["content"].as_str().unwrap_or("");
             for d in choice["delta"]["tool_calls"]
                 .as_array()
                 .into_iter()
                 .flatten()
             {
                 let k = d["index"].as_u64().unwrap() as usize;
-                if k == calls.len() {
-                    calls.push((
+                if k == r.calls.len() {
+                    r.calls.push((
                         d["id"].as_str().unwrap().into(),
                         d["function"]["name"].as_str().unwrap().into(),
                         String::new(),
                     ));
                 }
-                calls[k].2 += d["function"]["arguments"].as_str().unwrap_or("");
+                r.calls[k].2 += d["function"]["arguments"].as_str().unwrap_or("");
             }
             if let Some(f) = choice["finish_reason"].as_str() {
-                finish = f.into();
+                r.finish = f.into();
             }
         }
-        (text, calls, finish, usage)
+        r
     }
 
     #[test]
@@ -583,7 +589,12 @@ mod tests {
                     .iter()
                     .all(|e| e.starts_with("data: ") && e.ends_with("\n\n"))
             );
-            let (text, calls, finish, usage) = accumulate(&events);
+            let Rebuilt {
+                text,
+                calls,
+                finish,
+                usage,
+            } = accumulate(&events);
             let plain = response(&a, MODEL, ID, CREATED);
             assert_eq!(
                 text,
@@ -600,8 +611,8 @@ mod tests {
                 .collect();
             assert_eq!(calls, expected, "{name}");
             assert_eq!(usage, Some(plain["usage"].clone()));
-            let (.., no_usage) = accumulate(&stream(&a, MODEL, ID, CREATED, false));
-            assert_eq!(no_usage, None);
+            let bare = accumulate(&stream(&a, MODEL, ID, CREATED, false));
+            assert_eq!(bare.usage, None);
         }
     }
 

@@ -103,6 +103,9 @@ pub(crate) fn max_tokens(o: &Map<String, Value>, keys: &[&str]) -> Result<Option
     Ok(None)
 }
 
+/// Whether a key's value asks only for what agentrun carries.
+pub(crate) type Accepts = fn(&Value) -> bool;
+
 /// What a dialect does with the keys of one object of the body: keys it
 /// translates, keys it drops (they do not change what is asked, or are the
 /// platform's choice: the model, its sampling), and keys it accepts only
@@ -112,7 +115,7 @@ pub(crate) struct Keys<'a> {
     pub carried: &'a [&'a str],
     pub dropped: &'a [&'a str],
     /// `(key, accepts)`: the key is refused unless `accepts(value)`.
-    pub only: &'a [(&'a str, fn(&Value) -> bool)],
+    pub only: &'a [(&'a str, Accepts)],
 }
 
 impl Keys<'_> {
