@@ -21,6 +21,9 @@ enum Command {
     Controller(agentrun::controller::Options),
     /// Execute the next step(s) of a run; this is what each step Job runs.
     Step(agentrun::step::runner::StepArgs),
+    /// Run a container agent's own command beside the runner and report how
+    /// it ended (what wraps the agent in its container).
+    AgentShim(agentrun::step::agent_shim::ShimArgs),
     /// Step-log store tools: migrate the schema, verify a run's hash chain.
     Store(agentrun::store::admin::StoreArgs),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
@@ -66,6 +69,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 std::process::exit(agentrun::step::runner::LEASE_LOST_EXIT_CODE);
             }
             result
+        }
+        Command::AgentShim(args) => {
+            let code = agentrun::step::agent_shim::run(args).await?;
+            std::process::exit(code)
         }
         Command::Store(args) => agentrun::store::admin::main(args).await,
         Command::Console(args) => {

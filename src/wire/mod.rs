@@ -17,13 +17,16 @@
 //!   recorded (a delta against the run's previous request), and where two
 //!   requests first differ;
 //! - `matcher`: which recorded answer a request gets on replay, when it may
-//!   go out live, and when the run has diverged.
+//!   go out live, and when the run has diverged;
+//! - `mcp_server`: the MCP servers served to the agent, listing the pinned
+//!   tools and handing each call to the runner.
 
 mod answer;
 pub mod canonical;
 pub mod chat_completions;
 mod fields;
 pub mod matcher;
+pub mod mcp_server;
 pub mod messages;
 pub mod responses;
 #[cfg(test)]

@@ -1,0 +1,329 @@
+//! `agentrun agent-shim -- COMMAND ARGS`: what wraps a container agent's
+//! own command in its container (docs/container-agents.md). It waits until
+//! the runner beside it answers on loopback (the two containers start
+//! together), runs the command as its child with the signals the kubelet
+//! sends passed on, then tells the runner how the agent ended (its exit
+//! code and the result file it wrote) and exits with the same code.
+//!
+//! It holds nothing secret: the key it sends opens only this pod's loopback
+//! endpoints, and the agent beside it could send the same report itself;
+//! an agent choosing its own result is no more than its code already can.
+
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Where the runner listens and how it is opened (set by the controller).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ShimArgs {
+    /// The runner's loopback URL (`http://127.0.0.1:PORT`).
+    #[arg(long, env = "AGENTRUN_RUNNER_URL")]
+    pub runner_url: String,
+    /// The pod's loopback key (also the agent's `OPENAI_API_KEY`).
+    #[arg(long, env = "AGENTRUN_RUNNER_KEY", hide_env_values = true)]
+    pub runner_key: String,
+    /// The file the agent may write its result to.
+    #[arg(long, env = "AGENTRUN_RESULT_FILE")]
+    pub result_file: Option<PathBuf>,
+    /// How long to wait for the runner before giving up.
+    #[arg(long, default_value_t = 120)]
+    pub wait_seconds: u64,
+    /// The agent's command and its arguments.
+    #[arg(last = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// Largest result read from the result file; past it the runner is told
+/// the result was too large (and records that, not a cut result).
+pub const MAX_RESULT_BYTES: usize = 1 << 20;
+
+/// How the agent ended, as the shim reports it to the runner.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentExit {
+    /// Its exit code (128 + the signal when a signal ended it).
+    pub code: i32,
+    /// The result file's text, if the agent wrote one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// Why the result file could not be read (too large, not UTF-8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_unreadable: Option<String>,
+}
+
+/// The runner's paths the shim uses.
+pub const READY_PATH: &str = "/agentrun/ready";
+pub const EXIT_PATH: &str = "/agentrun/exit";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("the runner at {url} did not answer within {seconds} s")]
+    RunnerNotReady { url: String, seconds: u64 },
+    #[error("starting the agent's command {command:?}")]
+    Start {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("waiting for the agent's command")]
+    Wait(#[source] std::io::Error),
+    #[error("reporting the agent's exit to the runner")]
+    Report(#[source] reqwest::Error),
+}
+
+/// Runs the agent and reports how it ended; returns its exit code.
+pub async fn run(args: ShimArgs) -> Result<i32, ShimError> {
+    let http = reqwest::Client::new();
+    wait_for_runner(&http, &args).await?;
+    let status = run_child(&args.command).await?;
+    let exit = AgentExit {
+        code: code_of(status),
+        ..read_result(args.result_file.as_deref())
+    };
+    report(&http, &args, &exit).await?;
+    Ok(exit.code)
+}
+
+async fn wait_for_runner(http: &reqwest::Client, args: &ShimArgs) -> Result<(), ShimError> {
+    let url = format!("{}{READY_PATH}", args.runner_url);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.wait_seconds);
+    loop {
+        let ready = http
+            .get(&url)
+            .bearer_auth(&args.runner_key)
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ready {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ShimError::RunnerNotReady {
+                url: args.runner_url.clone(),
+                seconds: args.wait_seconds,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Runs the command with this process's stdio, passing on SIGTERM and
+/// SIGINT (the kubelet stops the container by signalling the shim).
+async fn run_child(command: &[String]) -> Result<ExitStatus, ShimError> {
+    let (program, args) = command.split_first().expect("clap requires a command");
+    let mut child = tokio::process::Command::new(program)
+        .args(args)
+        .spawn()
+        .map_err(|source| ShimError::Start {
+            command: command.join(" "),
+            source,
+        })?;
+    let pid = child.id();
+    let mut term = signal(tokio::signal::unix::SignalKind::terminate());
+    let mut int = signal(tokio::signal::unix::SignalKind::interrupt());
+    loop {
+        tokio::select! {
+            status = child.wait() => return status.map_err(ShimError::Wait),
+            _ = term.recv() => pass_on(pid, libc::SIGTERM),
+            _ = int.recv() => pass_on(pid, libc::SIGINT),
+        }
+    }
+}
+
+fn signal(kind: tokio::signal::unix::SignalKind) -> tokio::signal::unix::Signal {
+    tokio::signal::unix::signal(kind).expect("a signal handler can be installed")
+}
+
+fn pass_on(pid: Option<u32>, signal: libc::c_int) {
+    if let Some(pid) = pid.and_then(|p| libc::pid_t::try_from(p).ok()) {
+        // SAFETY: kill(2) with our own child's pid and a valid signal.
+        unsafe {
+            libc::kill(pid, signal);
+        }
+    }
+}
+
+fn code_of(status: ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(1)
+}
+
+/// The result file's text, or why it cannot be read (none written: none).
+fn read_result(path: Option<&std::path::Path>) -> AgentExit {
+    let mut exit = AgentExit {
+        code: 0,
+        result: None,
+        result_unreadable: None,
+    };
+    let Some(bytes) = path.and_then(|p| std::fs::read(p).ok()) else {
+        return exit;
+    };
+    if bytes.len() > MAX_RESULT_BYTES {
+        exit.result_unreadable = Some(format!(
+            "the result file holds {} bytes, more than {MAX_RESULT_BYTES}",
+            bytes.len()
+        ));
+        return exit;
+    }
+    match String::from_utf8(bytes) {
+        Ok(text) => exit.result = Some(text),
+        Err(_) => exit.result_unreadable = Some("the result file is not UTF-8 text".into()),
+    }
+    exit
+}
+
+/// Tells the runner, a few times if it does not answer at once.
+async fn report(
+    http: &reqwest::Client,
+    args: &ShimArgs,
+    exit: &AgentExit,
+) -> Result<(), ShimError> {
+    let url = format!("{}{EXIT_PATH}", args.runner_url);
+    let mut last = None;
+    for attempt in 0..5u32 {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+        }
+        match http
+            .post(&url)
+            .bearer_auth(&args.runner_key)
+            .json(exit)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+        {
+            Ok(_) => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(ShimError::Report(last.expect("at least one attempt")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    use axum::Json;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::{get, post};
+
+    /// A runner stand-in: ready once `ready` is set, noting reports.
+    #[derive(Clone, Default)]
+    struct Runner {
+        ready: Arc<Mutex<bool>>,
+        exits: Arc<Mutex<Vec<AgentExit>>>,
+    }
+
+    fn authorized(headers: &HeaderMap) -> bool {
+        headers.get("authorization").and_then(|v| v.to_str().ok()) == Some("Bearer pod-key")
+    }
+
+    async fn serve(runner: Runner) -> String {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let (r1, r2) = (runner.clone(), runner);
+        let app = axum::Router::new()
+            .route(
+                READY_PATH,
+                get(move |h: HeaderMap| async move {
+                    if authorized(&h) && *r1.ready.lock().unwrap() {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    }
+                }),
+            )
+            .route(
+                EXIT_PATH,
+                post(
+                    move |h: HeaderMap, Json(exit): Json<AgentExit>| async move {
+                        if !authorized(&h) {
+                            return StatusCode::UNAUTHORIZED;
+                        }
+                        r2.exits.lock().unwrap().push(exit);
+                        StatusCode::NO_CONTENT
+                    },
+                ),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    fn args(url: &str, result_file: PathBuf, script: &str) -> ShimArgs {
+        ShimArgs {
+            runner_url: url.into(),
+            runner_key: "pod-key".into(),
+            result_file: Some(result_file),
+            wait_seconds: 10,
+            command: vec!["sh".into(), "-c".into(), script.into()],
+        }
+    }
+
+    /// The agent starts only once the runner is ready; its exit code and
+    /// result file reach the runner; the shim ends with the same code.
+    #[tokio::test]
+    async fn the_agent_runs_once_the_runner_is_ready_and_its_end_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let runner = Runner::default();
+        let url = serve(runner.clone()).await;
+        let started = dir.path().join("started");
+        let result = dir.path().join("result");
+        let script = format!(
+            "touch {}; printf 'refunded 300' > {}; exit 3",
+            started.display(),
+            result.display()
+        );
+        let shim = tokio::spawn(run(args(&url, result, &script)));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!started.exists(), "the agent waits for the runner");
+        *runner.ready.lock().unwrap() = true;
+        assert_eq!(shim.await.unwrap().unwrap(), 3);
+        assert!(started.exists());
+        let exits = runner.exits.lock().unwrap().clone();
+        assert_eq!(
+            exits,
+            [AgentExit {
+                code: 3,
+                result: Some("refunded 300".into()),
+                result_unreadable: None
+            }]
+        );
+    }
+
+    #[tokio::test]
+    async fn an_agent_ended_by_a_signal_reports_128_plus_it_and_a_huge_result_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let runner = Runner::default();
+        *runner.ready.lock().unwrap() = true;
+        let url = serve(runner.clone()).await;
+        let result = dir.path().join("result");
+        std::fs::write(&result, vec![b'x'; MAX_RESULT_BYTES + 1]).unwrap();
+        let code = run(args(&url, result, "kill -TERM $$")).await.unwrap();
+        assert_eq!(code, 128 + libc::SIGTERM);
+        let exit = runner.exits.lock().unwrap()[0].clone();
+        assert_eq!(exit.result, None);
+        assert!(
+            exit.result_unreadable
+                .unwrap()
+                .contains("more than 1048576")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_runner_that_never_answers_is_an_error_naming_it() {
+        let runner = Runner::default();
+        let url = serve(runner).await;
+        let mut a = args(&url, PathBuf::from("/nonexistent"), "exit 0");
+        a.wait_seconds = 0;
+        let e = run(a).await.unwrap_err();
+        assert!(matches!(e, ShimError::RunnerNotReady { .. }), "{e}");
+    }
+}
