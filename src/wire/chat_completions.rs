@@ -361,6 +361,13 @@ pub fn error(status: u16, message: &str) -> Value {
     json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
 }
 
+/// The 400 body of a request that cannot be served, `param` naming the field.
+pub fn bad_request(e: &BadRequest) -> Value {
+    let mut body = error(400, &e.to_string());
+    body["error"]["param"] = json!(e.field);
+    body
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -652,6 +659,12 @@ mod tests {
             json!({"error": {"message": "messages: is required", "type": "invalid_request_error", "param": null, "code": null}})
         );
         assert_eq!(error(401, "x")["error"]["code"], "invalid_api_key");
+        let refused = bad_request(&BadRequest::new("n", "agentrun cannot honour 2 here"));
+        assert_eq!(refused["error"]["param"], "n");
+        assert_eq!(
+            refused["error"]["message"],
+            "n: agentrun cannot honour 2 here"
+        );
         assert_eq!(error(429, "x")["error"]["type"], "rate_limit_error");
         assert_eq!(error(503, "x")["error"]["type"], "server_error");
     }

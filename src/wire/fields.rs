@@ -166,7 +166,11 @@ pub(crate) fn text(v: &Value, path: &str, text_types: &[&str]) -> Result<String,
 
 /// One text part (`{"type": "text", "text": ...}`); metadata that does not
 /// change the text (prompt caching, annotations) is not looked at.
-fn text_part<'a>(part: &'a Value, path: &str, text_types: &[&str]) -> Result<&'a str, BadRequest> {
+pub(crate) fn text_part<'a>(
+    part: &'a Value,
+    path: &str,
+    text_types: &[&str],
+) -> Result<&'a str, BadRequest> {
     let o = object(part, path)?;
     let kind = string(o, "type", path)?;
     if !text_types.contains(&kind) {

@@ -22,7 +22,10 @@ const BODY: Keys = Keys {
         "top_k",
     ],
     only: &[
-        ("tool_choice", |v| v == &json!({"type": "auto"})),
+        ("tool_choice", |v| {
+            v == &json!({"type": "auto"})
+                || v == &json!({"type": "auto", "disable_parallel_tool_use": false})
+        }),
         ("stop_sequences", |v| v == &json!([])),
         ("thinking", |v| v == &json!({"type": "disabled"})),
     ],
@@ -34,10 +37,7 @@ const TEXT: &[&str] = &["text"];
 pub fn request(body: &Value) -> Result<ModelRequest, BadRequest> {
     let o = object(body, "")?;
     BODY.check(o, "")?;
-    let system = match get(o, "system") {
-        None => String::new(),
-        Some(s) => fields::text(s, "system", TEXT)?,
-    };
+    let system = system(o)?;
     let messages = list(o, "messages", "")?;
     if messages.is_empty() {
         return Err(BadRequest::new(
@@ -55,6 +55,22 @@ pub fn request(body: &Value) -> Result<ModelRequest, BadRequest> {
         tools: tools(o)?,
         max_output_tokens: fields::max_tokens(o, &["max_tokens"])?,
     })
+}
+
+/// `system`: a string, or text blocks, each a part of the system prompt
+/// (joined by a blank line, as system messages are in the other dialects).
+fn system(o: &Map<String, Value>) -> Result<String, BadRequest> {
+    match get(o, "system") {
+        None => Ok(String::new()),
+        Some(Value::Array(blocks)) => {
+            let mut parts = Vec::with_capacity(blocks.len());
+            for (i, b) in blocks.iter().enumerate() {
+                parts.push(fields::text_part(b, &index("system", i), TEXT)?.to_string());
+            }
+            Ok(fields::join_system(parts))
+        }
+        Some(s) => fields::text(s, "system", TEXT),
+    }
 }
 
 /// The `stream` flag.
@@ -343,6 +359,12 @@ pub fn error(status: u16, message: &str) -> Value {
     json!({"type": "error", "error": {"type": kind, "message": message}})
 }
 
+/// The 400 body of a request that cannot be served (the message names the
+/// field: Anthropic's errors have no field of their own for it).
+pub fn bad_request(e: &BadRequest) -> Value {
+    error(400, &e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -387,7 +409,7 @@ mod tests {
             ],
         });
         let r = request(&body).unwrap();
-        assert_eq!(r.system, "A.\nB.");
+        assert_eq!(r.system, "A.\n\nB.");
         assert_eq!(
             r.messages[2],
             Message::ToolResult {
@@ -405,6 +427,10 @@ mod tests {
         let user = |content: Value| json!({"max_tokens": 5, "messages": [{"role": "user", "content": content}]});
         let cases = [
             (json!({"max_tokens": 5}), "messages"),
+            (
+                json!({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "text", "text": "a"}, {"type": "image"}]}),
+                "system[1].type",
+            ),
             (
                 user(json!([{"type": "image", "source": {}}])),
                 "messages[0].content[0].type",

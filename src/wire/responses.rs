@@ -404,6 +404,11 @@ pub fn error(status: u16, message: &str) -> Value {
     super::chat_completions::error(status, message)
 }
 
+/// The 400 body of a request that cannot be served, `param` naming the field.
+pub fn bad_request(e: &BadRequest) -> Value {
+    super::chat_completions::bad_request(e)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
