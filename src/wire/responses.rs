@@ -86,6 +86,9 @@ pub fn request(body: &Value) -> Result<ModelRequest, BadRequest> {
     match get(o, "input") {
         None => return Err(BadRequest::new("input", "is required")),
         Some(Value::String(s)) => conversation.user(s.clone()),
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(BadRequest::new("input", "must hold at least one item"));
+        }
         Some(Value::Array(items)) => {
             for (i, item) in items.iter().enumerate() {
                 input_item(item, &index("input", i), &mut system, &mut conversation)?;
@@ -382,7 +385,7 @@ fn call_events(events: &mut Events, id: &str, output_index: usize, k: usize, c: 
     );
     events.push(
         "response.function_call_arguments.done",
-        merged(&at, json!({"name": c.name, "arguments": arguments})),
+        merged(&at, json!({"arguments": arguments})),
     );
     events.push(
         "response.output_item.done",
@@ -473,6 +476,7 @@ mod tests {
         let cases = [
             (json!({"model": "x"}), "input"),
             (json!({"input": 3}), "input"),
+            (json!({"input": []}), "input"),
             (
                 with(json!({"tools": [{"type": "web_search"}]})),
                 "tools[0].type",
