@@ -686,12 +686,14 @@ mod tests {
             stop_reason: None,
         };
         let model_call = ModelCall {
+            request: None,
             response: response.clone(),
             cost_usd: 0.0,
             context: ContextInfo::default(),
             attempts: None,
         };
         let answer = ModelCall {
+            request: None,
             response: v1::ModelResponse {
                 tool_calls: vec![],
                 text: Some("done".into()),

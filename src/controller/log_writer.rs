@@ -9,7 +9,7 @@ use crate::controller::context::Context;
 use crate::controller::error::Error;
 use crate::failpoint;
 use crate::replay::Entry;
-use crate::store::{Head, RecordDraft, StoreError};
+use crate::store::{Head, StoreError};
 
 /// Appends one record as the controller (RunStarted, VersionChanged, its own
 /// RunFinished), under the run's lease like any worker.
@@ -27,7 +27,7 @@ pub(crate) async fn append(
         .map_err(Error::Store)?;
     let kind = step.store_kind();
     failpoint::hit(&format!("controller:before-append:{kind}"));
-    let mut draft = RecordDraft::new(kind, step.payload());
+    let mut draft = step.draft();
     draft.worker = crate::store::Worker {
         pod: ctx.log.identity.clone(),
         attempt: 0,

@@ -99,6 +99,21 @@ impl Entry {
             .expect("every Entry kind is a StepKind")
     }
 
+    /// The format its record is written in: format 2 when it holds what a
+    /// container agent adds (`runlog::v2`), else format 1.
+    pub fn format(&self) -> u32 {
+        match self {
+            Entry::ModelCall(c) if c.request.is_some() => crate::store::FORMAT_2,
+            _ => crate::store::FORMAT_1,
+        }
+    }
+
+    /// The draft of its record (kind, payload and format; the writer adds
+    /// versions, usage and worker).
+    pub fn draft(&self) -> crate::store::RecordDraft {
+        crate::store::RecordDraft::new(self.store_kind(), self.payload()).in_format(self.format())
+    }
+
     /// The payload as JSON.
     pub fn payload(&self) -> Value {
         let v = match self {
@@ -897,8 +912,32 @@ pub(crate) mod tests {
         })])
     }
 
+    /// Only what a container agent adds makes a record format 2: an earlier
+    /// release refuses those records, and reads every other as before.
+    #[test]
+    fn a_model_call_holding_a_wire_request_is_drafted_as_format_2_and_others_as_format_1() {
+        let plain = model_call(&[("lookup", json!({"id": 1}))]);
+        assert_eq!(plain.draft().format, crate::store::FORMAT_1);
+        let Entry::ModelCall(mut call) = plain else {
+            unreachable!()
+        };
+        let request = crate::wire::canonical::Canonical::of(
+            crate::wire::Dialect::ChatCompletions,
+            &json!({"messages": [{"role": "user", "content": "refund"}]}),
+        )
+        .unwrap();
+        call.request = Some(crate::wire::canonical::record(&request, None).into());
+        let draft = Entry::ModelCall(call).draft();
+        assert_eq!(draft.format, crate::store::FORMAT_2);
+        assert_eq!(draft.payload["request"]["dialect"], "chatCompletions");
+        for entry in started().entries() {
+            assert_eq!(entry.draft().format, crate::store::FORMAT_1);
+        }
+    }
+
     fn model_call(calls: &[(&str, serde_json::Value)]) -> Entry {
         Entry::ModelCall(ModelCall {
+            request: None,
             response: ModelResponse {
                 text: Some("thinking".into()),
                 tool_calls: calls

@@ -10,3 +10,4 @@
 pub mod budget;
 pub mod records;
 pub mod v1;
+pub mod v2;

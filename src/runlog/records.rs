@@ -84,6 +84,10 @@ pub struct ModelCall {
     pub context: ContextInfo,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts: Option<ModelAttempts>,
+    /// A container agent's request this answers (format 2; none for a
+    /// built-in agent, whose request the log's own records make).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<super::v2::WireRequest>,
 }
 
 /// A tool call about to be made, with the key that makes repeating it safe.

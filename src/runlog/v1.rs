@@ -13,6 +13,8 @@
 //! The rule: a stored type never changes. A change of shape is a new format
 //! (a `v2` module, `store::FORMAT` raised) with an explicit conversion from
 //! the old one; the record's `format` column says which types decode it.
+//! Format 2 (`v2`) only adds: records holding none of its types are written
+//! as format 1, byte for byte as before.
 //! `testdata/format1.json` holds records as format 1 writes them; the tests
 //! below decode and re-encode every one of them to the same canonical bytes.
 

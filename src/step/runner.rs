@@ -18,7 +18,7 @@ use crate::policy::{Classification, classify};
 use crate::replay::{Entry, Next, RunState, Snapshot};
 use crate::runlog::budget;
 use crate::runlog::records::*;
-use crate::store::{self, Head, Lease, RecordDraft, StepStore, StoreError};
+use crate::store::{self, Head, Lease, StepStore, StoreError};
 use crate::telemetry::trace;
 use crate::tools::{CallContext, LookupOutcome, ToolOutcome, Toolbox, idempotency_key};
 
@@ -589,6 +589,7 @@ impl Runner {
                 let model_id = response.model_id.clone();
                 self.append(
                     Entry::ModelCall(ModelCall {
+                        request: None,
                         response: response.into(),
                         cost_usd: cost,
                         context,
@@ -814,7 +815,7 @@ impl Runner {
     async fn append(&mut self, step: Entry, model_id: Option<String>) -> anyhow::Result<u64> {
         let kind = step.kind();
         failpoint::hit(&format!("before-append:{kind}"));
-        let mut draft = RecordDraft::new(step.store_kind(), step.payload());
+        let mut draft = step.draft();
         if let Some(snap) = &self.state.snapshot {
             draft.versions = store::Versions {
                 prompt_version: Some(snap.versions.prompt_version.clone()),

@@ -6,9 +6,7 @@
 use super::StoreError;
 use chrono::{DateTime, Utc};
 
-use super::record::{
-    FORMAT, Hash, Head, MAX_SAFE_INTEGER, Record, RecordDraft, StoredRecord, chain_hash,
-};
+use super::record::{Hash, Head, MAX_SAFE_INTEGER, Record, RecordDraft, StoredRecord, chain_hash};
 
 impl Head {
     /// The head of a log whose last record (`seq`, `hash`) was read from a backend row.
@@ -32,7 +30,7 @@ impl RecordDraft {
     pub fn seal(self, head: &Head) -> Result<Record, StoreError> {
         check_safe_numbers(&self.payload, &mut String::from("payload"))?;
         let mut record = Record {
-            format: FORMAT,
+            format: self.format,
             seq: head.len,
             kind: self.kind,
             payload: self.payload,

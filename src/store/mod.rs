@@ -55,9 +55,9 @@ pub use error::{KeyError, StoreError};
 pub use pages::{PAGE_HELD, PageTicket, Pages, ReadBudget};
 pub use postgres::PgStore;
 pub use record::{
-    AnchorError, FORMAT, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record, RecordDraft,
-    StepKind, StoredRecord, UnreadableRecord, Usage, Versions, Worker, canonical_json, chain_hash,
-    sha256_hex,
+    AnchorError, FORMAT, FORMAT_1, FORMAT_2, Hash, Head, MAX_SAFE_INTEGER, ParseHashError, Record,
+    RecordDraft, StepKind, StoredRecord, UnreadableRecord, Usage, Versions, Worker, canonical_json,
+    chain_hash, sha256_hex,
 };
 pub use remote::{
     AcquireBody, AppendBody, RemoteStore, RenewBody, STORE_TOKEN_ENV, STORED_FORM, WireError,

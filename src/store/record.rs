@@ -17,8 +17,17 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// The record format this code writes. Records of an older format stay readable.
-pub const FORMAT: u32 = 1;
+/// The newest record format this code reads and writes. A record is written
+/// in the oldest format that holds it ([`RecordDraft::format`]): format 1
+/// for everything a built-in agent records, format 2 for records that carry
+/// what a container agent adds (its container, its wire requests), so that
+/// an earlier release refuses those instead of misreading them.
+pub const FORMAT: u32 = FORMAT_2;
+
+/// The format of every record that holds nothing newer.
+pub const FORMAT_1: u32 = 1;
+/// The format of records holding what a container agent adds (`runlog::v2`).
+pub const FORMAT_2: u32 = 2;
 
 /// Largest integer magnitude a payload may hold (2^53 - 1): the canonical
 /// encoding writes every number as an IEEE double (RFC 8785), so a larger
@@ -372,6 +381,9 @@ impl Head {
 /// What a caller writes; [`RecordDraft::seal`] turns it into the next record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RecordDraft {
+    /// The format the record is written in ([`FORMAT_1`] unless it holds
+    /// something newer).
+    pub format: u32,
     pub kind: StepKind,
     pub payload: serde_json::Value,
     pub versions: Versions,
@@ -382,12 +394,19 @@ pub struct RecordDraft {
 impl RecordDraft {
     pub fn new(kind: StepKind, payload: serde_json::Value) -> Self {
         RecordDraft {
+            format: FORMAT_1,
             kind,
             payload,
             versions: Versions::default(),
             usage: Usage::default(),
             worker: Worker::default(),
         }
+    }
+
+    /// The same draft, written in `format` (see [`FORMAT`]).
+    pub fn in_format(mut self, format: u32) -> Self {
+        self.format = format;
+        self
     }
 }
 
@@ -500,6 +519,7 @@ mod tests {
 
     fn sample() -> RecordDraft {
         RecordDraft {
+            format: FORMAT_1,
             kind: StepKind::ModelCall,
             payload: json!({"response": {"text": "hello", "toolCalls": [{"name": "lookup", "arguments": {"id": 7}}]}}),
             versions: Versions {
@@ -645,11 +665,28 @@ mod tests {
         assert_eq!(back, r);
         assert_eq!(back.canonical_bytes(), r.canonical_bytes());
 
-        let newer = br#"{"format":2,"seq":0}"#;
+        let newer = br#"{"format":3,"seq":0}"#;
         let err = Record::from_canonical(newer, Hash::ZERO, None)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("format 2"), "{err}");
+        assert!(err.contains("format 3"), "{err}");
+    }
+
+    /// A record that holds what a container agent adds is written as format
+    /// 2 and reads back as such; everything else stays format 1, byte for
+    /// byte (`store_record_hash_is_stable`).
+    #[test]
+    fn a_draft_in_format_2_is_sealed_and_read_as_format_2() {
+        let r = sample().in_format(FORMAT).seal(&Head::EMPTY).unwrap();
+        assert_eq!(r.format, 2);
+        assert!(
+            String::from_utf8(r.canonical_bytes())
+                .unwrap()
+                .starts_with(r#"{"format":2,"#)
+        );
+        let back = Record::from_canonical(&r.canonical_bytes(), r.hash, None).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(sample().seal(&Head::EMPTY).unwrap().format, FORMAT_1);
     }
 
     /// The ways the stored bytes of one record can change while it still

@@ -404,6 +404,7 @@ mod tests {
                 versions: Default::default(),
             }),
             Entry::ModelCall(ModelCall {
+                request: None,
                 response: ModelResponse {
                     text: None,
                     tool_calls: vec![ToolCall {

@@ -126,6 +126,7 @@ fn history(base: &str) -> Vec<Entry> {
                 arguments: args.clone(),
             });
         log.push(Entry::ModelCall(ModelCall {
+            request: None,
             response: v1::ModelResponse {
                 text: text.map(str::to_string),
                 tool_calls: tool_calls.collect(),
@@ -177,9 +178,7 @@ async fn log_with(dir: &std::path::Path, prefix: &[Entry]) -> Arc<dyn StepStore>
     let lease = store.acquire(RUN, "crashed", LEASE_TTL).await.unwrap();
     let mut head = Head::EMPTY;
     for step in prefix {
-        let record = RecordDraft::new(step.store_kind(), step.payload())
-            .seal(&head)
-            .unwrap();
+        let record = step.draft().seal(&head).unwrap();
         head = store
             .append(RUN, lease.epoch, &record)
             .await
@@ -390,6 +389,7 @@ fn gated_run(standins: &Standins, gated: &str, refund: &str, search: &str) -> Ve
         arguments,
     };
     let proposal = Entry::ModelCall(ModelCall {
+        request: None,
         response: v1::ModelResponse {
             text: Some("Looking it up, then refunding 5000.".into()),
             tool_calls: vec![
@@ -529,7 +529,7 @@ async fn signed_log(dir: &std::path::Path, signer: &store::RecordSigner) -> Arc<
         ),
     ] {
         let record = signer
-            .seal(RUN, RecordDraft::new(kind, payload), &head)
+            .seal(RUN, crate::store::RecordDraft::new(kind, payload), &head)
             .unwrap();
         head = store
             .append(RUN, lease.epoch, &record)
@@ -593,6 +593,7 @@ fn intended(base: &str, tool: &str, decided: bool) -> Vec<Entry> {
     let args = json!({"order": "A-7", "amount": 25});
     let mut log = vec![gated_run_started(base, tool)];
     log.push(Entry::ModelCall(ModelCall {
+        request: None,
         response: v1::ModelResponse {
             text: Some("Refunding A-7.".into()),
             tool_calls: vec![v1::ToolCall {

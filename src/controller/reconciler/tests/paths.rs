@@ -143,6 +143,7 @@ pub(super) fn observation(text: &str) -> Entry {
 
 pub(super) fn model_call(text: Option<&str>, calls: Vec<ToolCall>) -> Entry {
     Entry::ModelCall(ModelCall {
+        request: None,
         response: ModelResponse {
             text: text.map(Into::into),
             tool_calls: calls,
