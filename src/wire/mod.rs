@@ -10,7 +10,9 @@
 //!   [`crate::model::ModelResponse`] back into that dialect's JSON or its
 //!   server-sent events: `chat_completions` (OpenAI Chat Completions),
 //!   `responses` (OpenAI Responses, as the Agents SDK sends it), `messages`
-//!   (Anthropic Messages);
+//!   (Anthropic Messages); what they share: `fields` (reading a body,
+//!   naming the path of what is refused), `answer` (how an answer ended, a
+//!   call's arguments as text), `sse` (server-sent-event framing);
 //! - `canonical`: what of a request identifies it (its digest), how it is
 //!   recorded (a delta against the run's previous request), and where two
 //!   requests first differ;
@@ -19,9 +21,17 @@
 //! - `mcp_server`: the MCP servers served to the agent, listing the pinned
 //!   tools and handing each call to the runner.
 
+mod answer;
 pub mod canonical;
+pub mod chat_completions;
+mod fields;
 pub mod matcher;
 pub mod mcp_server;
+pub mod messages;
+pub mod responses;
+#[cfg(test)]
+mod sdk_fixtures;
+pub mod sse;
 
 use serde::{Deserialize, Serialize};
 
