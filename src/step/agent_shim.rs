@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use crate::wire::loopback::{AgentExit, EXIT_PATH, READY_PATH};
 
 /// Where the runner listens and how it is opened (set by the controller).
 #[derive(clap::Args, Debug, Clone)]
@@ -38,24 +38,6 @@ pub struct ShimArgs {
 /// Largest result read from the result file; past it the runner is told
 /// the result was too large (and records that, not a cut result).
 pub const MAX_RESULT_BYTES: usize = 1 << 20;
-
-/// How the agent ended, as the shim reports it to the runner.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct AgentExit {
-    /// Its exit code (128 + the signal when a signal ended it).
-    pub code: i32,
-    /// The result file's text, if the agent wrote one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub result: Option<String>,
-    /// Why the result file could not be read (too large, not UTF-8).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub result_unreadable: Option<String>,
-}
-
-/// The runner's paths the shim uses.
-pub const READY_PATH: &str = "/agentrun/ready";
-pub const EXIT_PATH: &str = "/agentrun/exit";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ShimError {

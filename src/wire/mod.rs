@@ -19,12 +19,15 @@
 //! - `matcher`: which recorded answer a request gets on replay, when it may
 //!   go out live, and when the run has diverged;
 //! - `mcp_server`: the MCP servers served to the agent, listing the pinned
-//!   tools and handing each call to the runner.
+//!   tools and handing each call to the runner;
+//! - `loopback`: the runner's server on the pod's loopback, routing the
+//!   three dialects, the MCP servers and the shim's paths to the runner.
 
 mod answer;
 pub mod canonical;
 pub mod chat_completions;
 mod fields;
+pub mod loopback;
 pub mod matcher;
 pub mod mcp_server;
 pub mod messages;
