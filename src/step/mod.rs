@@ -6,3 +6,4 @@ pub mod approval_request;
 pub mod prompt;
 pub mod runner;
 pub mod spans;
+pub mod wire_log;
