@@ -381,6 +381,28 @@ mod tests {
         reqwest::Client::new()
     }
 
+    /// Posts `body` to `path` with the key in `header` (`authorization`
+    /// takes a bearer token); the status and the JSON answered.
+    async fn post(
+        url: &str,
+        path: &str,
+        (header, key): (&str, &str),
+        body: &Value,
+    ) -> (u16, Value) {
+        let key = match header {
+            "authorization" => format!("Bearer {key}"),
+            _ => key.to_string(),
+        };
+        let reply = client()
+            .post(format!("{url}{path}"))
+            .header(header, key)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        (reply.status().as_u16(), reply.json().await.unwrap())
+    }
+
     /// What the real frameworks sent (captured), each answered in its own
     /// dialect, plain or streamed as it asked, from the same answer.
     #[tokio::test]
@@ -455,41 +477,19 @@ mod tests {
     #[tokio::test]
     async fn a_request_without_the_pods_key_or_unreadable_is_refused_in_its_dialect() {
         let url = serve(Arc::new(OneAnswer::default())).await;
-        let http = client();
         let body = captured("langgraph-1.json");
-        let reply = http
-            .post(format!("{url}/v1/chat/completions"))
-            .bearer_auth("the-providers-real-key")
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(reply.status(), 401);
-        let error: Value = reply.json().await.unwrap();
-        assert!(
-            error["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("pod's key")
-        );
+        let wrong_key = ("authorization", "the-providers-real-key");
+        let (status, error) = post(&url, "/v1/chat/completions", wrong_key, &body).await;
+        assert_eq!(status, 401);
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("pod's key"), "{message}");
 
-        let reply = http
-            .post(format!("{url}/v1/messages"))
-            .header("x-api-key", "pod-key")
-            .json(&json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(reply.status(), 400);
-        let error: Value = reply.json().await.unwrap();
+        let image = json!({"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]});
+        let (status, error) = post(&url, "/v1/messages", ("x-api-key", "pod-key"), &image).await;
+        assert_eq!(status, 400);
         assert_eq!(error["type"], "error");
-        assert!(
-            error["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("messages[0].content[0]"),
-            "{error}"
-        );
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("messages[0].content[0]"), "{error}");
     }
 
     #[tokio::test]
@@ -498,21 +498,11 @@ mod tests {
         let url = serve(backend.clone()).await;
         let http = client();
         let body = json!({"model": "m", "messages": [{"role": "system", "content": "It is 10:05."}, {"role": "user", "content": "refund"}]});
-        let reply = http
-            .post(format!("{url}/v1/chat/completions"))
-            .bearer_auth("pod-key")
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(reply.status(), 409);
-        let error: Value = reply.json().await.unwrap();
-        assert!(
-            error["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("diverged")
-        );
+        let key = ("authorization", "pod-key");
+        let (status, error) = post(&url, "/v1/chat/completions", key, &body).await;
+        assert_eq!(status, 409);
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("diverged"), "{message}");
 
         let ready = http
             .get(format!("{url}{READY_PATH}"))
