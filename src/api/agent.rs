@@ -31,9 +31,21 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.prompt) != has(self.container)", "message": "exactly one of prompt (the built-in agent loop) and container (an agent image of your own) must be set"},
+    {"rule": "!has(self.container) || !has(self.context)", "message": "context: the built-in loop's context settings; a container agent builds its own context"}
+]))]
 pub struct AgentTemplate {
-    /// The system prompt and its version label.
-    pub prompt: Prompt,
+    /// The system prompt and its version label: the built-in agent loop.
+    /// Exactly one of `prompt` and `container`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<Prompt>,
+    /// An agent of your own (LangGraph, the OpenAI Agents SDK, plain
+    /// Python...), unmodified: its image runs beside agentrun's runner,
+    /// which serves it the model and the tools below on the pod's loopback
+    /// and records every answer (docs/container-agents.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<AgentContainer>,
     /// The model that drives the agent.
     pub model: ModelSpec,
     /// Tools the agent may call. A built-in `finish` tool is always available.
@@ -94,6 +106,72 @@ impl RetryPolicy {
         let doubled = base.saturating_mul(1u64 << attempt.saturating_sub(1).min(30));
         std::time::Duration::from_secs(doubled.min(cap))
     }
+}
+
+/// A container agent: the team's own image and how it starts.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentContainer {
+    /// The agent's image.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+    /// The command that starts the agent. Required: the runner starts it
+    /// (the cluster cannot tell an image's entrypoint).
+    #[schemars(length(min = 1, max = 64))]
+    pub command: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256))]
+    pub args: Vec<String>,
+    /// Environment variables, literal values only: what the agent needs of
+    /// Secrets reaches it through agentrun (the runner holds the model's key
+    /// and the tools' credentials). The variables agentrun sets
+    /// (`OPENAI_*`, `ANTHROPIC_*` base URLs and keys, `AGENTRUN_*`) cannot
+    /// be set here: an agent pointed past the runner would go unrecorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128), extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub env: Vec<AgentEnvVar>,
+    /// Requests and limits of the agent's container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "!has(self.claims)",
+        "message": "spec.container.resources.claims: dynamic resource claims are not available to agents"
+    }]))]
+    pub resources: Option<k8s_openapi::api::core::v1::ResourceRequirements>,
+    /// How a restarted agent's requests are matched to the recorded ones:
+    /// `Exact` (default) or `ByPosition` (model requests by position only;
+    /// tool calls always by content). See docs/container-agents.md.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub matching: Option<ReplayMatching>,
+}
+
+/// An environment variable of a container agent.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "!(self.name in ['OPENAI_BASE_URL', 'OPENAI_API_KEY', 'ANTHROPIC_BASE_URL', 'ANTHROPIC_API_KEY']) && !self.name.startsWith('AGENTRUN_')",
+    "message": "spec.container.env[].name: OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY and AGENTRUN_* are set by agentrun"
+}]))]
+pub struct AgentEnvVar {
+    #[schemars(
+        length(min = 1, max = 128),
+        regex(pattern = r"^[A-Za-z_][A-Za-z0-9_]*$")
+    )]
+    pub name: String,
+    #[serde(default)]
+    #[schemars(length(max = 32768))]
+    pub value: String,
+}
+
+/// How a restarted container agent's requests are matched to the recorded ones.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ReplayMatching {
+    /// A request gets a recorded answer only to the same request.
+    #[default]
+    Exact,
+    /// The k-th model request gets the k-th recorded model answer whatever
+    /// it asks (tool calls still by content): for agents whose prompts are
+    /// not deterministic, at the risk of answers to other questions.
+    ByPosition,
 }
 
 /// The system prompt.

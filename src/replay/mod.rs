@@ -105,6 +105,8 @@ impl Entry {
         match self {
             Entry::ModelCall(c) if c.request.is_some() => crate::store::FORMAT_2,
             Entry::ToolIntent(i) if i.requested.is_some() => crate::store::FORMAT_2,
+            Entry::RunStarted(s) if s.container.is_some() => crate::store::FORMAT_2,
+            Entry::VersionChanged(v) if v.container.is_some() => crate::store::FORMAT_2,
             _ => crate::store::FORMAT_1,
         }
     }
@@ -293,21 +295,21 @@ impl RunState {
     fn fold(&mut self, seq: u64, step: &Entry) {
         match step {
             Entry::RunStarted(s) => {
-                self.agents = vec![(seq, s.agent.clone().into())];
+                self.agents = vec![(seq, s.agent_template())];
                 self.snapshot = Some(Snapshot {
                     run_name: s.run_name.clone(),
                     namespace: s.namespace.clone(),
                     input: s.input.clone(),
-                    agent: s.agent.clone().into(),
+                    agent: s.agent_template(),
                     tools: s.tools.iter().cloned().map(Into::into).collect(),
                     mcp: s.mcp.clone().into(),
                     versions: s.versions.clone(),
                 })
             }
             Entry::VersionChanged(v) => {
-                self.agents.push((seq, v.agent.clone().into()));
+                self.agents.push((seq, v.agent_template()));
                 if let Some(snap) = &mut self.snapshot {
-                    snap.agent = v.agent.clone().into();
+                    snap.agent = v.agent_template();
                     snap.tools = v.tools.iter().cloned().map(Into::into).collect();
                     snap.mcp = v.mcp.clone().into();
                     snap.versions = v.to.clone();
@@ -903,6 +905,7 @@ pub(crate) mod tests {
 
     fn started() -> RunState {
         RunState::replay(vec![Entry::RunStarted(RunStarted {
+            container: None,
             run_name: "r".into(),
             namespace: "n".into(),
             input: "task".into(),
@@ -1069,6 +1072,7 @@ pub(crate) mod tests {
                 let mut agent = AgentTemplate::default();
                 agent.prompt.version = format!("v{turn}");
                 v.push(Entry::VersionChanged(VersionChanged {
+                    container: None,
                     agent,
                     tools: vec![],
                     mcp: Default::default(),

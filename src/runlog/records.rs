@@ -34,6 +34,27 @@ pub struct RunStarted {
     #[serde(default)]
     pub mcp: v1::McpCatalog,
     pub versions: Versions,
+    /// A container agent's container (format 2): the agent is this image,
+    /// `agent.prompt` is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<super::v2::Container>,
+}
+
+impl RunStarted {
+    /// The agent the run started with, its container (if any) in place.
+    pub fn agent_template(&self) -> crate::api::AgentTemplate {
+        with_container(self.agent.clone(), self.container.clone())
+    }
+}
+
+/// A stored template with its stored container, as the API has them.
+fn with_container(
+    agent: v1::AgentTemplate,
+    container: Option<super::v2::Container>,
+) -> crate::api::AgentTemplate {
+    let mut agent: crate::api::AgentTemplate = agent.into();
+    agent.container = container.map(Into::into);
+    agent
 }
 
 /// A later snapshot, for `versionPolicy: FollowLatest`.
@@ -46,6 +67,16 @@ pub struct VersionChanged {
     pub mcp: v1::McpCatalog,
     pub from: Versions,
     pub to: Versions,
+    /// The container agent's container from now on (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<super::v2::Container>,
+}
+
+impl VersionChanged {
+    /// The agent the run goes on with, its container (if any) in place.
+    pub fn agent_template(&self) -> crate::api::AgentTemplate {
+        with_container(self.agent.clone(), self.container.clone())
+    }
 }
 
 /// What a model call was built from, so an auditor can tell what the model saw.

@@ -52,7 +52,7 @@ pub fn request_for_step(state: &RunState, snap: &Snapshot) -> (ModelRequest, Con
     }
     push_records(&mut messages, state, from_seq, u64::MAX);
     let request = ModelRequest {
-        system: snap.agent.prompt.system.clone(),
+        system: system_prompt(snap).to_string(),
         messages,
         tools: snap.tools.clone(),
         max_output_tokens: snap.agent.model.max_output_tokens,
@@ -100,7 +100,7 @@ pub fn summarization_request(state: &RunState, snap: &Snapshot, through_seq: u64
     ModelRequest {
         system: format!(
             "{}\n\nYou are now compacting your own history; do not call tools.",
-            snap.agent.prompt.system
+            system_prompt(snap)
         ),
         messages,
         tools: Vec::new(),
@@ -286,4 +286,9 @@ fn outcome_for_model(outcome: &ToolOutcome) -> (String, bool) {
         ToolOutcome::Ok(value) => (value.to_string(), false),
         ToolOutcome::Failed { observation } => (observation.clone(), true),
     }
+}
+
+/// The built-in loop's system prompt (a container agent has none here).
+fn system_prompt(snap: &Snapshot) -> &str {
+    snap.agent.prompt.as_ref().map_or("", |p| p.system.as_str())
 }

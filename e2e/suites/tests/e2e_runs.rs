@@ -686,6 +686,7 @@ async fn a_zombie_worker_that_wakes_after_a_takeover_neither_calls_nor_appends()
     let template: agentrun::api::AgentTemplate = serde_json::from_value(agent).unwrap();
     let toolbox = Toolbox::new(&template.tools, &McpCatalog::new()).unwrap();
     let started = Entry::RunStarted(RunStarted {
+        container: None,
         run_name: "zombie".into(),
         namespace: w.name().into(),
         input: "Refund order 7.".into(),

@@ -889,6 +889,7 @@ mod tests {
 
     fn pinned(policy: crate::api::ApprovalPolicy) -> Vec<Entry> {
         vec![Entry::RunStarted(crate::runlog::records::RunStarted {
+            container: None,
             run_name: "r".into(),
             namespace: "n".into(),
             input: "i".into(),

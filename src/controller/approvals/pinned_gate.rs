@@ -395,6 +395,7 @@ mod tests {
     fn log_of(agent: AgentTemplate, args: Value) -> Vec<Entry> {
         vec![
             Entry::RunStarted(RunStarted {
+                container: None,
                 run_name: "r".into(),
                 namespace: "n".into(),
                 input: "i".into(),

@@ -261,8 +261,14 @@ pub(super) fn snapshot(
     generation: Option<i64>,
     mcp: McpCatalog,
 ) -> Result<RunStarted, crate::refusal::Refusal> {
+    if template.container.is_some() {
+        return Err(crate::refusal::Refusal::from(
+            "container: agents of your own image are not run by this version of the controller yet (docs/container-agents.md)",
+        ));
+    }
     let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
     let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
+    let version = template.prompt.as_ref().map(|p| p.version.clone());
     Ok(RunStarted {
         run_name: run.name_any(),
         namespace: run.namespace().unwrap_or_default(),
@@ -271,12 +277,13 @@ pub(super) fn snapshot(
         tools: toolbox.defs().into_iter().map(Into::into).collect(),
         mcp: mcp.into(),
         versions: Versions {
-            prompt_version: template.prompt.version.clone(),
+            prompt_version: version.unwrap_or_default(),
             prompt_hash: sha256_hex(&crate::store::canonical_json(&prompt)),
             model: template.model.name.clone(),
             tool_schema_hash: toolbox.schema_hash(),
             agent_generation: generation,
         },
+        container: template.container.clone().map(Into::into),
     })
 }
 
@@ -329,5 +336,44 @@ mod fence_tests {
         assert!(!held_by_a_pod_of(Some("r-s5-2-"), "r-s5-2"));
         assert!(!held_by_a_pod_of(Some("r-s5-2"), "r-s5-2"));
         assert!(!held_by_a_pod_of(None, "r-s5-2"));
+    }
+}
+
+#[cfg(test)]
+mod snapshot_tests {
+    use super::snapshot;
+    use crate::api::{AgentRun, AgentTemplate};
+
+    fn run() -> AgentRun {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": "r", "namespace": "n", "uid": "u"},
+            "spec": {"input": "x", "agentRef": {"name": "a"}}
+        }))
+        .unwrap()
+    }
+
+    fn template(agent: serde_json::Value) -> AgentTemplate {
+        serde_json::from_value(agent).unwrap()
+    }
+
+    /// Until the runner serves them, a container agent's run ends at its
+    /// start saying so, and never runs as a built-in agent with no prompt.
+    #[test]
+    fn a_container_agent_is_refused_at_start_and_a_built_in_one_pins_its_prompt() {
+        let container = template(serde_json::json!({
+            "container": {"image": "team/agent:1", "command": ["python", "agent.py"]},
+            "model": {"provider": "OpenAI", "name": "m"}
+        }));
+        let why = snapshot(&run(), &container, None, Default::default()).unwrap_err();
+        assert!(why.to_string().starts_with("container: "), "{why}");
+        let builtin = template(serde_json::json!({
+            "prompt": {"version": "v3", "system": "s"},
+            "model": {"provider": "OpenAI", "name": "m"}
+        }));
+        let started = snapshot(&run(), &builtin, None, Default::default()).unwrap();
+        assert_eq!(started.versions.prompt_version, "v3");
+        assert_eq!(started.container, None);
+        assert_eq!(started.agent_template(), builtin);
     }
 }

@@ -639,6 +639,7 @@ async fn follow_agent(
                 mcp: now_agent.mcp,
                 from,
                 to: now_agent.versions,
+                container: now_agent.container,
             };
             append(ctx, &uid, &replayed.head, Entry::VersionChanged(changed)).await?;
             ctx.discovery.forget(&uid);

@@ -382,6 +382,7 @@ mod tests {
 
     fn started(generation: Option<i64>) -> RunState {
         RunState::replay(vec![Entry::RunStarted(RunStarted {
+            container: None,
             run_name: "r".into(),
             namespace: "ns".into(),
             input: "task".into(),

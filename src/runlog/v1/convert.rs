@@ -9,8 +9,11 @@ use crate::{api, model, tools};
 
 impl From<api::AgentTemplate> for AgentTemplate {
     fn from(a: api::AgentTemplate) -> Self {
+        // A container agent's container is stored beside this template
+        // (`RunStarted.container`, format 2), its prompt empty.
         let api::AgentTemplate {
             prompt,
+            container: _,
             model,
             tools,
             approval,
@@ -19,7 +22,7 @@ impl From<api::AgentTemplate> for AgentTemplate {
             retry,
         } = a;
         AgentTemplate {
-            prompt: prompt.into(),
+            prompt: prompt.unwrap_or_default().into(),
             model: model.into(),
             tools: tools.into_iter().map(Into::into).collect(),
             approval: approval.map(Into::into),
@@ -41,8 +44,11 @@ impl From<AgentTemplate> for api::AgentTemplate {
             context,
             retry,
         } = a;
+        // The record holding this template sets `container` (format 2).
+        let prompt = (!prompt.version.is_empty() || !prompt.system.is_empty()).then_some(prompt);
         api::AgentTemplate {
-            prompt: prompt.into(),
+            prompt: prompt.map(Into::into),
+            container: None,
             model: model.into(),
             tools: tools.into_iter().map(Into::into).collect(),
             approval: approval.map(Into::into),

@@ -61,6 +61,7 @@ fn run_started(base: &str) -> Entry {
     }))
     .unwrap();
     Entry::RunStarted(RunStarted {
+        container: None,
         run_name: "r1".into(),
         namespace: "ns".into(),
         input: "Refund order A-7.".into(),
