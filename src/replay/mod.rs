@@ -254,6 +254,9 @@ pub enum Next {
     /// The runner recorded why it cannot go on (an `Observation` with
     /// `stop`): the controller appends this `RunFinished`.
     Stop(RunFinished),
+    /// A container agent's turn: its step pod runs (or starts again and
+    /// replays) until the agent ends, a gate, or a budget stops it.
+    AgentTurn,
     /// `RunFinished` is recorded.
     Done,
 }
@@ -502,9 +505,22 @@ impl RunState {
         self.next_of_reply(model_call_seq, call)
     }
 
-    /// Ask the model, unless a budget question stands in the way.
+    /// Ask the model, unless a budget question stands in the way (a
+    /// container agent asks it itself: its turn).
     fn call_model(&self) -> Next {
-        self.budget_answer().unwrap_or(Next::CallModel)
+        let turn = if self.runs_a_container() {
+            Next::AgentTurn
+        } else {
+            Next::CallModel
+        };
+        self.budget_answer().unwrap_or(turn)
+    }
+
+    /// Whether the agent in force is a container agent.
+    pub fn runs_a_container(&self) -> bool {
+        self.snapshot
+            .as_ref()
+            .is_some_and(|s| s.agent.container.is_some())
     }
 
     /// What the latest budget question says: wait for it, or end the run.
@@ -523,6 +539,9 @@ impl RunState {
     /// end of the run for a plain answer, else its first call not yet
     /// intended or settled, or the model again once every call is.
     fn next_of_reply(&self, model_call_seq: u64, call: &ModelCall) -> Next {
+        if self.runs_a_container() {
+            return self.next_of_agents_reply(model_call_seq, call);
+        }
         let calls = &call.response.tool_calls;
         if calls.is_empty() {
             // A plain answer with no tool call is the agent's final answer.
@@ -567,6 +586,30 @@ impl RunState {
                 call_index: index,
                 call: tc.clone().into(),
             };
+        }
+        self.call_model()
+    }
+
+    /// A container agent's reply: a plain answer is not the end (the agent
+    /// ends the run by exiting) and a proposed call is the agent's to make;
+    /// what the log decides is still decided here: a call waiting for its
+    /// approval, or approved, and the budgets.
+    fn next_of_agents_reply(&self, model_call_seq: u64, call: &ModelCall) -> Next {
+        for index in 0..call.response.tool_calls.len() {
+            match self.call_state(model_call_seq, index) {
+                CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
+                CallState::Approved(request_seq, arguments) => {
+                    let Some(Entry::ApprovalRequested(request)) = self.entry(request_seq) else {
+                        unreachable!("call_state returns the seq of an ApprovalRequested")
+                    };
+                    return Next::Approved {
+                        request_seq,
+                        request: Box::new(request.clone()),
+                        arguments,
+                    };
+                }
+                CallState::Open | CallState::Intended | CallState::Settled => {}
+            }
         }
         self.call_model()
     }
@@ -1213,6 +1256,87 @@ pub(crate) mod tests {
                 error: None,
             }
         );
+    }
+
+    /// A container agent's run, at every prefix of its log: the agent's
+    /// turn after a plain answer and after proposed calls (never the end,
+    /// never an intent to record for it), the approval's wait and its
+    /// decision, an open intent first, and a stop the runner asked for.
+    #[test]
+    fn a_container_agents_run_is_its_turn_until_the_log_decides_otherwise() {
+        let mut log = started().steps;
+        let Entry::RunStarted(s) = &mut log[0] else {
+            unreachable!()
+        };
+        s.container = Some(crate::runlog::v2::Container {
+            image: "team/agent:1".into(),
+            command: vec!["python".into(), "agent.py".into()],
+            args: vec![],
+            env: vec![],
+            resources: None,
+            matching: None,
+        });
+        let intent = |args| {
+            Entry::ToolIntent(ToolIntent {
+                model_call_seq: 1,
+                call_index: 0,
+                call_id: "c0".into(),
+                tool: "refund".into(),
+                arguments: args,
+                key: "k".into(),
+                requested: None,
+            })
+        };
+        log.extend([
+            model_call(&[("refund", json!({"amount": 500}))]),
+            request(),
+            decided(Verdict::Edit, None, Some(json!({"amount": 300}))),
+            intent(json!({"amount": 300})),
+            Entry::ToolResult(ToolResult {
+                intent_seq: 4,
+                call_id: "c0".into(),
+                tool: "refund".into(),
+                outcome: v1::ToolOutcome::Ok(json!("refunded 300")),
+                recovery: None,
+            }),
+            model_call(&[]),
+        ]);
+        let expected = |n: usize| -> &'static str {
+            [
+                "AgentTurn",
+                "AgentTurn",
+                "AwaitApproval",
+                "Approved",
+                "ExecuteTool",
+                "AgentTurn",
+                "AgentTurn",
+            ][n - 1]
+        };
+        for n in 1..=log.len() {
+            let state = RunState::replay(log[..n].to_vec());
+            assert!(state.runs_a_container());
+            let next = format!("{:?}", state.next());
+            assert!(next.starts_with(expected(n)), "prefix {n}: {next}");
+        }
+        let mut stopped = RunState::replay(log.clone());
+        stopped.apply(Entry::Observation(Observation {
+            text: "the agent exited with 3".into(),
+            about_seq: None,
+            stop: Some(RunFinished {
+                outcome: Outcome::Failed,
+                result: None,
+                error: Some("the agent exited with 3".into()),
+            }),
+            attempts: None,
+        }));
+        assert!(matches!(stopped.next(), Next::Stop(_)));
+        // The same log of a built-in agent ends at its plain answer.
+        let mut builtin = log;
+        builtin[0] = started().steps.remove(0);
+        assert!(matches!(
+            RunState::replay(builtin).next(),
+            Next::Finish { .. }
+        ));
     }
 
     #[test]

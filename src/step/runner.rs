@@ -384,7 +384,9 @@ impl Runner {
     /// Does what the log says comes next, and says whether to go on.
     async fn take_step(&mut self, next: Next) -> Result<Flow, StepError> {
         match next {
-            Next::Done => return Ok(Flow::Exit),
+            // A container agent's runner is another driver; this one has
+            // nothing to do for it.
+            Next::Done | Next::AgentTurn => return Ok(Flow::Exit),
             Next::NotStarted => {
                 return Err(StepError::NoRunStarted {
                     run: self.args.run_uid.clone(),
