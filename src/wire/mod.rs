@@ -18,6 +18,7 @@
 //!   requests first differ;
 //! - `matcher`: which recorded answer a request gets on replay, when it may
 //!   go out live, and when the run has diverged;
+//! - `servers`: the tool servers an agent is served and their names;
 //! - `mcp_server`: the MCP servers served to the agent, listing the pinned
 //!   tools and handing each call to the runner;
 //! - `loopback`: the runner's server on the pod's loopback, routing the
@@ -34,6 +35,7 @@ pub mod messages;
 pub mod responses;
 #[cfg(test)]
 mod sdk_fixtures;
+pub mod servers;
 pub mod sse;
 
 use serde::{Deserialize, Serialize};
