@@ -24,6 +24,9 @@ enum Command {
     /// Run a container agent's own command beside the runner and report how
     /// it ended (what wraps the agent in its container).
     AgentShim(agentrun::step::agent_shim::ShimArgs),
+    /// Copy this binary where a container agent's shim runs from (the step
+    /// pod's init container).
+    AgentShimInstall(agentrun::step::agent_shim::InstallArgs),
     /// Step-log store tools: migrate the schema, verify a run's hash chain.
     Store(agentrun::store::admin::StoreArgs),
     /// Print the CustomResourceDefinitions as YAML (what `crds/` holds).
@@ -73,6 +76,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::AgentShim(args) => {
             let code = agentrun::step::agent_shim::run(args).await?;
             std::process::exit(code)
+        }
+        Command::AgentShimInstall(args) => {
+            agentrun::step::agent_shim::install(&args)?;
+            Ok(())
         }
         Command::Store(args) => agentrun::store::admin::main(args).await,
         Command::Console(args) => {

@@ -39,8 +39,30 @@ pub struct ShimArgs {
 /// the result was too large (and records that, not a cut result).
 pub const MAX_RESULT_BYTES: usize = 1 << 20;
 
+/// Where the step pod's init container puts the shim for the agent's
+/// container (an `emptyDir` both mount).
+#[derive(clap::Args, Debug, Clone)]
+pub struct InstallArgs {
+    /// The directory to copy this binary into (as `agentrun`).
+    pub dir: PathBuf,
+}
+
+/// Copies the running binary into `dir` as `agentrun`, executable: the
+/// agent's image need not hold anything of agentrun's.
+pub fn install(args: &InstallArgs) -> Result<PathBuf, ShimError> {
+    let to = args.dir.join("agentrun");
+    let from = std::env::current_exe().map_err(ShimError::Install)?;
+    std::fs::copy(&from, &to).map_err(ShimError::Install)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&to, std::fs::Permissions::from_mode(0o555))
+        .map_err(ShimError::Install)?;
+    Ok(to)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ShimError {
+    #[error("installing the agent shim")]
+    Install(#[source] std::io::Error),
     #[error("the runner at {url} did not answer within {seconds} s")]
     RunnerNotReady { url: String, seconds: u64 },
     #[error("starting the agent's command {command:?}")]
@@ -296,6 +318,23 @@ mod tests {
             exit.result_unreadable
                 .unwrap()
                 .contains("more than 1048576")
+        );
+    }
+
+    #[test]
+    fn the_shim_installs_itself_executable_into_the_shared_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let to = install(&InstallArgs {
+            dir: dir.path().to_path_buf(),
+        })
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&to).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o555);
+        let ours = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        assert!(
+            std::fs::read(&to).unwrap() == ours,
+            "a copy of the running binary"
         );
     }
 

@@ -99,6 +99,12 @@ pub fn build(
     let mut env = run_env(run, attempt, step_timeout_seconds, anchor, settings);
     env.extend(agent_env(agent, settings));
     env.extend(failpoint_env(run, failed_jobs, settings));
+    let mut pod = pod_spec(settings, env);
+    if let Some(container) = &agent.container {
+        let servers = crate::wire::servers::tool_servers(&agent.tools);
+        let key = super::agent_pod::loopback_key(&job_name(run, seq, attempt));
+        super::agent_pod::add_agent(&mut pod, container, &servers, &settings.image, &key);
+    }
     Job {
         metadata: ObjectMeta {
             name: Some(job_name(run, seq, attempt)),
@@ -117,7 +123,7 @@ pub fn build(
                     labels: Some(labels),
                     ..Default::default()
                 }),
-                spec: Some(pod_spec(settings, env)),
+                spec: Some(pod),
             },
             ..Default::default()
         }),
@@ -312,7 +318,7 @@ fn step_container(settings: &JobSettings, env: Vec<EnvVar>) -> Container {
 }
 
 /// The container may write nowhere but its volumes, and holds no capability.
-fn container_security_context() -> SecurityContext {
+pub(super) fn container_security_context() -> SecurityContext {
     SecurityContext {
         read_only_root_filesystem: Some(true),
         allow_privilege_escalation: Some(false),
@@ -340,7 +346,7 @@ fn step_resources() -> ResourceRequirements {
     }
 }
 
-fn plain(name: &str, value: impl Into<String>) -> EnvVar {
+pub(super) fn plain(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.into(),
         value: Some(value.into()),
@@ -411,6 +417,127 @@ mod tests {
         let n = job_name(&long, 123456, 3);
         assert!(n.len() <= 63 && n.ends_with("-s123456-a3"), "{n}");
         assert_eq!(n, job_name(&long, 123456, 3));
+    }
+
+    /// A container agent's pod: the runner beside the agent, the agent
+    /// told where the runner is and given the pod's key, never the
+    /// provider's key, a Secret or a token; its own variables last, so they
+    /// may name agentrun's.
+    #[test]
+    fn a_container_agents_pod_runs_the_agent_beside_the_runner_without_its_credentials() {
+        let agent: AgentTemplate = serde_json::from_value(serde_json::json!({
+            "container": {
+                "image": "team/refund-agent:7", "command": ["python", "agent.py"], "args": ["--fast"],
+                "env": [{"name": "SHOP_MCP", "value": "$(AGENTRUN_MCP_SHOP_URL)"}]
+            },
+            "model": {"provider": "OpenAI", "name": "m", "secretRef": {"name": "openai", "key": "key"}},
+            "tools": [
+                {"name": "lookup", "mcp": {"url": "http://shop.tools.svc/mcp"}},
+                {"name": "refund", "http": {"url": "http://refunds/x"}}
+            ]
+        }))
+        .unwrap();
+        let job = build(&run("r"), &agent, 3, 1, 0, 300, &Head::EMPTY, &settings());
+        let pod = job.spec.unwrap().template.spec.unwrap();
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        let names: Vec<&str> = pod.containers.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["step", "agent"]);
+        let init = &pod.init_containers.as_ref().unwrap()[0];
+        assert_eq!(init.image.as_deref(), Some("agentrun:dev"));
+        let (step, agent_c) = (&pod.containers[0], &pod.containers[1]);
+        let env = |c: &Container| -> Vec<(String, Option<String>)> {
+            c.env
+                .clone()
+                .unwrap()
+                .into_iter()
+                .map(|e| (e.name, e.value))
+                .collect()
+        };
+        let key = super::super::agent_pod::loopback_key(&job.metadata.name.clone().unwrap());
+        let agent_env = env(agent_c);
+        let value = |name: &str| {
+            agent_env
+                .iter()
+                .find(|(n, _)| n == name)
+                .and_then(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            value("OPENAI_BASE_URL").as_deref(),
+            Some("http://127.0.0.1:8790/v1")
+        );
+        assert_eq!(
+            value("ANTHROPIC_BASE_URL").as_deref(),
+            Some("http://127.0.0.1:8790")
+        );
+        assert_eq!(value("OPENAI_API_KEY"), Some(key.clone()));
+        assert_eq!(
+            value("AGENTRUN_MCP_SHOP_URL").as_deref(),
+            Some("http://127.0.0.1:8790/mcp/shop")
+        );
+        assert_eq!(
+            value("AGENTRUN_MCP_TOOLS_URL").as_deref(),
+            Some("http://127.0.0.1:8790/mcp/tools")
+        );
+        assert_eq!(
+            agent_env.last().unwrap().0,
+            "SHOP_MCP",
+            "the Agent's own variables come last"
+        );
+        assert!(
+            agent_c
+                .env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .all(|e| e.value_from.is_none()),
+            "no Secret and no field of the pod reaches the agent"
+        );
+        assert!(
+            env(step)
+                .iter()
+                .any(|(n, v)| n == "AGENTRUN_RUNNER_KEY" && v.as_deref() == Some(key.as_str()))
+        );
+        assert!(
+            step.env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|e| e.name == "AGENTRUN_MODEL_API_KEY")
+        );
+        assert_eq!(
+            agent_c.command.clone().unwrap(),
+            [
+                "/agentrun/bin/agentrun",
+                "agent-shim",
+                "--",
+                "python",
+                "agent.py"
+            ]
+        );
+        assert_eq!(agent_c.args.clone().unwrap(), ["--fast"]);
+        let security = agent_c.security_context.clone().unwrap();
+        assert_eq!(security.read_only_root_filesystem, Some(true));
+        assert_eq!(security.allow_privilege_escalation, Some(false));
+        let mounts = agent_c.volume_mounts.clone().unwrap();
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m.mount_path == "/agentrun/bin" && m.read_only == Some(true))
+        );
+        // A built-in agent's pod is as before: one container, no volumes.
+        let builtin = build(
+            &run("r"),
+            &AgentTemplate::default(),
+            3,
+            1,
+            0,
+            300,
+            &Head::EMPTY,
+            &settings(),
+        );
+        let pod = builtin.spec.unwrap().template.spec.unwrap();
+        assert_eq!(pod.containers.len(), 1);
+        assert!(pod.init_containers.is_none() && pod.volumes.is_none());
     }
 
     #[test]

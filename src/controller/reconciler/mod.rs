@@ -1,6 +1,7 @@
 //! Reconcile one AgentRun: read (run, agent, log, Job, lease) → decide (pure,
 //! in `decide` and `phase`) → act → write status.
 
+mod agent_pod;
 pub mod checkpoint;
 mod decide;
 pub mod job;

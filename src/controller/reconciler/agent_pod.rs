@@ -1,0 +1,143 @@
+//! A container agent's step pod (docs/container-agents.md): the `step`
+//! container runs the runner as for a built-in agent, and beside it the
+//! `agent` container runs the team's image, its command wrapped by the
+//! agent shim that an init container copies from the operator's image.
+//! Plain app containers, no native sidecars: every kubelet runs it alike.
+//!
+//! What the agent's container gets: the variables the SDKs read by
+//! themselves pointing at the runner on the pod's loopback, the pod's key
+//! (not the provider's: that stays with the runner), one variable per tool
+//! server, the result file; set before the Agent's own variables so those
+//! may refer to them (`$(AGENTRUN_MCP_SHOP_URL)`). No Secret, no
+//! service-account token (the pod mounts none), non-root on a read-only
+//! root with a writable `/tmp`.
+
+use k8s_openapi::api::core::v1::{
+    Container, EmptyDirVolumeSource, EnvVar, PodSpec, Volume, VolumeMount,
+};
+use sha2::{Digest, Sha256};
+
+use super::job::{container_security_context, plain};
+use crate::api::AgentContainer;
+use crate::wire::servers::ToolServer;
+
+/// The runner's port on the pod's loopback.
+pub const LOOPBACK_PORT: u16 = 8790;
+/// Where the shim is copied to, in both the init and the agent container.
+const SHIM_DIR: &str = "/agentrun/bin";
+/// Where the agent may write its result.
+const OUT_DIR: &str = "/agentrun/out";
+const SHIM_VOLUME: &str = "agentrun-shim";
+const OUT_VOLUME: &str = "agentrun-out";
+const TMP_VOLUME: &str = "agentrun-tmp";
+
+/// The pod's loopback key: derived from the Job's name, so the Job is
+/// built the same every time. It opens only this pod's loopback, which
+/// nothing outside the pod reaches; it is no secret of anyone's.
+pub fn loopback_key(job_name: &str) -> String {
+    let digest = Sha256::digest(format!("agentrun loopback key\n{job_name}").as_bytes());
+    format!("agentrun-pod-{}", hex::encode(&digest[..16]))
+}
+
+/// Turns a built-in step pod into a container agent's: the runner told
+/// where to serve, the shim's init container, the agent's container.
+pub fn add_agent(
+    spec: &mut PodSpec,
+    agent: &AgentContainer,
+    servers: &[ToolServer],
+    operator_image: &str,
+    key: &str,
+) {
+    if let Some(step) = spec.containers.first_mut() {
+        let env = step.env.get_or_insert_with(Vec::new);
+        env.push(plain("AGENTRUN_RUNNER_KEY", key));
+        env.push(plain(
+            "AGENTRUN_LOOPBACK_ADDR",
+            format!("127.0.0.1:{LOOPBACK_PORT}"),
+        ));
+    }
+    spec.init_containers = Some(vec![shim_installer(operator_image)]);
+    spec.containers.push(agent_container(agent, servers, key));
+    let empty = |name: &str| Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    };
+    spec.volumes = Some(vec![
+        empty(SHIM_VOLUME),
+        empty(OUT_VOLUME),
+        empty(TMP_VOLUME),
+    ]);
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: Some(read_only),
+        ..Default::default()
+    }
+}
+
+/// Copies the shim (the operator's binary) where the agent's container runs it.
+fn shim_installer(operator_image: &str) -> Container {
+    Container {
+        name: "install-shim".into(),
+        image: Some(operator_image.into()),
+        command: Some(vec![
+            "agentrun".into(),
+            "agent-shim-install".into(),
+            SHIM_DIR.into(),
+        ]),
+        volume_mounts: Some(vec![mount(SHIM_VOLUME, SHIM_DIR, false)]),
+        security_context: Some(container_security_context()),
+        ..Default::default()
+    }
+}
+
+fn agent_container(agent: &AgentContainer, servers: &[ToolServer], key: &str) -> Container {
+    let mut command = vec![
+        format!("{SHIM_DIR}/agentrun"),
+        "agent-shim".into(),
+        "--".into(),
+    ];
+    command.extend(agent.command.iter().cloned());
+    let mut env = wire_env(servers, key);
+    env.extend(agent.env.iter().map(|v| plain(&v.name, v.value.clone())));
+    Container {
+        name: "agent".into(),
+        image: Some(agent.image.clone()),
+        command: Some(command),
+        args: (!agent.args.is_empty()).then(|| agent.args.clone()),
+        env: Some(env),
+        resources: agent.resources.clone(),
+        volume_mounts: Some(vec![
+            mount(SHIM_VOLUME, SHIM_DIR, true),
+            mount(OUT_VOLUME, OUT_DIR, false),
+            mount(TMP_VOLUME, "/tmp", false),
+        ]),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        security_context: Some(container_security_context()),
+        ..Default::default()
+    }
+}
+
+/// What agentrun sets in the agent's container.
+fn wire_env(servers: &[ToolServer], key: &str) -> Vec<EnvVar> {
+    let base = format!("http://127.0.0.1:{LOOPBACK_PORT}");
+    let mut env = vec![
+        plain("OPENAI_BASE_URL", format!("{base}/v1")),
+        plain("OPENAI_API_KEY", key),
+        plain("ANTHROPIC_BASE_URL", base.clone()),
+        plain("ANTHROPIC_API_KEY", key),
+        plain("AGENTRUN_RUNNER_URL", base),
+        plain("AGENTRUN_RUNNER_KEY", key),
+        plain("AGENTRUN_RESULT_FILE", format!("{OUT_DIR}/result")),
+    ];
+    env.extend(
+        servers
+            .iter()
+            .map(|s| plain(&s.env_name(), s.local_url(LOOPBACK_PORT))),
+    );
+    env
+}
