@@ -556,14 +556,7 @@ impl RunState {
                 CallState::Intended | CallState::Settled => continue,
                 CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
                 CallState::Approved(request_seq, arguments) => {
-                    let Some(Entry::ApprovalRequested(request)) = self.entry(request_seq) else {
-                        unreachable!("call_state returns the seq of an ApprovalRequested")
-                    };
-                    return Next::Approved {
-                        request_seq,
-                        request: Box::new(request.clone()),
-                        arguments,
-                    };
+                    return self.approved(request_seq, arguments);
                 }
                 CallState::Open => {}
             }
@@ -599,19 +592,24 @@ impl RunState {
             match self.call_state(model_call_seq, index) {
                 CallState::Pending(request_seq) => return Next::AwaitApproval { request_seq },
                 CallState::Approved(request_seq, arguments) => {
-                    let Some(Entry::ApprovalRequested(request)) = self.entry(request_seq) else {
-                        unreachable!("call_state returns the seq of an ApprovalRequested")
-                    };
-                    return Next::Approved {
-                        request_seq,
-                        request: Box::new(request.clone()),
-                        arguments,
-                    };
+                    return self.approved(request_seq, arguments);
                 }
                 CallState::Open | CallState::Intended | CallState::Settled => {}
             }
         }
         self.call_model()
+    }
+
+    /// The approved call asked at `request_seq`, to run with `arguments`.
+    fn approved(&self, request_seq: u64, arguments: Value) -> Next {
+        let Some(Entry::ApprovalRequested(request)) = self.entry(request_seq) else {
+            unreachable!("call_state returns the seq of an ApprovalRequested")
+        };
+        Next::Approved {
+            request_seq,
+            request: Box::new(request.clone()),
+            arguments,
+        }
     }
 
     /// Where call `index` of the ModelCall at `model_call_seq` stands.
