@@ -19,16 +19,21 @@ fn is_stopping(stop: &StopRx) -> bool {
     stop.borrow().is_some()
 }
 
-/// The command line, `$(VAR)`-expanded against the final environment.
+/// The command line, rewritten (`rewrite.rs`) and `$(VAR)`-expanded
+/// against the final environment.
 fn command_line(spec: &Spec, env: &Env) -> Result<(String, Vec<String>), String> {
     let c = &spec.container;
     let command: Vec<String> = c
         .command
         .iter()
         .flatten()
-        .map(|s| env::expand(s, env))
+        .map(|s| env::expand(&spec.rewrite.apply(s), env))
         .collect();
-    let args = c.args.iter().flatten().map(|s| env::expand(s, env));
+    let args = c
+        .args
+        .iter()
+        .flatten()
+        .map(|s| env::expand(&spec.rewrite.apply(s), env));
     match command.split_first() {
         Some((program, rest)) => Ok((program.clone(), rest.iter().cloned().chain(args).collect())),
         None => match &spec.entrypoint {
@@ -57,6 +62,7 @@ pub async fn supervise(spec: Spec, events: mpsc::UnboundedSender<Event>, mut sto
             &spec.pod,
             &spec.container,
             spec.base_env.clone(),
+            &spec.rewrite,
         )
         .await
         {

@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Secret};
 use kube::api::Api;
 
+use crate::rewrite::SpecRewrite;
+
 /// Why an environment could not be built; the kubelet reports this as
 /// `CreateContainerConfigError` and keeps retrying.
 #[derive(Debug, thiserror::Error)]
@@ -133,12 +135,14 @@ impl Sources<'_> {
     }
 }
 
-/// Builds the full environment of `container` on top of `base`.
+/// Builds the full environment of `container` on top of `base`, every
+/// value taken from the pod's spec or its sources rewritten (`rewrite.rs`).
 pub async fn resolve(
     client: &kube::Client,
     pod: &Pod,
     container: &Container,
     base: Env,
+    rewrite: &SpecRewrite,
 ) -> Result<Env, EnvError> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
     let mut sources = Sources {
@@ -163,7 +167,7 @@ pub async fn resolve(
         match data {
             Some(data) => {
                 for (k, v) in data {
-                    env.set(&format!("{prefix}{k}"), v);
+                    env.set(&format!("{prefix}{k}"), rewrite.apply(&v));
                 }
             }
             None if optional == Some(true) => {}
@@ -173,8 +177,8 @@ pub async fn resolve(
 
     for var in container.env.iter().flatten() {
         let value = match &var.value_from {
-            None => expand(var.value.as_deref().unwrap_or(""), &env),
-            Some(from) => {
+            None => expand(&rewrite.apply(var.value.as_deref().unwrap_or("")), &env),
+            Some(from) => rewrite.apply(&{
                 if let Some(r) = &from.config_map_key_ref {
                     let value = sources.config_map(&r.name).await?;
                     match key_value("configmap", &r.name, &r.key, r.optional, value)? {
@@ -195,7 +199,7 @@ pub async fn resolve(
                     tracing::warn!(var = %var.name, "unsupported valueFrom source; variable left unset");
                     continue;
                 }
-            }
+            }),
         };
         env.set(&var.name, value);
     }

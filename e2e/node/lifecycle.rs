@@ -22,8 +22,11 @@ use crate::{
     env::Env,
     identity::{self, Identity},
     image::image_name,
+    loopback::{self, PodLoopback},
+    rewrite::SpecRewrite,
     status::{ContainerStatus, Phase, PodStatus, State, now},
     supervision::{self, Event, Restart, Slot, Stop, StopReason, StopRx, next_stop},
+    volumes::{self, Mounts},
 };
 
 /// The binaries' dir of `image`: the one given for its last path component
@@ -39,8 +42,13 @@ fn image_bin_dir<'a>(bins: &'a BTreeMap<String, PathBuf>, image: &str) -> Option
 /// its modification time, so a non-root pod can run what was just built even
 /// when the build dir is not readable by other users (e.g. under /root).
 /// Falls back to the original dir if the copy fails.
+/// An image whose dir holds no binary of its name (a dir of several
+/// programs, as `agentrun-agents`'s) runs from its dir in place.
 fn stage_binary(state_dir: &Path, dir: &Path, name: &str) -> PathBuf {
     let src = dir.join(name);
+    if !src.is_file() {
+        return dir.to_path_buf();
+    }
     let stamp = std::fs::metadata(&src)
         .and_then(|m| m.modified())
         .ok()
@@ -84,6 +92,8 @@ struct PodRun {
     identity: Option<Identity>,
     token: Option<identity::TokenVolume>,
     owner: Option<(u32, u32)>,
+    /// The pod's own loopback address, held while it runs.
+    loopback: loopback::Lease,
     events_tx: mpsc::UnboundedSender<Event>,
     stop_tx: watch::Sender<Option<Stop>>,
     tasks: JoinSet<()>,
@@ -163,6 +173,7 @@ pub async fn run(ctx: Arc<NodeCtx>, pod: Pod, stop: StopRx) {
         api: Api::namespaced(ctx.client.clone(), &namespace),
         dir: ctx.pods_dir().join(format!("{namespace}_{name}_{uid}")),
         token: identity::token_volume(&pod),
+        loopback: ctx.loopbacks.lease(),
         pod: Arc::new(pod),
         ctx,
         name,
@@ -181,14 +192,16 @@ impl PodRun {
     async fn lifecycle(&mut self, mut events: mpsc::UnboundedReceiver<Event>, mut stop: StopRx) {
         let namespace = self.pod.metadata.namespace.as_deref().unwrap_or("");
         info!(pod = %self.name, namespace, "starting pod");
-        // Processes share the host filesystem: only the token volume means something.
+        // Processes share the host filesystem: the token volume and
+        // emptyDirs (`volumes.rs`) are all that mean something.
         for v in self
             .pod
             .spec
             .iter()
             .flat_map(|s| s.volumes.iter().flatten())
         {
-            if self.token.as_ref().is_none_or(|t| t.volume != v.name) {
+            let token = self.token.as_ref().is_some_and(|t| t.volume == v.name);
+            if !token && v.empty_dir.is_none() {
                 warn!(pod = %self.name, volume = %v.name, "volume ignored by the process node");
             }
         }
@@ -324,6 +337,9 @@ impl PodRun {
         } else {
             std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o755))?;
         }
+        if let Some(spec) = &self.pod.spec {
+            volumes::create(&self.dir, spec)?;
+        }
         if let Some(token) = self.token.clone() {
             loop {
                 match identity::provision(
@@ -409,12 +425,13 @@ impl PodRun {
         if let (true, Some(id)) = (mounts_token, &self.identity) {
             base.set("KUBECONFIG", id.kubeconfig.display().to_string());
         }
+        let rewrite = self.rewrite(&container);
         let cwd = container
             .working_dir
             .as_deref()
-            .map(Path::new)
+            .map(|d| PathBuf::from(rewrite.apply(d)))
             .filter(|d| d.is_dir())
-            .map_or_else(|| self.dir.clone(), Path::to_path_buf);
+            .unwrap_or_else(|| self.dir.clone());
         let (uid, gid) = run_as(&self.pod, &container);
         let restart = match (slot.init, restart_policy(&self.pod)) {
             // Init containers must succeed once; they are retried unless Never.
@@ -422,6 +439,7 @@ impl PodRun {
             (_, r) => r,
         };
         let spec = supervision::Spec {
+            rewrite,
             entrypoint: image_dir.map(|d| d.join(image_name(&image))),
             log: self
                 .ctx
@@ -443,6 +461,18 @@ impl PodRun {
             self.stop_tx.subscribe(),
         ));
         true
+    }
+
+    /// How the container's spec strings read on this node.
+    fn rewrite(&self, container: &Container) -> SpecRewrite {
+        let spec = self.pod.spec.clone().unwrap_or_default();
+        SpecRewrite {
+            mounts: Mounts::of(&self.dir, &spec, container),
+            loopback: Some(PodLoopback {
+                addr: self.loopback.addr,
+                ports: self.ctx.pod_loopback_ports.clone(),
+            }),
+        }
     }
 
     fn apply(&mut self, event: Event) {

@@ -13,13 +13,20 @@ mod identity;
 mod image;
 mod in_process;
 mod lifecycle;
+mod loopback;
 mod node;
 mod pods;
 mod process;
+mod rewrite;
 mod status;
 mod supervision;
+mod volumes;
 
-use std::{collections::BTreeMap, path::PathBuf, sync::Arc};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
+    sync::Arc,
+};
 
 use anyhow::Context as _;
 use base64::Engine as _;
@@ -56,6 +63,11 @@ struct Args {
     /// its CPU and memory grow with it so 50m/64Mi step pods fit.
     #[arg(long, env = "AGENTRUN_NODE_MAX_PODS", default_value_t = 110)]
     max_pods: u32,
+    /// A port each pod has to itself on its loopback (see `loopback.rs`):
+    /// `127.0.0.1:PORT` and `localhost:PORT` in a pod's spec mean the pod's
+    /// own loopback address. Other loopback addresses stay the host's.
+    #[arg(long = "pod-loopback-port")]
+    pod_loopback_ports: Vec<u16>,
 }
 
 fn parse_image_bin(s: &str) -> Result<(String, PathBuf), String> {
@@ -83,6 +95,9 @@ pub struct NodeCtx {
     /// Where step pods run when they run in process (`--in-process-steps`).
     pub in_process_steps: Option<tokio::runtime::Handle>,
     pub max_pods: u32,
+    /// The pods' own loopback addresses, and the ports that are the pod's there.
+    pub loopbacks: Arc<loopback::Pool>,
+    pub pod_loopback_ports: Arc<BTreeSet<u16>>,
 }
 
 impl NodeCtx {
@@ -160,6 +175,8 @@ async fn main() -> anyhow::Result<()> {
             false => None,
         },
         max_pods: args.max_pods,
+        loopbacks: Arc::default(),
+        pod_loopback_ports: Arc::new(args.pod_loopback_ports.into_iter().collect()),
     });
     if ctx.in_process_steps.is_some() {
         info!("step pods run in process (the library's runner), not as processes");

@@ -308,4 +308,42 @@ mod tests {
         assert_eq!(t["reason"], "Error");
         assert_eq!(p["status"]["conditions"][4]["reason"], "PodCompleted");
     }
+
+    /// A container agent's pod: the controller reads the `agent`
+    /// container's own exit code, and the pod succeeds only if all did.
+    #[test]
+    fn each_app_container_reports_its_own_exit_code() {
+        let mut s = PodStatus::new(
+            vec![ContainerStatus::new(
+                "install-shim",
+                "agentrun",
+                "PodInitializing",
+            )],
+            vec![
+                ContainerStatus::new("step", "agentrun", "PodInitializing"),
+                ContainerStatus::new("agent", "agentrun-agents:1", "PodInitializing"),
+            ],
+        );
+        s.init[0].state = State::Terminated(Terminated::exited(0, now(), 7));
+        s.main[0].state = State::Terminated(Terminated::exited(0, now(), 8));
+        s.main[1].state = State::Terminated(Terminated::exited(2, now(), 9));
+        assert_eq!(s.final_phase(), Phase::Failed);
+        s.phase = s.final_phase();
+        let p = s.patch();
+        let statuses = &p["status"]["containerStatuses"];
+        assert_eq!(statuses[0]["name"], "step");
+        assert_eq!(statuses[0]["state"]["terminated"]["exitCode"], 0);
+        assert_eq!(statuses[1]["name"], "agent");
+        assert_eq!(statuses[1]["state"]["terminated"]["exitCode"], 2);
+        assert_eq!(
+            p["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"],
+            0
+        );
+
+        s.main[1].state = State::Terminated(Terminated::exited(0, now(), 9));
+        assert_eq!(s.final_phase(), Phase::Succeeded);
+        // An init container that failed fails the pod, whatever ran after.
+        s.init[0].state = State::Terminated(Terminated::exited(1, now(), 7));
+        assert_eq!(s.final_phase(), Phase::Failed);
+    }
 }

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::{
     NodeCtx,
     env::Env,
+    rewrite::SpecRewrite,
     status::{State, Terminated},
 };
 
@@ -80,6 +81,8 @@ pub struct Spec {
     pub restart: Restart,
     /// PATH, HOME and (if the container mounts a token) KUBECONFIG.
     pub base_env: Env,
+    /// Its emptyDir paths and its pod's loopback ports, as they are here.
+    pub rewrite: SpecRewrite,
     pub entrypoint: Option<PathBuf>,
     pub cwd: PathBuf,
     pub uid: Option<u32>,
