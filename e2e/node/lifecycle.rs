@@ -26,7 +26,7 @@ use crate::{
     rewrite::SpecRewrite,
     status::{ContainerStatus, Phase, PodStatus, State, now},
     supervision::{self, Event, Restart, Slot, Stop, StopReason, StopRx, next_stop},
-    volumes::{self, Mounts},
+    volumes,
 };
 
 /// The binaries' dir of `image`: the one given for its last path component
@@ -466,13 +466,11 @@ impl PodRun {
     /// How the container's spec strings read on this node.
     fn rewrite(&self, container: &Container) -> SpecRewrite {
         let spec = self.pod.spec.clone().unwrap_or_default();
-        SpecRewrite {
-            mounts: Mounts::of(&self.dir, &spec, container),
-            loopback: Some(PodLoopback {
-                addr: self.loopback.addr,
-                ports: self.ctx.pod_loopback_ports.clone(),
-            }),
-        }
+        let loopback = PodLoopback {
+            addr: self.loopback.addr,
+            ports: self.ctx.pod_loopback_ports.clone(),
+        };
+        SpecRewrite::of(&self.dir, &spec, container, loopback)
     }
 
     fn apply(&mut self, event: Event) {
