@@ -210,8 +210,38 @@ fn from_log(o: &Observed) -> Option<Act> {
             result,
             error,
         })),
+        Next::Stop(finished)
+            if finished.outcome == Outcome::Succeeded && o.log.runs_a_container() =>
+        {
+            Some(vouched_by_job(o, finished))
+        }
         Next::Stop(finished) => Some(Act::Finish(finished)),
         _ => None,
+    }
+}
+
+/// A container agent's success, as its runner reported the agent's exit,
+/// is recorded only once the step Job completed: every container of its
+/// pod exited 0, the agent's among them, which the kubelet reports, not
+/// anything in the pod.
+fn vouched_by_job(o: &Observed, finished: RunFinished) -> Act {
+    let failed = |why: String| {
+        Act::Finish(RunFinished {
+            outcome: Outcome::Failed,
+            result: finished.result.clone(),
+            error: Some(format!(
+                "the runner reported that the agent exited 0, but {why}"
+            )),
+        })
+    };
+    match o.job.as_ref().map(|j| &j.state) {
+        Some(JobState::Succeeded) => Act::Finish(finished.clone()),
+        // Its pod is ending; the Job's completion wakes the run.
+        Some(JobState::Active) => Act::Idle,
+        Some(JobState::Failed { reason, .. }) => failed(format!("its step Job failed: {reason}")),
+        Some(JobState::Missing) | None => {
+            failed("its step Job is gone, so the agent's exit cannot be checked".into())
+        }
     }
 }
 
