@@ -225,20 +225,30 @@ pub(super) fn job_ended_at(job: &Job) -> Option<Time> {
 /// Longest termination message quoted in a run's status.
 pub(super) const MAX_QUOTED_BYTES: usize = 1024;
 
-/// The `step` container's termination message, if it left one.
+/// The `step` container's termination message, if it left one, and a
+/// container agent's own when it failed (its log's end, or what it wrote
+/// to its termination log).
 pub(super) fn termination_message(pod: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
     let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
-    let step = statuses.iter().find(|c| c.name == "step")?;
-    let text = step
-        .state
-        .as_ref()?
-        .terminated
-        .as_ref()?
-        .message
-        .as_deref()?;
-    let text = text.trim();
-    (!text.is_empty())
-        .then(|| crate::text::tail(&crate::text::escape_controls(text), MAX_QUOTED_BYTES))
+    let said = |name: &str, failed_only: bool| {
+        let c = statuses.iter().find(|c| c.name == name)?;
+        let ended = c.state.as_ref()?.terminated.as_ref()?;
+        if failed_only && ended.exit_code == 0 {
+            return None;
+        }
+        let text = ended.message.as_deref()?.trim();
+        (!text.is_empty()).then(|| text.to_string())
+    };
+    let text = match (said("step", false), said("agent", true)) {
+        (None, None) => return None,
+        (Some(step), None) => step,
+        (None, Some(agent)) => format!("the agent said: {agent}"),
+        (Some(step), Some(agent)) => format!("{step}; the agent said: {agent}"),
+    };
+    Some(crate::text::tail(
+        &crate::text::escape_controls(&text),
+        MAX_QUOTED_BYTES,
+    ))
 }
 
 /// The run's failed step Jobs so far, counting `previous` if it failed or vanished.

@@ -743,6 +743,62 @@ mod tests {
         );
     }
 
+    /// A container agent's success, as its runner reported it, is
+    /// recorded once its step Job completed (the kubelet saw every
+    /// container exit 0); a failed or vanished Job makes it a failure.
+    #[test]
+    fn a_container_agents_success_waits_for_its_job_to_complete() {
+        let mut log = started(None);
+        let Some(Entry::RunStarted(mut s)) = log.entry(0).cloned() else {
+            unreachable!()
+        };
+        s.container = Some(crate::runlog::v2::Container {
+            image: "team/agent:1".into(),
+            command: vec!["agent".into()],
+            args: vec![],
+            env: vec![],
+            resources: None,
+            matching: None,
+        });
+        log = RunState::replay(vec![Entry::RunStarted(s)]);
+        log.apply(Entry::Observation(crate::runlog::records::Observation {
+            text: String::new(),
+            about_seq: None,
+            stop: Some(RunFinished {
+                outcome: Outcome::Succeeded,
+                result: Some("refunded".into()),
+                error: None,
+            }),
+            attempts: None,
+        }));
+        let at = |state| decide_at(&run(), &log, job(1, 1, state, Some(1)), Some(false), 2);
+        assert_eq!(at(JobState::Active), Act::Idle);
+        match at(JobState::Succeeded) {
+            Act::Finish(f) => assert_eq!(
+                (f.outcome, f.result.as_deref()),
+                (Outcome::Succeeded, Some("refunded"))
+            ),
+            other => panic!("expected Finish, got {other:?}"),
+        }
+        let failed = JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            disrupted: false,
+        };
+        for state in [failed, JobState::Missing] {
+            match at(state) {
+                Act::Finish(f) => {
+                    assert_eq!(f.outcome, Outcome::Failed);
+                    let error = f.error.unwrap();
+                    assert!(
+                        error.contains("reported that the agent exited 0"),
+                        "{error}"
+                    );
+                }
+                other => panic!("expected Finish, got {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn cancel_stops_the_job_then_records_the_end() {
         let mut r = run();
