@@ -97,6 +97,8 @@ fn from_env(env: &Env) -> Option<StepArgs> {
         time_slice_seconds: get("AGENTRUN_TIME_SLICE_SECONDS")
             .map_or(Some(60), |v| v.parse().ok())?,
         step_timeout_seconds: get("AGENTRUN_STEP_TIMEOUT_SECONDS").and_then(|v| v.parse().ok()),
+        loopback_addr: get("AGENTRUN_LOOPBACK_ADDR"),
+        runner_key: get("AGENTRUN_RUNNER_KEY"),
     })
 }
 

@@ -107,6 +107,18 @@ impl Entry {
             Entry::ToolIntent(i) if i.requested.is_some() => crate::store::FORMAT_2,
             Entry::RunStarted(s) if s.container.is_some() => crate::store::FORMAT_2,
             Entry::VersionChanged(v) if v.container.is_some() => crate::store::FORMAT_2,
+            Entry::Observation(Observation {
+                stop:
+                    Some(RunFinished {
+                        outcome: Outcome::Diverged,
+                        ..
+                    }),
+                ..
+            })
+            | Entry::RunFinished(RunFinished {
+                outcome: Outcome::Diverged,
+                ..
+            }) => crate::store::FORMAT_2,
             _ => crate::store::FORMAT_1,
         }
     }
@@ -818,10 +830,15 @@ impl RunState {
     /// BudgetExceeded where a budget is used up. The agent's success and
     /// the controller's own verdicts (cancel, deadline) are not a step
     /// pod's to claim: such a stop, or BudgetExceeded with budget left,
-    /// ends the run Failed, saying what was claimed.
+    /// ends the run Failed, saying what was claimed. A container agent's
+    /// runner also reports that the agent exited 0 (Succeeded, which the
+    /// controller records only once the pod's status shows that exit) and
+    /// that the agent diverged.
     fn vouched_stop(&self, seq: u64, stop: &RunFinished) -> RunFinished {
+        let container = self.runs_a_container();
         let refused = match stop.outcome {
             Outcome::Failed | Outcome::NeedsHuman => None,
+            Outcome::Succeeded | Outcome::Diverged if container => None,
             Outcome::BudgetExceeded => self.exhausted_before(seq).err(),
             other => Some(Refusal::new(format!(
                 "only the controller ends a run {other:?}"

@@ -205,6 +205,10 @@ pub enum Outcome {
     Cancelled,
     /// A tool call's outcome cannot be known; a human must reconcile it.
     NeedsHuman,
+    /// A container agent sent a request its log holds no answer for while
+    /// recorded answers remained: it is not deterministic given its inputs
+    /// (format 2: an earlier release does not read it).
+    Diverged,
 }
 
 impl Outcome {
@@ -214,7 +218,7 @@ impl Outcome {
         use crate::api::Phase;
         match self {
             Outcome::Succeeded => Phase::Succeeded,
-            Outcome::Failed | Outcome::NeedsHuman => Phase::Failed,
+            Outcome::Failed | Outcome::NeedsHuman | Outcome::Diverged => Phase::Failed,
             Outcome::BudgetExceeded => Phase::BudgetExceeded,
             Outcome::DeadlineExceeded => Phase::DeadlineExceeded,
             Outcome::Cancelled => Phase::Cancelled,

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use crate::wire::loopback::{AgentExit, EXIT_PATH, READY_PATH};
+use crate::wire::loopback::{AgentExit, EXIT_PATH, READY_PATH, STOP_PATH};
 
 /// Where the runner listens and how it is opened (set by the controller).
 #[derive(clap::Args, Debug, Clone)]
@@ -77,17 +77,50 @@ pub enum ShimError {
     Report(#[source] reqwest::Error),
 }
 
-/// Runs the agent and reports how it ended; returns its exit code.
+/// How long a stopped agent is given between SIGTERM and SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Runs the agent and reports how it ended; returns its exit code. When
+/// the runner says the step is over (a call waits for a human, the run
+/// diverged or ends), the agent is stopped and the shim exits 0: the
+/// agent did not fail, it was stopped. When the runner is gone, the agent
+/// is stopped too (nothing would answer it) and the shim exits with the
+/// agent's code.
 pub async fn run(args: ShimArgs) -> Result<i32, ShimError> {
     let http = reqwest::Client::new();
     wait_for_runner(&http, &args).await?;
-    let status = run_child(&args.command).await?;
+    let (status, stop) = run_child(&args.command, runner_stop(&http, &args)).await?;
     let exit = AgentExit {
         code: code_of(status),
         ..read_result(args.result_file.as_deref())
     };
+    if stop == Some(Stop::Asked) {
+        // Told, not failed; the runner needs no report (it may be gone).
+        let _ = report(&http, &args, &exit).await;
+        return Ok(0);
+    }
     report(&http, &args, &exit).await?;
     Ok(exit.code)
+}
+
+/// Why the shim stopped the agent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Stop {
+    /// The runner said the step is over.
+    Asked,
+    /// The runner is gone.
+    RunnerGone,
+}
+
+/// Resolves when the runner says the step is over, or cannot be reached.
+async fn runner_stop(http: &reqwest::Client, args: &ShimArgs) -> Stop {
+    let url = format!("{}{STOP_PATH}", args.runner_url);
+    match http.get(&url).bearer_auth(&args.runner_key).send().await {
+        Ok(r) if r.status().is_success() => Stop::Asked,
+        // A runner without the path never asks.
+        Ok(_) => std::future::pending().await,
+        Err(_) => Stop::RunnerGone,
+    }
 }
 
 async fn wait_for_runner(http: &reqwest::Client, args: &ShimArgs) -> Result<(), ShimError> {
@@ -115,8 +148,12 @@ async fn wait_for_runner(http: &reqwest::Client, args: &ShimArgs) -> Result<(), 
 }
 
 /// Runs the command with this process's stdio, passing on SIGTERM and
-/// SIGINT (the kubelet stops the container by signalling the shim).
-async fn run_child(command: &[String]) -> Result<ExitStatus, ShimError> {
+/// SIGINT (the kubelet stops the container by signalling the shim), and
+/// stops it when `stop` resolves (SIGTERM, then SIGKILL after a grace).
+async fn run_child(
+    command: &[String],
+    stop: impl Future<Output = Stop>,
+) -> Result<(ExitStatus, Option<Stop>), ShimError> {
     let (program, args) = command.split_first().expect("clap requires a command");
     let mut child = tokio::process::Command::new(program)
         .args(args)
@@ -128,13 +165,25 @@ async fn run_child(command: &[String]) -> Result<ExitStatus, ShimError> {
     let pid = child.id();
     let mut term = signal(tokio::signal::unix::SignalKind::terminate());
     let mut int = signal(tokio::signal::unix::SignalKind::interrupt());
-    loop {
+    let mut stop = std::pin::pin!(stop);
+    let stopped = loop {
         tokio::select! {
-            status = child.wait() => return status.map_err(ShimError::Wait),
+            status = child.wait() => return Ok((status.map_err(ShimError::Wait)?, None)),
             _ = term.recv() => pass_on(pid, libc::SIGTERM),
             _ = int.recv() => pass_on(pid, libc::SIGINT),
+            why = &mut stop => break why,
         }
-    }
+    };
+    tracing::info!(?stopped, "stopping the agent");
+    pass_on(pid, libc::SIGTERM);
+    let status = match tokio::time::timeout(STOP_GRACE, child.wait()).await {
+        Ok(status) => status,
+        Err(_) => {
+            pass_on(pid, libc::SIGKILL);
+            child.wait().await
+        }
+    };
+    Ok((status.map_err(ShimError::Wait)?, Some(stopped)))
 }
 
 fn signal(kind: tokio::signal::unix::SignalKind) -> tokio::signal::unix::Signal {
@@ -218,11 +267,13 @@ mod tests {
     use axum::http::{HeaderMap, StatusCode};
     use axum::routing::{get, post};
 
-    /// A runner stand-in: ready once `ready` is set, noting reports.
+    /// A runner stand-in: ready once `ready` is set, noting reports; it
+    /// asks the agent to stop once `stop` is notified.
     #[derive(Clone, Default)]
     struct Runner {
         ready: Arc<Mutex<bool>>,
         exits: Arc<Mutex<Vec<AgentExit>>>,
+        stop: Arc<tokio::sync::Notify>,
     }
 
     fn authorized(headers: &HeaderMap) -> bool {
@@ -231,8 +282,18 @@ mod tests {
 
     async fn serve(runner: Runner) -> String {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let (r1, r2) = (runner.clone(), runner);
+        let (r1, r2, r3) = (runner.clone(), runner.clone(), runner);
         let app = axum::Router::new()
+            .route(
+                STOP_PATH,
+                get(move |h: HeaderMap| async move {
+                    if !authorized(&h) {
+                        return StatusCode::UNAUTHORIZED;
+                    }
+                    r3.stop.notified().await;
+                    StatusCode::OK
+                }),
+            )
             .route(
                 READY_PATH,
                 get(move |h: HeaderMap| async move {
@@ -319,6 +380,33 @@ mod tests {
                 .unwrap()
                 .contains("more than 1048576")
         );
+    }
+
+    /// The runner says the step is over (a call waits for a human): the
+    /// agent, still running, is stopped and the shim ends well.
+    #[tokio::test]
+    async fn an_agent_the_runner_stops_is_stopped_and_the_shim_exits_0() {
+        let dir = tempfile::tempdir().unwrap();
+        let runner = Runner::default();
+        *runner.ready.lock().unwrap() = true;
+        let url = serve(runner.clone()).await;
+        let started = dir.path().join("started");
+        let script = format!("touch {}; sleep 60; exit 5", started.display());
+        let shim = tokio::spawn(run(args(&url, dir.path().join("result"), &script)));
+        for _ in 0..200 {
+            if started.exists() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert!(started.exists(), "the agent started");
+        runner.stop.notify_one();
+        let code = tokio::time::timeout(Duration::from_secs(5), shim)
+            .await
+            .expect("the agent is stopped at once, not after its sleep")
+            .unwrap()
+            .unwrap();
+        assert_eq!(code, 0);
     }
 
     #[test]

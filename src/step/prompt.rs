@@ -191,7 +191,7 @@ fn executed_arguments(
 }
 
 /// "bob changed amount from 500 to 300: partial refund", for an edited call.
-fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
+pub(super) fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
     let Some(Entry::ToolIntent(intent)) = state.entry(intent_seq) else {
         return None;
     };
@@ -246,7 +246,7 @@ fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
 }
 
 /// Why a call that needed approval did not run, as the model is told.
-fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
+pub(super) fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
     match decided.verdict {
         Verdict::Reject => {
             let who: Vec<String> = decided

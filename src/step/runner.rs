@@ -76,6 +76,12 @@ pub struct StepArgs {
     /// retries end early enough to record why before the pod is killed.
     #[arg(long, env = "AGENTRUN_STEP_TIMEOUT_SECONDS")]
     pub step_timeout_seconds: Option<u64>,
+    /// A container agent's step: where to serve the agent on the pod's loopback.
+    #[arg(long, env = "AGENTRUN_LOOPBACK_ADDR")]
+    pub loopback_addr: Option<String>,
+    /// The pod's loopback key (the agent's `OPENAI_API_KEY`).
+    #[arg(long, env = "AGENTRUN_RUNNER_KEY", hide_env_values = true)]
+    pub runner_key: Option<String>,
 }
 
 /// Time kept back from the step timeout to record a failed model call.
@@ -164,6 +170,19 @@ pub enum StepError {
     ReviveLease(#[source] StoreError),
     #[error("appending to the step log")]
     Append(#[source] StoreError),
+    /// A container agent's log whose recorded requests do not restore.
+    #[error("reading the agent's recorded requests")]
+    WireLog(#[source] super::wire_log::WireLogError),
+    #[error("serving the agent on {addr}")]
+    Loopback {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the agent exited with code {code}")]
+    AgentFailed { code: i32 },
+    #[error("a container agent's step needs AGENTRUN_LOOPBACK_ADDR and AGENTRUN_RUNNER_KEY")]
+    NoLoopback,
 }
 
 impl StepError {
@@ -221,6 +240,17 @@ async fn attempt(
     let work = async {
         let mut runner = Runner::load(store.clone(), &args, lease.clone(), started).await?;
         let replayed = runner.head.len;
+        if runner.state.runs_a_container() {
+            // No time slice: a new pod would start the agent over.
+            let loopback = match (&args.loopback_addr, &args.runner_key) {
+                (Some(addr), Some(key)) => container::Loopback {
+                    addr: addr.clone(),
+                    key: key.clone(),
+                },
+                _ => return Err(StepError::NoLoopback),
+            };
+            return container::drive(runner, loopback).await;
+        }
         let driven = runner
             .drive(Duration::from_secs(args.time_slice_seconds))
             .await;
@@ -464,8 +494,15 @@ impl Runner {
         match classification(&snap, &call, &arguments, &network) {
             Classification::Allow => {
                 let arguments = call.arguments.clone();
-                self.intend(model_call_seq, call_index, &call.id, &call.name, arguments)
-                    .await?;
+                self.intend(
+                    model_call_seq,
+                    call_index,
+                    &call.id,
+                    &call.name,
+                    arguments,
+                    None,
+                )
+                .await?;
                 Ok(Flow::Stepped)
             }
             Classification::RequireApproval(gate) => {
@@ -562,12 +599,14 @@ impl Runner {
             self.append(Entry::ApprovalVoided(voided), None).await?;
             return Ok(Flow::Again);
         }
+        let requested = self.requested(request.model_call_seq, request.call_index);
         self.intend(
             request.model_call_seq,
             request.call_index,
             &request.call_id,
             &request.tool,
             arguments,
+            requested,
         )
         .await?;
         Ok(Flow::Stepped)
@@ -581,9 +620,10 @@ impl Runner {
         call_id: &str,
         tool: &str,
         arguments: serde_json::Value,
-    ) -> Result<(), StepError> {
+        requested: Option<String>,
+    ) -> Result<u64, StepError> {
         let intent = ToolIntent {
-            requested: None,
+            requested,
             model_call_seq,
             call_index,
             call_id: call_id.to_string(),
@@ -593,7 +633,24 @@ impl Runner {
         };
         let seq = self.append(Entry::ToolIntent(intent), None).await?;
         self.own_intents.insert(seq);
-        Ok(())
+        Ok(seq)
+    }
+
+    /// The digest of call `call_index` of the answer at `model_call_seq` as
+    /// proposed, which a container agent sends: recorded with its intent so
+    /// replay matches the agent's call after an approver's edit.
+    fn requested(&self, model_call_seq: u64, call_index: usize) -> Option<String> {
+        if !self.state.runs_a_container() {
+            return None;
+        }
+        match self.state.entry(model_call_seq) {
+            Some(Entry::ModelCall(m)) => m
+                .response
+                .tool_calls
+                .get(call_index)
+                .map(|c| crate::wire::canonical::tool_digest(&c.name, &c.arguments)),
+            _ => None,
+        }
     }
 
     fn snapshot(&self) -> Result<Snapshot, StepError> {
@@ -1025,5 +1082,6 @@ where
     }
 }
 
+mod container;
 #[cfg(test)]
 mod tests;

@@ -49,6 +49,8 @@ pub struct AgentExit {
 /// The runner's paths the agent shim (`agentrun agent-shim`) uses.
 pub const READY_PATH: &str = "/agentrun/ready";
 pub const EXIT_PATH: &str = "/agentrun/exit";
+/// Answers once the runner wants the agent stopped (a long poll).
+pub const STOP_PATH: &str = "/agentrun/stop";
 
 /// A model request as the runner receives it.
 #[derive(Clone, Debug)]
@@ -85,6 +87,9 @@ pub trait Backend: Send + Sync + 'static {
     fn exited(&self, exit: AgentExit) -> BoxFuture<'static, ()>;
     /// Whether the runner serves yet (it has replayed the log).
     fn ready(&self) -> bool;
+    /// Resolves once the step is over and the agent is to stop (the shim
+    /// waits on it and stops the agent).
+    fn stopped(&self) -> BoxFuture<'static, ()>;
 }
 
 /// What the loopback server serves.
@@ -116,6 +121,7 @@ pub fn router(served: Served) -> axum::Router {
         .route("/v1/messages", post(message))
         .route(READY_PATH, get(ready))
         .route(EXIT_PATH, post(exited))
+        .route(STOP_PATH, get(stop))
         .with_state(shared);
     for (server, tools) in served.tool_servers {
         let service = mcp_server::service(&server, tools, served.calls.clone());
@@ -156,6 +162,15 @@ async fn exited(
     }
     s.backend.exited(exit).await;
     StatusCode::NO_CONTENT
+}
+
+/// Waits until the runner wants the agent stopped.
+async fn stop(State(s): State<Shared>, headers: HeaderMap) -> StatusCode {
+    if !authorized(&headers, &s.key) {
+        return StatusCode::UNAUTHORIZED;
+    }
+    s.backend.stopped().await;
+    StatusCode::OK
 }
 
 /// The key as the OpenAI SDKs (`Authorization: Bearer`) or Anthropic's
@@ -345,6 +360,10 @@ mod tests {
 
         fn ready(&self) -> bool {
             true
+        }
+
+        fn stopped(&self) -> BoxFuture<'static, ()> {
+            Box::pin(async {})
         }
     }
 

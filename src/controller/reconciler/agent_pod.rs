@@ -7,7 +7,7 @@
 //! What the agent's container gets: the variables the SDKs read by
 //! themselves pointing at the runner on the pod's loopback, the pod's key
 //! (not the provider's: that stays with the runner), one variable per tool
-//! server, the result file; set before the Agent's own variables so those
+//! server, the result file, the run's task (`AGENTRUN_INPUT`: `spec.input`); set before the Agent's own variables so those
 //! may refer to them (`$(AGENTRUN_MCP_SHOP_URL)`). No Secret, no
 //! service-account token (the pod mounts none), non-root on a read-only
 //! root with a writable `/tmp`.
@@ -47,6 +47,7 @@ pub fn add_agent(
     servers: &[ToolServer],
     operator_image: &str,
     key: &str,
+    input: &str,
 ) {
     if let Some(step) = spec.containers.first_mut() {
         let env = step.env.get_or_insert_with(Vec::new);
@@ -57,7 +58,8 @@ pub fn add_agent(
         ));
     }
     spec.init_containers = Some(vec![shim_installer(operator_image)]);
-    spec.containers.push(agent_container(agent, servers, key));
+    spec.containers
+        .push(agent_container(agent, servers, key, input));
     let empty = |name: &str| Volume {
         name: name.into(),
         empty_dir: Some(EmptyDirVolumeSource::default()),
@@ -95,7 +97,12 @@ fn shim_installer(operator_image: &str) -> Container {
     }
 }
 
-fn agent_container(agent: &AgentContainer, servers: &[ToolServer], key: &str) -> Container {
+fn agent_container(
+    agent: &AgentContainer,
+    servers: &[ToolServer],
+    key: &str,
+    input: &str,
+) -> Container {
     let mut command = vec![
         format!("{SHIM_DIR}/agentrun"),
         "agent-shim".into(),
@@ -103,6 +110,7 @@ fn agent_container(agent: &AgentContainer, servers: &[ToolServer], key: &str) ->
     ];
     command.extend(agent.command.iter().cloned());
     let mut env = wire_env(servers, key);
+    env.push(plain("AGENTRUN_INPUT", input));
     env.extend(agent.env.iter().map(|v| plain(&v.name, v.value.clone())));
     Container {
         name: "agent".into(),

@@ -225,20 +225,30 @@ pub(super) fn job_ended_at(job: &Job) -> Option<Time> {
 /// Longest termination message quoted in a run's status.
 pub(super) const MAX_QUOTED_BYTES: usize = 1024;
 
-/// The `step` container's termination message, if it left one.
+/// The `step` container's termination message, if it left one, and a
+/// container agent's own when it failed (its log's end, or what it wrote
+/// to its termination log).
 pub(super) fn termination_message(pod: &k8s_openapi::api::core::v1::Pod) -> Option<String> {
     let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
-    let step = statuses.iter().find(|c| c.name == "step")?;
-    let text = step
-        .state
-        .as_ref()?
-        .terminated
-        .as_ref()?
-        .message
-        .as_deref()?;
-    let text = text.trim();
-    (!text.is_empty())
-        .then(|| crate::text::tail(&crate::text::escape_controls(text), MAX_QUOTED_BYTES))
+    let said = |name: &str, failed_only: bool| {
+        let c = statuses.iter().find(|c| c.name == name)?;
+        let ended = c.state.as_ref()?.terminated.as_ref()?;
+        if failed_only && ended.exit_code == 0 {
+            return None;
+        }
+        let text = ended.message.as_deref()?.trim();
+        (!text.is_empty()).then(|| text.to_string())
+    };
+    let text = match (said("step", false), said("agent", true)) {
+        (None, None) => return None,
+        (Some(step), None) => step,
+        (None, Some(agent)) => format!("the agent said: {agent}"),
+        (Some(step), Some(agent)) => format!("{step}; the agent said: {agent}"),
+    };
+    Some(crate::text::tail(
+        &crate::text::escape_controls(&text),
+        MAX_QUOTED_BYTES,
+    ))
 }
 
 /// The run's failed step Jobs so far, counting `previous` if it failed or vanished.
@@ -261,11 +271,6 @@ pub(super) fn snapshot(
     generation: Option<i64>,
     mcp: McpCatalog,
 ) -> Result<RunStarted, crate::refusal::Refusal> {
-    if template.container.is_some() {
-        return Err(crate::refusal::Refusal::from(
-            "container: agents of your own image are not run by this version of the controller yet (docs/container-agents.md)",
-        ));
-    }
     let toolbox = Toolbox::new(&template.tools, &mcp).map_err(|e| format!("spec.tools: {e}"))?;
     let prompt = serde_json::to_value(&template.prompt).unwrap_or_default();
     let version = template.prompt.as_ref().map(|p| p.version.clone());
@@ -357,16 +362,19 @@ mod snapshot_tests {
         serde_json::from_value(agent).unwrap()
     }
 
-    /// Until the runner serves them, a container agent's run ends at its
-    /// start saying so, and never runs as a built-in agent with no prompt.
+    /// A container agent's start pins its container (format 2, so an
+    /// earlier release never runs it as a built-in agent with no prompt);
+    /// a built-in one pins its prompt and no container.
     #[test]
-    fn a_container_agent_is_refused_at_start_and_a_built_in_one_pins_its_prompt() {
+    fn a_container_agent_pins_its_container_and_a_built_in_one_its_prompt() {
         let container = template(serde_json::json!({
             "container": {"image": "team/agent:1", "command": ["python", "agent.py"]},
             "model": {"provider": "OpenAI", "name": "m"}
         }));
-        let why = snapshot(&run(), &container, None, Default::default()).unwrap_err();
-        assert!(why.to_string().starts_with("container: "), "{why}");
+        let started = snapshot(&run(), &container, None, Default::default()).unwrap();
+        assert_eq!(started.agent_template(), container);
+        let entry = crate::replay::Entry::RunStarted(started);
+        assert_eq!(entry.format(), crate::store::FORMAT_2);
         let builtin = template(serde_json::json!({
             "prompt": {"version": "v3", "system": "s"},
             "model": {"provider": "OpenAI", "name": "m"}

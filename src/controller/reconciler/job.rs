@@ -103,7 +103,8 @@ pub fn build(
     if let Some(container) = &agent.container {
         let servers = crate::wire::servers::tool_servers(&agent.tools);
         let key = super::agent_pod::loopback_key(&job_name(run, seq, attempt));
-        super::agent_pod::add_agent(&mut pod, container, &servers, &settings.image, &key);
+        let input = &run.spec.input;
+        super::agent_pod::add_agent(&mut pod, container, &servers, &settings.image, &key, input);
     }
     Job {
         metadata: ObjectMeta {

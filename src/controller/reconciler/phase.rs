@@ -210,8 +210,38 @@ fn from_log(o: &Observed) -> Option<Act> {
             result,
             error,
         })),
+        Next::Stop(finished)
+            if finished.outcome == Outcome::Succeeded && o.log.runs_a_container() =>
+        {
+            Some(vouched_by_job(o, finished))
+        }
         Next::Stop(finished) => Some(Act::Finish(finished)),
         _ => None,
+    }
+}
+
+/// A container agent's success, as its runner reported the agent's exit,
+/// is recorded only once the step Job completed: every container of its
+/// pod exited 0, the agent's among them, which the kubelet reports, not
+/// anything in the pod.
+fn vouched_by_job(o: &Observed, finished: RunFinished) -> Act {
+    let failed = |why: String| {
+        Act::Finish(RunFinished {
+            outcome: Outcome::Failed,
+            result: finished.result.clone(),
+            error: Some(format!(
+                "the runner reported that the agent exited 0, but {why}"
+            )),
+        })
+    };
+    match o.job.as_ref().map(|j| &j.state) {
+        Some(JobState::Succeeded) => Act::Finish(finished.clone()),
+        // Its pod is ending; the Job's completion wakes the run.
+        Some(JobState::Active) => Act::Idle,
+        Some(JobState::Failed { reason, .. }) => failed(format!("its step Job failed: {reason}")),
+        Some(JobState::Missing) | None => {
+            failed("its step Job is gone, so the agent's exit cannot be checked".into())
+        }
     }
 }
 
@@ -711,6 +741,62 @@ mod tests {
                 name: "r-s1-a1".into()
             }
         );
+    }
+
+    /// A container agent's success, as its runner reported it, is
+    /// recorded once its step Job completed (the kubelet saw every
+    /// container exit 0); a failed or vanished Job makes it a failure.
+    #[test]
+    fn a_container_agents_success_waits_for_its_job_to_complete() {
+        let mut log = started(None);
+        let Some(Entry::RunStarted(mut s)) = log.entry(0).cloned() else {
+            unreachable!()
+        };
+        s.container = Some(crate::runlog::v2::Container {
+            image: "team/agent:1".into(),
+            command: vec!["agent".into()],
+            args: vec![],
+            env: vec![],
+            resources: None,
+            matching: None,
+        });
+        log = RunState::replay(vec![Entry::RunStarted(s)]);
+        log.apply(Entry::Observation(crate::runlog::records::Observation {
+            text: String::new(),
+            about_seq: None,
+            stop: Some(RunFinished {
+                outcome: Outcome::Succeeded,
+                result: Some("refunded".into()),
+                error: None,
+            }),
+            attempts: None,
+        }));
+        let at = |state| decide_at(&run(), &log, job(1, 1, state, Some(1)), Some(false), 2);
+        assert_eq!(at(JobState::Active), Act::Idle);
+        match at(JobState::Succeeded) {
+            Act::Finish(f) => assert_eq!(
+                (f.outcome, f.result.as_deref()),
+                (Outcome::Succeeded, Some("refunded"))
+            ),
+            other => panic!("expected Finish, got {other:?}"),
+        }
+        let failed = JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            disrupted: false,
+        };
+        for state in [failed, JobState::Missing] {
+            match at(state) {
+                Act::Finish(f) => {
+                    assert_eq!(f.outcome, Outcome::Failed);
+                    let error = f.error.unwrap();
+                    assert!(
+                        error.contains("reported that the agent exited 0"),
+                        "{error}"
+                    );
+                }
+                other => panic!("expected Finish, got {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -237,6 +237,8 @@ fn set_finished(s: &mut AgentRunStatus, f: &RunFinished, generation: Option<i64>
     }
     let (ok, reason, message) = match f.outcome {
         Outcome::Succeeded => (true, "Succeeded", "the agent finished".to_string()),
+        // Failed, and why: the agent is not deterministic given its inputs.
+        Outcome::Diverged => (false, "Diverged", f.error.clone().unwrap_or_default()),
         _ => (
             false,
             phase_name(phase),

@@ -4,6 +4,7 @@
 //! ([`standins`]). A worker that resumes after any record must ask only for
 //! what the log lacks and finish the same run.
 
+mod container;
 mod standins;
 
 use std::collections::HashMap;
@@ -32,6 +33,8 @@ fn step_args() -> StepArgs {
         attempt: 1,
         time_slice_seconds: 60,
         step_timeout_seconds: None,
+        loopback_addr: None,
+        runner_key: None,
     }
 }
 
@@ -115,8 +118,13 @@ fn turns() -> Vec<Turn> {
 /// The canned history: a whole run as a worker records it, up to the
 /// `finish` call after which the controller appends `RunFinished`.
 fn history(base: &str) -> Vec<Entry> {
-    let mut log = vec![run_started(base)];
-    for (text, calls) in turns() {
+    history_of(run_started(base), turns())
+}
+
+/// The records of `turns` after `started`, each call made and answered.
+fn history_of(started: Entry, turns: Vec<Turn>) -> Vec<Entry> {
+    let mut log = vec![started];
+    for (text, calls) in turns {
         let model_call_seq = log.len() as u64;
         let tool_calls = calls
             .iter()

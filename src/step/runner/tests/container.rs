@@ -1,0 +1,413 @@
+//! A container agent's step in process: the runner serves an agent written
+//! here the way framework agents behave (Chat Completions, its tools
+//! through the official MCP client), with the stand-in model and tools
+//! behind it. A run recorded once is resumed after each of its records:
+//! the agent starts over, every recorded answer is served from the log and
+//! nothing recorded is asked or called again. Gates, edits and
+//! divergence are checked the same way.
+
+use rmcp::ServiceExt as _;
+use rmcp::model::CallToolRequestParams;
+use rmcp::transport::StreamableHttpClientTransport;
+
+use super::*;
+use crate::runlog::v2;
+use crate::wire::loopback::{AgentExit, EXIT_PATH, READY_PATH, STOP_PATH};
+
+const KEY: &str = "pod-key";
+const SYSTEM: &str = "You refund orders. Look the order up first.";
+
+/// The canned agent as a container agent: no prompt, an image.
+fn container_started(started: Entry) -> Entry {
+    let Entry::RunStarted(mut started) = started else {
+        unreachable!()
+    };
+    started.container = Some(v2::Container {
+        image: "team/refunds:1".into(),
+        command: vec!["refund-agent".into()],
+        args: vec![],
+        env: vec![],
+        resources: None,
+        matching: None,
+    });
+    Entry::RunStarted(started)
+}
+
+/// The canned turns, the last a plain answer (a container agent ends by
+/// exiting, not by a `finish` call).
+fn container_turns() -> Vec<Turn> {
+    let mut turns = turns();
+    *turns.last_mut().unwrap() = (Some("Refunded 25 on A-7 (R-1)."), vec![]);
+    turns
+}
+
+/// A free port on the loopback (the runner binds it right after).
+fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().to_string()
+}
+
+fn container_args(addr: &str) -> StepArgs {
+    StepArgs {
+        loopback_addr: Some(addr.into()),
+        runner_key: Some(KEY.into()),
+        ..step_args()
+    }
+}
+
+/// What the agent saw: the tool results it got, and how it ended.
+#[derive(Debug, Default)]
+struct Seen {
+    results: Vec<String>,
+    refused: Option<(u16, String)>,
+}
+
+/// The agent: asks the model through the runner with its own system
+/// prompt, makes each proposed call through MCP, and exits once the model
+/// answers without calls (reporting as the shim would).
+async fn agent(url: String, system: String) -> Seen {
+    let http = reqwest::Client::new();
+    let mut seen = Seen::default();
+    for _ in 0..400 {
+        let ready = http
+            .get(format!("{url}{READY_PATH}"))
+            .bearer_auth(KEY)
+            .send()
+            .await;
+        if ready.is_ok_and(|r| r.status().is_success()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let mcp = ()
+        .serve(StreamableHttpClientTransport::from_uri(format!(
+            "{url}/mcp/tools"
+        )))
+        .await
+        .unwrap();
+    let tools: Vec<Value> = mcp
+        .list_all_tools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| json!({"type": "function", "function": {"name": t.name, "parameters": *t.input_schema}}))
+        .collect();
+    let input = "Refund order A-7.";
+    let mut messages = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": input}),
+    ];
+    loop {
+        let reply = http
+            .post(format!("{url}/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .json(&json!({"model": "gpt-4o-mini", "messages": messages, "tools": tools}))
+            .send()
+            .await
+            .unwrap();
+        let status = reply.status().as_u16();
+        let body: Value = reply.json().await.unwrap();
+        if status != 200 {
+            seen.refused = Some((status, body["error"]["message"].to_string()));
+            return seen;
+        }
+        let message = body["choices"][0]["message"].clone();
+        messages.push(message.clone());
+        let calls = message["tool_calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if calls.is_empty() {
+            let exit = AgentExit {
+                code: 0,
+                result: message["content"].as_str().map(str::to_string),
+                result_unreadable: None,
+            };
+            let _ = http
+                .post(format!("{url}{EXIT_PATH}"))
+                .bearer_auth(KEY)
+                .json(&exit)
+                .send()
+                .await;
+            return seen;
+        }
+        for call in calls {
+            let name = call["function"]["name"].as_str().unwrap().to_string();
+            let arguments: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            let params = CallToolRequestParams::new(name)
+                .with_arguments(arguments.as_object().unwrap().clone());
+            let result = mcp.call_tool(params).await.unwrap();
+            let text = result
+                .content
+                .iter()
+                .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+                .collect::<Vec<_>>()
+                .join("");
+            seen.results.push(text.clone());
+            messages.push(json!({"role": "tool", "tool_call_id": call["id"], "content": text}));
+        }
+    }
+}
+
+/// Runs one step of the container run in `store` with the agent beside
+/// it; the step's result and what the agent saw (`None`: the agent was
+/// left waiting, as a gated call leaves it until the pod is stopped).
+async fn container_step(
+    store: Arc<dyn StepStore>,
+    system: &str,
+) -> (Result<(), StepError>, Option<Seen>) {
+    let addr = free_addr();
+    let agent = tokio::spawn(agent(format!("http://{addr}"), system.to_string()));
+    // As the shim does: once the runner says the step is over, the agent
+    // is stopped and its end reported.
+    let url = format!("http://{addr}");
+    let shim = AbortOnDrop(tokio::spawn(async move {
+        let http = reqwest::Client::new();
+        loop {
+            let asked = http
+                .get(format!("{url}{STOP_PATH}"))
+                .bearer_auth(KEY)
+                .send()
+                .await;
+            if asked.is_ok_and(|r| r.status().is_success()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let exit = AgentExit {
+            code: 143,
+            result: None,
+            result_unreadable: None,
+        };
+        let _ = http
+            .post(format!("{url}{EXIT_PATH}"))
+            .bearer_auth(KEY)
+            .json(&exit)
+            .send()
+            .await;
+    }));
+    let step = tokio::time::timeout(
+        Duration::from_secs(60),
+        run_on(container_args(&addr), store),
+    )
+    .await
+    .expect("the step ends within 60 s");
+    drop(shim);
+    let seen = match tokio::time::timeout(Duration::from_secs(5), agent).await {
+        Ok(seen) => Some(seen.unwrap()),
+        Err(_) => None,
+    };
+    (step, seen)
+}
+
+fn stop_of(log: &[Entry]) -> Option<RunFinished> {
+    match log.last() {
+        Some(Entry::Observation(Observation { stop, .. })) => stop.clone(),
+        _ => None,
+    }
+}
+
+/// The run recorded once from its start, then resumed after each of its
+/// records: the same log, the agent's same results, every recorded answer
+/// asked once and every effect made once.
+#[tokio::test]
+async fn a_container_run_resumed_after_any_record_asks_and_calls_nothing_twice() {
+    let standins = Standins::start().await;
+    let started = container_started(run_started(&standins.base));
+    standins.script(&history_of(started.clone(), container_turns()));
+    standins.reset([]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
+    let (step, seen) = container_step(store.clone(), SYSTEM).await;
+    step.unwrap();
+    let whole = read_log(&*store).await;
+    let first = seen.expect("the agent ended");
+    assert_eq!(first.refused, None);
+    let stop = stop_of(&whole).expect("the agent's end is recorded");
+    assert_eq!(stop.outcome, Outcome::Succeeded);
+    assert_eq!(stop.result.as_deref(), Some("Refunded 25 on A-7 (R-1)."));
+    let expected = history_of(started, container_turns());
+    let kinds = |l: &[Entry]| l.iter().map(Entry::kind).collect::<Vec<_>>();
+    assert_eq!(kinds(&whole[..whole.len() - 1]), kinds(&expected));
+    for entry in &whole {
+        match entry {
+            Entry::ModelCall(m) => assert!(m.request.is_some(), "the request is recorded"),
+            Entry::ToolIntent(i) => assert!(i.requested.is_some()),
+            _ => {}
+        }
+    }
+    assert_eq!(standins.counts().model_requests, model_calls(&whole));
+
+    for n in 1..whole.len() {
+        let prefix = &whole[..n];
+        let done = prefix.iter().enumerate().filter_map(|(seq, s)| match s {
+            Entry::ToolIntent(i) if seq + 1 < n => Some(i.key.clone()),
+            _ => None,
+        });
+        standins.reset(done);
+        let dir = tempfile::tempdir().unwrap();
+        let store = log_with(dir.path(), prefix).await;
+        let (step, seen) = container_step(store.clone(), SYSTEM).await;
+        step.unwrap_or_else(|e| panic!("resumed after {n} records: {e}"));
+        let seen = seen.unwrap_or_else(|| panic!("resumed after {n}: the agent did not end"));
+        let log = read_log(&*store).await;
+        assert_eq!(&log[..n], prefix, "resumed after {n}: the prefix changed");
+        assert_eq!(
+            log.iter().map(essence).collect::<Vec<_>>(),
+            whole.iter().map(essence).collect::<Vec<_>>(),
+            "resumed after {n}"
+        );
+        assert_eq!(seen.results, first.results, "resumed after {n}: results");
+        let counts = standins.counts();
+        assert_eq!(
+            counts.model_requests,
+            model_calls(&whole) - model_calls(prefix),
+            "resumed after {n}: model requests"
+        );
+        for (seq, entry) in whole.iter().enumerate() {
+            let Entry::ToolIntent(intent) = entry else {
+                continue;
+            };
+            let posts = counts.posts.get(&intent.key).copied().unwrap_or(0);
+            let recorded = seq + 1 < n;
+            // A result in the log is served from it; an intent the log
+            // ends with is made again only where its tool allows.
+            let most = u32::from(!recorded);
+            assert!(
+                posts <= most,
+                "resumed after {n}: call {seq} POSTed {posts}"
+            );
+            if intent.tool == "refund" {
+                assert_eq!(
+                    counts.effects.get(&intent.key),
+                    Some(&1),
+                    "resumed after {n}"
+                );
+            }
+        }
+    }
+}
+
+/// The refund is gated: the step records the request and ends with the
+/// agent left waiting; after an approver's edit, the agent starts over,
+/// replays to the call, and gets the edited call's result with the edit
+/// stated. The tool saw one refund, with the edited amount.
+#[tokio::test]
+async fn a_gated_call_waits_with_no_answer_then_runs_as_edited_and_says_so() {
+    let standins = Standins::start().await;
+    let started = container_started(gated_run_started(&standins.base, "refund"));
+    let mut edited = history_of(started.clone(), container_turns());
+    for entry in &mut edited {
+        if let Entry::ToolIntent(i) = entry
+            && i.tool == "refund"
+        {
+            i.arguments = json!({"order": "A-7", "amount": 20});
+        }
+    }
+    standins.script(&edited);
+    standins.reset([]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
+    let (step, seen) = container_step(store.clone(), SYSTEM).await;
+    step.unwrap();
+    assert!(seen.is_none(), "the agent gets no answer for a gated call");
+    let log = read_log(&*store).await;
+    let Some(Entry::ApprovalRequested(request)) = log.last() else {
+        panic!("the step ends with the approval request: {:?}", log.last());
+    };
+    let request_seq = log.len() as u64 - 1;
+    assert_eq!(request.arguments, json!({"order": "A-7", "amount": 25}));
+    let refund_key = idempotency_key(RUN, request.model_call_seq, request.call_index);
+    assert_eq!(
+        standins.counts().effects.get(&refund_key),
+        None,
+        "nothing refunded yet"
+    );
+
+    // The controller records alice's edit (signatures are not checked here).
+    let amount_20 = json!({"order": "A-7", "amount": 20});
+    let decided = Entry::ApprovalDecided(crate::runlog::records::ApprovalDecided {
+        request_seq,
+        approval: "a".into(),
+        verdict: crate::runlog::records::Verdict::Edit,
+        decisions: vec![crate::runlog::records::RecordedDecision {
+            approver: "alice".into(),
+            verdict: v1::Verdict::Edit,
+            arguments_hash: crate::policy::arguments_hash("refund", &amount_20),
+            arguments: Some(amount_20.clone()),
+            reason: Some("partial refund".into()),
+        }],
+        arguments: Some(amount_20.clone()),
+        observations_hash: "o".into(),
+        on_expiry: None,
+    });
+    let mut decided_log = log.clone();
+    decided_log.push(decided);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), &decided_log).await;
+    let (step, seen) = container_step(store.clone(), SYSTEM).await;
+    step.unwrap();
+    let seen = seen.expect("the agent ended");
+    let refund = &seen.results[1];
+    assert!(
+        refund.starts_with("alice changed amount from 25 to 20: partial refund"),
+        "{refund}"
+    );
+    let log = read_log(&*store).await;
+    let intent = log
+        .iter()
+        .find_map(|e| match e {
+            Entry::ToolIntent(i) if i.tool == "refund" => Some(i.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(intent.arguments, amount_20);
+    assert_eq!(
+        intent.requested,
+        Some(crate::wire::canonical::tool_digest(
+            "refund",
+            &json!({"order": "A-7", "amount": 25})
+        ))
+    );
+    assert_eq!(standins.counts().effects.get(&intent.key), Some(&1));
+    assert_eq!(stop_of(&log).unwrap().outcome, Outcome::Succeeded);
+}
+
+/// An agent whose prompt changed since its answers were recorded (a time
+/// in it) is stopped at its first request: the run ends Diverged naming
+/// the recorded request and the field, and the model is not asked.
+#[tokio::test]
+async fn an_agent_that_asks_otherwise_on_replay_diverges_and_nothing_is_asked() {
+    let standins = Standins::start().await;
+    let started = container_started(run_started(&standins.base));
+    standins.script(&history_of(started.clone(), container_turns()));
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
+    container_step(store.clone(), SYSTEM).await.0.unwrap();
+    let whole = read_log(&*store).await;
+
+    let prefix = &whole[..4];
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), prefix).await;
+    let (step, seen) = container_step(store.clone(), "It is 10:05. You refund orders.").await;
+    step.unwrap();
+    let (status, message) = seen.unwrap().refused.expect("the agent is refused");
+    assert_eq!(status, 409);
+    assert!(message.contains("Diverged"), "{message}");
+    let log = read_log(&*store).await;
+    assert_eq!(log.len(), prefix.len() + 1, "only the end is recorded");
+    let stop = stop_of(&log).unwrap();
+    assert_eq!(stop.outcome, Outcome::Diverged);
+    let error = stop.error.unwrap();
+    assert!(
+        error.contains("recorded at seq 1") && error.contains("messages[0].content"),
+        "{error}"
+    );
+    assert_eq!(standins.counts().model_requests, 0);
+    assert!(standins.counts().posts.is_empty());
+}
