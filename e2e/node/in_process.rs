@@ -1,7 +1,9 @@
 //! Step pods run in process (`--in-process-steps`): a container that runs
 //! `agentrun step` from the `agentrun` image is not spawned as a process but
 //! run as a task calling the library's runner, `agentrun::step::runner`,
-//! with the arguments the process would have read from its environment.
+//! with the arguments the process would have read from its environment
+//! (resolved and rewritten as for a process: a container agent's runner
+//! serves on its pod's own loopback address, `loopback.rs`).
 //!
 //! Everything the step does goes through the same step-log gateway, with the
 //! pod's own token, and the pod's status is reported exactly as for a
