@@ -128,11 +128,16 @@ pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), 
 }
 
 /// Does what the log decides before the agent's turn; false when the step
-/// ends there (the next move is the controller's).
+/// ends there (the next move is the controller's). An approved call, or
+/// one intended and not seen through, waits for the agent to make it
+/// again: an agent that diverges before it gets there makes no call.
 async fn settle(runner: &mut Runner) -> Result<bool, StepError> {
     loop {
         let next = runner.state.next();
-        if next == Next::AgentTurn {
+        if matches!(
+            next,
+            Next::AgentTurn | Next::Approved { .. } | Next::ExecuteTool { .. }
+        ) {
             return Ok(true);
         }
         if let Flow::Exit = runner.take_step(next).await? {
@@ -251,6 +256,7 @@ impl Driver {
                 Err(refused)
             }
             Err(Failure::Refused(refused)) => Err(refused),
+            Err(Failure::Diverges(_)) => unreachable!("Inner::model records a divergence"),
         }
     }
 
@@ -278,6 +284,7 @@ impl Driver {
                 failed(refused.message)
             }
             Err(Failure::Refused(refused)) => failed(refused.message),
+            Err(Failure::Diverges(_)) => unreachable!("Inner::call records a divergence"),
         }
     }
 
@@ -321,6 +328,9 @@ enum Failure {
     Step(StepError),
     /// This request only (it changes nothing in the run).
     Refused(Refused),
+    /// The agent took another path than its log records: the run is to
+    /// stop Diverged, for this reason.
+    Diverges(String),
 }
 
 impl From<StepError> for Failure {
@@ -332,6 +342,13 @@ impl From<StepError> for Failure {
 impl Inner {
     /// A model request: answered from its record, or asked and recorded.
     async fn model(&mut self, asked: Asked) -> Result<Answer, Failure> {
+        match self.model_once(asked).await {
+            Err(Failure::Diverges(why)) => Err(self.diverge(why).await?),
+            other => other,
+        }
+    }
+
+    async fn model_once(&mut self, asked: Asked) -> Result<Answer, Failure> {
         let digest = asked.canonical.digest();
         match self.matcher.model(&digest) {
             Decision::Replay { seq } => self.recorded_answer(seq),
@@ -426,10 +443,20 @@ impl Inner {
         Ok(self.answer(seq, response))
     }
 
-    /// Whether what comes next is the controller's (the agent's turn is over).
+    /// Whether what comes next is the controller's (the agent's turn is
+    /// over). An agent asking the model anew while a call it made before is
+    /// approved or intended and not made has taken another path: diverged.
     fn controllers_turn(&self) -> Option<Failure> {
         match self.runner.state.next() {
             Next::AgentTurn => None,
+            Next::Approved { request, .. } => Some(Failure::Diverges(format!(
+                "the agent went on without making the approved call {} (record {})",
+                request.tool, request.model_call_seq
+            ))),
+            Next::ExecuteTool { intent, intent_seq } => Some(Failure::Diverges(format!(
+                "the agent went on without making the call {} recorded at seq {intent_seq}",
+                intent.tool
+            ))),
             next => Some(self.ends_for_controller(&format!("the run's log says next: {next:?}"))),
         }
     }
@@ -446,6 +473,13 @@ impl Inner {
 
     /// A tool call: its recorded result, or made (gated, keyed, recorded).
     async fn call(&mut self, call: AgentCall) -> Result<ToolOutcome, Failure> {
+        match self.call_once(call).await {
+            Err(Failure::Diverges(why)) => Err(self.diverge(why).await?),
+            other => other,
+        }
+    }
+
+    async fn call_once(&mut self, call: AgentCall) -> Result<ToolOutcome, Failure> {
         let arguments = Value::Object(call.arguments);
         let digest = tool_digest(&call.tool, &arguments);
         let proposal = self.take_proposal(&digest);
@@ -530,14 +564,30 @@ impl Inner {
         digest: String,
         arguments: Value,
     ) -> Result<ToolOutcome, Failure> {
-        match self.runner.state.call_state(model_call_seq, index) {
-            CallState::Settled => {
-                return Ok(failed(self.not_run(model_call_seq, index)));
-            }
-            CallState::Open => {}
-            state => {
-                let why = format!("call {index} of record {model_call_seq} stands at {state:?}");
-                return Err(self.ends_for_controller(&why));
+        loop {
+            match self.runner.state.call_state(model_call_seq, index) {
+                CallState::Open => break,
+                CallState::Settled => return Ok(failed(self.not_run(model_call_seq, index))),
+                CallState::Approved(request_seq, approved) => {
+                    let Some(Entry::ApprovalRequested(request)) =
+                        self.runner.state.entry(request_seq).cloned()
+                    else {
+                        unreachable!("an approval's state names its request");
+                    };
+                    // Voided (what the approver saw changed): decided again.
+                    if let Flow::Again =
+                        self.runner.approved(request_seq, request, approved).await?
+                    {
+                        continue;
+                    }
+                    let intent_seq = self.runner.head.len - 1;
+                    return self.intended(intent_seq).await;
+                }
+                state => {
+                    let why =
+                        format!("call {index} of record {model_call_seq} stands at {state:?}");
+                    return Err(self.ends_for_controller(&why));
+                }
             }
         }
         if let Some(end) = self.controllers_turn() {
