@@ -84,6 +84,7 @@ pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), 
             matcher: Matcher::new(wire.recorded, matching),
             last: wire.last,
             proposals: HashMap::new(),
+            client: None,
             runner,
         }),
         end: end_tx,
@@ -209,6 +210,8 @@ struct Inner {
     /// Calls proposed by answers served here, by digest: the model call
     /// and the index each is, in the order served.
     proposals: HashMap<String, VecDeque<(u64, usize)>>,
+    /// The model client, made at the first live request.
+    client: Option<ModelClient>,
 }
 
 /// What a request gets once the step is over.
@@ -407,9 +410,16 @@ impl Inner {
             self.runner.model_step().await?;
             return Err(self.ends_for_controller("a budget is used up"));
         }
-        let mut client =
-            ModelClient::new(&snap.agent.model, self.runner.args.model_api_key.clone())
-                .map_err(StepError::from)?;
+        // One client for the step: its connections are kept (the agent's
+        // model does not change within a step; a new version ends it).
+        let mut client = match &self.client {
+            Some(client) => client.clone(),
+            None => {
+                let key = self.runner.args.model_api_key.clone();
+                let client = ModelClient::new(&snap.agent.model, key).map_err(StepError::from)?;
+                self.client.insert(client).clone()
+            }
+        };
         if let Some(deadline) = self.runner.args.model_deadline(self.runner.started) {
             client = client.within(deadline);
         }
