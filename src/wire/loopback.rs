@@ -100,6 +100,10 @@ pub struct Served {
     /// Each tool server's name and its pinned tools.
     pub tool_servers: Vec<(String, Vec<ServedTool>)>,
     pub calls: Arc<dyn Calls>,
+    /// The host the runner listens on, which the agent names (its pod's
+    /// address: `127.0.0.1` in a pod, another loopback address on a node
+    /// that gives each pod one); loopback names are always accepted.
+    pub listen_host: Option<String>,
 }
 
 #[derive(Clone)]
@@ -124,7 +128,12 @@ pub fn router(served: Served) -> axum::Router {
         .route(STOP_PATH, get(stop))
         .with_state(shared);
     for (server, tools) in served.tool_servers {
-        let service = mcp_server::service(&server, tools, served.calls.clone());
+        let service = mcp_server::service(
+            &server,
+            tools,
+            served.calls.clone(),
+            served.listen_host.as_deref(),
+        );
         app = app.route_service(&format!("/mcp/{server}"), service);
     }
     app
@@ -380,6 +389,7 @@ mod tests {
             backend,
             tool_servers: vec![("shop".into(), vec![])],
             calls: Arc::new(NoCalls),
+            listen_host: None,
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());

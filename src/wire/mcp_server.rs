@@ -136,18 +136,24 @@ impl ServerHandler for Served {
 }
 
 /// The streamable-HTTP service of one served server (mount it at
-/// `/mcp/{server}`): stateless, JSON responses, loopback only.
+/// `/mcp/{server}`): stateless, JSON responses. Requests must name a
+/// loopback host, or `listen_host` (the address the runner serves on, which
+/// is the pod's own): the SDK's guard against DNS rebinding.
 pub fn service(
     server: &str,
     tools: Vec<ServedTool>,
     calls: Arc<dyn Calls>,
+    listen_host: Option<&str>,
 ) -> StreamableHttpService<impl ServerHandler, LocalSessionManager> {
     let served = Served {
         server: server.to_string(),
         tools: Arc::new(tools),
         calls,
     };
+    let mut hosts = vec!["localhost".to_string(), "127.0.0.1".into(), "::1".into()];
+    hosts.extend(listen_host.map(str::to_string));
     let config = StreamableHttpServerConfig::default()
+        .with_allowed_hosts(hosts)
         .with_legacy_session_mode(false)
         .with_json_response(true)
         .with_sse_keep_alive(None);
@@ -202,7 +208,7 @@ mod tests {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let table = Arc::new(Table::default());
         let app = axum::Router::new()
-            .route_service("/mcp/shop", service("shop", pinned(), table.clone()));
+            .route_service("/mcp/shop", service("shop", pinned(), table.clone(), None));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/mcp/shop", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, app).await });

@@ -95,6 +95,10 @@ pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), 
         backend: Arc::new(Handle(driver.clone())),
         tool_servers: served_tools(&snap),
         calls: Arc::new(Handle(driver.clone())),
+        listen_host: loopback
+            .addr
+            .rsplit_once(':')
+            .map(|(host, _)| host.to_string()),
     };
     let listener = tokio::net::TcpListener::bind(&loopback.addr)
         .await

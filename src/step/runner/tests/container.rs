@@ -41,9 +41,11 @@ fn container_turns() -> Vec<Turn> {
     turns
 }
 
-/// A free port on the loopback (the runner binds it right after).
+/// A free port on a loopback address other than 127.0.0.1 (as a node that
+/// gives each pod an address of its own does; the runner binds it right
+/// after), so the agent names a host the MCP servers must accept.
 fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
     listener.local_addr().unwrap().to_string()
 }
 
