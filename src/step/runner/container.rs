@@ -755,7 +755,17 @@ impl Inner {
                 error: None,
             },
         };
-        self.runner.append(stop_step(finished), None).await?;
+        let text = match &finished.error {
+            Some(error) => error.clone(),
+            None => "the agent exited 0".into(),
+        };
+        let stop = Entry::Observation(Observation {
+            text,
+            about_seq: None,
+            stop: Some(finished),
+            attempts: None,
+        });
+        self.runner.append(stop, None).await?;
         Ok(())
     }
 }
