@@ -23,7 +23,7 @@ use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio::sync::{Mutex, watch};
 
-use super::{AbortOnDrop, Flow, Runner, StepError, classification, stop_step};
+use super::{AbortOnDrop, Flow, Runner, StepError, classification};
 use crate::model::{ModelClient, cost_usd};
 use crate::policy::Classification;
 use crate::replay::{CallState, Entry, Next};
