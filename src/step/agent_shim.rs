@@ -99,7 +99,12 @@ pub async fn run(args: ShimArgs) -> Result<i32, ShimError> {
         let _ = report(&http, &args, &exit).await;
         return Ok(0);
     }
-    report(&http, &args, &exit).await?;
+    // The container's exit code is the agent's whether or not the runner
+    // heard: the kubelet reports it, and a runner that did not record the
+    // end has the next pod run the agent again.
+    if let Err(e) = report(&http, &args, &exit).await {
+        tracing::warn!(error = %e, code = exit.code, "the runner did not take the agent's report");
+    }
     Ok(exit.code)
 }
 

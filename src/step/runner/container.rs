@@ -68,16 +68,21 @@ pub struct Loopback {
 
 /// Serves the agent until the step is over.
 pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), StepError> {
-    if !settle(&mut runner).await? {
-        return Ok(());
-    }
+    // Nothing for the agent: it is still told to stop, so its container
+    // ends with the pod rather than wait for a runner that never serves.
+    let over = match settle(&mut runner).await? {
+        true => None,
+        false => Some(End::Controller(
+            "the log leaves the agent nothing to do".into(),
+        )),
+    };
     let snap = runner.snapshot()?;
     let wire = WireLog::read(runner.state.records()).map_err(StepError::WireLog)?;
     let matching = match snap.agent.container.as_ref().and_then(|c| c.matching) {
         Some(crate::api::ReplayMatching::ByPosition) => Matching::ByPosition,
         _ => Matching::Exact,
     };
-    let (end_tx, mut end_rx) = watch::channel(None);
+    let (end_tx, mut end_rx) = watch::channel(over);
     let (exit_tx, mut exit_rx) = watch::channel(None);
     let driver = Arc::new(Driver {
         inner: Mutex::new(Inner {
