@@ -60,9 +60,11 @@ enum End {
 
 /// Where the runner serves and the key that opens it (set by the controller
 /// on the `step` container: `AGENTRUN_LOOPBACK_ADDR`, `AGENTRUN_RUNNER_KEY`).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Loopback {
     pub addr: String,
+    /// Bound to `addr` when the step started.
+    pub listener: tokio::net::TcpListener,
     pub key: String,
 }
 
@@ -105,12 +107,7 @@ pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), 
             .rsplit_once(':')
             .map(|(host, _)| host.to_string()),
     };
-    let listener = tokio::net::TcpListener::bind(&loopback.addr)
-        .await
-        .map_err(|source| StepError::Loopback {
-            addr: loopback.addr.clone(),
-            source,
-        })?;
+    let listener = loopback.listener;
     tracing::info!(addr = %loopback.addr, "serving the agent");
     let _server = AbortOnDrop(tokio::spawn(crate::bounded::serve(
         listener,
@@ -545,8 +542,15 @@ impl Inner {
         }
         match self.result_of(intent_seq) {
             Some(outcome) => Ok(outcome),
-            // The call's outcome is unknowable: a human is asked, or the run ends.
-            None => Err(self.ends_for_controller("a call's outcome must be reconciled by a human")),
+            // The call's outcome is unknowable: a human is asked (the agent
+            // gets no answer, as for a gate), or the run ends.
+            None => Err(Failure::Ends(
+                End::Controller("a call's outcome must be reconciled by a human".into()),
+                Refused {
+                    status: 202,
+                    message: "agentrun: whether the call happened waits for a human".into(),
+                },
+            )),
         }
     }
 
