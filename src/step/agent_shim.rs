@@ -456,6 +456,7 @@ mod tests {
     /// agent is never started and the shim ends at once, not after its wait.
     #[tokio::test]
     async fn a_runner_that_listened_then_died_is_gone_and_the_agent_never_starts() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());

@@ -21,7 +21,11 @@
 //! `bench: chaos.converged <n>`; fails on any miss. Environment:
 //! AGENTRUN_CHAOS_CONCURRENCY (boundaries at once, default 4),
 //! AGENTRUN_CHAOS_SECONDS (random mode, default 40), AGENTRUN_CHAOS_SEED
-//! (default 1), AGENTRUN_CHAOS_RUNS (random mode, default 4).
+//! (default 1), AGENTRUN_CHAOS_RUNS (random mode, default 4),
+//! AGENTRUN_CHAOS_ONLY (only the boundaries whose name contains it).
+//!
+//! A second table runs a container agent (the plain `openai` loop of
+//! e2e/agents, unmodified) through the boundaries its run meets.
 
 mod common;
 
@@ -315,11 +319,14 @@ fn judge(base: &Outcome, got: &Outcome) -> Vec<String> {
     misses
 }
 
-/// Every boundary of the runner and the controller.
+/// Every boundary of the runner and the controller (those containing
+/// AGENTRUN_CHAOS_ONLY when it is set: one boundary, by hand).
 fn boundaries() -> Vec<String> {
+    let only = std::env::var("AGENTRUN_CHAOS_ONLY").unwrap_or_default();
     failpoint::all()
         .into_iter()
         .chain(failpoint::controller_all())
+        .filter(|b| b.contains(&only))
         .collect()
 }
 

@@ -255,7 +255,11 @@ fn vouched_by_job(o: &Observed, finished: RunFinished) -> Act {
         Some(JobState::Failed { .. }) if agent == Some(AgentState::Exited(0)) => {
             Act::Finish(finished.clone())
         }
-        Some(JobState::Failed { .. }) if agent == Some(AgentState::Running) => {
+        // Still running, or its status not read yet: look again shortly
+        // (for a while: a pod that is gone says nothing more).
+        Some(JobState::Failed { .. })
+            if agent == Some(AgentState::Running) || (agent.is_none() && recently_ended(o)) =>
+        {
             Act::Wait(Duration::from_secs(2))
         }
         Some(JobState::Failed { reason, .. }) => failed(format!(
@@ -340,6 +344,15 @@ fn give_up(o: &Observed, job: &JobView, stalled: u32) -> Act {
             job.seq
         )),
     })
+}
+
+/// Whether the run's Job ended less than half a minute ago.
+fn recently_ended(o: &Observed) -> bool {
+    let Some(ended) = o.job.as_ref().and_then(|j| j.ended_at) else {
+        return true;
+    };
+    let since = Duration::try_from(o.now.duration_since(ended)).unwrap_or_default();
+    since < Duration::from_secs(30)
 }
 
 /// Stops an unfinished run: first its Job, then the record.
@@ -819,8 +832,11 @@ mod tests {
             decide_at(&run(), &log, ending, Some(false), 2),
             Act::Wait(_)
         ));
+        // Failed with nothing read of its agent: looked at again for a
+        // while, then a failure.
+        assert!(matches!(at(failed.clone()), Act::Wait(_)));
         for state in [failed, JobState::Missing] {
-            match at(state) {
+            match decide_at(&run(), &log, job(1, 1, state, Some(1)), Some(false), 60) {
                 Act::Finish(f) => {
                     assert_eq!(f.outcome, Outcome::Failed);
                     let error = f.error.unwrap();
