@@ -9,28 +9,12 @@ use std::time::Duration;
 use agentrun::api::{AgentRun, Approval, Phase};
 use agentrun::replay::Entry;
 use common::approvals::{
-    decide, entry, gated_agent, grant_approver_role, pending_approval, plugin, refund, refusal,
+    decide, entry, gated_agent, grant_approver_role, live_step_pods, pending_approval, plugin,
+    refund, refusal,
 };
 use common::world::{TIMEOUT, World, finish, kinds};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
-
-async fn step_pods(w: &World, run: &str) -> usize {
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
-    let list = pods
-        .list(&ListParams::default().labels(&format!("agentrun.dev/run={run}")))
-        .await
-        .unwrap();
-    list.items
-        .iter()
-        .filter(|p| {
-            !matches!(
-                p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            )
-        })
-        .count()
-}
 
 #[tokio::test]
 async fn an_approved_call_runs_once_with_exactly_the_approved_arguments() {
@@ -78,7 +62,7 @@ async fn an_approved_call_runs_once_with_exactly_the_approved_arguments() {
     );
     // Waiting holds no pod and the call has not happened.
     common::wait_for("the step pod to exit", TIMEOUT, || async {
-        (step_pods(&w, "ok").await == 0).then_some(())
+        (live_step_pods(&w, "ok").await == 0).then_some(())
     })
     .await;
     assert!(w.standins.effects(w.name()).await.is_empty());

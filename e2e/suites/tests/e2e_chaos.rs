@@ -133,10 +133,7 @@ struct Outcome {
 /// controller's environment). Humans decide as they would; a controller
 /// that crashed is started again.
 async fn scenario(id: &str, fault: Option<&str>) -> Outcome {
-    let controller_fault = fault.filter(|f| f.starts_with("controller:"));
-    let env: Vec<(&str, &str)> = controller_fault
-        .map(|f| vec![("AGENTRUN_FAILPOINT", f)])
-        .unwrap_or_default();
+    let (env, annotations) = armed(fault);
     let mut w = World::with_controller_env(&format!("chaos-{id}"), &[], &env).await;
     grant_approver_role(&w).await;
     w.standins
@@ -154,10 +151,6 @@ async fn scenario(id: &str, fault: Option<&str>) -> Outcome {
     }))
     .unwrap();
     agents.create(&PostParams::default(), &agent).await.unwrap();
-    let annotations = match fault {
-        Some(f) if controller_fault.is_none() => json!({"agentrun.dev/failpoint": f}),
-        _ => json!({}),
-    };
     w.create_run(
         "chaos",
         json!({"input": "Sort out the customer's refunds.", "agentRef": {"name": "chaos"},
@@ -165,15 +158,49 @@ async fn scenario(id: &str, fault: Option<&str>) -> Outcome {
         annotations,
     )
     .await;
+    outcome(&mut w, "chaos").await
+}
+
+/// The controller's environment and the run's annotations that arm `fault`
+/// (a runner failpoint through the run, a `controller:` one in the
+/// controller's environment).
+fn armed(fault: Option<&str>) -> (Vec<(&str, &str)>, Value) {
+    match fault {
+        Some(f) if f.starts_with("controller:") => (vec![("AGENTRUN_FAILPOINT", f)], json!({})),
+        Some(f) => (vec![], json!({"agentrun.dev/failpoint": f})),
+        None => (vec![], json!({})),
+    }
+}
+
+/// Plays the humans until run `run` (model script of the same name) ends,
+/// and reads what it left; the fault fired if the controller crashed, a
+/// Job failed before the next (counted in the run's status), or the last
+/// Job failed (a crash after the run's end was recorded leaves no next Job).
+async fn outcome(w: &mut World, run: &str) -> Outcome {
     let mut crashed = false;
-    let run = drive(&mut w, "chaos", &mut crashed).await;
-    let mut out = collect(&w, &run, "chaos").await;
-    let failed_jobs = run
+    let ended = drive(w, run, &mut crashed).await;
+    let mut out = collect(w, &ended, run).await;
+    let failed_jobs = ended
         .status
         .as_ref()
         .and_then(|s| s.step.as_ref())
         .map_or(0, |s| s.failed_jobs);
-    out.fired = crashed || failed_jobs > 0;
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), w.name());
+    let a_job_failed = jobs
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .iter()
+        .any(|j| {
+            let conditions = j.status.as_ref().and_then(|s| s.conditions.as_ref());
+            conditions.is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.status == "True" && (c.type_ == "Failed" || c.type_ == "FailureTarget")
+                })
+            })
+        });
+    out.fired = crashed || failed_jobs > 0 || a_job_failed;
     out
 }
 
@@ -435,19 +462,12 @@ fn container_agent_spec(w: &World, script: &str) -> Value {
 
 /// The container scenario in a world of its own, with `fault` armed.
 async fn container_scenario(id: &str, fault: Option<&str>) -> Outcome {
-    let controller_fault = fault.filter(|f| f.starts_with("controller:"));
-    let env: Vec<(&str, &str)> = controller_fault
-        .map(|f| vec![("AGENTRUN_FAILPOINT", f)])
-        .unwrap_or_default();
+    let (env, annotations) = armed(fault);
     let mut w = World::with_controller_env(&format!("chaosc-{id}"), &[], &env).await;
     grant_approver_role(&w).await;
     w.standins
         .script_by_turn("chaosc", container_replies(), json!([]))
         .await;
-    let annotations = match fault {
-        Some(f) if controller_fault.is_none() => json!({"agentrun.dev/failpoint": f}),
-        _ => json!({}),
-    };
     w.create_run(
         "chaosc",
         json!({"input": "Sort out the customer's refunds.",
@@ -455,33 +475,7 @@ async fn container_scenario(id: &str, fault: Option<&str>) -> Outcome {
         annotations,
     )
     .await;
-    let mut crashed = false;
-    let run = drive(&mut w, "chaosc", &mut crashed).await;
-    let mut out = collect(&w, &run, "chaosc").await;
-    let failed_jobs = run
-        .status
-        .as_ref()
-        .and_then(|s| s.step.as_ref())
-        .map_or(0, |s| s.failed_jobs);
-    // A crash after the agent's end is recorded leaves no next Job to count
-    // it: its failed Job says so.
-    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), w.name());
-    let a_job_failed = jobs
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
-        .iter()
-        .any(|j| {
-            let conditions = j.status.as_ref().and_then(|s| s.conditions.as_ref());
-            conditions.is_some_and(|cs| {
-                cs.iter().any(|c| {
-                    c.status == "True" && (c.type_ == "Failed" || c.type_ == "FailureTarget")
-                })
-            })
-        });
-    out.fired = crashed || failed_jobs > 0 || a_job_failed;
-    out
+    outcome(&mut w, "chaosc").await
 }
 
 /// The boundaries a container agent's run meets: every one but those of

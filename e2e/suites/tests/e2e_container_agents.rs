@@ -11,7 +11,7 @@ use agentrun::api::Phase;
 use agentrun::replay::Entry;
 use agentrun::runlog::records::Outcome;
 use common::approvals::{
-    decide, entry, gated_agent, grant_approver_role, pending_approval, plugin,
+    decide, entry, gated_agent, grant_approver_role, live_step_pods, pending_approval, plugin,
 };
 use common::world::{World, call, kinds};
 use serde_json::{Value, json};
@@ -211,7 +211,7 @@ async fn a_gated_refund_is_approved_edited_or_rejected_and_the_agent_is_told() {
             "{program}"
         );
         common::wait_for("the step pod to exit", common::world::TIMEOUT, || async {
-            (running_pods(&w, case).await == 0).then_some(())
+            (live_step_pods(&w, case).await == 0).then_some(())
         })
         .await;
         let name = approval.metadata.name.clone().unwrap();
@@ -318,23 +318,4 @@ async fn a_non_deterministic_agent_ends_diverged_and_the_model_is_not_asked_agai
         w.standins.effects(w.name()).await.is_empty(),
         "nothing refunded"
     );
-}
-
-/// Step pods of `run` not yet ended.
-async fn running_pods(w: &World, run: &str) -> usize {
-    use kube::api::{Api, ListParams};
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
-    let list = pods
-        .list(&ListParams::default().labels(&format!("agentrun.dev/run={run}")))
-        .await
-        .unwrap();
-    list.items
-        .iter()
-        .filter(|p| {
-            !matches!(
-                p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            )
-        })
-        .count()
 }

@@ -285,14 +285,7 @@ async fn agent_state(
     job: &str,
 ) -> Result<Option<super::phase::AgentState>, Error> {
     use super::phase::AgentState;
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let list = pods
-        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
-        .await
-        .map_err(|source| Error::Read {
-            what: "step pods",
-            source,
-        })?;
+    let list = job_pods(ctx, ns, job).await?;
     let states = list.items.iter().filter_map(|p| {
         let statuses = p.status.as_ref()?.container_statuses.as_ref()?;
         let agent = statuses.iter().find(|c| c.name == "agent")?;
@@ -357,15 +350,23 @@ pub(super) struct FailedPods {
     message: Option<String>,
 }
 
-pub(super) async fn failed_pods(ctx: &Context, ns: &str, job: &str) -> Result<FailedPods, Error> {
+/// The pods of step Job `job`.
+async fn job_pods(
+    ctx: &Context,
+    ns: &str,
+    job: &str,
+) -> Result<kube::core::ObjectList<k8s_openapi::api::core::v1::Pod>, Error> {
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let list = pods
-        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
+    pods.list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
         .await
         .map_err(|source| Error::Read {
             what: "step pods",
             source,
-        })?;
+        })
+}
+
+pub(super) async fn failed_pods(ctx: &Context, ns: &str, job: &str) -> Result<FailedPods, Error> {
+    let list = job_pods(ctx, ns, job).await?;
     let lost = list.items.iter().all(|p| {
         p.metadata.deletion_timestamp.is_some()
             || p.status

@@ -180,3 +180,21 @@ pub fn plugin(w: &World, user: &str, args: &[&str]) -> (bool, String) {
     );
     (out.status.success(), text)
 }
+
+/// Step pods of `run` in the world's namespace not yet ended.
+pub async fn live_step_pods(w: &World, run: &str) -> usize {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
+    let list = pods
+        .list(&kube::api::ListParams::default().labels(&format!("agentrun.dev/run={run}")))
+        .await
+        .unwrap();
+    list.items
+        .iter()
+        .filter(|p| {
+            !matches!(
+                p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            )
+        })
+        .count()
+}
