@@ -65,6 +65,8 @@ pub enum ShimError {
     Install(#[source] std::io::Error),
     #[error("the runner at {url} did not answer within {seconds} s")]
     RunnerNotReady { url: String, seconds: u64 },
+    #[error("the runner at {url} is gone (it listened, then refused); the agent was not started")]
+    RunnerGone { url: String },
     #[error("starting the agent's command {command:?}")]
     Start {
         command: String,
@@ -99,7 +101,12 @@ pub async fn run(args: ShimArgs) -> Result<i32, ShimError> {
         let _ = report(&http, &args, &exit).await;
         return Ok(0);
     }
-    report(&http, &args, &exit).await?;
+    // The container's exit code is the agent's whether or not the runner
+    // heard: the kubelet reports it, and a runner that did not record the
+    // end has the next pod run the agent again.
+    if let Err(e) = report(&http, &args, &exit).await {
+        tracing::warn!(error = %e, code = exit.code, "the runner did not take the agent's report");
+    }
     Ok(exit.code)
 }
 
@@ -123,19 +130,31 @@ async fn runner_stop(http: &reqwest::Client, args: &ShimArgs) -> Stop {
     }
 }
 
+/// Waits until the runner serves the agent. The runner listens from its
+/// start (a request waits in its queue, timing out here, until it
+/// serves): refused after that, the runner is gone and the agent never
+/// starts.
 async fn wait_for_runner(http: &reqwest::Client, args: &ShimArgs) -> Result<(), ShimError> {
     let url = format!("{}{READY_PATH}", args.runner_url);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.wait_seconds);
+    let mut seen = false;
     loop {
-        let ready = http
+        let asked = http
             .get(&url)
             .bearer_auth(&args.runner_key)
             .timeout(Duration::from_secs(2))
             .send()
-            .await
-            .is_ok_and(|r| r.status().is_success());
-        if ready {
-            return Ok(());
+            .await;
+        match asked {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(_) => seen = true,
+            Err(e) if e.is_timeout() => seen = true,
+            Err(e) if seen && e.is_connect() => {
+                return Err(ShimError::RunnerGone {
+                    url: args.runner_url.clone(),
+                });
+            }
+            Err(_) => {}
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(ShimError::RunnerNotReady {
@@ -424,6 +443,29 @@ mod tests {
             std::fs::read(&to).unwrap() == ours,
             "a copy of the running binary"
         );
+    }
+
+    /// A runner that listened (its requests waited) and then died: the
+    /// agent is never started and the shim ends at once, not after its wait.
+    #[tokio::test]
+    async fn a_runner_that_listened_then_died_is_gone_and_the_agent_never_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let started = dir.path().join("started");
+        let script = format!("touch {}", started.display());
+        let mut a = args(&url, dir.path().join("result"), &script);
+        a.wait_seconds = 60;
+        let shim = tokio::spawn(run(a));
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        drop(listener);
+        let e = tokio::time::timeout(Duration::from_secs(10), shim)
+            .await
+            .expect("the shim ends once the runner is gone")
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(e, ShimError::RunnerGone { .. }), "{e}");
+        assert!(!started.exists(), "the agent never started");
     }
 
     #[tokio::test]

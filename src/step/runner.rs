@@ -226,6 +226,20 @@ async fn attempt(
     span: &tracing::Span,
     started: Instant,
 ) -> Result<(), StepError> {
+    // A container agent's shim knows the runner is up once it connects,
+    // and gone once it is refused: the listener comes first (requests wait
+    // in its queue until the agent is served).
+    let listener = match &args.loopback_addr {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| StepError::Loopback {
+                    addr: addr.clone(),
+                    source,
+                })?,
+        ),
+        None => None,
+    };
     let lease = acquire(&*store, &args).await?;
     failpoint::hit("after-lease");
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
@@ -242,9 +256,10 @@ async fn attempt(
         let replayed = runner.head.len;
         if runner.state.runs_a_container() {
             // No time slice: a new pod would start the agent over.
-            let loopback = match (&args.loopback_addr, &args.runner_key) {
-                (Some(addr), Some(key)) => container::Loopback {
+            let loopback = match (&args.loopback_addr, listener, &args.runner_key) {
+                (Some(addr), Some(listener), Some(key)) => container::Loopback {
                     addr: addr.clone(),
+                    listener,
                     key: key.clone(),
                 },
                 _ => return Err(StepError::NoLoopback),

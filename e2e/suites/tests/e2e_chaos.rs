@@ -389,6 +389,152 @@ async fn every_failpoint_boundary_converges_to_the_fault_free_outcome() {
     assert!(missed.is_empty(), "boundaries that missed: {missed:?}");
 }
 
+/// The container scenario's answer (the agent's last model answer).
+const CONTAINER_RESULT: &str = "Refunded 400 on A-1, declined the 5000 refund, notified, paged.";
+
+/// The container scenario: an unmodified agent (the plain `openai` loop of
+/// e2e/agents) meets an idempotent tool, a gated refund approved, one
+/// rejected, a lookup-only tool and a keyless one; its model answers by
+/// turn, so a question asked again is seen.
+fn container_replies() -> Value {
+    json!([
+        {"text": "Looking the order up.",
+         "toolCalls": [{"name": "lookup_order", "arguments": {"orderId": "A-1"}}]},
+        {"text": "Charged twice; refunding 400.",
+         "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "A-1", "amount": 400}}]},
+        {"text": "Also refunding the second order.",
+         "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "A-2", "amount": 5000}}]},
+        {"text": "That one was declined; telling the customer.",
+         "toolCalls": [{"name": "notify", "arguments": {"text": "A-1 refunded 400; A-2 declined"}}]},
+        call("page_oncall", json!({"note": "refunds"})),
+        {"text": CONTAINER_RESULT}
+    ])
+}
+
+fn container_agent_spec(w: &World, script: &str) -> Value {
+    let mut agent = w.agent(script);
+    agent.as_object_mut().unwrap().remove("prompt");
+    agent["container"] = json!({
+        "image": "agentrun-agents:1", "command": ["plain-agent"],
+        "env": [{"name": "MCP_URLS", "value": "$(AGENTRUN_MCP_TOOLS_URL)"}]
+    });
+    let approvers = json!({"users": ["alice", "bob", "carol"]});
+    agent["approval"] = json!({"rules": [{
+        "name": "refunds", "tool": "issue_refund", "when": "args.amount > 100",
+        "approvers": approvers, "expiresAfter": "10m", "onExpiry": "Fail"
+    }], "defaultApprovers": approvers});
+    agent
+}
+
+/// The container scenario in a world of its own, with `fault` armed.
+async fn container_scenario(id: &str, fault: Option<&str>) -> Outcome {
+    let controller_fault = fault.filter(|f| f.starts_with("controller:"));
+    let env: Vec<(&str, &str)> = controller_fault
+        .map(|f| vec![("AGENTRUN_FAILPOINT", f)])
+        .unwrap_or_default();
+    let mut w = World::with_controller_env(&format!("chaosc-{id}"), &[], &env).await;
+    grant_approver_role(&w).await;
+    w.standins
+        .script_by_turn("chaosc", container_replies(), json!([]))
+        .await;
+    let annotations = match fault {
+        Some(f) if controller_fault.is_none() => json!({"agentrun.dev/failpoint": f}),
+        _ => json!({}),
+    };
+    w.create_run(
+        "chaosc",
+        json!({"input": "Sort out the customer's refunds.",
+               "agent": container_agent_spec(&w, "chaosc")}),
+        annotations,
+    )
+    .await;
+    let mut crashed = false;
+    let run = drive(&mut w, "chaosc", &mut crashed).await;
+    let mut out = collect(&w, &run, "chaosc").await;
+    let failed_jobs = run
+        .status
+        .as_ref()
+        .and_then(|s| s.step.as_ref())
+        .map_or(0, |s| s.failed_jobs);
+    out.fired = crashed || failed_jobs > 0;
+    out
+}
+
+/// The boundaries a container agent's run meets: every one but those of
+/// compaction, a voided approval and a version change, which its scenario
+/// has not (a container agent has no context to compact).
+fn container_boundaries() -> Vec<String> {
+    boundaries()
+        .into_iter()
+        .filter(|b| {
+            !["Summary", "ApprovalVoided", "VersionChanged"]
+                .iter()
+                .any(|k| b.ends_with(k))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn every_failpoint_boundary_converges_for_an_unmodified_container_agent_too() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let base = container_scenario("base", None).await;
+    assert!(
+        base.misses.is_empty(),
+        "the fault-free run: {:?}",
+        base.misses
+    );
+    assert_eq!(base.phase, Some(Phase::Succeeded), "{:?}", base.error);
+    // The stand-in marks each answer with its turn; the agent's result is
+    // its last answer.
+    let result = base.result.clone().unwrap_or_default();
+    assert!(result.ends_with(CONTAINER_RESULT), "{result}");
+    for kind in ["ApprovalDecided", "ToolResult", "Observation"] {
+        assert!(
+            base.kinds.iter().any(|k| k == kind),
+            "meets a {kind}: {:?}",
+            base.kinds
+        );
+    }
+    let limit = Arc::new(tokio::sync::Semaphore::new(
+        env_num("AGENTRUN_CHAOS_CONCURRENCY", 4) as usize,
+    ));
+    let base = Arc::new(base);
+    let runs = container_boundaries()
+        .into_iter()
+        .enumerate()
+        .map(|(i, boundary)| {
+            let limit = limit.clone();
+            let base = base.clone();
+            async move {
+                let _slot = limit.acquire().await.unwrap();
+                let got = container_scenario(&format!("b{i}"), Some(&boundary)).await;
+                let misses = judge(&base, &got);
+                if misses.is_empty() {
+                    println!("chaos: container {boundary:<42} converged");
+                } else {
+                    println!(
+                        "chaos: container {boundary:<42} MISS: {}",
+                        misses.join("; ")
+                    );
+                }
+                (boundary, misses)
+            }
+        });
+    let results = futures::future::join_all(runs).await;
+    let total = results.len();
+    let missed: Vec<String> = results
+        .into_iter()
+        .filter(|(_, m)| !m.is_empty())
+        .map(|(b, _)| b)
+        .collect();
+    println!("bench: chaos.container.boundaries {total} boundaries");
+    println!(
+        "bench: chaos.container.converged {} boundaries",
+        total - missed.len()
+    );
+    assert!(missed.is_empty(), "boundaries that missed: {missed:?}");
+}
+
 /// A small deterministic generator (xorshift), so a seed replays the same faults.
 struct Rng(u64);
 

@@ -248,11 +248,16 @@ pub(super) async fn read_job(
         .and_then(|s| s.ready)
         .unwrap_or(0)
         > 0;
+    let runs_agent = job.as_ref().is_some_and(runs_an_agent);
     let state = match job {
         None => JobState::Missing,
         // A Job being deleted is gone as far as the run is concerned.
         Some(j) if j.metadata.deletion_timestamp.is_some() => JobState::Missing,
         Some(j) => job_state(ctx, ns, &name, j).await?,
+    };
+    let agent_exit = match (&state, runs_agent) {
+        (JobState::Failed { .. }, true) => agent_exit(ctx, ns, &name).await?,
+        _ => None,
     };
     Ok(Some(JobView {
         name,
@@ -262,7 +267,33 @@ pub(super) async fn read_job(
         running,
         ended_at: ended_at.map(|t| t.0),
         stalled: step.stalled,
+        agent_exit,
     }))
+}
+
+/// Whether the Job's pod runs a container agent beside the runner.
+fn runs_an_agent(job: &Job) -> bool {
+    let pod = job.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+    pod.is_some_and(|p| p.containers.iter().any(|c| c.name == "agent"))
+}
+
+/// The exit code of the `agent` container of the Job's pods, as the
+/// kubelet reported it (0 if any pod's agent exited 0).
+async fn agent_exit(ctx: &Context, ns: &str, job: &str) -> Result<Option<i32>, Error> {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let list = pods
+        .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
+        .await
+        .map_err(|source| Error::Read {
+            what: "step pods",
+            source,
+        })?;
+    let codes = list.items.iter().filter_map(|p| {
+        let statuses = p.status.as_ref()?.container_statuses.as_ref()?;
+        let agent = statuses.iter().find(|c| c.name == "agent")?;
+        Some(agent.state.as_ref()?.terminated.as_ref()?.exit_code)
+    });
+    Ok(codes.min_by_key(|c| *c != 0))
 }
 
 /// The state of a Job that exists and is not being deleted.

@@ -32,6 +32,9 @@ pub struct JobView {
     /// Attempts of this step before this Job that failed without recording
     /// anything (disruptions not counted).
     pub stalled: u32,
+    /// A container agent's exit code as the kubelet reported it, read when
+    /// its Job failed (its runner may have crashed after the agent ended).
+    pub agent_exit: Option<i32>,
 }
 
 impl JobView {
@@ -221,9 +224,10 @@ fn from_log(o: &Observed) -> Option<Act> {
 }
 
 /// A container agent's success, as its runner reported the agent's exit,
-/// is recorded only once the step Job completed: every container of its
-/// pod exited 0, the agent's among them, which the kubelet reports, not
-/// anything in the pod.
+/// is recorded only once the kubelet says so: the step Job completed
+/// (every container of its pod exited 0), or it failed with the agent's
+/// container terminated with exit code 0 (the runner crashed after
+/// recording the end).
 fn vouched_by_job(o: &Observed, finished: RunFinished) -> Act {
     let failed = |why: String| {
         Act::Finish(RunFinished {
@@ -234,11 +238,17 @@ fn vouched_by_job(o: &Observed, finished: RunFinished) -> Act {
             )),
         })
     };
+    let agent_exit = o.job.as_ref().and_then(|j| j.agent_exit);
     match o.job.as_ref().map(|j| &j.state) {
         Some(JobState::Succeeded) => Act::Finish(finished.clone()),
         // Its pod is ending; the Job's completion wakes the run.
         Some(JobState::Active) => Act::Idle,
-        Some(JobState::Failed { reason, .. }) => failed(format!("its step Job failed: {reason}")),
+        // The runner failed after recording the agent's end: the agent's
+        // own container says how it ended.
+        Some(JobState::Failed { .. }) if agent_exit == Some(0) => Act::Finish(finished.clone()),
+        Some(JobState::Failed { reason, .. }) => failed(format!(
+            "its step Job failed ({reason}) and its agent container's exit was {agent_exit:?}"
+        )),
         Some(JobState::Missing) | None => {
             failed("its step Job is gone, so the agent's exit cannot be checked".into())
         }
@@ -435,6 +445,7 @@ mod tests {
             state,
             ended_at: ended.map(t),
             stalled: attempt.saturating_sub(1),
+            agent_exit: None,
         })
     }
 
@@ -784,6 +795,12 @@ mod tests {
             reason: "BackoffLimitExceeded".into(),
             disrupted: false,
         };
+        let mut ran = job(1, 1, failed.clone(), Some(1));
+        ran.as_mut().unwrap().agent_exit = Some(0);
+        match decide_at(&run(), &log, ran, Some(false), 2) {
+            Act::Finish(f) => assert_eq!(f.outcome, Outcome::Succeeded),
+            other => panic!("the agent's exit 0 in a failed Job: {other:?}"),
+        }
         for state in [failed, JobState::Missing] {
             match at(state) {
                 Act::Finish(f) => {

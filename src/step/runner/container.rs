@@ -23,7 +23,7 @@ use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio::sync::{Mutex, watch};
 
-use super::{AbortOnDrop, Flow, Runner, StepError, classification, stop_step};
+use super::{AbortOnDrop, Flow, Runner, StepError, classification};
 use crate::model::{ModelClient, cost_usd};
 use crate::policy::Classification;
 use crate::replay::{CallState, Entry, Next};
@@ -60,24 +60,31 @@ enum End {
 
 /// Where the runner serves and the key that opens it (set by the controller
 /// on the `step` container: `AGENTRUN_LOOPBACK_ADDR`, `AGENTRUN_RUNNER_KEY`).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Loopback {
     pub addr: String,
+    /// Bound to `addr` when the step started.
+    pub listener: tokio::net::TcpListener,
     pub key: String,
 }
 
 /// Serves the agent until the step is over.
 pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), StepError> {
-    if !settle(&mut runner).await? {
-        return Ok(());
-    }
+    // Nothing for the agent: it is still told to stop, so its container
+    // ends with the pod rather than wait for a runner that never serves.
+    let over = match settle(&mut runner).await? {
+        true => None,
+        false => Some(End::Controller(
+            "the log leaves the agent nothing to do".into(),
+        )),
+    };
     let snap = runner.snapshot()?;
     let wire = WireLog::read(runner.state.records()).map_err(StepError::WireLog)?;
     let matching = match snap.agent.container.as_ref().and_then(|c| c.matching) {
         Some(crate::api::ReplayMatching::ByPosition) => Matching::ByPosition,
         _ => Matching::Exact,
     };
-    let (end_tx, mut end_rx) = watch::channel(None);
+    let (end_tx, mut end_rx) = watch::channel(over);
     let (exit_tx, mut exit_rx) = watch::channel(None);
     let driver = Arc::new(Driver {
         inner: Mutex::new(Inner {
@@ -100,12 +107,7 @@ pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), 
             .rsplit_once(':')
             .map(|(host, _)| host.to_string()),
     };
-    let listener = tokio::net::TcpListener::bind(&loopback.addr)
-        .await
-        .map_err(|source| StepError::Loopback {
-            addr: loopback.addr.clone(),
-            source,
-        })?;
+    let listener = loopback.listener;
     tracing::info!(addr = %loopback.addr, "serving the agent");
     let _server = AbortOnDrop(tokio::spawn(crate::bounded::serve(
         listener,
@@ -540,8 +542,15 @@ impl Inner {
         }
         match self.result_of(intent_seq) {
             Some(outcome) => Ok(outcome),
-            // The call's outcome is unknowable: a human is asked, or the run ends.
-            None => Err(self.ends_for_controller("a call's outcome must be reconciled by a human")),
+            // The call's outcome is unknowable: a human is asked (the agent
+            // gets no answer, as for a gate), or the run ends.
+            None => Err(Failure::Ends(
+                End::Controller("a call's outcome must be reconciled by a human".into()),
+                Refused {
+                    status: 202,
+                    message: "agentrun: whether the call happened waits for a human".into(),
+                },
+            )),
         }
     }
 
@@ -755,7 +764,17 @@ impl Inner {
                 error: None,
             },
         };
-        self.runner.append(stop_step(finished), None).await?;
+        let text = match &finished.error {
+            Some(error) => error.clone(),
+            None => "the agent exited 0".into(),
+        };
+        let stop = Entry::Observation(Observation {
+            text,
+            about_seq: None,
+            stop: Some(finished),
+            attempts: None,
+        });
+        self.runner.append(stop, None).await?;
         Ok(())
     }
 }
