@@ -79,6 +79,9 @@ pub enum ShimError {
     Report(#[source] reqwest::Error),
 }
 
+/// How long a runner that never answered may take to start listening.
+const NEVER_SEEN: Duration = Duration::from_secs(30);
+
 /// How long a stopped agent is given between SIGTERM and SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
@@ -136,7 +139,11 @@ async fn runner_stop(http: &reqwest::Client, args: &ShimArgs) -> Stop {
 /// starts.
 async fn wait_for_runner(http: &reqwest::Client, args: &ShimArgs) -> Result<(), ShimError> {
     let url = format!("{}{READY_PATH}", args.runner_url);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.wait_seconds);
+    let start = tokio::time::Instant::now();
+    let deadline = start + Duration::from_secs(args.wait_seconds);
+    // The kubelet starts the runner's container before the agent's: a
+    // runner never reached in this long died before the shim looked.
+    let never_seen = start + NEVER_SEEN.min(Duration::from_secs(args.wait_seconds));
     let mut seen = false;
     loop {
         let asked = http
@@ -149,7 +156,7 @@ async fn wait_for_runner(http: &reqwest::Client, args: &ShimArgs) -> Result<(), 
             Ok(r) if r.status().is_success() => return Ok(()),
             Ok(_) => seen = true,
             Err(e) if e.is_timeout() => seen = true,
-            Err(e) if seen && e.is_connect() => {
+            Err(e) if e.is_connect() && (seen || tokio::time::Instant::now() >= never_seen) => {
                 return Err(ShimError::RunnerGone {
                     url: args.runner_url.clone(),
                 });

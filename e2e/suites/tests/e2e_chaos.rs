@@ -456,7 +456,24 @@ async fn container_scenario(id: &str, fault: Option<&str>) -> Outcome {
         .as_ref()
         .and_then(|s| s.step.as_ref())
         .map_or(0, |s| s.failed_jobs);
-    out.fired = crashed || failed_jobs > 0;
+    // A crash after the agent's end is recorded leaves no next Job to count
+    // it: its failed Job says so.
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(w.client.clone(), w.name());
+    let a_job_failed = jobs
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .iter()
+        .any(|j| {
+            let conditions = j.status.as_ref().and_then(|s| s.conditions.as_ref());
+            conditions.is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.status == "True" && (c.type_ == "Failed" || c.type_ == "FailureTarget")
+                })
+            })
+        });
+    out.fired = crashed || failed_jobs > 0 || a_job_failed;
     out
 }
 

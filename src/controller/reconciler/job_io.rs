@@ -255,8 +255,8 @@ pub(super) async fn read_job(
         Some(j) if j.metadata.deletion_timestamp.is_some() => JobState::Missing,
         Some(j) => job_state(ctx, ns, &name, j).await?,
     };
-    let agent_exit = match (&state, runs_agent) {
-        (JobState::Failed { .. }, true) => agent_exit(ctx, ns, &name).await?,
+    let agent = match (&state, runs_agent) {
+        (JobState::Failed { .. }, true) => agent_state(ctx, ns, &name).await?,
         _ => None,
     };
     Ok(Some(JobView {
@@ -267,7 +267,7 @@ pub(super) async fn read_job(
         running,
         ended_at: ended_at.map(|t| t.0),
         stalled: step.stalled,
-        agent_exit,
+        agent,
     }))
 }
 
@@ -277,9 +277,14 @@ fn runs_an_agent(job: &Job) -> bool {
     pod.is_some_and(|p| p.containers.iter().any(|c| c.name == "agent"))
 }
 
-/// The exit code of the `agent` container of the Job's pods, as the
-/// kubelet reported it (0 if any pod's agent exited 0).
-async fn agent_exit(ctx: &Context, ns: &str, job: &str) -> Result<Option<i32>, Error> {
+/// The `agent` container of the Job's pods, as the kubelet reported it:
+/// exited 0 if any pod's agent did, else running if any still runs.
+async fn agent_state(
+    ctx: &Context,
+    ns: &str,
+    job: &str,
+) -> Result<Option<super::phase::AgentState>, Error> {
+    use super::phase::AgentState;
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(ctx.client.clone(), ns);
     let list = pods
         .list(&ListParams::default().labels(&format!("batch.kubernetes.io/job-name={job}")))
@@ -288,12 +293,20 @@ async fn agent_exit(ctx: &Context, ns: &str, job: &str) -> Result<Option<i32>, E
             what: "step pods",
             source,
         })?;
-    let codes = list.items.iter().filter_map(|p| {
+    let states = list.items.iter().filter_map(|p| {
         let statuses = p.status.as_ref()?.container_statuses.as_ref()?;
         let agent = statuses.iter().find(|c| c.name == "agent")?;
-        Some(agent.state.as_ref()?.terminated.as_ref()?.exit_code)
+        let state = agent.state.as_ref()?;
+        Some(match &state.terminated {
+            Some(t) => AgentState::Exited(t.exit_code),
+            None => AgentState::Running,
+        })
     });
-    Ok(codes.min_by_key(|c| *c != 0))
+    Ok(states.min_by_key(|s| match s {
+        AgentState::Exited(0) => 0,
+        AgentState::Running => 1,
+        AgentState::Exited(_) => 2,
+    }))
 }
 
 /// The state of a Job that exists and is not being deleted.

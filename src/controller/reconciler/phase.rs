@@ -32,9 +32,16 @@ pub struct JobView {
     /// Attempts of this step before this Job that failed without recording
     /// anything (disruptions not counted).
     pub stalled: u32,
-    /// A container agent's exit code as the kubelet reported it, read when
+    /// A container agent's container as the kubelet reported it, read when
     /// its Job failed (its runner may have crashed after the agent ended).
-    pub agent_exit: Option<i32>,
+    pub agent: Option<AgentState>,
+}
+
+/// Where a container agent's own container stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentState {
+    Running,
+    Exited(i32),
 }
 
 impl JobView {
@@ -238,16 +245,21 @@ fn vouched_by_job(o: &Observed, finished: RunFinished) -> Act {
             )),
         })
     };
-    let agent_exit = o.job.as_ref().and_then(|j| j.agent_exit);
+    let agent = o.job.as_ref().and_then(|j| j.agent);
     match o.job.as_ref().map(|j| &j.state) {
         Some(JobState::Succeeded) => Act::Finish(finished.clone()),
         // Its pod is ending; the Job's completion wakes the run.
         Some(JobState::Active) => Act::Idle,
         // The runner failed after recording the agent's end: the agent's
-        // own container says how it ended.
-        Some(JobState::Failed { .. }) if agent_exit == Some(0) => Act::Finish(finished.clone()),
+        // own container says how it ended, once it has.
+        Some(JobState::Failed { .. }) if agent == Some(AgentState::Exited(0)) => {
+            Act::Finish(finished.clone())
+        }
+        Some(JobState::Failed { .. }) if agent == Some(AgentState::Running) => {
+            Act::Wait(Duration::from_secs(2))
+        }
         Some(JobState::Failed { reason, .. }) => failed(format!(
-            "its step Job failed ({reason}) and its agent container's exit was {agent_exit:?}"
+            "its step Job failed ({reason}) and its agent container's end was {agent:?}"
         )),
         Some(JobState::Missing) | None => {
             failed("its step Job is gone, so the agent's exit cannot be checked".into())
@@ -445,7 +457,7 @@ mod tests {
             state,
             ended_at: ended.map(t),
             stalled: attempt.saturating_sub(1),
-            agent_exit: None,
+            agent: None,
         })
     }
 
@@ -796,11 +808,17 @@ mod tests {
             disrupted: false,
         };
         let mut ran = job(1, 1, failed.clone(), Some(1));
-        ran.as_mut().unwrap().agent_exit = Some(0);
+        ran.as_mut().unwrap().agent = Some(AgentState::Exited(0));
         match decide_at(&run(), &log, ran, Some(false), 2) {
             Act::Finish(f) => assert_eq!(f.outcome, Outcome::Succeeded),
             other => panic!("the agent's exit 0 in a failed Job: {other:?}"),
         }
+        let mut ending = job(1, 1, failed.clone(), Some(1));
+        ending.as_mut().unwrap().agent = Some(AgentState::Running);
+        assert!(matches!(
+            decide_at(&run(), &log, ending, Some(false), 2),
+            Act::Wait(_)
+        ));
         for state in [failed, JobState::Missing] {
             match at(state) {
                 Act::Finish(f) => {
