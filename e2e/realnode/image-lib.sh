@@ -1,10 +1,11 @@
 # shellcheck shell=bash
 # What the image scripts of the real node share (sourced by
-# build-operator-image.sh and build-postgres-image.sh once they have set
-# LOG_TAG, WORK (their lock and logs) and BUILDAH_DIR): one buildah storage
-# (vfs driver, under the cache dir, so nothing is written to the machine's
-# container storage) holding the Debian bases both build FROM; timings; an
-# OCI archive per image; the import into the real node's containerd.
+# build-operator-image.sh, build-postgres-image.sh and build-agents-image.sh
+# once they have set LOG_TAG, WORK (their lock and logs) and BUILDAH_DIR):
+# one buildah storage (vfs driver, under the cache dir, so nothing is written
+# to the machine's container storage) holding the Debian bases they build
+# FROM; timings; an OCI archive per image; the import into the real node's
+# containerd.
 
 # The real node's containerd (as in e2e/realnode/node.sh).
 STATE="${AGENTRUN_CLUSTER_DIR:-${AGENTRUN_STATE_DIR:-/tmp/agentrun-state}/cluster}"

@@ -226,10 +226,10 @@ realnode_start_containerd() {
   # The image the cluster smoke tests name (they use only sh, echo, sleep,
   # exit): our static busybox under that name, so nothing is pulled.
   rctr images tag --force "$TEST_IMAGE" docker.io/library/busybox:1.36 >/dev/null
-  # The operator and PostgreSQL images, when built (the local `kind load`):
-  # a node started again has them without a rebuild.
+  # The operator, PostgreSQL and agents images, when built (the local `kind
+  # load`): a node started again has them without a rebuild.
   local script
-  for script in build-operator-image.sh build-postgres-image.sh; do
+  for script in build-operator-image.sh build-postgres-image.sh build-agents-image.sh; do
     AGENTRUN_CONTAINERD_SOCK="$CONTAINERD_SOCK" "$REALNODE_CONF/$script" import-if-built >&2 ||
       die "$script import-if-built failed"
   done

@@ -14,11 +14,10 @@
 
 mod common;
 
-use common::chart::{RELEASE, diagnose, expose_host_process, install_on_real_node};
-use common::realnode::NODE;
+use common::chart::{RELEASE, TIMEOUT, expose_host_process, install_on_real_node, wait_phase};
+use common::realnode::{NODE, confinement, container_pid, ctr, step_pods_of};
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -28,35 +27,6 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
-const TIMEOUT: Duration = Duration::from_secs(240);
-
-/// The real node's containerd socket (`e2e/cluster env` exports it).
-fn containerd_socket() -> PathBuf {
-    if let Some(s) = std::env::var_os("AGENTRUN_CONTAINERD_SOCK").filter(|s| !s.is_empty()) {
-        return PathBuf::from(s);
-    }
-    let state =
-        std::env::var("AGENTRUN_STATE_DIR").unwrap_or_else(|_| "/tmp/agentrun-state".into());
-    Path::new(&state).join("cluster/realnode/containerd/containerd.sock")
-}
-
-fn ctr(args: &[&str]) -> String {
-    let sock = containerd_socket();
-    let out = Command::new("ctr")
-        .arg("--address")
-        .arg(&sock)
-        .args(["--namespace", "k8s.io"])
-        .args(args)
-        .output()
-        .expect("running ctr (containerd's client, installed with the real node)");
-    assert!(
-        out.status.success(),
-        "ctr {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// Applies a sample of config/samples with the stand-ins' address put in.
 fn apply_sample(ns: &str, sample: &str, base: &str) {
     let text = std::fs::read_to_string(common::root().join("config/samples").join(sample))
@@ -65,78 +35,6 @@ fn apply_sample(ns: &str, sample: &str, base: &str) {
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), text).unwrap();
     common::kubectl(&["apply", "-n", ns, "-f", file.path().to_str().unwrap()]);
-}
-
-async fn wait_phase(runs: &Api<AgentRun>, ns: &str, name: &str, want: Phase) -> AgentRun {
-    // Ok(Err(..)): ended in another phase, no use waiting on.
-    let found = common::wait_for(&format!("{name} to be {want:?}"), TIMEOUT, || async {
-        let r = runs.get(name).await.map_err(|e| e.to_string())?;
-        match r.status.as_ref().and_then(|s| s.phase) {
-            Some(p) if p == want => Ok(Ok(r)),
-            Some(p @ (Phase::Failed | Phase::Cancelled | Phase::Succeeded)) => {
-                Ok(Err(format!("{name} ended {p:?}: {:?}", r.status)))
-            }
-            _ => Err(format!("{:?}", r.status)),
-        }
-    })
-    .await;
-    found.unwrap_or_else(|e| panic!("{e}\n{}", diagnose(ns)))
-}
-
-fn step_pods_of(pods: &[Pod], run: &str) -> Vec<Pod> {
-    pods.iter()
-        .filter(|p| {
-            p.metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get("agentrun.dev/run"))
-                .is_some_and(|r| r == run)
-        })
-        .cloned()
-        .collect()
-}
-
-/// The host PID of a running container (`ctr tasks ls`).
-fn container_pid(container_id: &str) -> u32 {
-    ctr(&["tasks", "ls"])
-        .lines()
-        .find_map(|l| {
-            let cols: Vec<&str> = l.split_whitespace().collect();
-            (cols.first() == Some(&container_id)).then(|| cols[1].parse().ok())?
-        })
-        .unwrap_or_else(|| panic!("no running task {container_id} in ctr tasks ls"))
-}
-
-/// What the kernel says about a step container's process, read from the
-/// host: its uid, effective capabilities, whether its root is read-only,
-/// and whether a service-account token is mounted.
-struct Confinement {
-    uid: String,
-    cap_eff: String,
-    root_read_only: bool,
-    token_mounted: bool,
-}
-
-fn confinement(pid: u32) -> Confinement {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}:")))
-            .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
-            .unwrap_or_default()
-    };
-    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
-    let root_read_only = mountinfo.lines().any(|l| {
-        let cols: Vec<&str> = l.split_whitespace().collect();
-        cols.get(4) == Some(&"/") && cols.get(5).is_some_and(|o| o.split(',').any(|x| x == "ro"))
-    });
-    Confinement {
-        uid: field("Uid"),
-        cap_eff: field("CapEff"),
-        root_read_only,
-        token_mounted: mountinfo.contains("/var/run/secrets/kubernetes.io/serviceaccount"),
-    }
 }
 
 fn model_turns(request: &Value) -> usize {

@@ -6,6 +6,9 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::Duration;
+
+use agentrun::api::{AgentRun, Phase};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -16,6 +19,9 @@ use super::realnode::NODE;
 
 /// The release name every install here uses.
 pub const RELEASE: &str = "agentrun";
+
+/// How long a real-node step waits (pods start in containers).
+pub const TIMEOUT: Duration = Duration::from_secs(240);
 
 /// `SCRIPT paths` of an e2e/realnode image script: its `KEY=value` lines.
 pub fn image_paths(script: &str) -> Vec<(String, String)> {
@@ -254,4 +260,22 @@ pub async fn install_on_real_node(client: &kube::Client, ns: &str, values: Value
         _release: release,
         volume,
     }
+}
+
+/// Waits for run `name` in `ns` to reach phase `want`; panics, with what
+/// the namespace holds, when it ends otherwise or not within [`TIMEOUT`].
+pub async fn wait_phase(runs: &Api<AgentRun>, ns: &str, name: &str, want: Phase) -> AgentRun {
+    // Ok(Err(..)): ended in another phase, no use waiting on.
+    let found = super::wait_for(&format!("{name} to be {want:?}"), TIMEOUT, || async {
+        let r = runs.get(name).await.map_err(|e| e.to_string())?;
+        match r.status.as_ref().and_then(|s| s.phase) {
+            Some(p) if p == want => Ok(Ok(r)),
+            Some(p @ (Phase::Failed | Phase::Cancelled | Phase::Succeeded)) => {
+                Ok(Err(format!("{name} ended {p:?}: {:?}", r.status)))
+            }
+            _ => Err(format!("{:?}", r.status)),
+        }
+    })
+    .await;
+    found.unwrap_or_else(|e| panic!("{e}\n{}", diagnose(ns)))
 }
