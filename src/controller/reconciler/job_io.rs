@@ -248,15 +248,16 @@ pub(super) async fn read_job(
         .and_then(|s| s.ready)
         .unwrap_or(0)
         > 0;
-    let runs_agent = job.as_ref().is_some_and(runs_an_agent);
     let state = match job {
         None => JobState::Missing,
         // A Job being deleted is gone as far as the run is concerned.
         Some(j) if j.metadata.deletion_timestamp.is_some() => JobState::Missing,
         Some(j) => job_state(ctx, ns, &name, j).await?,
     };
-    let agent = match (&state, runs_agent) {
-        (JobState::Failed { .. }, true) => agent_state(ctx, ns, &name).await?,
+    // Read from its pods (the Job in the cache may hold no pod template):
+    // a failed Job is rare, and a built-in agent's pods have no `agent`.
+    let agent = match &state {
+        JobState::Failed { .. } => agent_state(ctx, ns, &name).await?,
         _ => None,
     };
     Ok(Some(JobView {
@@ -269,12 +270,6 @@ pub(super) async fn read_job(
         stalled: step.stalled,
         agent,
     }))
-}
-
-/// Whether the Job's pod runs a container agent beside the runner.
-fn runs_an_agent(job: &Job) -> bool {
-    let pod = job.spec.as_ref().and_then(|s| s.template.spec.as_ref());
-    pod.is_some_and(|p| p.containers.iter().any(|c| c.name == "agent"))
 }
 
 /// The `agent` container of the Job's pods, as the kubelet reported it:
