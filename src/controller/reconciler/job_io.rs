@@ -248,17 +248,11 @@ pub(super) async fn read_job(
         .and_then(|s| s.ready)
         .unwrap_or(0)
         > 0;
-    let state = match job {
-        None => JobState::Missing,
+    let (state, agent) = match job {
+        None => (JobState::Missing, None),
         // A Job being deleted is gone as far as the run is concerned.
-        Some(j) if j.metadata.deletion_timestamp.is_some() => JobState::Missing,
+        Some(j) if j.metadata.deletion_timestamp.is_some() => (JobState::Missing, None),
         Some(j) => job_state(ctx, ns, &name, j).await?,
-    };
-    // Read from its pods (the Job in the cache may hold no pod template):
-    // a failed Job is rare, and a built-in agent's pods have no `agent`.
-    let agent = match &state {
-        JobState::Failed { .. } => agent_state(ctx, ns, &name).await?,
-        _ => None,
     };
     Ok(Some(JobView {
         name,
@@ -272,16 +266,12 @@ pub(super) async fn read_job(
     }))
 }
 
-/// The `agent` container of the Job's pods, as the kubelet reported it:
-/// exited 0 if any pod's agent did, else running if any still runs.
-async fn agent_state(
-    ctx: &Context,
-    ns: &str,
-    job: &str,
-) -> Result<Option<super::phase::AgentState>, Error> {
+/// The `agent` container of `pods`, as the kubelet reported it: exited 0
+/// if any pod's agent did, else running if any still runs (a built-in
+/// agent's pods have none).
+fn agent_state(pods: &[k8s_openapi::api::core::v1::Pod]) -> Option<super::phase::AgentState> {
     use super::phase::AgentState;
-    let list = job_pods(ctx, ns, job).await?;
-    let states = list.items.iter().filter_map(|p| {
+    let states = pods.iter().filter_map(|p| {
         let statuses = p.status.as_ref()?.container_statuses.as_ref()?;
         let agent = statuses.iter().find(|c| c.name == "agent")?;
         let state = agent.state.as_ref()?;
@@ -290,29 +280,31 @@ async fn agent_state(
             None => AgentState::Running,
         })
     });
-    Ok(states.min_by_key(|s| match s {
+    states.min_by_key(|s| match s {
         AgentState::Exited(0) => 0,
         AgentState::Running => 1,
         AgentState::Exited(_) => 2,
-    }))
+    })
 }
 
-/// The state of a Job that exists and is not being deleted.
+/// The state of a Job that exists and is not being deleted, and for a
+/// failed one its container agent's end (read from its pods: the Job in
+/// the watch cache holds no pod template).
 pub(super) async fn job_state(
     ctx: &Context,
     ns: &str,
     name: &str,
     job: Job,
-) -> Result<JobState, Error> {
+) -> Result<(JobState, Option<super::phase::AgentState>), Error> {
     let conds = job.status.and_then(|s| s.conditions).unwrap_or_default();
     let is = |t: &str| conds.iter().find(|c| c.type_ == t && c.status == "True");
     if is("Complete").is_some() {
-        return Ok(JobState::Succeeded);
+        return Ok((JobState::Succeeded, None));
     }
     // FailureTarget: the Job controller decided the Job fails (its deadline
     // passed) and is terminating its pods; Failed follows once they are gone.
     let Some(c) = is("Failed").or_else(|| is("FailureTarget")) else {
-        return Ok(JobState::Active);
+        return Ok((JobState::Active, None));
     };
     let reason = c.reason.clone().unwrap_or_default();
     // A timeout is the step's own; otherwise a pod that is gone or was
@@ -326,10 +318,11 @@ pub(super) async fn job_state(
         reason.push_str("; the step said: ");
         reason.push_str(said);
     }
-    Ok(JobState::Failed {
+    let state = JobState::Failed {
         disrupted: pods.lost,
         reason,
-    })
+    };
+    Ok((state, pods.agent))
 }
 
 /// What the pods of a failed Job tell.
@@ -343,6 +336,8 @@ pub(super) struct FailedPods {
     /// The step container's termination message (the runner's last error,
     /// or its log's last lines), escaped, its end kept.
     message: Option<String>,
+    /// A container agent's own container.
+    agent: Option<super::phase::AgentState>,
 }
 
 /// The pods of step Job `job`.
@@ -373,7 +368,12 @@ pub(super) async fn failed_pods(ctx: &Context, ns: &str, job: &str) -> Result<Fa
                 })
     });
     let message = list.items.iter().find_map(termination_message);
-    Ok(FailedPods { lost, message })
+    let agent = agent_state(&list.items);
+    Ok(FailedPods {
+        lost,
+        message,
+        agent,
+    })
 }
 
 /// Is a worker holding the run's lease, and since when has it been free?
