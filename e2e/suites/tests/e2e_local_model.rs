@@ -38,6 +38,9 @@ async fn tokens_predicted(base: &str) -> u64 {
         .unwrap_or_else(|| panic!("no llamacpp:tokens_predicted_total in {text}"))
 }
 
+/// The tests read the server's token counter, shared by all: one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The model may call its tool over and over: the budget ends the run then.
 fn local_agent(w: &World, provider: &str, endpoint: &str) -> Value {
     common::world::local_model_agent(w, provider, endpoint, 24)
@@ -146,6 +149,7 @@ async fn run_killed_once(w: &World, llama: &str, name: &str, provider: &str, end
 
 #[tokio::test]
 async fn runs_through_a_real_model_server_in_both_wire_formats_replay_after_a_kill() {
+    let _one = ONE_AT_A_TIME.lock().await;
     e2e_llama("up");
     let llama = e2e_llama("url");
     let w = World::new("llama", &[]).await;
@@ -161,6 +165,7 @@ async fn runs_through_a_real_model_server_in_both_wire_formats_replay_after_a_ki
 /// is in a recorded answer (nothing asked twice), and a second pod resumed.
 #[tokio::test]
 async fn an_unmodified_agent_runs_through_the_real_model_server_and_replays_after_a_kill() {
+    let _one = ONE_AT_A_TIME.lock().await;
     e2e_llama("up");
     let llama = e2e_llama("url");
     let w = World::new("llamactr", &[]).await;
