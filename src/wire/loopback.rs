@@ -12,17 +12,23 @@
 //!
 //! Model endpoints take the pod's key as the SDKs send it (`Authorization:
 //! Bearer`, or `x-api-key`); it is not the provider's key and opens nothing
-//! else. The MCP servers take none: MCP clients send no key unless their
-//! code is changed, and only the pod itself reaches its loopback.
+//! else. The key is checked from the headers, before the body is read. The
+//! MCP servers take none: MCP clients send no key unless their code is
+//! changed, and only the pod itself reaches its loopback.
+//!
+//! No body is read past [`MAX_REQUEST_BYTES`]: a longer one is a 413, in
+//! the dialect's error format for a model request and as a JSON-RPC error
+//! for an MCP message, and the runner goes on serving.
 
 use std::sync::Arc;
 
 use axum::Json;
-use axum::body::Bytes;
-use axum::extract::State;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures::StreamExt as _;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -31,6 +37,10 @@ use super::canonical::Canonical;
 use super::mcp_server::{self, Calls, ServedTool};
 use super::{BadRequest, Dialect, chat_completions, messages, responses};
 use crate::model::{ModelRequest, ModelResponse};
+
+/// The longest request body read: far more than any model's context
+/// holds as text, so only a runaway agent meets it.
+pub const MAX_REQUEST_BYTES: usize = 8 * 1024 * 1024;
 
 /// How the agent ended, as the shim reports it to the runner.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -119,7 +129,7 @@ pub fn router(served: Served) -> axum::Router {
         key: Arc::new(served.key),
         backend: served.backend,
     };
-    let mut app = axum::Router::new()
+    let app = axum::Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/responses", post(respond))
         .route("/v1/messages", post(message))
@@ -127,6 +137,7 @@ pub fn router(served: Served) -> axum::Router {
         .route(EXIT_PATH, post(exited))
         .route(STOP_PATH, get(stop))
         .with_state(shared);
+    let mut mcp = axum::Router::new();
     for (server, tools) in served.tool_servers {
         let service = mcp_server::service(
             &server,
@@ -134,20 +145,70 @@ pub fn router(served: Served) -> axum::Router {
             served.calls.clone(),
             served.listen_host.as_deref(),
         );
-        app = app.route_service(&format!("/mcp/{server}"), service);
+        mcp = mcp.route_service(&format!("/mcp/{server}"), service);
     }
-    app
+    app.merge(mcp.layer(axum::middleware::from_fn(bounded_mcp)))
 }
 
-async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+/// The MCP services read whole bodies: they get one read here, bounded.
+async fn bounded_mcp(request: Request, next: axum::middleware::Next) -> Response {
+    let (parts, body) = request.into_parts();
+    match read_body(&parts.headers, body).await {
+        Ok(bytes) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Err(refused) => {
+            let code = StatusCode::from_u16(refused.status).unwrap_or(StatusCode::BAD_REQUEST);
+            let error = serde_json::json!({
+                "jsonrpc": "2.0", "id": null,
+                "error": {"code": -32600, "message": refused.message}
+            });
+            (code, Json(error)).into_response()
+        }
+    }
+}
+
+/// The request's body, unless it is longer than [`MAX_REQUEST_BYTES`]
+/// (refused before any of it is read when its length says so).
+async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, Refused> {
+    let too_large = || Refused {
+        status: 413,
+        message: format!(
+            "agentrun: the request body is larger than the runner reads ({MAX_REQUEST_BYTES} bytes)"
+        ),
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > MAX_REQUEST_BYTES) {
+        return Err(too_large());
+    }
+    let mut read = Vec::with_capacity(declared.unwrap_or(0));
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| Refused {
+            status: 400,
+            message: format!("agentrun: the request body could not be read: {e}"),
+        })?;
+        if read.len() + chunk.len() > MAX_REQUEST_BYTES {
+            return Err(too_large());
+        }
+        read.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(read))
+}
+
+async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     model(s, headers, body, Dialect::ChatCompletions).await
 }
 
-async fn respond(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn respond(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     model(s, headers, body, Dialect::Responses).await
 }
 
-async fn message(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn message(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     model(s, headers, body, Dialect::Messages).await
 }
 
@@ -195,13 +256,17 @@ fn authorized(headers: &HeaderMap, key: &str) -> bool {
     })
 }
 
-async fn model(s: Shared, headers: HeaderMap, body: Bytes, dialect: Dialect) -> Response {
+async fn model(s: Shared, headers: HeaderMap, body: Body, dialect: Dialect) -> Response {
     let codec = Codec::of(dialect);
     if !authorized(&headers, &s.key) {
         let why =
             "the pod's key (OPENAI_API_KEY or ANTHROPIC_API_KEY as agentrun set it) is required";
         return codec.refuse(401, why);
     }
+    let body = match read_body(&headers, body).await {
+        Ok(body) => body,
+        Err(refused) => return codec.refuse(refused.status, &refused.message),
+    };
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return codec.bad(&BadRequest::new("body", format!("not JSON: {e}"))),
@@ -519,6 +584,64 @@ mod tests {
         assert_eq!(error["type"], "error");
         let message = error["error"]["message"].as_str().unwrap();
         assert!(message.contains("messages[0].content[0]"), "{error}");
+    }
+
+    /// A body over the limit, declared or streamed without a length, is a
+    /// 413 in the dialect's format (an MCP message's as JSON-RPC), a wrong
+    /// key is refused before the body is read, and the runner serves on.
+    #[tokio::test]
+    async fn an_oversized_body_is_refused_in_its_format_and_the_runner_serves_on() {
+        let backend = Arc::new(OneAnswer::default());
+        let url = serve(backend.clone()).await;
+        let huge = "x".repeat(MAX_REQUEST_BYTES);
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": huge}]});
+        let (status, error) = post(
+            &url,
+            "/v1/chat/completions",
+            ("authorization", "pod-key"),
+            &body,
+        )
+        .await;
+        assert_eq!(status, 413);
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains("larger than the runner reads"), "{error}");
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+
+        let (status, error) = post(&url, "/v1/messages", ("x-api-key", "wrong"), &body).await;
+        assert_eq!(status, 401, "the key comes first: {error}");
+
+        // Streamed without a length: cut once it passes the limit.
+        let chunks = vec![Ok::<_, std::io::Error>(Bytes::from(huge.clone())); 2];
+        let streamed = Body::from_stream(futures::stream::iter(chunks));
+        let refused = read_body(&HeaderMap::new(), streamed).await.unwrap_err();
+        assert_eq!(refused.status, 413);
+
+        let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                          "params": {"name": "lookup", "arguments": {"note": huge}}});
+        let reply = client()
+            .post(format!("{url}/mcp/shop"))
+            .header("accept", "application/json, text/event-stream")
+            .json(&call)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), 413);
+        let error: Value = reply.json().await.unwrap();
+        assert_eq!(error["error"]["code"], -32600, "{error}");
+        assert!(
+            backend.asked.lock().unwrap().is_empty(),
+            "nothing reached the runner"
+        );
+
+        let small = json!({"model": "m", "messages": [{"role": "user", "content": "refund"}]});
+        let (status, _) = post(
+            &url,
+            "/v1/chat/completions",
+            ("authorization", "pod-key"),
+            &small,
+        )
+        .await;
+        assert_eq!(status, 200, "the runner serves on");
     }
 
     #[tokio::test]
