@@ -16,9 +16,9 @@
 //! MCP servers take none: MCP clients send no key unless their code is
 //! changed, and only the pod itself reaches its loopback.
 //!
-//! No body is read past [`MAX_REQUEST_BYTES`]: a longer one is a 413, in
-//! the dialect's error format for a model request and as a JSON-RPC error
-//! for an MCP message, and the runner goes on serving.
+//! No body longer than [`MAX_REQUEST_BYTES`] is kept: it is a 413, in the
+//! dialect's error format for a model request and as a JSON-RPC error for
+//! an MCP message, and the runner goes on serving.
 
 use std::sync::Arc;
 
@@ -169,33 +169,36 @@ async fn bounded_mcp(request: Request, next: axum::middleware::Next) -> Response
     }
 }
 
-/// The request's body, unless it is longer than [`MAX_REQUEST_BYTES`]
-/// (refused before any of it is read when its length says so).
+/// The request's body, unless it is longer than [`MAX_REQUEST_BYTES`]. A
+/// longer one is read to its end and dropped, never kept: a client still
+/// sending when the 413 came would see a broken connection instead of the
+/// answer (the body's deadline, `bounded`, still bounds the reading).
 async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, Refused> {
-    let too_large = || Refused {
-        status: 413,
-        message: format!(
-            "agentrun: the request body is larger than the runner reads ({MAX_REQUEST_BYTES} bytes)"
-        ),
-    };
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > MAX_REQUEST_BYTES) {
-        return Err(too_large());
-    }
-    let mut read = Vec::with_capacity(declared.unwrap_or(0));
+    let mut over = declared.is_some_and(|n| n > MAX_REQUEST_BYTES);
+    let mut read = Vec::with_capacity(declared.filter(|_| !over).unwrap_or(0));
     let mut stream = body.into_data_stream();
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| Refused {
             status: 400,
             message: format!("agentrun: the request body could not be read: {e}"),
         })?;
-        if read.len() + chunk.len() > MAX_REQUEST_BYTES {
-            return Err(too_large());
+        over = over || read.len() + chunk.len() > MAX_REQUEST_BYTES;
+        match over {
+            true => read = Vec::new(),
+            false => read.extend_from_slice(&chunk),
         }
-        read.extend_from_slice(&chunk);
+    }
+    if over {
+        return Err(Refused {
+            status: 413,
+            message: format!(
+                "agentrun: the request body is larger than the runner reads ({MAX_REQUEST_BYTES} bytes)"
+            ),
+        });
     }
     Ok(Bytes::from(read))
 }
