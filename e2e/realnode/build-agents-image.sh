@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the image of the real agents of e2e/agents/ (e2e/agents/Dockerfile:
 # Debian's python3, a venv of requirements.txt, langgraph-agent,
-# agents-sdk-agent, plain-agent and clock-agent on PATH, user 65532) without
+# agents-sdk-agent, plain-agent, clock-agent, failing-agent and blind-agent
+# on PATH, user 65532) without
 # a registry, for container agents on the real node of
 # `e2e/cluster up --node=real`, as the operator's image is built:
 #
@@ -45,7 +46,7 @@ BASE=debian:bookworm-slim
 BUILD_TIMEOUT="${AGENTRUN_IMAGE_BUILD_TIMEOUT:-1800}"
 # What pip trusts during the build, besides Debian's CAs: this machine's bundle.
 CA_BUNDLE="${AGENTRUN_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
-AGENT_PROGRAMS=(langgraph-agent agents-sdk-agent plain-agent clock-agent)
+AGENT_PROGRAMS=(langgraph-agent agents-sdk-agent plain-agent clock-agent failing-agent blind-agent)
 # shellcheck disable=SC2034  # both are read by image-lib.sh
 LOG_TAG=agents-image BUILDAH_DIR="$OPERATOR_WORK/buildah"
 . "$HERE/image-lib.sh"
