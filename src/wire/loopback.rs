@@ -614,7 +614,8 @@ mod tests {
         assert_eq!(status, 401, "the key comes first: {error}");
 
         // Streamed without a length: cut once it passes the limit.
-        let chunks = vec![Ok::<_, std::io::Error>(Bytes::from(huge.clone())); 2];
+        let chunk = Bytes::from(huge.clone());
+        let chunks = [Ok::<_, std::io::Error>(chunk.clone()), Ok(chunk)];
         let streamed = Body::from_stream(futures::stream::iter(chunks));
         let refused = read_body(&HeaderMap::new(), streamed).await.unwrap_err();
         assert_eq!(refused.status, 413);
