@@ -449,6 +449,15 @@ async fn a_frozen_pod_that_wakes_after_a_takeover_gets_no_answer_and_makes_no_ca
             .ok_or(format!("{state:?}"))
     })
     .await;
+    // Its runner woke, found its lease taken, and stopped (not killed).
+    let code = common::wait_for("the woken runner's exit code", TIMEOUT, || async {
+        let pod = pods.get(&pod).await.ok()?;
+        let statuses = pod.status?.container_statuses?;
+        let step = statuses.into_iter().find(|c| c.name == "step")?;
+        Some(step.state?.terminated?.exit_code)
+    })
+    .await;
+    assert_eq!(code, agentrun::step::runner::LEASE_LOST_EXIT_CODE);
     let store = w.store().await;
     let uid = run.metadata.uid.clone().unwrap();
     let after = store.read_all(&uid).await.unwrap();
