@@ -550,7 +550,10 @@ mod tests {
         let (status, error) = post(&url, "/v1/chat/completions", key, &huge).await;
         assert_eq!(status, 413);
         let message = error["error"]["message"].as_str().unwrap();
-        assert!(message.contains(&format!("over {MAX_MODEL_BODY} bytes")), "{message}");
+        assert!(
+            message.contains(&format!("over {MAX_MODEL_BODY} bytes")),
+            "{message}"
+        );
     }
 
     #[tokio::test]
