@@ -446,12 +446,7 @@ fn container_replies() -> Value {
 }
 
 fn container_agent_spec(w: &World, script: &str) -> Value {
-    let mut agent = w.agent(script);
-    agent.as_object_mut().unwrap().remove("prompt");
-    agent["container"] = json!({
-        "image": "agentrun-agents:1", "command": ["plain-agent"],
-        "env": [{"name": "MCP_URLS", "value": "$(AGENTRUN_MCP_TOOLS_URL)"}]
-    });
+    let mut agent = common::container_agents::in_container(w.agent(script), "plain-agent");
     let approvers = json!({"users": ["alice", "bob", "carol"]});
     agent["approval"] = json!({"rules": [{
         "name": "refunds", "tool": "issue_refund", "when": "args.amount > 100",

@@ -17,29 +17,11 @@ use agentrun::store::Record;
 use common::approvals::{
     decide, entry, gated_agent, grant_approver_role, live_step_pods, pending_approval,
 };
+use common::container_agents::{answer, in_container, refund_call};
 use common::world::{TIMEOUT, World, call, kinds};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
-
-/// The image the process node maps to the agents' programs.
-const IMAGE: &str = "agentrun-agents:1";
-
-/// `agent` with its prompt replaced by the container running `program`,
-/// its tools handed to it by their MCP URL as a manifest does.
-fn in_container(mut agent: Value, program: &str) -> Value {
-    agent.as_object_mut().unwrap().remove("prompt");
-    agent["container"] = json!({
-        "image": IMAGE,
-        "command": [program],
-        "env": [{"name": "MCP_URLS", "value": "$(AGENTRUN_MCP_TOOLS_URL)"}]
-    });
-    agent
-}
-
-fn answer(text: &str) -> Value {
-    json!({"text": text})
-}
 
 /// `n` order lookups, each its own reply of `tokens` (in, out), then the answer.
 fn lookups(n: usize, tokens: (u64, u64)) -> Value {
@@ -66,11 +48,6 @@ fn slow_lookups(n: usize, delay_ms: u64) -> Value {
         })
         .collect();
     Value::Array(replies)
-}
-
-fn refund_call(amount: u64) -> Value {
-    json!({"text": "The customer was charged twice; refunding.",
-           "toolCalls": [{"name": "issue_refund", "arguments": {"orderId": "1042", "amount": amount}}]})
 }
 
 async fn tool_requests(w: &World, tool: &str) -> usize {
