@@ -13,30 +13,12 @@ use agentrun::runlog::records::Outcome;
 use common::approvals::{
     decide, entry, gated_agent, grant_approver_role, live_step_pods, pending_approval, plugin,
 };
+use common::container_agent::in_container;
 use common::world::{World, call, kinds};
 use serde_json::{Value, json};
 
-/// The image the process node maps to the agents' programs.
-const IMAGE: &str = "agentrun-agents:1";
-
 /// The three agents of the proof, by program.
 const AGENTS: [&str; 3] = ["langgraph-agent", "agents-sdk-agent", "plain-agent"];
-
-/// `agent` (the world's refund agent, or the gated one) with its prompt
-/// replaced by the container running `program`, its tools handed to it by
-/// their MCP URL as a manifest does.
-fn in_container(mut agent: Value, program: &str) -> Value {
-    agent.as_object_mut().unwrap().remove("prompt");
-    agent["container"] = json!({
-        "image": IMAGE,
-        "command": [program],
-        "env": [
-            {"name": "MCP_URLS", "value": "$(AGENTRUN_MCP_TOOLS_URL)"},
-            {"name": "OPENAI_AGENTS_DISABLE_TRACING", "value": "1"}
-        ]
-    });
-    agent
-}
 
 fn answer(text: &str) -> Value {
     json!({"text": text})

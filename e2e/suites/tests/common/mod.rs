@@ -6,6 +6,7 @@
 
 pub mod approvals;
 pub mod chart;
+pub mod container_agent;
 pub mod controller;
 pub mod log_api;
 pub mod ports;
