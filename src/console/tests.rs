@@ -595,7 +595,9 @@ fn a_container_runs_timeline_names_its_image_not_an_empty_prompt() {
     use crate::replay::Entry as Step;
     use crate::runlog::records::{RunStarted, Versions};
     use crate::store::{Record, StepKind};
+    // A container agent's stored template holds an empty prompt.
     let agent = serde_json::from_value(json!({
+        "prompt": {"version": "", "system": ""},
         "model": {"provider": "OpenAI", "name": "gpt-e2e", "endpoint": "http://m/v1"}
     }))
     .unwrap();
