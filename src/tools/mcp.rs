@@ -366,44 +366,73 @@ fn request(tool: &McpKind, args: &Value, ctx: &CallContext) -> CallToolRequestPa
     params
 }
 
+/// The MCP sessions of one toolbox, one per server URL, kept between calls
+/// (a step pod makes many calls to the same servers: a session each would
+/// cost three more round trips per call).
+#[derive(Default)]
+pub(crate) struct Sessions(tokio::sync::Mutex<HashMap<String, Session>>);
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sessions")
+    }
+}
+
+impl Sessions {
+    /// The open session to `url`, if one is kept.
+    async fn take(&self, url: &str) -> Option<Session> {
+        let session = self.0.lock().await.remove(url)?;
+        (!session.is_closed()).then_some(session)
+    }
+
+    async fn keep(&self, url: &str, session: Session) {
+        self.0.lock().await.insert(url.to_string(), session);
+    }
+}
+
 /// Makes an MCP `tools/call` with the key in `_meta`.
 ///
-/// Every call opens its own session (`initialize`, then `tools/call`): a
-/// failure to open it is retried, as nothing was called yet. A failure after
-/// `tools/call` was sent is not: MCP tools declare no idempotency that could
-/// be trusted, so the observation says the outcome is unknown.
+/// The call goes on the session kept for its server, or on one opened now
+/// (`initialize`): a failure to open it is retried, as nothing was called
+/// yet. A session the server expired is opened again by the SDK (a 404
+/// means the request was not handled). A failure after `tools/call` was
+/// sent is not retried: MCP tools declare no idempotency that could be
+/// trusted, so the observation says the outcome is unknown, and that
+/// session is not kept.
 pub(crate) async fn call(
     client: &reqwest::Client,
+    sessions: &Sessions,
     retry: &RetryPolicy,
     name: &str,
     tool: &McpKind,
     args: &Value,
     ctx: &CallContext,
 ) -> ToolOutcome {
-    let mut attempt_no = 0u32;
-    let session = loop {
-        attempt_no += 1;
-        let opened = tokio::time::timeout(tool.timeout, connect(client, &tool.url))
-            .await
-            .unwrap_or_else(|_| Err(SessionError::Timeout(tool.timeout)));
-        match opened {
-            Ok(session) => break session,
-            Err(reason) => {
-                tracing::debug!(tool = name, attempt = attempt_no, %reason, "MCP session failed");
-                if attempt_no >= retry.attempts() {
-                    return ToolOutcome::failed(format!(
-                        "{name}: the MCP server could not be reached after {attempt_no} attempts: \
-                         {reason}. The tool was not called."
-                    ));
-                }
-                tokio::time::sleep(retry.backoff(attempt_no)).await;
-            }
-        }
+    let kept = sessions.take(&tool.url).await;
+    let reused = kept.is_some();
+    let mut session = match kept {
+        Some(session) => session,
+        None => match open_for_call(client, retry, name, tool).await {
+            Ok(session) => session,
+            Err(outcome) => return outcome,
+        },
     };
-    let answer =
-        tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await;
-    if let Ok(session) = Arc::try_unwrap(session) {
-        let _ = session.cancel().await;
+    let call = || tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx)));
+    let mut answer = call().await;
+    if reused && matches!(&answer, Ok(Err(e)) if never_sent(e)) {
+        // The kept session's server could not be reached: nothing was
+        // sent. A new session, as for a first call.
+        close(session).await;
+        session = match open_for_call(client, retry, name, tool).await {
+            Ok(session) => session,
+            Err(outcome) => return outcome,
+        };
+        answer =
+            tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await;
+    }
+    match &answer {
+        Ok(Ok(_)) | Ok(Err(ServiceError::McpError(_))) => sessions.keep(&tool.url, session).await,
+        _ => close(session).await,
     }
     match answer {
         Ok(Ok(result)) => outcome(name, result),
@@ -420,6 +449,53 @@ pub(crate) async fn call(
             "{name}: no answer from the MCP server within {:?}. Whether it took effect is unknown.",
             tool.timeout
         )),
+    }
+}
+
+async fn close(session: Session) {
+    if let Ok(session) = Arc::try_unwrap(session) {
+        let _ = session.cancel().await;
+    }
+}
+
+/// Whether a call failed before its request left: the server's address
+/// refused or could not be reached (a connection that failed later may
+/// have carried it).
+fn never_sent(e: &ServiceError) -> bool {
+    type HttpError = rmcp::transport::streamable_http_client::StreamableHttpError<reqwest::Error>;
+    let ServiceError::TransportSend(e) = e else {
+        return false;
+    };
+    matches!(e.error.downcast_ref::<HttpError>(), Some(HttpError::Client(e)) if e.is_connect())
+}
+
+/// A new session for a call, retried by `retry` (nothing was called yet);
+/// the observation when none could be opened.
+async fn open_for_call(
+    client: &reqwest::Client,
+    retry: &RetryPolicy,
+    name: &str,
+    tool: &McpKind,
+) -> Result<Session, ToolOutcome> {
+    let mut attempt_no = 0u32;
+    loop {
+        attempt_no += 1;
+        let opened = tokio::time::timeout(tool.timeout, connect(client, &tool.url))
+            .await
+            .unwrap_or_else(|_| Err(SessionError::Timeout(tool.timeout)));
+        match opened {
+            Ok(session) => return Ok(session),
+            Err(reason) => {
+                tracing::debug!(tool = name, attempt = attempt_no, %reason, "MCP session failed");
+                if attempt_no >= retry.attempts() {
+                    return Err(ToolOutcome::failed(format!(
+                        "{name}: the MCP server could not be reached after {attempt_no} attempts: \
+                         {reason}. The tool was not called."
+                    )));
+                }
+                tokio::time::sleep(retry.backoff(attempt_no)).await;
+            }
+        }
     }
 }
 

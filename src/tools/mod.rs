@@ -213,6 +213,8 @@ pub struct Toolbox {
     tools: Vec<Tool>,
     by_name: HashMap<String, usize>,
     client: reqwest::Client,
+    /// MCP sessions kept between calls.
+    sessions: mcp::Sessions,
     retry: RetryPolicy,
 }
 
@@ -395,6 +397,7 @@ impl Toolbox {
             tools,
             by_name,
             client: pinned_client(pins)?,
+            sessions: mcp::Sessions::default(),
             retry: RetryPolicy::default(),
         })
     }
@@ -491,7 +494,18 @@ impl Toolbox {
         tracing::debug!(tool = name, run = %ctx.run_uid, step = ctx.seq, "calling tool");
         let outcome = match &tool.kind {
             Kind::Http(h) => http::call(&self.client, &self.retry, name, h, args, ctx).await,
-            Kind::Mcp(m) => mcp::call(&self.client, &self.retry, name, m, args, ctx).await,
+            Kind::Mcp(m) => {
+                mcp::call(
+                    &self.client,
+                    &self.sessions,
+                    &self.retry,
+                    name,
+                    m,
+                    args,
+                    ctx,
+                )
+                .await
+            }
             Kind::Finish => ToolOutcome::Ok(args.clone()),
         };
         tracing::debug!(tool = name, run = %ctx.run_uid, step = ctx.seq, ok = outcome.is_ok(), "tool call done");

@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -139,15 +139,15 @@ pub fn router(served: Served) -> axum::Router {
     app
 }
 
-async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     model(s, headers, body, Dialect::ChatCompletions).await
 }
 
-async fn respond(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn respond(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     model(s, headers, body, Dialect::Responses).await
 }
 
-async fn message(State(s): State<Shared>, headers: HeaderMap, body: Bytes) -> Response {
+async fn message(State(s): State<Shared>, headers: HeaderMap, body: Body) -> Response {
     model(s, headers, body, Dialect::Messages).await
 }
 
@@ -182,6 +182,22 @@ async fn stop(State(s): State<Shared>, headers: HeaderMap) -> StatusCode {
     StatusCode::OK
 }
 
+/// The largest model request read: a long conversation's whole history
+/// fits (a 200,000-token context is about 1 MB of text).
+pub const MAX_MODEL_BODY: usize = 8 << 20;
+
+/// Why a model request's body was not read: over the limit, or cut off.
+fn body_unread(e: &axum::Error) -> String {
+    let mut source: Option<&dyn std::error::Error> = Some(e);
+    while let Some(err) = source {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return format!("agentrun: the request body is over {MAX_MODEL_BODY} bytes");
+        }
+        source = err.source();
+    }
+    format!("agentrun: the request body could not be read: {e}")
+}
+
 /// The key as the OpenAI SDKs (`Authorization: Bearer`) or Anthropic's
 /// (`x-api-key`) send it, compared in constant time.
 fn authorized(headers: &HeaderMap, key: &str) -> bool {
@@ -195,13 +211,18 @@ fn authorized(headers: &HeaderMap, key: &str) -> bool {
     })
 }
 
-async fn model(s: Shared, headers: HeaderMap, body: Bytes, dialect: Dialect) -> Response {
+async fn model(s: Shared, headers: HeaderMap, body: Body, dialect: Dialect) -> Response {
     let codec = Codec::of(dialect);
+    // The key is checked from the headers, before any of the body is read.
     if !authorized(&headers, &s.key) {
         let why =
             "the pod's key (OPENAI_API_KEY or ANTHROPIC_API_KEY as agentrun set it) is required";
         return codec.refuse(401, why);
     }
+    let body = match axum::body::to_bytes(body, MAX_MODEL_BODY).await {
+        Ok(bytes) => bytes,
+        Err(e) => return codec.refuse(413, &body_unread(&e)),
+    };
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return codec.bad(&BadRequest::new("body", format!("not JSON: {e}"))),
@@ -519,6 +540,20 @@ mod tests {
         assert_eq!(error["type"], "error");
         let message = error["error"]["message"].as_str().unwrap();
         assert!(message.contains("messages[0].content[0]"), "{error}");
+
+        // Over the limit: the key is checked first, then the body refused
+        // whole, in the dialect's format.
+        let huge = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(MAX_MODEL_BODY)}]});
+        let (status, _) = post(&url, "/v1/chat/completions", wrong_key, &huge).await;
+        assert_eq!(status, 401);
+        let key = ("authorization", "pod-key");
+        let (status, error) = post(&url, "/v1/chat/completions", key, &huge).await;
+        assert_eq!(status, 413);
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("over {MAX_MODEL_BODY} bytes")),
+            "{message}"
+        );
     }
 
     #[tokio::test]

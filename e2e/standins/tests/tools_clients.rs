@@ -515,6 +515,44 @@ async fn mcp_toolbox(s: &Standins, tenant: &str) -> Toolbox {
         .with_retry(fast_retry())
 }
 
+/// A toolbox keeps one MCP session per server: `initialize` and its
+/// notification once, then one request per call (as an MCP client that
+/// keeps its session does), a refused call included.
+#[tokio::test]
+async fn mcp_calls_of_one_toolbox_share_one_session() {
+    let s = standins();
+    let tb = mcp_toolbox(&s, "session").await;
+    let before = s.get_json("/mcp-requests/session").await["requests"]
+        .as_u64()
+        .unwrap();
+    for i in 0..5 {
+        let args = json!({"title": format!("t{i}"), "priority": "low"});
+        ok(tb.call("create_ticket", &args, &ctx(1, i)).await);
+    }
+    failed(
+        &tb.call("get_weather", &json!({"city": "Atlantis"}), &ctx(2, 0))
+            .await,
+    );
+    ok(tb
+        .call("get_weather", &json!({"city": "Paris"}), &ctx(3, 0))
+        .await);
+    let after = s.get_json("/mcp-requests/session").await["requests"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        after - before,
+        2 + 7,
+        "initialize, initialized, then one per call"
+    );
+    assert_eq!(
+        s.mcp_effects("session").await["tickets"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+}
+
 #[tokio::test]
 async fn mcp_create_ticket_with_the_same_key_twice_makes_one_ticket() {
     let s = standins();
@@ -593,7 +631,13 @@ async fn mcp_refusals_and_unreachable_servers_fail() {
             .starts_with("delete_everything: the MCP server refused the call: unknown tool"),
         "{out:?}"
     );
+    // A toolbox whose server is gone: nothing could be sent. (One that
+    // kept a session to it may have sent its call as the server went: an
+    // unknown outcome, said so.)
     drop(s);
+    let tb = Toolbox::new(&specs, &McpCatalog::new())
+        .unwrap()
+        .with_retry(fast_retry());
     let out = tb.call("delete_everything", &json!({}), &ctx(0, 0)).await;
     let observation = failed(&out);
     assert!(
