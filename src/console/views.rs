@@ -645,11 +645,10 @@ pub(crate) struct Entry {
 }
 
 pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
-    use crate::replay::Entry as Decoded;
-    let step = Decoded::decode(r.seq, r.kind.as_str(), &r.payload).ok();
+    let step = crate::replay::Entry::decode(r.seq, r.kind.as_str(), &r.payload).ok();
     let mut what = step
         .as_ref()
-        .and_then(shown::describe_entry)
+        .and_then(|s| in_words(s).or_else(|| shown::describe_entry(s)))
         .unwrap_or_else(|| r.kind.as_str().to_string());
     if r.usage.input_tokens > 0 || r.usage.output_tokens > 0 {
         what.push_str(&format!(
@@ -658,34 +657,6 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
             r.usage.output_tokens,
             r.usage.cost_micros as f64 / 1e6
         ));
-    }
-    match &step {
-        Some(Decoded::RunStarted(st)) => {
-            what = format!(
-                "started on {}, model {}, tool schema {}",
-                agent_text(&st.versions, st.container.as_ref()),
-                st.versions.model,
-                short(&st.versions.tool_schema_hash)
-            )
-        }
-        Some(Decoded::VersionChanged(vc)) => {
-            // A container agent has no prompt: its image is what changes.
-            let agent = match &vc.container {
-                Some(c) => format!("now {}", container_text(c)),
-                None => format!(
-                    "prompt {} → {}",
-                    vc.from.prompt_version, vc.to.prompt_version
-                ),
-            };
-            what = format!(
-                "version changed: {agent}, model {} → {}, tool schema {} → {}",
-                vc.from.model,
-                vc.to.model,
-                short(&vc.from.tool_schema_hash),
-                short(&vc.to.tool_schema_hash)
-            )
-        }
-        _ => {}
     }
     Entry {
         seq: r.seq,
@@ -699,6 +670,44 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
         detail: serde_json::to_string_pretty(&r.payload).unwrap_or_default(),
         marked,
     }
+}
+
+/// The timeline's words for the kinds it says more about than the audit
+/// trail does (`None` for the others).
+fn in_words(step: &crate::replay::Entry) -> Option<String> {
+    use crate::replay::Entry as Decoded;
+    Some(match step {
+        Decoded::RunStarted(st) => format!(
+            "started on {}, model {}, tool schema {}",
+            agent_text(&st.versions, st.container.as_ref()),
+            st.versions.model,
+            short(&st.versions.tool_schema_hash)
+        ),
+        Decoded::VersionChanged(vc) => {
+            // A container agent has no prompt: its image is what changes.
+            let agent = match &vc.container {
+                Some(c) => format!("now {}", container_text(c)),
+                None => format!(
+                    "prompt {} → {}",
+                    vc.from.prompt_version, vc.to.prompt_version
+                ),
+            };
+            format!(
+                "version changed: {agent}, model {} → {}, tool schema {} → {}",
+                vc.from.model,
+                vc.to.model,
+                short(&vc.from.tool_schema_hash),
+                short(&vc.to.tool_schema_hash)
+            )
+        }
+        // What the model is told, or (with `stop`) the end a step asks for,
+        // such as a container agent's exit.
+        Decoded::Observation(o) => match &o.stop {
+            Some(end) => format!("{}: the step asks to end {}", o.text, name_of(&end.outcome)),
+            None => o.text.clone(),
+        },
+        _ => return None,
+    })
 }
 
 /// What a run's agent is: its container (issue 41), or its prompt.

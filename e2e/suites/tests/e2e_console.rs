@@ -304,6 +304,7 @@ async fn alice_approves_a_container_agents_refund_and_it_resumes_by_replay() {
         "ApprovalDecided",
         "alice Approve (charged twice)",
         "issue_refund returned",
+        "the agent exited 0: the step asks to end Succeeded",
         "RunFinished",
         "verified:",
     ] {
