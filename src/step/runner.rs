@@ -26,6 +26,9 @@ use crate::tools::{CallContext, LookupOutcome, ToolError, ToolOutcome, Toolbox, 
 /// How long a lease lives without a heartbeat; the controller notices a lost
 /// worker once it expires.
 pub const LEASE_TTL: Duration = Duration::from_secs(8);
+/// How long after the store accepted a write of this worker's epoch it may
+/// call out without renewing first (see [`Runner::hold_lease`]).
+const LEASE_PROOF_FRESH: Duration = Duration::from_millis(50);
 const HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// What the step Job passes in (environment variables set by the controller).
@@ -366,6 +369,10 @@ struct Runner {
     yielding: bool,
     /// When this process started (its pod's deadline counts from about then).
     started: Instant,
+    /// When the store last accepted a write of this worker at its epoch
+    /// (an append or a renewal), as of sending it: the lease was this
+    /// worker's then.
+    proven: Option<Instant>,
 }
 
 impl Runner {
@@ -409,6 +416,7 @@ impl Runner {
             http: approval_request::lookup_client()?,
             yielding: false,
             started,
+            proven: None,
         })
     }
 
@@ -932,11 +940,23 @@ impl Runner {
     /// out (a renew succeeds only for the current epoch), so a worker that
     /// froze and was replaced never makes a call after waking. Then the
     /// failpoint of that boundary.
+    ///
+    /// A proof younger than [`LEASE_PROOF_FRESH`] stands (the intent a tool
+    /// call follows was just appended at this epoch, and a takeover fences
+    /// an append as it fences a renewal): a round trip saved per call. A
+    /// worker that froze wakes with an old proof and renews.
     async fn hold_lease(&mut self, failpoint_name: &str) -> Result<(), StepError> {
-        let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))
-            .await
-            .map_err(StepError::HoldLease)?;
-        self.lease = renewed;
+        if !self
+            .proven
+            .is_some_and(|at| at.elapsed() < LEASE_PROOF_FRESH)
+        {
+            let sent = Instant::now();
+            let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))
+                .await
+                .map_err(StepError::HoldLease)?;
+            self.lease = renewed;
+            self.proven = Some(sent);
+        }
         failpoint::hit(failpoint_name);
         Ok(())
     }
@@ -975,6 +995,7 @@ impl Runner {
         };
         let record = draft.seal(&self.head).map_err(StepError::Seal)?;
         let seq = record.seq;
+        let sent = Instant::now();
         let mut outcome = with_store_retry(|| {
             self.store
                 .append(&self.args.run_uid, self.lease.epoch, &record)
@@ -998,6 +1019,7 @@ impl Runner {
             Ok(stored) => {
                 self.head = stored.head();
                 self.state.apply(step);
+                self.proven = Some(sent);
             }
             Err(StoreError::Conflict { recorded, .. }) => {
                 tracing::warn!(
