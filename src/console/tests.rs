@@ -587,3 +587,53 @@ async fn a_budget_question_offers_the_budget_limits_as_its_form() {
         "{b}"
     );
 }
+
+/// A container agent's run (issue 41) started on its image, not on a
+/// prompt it does not have: the timeline and the run's facts say which.
+#[test]
+fn a_container_runs_timeline_names_its_image_not_an_empty_prompt() {
+    use crate::replay::Entry as Step;
+    use crate::runlog::records::{RunStarted, Versions};
+    use crate::store::{Record, StepKind};
+    // A container agent's stored template holds an empty prompt.
+    let agent = serde_json::from_value(json!({
+        "prompt": {"version": "", "system": ""},
+        "model": {"provider": "OpenAI", "name": "gpt-e2e", "endpoint": "http://m/v1"}
+    }))
+    .unwrap();
+    let container = serde_json::from_value(json!({
+        "image": "agentrun-agents:1", "command": ["plain-agent"], "args": ["--fast"]
+    }))
+    .unwrap();
+    let started = Step::RunStarted(RunStarted {
+        run_name: "r".into(),
+        namespace: "ns".into(),
+        input: "Refund order 1042.".into(),
+        agent,
+        tools: vec![],
+        mcp: Default::default(),
+        versions: Versions {
+            model: "gpt-e2e".into(),
+            tool_schema_hash: "ab".repeat(32),
+            ..Versions::default()
+        },
+        container: Some(container),
+    });
+    let record = Record {
+        format: 2,
+        seq: 0,
+        kind: StepKind::RunStarted,
+        payload: started.payload(),
+        versions: Default::default(),
+        usage: Default::default(),
+        worker: Default::default(),
+        prev_hash: Default::default(),
+        hash: Default::default(),
+        created_at: None,
+    };
+    let shown = serde_json::to_value(views::entry(&record, false)).unwrap();
+    assert_eq!(
+        shown["what"],
+        "started on container agentrun-agents:1 (plain-agent --fast), model gpt-e2e, tool schema abababababab"
+    );
+}

@@ -19,6 +19,7 @@ use crate::api::{Agent, AgentRun, Approval, ApprovalKind, ApprovalState, Verdict
 use crate::client::approvals as shown;
 use crate::client::{Kube, log};
 use crate::refusal::Refusal;
+use crate::runlog::v2::Container;
 
 /// Who the person is (from a SelfSubjectReview with their credential).
 struct Me {
@@ -644,11 +645,10 @@ pub(crate) struct Entry {
 }
 
 pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
-    use crate::replay::Entry as Decoded;
-    let step = Decoded::decode(r.seq, r.kind.as_str(), &r.payload).ok();
+    let step = crate::replay::Entry::decode(r.seq, r.kind.as_str(), &r.payload).ok();
     let mut what = step
         .as_ref()
-        .and_then(shown::describe_entry)
+        .and_then(|s| in_words(s).or_else(|| shown::describe_entry(s)))
         .unwrap_or_else(|| r.kind.as_str().to_string());
     if r.usage.input_tokens > 0 || r.usage.output_tokens > 0 {
         what.push_str(&format!(
@@ -657,29 +657,6 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
             r.usage.output_tokens,
             r.usage.cost_micros as f64 / 1e6
         ));
-    }
-    match &step {
-        Some(Decoded::RunStarted(st)) => {
-            what = format!(
-                "started on prompt {} ({}), model {}, tool schema {}",
-                st.versions.prompt_version,
-                short(&st.versions.prompt_hash),
-                st.versions.model,
-                short(&st.versions.tool_schema_hash)
-            )
-        }
-        Some(Decoded::VersionChanged(vc)) => {
-            what = format!(
-                "version changed: prompt {} → {}, model {} → {}, tool schema {} → {}",
-                vc.from.prompt_version,
-                vc.to.prompt_version,
-                vc.from.model,
-                vc.to.model,
-                short(&vc.from.tool_schema_hash),
-                short(&vc.to.tool_schema_hash)
-            )
-        }
-        _ => {}
     }
     Entry {
         seq: r.seq,
@@ -695,6 +672,63 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
     }
 }
 
+/// The timeline's words for the kinds it says more about than the audit
+/// trail does (`None` for the others).
+fn in_words(step: &crate::replay::Entry) -> Option<String> {
+    use crate::replay::Entry as Decoded;
+    Some(match step {
+        Decoded::RunStarted(st) => format!(
+            "started on {}, model {}, tool schema {}",
+            agent_text(&st.versions, st.container.as_ref()),
+            st.versions.model,
+            short(&st.versions.tool_schema_hash)
+        ),
+        Decoded::VersionChanged(vc) => {
+            // A container agent has no prompt: its image is what changes.
+            let agent = match &vc.container {
+                Some(c) => format!("now {}", container_text(c)),
+                None => format!(
+                    "prompt {} → {}",
+                    vc.from.prompt_version, vc.to.prompt_version
+                ),
+            };
+            format!(
+                "version changed: {agent}, model {} → {}, tool schema {} → {}",
+                vc.from.model,
+                vc.to.model,
+                short(&vc.from.tool_schema_hash),
+                short(&vc.to.tool_schema_hash)
+            )
+        }
+        // What the model is told, or (with `stop`) the end a step asks for,
+        // such as a container agent's exit.
+        Decoded::Observation(o) => match &o.stop {
+            Some(end) => format!("{}: the step asks to end {}", o.text, name_of(&end.outcome)),
+            None => o.text.clone(),
+        },
+        _ => return None,
+    })
+}
+
+/// What a run's agent is: its container (issue 41), or its prompt.
+fn agent_text(v: &crate::runlog::records::Versions, c: Option<&Container>) -> String {
+    match c {
+        Some(c) => container_text(c),
+        None => format!("prompt {} ({})", v.prompt_version, short(&v.prompt_hash)),
+    }
+}
+
+/// `container IMAGE (COMMAND ARGS)`.
+fn container_text(c: &Container) -> String {
+    let argv: Vec<&str> = c
+        .command
+        .iter()
+        .chain(&c.args)
+        .map(String::as_str)
+        .collect();
+    format!("container {} ({})", c.image, argv.join(" "))
+}
+
 /// The first 12 characters of a hash.
 fn short(h: &str) -> String {
     h.chars().take(12).collect()
@@ -707,6 +741,8 @@ struct Timeline {
     verdict: String,
     problems: Vec<String>,
     next: u64,
+    /// What the run started on (its seq 0), in words.
+    agent: Option<String>,
 }
 
 async fn timeline(
@@ -738,6 +774,7 @@ async fn timeline(
     let mut problems = v.notes.clone();
     problems.extend(v.problems());
     Ok(Timeline {
+        agent: read.records.first().and_then(started_on),
         next: read.records.last().map_or(0, |r| r.seq + 1).max(from),
         entries: read
             .records
@@ -749,6 +786,16 @@ async fn timeline(
         verdict,
         problems,
     })
+}
+
+/// What the run started on, if `r` is its `RunStarted`.
+fn started_on(r: &crate::store::Record) -> Option<String> {
+    match crate::replay::Entry::decode(r.seq, r.kind.as_str(), &r.payload).ok()? {
+        crate::replay::Entry::RunStarted(st) => {
+            Some(agent_text(&st.versions, st.container.as_ref()))
+        }
+        _ => None,
+    }
 }
 
 /// `/runs/{ns}/{name}`.
@@ -795,7 +842,11 @@ pub async fn run(
         "who": me.user, "csrf": caller.csrf,
         "run": run_row(&r),
         "error": s.error, "result": s.result,
-        "pinned": s.pinned.as_ref().map(|p| json!({"prompt": p.prompt_version, "model": p.model})),
+        // The log says what the run started on (a container has no prompt).
+        "pinned": s.pinned.as_ref().map(|p| json!({
+            "agent": tl.as_ref().and_then(|t| t.agent.clone())
+                .unwrap_or_else(|| format!("prompt {}", p.prompt_version)),
+            "model": p.model})),
         "approval": s.approval.as_ref().map(|p| json!({"name": p.name, "href": approval_href(&ns, &p.name)})),
         "approvals": related,
         "live": live,

@@ -946,9 +946,9 @@ impl Runner {
     /// an append as it fences a renewal): a round trip saved per call. A
     /// worker that froze wakes with an old proof and renews.
     async fn hold_lease(&mut self, failpoint_name: &str) -> Result<(), StepError> {
-        if !self
+        if self
             .proven
-            .is_some_and(|at| at.elapsed() < LEASE_PROOF_FRESH)
+            .is_none_or(|at| at.elapsed() >= LEASE_PROOF_FRESH)
         {
             let sent = Instant::now();
             let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))

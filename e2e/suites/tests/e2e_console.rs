@@ -18,9 +18,10 @@ use std::time::Duration;
 
 use agentrun::api::{Approval, Phase};
 use common::approvals::{
-    decide, entry, gated_agent, gated_refund_approval, grant_approver_role, pending_approval,
-    refund,
+    decide, entry, gated_agent, gated_refund_approval, grant_approver_role, live_step_pods,
+    pending_approval, refund,
 };
+use common::container_agents::in_container;
 use common::log_api::{self, LogApiWorld};
 use common::world::{World, finish};
 use console::{Chrome, ConsoleProcess, FormBody as _, csrf_of, http, session_cookie_of};
@@ -197,6 +198,123 @@ async fn alice_approves_from_her_inbox_and_follows_a_run_live() {
         "the altered record is marked: {altered}"
     );
     chrome.screenshot("run-not-verified").await;
+    chrome.browser.clone().close().await.ok();
+}
+
+/// A container agent's gated refund (issue 41), decided in the console as
+/// a built-in agent's is: the unmodified plain agent of e2e/agents/ asks for
+/// a refund over the limit, and its run waits with no pod. alice reads the
+/// call the agent made (its tool and arguments) and approves it. The agent
+/// starts over in a new pod and is answered from the log up to the call. The
+/// refund is made once with the approved arguments. The model is asked as
+/// often as for a twin run whose refund is under the limit (no pause).
+#[tokio::test]
+async fn alice_approves_a_container_agents_refund_and_it_resumes_by_replay() {
+    let api = LogApiWorld::start("console-cagent").await;
+    let w = &api.world;
+    let ns = w.name().to_string();
+    grant_approver_role(w).await;
+    log_api::grant_reader(&w.client, &ns, "alice").await;
+    let done = json!({"text": "Refunded order 1042."});
+    for (run, amount) in [("cagent", 500), ("unpaused", 50)] {
+        w.standins
+            .script(run, json!([refund(amount), done]), json!([]))
+            .await;
+        let agent = in_container(gated_agent(w, run, json!({})), "plain-agent");
+        w.create_run(
+            run,
+            json!({"input": "Refund order 1042.", "agent": agent}),
+            json!({}),
+        )
+        .await;
+    }
+    let approval = pending_approval(w, "cagent").await;
+    let name = approval.metadata.name.clone().unwrap();
+    common::wait_for("the step pod to exit", common::world::TIMEOUT, || async {
+        (live_step_pods(w, "cagent").await == 0).then_some(())
+    })
+    .await;
+
+    let console = ConsoleProcess::loopback("alice", &ns);
+    let chrome = Chrome::start().await;
+    let b = &chrome.browser;
+    b.goto(&console.session_url).await.unwrap();
+    let inbox = chrome.wait_text("Approvals waiting", PAGE).await;
+    for shown in [name.as_str(), "issue_refund", "you may decide"] {
+        assert!(inbox.contains(shown), "the inbox shows {shown:?}:\n{inbox}");
+    }
+    chrome.click_link(&name).await;
+    let page = chrome.wait_text("Why the agent asks", PAGE).await;
+    for shown in [
+        "issue_refund for run cagent",
+        "orderId",
+        "\"1042\"",
+        "amount",
+        "500",
+        "The customer was charged twice; refunding 500.",
+        "No decision yet.",
+    ] {
+        assert!(
+            page.contains(shown),
+            "the approval shows {shown:?}:\n{page}"
+        );
+    }
+    chrome.screenshot("container-approval").await;
+    chrome.fill("Reason (optional)", "charged twice").await;
+    chrome.click_button("Approve").await;
+    chrome.wait_text("Your approval was recorded.", PAGE).await;
+
+    let run = w.wait_phase("cagent", Phase::Succeeded).await;
+    w.wait_phase("unpaused", Phase::Succeeded).await;
+    assert_eq!(
+        run.status.as_ref().and_then(|s| s.result.as_deref()),
+        Some("Refunded order 1042.")
+    );
+    let d = &approval_named(w, &name).await.spec.decisions[0];
+    assert_eq!(
+        (d.approver.as_str(), d.reason.as_deref()),
+        ("alice", Some("charged twice"))
+    );
+    let made: Vec<Value> = refunds(w)
+        .await
+        .into_iter()
+        .map(|r| r["args"].clone())
+        .filter(|a| a["amount"] == 500)
+        .collect();
+    assert_eq!(made, [json!({"orderId": "1042", "amount": 500})], "once");
+    assert_eq!(
+        w.standins.model_requests("cagent").await.len(),
+        w.standins.model_requests("unpaused").await.len(),
+        "the model is asked as often as without the pause"
+    );
+    let log = w.log(&run).await;
+    let pods: std::collections::HashSet<&str> =
+        log.iter().map(|(r, _)| r.worker.pod.as_str()).collect();
+    assert!(pods.len() >= 2, "a new pod resumed the run: {pods:?}");
+
+    // The finished container run's timeline, from the log API, verified.
+    b.goto(&format!("{}/runs/{ns}/cagent", console.base))
+        .await
+        .unwrap();
+    let timeline = chrome.wait_text("Timeline", PAGE).await;
+    for shown in [
+        "Succeeded",
+        "container agentrun-agents:1 (plain-agent)",
+        "proposed issue_refund",
+        "ApprovalDecided",
+        "alice Approve (charged twice)",
+        "issue_refund returned",
+        "the agent exited 0: the step asks to end Succeeded",
+        "RunFinished",
+        "verified:",
+    ] {
+        assert!(
+            timeline.contains(shown),
+            "the timeline shows {shown:?}:\n{timeline}"
+        );
+    }
+    assert!(!timeline.contains("NOT VERIFIED"), "{timeline}");
+    chrome.screenshot("container-run-timeline").await;
     chrome.browser.clone().close().await.ok();
 }
 

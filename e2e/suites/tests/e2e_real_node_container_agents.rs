@@ -18,6 +18,7 @@
 mod common;
 
 use agentrun::api::{AgentRun, Phase};
+use common::approvals::live_step_pods_in;
 use common::chart::{
     TIMEOUT, expose_host_process, image_paths, install_on_real_node, path_value, wait_phase,
 };
@@ -136,20 +137,6 @@ async fn the_agent_container_is_confined(pods: &Api<Pod>, standins: &Standins) -
     pod
 }
 
-/// Step pods of the run not yet ended.
-async fn running_step_pods(pods: &Api<Pod>) -> usize {
-    let all = pods.list(&ListParams::default()).await.unwrap().items;
-    step_pods_of(&all, RUN)
-        .iter()
-        .filter(|p| {
-            !matches!(
-                p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            )
-        })
-        .count()
-}
-
 /// Every step pod left of the run: the runner and the agent's container,
 /// the agent's from the agents' image, ended with 0; no token.
 fn the_step_pods_ran_the_agents_image(all: &[Pod], image: &str) {
@@ -237,7 +224,7 @@ async fn a_container_agent_in_its_image_waits_for_approval_resumes_and_refunds_o
     // The refund waits for an approver, with no pod.
     let approval = common::approvals::awaited_approval(&client, &ns, RUN).await;
     common::wait_for("the step pod to end", TIMEOUT, || async {
-        (running_step_pods(&pods).await == 0).then_some(())
+        (live_step_pods_in(&client, &ns, RUN).await == 0).then_some(())
     })
     .await;
     assert!(

@@ -183,7 +183,12 @@ pub fn plugin(w: &World, user: &str, args: &[&str]) -> (bool, String) {
 
 /// Step pods of `run` in the world's namespace not yet ended.
 pub async fn live_step_pods(w: &World, run: &str) -> usize {
-    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(w.client.clone(), w.name());
+    live_step_pods_in(&w.client, w.name(), run).await
+}
+
+/// [`live_step_pods`] in namespace `ns`.
+pub async fn live_step_pods_in(client: &kube::Client, ns: &str, run: &str) -> usize {
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
     let list = pods
         .list(&kube::api::ListParams::default().labels(&format!("agentrun.dev/run={run}")))
         .await
