@@ -44,11 +44,18 @@ impl Canonical {
     }
 
     /// sha256 (hex) of the dialect and the body in canonical JSON.
+    ///
+    /// The bytes are those of `{"body": …, "dialect": …}` in canonical
+    /// JSON (its keys in that order), hashed as they are written rather than
+    /// built as one value: a long conversation is not copied to be hashed.
     pub fn digest(&self) -> String {
-        let whole = serde_json::json!({"dialect": self.dialect, "body": self.body});
-        let bytes = serde_json_canonicalizer::to_vec(&whole)
-            .expect("a serde_json::Value is always canonicalizable");
-        hex::encode(Sha256::digest(bytes))
+        let mut hash = Sha256::new();
+        hash.update(b"{\"body\":");
+        hash.update(canonical_json(&self.body));
+        hash.update(b",\"dialect\":");
+        hash.update(canonical_json(&self.dialect));
+        hash.update(b"}");
+        hex::encode(hash.finalize())
     }
 
     fn conversation(&self) -> &[Value] {
@@ -57,6 +64,10 @@ impl Canonical {
             .and_then(Value::as_array)
             .map_or(&[], Vec::as_slice)
     }
+}
+
+fn canonical_json<T: Serialize>(value: &T) -> Vec<u8> {
+    serde_json_canonicalizer::to_vec(value).expect("JSON values are always canonicalizable")
 }
 
 /// The digest of a tool call: the Agent's tool name and the arguments, in
@@ -104,7 +115,15 @@ pub enum RestoreError {
 /// How `request` is recorded after `previous` (the run's previous recorded
 /// request, restored).
 pub fn record(request: &Canonical, previous: Option<&Canonical>) -> RecordedRequest {
-    let digest = request.digest();
+    record_digested(request, request.digest(), previous)
+}
+
+/// [`record`], with the request's digest already taken.
+pub fn record_digested(
+    request: &Canonical,
+    digest: String,
+    previous: Option<&Canonical>,
+) -> RecordedRequest {
     let Some(previous) = previous.filter(|p| p.dialect == request.dialect) else {
         return RecordedRequest {
             dialect: request.dialect,
@@ -328,6 +347,16 @@ mod tests {
             responses.unwrap().digest(),
             "the dialect counts"
         );
+    }
+
+    /// The digest hashes the canonical JSON of `{"dialect", "body"}` as one
+    /// value: the digests recorded in logs stay what they were.
+    #[test]
+    fn the_digest_is_the_canonical_json_of_dialect_and_body_as_one_value() {
+        let request = chat(conversation(5));
+        let whole = json!({"dialect": request.dialect, "body": request.body});
+        let bytes = serde_json_canonicalizer::to_vec(&whole).unwrap();
+        assert_eq!(request.digest(), hex::encode(Sha256::digest(bytes)));
     }
 
     #[test]

@@ -362,7 +362,7 @@ impl Inner {
         match self.matcher.model(&digest) {
             Decision::Replay { seq } => self.recorded_answer(seq),
             Decision::Diverged { replaced } => Err(self.diverged_model(replaced, &asked).await?),
-            Decision::Live => self.ask(asked).await,
+            Decision::Live => self.ask(asked, digest).await,
         }
     }
 
@@ -400,7 +400,7 @@ impl Inner {
     }
 
     /// A model request nothing recorded answers: asked, recorded, answered.
-    async fn ask(&mut self, asked: Asked) -> Result<Answer, Failure> {
+    async fn ask(&mut self, asked: Asked, digest: String) -> Result<Answer, Failure> {
         if let Some(end) = self.controllers_turn() {
             return Err(end);
         }
@@ -438,7 +438,7 @@ impl Inner {
         };
         let cost = cost_usd(snap.agent.model.prices.as_ref(), &response.usage);
         let model_id = response.model_id.clone();
-        let request = canonical::record(&asked.canonical, self.last.as_ref());
+        let request = canonical::record_digested(&asked.canonical, digest, self.last.as_ref());
         let call = ModelCall {
             request: Some(request.into()),
             response: response.clone().into(),
