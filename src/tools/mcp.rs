@@ -417,8 +417,7 @@ pub(crate) async fn call(
             Err(outcome) => return outcome,
         },
     };
-    let call = || tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx)));
-    let mut answer = call().await;
+    let mut answer = send(&session, tool, args, ctx).await;
     if reused && matches!(&answer, Ok(Err(e)) if never_sent(e)) {
         // The kept session's server could not be reached: nothing was
         // sent. A new session, as for a first call.
@@ -427,8 +426,7 @@ pub(crate) async fn call(
             Ok(session) => session,
             Err(outcome) => return outcome,
         };
-        answer =
-            tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await;
+        answer = send(&session, tool, args, ctx).await;
     }
     match &answer {
         Ok(Ok(_)) | Ok(Err(ServiceError::McpError(_))) => sessions.keep(&tool.url, session).await,
@@ -450,6 +448,16 @@ pub(crate) async fn call(
             tool.timeout
         )),
     }
+}
+
+/// `tools/call` on `session`, within the tool's timeout.
+async fn send(
+    session: &Session,
+    tool: &McpKind,
+    args: &Value,
+    ctx: &CallContext,
+) -> Result<Result<CallToolResult, ServiceError>, tokio::time::error::Elapsed> {
+    tokio::time::timeout(tool.timeout, session.call_tool(request(tool, args, ctx))).await
 }
 
 async fn close(session: Session) {
