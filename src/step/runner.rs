@@ -752,7 +752,9 @@ impl Runner {
         client: &ModelClient,
         request: &crate::model::ModelRequest,
     ) -> Result<Option<(ModelResponse, ModelAttempts)>, StepError> {
-        self.hold_lease("before-model-call").await?;
+        // Always renewed, however fresh the proof: the renewal is how this
+        // worker learns that the controller asks it to yield.
+        self.renew_lease("before-model-call").await?;
         // A model call starts a step: where a FollowLatest run moves to its
         // Agent's new version, never with the old prompt asked once more.
         if self.lease.yield_requested {
@@ -944,20 +946,36 @@ impl Runner {
     /// A proof younger than [`LEASE_PROOF_FRESH`] stands (the intent a tool
     /// call follows was just appended at this epoch, and a takeover fences
     /// an append as it fences a renewal): a round trip saved per call. A
-    /// worker that froze wakes with an old proof and renews.
+    /// worker that froze wakes with an old proof and renews. Not before a
+    /// model call: see [`Runner::renew_lease`].
     async fn hold_lease(&mut self, failpoint_name: &str) -> Result<(), StepError> {
         if self
             .proven
             .is_none_or(|at| at.elapsed() >= LEASE_PROOF_FRESH)
         {
-            let sent = Instant::now();
-            let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))
-                .await
-                .map_err(StepError::HoldLease)?;
-            self.lease = renewed;
-            self.proven = Some(sent);
+            self.renew().await?;
         }
         failpoint::hit(failpoint_name);
+        Ok(())
+    }
+
+    /// [`Runner::hold_lease`] that renews whatever the proof's age: before a
+    /// model call, where the renewal's answer says whether the controller
+    /// asked this worker to yield (a FollowLatest run's Agent changed), and
+    /// an append carries no such answer.
+    async fn renew_lease(&mut self, failpoint_name: &str) -> Result<(), StepError> {
+        self.renew().await?;
+        failpoint::hit(failpoint_name);
+        Ok(())
+    }
+
+    async fn renew(&mut self) -> Result<(), StepError> {
+        let sent = Instant::now();
+        let renewed = with_store_retry(|| self.store.renew(&self.lease, LEASE_TTL))
+            .await
+            .map_err(StepError::HoldLease)?;
+        self.lease = renewed;
+        self.proven = Some(sent);
         Ok(())
     }
 

@@ -720,3 +720,37 @@ async fn an_intent_for_a_gated_call_with_no_approval_in_the_log_is_not_executed(
         }
     }
 }
+
+/// The controller asks the worker to yield (a FollowLatest run's Agent
+/// changed) while a tool call is in flight. The worker records the calls
+/// of that model turn and leaves before its next model call, however fresh
+/// its lease proof is: the old prompt is never asked again.
+#[tokio::test]
+async fn a_yield_asked_during_a_tool_call_ends_the_step_before_the_next_model_call() {
+    let standins = Standins::start().await;
+    let history = history(&standins.base);
+    standins.script(&history);
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), &history[..1]).await;
+    let asker = store.clone();
+    standins.on_call(move || {
+        let store = asker.clone();
+        Box::pin(async move { store.request_yield(RUN).await.unwrap() })
+    });
+    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the step ends within 30 s")
+        .unwrap();
+
+    let log = read_log(&*store).await;
+    let first_turn = history
+        .iter()
+        .skip(2)
+        .position(|e| matches!(e, Entry::ModelCall(_)))
+        .map(|i| i + 2)
+        .unwrap();
+    let kinds = |l: &[Entry]| l.iter().map(Entry::kind).collect::<Vec<_>>();
+    assert_eq!(kinds(&log), kinds(&history[..first_turn]));
+    assert_eq!(standins.counts().model_requests, 1);
+}

@@ -52,7 +52,16 @@ struct Script {
     counts: Counts,
 }
 
-type Shared = Arc<Mutex<Script>>;
+/// What a tool does, once it has answered and before the answer leaves.
+type Hook = Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+#[derive(Default)]
+struct Inner {
+    script: Mutex<Script>,
+    on_call: Mutex<Option<Hook>>,
+}
+
+type Shared = Arc<Inner>;
 
 /// The running stand-ins; they stop with the test's runtime.
 pub struct Standins {
@@ -78,7 +87,7 @@ impl Standins {
 
     /// Scripts the answers from `history`: its model calls and tool results.
     pub fn script(&self, history: &[Entry]) {
-        let mut script = self.shared.lock().unwrap();
+        let mut script = self.shared.script.lock().unwrap();
         let mut results = 0;
         for (seq, step) in history.iter().enumerate() {
             match step {
@@ -106,13 +115,22 @@ impl Standins {
     /// Zeroes the counts; the calls under `done` already took effect (a
     /// previous worker made them).
     pub fn reset(&self, done: impl IntoIterator<Item = String>) {
-        let mut script = self.shared.lock().unwrap();
+        let mut script = self.shared.script.lock().unwrap();
         script.counts = Counts::default();
         script.counts.effects = done.into_iter().map(|key| (key, 1)).collect();
     }
 
+    /// Runs `hook` at every tool call, after the tool took effect and
+    /// before its answer is sent.
+    pub fn on_call(
+        &self,
+        hook: impl Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync + 'static,
+    ) {
+        *self.shared.on_call.lock().unwrap() = Some(Arc::new(hook));
+    }
+
     pub fn counts(&self) -> Counts {
-        self.shared.lock().unwrap().counts.clone()
+        self.shared.script.lock().unwrap().counts.clone()
     }
 }
 
@@ -122,7 +140,7 @@ fn refuse(status: StatusCode, message: String) -> (StatusCode, Json<Value>) {
 }
 
 async fn chat(State(shared): State<Shared>, Json(body): Json<Value>) -> (StatusCode, Json<Value>) {
-    let mut script = shared.lock().unwrap();
+    let mut script = shared.script.lock().unwrap();
     script.counts.model_requests += 1;
     let messages = body["messages"].as_array().cloned().unwrap_or_default();
     let turns = messages.iter().filter(|m| m["role"] == "assistant").count();
@@ -170,13 +188,28 @@ async fn call(
     headers: HeaderMap,
     Json(arguments): Json<Value>,
 ) -> (StatusCode, Json<Value>) {
-    let key = key_of(&headers);
-    let mut script = shared.lock().unwrap();
+    let answer = take_effect(&shared, &tool, key_of(&headers), &arguments);
+    let hook = shared.on_call.lock().unwrap().clone();
+    if let (Some(hook), (StatusCode::OK, _)) = (hook, &answer) {
+        hook().await;
+    }
+    answer
+}
+
+/// Counts a call and answers it: its recorded result if it is the
+/// recorded call of its key.
+fn take_effect(
+    shared: &Inner,
+    tool: &str,
+    key: String,
+    arguments: &Value,
+) -> (StatusCode, Json<Value>) {
+    let mut script = shared.script.lock().unwrap();
     *script.counts.posts.entry(key.clone()).or_default() += 1;
     let Some(recorded) = script.calls.get(&key).cloned() else {
         return refuse(StatusCode::BAD_REQUEST, format!("no call has key {key:?}"));
     };
-    if recorded.tool != tool || recorded.arguments != arguments {
+    if recorded.tool != tool || recorded.arguments != *arguments {
         let why = format!("key {key} was {recorded:?}, not {tool} {arguments}");
         return refuse(StatusCode::BAD_REQUEST, why);
     }
@@ -190,7 +223,7 @@ async fn lookup(
     headers: HeaderMap,
 ) -> (StatusCode, Json<Value>) {
     let key = key_of(&headers);
-    let mut script = shared.lock().unwrap();
+    let mut script = shared.script.lock().unwrap();
     *script.counts.lookups.entry(key.clone()).or_default() += 1;
     let done = script.counts.effects.get(&key).is_some_and(|n| *n > 0);
     match script.calls.get(&key) {
