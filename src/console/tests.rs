@@ -588,13 +588,30 @@ async fn a_budget_question_offers_the_budget_limits_as_its_form() {
     );
 }
 
+/// How the timeline shows `step`, recorded at `seq`.
+fn timeline_entry(seq: u64, kind: crate::store::StepKind, step: &crate::replay::Entry) -> Value {
+    let record = crate::store::Record {
+        format: 2,
+        seq,
+        kind,
+        payload: step.payload(),
+        versions: Default::default(),
+        usage: Default::default(),
+        worker: Default::default(),
+        prev_hash: Default::default(),
+        hash: Default::default(),
+        created_at: None,
+    };
+    serde_json::to_value(views::entry(&record, false)).unwrap()
+}
+
 /// A container agent's run (issue 41) started on its image, not on a
 /// prompt it does not have: the timeline and the run's facts say which.
 #[test]
 fn a_container_runs_timeline_names_its_image_not_an_empty_prompt() {
     use crate::replay::Entry as Step;
     use crate::runlog::records::{RunStarted, Versions};
-    use crate::store::{Record, StepKind};
+    use crate::store::StepKind;
     // A container agent's stored template holds an empty prompt.
     let agent = serde_json::from_value(json!({
         "prompt": {"version": "", "system": ""},
@@ -619,21 +636,36 @@ fn a_container_runs_timeline_names_its_image_not_an_empty_prompt() {
         },
         container: Some(container),
     });
-    let record = Record {
-        format: 2,
-        seq: 0,
-        kind: StepKind::RunStarted,
-        payload: started.payload(),
-        versions: Default::default(),
-        usage: Default::default(),
-        worker: Default::default(),
-        prev_hash: Default::default(),
-        hash: Default::default(),
-        created_at: None,
-    };
-    let shown = serde_json::to_value(views::entry(&record, false)).unwrap();
+    let shown = timeline_entry(0, StepKind::RunStarted, &started);
     assert_eq!(
         shown["what"],
         "started on container agentrun-agents:1 (plain-agent --fast), model gpt-e2e, tool schema abababababab"
     );
+}
+
+/// A container agent's long termination message still shows how its step
+/// asks to end: the message is cut, not the end.
+#[test]
+fn a_long_exit_message_is_cut_before_the_end_it_asks_for() {
+    use crate::replay::Entry as Step;
+    use crate::runlog::records::{Observation, Outcome, RunFinished};
+    use crate::store::StepKind;
+    let text = format!("the agent exited 1: {}", "Traceback line\n".repeat(100));
+    let exited = Step::Observation(Observation {
+        text,
+        about_seq: None,
+        stop: Some(RunFinished {
+            outcome: Outcome::Failed,
+            result: None,
+            error: Some("exit 1".into()),
+        }),
+        attempts: None,
+    });
+    let shown = timeline_entry(3, StepKind::Observation, &exited);
+    let what = shown["what"].as_str().unwrap();
+    assert!(
+        what.starts_with("the agent exited 1: Traceback line"),
+        "{what}"
+    );
+    assert!(what.ends_with("…: the step asks to end Failed"), "{what}");
 }

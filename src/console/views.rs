@@ -703,7 +703,12 @@ fn in_words(step: &crate::replay::Entry) -> Option<String> {
         // What the model is told, or (with `stop`) the end a step asks for,
         // such as a container agent's exit.
         Decoded::Observation(o) => match &o.stop {
-            Some(end) => format!("{}: the step asks to end {}", o.text, name_of(&end.outcome)),
+            // Cut before the end is named, so a long text never hides it.
+            Some(end) => format!(
+                "{}: the step asks to end {}",
+                crate::text::excerpt(&o.text, 300),
+                name_of(&end.outcome)
+            ),
             None => o.text.clone(),
         },
         _ => return None,

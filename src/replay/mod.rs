@@ -985,7 +985,7 @@ pub(crate) mod tests {
         };
         let request = crate::wire::canonical::Canonical::of(
             crate::wire::Dialect::ChatCompletions,
-            &json!({"messages": [{"role": "user", "content": "refund"}]}),
+            json!({"messages": [{"role": "user", "content": "refund"}]}),
         )
         .unwrap();
         call.request = Some(crate::wire::canonical::record(&request, None).into());

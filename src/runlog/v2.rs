@@ -195,7 +195,7 @@ mod tests {
     fn a_wire_request_is_stored_in_its_pinned_shape_and_converts_both_ways() {
         let request = Canonical::of(
             wire::Dialect::Responses,
-            &serde_json::json!({"model": "m", "input": [{"role": "user", "content": "refund A-1"}]}),
+            serde_json::json!({"model": "m", "input": [{"role": "user", "content": "refund A-1"}]}),
         )
         .unwrap();
         let recorded = record(&request, None);

@@ -111,7 +111,7 @@ mod tests {
             .collect();
         Canonical::of(
             Dialect::ChatCompletions,
-            &json!({"model": "m", "messages": messages}),
+            json!({"model": "m", "messages": messages}),
         )
         .unwrap()
     }

@@ -33,10 +33,13 @@ pub struct Canonical {
 }
 
 impl Canonical {
-    /// The request `body` came in as, in `dialect`; `None` when the body is
-    /// not a JSON object.
-    pub fn of(dialect: Dialect, body: &Value) -> Option<Canonical> {
-        let mut body = body.as_object()?.clone();
+    /// The request `body` came in as, in `dialect` (taken, not copied: a
+    /// long conversation is the larger part of a request's cost); `None`
+    /// when the body is not a JSON object.
+    pub fn of(dialect: Dialect, body: Value) -> Option<Canonical> {
+        let Value::Object(mut body) = body else {
+            return None;
+        };
         for key in DELIVERY {
             body.remove(*key);
         }
@@ -307,9 +310,7 @@ mod tests {
     use serde_json::json;
 
     fn chat(messages: Value) -> Canonical {
-        Canonical::of(
-            Dialect::ChatCompletions,
-            &json!({"model": "m", "messages": messages, "tools": [{"type": "function", "function": {"name": "lookup"}}], "stream": true}),
+        Canonical::of(Dialect::ChatCompletions, json!({"model": "m", "messages": messages, "tools": [{"type": "function", "function": {"name": "lookup"}}], "stream": true}),
         )
         .unwrap()
     }
@@ -339,9 +340,9 @@ mod tests {
         let streamed = chat(conversation(1));
         let mut plain = streamed.clone();
         plain.body.insert("stream".into(), json!(false));
-        let plain = Canonical::of(Dialect::ChatCompletions, &Value::Object(plain.body)).unwrap();
+        let plain = Canonical::of(Dialect::ChatCompletions, Value::Object(plain.body)).unwrap();
         assert_eq!(streamed.digest(), plain.digest());
-        let responses = Canonical::of(Dialect::Responses, &Value::Object(streamed.body.clone()));
+        let responses = Canonical::of(Dialect::Responses, Value::Object(streamed.body.clone()));
         assert_ne!(
             streamed.digest(),
             responses.unwrap().digest(),
@@ -361,11 +362,11 @@ mod tests {
 
     #[test]
     fn key_order_and_number_spelling_do_not_change_the_digest() {
-        let a = Canonical::of(Dialect::Messages, &json!({"a": 1, "b": 1.0})).unwrap();
+        let a = Canonical::of(Dialect::Messages, json!({"a": 1, "b": 1.0})).unwrap();
         let b: Value = serde_json::from_str(r#"{"b": 1.0, "a": 1}"#).unwrap();
         assert_eq!(
             a.digest(),
-            Canonical::of(Dialect::Messages, &b).unwrap().digest()
+            Canonical::of(Dialect::Messages, b).unwrap().digest()
         );
     }
 
@@ -402,7 +403,7 @@ mod tests {
         assert_eq!(rec.kept, 0);
         assert_eq!(restore(&rec, Some(&first)).unwrap(), other);
         // Another dialect shares nothing.
-        let anthropic = Canonical::of(Dialect::Messages, &json!({"messages": []})).unwrap();
+        let anthropic = Canonical::of(Dialect::Messages, json!({"messages": []})).unwrap();
         let rec = record(&anthropic, Some(&first));
         assert!(rec.same.is_empty() && rec.kept == 0);
         assert_eq!(restore(&rec, None).unwrap(), anthropic);

@@ -278,7 +278,8 @@ async fn model(s: Shared, headers: HeaderMap, body: Body, dialect: Dialect) -> R
         Ok(r) => r,
         Err(bad) => return codec.bad(&bad),
     };
-    let Some(canonical) = Canonical::of(dialect, &body) else {
+    let delivery = codec.delivery(&body);
+    let Some(canonical) = Canonical::of(dialect, body) else {
         return codec.bad(&BadRequest::new("body", "not a JSON object"));
     };
     let asked = Asked {
@@ -287,9 +288,19 @@ async fn model(s: Shared, headers: HeaderMap, body: Body, dialect: Dialect) -> R
         request,
     };
     match s.backend.model(asked).await {
-        Ok(answer) => codec.render(&answer, &body),
+        Ok(answer) => codec.render(&answer, &delivery),
         Err(refused) => codec.refuse(refused.status, &refused.message),
     }
+}
+
+/// What of a request says how its answer is delivered (read before the
+/// body is taken into its [`Canonical`]).
+struct Delivery {
+    /// The model the agent named (answered when the provider names none).
+    model: String,
+    stream: bool,
+    /// Chat Completions: a stream ends with a usage chunk.
+    include_usage: bool,
 }
 
 /// One dialect's translations.
@@ -332,12 +343,21 @@ impl Codec {
         }
     }
 
-    fn events(&self, answer: &Answer, model: &str, body: &Value) -> Vec<String> {
+    fn delivery(&self, body: &Value) -> Delivery {
+        let model = body.get("model").and_then(Value::as_str);
+        Delivery {
+            model: model.unwrap_or_default().to_string(),
+            stream: (self.streams)(body),
+            include_usage: self.dialect == Dialect::ChatCompletions
+                && chat_completions::include_usage(body),
+        }
+    }
+
+    fn events(&self, answer: &Answer, model: &str, delivery: &Delivery) -> Vec<String> {
         let (r, id, at) = (&answer.response, answer.id.as_str(), answer.created);
         match self.dialect {
             Dialect::ChatCompletions => {
-                let usage = chat_completions::include_usage(body);
-                chat_completions::stream(r, model, id, at, usage)
+                chat_completions::stream(r, model, id, at, delivery.include_usage)
             }
             Dialect::Responses => responses::stream(r, model, id, at),
             Dialect::Messages => messages::stream(r, model, id, at),
@@ -345,17 +365,13 @@ impl Codec {
     }
 
     /// The answer, streamed if the request asked for a stream.
-    fn render(&self, answer: &Answer, body: &Value) -> Response {
-        let asked_for = body
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
+    fn render(&self, answer: &Answer, delivery: &Delivery) -> Response {
         let model = match answer.response.model_id.as_str() {
-            "" => asked_for,
+            "" => delivery.model.as_str(),
             id => id,
         };
-        if (self.streams)(body) {
-            let events = self.events(answer, model, body).concat();
+        if delivery.stream {
+            let events = self.events(answer, model, delivery).concat();
             return ([(header::CONTENT_TYPE, "text/event-stream")], events).into_response();
         }
         Json((self.response)(
