@@ -553,6 +553,113 @@ async fn mcp_calls_of_one_toolbox_share_one_session() {
     );
 }
 
+/// A TCP relay to the stand-ins that can be taken down (its port then
+/// refuses connections) and brought back on the same port.
+struct Relay {
+    addr: std::net::SocketAddr,
+    to: String,
+    serving: tokio::task::JoinSet<()>,
+}
+
+impl Relay {
+    async fn start(to: &str) -> Relay {
+        let to = to.trim_start_matches("http://").to_string();
+        let mut relay = Relay {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            to,
+            serving: tokio::task::JoinSet::new(),
+        };
+        relay.up().await;
+        relay
+    }
+
+    async fn up(&mut self) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.bind(self.addr).unwrap();
+        let listener = socket.listen(64).unwrap();
+        self.addr = listener.local_addr().unwrap();
+        let to = self.to.clone();
+        self.serving.spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let (mut inbound, _) = listener.accept().await.unwrap();
+                let to = to.clone();
+                conns.spawn(async move {
+                    let mut outbound = tokio::net::TcpStream::connect(&to).await.unwrap();
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                });
+            }
+        });
+    }
+
+    /// Closes the port and every relayed connection, and returns once the
+    /// port refuses.
+    async fn down(&mut self) {
+        self.serving.abort_all();
+        while self.serving.join_next().await.is_some() {}
+        while tokio::net::TcpStream::connect(self.addr).await.is_ok() {
+            tokio::task::yield_now().await;
+        }
+        // The client's pool sees its connections closed (not a request
+        // lost on a closing one, which would be another case).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A kept session whose server cannot be reached (its port refuses, so
+/// nothing was sent) is opened anew once the server is back: the call is
+/// made once, on a new session, and nothing is lost or doubled.
+#[tokio::test]
+async fn a_kept_mcp_session_whose_server_refused_the_connection_is_opened_again() {
+    let s = standins();
+    let mut relay = Relay::start(&s.base).await;
+    let url = format!("http://{}/mcp/reopen", relay.addr);
+    let specs = [ToolSpec {
+        name: "create_ticket".into(),
+        mcp: Some(McpTool {
+            url,
+            tool: None,
+            idempotent: false,
+        }),
+        ..Default::default()
+    }];
+    let catalog = discover_catalog(&specs).await.unwrap();
+    let tb = Toolbox::new(&specs, &catalog)
+        .unwrap()
+        .with_retry(RetryPolicy {
+            attempts: 20,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(100),
+        });
+    let args = |i: u32| json!({"title": format!("t{i}"), "priority": "low"});
+    ok(tb.call("create_ticket", &args(0), &ctx(1, 0)).await);
+    let requests = || async {
+        s.get_json("/mcp-requests/reopen").await["requests"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = requests().await;
+
+    relay.down().await;
+    // Back while the reopened session's attempts go on (about 1.5 s of them).
+    let back = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        relay.up().await;
+        relay
+    });
+    ok(tb.call("create_ticket", &args(1), &ctx(2, 0)).await);
+    let _relay = back.await.unwrap();
+
+    assert_eq!(
+        requests().await - before,
+        3,
+        "initialize, initialized and the call, on a new session; nothing on the refused one"
+    );
+    let tickets = s.mcp_effects("reopen").await["tickets"].clone();
+    assert_eq!(tickets.as_array().unwrap().len(), 2, "{tickets}");
+}
+
 #[tokio::test]
 async fn mcp_create_ticket_with_the_same_key_twice_makes_one_ticket() {
     let s = standins();
