@@ -20,7 +20,11 @@
 //! included), the same for `wire.tool` (an MCP tool call: classified,
 //! intended with its key, made, recorded), and `wire.replay.answers_per_s`:
 //! a new step of the same run, the agent started over, every answer served
-//! from the log (the rate from the agent's first request to its exit).
+//! from the log (the rate from the agent's first request to its exit);
+//! `wire.replay.served_per_s`, the same answers per second the agent
+//! waited for them (the runner's pace, the agent's own work left out), and
+//! `wire.direct.answers_per_s`, the agent's pace straight to the stand-ins
+//! (a bound on the wall rate, whatever serves it).
 //!
 //! Environment: AGENTRUN_WIRE_BENCH_CALLS (200). Without `--bench` (`cargo
 //! test`, which `e2e/test` runs): check mode, 20 calls, and the promises
@@ -52,6 +56,16 @@ fn figure(name: &str, value: f64, unit: &str) {
         format!("{value:.2}")
     };
     println!("bench: wire.{name} {v} {unit}");
+}
+
+/// Seconds from the agent's first request to its end.
+fn wall(t: &Timings) -> f64 {
+    (t.ended.unwrap() - t.started.unwrap()).as_secs_f64()
+}
+
+/// Seconds the agent waited for answers (model and tool).
+fn waited(t: &Timings) -> f64 {
+    t.model.iter().chain(&t.tool).sum::<Duration>().as_secs_f64()
 }
 
 fn p50(mut v: Vec<Duration>) -> f64 {
@@ -329,7 +343,7 @@ async fn main() {
     let replay_store = store_with(dir2.path(), &log[..log.len() - 1]).await;
     let replayed = through_runner(replay_store.clone()).await;
     let served = replayed.model.len() + replayed.tool.len();
-    let replay_secs = (replayed.ended.unwrap() - replayed.started.unwrap()).as_secs_f64();
+    let replay_secs = wall(&replayed);
 
     let model = (p50(direct.model.clone()), p50(live.model.clone()));
     let tool = (p50(direct.tool.clone()), p50(live.tool.clone()));
@@ -342,6 +356,20 @@ async fn main() {
     figure(
         "replay.answers_per_s",
         served as f64 / replay_secs,
+        "answers/s",
+    );
+    // The runner's side of replay: answers per second of waiting for them
+    // (the agent's own work between requests left out), and, for
+    // reference, the agent's pace straight to the stand-ins (a bound on
+    // the wall rate whatever serves it).
+    figure(
+        "replay.served_per_s",
+        served as f64 / waited(&replayed),
+        "answers/s",
+    );
+    figure(
+        "direct.answers_per_s",
+        (direct.model.len() + direct.tool.len()) as f64 / wall(&direct),
         "answers/s",
     );
 
