@@ -14,6 +14,7 @@ pub mod egress;
 pub mod exit;
 pub mod failpoint;
 pub mod host;
+pub mod jcs;
 pub mod keys;
 pub mod model;
 pub mod policy;

@@ -40,9 +40,7 @@ pub const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
 /// doubles in their shortest form (integers beyond 2^53 lose precision, which
 /// [`RecordDraft::seal`] refuses for payloads).
 pub fn canonical_json(value: &serde_json::Value) -> Vec<u8> {
-    // A serde_json::Value always has string keys and finite numbers, the only
-    // things the canonicalizer refuses.
-    serde_json_canonicalizer::to_vec(value).expect("a serde_json::Value is always canonicalizable")
+    crate::jcs::to_vec(value)
 }
 
 /// Lowercase hex sha256 of some bytes.
@@ -249,7 +247,7 @@ impl Record {
     /// Equal to the RFC 8785 encoding of the record (pinned by tests against
     /// `serde_json_canonicalizer`); the fixed envelope is written directly
     /// (its keys in sorted order, its strings escaped as RFC 8785 does) and
-    /// only the free-form payload goes through the canonicalizer, which makes
+    /// only the free-form payload goes through [`crate::jcs`], which makes
     /// replay verification several times faster.
     pub fn canonical_bytes(&self) -> Vec<u8> {
         let safe = |n: u64| n <= MAX_SAFE_INTEGER;
@@ -267,8 +265,7 @@ impl Record {
         out.extend_from_slice(b",\"kind\":\"");
         out.extend_from_slice(self.kind.as_str().as_bytes());
         out.extend_from_slice(b"\",\"payload\":");
-        serde_json_canonicalizer::to_writer(&self.payload, &mut out)
-            .expect("a serde_json::Value is always canonicalizable");
+        crate::jcs::write(&self.payload, &mut out).expect("writing to a Vec cannot fail");
         out.extend_from_slice(b",\"prevHash\":\"");
         out.extend_from_slice(self.prev_hash.to_hex().as_bytes());
         out.extend_from_slice(b"\",\"seq\":");

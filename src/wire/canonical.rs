@@ -54,7 +54,7 @@ impl Canonical {
     pub fn digest(&self) -> String {
         let mut hash = Sha256::new();
         hash.update(b"{\"body\":");
-        hash.update(canonical_json(&self.body));
+        crate::jcs::write_object(&self.body, &mut hash).expect("hashing cannot fail");
         hash.update(b",\"dialect\":");
         hash.update(canonical_json(&self.dialect));
         hash.update(b"}");
