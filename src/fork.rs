@@ -14,20 +14,24 @@
 use std::time::Duration;
 
 use crate::replay::Entry;
-use crate::runlog::records::Forked;
+use crate::runlog::records::{Forked, VersionChanged};
 use crate::store::{
     Head, Record, RecordDraft, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureRules,
     StepKind, StepStore, StoreError, check_anchor,
 };
 
-/// Where a fork begins: the parent, the seq of its last record copied, and
-/// who forked.
+/// Where a fork begins: the parent, the seq of its last record copied, who
+/// forked, and the agent it goes on with.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ForkPoint {
     pub parent_uid: String,
     pub parent_name: String,
     pub seq: u64,
     pub requester: Option<String>,
+    /// `spec.forkOf.agent`: recorded as a `VersionChanged` right after
+    /// `Forked`, so the rest runs on it; `None` keeps the parent's agent in
+    /// force at `seq`.
+    pub agent: Option<VersionChanged>,
 }
 
 /// Why a fork's prefix was not copied.
@@ -76,8 +80,8 @@ pub async fn read_parent(
     Ok(records)
 }
 
-/// The fork's first `point.seq + 2` records, sealed for `fork_uid`: the
-/// parent's `0..=seq` copied, then `Forked`. Pure, and deterministic
+/// The fork's first records, sealed for `fork_uid`: the parent's `0..=seq`
+/// copied, then `Forked`, then the `VersionChanged` to `point.agent`. Pure, and deterministic
 /// (Ed25519 signs deterministically): a copy cut short by a crash is
 /// written again byte for byte.
 pub fn plan(
@@ -113,16 +117,19 @@ pub fn plan(
         parent_hash: at.hash.to_hex(),
         requester: point.requester.clone(),
     });
-    let mut draft = forked.draft();
-    draft.worker = crate::store::Worker {
-        pod: writer.to_string(),
-        attempt: 0,
-    };
-    out.push(
-        signer
+    let changed = point.agent.clone().map(Entry::VersionChanged);
+    for entry in std::iter::once(forked).chain(changed) {
+        let mut draft = entry.draft();
+        draft.worker = crate::store::Worker {
+            pod: writer.to_string(),
+            attempt: 0,
+        };
+        let sealed = signer
             .seal(fork_uid, draft, &head)
-            .map_err(ForkError::Store)?,
-    );
+            .map_err(ForkError::Store)?;
+        head = sealed.head();
+        out.push(sealed);
+    }
     Ok(out)
 }
 

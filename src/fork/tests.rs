@@ -48,6 +48,7 @@ fn point(parent_uid: &str, seq: u64) -> ForkPoint {
         parent_name: "refund-1".into(),
         seq,
         requester: Some("alice".into()),
+        agent: None,
     }
 }
 
@@ -334,4 +335,59 @@ fn a_step_pod_may_not_write_a_forked_record_and_it_is_the_controllers() {
     use crate::controller::servers::gateway::runner_may_write;
     assert!(!runner_may_write(StepKind::Forked));
     assert!(crate::store::controller_only(StepKind::Forked));
+}
+
+#[tokio::test]
+async fn a_fork_with_another_agent_goes_on_with_it_from_the_fork_point() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    // After the lookup's result: the refund is still to be decided.
+    let seq = 3;
+    let resumed = RunState::replay(log[..=seq].to_vec());
+    let mut agent = crate::runlog::v1::AgentTemplate::default();
+    agent.prompt.version = "v2-stricter".into();
+    let changed = crate::runlog::records::VersionChanged {
+        agent,
+        tools: vec![],
+        mcp: Default::default(),
+        from: resumed.snapshot.as_ref().unwrap().versions.clone(),
+        to: crate::runlog::records::Versions {
+            prompt_version: "v2-stricter".into(),
+            ..Default::default()
+        },
+        container: None,
+    };
+    let mut at = point(PARENT, seq as u64);
+    at.agent = Some(changed);
+    let head = copy_prefix(&store, &signer(), "fork", &parent, &at, CONTROLLER)
+        .await
+        .unwrap();
+    assert_eq!(
+        head.len,
+        seq as u64 + 3,
+        "the prefix, Forked, VersionChanged"
+    );
+    let records = store.read_verified("fork", None).await.unwrap();
+    signer()
+        .verifier()
+        .check("fork", &records, &SignatureRules::STRICT)
+        .unwrap();
+    assert_eq!(records[seq + 2].kind, StepKind::VersionChanged);
+    let forked = RunState::replay(decode(&records));
+    assert_eq!(forked.next(), resumed.next(), "the same call is next");
+    let snapshot = forked.snapshot.as_ref().unwrap();
+    let version = |a: &crate::api::AgentTemplate| a.prompt.as_ref().map(|p| p.version.clone());
+    assert_eq!(version(&snapshot.agent).as_deref(), Some("v2-stricter"));
+    assert_eq!(snapshot.versions.prompt_version, "v2-stricter");
+    // What was recorded before the fork point was the parent's agent's.
+    assert_eq!(
+        version(forked.agent_at(seq as u64).unwrap()),
+        version(resumed.agent_at(seq as u64).unwrap())
+    );
+    // The origin is still the Forked record, and the prefix the parent's.
+    let origin = origin(&records).unwrap().unwrap();
+    assert_eq!(origin.at, seq as u64 + 1);
+    check_prefix(&records, &origin, &parent).unwrap();
 }

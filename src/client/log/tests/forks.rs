@@ -35,6 +35,7 @@ fn fork_of(
         parent_name: parent_name.into(),
         seq,
         requester: Some("alice".into()),
+        agent: None,
     };
     plan(&signer(), uid, parent, &point, "controller").unwrap()
 }
