@@ -391,3 +391,19 @@ async fn a_fork_with_another_agent_goes_on_with_it_from_the_fork_point() {
     assert_eq!(origin.at, seq as u64 + 1);
     check_prefix(&records, &origin, &parent).unwrap();
 }
+
+#[test]
+fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
+    let line = crate::client::approvals::describe_entry(&Entry::Forked(Forked {
+        parent_uid: PARENT.into(),
+        parent_name: "refund-1".into(),
+        seq: 3,
+        parent_hash: "ab".repeat(32),
+        requester: Some("alice".into()),
+    }))
+    .unwrap();
+    assert_eq!(
+        line,
+        "forked from refund-1 (parent-uid) after its seq 3 (hash abababababab) by alice"
+    );
+}
