@@ -407,3 +407,59 @@ fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
         "forked from refund-1 (parent-uid) after its seq 3 (hash abababababab) by alice"
     );
 }
+
+#[tokio::test]
+async fn a_parent_begun_before_binding_gives_a_fork_whose_controller_records_are_all_bound_to_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    // An earlier release's run: controller records signed v1 (bound to no
+    // run), accepted only before its `boundFrom`.
+    let lease = store
+        .acquire(PARENT, "w", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut head = Head::EMPTY;
+    for entry in &log {
+        let record = if crate::store::controller_only(entry.store_kind()) {
+            signer().seal_v1(entry.draft(), &head).unwrap()
+        } else {
+            entry.draft().seal(&head).unwrap()
+        };
+        head = store
+            .append(PARENT, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    store.release(&lease).await.unwrap();
+    let legacy = SignatureRules {
+        signed_from: 0,
+        bound_from: log.len() as u64,
+        keys: Default::default(),
+    };
+    let verifier = signer().verifier();
+    let strict = read_parent(&store, &verifier, PARENT, None, &SignatureRules::STRICT).await;
+    assert!(matches!(strict, Err(ForkError::ParentUnverified(_))));
+    let parent = read_parent(&store, &verifier, PARENT, Some(&head), &legacy)
+        .await
+        .unwrap();
+    let seq = 5;
+    copy_prefix(
+        &store,
+        &signer(),
+        "fork",
+        &parent,
+        &point(PARENT, seq),
+        CONTROLLER,
+    )
+    .await
+    .unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    // The fork is this release's run: every controller record v2, for it.
+    verifier
+        .check("fork", &records, &SignatureRules::STRICT)
+        .unwrap();
+    let origin = origin(&records).unwrap().unwrap();
+    check_prefix(&records, &origin, &parent).unwrap();
+}
