@@ -147,3 +147,71 @@ async fn a_fork_before_the_refund_makes_it_again_with_its_own_key_and_asks_nothi
         assert_eq!(counts.posts.get(&intent.key), Some(&1), "{}", intent.tool);
     }
 }
+
+#[tokio::test]
+async fn a_fork_at_an_intent_without_its_result_recovers_the_parents_call_and_makes_it_no_more() {
+    let standins = Standins::start().await;
+    let history = history(&standins.base);
+    // The refund's intent, the last record copied: the parent made that
+    // call (its result follows in the parent, not in the fork).
+    let seq = history
+        .iter()
+        .position(|s| matches!(s, Entry::ToolIntent(i) if i.tool == "refund"))
+        .unwrap() as u64;
+    let Entry::ToolIntent(refund) = &history[seq as usize] else {
+        unreachable!()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = forked_log(dir.path(), &history, seq).await;
+    let copied = store.read_verified(FORK, None).await.unwrap();
+    let forked = &copied[seq as usize + 1];
+    let forked = Entry::decode(forked.seq, forked.kind.as_str(), &forked.payload).unwrap();
+    let expected = fork_history(&history, seq, forked);
+    standins.script(&history);
+    standins.script(&expected);
+    let parent_keys: Vec<String> = intents(&history).iter().map(|i| i.key.clone()).collect();
+    standins.reset(parent_keys.clone());
+
+    let mut args = step_args();
+    args.run_uid = FORK.into();
+    tokio::time::timeout(Duration::from_secs(30), run_on(args, store.clone()))
+        .await
+        .expect("the fork's step ends")
+        .unwrap_or_else(|e| panic!("the fork's step: {e:#}"));
+
+    let log: Vec<Entry> = store
+        .read_verified(FORK, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+        .collect();
+    let essential = |l: &[Entry]| l.iter().map(essence).collect::<Vec<_>>();
+    assert_eq!(essential(&log), essential(&expected));
+    // Its lookup, under the parent's (recorded) key, said it had happened.
+    match &log[seq as usize + 2] {
+        Entry::ToolResult(r) => {
+            assert_eq!(r.intent_seq, seq);
+            assert_eq!(r.recovery, Some(Recovery::LookupFoundResult));
+        }
+        other => panic!("expected the refund's result, got {other:?}"),
+    }
+    let counts = standins.counts();
+    assert_eq!(counts.lookups.get(&refund.key), Some(&1));
+    for key in &parent_keys {
+        assert_eq!(
+            counts.posts.get(key),
+            None,
+            "a parent's call was made again"
+        );
+    }
+    // The replies after it were asked; the calls they proposed carry the
+    // fork's keys.
+    assert_eq!(counts.model_requests, model_calls(&history) - 1);
+    let after: Vec<&ToolIntent> = intents(&log[seq as usize + 1..]);
+    assert!(!after.is_empty());
+    for intent in after {
+        assert!(!parent_keys.contains(&intent.key));
+        assert_eq!(counts.posts.get(&intent.key), Some(&1), "{}", intent.tool);
+    }
+}
