@@ -55,7 +55,9 @@ pub enum ForkError {
 
 /// The parent's log, verified as the controller reads any run's: its chain,
 /// its anchored head (when the status holds one) and the controller's
-/// signatures under the parent's rules.
+/// signatures under the parent's rules. It is held whole: the controller's
+/// start of a fork is to read it by pages within its read budget instead
+/// (DESIGN.md §8), copying as it goes.
 pub async fn read_parent(
     store: &dyn StepStore,
     verifier: &RecordVerifier,
@@ -175,8 +177,8 @@ pub async fn copy_prefix(
             return Err(ForkError::Occupied { seq: have.seq });
         }
     }
-    if written.len() > planned.len() {
-        // The fork went on already: its copy is complete.
+    if written.len() >= planned.len() {
+        // The copy is complete (and the fork may have gone on).
         return Ok(planned.last().map(Record::head).unwrap_or(Head::EMPTY));
     }
     let lease = store
