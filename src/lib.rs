@@ -13,6 +13,7 @@ pub mod dns;
 pub mod egress;
 pub mod exit;
 pub mod failpoint;
+pub mod fork;
 pub mod host;
 pub mod jcs;
 pub mod keys;

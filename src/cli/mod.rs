@@ -92,7 +92,10 @@ enum Command {
     /// Check a run's hash chain reaches the head recorded in its status (a
     /// finished run's: ends there), and every controller record's signature
     /// with the controller's published public keys (bound to this run and
-    /// seq). Reads the log API, or the store with --store-url.
+    /// seq). A fork's copied prefix is checked against its parent's
+    /// verified log (and so on back to a run that is no fork), and where
+    /// each fork begins is printed. Reads the log API, or the store with
+    /// --store-url.
     Verify {
         run: String,
         #[command(flatten)]

@@ -482,6 +482,14 @@ pub(crate) fn describe_entry(step: &Entry) -> Option<String> {
         ),
         Entry::ApprovalDecided(d) => decided_text(d),
         Entry::ApprovalVoided(v) => format!("approval voided: {}", v.reason),
+        Entry::Forked(f) => format!(
+            "forked from {} ({}) after its seq {} (hash {}) by {}",
+            f.parent_name,
+            f.parent_uid,
+            f.seq,
+            f.parent_hash.chars().take(12).collect::<String>(),
+            f.requester.as_deref().unwrap_or("(unknown)")
+        ),
         Entry::RunFinished(f) => format!(
             "{}: {}",
             name_of(&f.outcome),

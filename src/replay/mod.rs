@@ -29,6 +29,7 @@ pub enum Entry {
     Summary(Summary),
     VersionChanged(VersionChanged),
     RunFinished(RunFinished),
+    Forked(Forked),
 }
 
 /// A record whose payload does not decode: the log is from an unknown format
@@ -63,6 +64,7 @@ impl Entry {
             "Summary" => Entry::Summary(de(seq, kind, payload)?),
             "VersionChanged" => Entry::VersionChanged(de(seq, kind, payload)?),
             "RunFinished" => Entry::RunFinished(de(seq, kind, payload)?),
+            "Forked" => Entry::Forked(de(seq, kind, payload)?),
             other => {
                 return Err(DecodeError {
                     seq,
@@ -87,6 +89,7 @@ impl Entry {
             Entry::Summary(_) => "Summary",
             Entry::VersionChanged(_) => "VersionChanged",
             Entry::RunFinished(_) => "RunFinished",
+            Entry::Forked(_) => "Forked",
         }
     }
 
@@ -143,6 +146,7 @@ impl Entry {
             Entry::Summary(p) => serde_json::to_value(p),
             Entry::VersionChanged(p) => serde_json::to_value(p),
             Entry::RunFinished(p) => serde_json::to_value(p),
+            Entry::Forked(p) => serde_json::to_value(p),
         };
         v.expect("record payloads are plain data and always serialize")
     }
@@ -478,11 +482,19 @@ impl RunState {
         if self.snapshot.is_none() {
             return Next::NotStarted;
         }
-        if let Some(Entry::Observation(Observation {
-            stop: Some(stop), ..
-        })) = self.steps.last()
+        // A fork's `Forked` record changes nothing: the record before it
+        // decides, as it did in the parent.
+        if let Some((
+            seq,
+            Entry::Observation(Observation {
+                stop: Some(stop), ..
+            }),
+        )) = self
+            .records()
+            .rev()
+            .find(|(_, e)| !matches!(e, Entry::Forked(_)))
         {
-            return Next::Stop(self.vouched_stop(self.len() - 1, stop));
+            return Next::Stop(self.vouched_stop(seq, stop));
         }
         // An intent without a result comes first: it may already have acted.
         if let Some((intent_seq, intent)) = self.open_intent() {

@@ -370,3 +370,24 @@ pub struct Gate {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify_format: Option<v1::NotifyFormat>,
 }
+
+/// Written by the controller right after a fork's copied prefix (at
+/// `seq + 1`): the records before it are the parent's `0..=seq`, copied
+/// with their payloads unchanged and sealed again for the fork (DESIGN.md
+/// "Forks"). Replay reads it as nothing to do: the fork goes on where the
+/// parent stood at `seq`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Forked {
+    /// The parent run's uid (its log's key).
+    pub parent_uid: String,
+    /// The parent run's name, in the fork's namespace.
+    pub parent_name: String,
+    /// The parent's last record copied.
+    pub seq: u64,
+    /// The parent's record hash at `seq`, as its chain holds it.
+    pub parent_hash: String,
+    /// Who forked (the fork's own requester, never the parent's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requester: Option<String>,
+}

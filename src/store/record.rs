@@ -122,10 +122,12 @@ pub enum StepKind {
     Summary,
     VersionChanged,
     RunFinished,
+    /// A fork's record after its copied prefix (names the parent).
+    Forked,
 }
 
 impl StepKind {
-    pub const ALL: [StepKind; 11] = [
+    pub const ALL: [StepKind; 12] = [
         StepKind::RunStarted,
         StepKind::ModelCall,
         StepKind::ToolIntent,
@@ -137,6 +139,7 @@ impl StepKind {
         StepKind::Summary,
         StepKind::VersionChanged,
         StepKind::RunFinished,
+        StepKind::Forked,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -152,6 +155,7 @@ impl StepKind {
             StepKind::Summary => "Summary",
             StepKind::VersionChanged => "VersionChanged",
             StepKind::RunFinished => "RunFinished",
+            StepKind::Forked => "Forked",
         }
     }
 }

@@ -1,5 +1,6 @@
 //! Controller signatures on the records only the controller writes
-//! (`RunStarted`, `VersionChanged`, `ApprovalDecided`, `RunFinished`), so
+//! (`RunStarted`, `VersionChanged`, `ApprovalDecided`, `RunFinished`,
+//! `Forked`), so
 //! that not even a holder of a database credential can forge one: the chain
 //! alone is an unkeyed hash anyone can recompute.
 //!
@@ -46,6 +47,7 @@ pub fn controller_only(kind: StepKind) -> bool {
             | StepKind::VersionChanged
             | StepKind::ApprovalDecided
             | StepKind::RunFinished
+            | StepKind::Forked
     )
 }
 

@@ -977,6 +977,94 @@ async fn pages_by_bytes(ctx: Ctx) {
     ctx.done().await;
 }
 
+/// A fork's copy against the backend (DESIGN.md "Forks"): the parent's
+/// verified prefix and `Forked` under the fork's lease with the writer's
+/// own credentials, written once however often it is asked, and nothing
+/// copied from a parent altered behind the store.
+async fn forks(ctx: Ctx) {
+    use agentrun::fork::{ForkError, ForkPoint, check_prefix, copy_prefix, origin, read_parent};
+    use agentrun::store::{RecordSigner, SignatureRules};
+    let s = ctx.store.clone();
+    let signer = RecordSigner::from_seed(&[5; 32]);
+    let parent = unique("parent");
+    let lease = s.acquire(&parent, "controller", TTL).await.unwrap();
+    let mut head = Head::EMPTY;
+    for i in 0..6 {
+        let kind = if i == 0 {
+            StepKind::RunStarted
+        } else {
+            StepKind::Observation
+        };
+        let record = signer
+            .seal(&parent, draft(kind, json!({"i": i}), "pod-a"), &head)
+            .unwrap();
+        head = s
+            .append(&parent, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    s.release(&lease).await.unwrap();
+    let copy = |fork: String| {
+        let (s, parent) = (s.clone(), parent.clone());
+        async move {
+            let signer = RecordSigner::from_seed(&[5; 32]);
+            let records = read_parent(
+                s.as_ref(),
+                &signer.verifier(),
+                &parent,
+                Some(&head),
+                &SignatureRules::STRICT,
+            )
+            .await?;
+            let point = ForkPoint {
+                parent_uid: parent.clone(),
+                parent_name: "refund-1".into(),
+                seq: 3,
+                requester: Some("alice".into()),
+                agent: None,
+            };
+            copy_prefix(s.as_ref(), &signer, &fork, &records, &point, "controller").await
+        }
+    };
+    let fork = unique("fork");
+    let forked = copy(fork.clone()).await.unwrap();
+    assert_eq!(forked.len, 5, "seqs 0..=3 and Forked");
+    assert_eq!(copy(fork.clone()).await.unwrap(), forked, "copied once");
+    let records = s.read_verified(&fork, Some(&forked.hash)).await.unwrap();
+    signer
+        .verifier()
+        .check(&fork, &records, &SignatureRules::STRICT)
+        .unwrap();
+    let at = origin(&records)
+        .unwrap()
+        .expect("the fork names its parent");
+    assert_eq!(at.at, 4);
+    let parent_log = s.read_verified(&parent, None).await.unwrap();
+    check_prefix(&records, &at, &parent_log).unwrap();
+    assert_eq!(
+        s.head(&parent).await.unwrap(),
+        head,
+        "the parent is unchanged"
+    );
+
+    // A superuser alters the parent's seq 2: no second fork is made of it.
+    ctx.tamper(&format!(
+        "UPDATE agentrun_steps SET body = replace(body, '\"i\":2', '\"i\":22') WHERE run = '{parent}' AND seq = 2"
+    ))
+    .await;
+    let refused = unique("fork");
+    match copy(refused.clone()).await {
+        Err(ForkError::ParentUnverified(StoreError::ChainBroken { seq, .. })) => assert_eq!(seq, 2),
+        other => panic!("a fork of an altered parent: {other:?}"),
+    }
+    assert!(
+        s.read_all(&refused).await.unwrap().is_empty(),
+        "nothing copied"
+    );
+    ctx.done().await;
+}
+
 macro_rules! suite {
     ($module:ident, $ctx:ident) => {
         mod $module {
@@ -1020,6 +1108,11 @@ macro_rules! suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn pages_by_bytes() {
                 super::pages_by_bytes($ctx().await).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn forks() {
+                super::forks($ctx().await).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

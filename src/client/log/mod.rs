@@ -154,11 +154,108 @@ pub async fn verify(
     source: &Source<'_>,
     out: &mut impl Write,
 ) -> Result<(), LogError> {
-    let verdict = match source.store_url {
-        Some(url) => verify_store(k, run, url, source.controller_namespace).await?,
-        None => read_api(k, run, source.controller_namespace).await?.verdict,
-    };
-    print_verify(run, &verdict, out)
+    let read = read_verified(k, run, source).await?;
+    print_verify(run, &read.verdict, out)?;
+    verify_parents(&Live { k, source }, run, read.records, out).await
+}
+
+/// Where `verify` reads a fork's parent: a run of the namespace, its uid
+/// and its log, verified.
+pub(crate) trait Parents {
+    async fn read(&self, name: &str) -> Result<(String, Read), LogError>;
+}
+
+/// The parent as the cluster has it (the run, then its log from the
+/// store or the log API).
+struct Live<'a, 'b> {
+    k: &'a Kube,
+    source: &'a Source<'b>,
+}
+
+impl Parents for Live<'_, '_> {
+    async fn read(&self, name: &str) -> Result<(String, Read), LogError> {
+        let uid = crate::api::RunUid::of(&self.k.run(name).await?).to_string();
+        Ok((uid, read_verified(self.k, name, self.source).await?))
+    }
+}
+
+/// A run's log read and verified from the store or the log API.
+async fn read_verified(k: &Kube, run: &str, source: &Source<'_>) -> Result<Read, LogError> {
+    match source.store_url {
+        Some(url) => verify_store(k, run, url, source.controller_namespace).await,
+        None => read_api(k, run, source.controller_namespace).await,
+    }
+}
+
+/// How many forks of forks `verify` walks back (a loop of names cannot
+/// hold it forever).
+const MAX_FORK_DEPTH: usize = 64;
+
+/// `verify` of a fork: its copied prefix against its parent's verified
+/// log, and so on back to a run that is no fork (DESIGN.md "Forks").
+pub(crate) async fn verify_parents(
+    parents: &impl Parents,
+    run: &str,
+    mut records: Vec<Record>,
+    out: &mut impl Write,
+) -> Result<(), LogError> {
+    let mut child = run.to_string();
+    for _ in 0..MAX_FORK_DEPTH {
+        let failed = |out: &mut dyn Write, why: String| -> Result<(), LogError> {
+            writeln!(out, "FAILED: {}", visible(&why))?;
+            Err(LogError::VerifyFailed {
+                run: run.to_string(),
+            })
+        };
+        let origin = match crate::fork::origin(&records) {
+            Ok(Some(origin)) => origin,
+            Ok(None) => return Ok(()),
+            Err(e) => return failed(out, format!("run {child}: {e}")),
+        };
+        let f = &origin.forked;
+        writeln!(
+            out,
+            "fork: {child} begins at seq {} after the parent {}'s seq {}, forked by {}",
+            origin.at,
+            visible(&f.parent_name),
+            f.seq,
+            visible(f.requester.as_deref().unwrap_or("(unknown)"))
+        )?;
+        let (uid, read) = parents.read(&f.parent_name).await?;
+        if uid != f.parent_uid {
+            return failed(
+                out,
+                format!(
+                    "run {child} was forked from {} uid {}, but the run of that name now has uid {uid}: the parent is gone",
+                    f.parent_name, f.parent_uid
+                ),
+            );
+        }
+        if !read.verdict.ok() {
+            return failed(
+                out,
+                format!(
+                    "the parent {}'s log does not verify (run `verify {}`)",
+                    f.parent_name, f.parent_name
+                ),
+            );
+        }
+        if let Err(e) = crate::fork::check_prefix(&records, &origin, &read.records) {
+            return failed(out, format!("run {child}'s copied prefix: {e}"));
+        }
+        writeln!(
+            out,
+            "ok: {child}'s records 0..={} are {}'s, whose hash at seq {} is {}",
+            f.seq, f.parent_name, f.seq, f.parent_hash
+        )?;
+        child = f.parent_name.clone();
+        records = read.records;
+    }
+    writeln!(
+        out,
+        "note: stopped after {MAX_FORK_DEPTH} forks of forks; the rest is not checked"
+    )?;
+    Ok(())
 }
 
 /// The audit trail straight from the store, as administrators read it.
@@ -182,7 +279,7 @@ async fn verify_store(
     run: &str,
     store_url: &str,
     controller_namespace: &str,
-) -> Result<Verdict, LogError> {
+) -> Result<Read, LogError> {
     let r = k.run(run).await?;
     let trust = Trust::of_run(&r).map_err(|source| LogError::RunStatus {
         run: run.to_string(),
@@ -193,9 +290,9 @@ async fn verify_store(
     let uid = crate::api::RunUid::of(&r);
     // As stored: the bytes are what is verified, whatever they decode to.
     let stored = store.read_stored(&uid, 0, None).await?;
-    let (_, verdict) =
+    let (records, verdict) =
         check::judge(&uid, &stored, keys, &trust).map_err(LogError::RecordOutOfPlace)?;
-    Ok(verdict)
+    Ok(Read { records, verdict })
 }
 
 /// A whole log read through the API, and its verdict.

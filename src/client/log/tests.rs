@@ -1176,3 +1176,5 @@ fn verify_refuses_a_retired_keys_signature_after_the_switch() {
         ["seq 0 (RunStarted)", "seq 3 (RunFinished)"]
     );
 }
+
+mod forks;

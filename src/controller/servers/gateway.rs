@@ -7,7 +7,7 @@
 //! refuses:
 //! - a missing or malformed token (401), another run's token (403);
 //! - records only the controller writes (`RunStarted`, `VersionChanged`,
-//!   `ApprovalDecided`, `RunFinished`) (403);
+//!   `ApprovalDecided`, `RunFinished`, `Forked`) (403);
 //! - reading, leasing or appending for a run whose log ends with
 //!   `RunFinished`, or whose AgentRun was deleted (410): the credential does
 //!   not outlive its run (renewing or releasing a lease reads no log: a

@@ -5,6 +5,7 @@
 //! what the log lacks and finish the same run.
 
 mod container;
+mod fork;
 mod standins;
 
 use std::collections::HashMap;

@@ -1,0 +1,303 @@
+//! Forks (DESIGN.md "Forks"): a run that begins with its parent's verified
+//! records `0..=seq` and goes on live from there.
+//!
+//! The fork's log holds the parent's records `0..=seq` at the same seqs,
+//! their payloads unchanged (only a controller record's signature is made
+//! again, for the fork's uid: a v2 signature names its run), then the
+//! controller's `Forked` record at `seq + 1`. Same seqs keep every seq a
+//! record names (`modelCallSeq`, `intentSeq`, `requestSeq`, `throughSeq`)
+//! right, so replay reads the prefix as a resumed run's: nothing recorded is
+//! asked or called again, an intent copied without its result is recovered
+//! with its recorded key, and a call proposed in the prefix but first
+//! intended in the fork gets the fork's key (keys derive from the run uid).
+
+use std::time::Duration;
+
+use crate::replay::Entry;
+use crate::runlog::records::{Forked, VersionChanged};
+use crate::store::{
+    Head, Record, RecordDraft, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureRules,
+    StepKind, StepStore, StoreError, check_anchor,
+};
+
+/// Where a fork begins: the parent, the seq of its last record copied, who
+/// forked, and the agent it goes on with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForkPoint {
+    pub parent_uid: String,
+    pub parent_name: String,
+    pub seq: u64,
+    pub requester: Option<String>,
+    /// `spec.forkOf.agent`: recorded as a `VersionChanged` right after
+    /// `Forked`, so the rest runs on it; `None` keeps the parent's agent in
+    /// force at `seq`.
+    pub agent: Option<VersionChanged>,
+}
+
+/// Why a fork's prefix was not copied.
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    /// The parent's chain or signatures do not verify: nothing is copied.
+    #[error("the parent's log does not verify, so nothing of it is copied: {0}")]
+    ParentUnverified(StoreError),
+    #[error("spec.forkOf.seq: {seq} is past the parent's last record ({last})")]
+    PastEnd { seq: u64, last: u64 },
+    #[error(
+        "spec.forkOf.seq: record {seq} of the parent is its RunFinished: a fork there has nothing to go on with"
+    )]
+    AtEnd { seq: u64 },
+    /// The fork's log holds records that are not this fork's copy.
+    #[error("the fork's log already holds another record at seq {seq}: it is not this fork's copy")]
+    Occupied { seq: u64 },
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+/// The parent's log, verified as the controller reads any run's: its chain,
+/// its anchored head (when the status holds one) and the controller's
+/// signatures under the parent's rules. It is held whole: the controller's
+/// start of a fork is to read it by pages within its read budget instead
+/// (DESIGN.md §8), copying as it goes.
+pub async fn read_parent(
+    store: &dyn StepStore,
+    verifier: &RecordVerifier,
+    parent_uid: &str,
+    anchor: Option<&Head>,
+    rules: &SignatureRules,
+) -> Result<Vec<Record>, ForkError> {
+    let unverified = |e: StoreError| match e {
+        e @ StoreError::ChainBroken { .. } => ForkError::ParentUnverified(e),
+        e => ForkError::Store(e),
+    };
+    let records = store
+        .read_verified(parent_uid, None)
+        .await
+        .map_err(unverified)?;
+    if let Some(anchor) = anchor {
+        check_anchor(parent_uid, &records, anchor).map_err(unverified)?;
+    }
+    verifier
+        .check(parent_uid, &records, rules)
+        .map_err(unverified)?;
+    Ok(records)
+}
+
+/// The fork's first records, sealed for `fork_uid`: the parent's `0..=seq`
+/// copied, then `Forked`, then the `VersionChanged` to `point.agent`. Pure, and deterministic
+/// (Ed25519 signs deterministically): a copy cut short by a crash is
+/// written again byte for byte.
+pub fn plan(
+    signer: &RecordSigner,
+    fork_uid: &str,
+    parent: &[Record],
+    point: &ForkPoint,
+    writer: &str,
+) -> Result<Vec<Record>, ForkError> {
+    let last = parent.len().saturating_sub(1) as u64;
+    let Some(at) = parent.get(point.seq as usize) else {
+        return Err(ForkError::PastEnd {
+            seq: point.seq,
+            last,
+        });
+    };
+    if at.kind == StepKind::RunFinished {
+        return Err(ForkError::AtEnd { seq: point.seq });
+    }
+    let mut out: Vec<Record> = Vec::with_capacity(point.seq as usize + 2);
+    let mut head = Head::EMPTY;
+    for record in &parent[..=point.seq as usize] {
+        let sealed = signer
+            .seal(fork_uid, copied_draft(record), &head)
+            .map_err(ForkError::Store)?;
+        head = sealed.head();
+        out.push(sealed);
+    }
+    let forked = Entry::Forked(Forked {
+        parent_uid: point.parent_uid.clone(),
+        parent_name: point.parent_name.clone(),
+        seq: point.seq,
+        parent_hash: at.hash.to_hex(),
+        requester: point.requester.clone(),
+    });
+    let changed = point.agent.clone().map(Entry::VersionChanged);
+    for entry in std::iter::once(forked).chain(changed) {
+        let mut draft = entry.draft();
+        draft.worker = crate::store::Worker {
+            pod: writer.to_string(),
+            attempt: 0,
+        };
+        let sealed = signer
+            .seal(fork_uid, draft, &head)
+            .map_err(ForkError::Store)?;
+        head = sealed.head();
+        out.push(sealed);
+    }
+    Ok(out)
+}
+
+/// A parent's record as the fork's draft: everything hashed but the
+/// controller's signature, which names the parent's uid.
+fn copied_draft(record: &Record) -> RecordDraft {
+    RecordDraft {
+        format: record.format,
+        kind: record.kind,
+        payload: unsigned_payload(&record.payload),
+        versions: record.versions.clone(),
+        usage: record.usage,
+        worker: record.worker.clone(),
+    }
+}
+
+fn unsigned_payload(payload: &serde_json::Value) -> serde_json::Value {
+    let mut payload = payload.clone();
+    if let Some(p) = payload.as_object_mut() {
+        p.remove(SIGNATURE_FIELD);
+    }
+    payload
+}
+
+/// Copies the parent's verified prefix and `Forked` into the fork's log,
+/// under the fork's lease, going on from what an interrupted copy wrote.
+/// Returns the fork's head after `Forked`.
+pub async fn copy_prefix(
+    store: &dyn StepStore,
+    signer: &RecordSigner,
+    fork_uid: &str,
+    parent: &[Record],
+    point: &ForkPoint,
+    writer: &str,
+) -> Result<Head, ForkError> {
+    let planned = plan(signer, fork_uid, parent, point, writer)?;
+    let written = store
+        .read_verified(fork_uid, None)
+        .await
+        .map_err(ForkError::Store)?;
+    for (have, want) in written.iter().zip(&planned) {
+        if have.hash != want.hash {
+            return Err(ForkError::Occupied { seq: have.seq });
+        }
+    }
+    if written.len() >= planned.len() {
+        // The copy is complete (and the fork may have gone on).
+        return Ok(planned.last().map(Record::head).unwrap_or(Head::EMPTY));
+    }
+    let lease = store
+        .acquire(fork_uid, writer, Duration::from_secs(10))
+        .await
+        .map_err(ForkError::Store)?;
+    let mut result = Ok(());
+    for record in &planned[written.len()..] {
+        result = store
+            .append(fork_uid, lease.epoch, record)
+            .await
+            .map(|_| ());
+        if result.is_err() {
+            break;
+        }
+    }
+    let _ = store.release(&lease).await;
+    result.map_err(|e| match e {
+        StoreError::Conflict { .. } => ForkError::Occupied {
+            seq: written.len() as u64,
+        },
+        e => ForkError::Store(e),
+    })?;
+    Ok(planned.last().map(Record::head).unwrap_or(Head::EMPTY))
+}
+
+/// Why a fork's log is not what its `Forked` record says it is.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum NotTheParents {
+    #[error("record {seq}: the Forked record does not decode: {reason}")]
+    Undecodable { seq: u64, reason: String },
+    #[error(
+        "record {seq}: Forked names the parent's seq {names}, but a fork's Forked record follows its copied prefix at seq {}", names + 1
+    )]
+    Misplaced { seq: u64, names: u64 },
+    #[error("the fork begins after the parent's seq {seq}, but the parent's log has {len} records")]
+    ParentTooShort { seq: u64, len: u64 },
+    #[error(
+        "Forked names the parent's hash {named} at seq {seq}, but the parent's record there hashes to {actual}"
+    )]
+    HashDiffers {
+        seq: u64,
+        named: String,
+        actual: String,
+    },
+    #[error("record {seq}: the fork's {kind} is not the parent's record {seq} ({parent_kind})")]
+    RecordDiffers {
+        seq: u64,
+        kind: StepKind,
+        parent_kind: StepKind,
+    },
+}
+
+/// Where a verified fork begins, as its `Forked` record says.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Origin {
+    /// Seq of the `Forked` record in the fork's log.
+    pub at: u64,
+    pub forked: Forked,
+}
+
+/// The `Forked` record of a log, if it is a fork's: the last one (a fork
+/// of a fork holds its parent's, copied, before its own).
+pub fn origin(records: &[Record]) -> Result<Option<Origin>, NotTheParents> {
+    let Some(record) = records.iter().rev().find(|r| r.kind == StepKind::Forked) else {
+        return Ok(None);
+    };
+    let forked: Forked =
+        serde_json::from_value(record.payload.clone()).map_err(|e| NotTheParents::Undecodable {
+            seq: record.seq,
+            reason: e.to_string(),
+        })?;
+    if forked.seq.checked_add(1) != Some(record.seq) {
+        return Err(NotTheParents::Misplaced {
+            seq: record.seq,
+            names: forked.seq,
+        });
+    }
+    Ok(Some(Origin {
+        at: record.seq,
+        forked,
+    }))
+}
+
+/// Checks a fork's copied prefix against its parent's verified log: every
+/// record before `Forked` is the parent's record at the same seq (all but
+/// the signature, which the fork's controller signed for the fork and its
+/// own check covers), and the parent's hash at the fork's seq is the one
+/// `Forked` names.
+pub fn check_prefix(
+    fork: &[Record],
+    origin: &Origin,
+    parent: &[Record],
+) -> Result<(), NotTheParents> {
+    let seq = origin.forked.seq;
+    let Some(at) = parent.get(seq as usize) else {
+        return Err(NotTheParents::ParentTooShort {
+            seq,
+            len: parent.len() as u64,
+        });
+    };
+    if at.hash.to_hex() != origin.forked.parent_hash {
+        return Err(NotTheParents::HashDiffers {
+            seq,
+            named: origin.forked.parent_hash.clone(),
+            actual: at.hash.to_hex(),
+        });
+    }
+    for (mine, theirs) in fork.iter().zip(&parent[..=seq as usize]) {
+        if copied_draft(mine) != copied_draft(theirs) || mine.seq != theirs.seq {
+            return Err(NotTheParents::RecordDiffers {
+                seq: mine.seq,
+                kind: mine.kind,
+                parent_kind: theirs.kind,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,465 @@
+//! A fork's log, in process (SQLite): the copy replays to the parent's
+//! `Next` at every seq of a canned run, and is refused when the parent's
+//! log does not verify.
+
+use std::time::Duration;
+
+use super::*;
+use crate::replay::RunState;
+use crate::replay::tests::long_log;
+use crate::store::{SignatureRules, SqliteStore};
+
+const PARENT: &str = "parent-uid";
+const CONTROLLER: &str = "controller-0";
+
+fn signer() -> RecordSigner {
+    RecordSigner::from_seed(&[7; 32])
+}
+
+async fn store(dir: &std::path::Path) -> SqliteStore {
+    let url = format!("sqlite://{}", dir.join("log.db").display());
+    SqliteStore::open(&url, &Default::default()).await.unwrap()
+}
+
+/// `entries` appended to `run`'s log, the controller's records signed.
+async fn write_log(store: &SqliteStore, run: &str, entries: &[Entry]) -> Vec<Record> {
+    let lease = store
+        .acquire(run, "w", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut head = Head::EMPTY;
+    let mut out = Vec::new();
+    for entry in entries {
+        let record = signer().seal(run, entry.draft(), &head).unwrap();
+        head = store
+            .append(run, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+        out.push(record);
+    }
+    store.release(&lease).await.unwrap();
+    out
+}
+
+fn point(parent_uid: &str, seq: u64) -> ForkPoint {
+    ForkPoint {
+        parent_uid: parent_uid.into(),
+        parent_name: "refund-1".into(),
+        seq,
+        requester: Some("alice".into()),
+        agent: None,
+    }
+}
+
+/// Reads, verifies and copies, as the controller does before a fork's first step.
+async fn fork(
+    store: &SqliteStore,
+    parent_uid: &str,
+    fork_uid: &str,
+    seq: u64,
+) -> Result<Head, ForkError> {
+    let parent = read_parent(
+        store,
+        &signer().verifier(),
+        parent_uid,
+        None,
+        &SignatureRules::STRICT,
+    )
+    .await?;
+    copy_prefix(
+        store,
+        &signer(),
+        fork_uid,
+        &parent,
+        &point(parent_uid, seq),
+        CONTROLLER,
+    )
+    .await
+}
+
+fn decode(records: &[Record]) -> Vec<Entry> {
+    records
+        .iter()
+        .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_fork_replays_to_the_parents_next_at_every_seq() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(3);
+    let parent = write_log(&store, PARENT, &log).await;
+    for seq in 0..log.len() as u64 {
+        let uid = format!("fork-{seq}");
+        fork(&store, PARENT, &uid, seq).await.unwrap();
+        let records = store.read_verified(&uid, None).await.unwrap();
+        assert_eq!(records.len() as u64, seq + 2, "the prefix and Forked");
+        // The fork's controller records verify for the fork, strictly.
+        signer()
+            .verifier()
+            .check(&uid, &records, &SignatureRules::STRICT)
+            .unwrap();
+        let origin = origin(&records)
+            .unwrap()
+            .expect("a fork's log names its parent");
+        assert_eq!(origin.at, seq + 1);
+        assert_eq!(
+            origin.forked.parent_hash,
+            parent[seq as usize].hash.to_hex()
+        );
+        assert_eq!(origin.forked.requester.as_deref(), Some("alice"));
+        check_prefix(&records, &origin, &parent).unwrap();
+
+        let forked = RunState::replay(decode(&records));
+        let resumed = RunState::replay(log[..=seq as usize].to_vec());
+        assert_eq!(forked.next(), resumed.next(), "at seq {seq}");
+        assert_eq!(forked.spent, resumed.spent, "at seq {seq}");
+        assert_eq!(forked.snapshot, resumed.snapshot, "at seq {seq}");
+        assert_eq!(
+            forked.pending_approval().map(|(s, r)| (s, r.clone())),
+            resumed.pending_approval().map(|(s, r)| (s, r.clone())),
+            "at seq {seq}"
+        );
+        // And so does a controller's compacted state of it.
+        let mut compacted = RunState::default();
+        for entry in decode(&records) {
+            compacted.apply(entry);
+            compacted.compact();
+        }
+        assert_eq!(compacted.next(), resumed.next(), "compacted, at seq {seq}");
+    }
+}
+
+#[tokio::test]
+async fn a_fork_mid_call_recovers_the_intent_with_its_recorded_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    write_log(&store, PARENT, &log).await;
+    let intent_seq = log
+        .iter()
+        .position(|e| matches!(e, Entry::ToolIntent(_)))
+        .unwrap() as u64;
+    fork(&store, PARENT, "fork", intent_seq).await.unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    match RunState::replay(decode(&records)).next() {
+        crate::replay::Next::ExecuteTool {
+            intent_seq: s,
+            intent,
+        } => {
+            assert_eq!(s, intent_seq);
+            let Entry::ToolIntent(recorded) = &log[intent_seq as usize] else {
+                unreachable!()
+            };
+            assert_eq!(intent.key, recorded.key, "the parent's call, its key");
+        }
+        other => panic!("expected the open intent recovered, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn the_copy_is_refused_when_the_parents_chain_does_not_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    // Record 1 rewritten in the database, its own hash made to match.
+    let mut altered = parent[1].clone();
+    altered.payload["cost_usd_note"] = "altered".into();
+    sqlx::query("DROP TRIGGER agentrun_steps_no_update")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE agentrun_steps SET body = ?, hash = ? WHERE run = ? AND seq = 1")
+        .bind(String::from_utf8(altered.canonical_bytes()).unwrap())
+        .bind(altered.compute_hash().0.to_vec())
+        .bind(PARENT)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let err = fork(&store, PARENT, "fork", 3).await.unwrap_err();
+    assert!(matches!(err, ForkError::ParentUnverified(_)), "{err}");
+    assert!(
+        store.read_all("fork").await.unwrap().is_empty(),
+        "nothing copied"
+    );
+}
+
+#[tokio::test]
+async fn the_copy_is_refused_when_a_parents_controller_record_is_not_the_controllers() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    // Its RunStarted signed by a key the controller does not publish.
+    let lease = store
+        .acquire(PARENT, "w", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut head = Head::EMPTY;
+    for (i, entry) in log.iter().enumerate() {
+        let key = if i == 0 {
+            RecordSigner::from_seed(&[9; 32])
+        } else {
+            signer()
+        };
+        let record = key.seal(PARENT, entry.draft(), &head).unwrap();
+        head = store
+            .append(PARENT, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    store.release(&lease).await.unwrap();
+    let err = fork(&store, PARENT, "fork", 2).await.unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ForkError::ParentUnverified(StoreError::ChainBroken { seq: 0, .. })
+        ),
+        "{err}"
+    );
+    assert!(
+        store.read_all("fork").await.unwrap().is_empty(),
+        "nothing copied"
+    );
+}
+
+#[tokio::test]
+async fn a_fork_of_a_fork_checks_against_its_parent_and_the_parents_parent() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(2);
+    let root = write_log(&store, PARENT, &log).await;
+    fork(&store, PARENT, "child", 4).await.unwrap();
+    let child = store.read_verified("child", None).await.unwrap();
+    // The child goes on after its Forked record (seq 5)...
+    let mut grown = decode(&child);
+    grown.extend(log[5..9].iter().cloned());
+    let child = write_log(&store, "child-grown", &grown).await;
+    // ...and is forked again, past its own fork point.
+    fork(&store, "child-grown", "grandchild", 7).await.unwrap();
+    let grandchild = store.read_verified("grandchild", None).await.unwrap();
+    let origin2 = origin(&grandchild).unwrap().unwrap();
+    assert_eq!(origin2.forked.parent_uid, "child-grown");
+    check_prefix(&grandchild, &origin2, &child).unwrap();
+    let origin1 = origin(&child).unwrap().unwrap();
+    assert_eq!(origin1.at, 5);
+    check_prefix(&child, &origin1, &root).unwrap();
+    // The grandchild's copy holds the child's Forked record; its own is
+    // the last one.
+    assert_eq!(grandchild[5].kind, StepKind::Forked);
+    assert_eq!(origin2.at, 8);
+    // It replays as the child did at seq 7.
+    let forked = RunState::replay(decode(&grandchild));
+    let resumed = RunState::replay(grown[..=7].to_vec());
+    assert_eq!(forked.next(), resumed.next());
+}
+
+#[tokio::test]
+async fn a_copied_record_that_differs_from_the_parents_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    fork(&store, PARENT, "fork", 3).await.unwrap();
+    let mut records = store.read_verified("fork", None).await.unwrap();
+    let origin = origin(&records).unwrap().unwrap();
+    records[2].payload["arguments"] = serde_json::json!({"amount": 1});
+    let err = check_prefix(&records, &origin, &parent).unwrap_err();
+    assert!(err.to_string().starts_with("record 2:"), "{err}");
+    let mut other = origin.clone();
+    other.forked.parent_hash = parent[2].hash.to_hex();
+    let err = check_prefix(&records, &other, &parent).unwrap_err();
+    assert!(
+        matches!(err, NotTheParents::HashDiffers { seq: 3, .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn an_interrupted_copy_goes_on_and_a_foreign_log_is_not_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    let planned = plan(&signer(), "fork", &parent, &point(PARENT, 4), CONTROLLER).unwrap();
+    // A controller that died after three records.
+    let lease = store
+        .acquire("fork", "w", Duration::from_secs(60))
+        .await
+        .unwrap();
+    for record in &planned[..3] {
+        store.append("fork", lease.epoch, record).await.unwrap();
+    }
+    store.release(&lease).await.unwrap();
+    fork(&store, PARENT, "fork", 4).await.unwrap();
+    let hashes = |records: &[Record]| records.iter().map(|r| r.hash).collect::<Vec<_>>();
+    let written = store.read_verified("fork", None).await.unwrap();
+    assert_eq!(hashes(&written), hashes(&planned));
+    // Copying again changes nothing.
+    fork(&store, PARENT, "fork", 4).await.unwrap();
+    assert_eq!(store.read_all("fork").await.unwrap().len(), planned.len());
+    // A log that holds something else is left alone.
+    write_log(&store, "taken", &log[1..3]).await;
+    let err = fork(&store, PARENT, "taken", 4).await.unwrap_err();
+    assert!(matches!(err, ForkError::Occupied { seq: 0 }), "{err}");
+}
+
+#[tokio::test]
+async fn a_seq_past_the_parents_log_or_at_its_end_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let mut log = long_log(1);
+    log.push(Entry::RunFinished(crate::runlog::records::RunFinished {
+        outcome: crate::runlog::records::Outcome::Succeeded,
+        result: Some("done".into()),
+        error: None,
+    }));
+    write_log(&store, PARENT, &log).await;
+    let last = log.len() as u64 - 1;
+    let err = fork(&store, PARENT, "fork", last + 1).await.unwrap_err();
+    assert!(
+        err.to_string().starts_with("spec.forkOf.seq: ")
+            && matches!(err, ForkError::PastEnd { .. }),
+        "{err}"
+    );
+    let err = fork(&store, PARENT, "fork", last).await.unwrap_err();
+    assert!(matches!(err, ForkError::AtEnd { .. }), "{err}");
+    fork(&store, PARENT, "fork", last - 1).await.unwrap();
+}
+
+#[test]
+fn a_step_pod_may_not_write_a_forked_record_and_it_is_the_controllers() {
+    use crate::controller::servers::gateway::runner_may_write;
+    assert!(!runner_may_write(StepKind::Forked));
+    assert!(crate::store::controller_only(StepKind::Forked));
+}
+
+#[tokio::test]
+async fn a_fork_with_another_agent_goes_on_with_it_from_the_fork_point() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    // After the lookup's result: the refund is still to be decided.
+    let seq = 3;
+    let resumed = RunState::replay(log[..=seq].to_vec());
+    let mut agent = crate::runlog::v1::AgentTemplate::default();
+    agent.prompt.version = "v2-stricter".into();
+    let changed = crate::runlog::records::VersionChanged {
+        agent,
+        tools: vec![],
+        mcp: Default::default(),
+        from: resumed.snapshot.as_ref().unwrap().versions.clone(),
+        to: crate::runlog::records::Versions {
+            prompt_version: "v2-stricter".into(),
+            ..Default::default()
+        },
+        container: None,
+    };
+    let mut at = point(PARENT, seq as u64);
+    at.agent = Some(changed);
+    let head = copy_prefix(&store, &signer(), "fork", &parent, &at, CONTROLLER)
+        .await
+        .unwrap();
+    assert_eq!(
+        head.len,
+        seq as u64 + 3,
+        "the prefix, Forked, VersionChanged"
+    );
+    let records = store.read_verified("fork", None).await.unwrap();
+    signer()
+        .verifier()
+        .check("fork", &records, &SignatureRules::STRICT)
+        .unwrap();
+    assert_eq!(records[seq + 2].kind, StepKind::VersionChanged);
+    let forked = RunState::replay(decode(&records));
+    assert_eq!(forked.next(), resumed.next(), "the same call is next");
+    let snapshot = forked.snapshot.as_ref().unwrap();
+    let version = |a: &crate::api::AgentTemplate| a.prompt.as_ref().map(|p| p.version.clone());
+    assert_eq!(version(&snapshot.agent).as_deref(), Some("v2-stricter"));
+    assert_eq!(snapshot.versions.prompt_version, "v2-stricter");
+    // What was recorded before the fork point was the parent's agent's.
+    assert_eq!(
+        version(forked.agent_at(seq as u64).unwrap()),
+        version(resumed.agent_at(seq as u64).unwrap())
+    );
+    // The origin is still the Forked record, and the prefix the parent's.
+    let origin = origin(&records).unwrap().unwrap();
+    assert_eq!(origin.at, seq as u64 + 1);
+    check_prefix(&records, &origin, &parent).unwrap();
+}
+
+#[test]
+fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
+    let line = crate::client::approvals::describe_entry(&Entry::Forked(Forked {
+        parent_uid: PARENT.into(),
+        parent_name: "refund-1".into(),
+        seq: 3,
+        parent_hash: "ab".repeat(32),
+        requester: Some("alice".into()),
+    }))
+    .unwrap();
+    assert_eq!(
+        line,
+        "forked from refund-1 (parent-uid) after its seq 3 (hash abababababab) by alice"
+    );
+}
+
+#[tokio::test]
+async fn a_parent_begun_before_binding_gives_a_fork_whose_controller_records_are_all_bound_to_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    // An earlier release's run: controller records signed v1 (bound to no
+    // run), accepted only before its `boundFrom`.
+    let lease = store
+        .acquire(PARENT, "w", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut head = Head::EMPTY;
+    for entry in &log {
+        let record = if crate::store::controller_only(entry.store_kind()) {
+            signer().seal_v1(entry.draft(), &head).unwrap()
+        } else {
+            entry.draft().seal(&head).unwrap()
+        };
+        head = store
+            .append(PARENT, lease.epoch, &record)
+            .await
+            .unwrap()
+            .head();
+    }
+    store.release(&lease).await.unwrap();
+    let legacy = SignatureRules {
+        signed_from: 0,
+        bound_from: log.len() as u64,
+        keys: Default::default(),
+    };
+    let verifier = signer().verifier();
+    let strict = read_parent(&store, &verifier, PARENT, None, &SignatureRules::STRICT).await;
+    assert!(matches!(strict, Err(ForkError::ParentUnverified(_))));
+    let parent = read_parent(&store, &verifier, PARENT, Some(&head), &legacy)
+        .await
+        .unwrap();
+    let seq = 5;
+    copy_prefix(
+        &store,
+        &signer(),
+        "fork",
+        &parent,
+        &point(PARENT, seq),
+        CONTROLLER,
+    )
+    .await
+    .unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    // The fork is this release's run: every controller record v2, for it.
+    verifier
+        .check("fork", &records, &SignatureRules::STRICT)
+        .unwrap();
+    let origin = origin(&records).unwrap().unwrap();
+    check_prefix(&records, &origin, &parent).unwrap();
+}
