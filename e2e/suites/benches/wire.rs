@@ -45,6 +45,10 @@ use rmcp::model::CallToolRequestParams;
 use rmcp::transport::StreamableHttpClientTransport;
 use serde_json::{Value, json};
 
+// The operator binary's allocator: the runner measured as it runs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const RUN: &str = "wire-bench-run";
 const KEY: &str = "pod-key";
 const MODEL_KEY: &str = "model-key";
