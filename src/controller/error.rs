@@ -24,7 +24,7 @@ pub enum Error {
     /// The API server did not answer a SubjectAccessReview (a fork's
     /// requester on its parent's log): asked again, never taken as a yes.
     #[error("{0}")]
-    Review(String),
+    Review(#[source] crate::controller::servers::log_api::authorize::ReviewError),
     /// A bug that this run's input reached: the reconcile failed, the
     /// process goes on (see [`crate::contain`]).
     #[error("reconcile {0}")]

@@ -54,8 +54,18 @@ async fn a_fork_before_the_refund_makes_it_again_with_its_own_key_and_nothing_re
     let parent_log = w.log(&parent).await;
     let at = result_of(&parent_log, "lookup_order");
 
-    w.create_run("retry", fork_spec("parent", at), json!({}))
-        .await;
+    // dave forks: he may create AgentRuns and read runlogs here.
+    let dave = forker(&w, "dave").await;
+    let manifest: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "retry"},
+        "spec": fork_spec("parent", at)
+    }))
+    .unwrap();
+    Api::<AgentRun>::namespaced(dave, w.name())
+        .create(&PostParams::default(), &manifest)
+        .await
+        .expect("dave may fork");
     let fork = w.wait_phase("retry", Phase::Succeeded).await;
     assert_eq!(
         fork.status.as_ref().unwrap().result.as_deref(),
@@ -87,7 +97,11 @@ async fn a_fork_before_the_refund_makes_it_again_with_its_own_key_and_nothing_re
             assert_eq!(f.parent_uid, parent.metadata.uid.clone().unwrap());
             assert_eq!((f.parent_name.as_str(), f.seq), ("parent", at));
             assert_eq!(f.parent_hash, parent_log[at as usize].0.hash.to_hex());
-            assert!(f.requester.is_some(), "the requester is stamped");
+            assert_eq!(
+                f.requester.as_deref(),
+                Some("dave"),
+                "the stamped requester"
+            );
         }
         other => panic!("record {} is {other:?}, not Forked", at + 1),
     }
@@ -161,10 +175,11 @@ async fn a_fork_of_a_waiting_run_waits_on_its_own_approval_and_deciding_it_leave
         .expect("the parent asked for approval");
     let at = request.seq.to_string();
 
-    // Through the plugin, as the admin (who may read the parent's log).
+    // Through the plugin, as dave (who may read the parent's log).
+    forker(&w, "dave").await;
     let (ok, out) = plugin(
         &w,
-        "admin",
+        "dave",
         &["fork", "waiting", "--at", &at, "--name", "waitfork"],
     );
     assert!(ok, "{out}");
@@ -228,9 +243,18 @@ async fn a_fork_by_someone_who_cannot_read_the_parents_log_is_refused_and_copies
     let run: AgentRun = serde_json::from_value(json!({
         "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
         "metadata": {"name": "peek"},
-        "spec": fork_spec("parent", 0)
+        "spec": fork_spec("parent", 1)
     }))
     .unwrap();
+    // The API server refuses a fork point before the first record is the run's own.
+    let mut at_zero = run.clone();
+    at_zero.spec.fork_of.as_mut().unwrap().seq = 0;
+    let refusal = common::approvals::refusal(
+        Api::<AgentRun>::namespaced(w.client.clone(), w.name())
+            .create(&PostParams::default(), &at_zero)
+            .await,
+    );
+    assert!(refusal.contains("spec.forkOf.seq"), "{refusal}");
     Api::<AgentRun>::namespaced(mallory, w.name())
         .create(&PostParams::default(), &run)
         .await
@@ -254,6 +278,14 @@ async fn a_fork_by_someone_who_cannot_read_the_parents_log_is_refused_and_copies
     let uid = refused.metadata.uid.unwrap();
     let copied = w.store().await.read_all(&uid).await.unwrap();
     assert!(copied.is_empty(), "nothing copied: {copied:?}");
+}
+
+/// `user` may fork here: create AgentRuns and read runlogs (granted to
+/// the user by name: the requester stamp holds no groups).
+async fn forker(w: &World, user: &str) -> kube::Client {
+    grant_run_creation(&w.client, w.name(), user).await;
+    common::log_api::grant_verbs(&w.client, w.name(), user, &["get"]).await;
+    common::client_as(user).await
 }
 
 /// A Role letting `user` create and read AgentRuns in `ns` (no runlogs).

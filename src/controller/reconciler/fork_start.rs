@@ -61,7 +61,9 @@ pub(super) async fn start_fork(
             match changed_to(run, ctx, template, agent_generation, name, from) {
                 Ok(Some(changed)) => Some(changed),
                 Ok(None) => return Ok(super::decide::DISCOVERY_RECHECK),
-                Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message)),
+                Err(message) => {
+                    return Ok(refuse(run, acting, "InvalidAgent", message.to_string()));
+                }
             }
         }
     };
@@ -136,7 +138,7 @@ async fn allowed(
                 format!("spec.forkOf.run: {requester} may not read the parent's log: {why}");
             return Ok(Err(("Forbidden", message)));
         }
-        Err(e) => return Err(Error::Review(e.to_string())),
+        Err(e) => return Err(Error::Review(e)),
     }
     let runs: Api<AgentRun> = Api::namespaced(ctx.client.clone(), ns);
     let parent = runs
@@ -201,7 +203,7 @@ fn changed_to(
     agent_generation: Option<i64>,
     name: &str,
     from: crate::runlog::records::Versions,
-) -> Result<Option<VersionChanged>, String> {
+) -> Result<Option<VersionChanged>, crate::refusal::Refusal> {
     let field = format!("spec.forkOf.agent: Agent {name}: spec.tools");
     let mcp = match ctx.discovery.catalog(run, &template.tools, &field) {
         Discovered::Pending | Discovered::Failed { .. } => return Ok(None),
@@ -209,7 +211,7 @@ fn changed_to(
     };
     let started = mcp
         .and_then(|mcp| snapshot(run, template, agent_generation, mcp))
-        .map_err(|e| format!("spec.forkOf.agent: {e}"))?;
+        .map_err(|e| crate::refusal::Refusal::from(format!("spec.forkOf.agent: {e}")))?;
     Ok(Some(VersionChanged {
         agent: started.agent,
         tools: started.tools,
