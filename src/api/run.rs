@@ -30,8 +30,10 @@ use super::common::{DURATION_RULE, LocalRef, Usage};
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "has(self.agentRef) != has(self.agent)",
-     "message": "exactly one of spec.agentRef and spec.agent must be set"},
+    {"rule": "has(self.forkOf) ? !has(self.agentRef) && !has(self.agent) : has(self.agentRef) != has(self.agent)",
+     "message": "exactly one of spec.agentRef and spec.agent must be set, or neither on a fork (spec.forkOf: its agent is the parent's or spec.forkOf.agent)"},
+    {"rule": "has(self.forkOf) == has(oldSelf.forkOf) && (!has(self.forkOf) || self.forkOf == oldSelf.forkOf)",
+     "message": "spec.forkOf is immutable: a fork never moves to another parent or seq"},
     {"rule": "self.input == oldSelf.input",
      "message": "spec.input is immutable: start a new AgentRun for a new task"},
     {"rule": "has(self.agentRef) == has(oldSelf.agentRef) && (!has(self.agentRef) || self.agentRef == oldSelf.agentRef)",
@@ -49,7 +51,13 @@ pub struct AgentRunSpec {
     /// An inline agent definition, instead of `agentRef`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<AgentTemplate>,
-    /// The task, given to the model as the first user message.
+    /// Begin with another run's recorded steps (DESIGN.md §11): set
+    /// instead of `agentRef` and `agent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fork_of: Option<ForkOf>,
+    /// The task, given to the model as the first user message. A fork's
+    /// task is its parent's (recorded in the copied log); any text is
+    /// kept but unused.
     #[schemars(length(min = 1))]
     pub input: String,
     /// Wall-clock limit of the whole run, counted from its creation,
@@ -77,6 +85,28 @@ pub struct AgentRunSpec {
     /// Set to true to cancel the run; it stops at the next step boundary.
     #[serde(default)]
     pub cancel: bool,
+}
+
+/// Where a fork begins: its parent (by name, in the fork's namespace: a
+/// fork into another namespace cannot be named) and the seq of the
+/// parent's last record it keeps.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkOf {
+    /// The parent AgentRun's name, in this namespace.
+    #[schemars(length(min = 1, max = 253), extend("x-kubernetes-validations" = [{
+        "rule": "!self.contains('/')",
+        "message": "spec.forkOf.run names a run in the fork's own namespace: a fork into another namespace is refused"
+    }]))]
+    pub run: String,
+    /// The seq of the parent's last record copied (`kubectl agentrun log`).
+    #[schemars(range(min = 1))]
+    pub seq: u64,
+    /// An Agent (same namespace) to go on with after the fork point,
+    /// recorded as a `VersionChanged`; the parent's agent when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub agent: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -103,6 +103,22 @@ enum Command {
     },
     /// Cancel a run (it stops at the next step boundary).
     Cancel { run: String },
+    /// Fork a run: a new run that begins with RUN's verified records up to
+    /// --at (its seq in `kubectl agentrun log`) and goes on live from
+    /// there. You need to create AgentRuns here and read RUN's log.
+    /// Prints the fork's name.
+    Fork {
+        run: String,
+        /// The seq of the last record of RUN the fork keeps.
+        #[arg(long = "at", value_name = "SEQ")]
+        at: u64,
+        /// Go on with this Agent (same namespace) after the fork point.
+        #[arg(long)]
+        agent: Option<String>,
+        /// The fork's name (RUN-fork-XXXXX when omitted).
+        #[arg(long)]
+        name: Option<String>,
+    },
     /// Serve the approver's web console on loopback, acting with your own
     /// kubeconfig identity: the inbox of approvals you may decide, each
     /// approval with its arguments and context, runs and their timelines.
@@ -191,6 +207,12 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             Ok(log::verify(&k, &run, &source.source(), &mut out).await?)
         }
         Command::Cancel { run } => cancel(&k, &run, &mut out).await,
+        Command::Fork {
+            run,
+            at,
+            agent,
+            name,
+        } => fork(&k, &run, at, agent, name, &mut out).await,
         Command::Console(args) => {
             drop(out);
             crate::console::serve_loopback(k.client, k.ns, args)
@@ -332,4 +354,91 @@ async fn cancel(k: &Kube, run: &str, out: &mut impl Write) -> anyhow::Result<()>
         .with_context(|| format!("cancelling run {run:?} in namespace {:?}", k.ns))?;
     writeln!(out, "cancelling {run}: it stops at the next step boundary")?;
     Ok(())
+}
+
+async fn fork(
+    k: &Kube,
+    run: &str,
+    at: u64,
+    agent: Option<String>,
+    name: Option<String>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let parent = k
+        .runs
+        .get(run)
+        .await
+        .with_context(|| format!("reading run {run:?} in namespace {:?}", k.ns))?;
+    let fork = fork_of(&parent, run, at, agent, name);
+    let created = k
+        .runs
+        .create(&kube::api::PostParams::default(), &fork)
+        .await
+        .with_context(|| format!("creating a fork of {run:?} in namespace {:?}", k.ns))?;
+    writeln!(out, "{}", created.metadata.name.unwrap_or_default())?;
+    Ok(())
+}
+
+/// The fork of `parent` as created: `spec.forkOf`, the parent's input
+/// (the task is the copied log's; the field is required) and the run's
+/// own settings left to their defaults.
+fn fork_of(
+    parent: &crate::api::AgentRun,
+    run: &str,
+    at: u64,
+    agent: Option<String>,
+    name: Option<String>,
+) -> crate::api::AgentRun {
+    let metadata = kube::api::ObjectMeta {
+        generate_name: name.is_none().then(|| format!("{run}-fork-")),
+        name,
+        ..Default::default()
+    };
+    let spec = crate::api::AgentRunSpec {
+        fork_of: Some(crate::api::ForkOf {
+            run: run.to_string(),
+            seq: at,
+            agent,
+        }),
+        input: parent.spec.input.clone(),
+        deadline: parent.spec.deadline.clone(),
+        step_timeout: parent.spec.step_timeout.clone(),
+        store: parent.spec.store.clone(),
+        ..Default::default()
+    };
+    crate::api::AgentRun {
+        metadata,
+        spec,
+        status: None,
+    }
+}
+
+#[cfg(test)]
+mod fork_tests {
+    use super::*;
+
+    #[test]
+    fn a_fork_names_its_parent_and_seq_and_keeps_neither_agent_field() {
+        let mut parent = crate::api::AgentRun::new("refund-1", Default::default());
+        parent.spec.agent_ref = Some(crate::api::LocalRef {
+            name: "refunds".into(),
+        });
+        parent.spec.input = "refund order 1042".into();
+        let fork = fork_of(&parent, "refund-1", 3, Some("refunds-v2".into()), None);
+        assert_eq!(
+            fork.metadata.generate_name.as_deref(),
+            Some("refund-1-fork-")
+        );
+        assert_eq!(fork.metadata.name, None);
+        let of = fork.spec.fork_of.unwrap();
+        assert_eq!(
+            (of.run.as_str(), of.seq, of.agent.as_deref()),
+            ("refund-1", 3, Some("refunds-v2"))
+        );
+        assert!(fork.spec.agent_ref.is_none() && fork.spec.agent.is_none());
+        assert_eq!(fork.spec.input, "refund order 1042");
+        let named = fork_of(&parent, "refund-1", 3, None, Some("retry".into()));
+        assert_eq!(named.metadata.name.as_deref(), Some("retry"));
+        assert_eq!(named.metadata.generate_name, None);
+    }
 }

@@ -21,6 +21,10 @@ pub enum Error {
     Store(#[source] crate::store::StoreError),
     #[error("step log: {0}")]
     Decode(#[source] crate::replay::DecodeError),
+    /// The API server did not answer a SubjectAccessReview (a fork's
+    /// requester on its parent's log): asked again, never taken as a yes.
+    #[error("{0}")]
+    Review(#[source] crate::controller::servers::log_api::authorize::ReviewError),
     /// A bug that this run's input reached: the reconcile failed, the
     /// process goes on (see [`crate::contain`]).
     #[error("reconcile {0}")]
@@ -37,6 +41,7 @@ impl Error {
             Error::Encode(_) => "encode",
             Error::Store(e) => e.metric_label(),
             Error::Decode(_) => "decode",
+            Error::Review(_) => "review",
             Error::Panicked(_) => "panic",
         }
     }

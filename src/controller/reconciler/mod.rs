@@ -4,6 +4,7 @@
 mod agent_pod;
 pub mod checkpoint;
 mod decide;
+pub mod fork_start;
 pub mod job;
 mod job_io;
 mod log_read;
@@ -232,7 +233,13 @@ async fn act_on(
         now,
     } = *seen;
     Ok(match act {
-        Act::StartRun => start_run(run, ctx, replayed, template, agent_generation, acting).await?,
+        Act::StartRun => match &run.spec.fork_of {
+            Some(fork_of) => {
+                fork_start::start_fork(run, ctx, fork_of, template, agent_generation, acting)
+                    .await?
+            }
+            None => start_run(run, ctx, replayed, template, agent_generation, acting).await?,
+        },
         Act::FollowAgent => {
             follow_agent(run, ctx, replayed, template, agent_generation, acting).await?
         }
@@ -387,6 +394,9 @@ async fn record(
     if let Some(log) = new_status.log.as_mut() {
         log.checkpoint = next_checkpoint(run, ctx, &uid, &replayed);
     }
+    if let Some(forked) = acting.fork {
+        crate::controller::conditions::set_condition(&mut new_status.conditions, forked);
+    }
     let mut notices = acting.notices;
     let awaited = acting
         .policy
@@ -464,6 +474,8 @@ pub(super) struct Acting {
     policy: Option<(String, String)>,
     /// Why its MCP discovery failed, while it is asked again.
     discovery: Option<String>,
+    /// A fork's `Forked` condition, once its start copied or refused.
+    fork: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
 }
 
 impl Acting {
@@ -483,6 +495,7 @@ impl Acting {
             now,
             policy: None,
             discovery: None,
+            fork: None,
         }
     }
 }
@@ -748,8 +761,64 @@ where
     api.get_opt(name).await
 }
 
+/// A fork's agent is `spec.forkOf.agent`, else its parent's (followed up
+/// through forks of forks); the log's pinned snapshot still decides what runs.
 async fn resolve_agent(run: &AgentRun, ctx: &Context, ns: &str) -> Result<Resolved, Error> {
-    Ok(match (&run.spec.agent_ref, &run.spec.agent) {
+    let Some(source) = agent_source(run, ctx, ns).await? else {
+        return Ok(Resolved {
+            lookup: AgentLookup::NotFound {
+                name: run
+                    .spec
+                    .fork_of
+                    .as_ref()
+                    .map(|f| format!("(the agent of the fork's parent run {:?})", f.run))
+                    .unwrap_or_default(),
+            },
+            template: None,
+        });
+    };
+    resolve_spec(&source, ctx, ns).await
+}
+
+/// The spec naming the run's agent: its own, or for a fork the named Agent
+/// or the parent's (`None`: the parent is gone).
+async fn agent_source(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+) -> Result<Option<crate::api::AgentRunSpec>, Error> {
+    let mut spec = run.spec.clone();
+    let runs: Api<AgentRun> = Api::namespaced(ctx.client.clone(), ns);
+    // Bounded: a chain of forks naming each other in a cycle ends here.
+    for _ in 0..16 {
+        let Some(fork_of) = spec.fork_of.clone() else {
+            return Ok(Some(spec));
+        };
+        if let Some(agent) = fork_of.agent {
+            spec.agent_ref = Some(crate::api::LocalRef { name: agent });
+            spec.fork_of = None;
+            return Ok(Some(spec));
+        }
+        let parent = cached_or_get(ctx.caches.runs.as_ref(), &runs, ns, &fork_of.run)
+            .await
+            .map_err(|source| Error::Read {
+                what: "the fork's parent run",
+                source,
+            })?;
+        match parent {
+            Some(parent) => spec = parent.spec,
+            None => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+async fn resolve_spec(
+    spec: &crate::api::AgentRunSpec,
+    ctx: &Context,
+    ns: &str,
+) -> Result<Resolved, Error> {
+    Ok(match (&spec.agent_ref, &spec.agent) {
         (_, Some(inline)) => Resolved {
             lookup: AgentLookup::Inline,
             template: Some(inline.clone()),

@@ -1,0 +1,315 @@
+//! Forks on a real cluster (docs/design.md §11): `spec.forkOf` through the
+//! API server, the controller's copy of the parent's verified prefix, the
+//! fork going on live with its own keys, and the SubjectAccessReview that
+//! refuses a requester who may not read the parent's log.
+
+mod common;
+
+use agentrun::api::{AgentRun, Phase};
+use agentrun::replay::Entry;
+use common::world::{World, call, finish};
+use kube::api::{Api, PostParams};
+use serde_json::{Value, json};
+
+/// A fork of `parent` at `seq`, as `kubectl agentrun fork` creates it.
+fn fork_spec(parent: &str, seq: u64) -> Value {
+    json!({"forkOf": {"run": parent, "seq": seq}, "input": "Refund order 1042."})
+}
+
+/// The seq of the first `ToolResult` of `tool` in the run's log.
+fn result_of(log: &[(agentrun::store::Record, Entry)], tool: &str) -> u64 {
+    log.iter()
+        .find_map(|(r, e)| match e {
+            Entry::ToolResult(t) if t.tool == tool => Some(r.seq),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no result of {tool} in the log"))
+}
+
+#[tokio::test]
+async fn a_fork_before_the_refund_makes_it_again_with_its_own_key_and_nothing_recorded_again() {
+    let w = World::new("fork", &[]).await;
+    // The parent asks replies 0..=2; the fork, going on after the lookup's
+    // result, asks the model only from reply 3.
+    w.standins
+        .script(
+            "refund",
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+                finish("refunded 40"),
+                call("issue_refund", json!({"orderId": "1042", "amount": 30})),
+                finish("refunded 30")
+            ]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("refund")}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let parent_log = w.log(&parent).await;
+    let at = result_of(&parent_log, "lookup_order");
+
+    // dave forks: he may create AgentRuns and read runlogs here.
+    let dave = forker(&w, "dave").await;
+    let manifest: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "retry"},
+        "spec": fork_spec("parent", at)
+    }))
+    .unwrap();
+    Api::<AgentRun>::namespaced(dave, w.name())
+        .create(&PostParams::default(), &manifest)
+        .await
+        .expect("dave may fork");
+    let fork = w.wait_phase("retry", Phase::Succeeded).await;
+    assert_eq!(
+        fork.status.as_ref().unwrap().result.as_deref(),
+        Some("refunded 30")
+    );
+    let forked = fork
+        .status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .expect("a Forked condition");
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("True", "Copied")
+    );
+
+    // The fork's log: the parent's records 0..=at, then Forked naming it.
+    let fork_log = w.log(&fork).await;
+    for ((mine, _), (theirs, _)) in fork_log.iter().zip(&parent_log[..=at as usize]) {
+        assert_eq!(
+            (mine.seq, mine.kind, &mine.versions),
+            (theirs.seq, theirs.kind, &theirs.versions)
+        );
+    }
+    match &fork_log[at as usize + 1].1 {
+        Entry::Forked(f) => {
+            assert_eq!(f.parent_uid, parent.metadata.uid.clone().unwrap());
+            assert_eq!((f.parent_name.as_str(), f.seq), ("parent", at));
+            assert_eq!(f.parent_hash, parent_log[at as usize].0.hash.to_hex());
+            assert_eq!(
+                f.requester.as_deref(),
+                Some("dave"),
+                "the stamped requester"
+            );
+        }
+        other => panic!("record {} is {other:?}, not Forked", at + 1),
+    }
+
+    // Nothing recorded was asked or called again: the model was asked
+    // twice by the fork, the lookup made once (by the parent), and the
+    // refund once by each run with its own key.
+    assert_eq!(w.standins.model_requests("refund").await.len(), 5);
+    let requests = w.standins.tool_requests(w.name()).await;
+    let of = |tool: &str| -> Vec<Value> {
+        requests
+            .iter()
+            .filter(|r| r["tool"] == tool)
+            .map(|r| r["key"].clone())
+            .collect()
+    };
+    assert_eq!(of("lookup_order").len(), 1, "{requests:?}");
+    let refunds = of("issue_refund");
+    assert_eq!(refunds.len(), 2, "{requests:?}");
+    assert_ne!(
+        refunds[0], refunds[1],
+        "the fork's refund has the fork's key"
+    );
+
+    // `kubectl agentrun verify` passes on both logs, and says where the fork begins.
+    let store = common::store::e2e_store_url().await;
+    for run in ["parent", "retry"] {
+        let args = [
+            "verify",
+            run,
+            "--store-url",
+            &store,
+            "--controller-namespace",
+            w.name(),
+        ];
+        let (ok, text) = common::approvals::plugin(&w, "admin", &args);
+        assert!(ok && text.contains("chain intact"), "{run}: {text}");
+        if run == "retry" {
+            let begins = format!("after the parent parent's seq {at}");
+            assert!(text.contains(&begins), "{text}");
+        }
+    }
+
+    // The parent is unchanged.
+    let after = w.log(&parent).await;
+    assert_eq!(after.len(), parent_log.len());
+    assert_eq!(
+        after.last().unwrap().0.hash,
+        parent_log.last().unwrap().0.hash
+    );
+}
+
+#[tokio::test]
+async fn a_fork_of_a_waiting_run_waits_on_its_own_approval_and_deciding_it_leaves_the_parents() {
+    use common::approvals::{
+        entry, gated_refund_approval, grant_approver_role, pending_approval, plugin, refund,
+    };
+    let w = World::new("forkwait", &[]).await;
+    grant_approver_role(&w).await;
+    let theirs =
+        gated_refund_approval(&w, "waiting", json!([refund(500), finish("refunded 500")])).await;
+    let parent: AgentRun = Api::namespaced(w.client.clone(), w.name())
+        .get("waiting")
+        .await
+        .unwrap();
+    let parent_log = w.log(&parent).await;
+    let (request, _) = parent_log
+        .iter()
+        .rev()
+        .find(|(_, e)| matches!(e, Entry::ApprovalRequested(_)))
+        .expect("the parent asked for approval");
+    let at = request.seq.to_string();
+
+    // Through the plugin, as dave (who may read the parent's log).
+    forker(&w, "dave").await;
+    let (ok, out) = plugin(
+        &w,
+        "dave",
+        &["fork", "waiting", "--at", &at, "--name", "waitfork"],
+    );
+    assert!(ok, "{out}");
+    assert_eq!(out.trim(), "waitfork");
+    let mine = pending_approval(&w, "waitfork").await;
+    assert_ne!(mine.metadata.name, theirs.metadata.name);
+    assert_eq!(mine.spec.arguments, theirs.spec.arguments);
+    let name = mine.metadata.name.clone().unwrap();
+    common::approvals::decide(
+        &w,
+        "alice",
+        &name,
+        entry("alice", "Approve", &mine.spec.arguments_hash, "fork only"),
+    )
+    .await
+    .expect("alice approves the fork's call");
+    let fork = w.wait_phase("waitfork", Phase::Succeeded).await;
+    assert_eq!(fork.status.unwrap().result.as_deref(), Some("refunded 500"));
+
+    // The parent still waits, its Approval undecided; the refund was made once, by the fork.
+    let approvals: Api<agentrun::api::Approval> = Api::namespaced(w.client.clone(), w.name());
+    let still = approvals
+        .get(theirs.metadata.name.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        still.spec.decisions.is_empty(),
+        "{:?}",
+        still.spec.decisions
+    );
+    let parent = w.wait_phase("waiting", Phase::AwaitingApproval).await;
+    assert_eq!(w.log(&parent).await.len(), parent_log.len());
+    let effects = w.standins.effects(w.name()).await;
+    assert_eq!(
+        effects
+            .iter()
+            .filter(|e| e["tool"] == "issue_refund")
+            .count(),
+        1,
+        "{effects:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_fork_by_someone_who_cannot_read_the_parents_log_is_refused_and_copies_nothing() {
+    let w = World::new("forkdeny", &[]).await;
+    w.standins
+        .script("short", json!([finish("done")]), json!([]))
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("short")}),
+        json!({}),
+    )
+    .await;
+    w.wait_phase("parent", Phase::Succeeded).await;
+
+    // mallory may create AgentRuns here, but not read runlogs.
+    grant_run_creation(&w.client, w.name(), "mallory").await;
+    let mallory = common::client_impersonating("mallory", vec![]).await;
+    let run: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "peek"},
+        "spec": fork_spec("parent", 1)
+    }))
+    .unwrap();
+    // The API server refuses a fork point before the first record is the run's own.
+    let mut at_zero = run.clone();
+    at_zero.spec.fork_of.as_mut().unwrap().seq = 0;
+    let refusal = common::approvals::refusal(
+        Api::<AgentRun>::namespaced(w.client.clone(), w.name())
+            .create(&PostParams::default(), &at_zero)
+            .await,
+    );
+    assert!(refusal.contains("spec.forkOf.seq"), "{refusal}");
+    Api::<AgentRun>::namespaced(mallory, w.name())
+        .create(&PostParams::default(), &run)
+        .await
+        .expect("mallory may create AgentRuns");
+    let refused = w.wait_phase("peek", Phase::Failed).await;
+    let status = refused.status.unwrap();
+    let forked = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .expect("a Forked condition");
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("False", "Forbidden")
+    );
+    assert!(
+        forked.message.contains("mallory") && forked.message.contains("runlogs"),
+        "{}",
+        forked.message
+    );
+    let uid = refused.metadata.uid.unwrap();
+    let copied = w.store().await.read_all(&uid).await.unwrap();
+    assert!(copied.is_empty(), "nothing copied: {copied:?}");
+}
+
+/// `user` may fork here: create AgentRuns and read runlogs (granted to
+/// the user by name: the requester stamp holds no groups).
+async fn forker(w: &World, user: &str) -> kube::Client {
+    grant_run_creation(&w.client, w.name(), user).await;
+    common::log_api::grant_verbs(&w.client, w.name(), user, &["get"]).await;
+    common::client_as(user).await
+}
+
+/// A Role letting `user` create and read AgentRuns in `ns` (no runlogs).
+async fn grant_run_creation(client: &kube::Client, ns: &str, user: &str) {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let name = format!("{user}-agentruns");
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": ["agentrun.dev"], "resources": ["agentruns"],
+                   "verbs": ["create", "get", "list", "watch"]}]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("creating the Role");
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding the Role");
+}
