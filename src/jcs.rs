@@ -114,8 +114,21 @@ mod tests {
                    "literals": [null, true, false]}),
             json!({"\u{20ac}": "Euro Sign", "\r": "Carriage Return", "\u{fb33}": "Hebrew Letter Dalet With Dagesh",
                    "1": "One", "\u{1f600}": "Emoji: Grinning Face", "\u{0080}": "Control", "\u{00f6}": "Latin Small Letter O With Diaeresis"}),
-            json!([9007199254740991u64, 9007199254740992u64, -9007199254740991i64, -9007199254740993i64,
-                   u64::MAX, i64::MIN, 0, -0.0, 1.0, 100, 1e21, 1e-7, "\u{7f}\u{1}"]),
+            json!([
+                9007199254740991u64,
+                9007199254740992u64,
+                -9007199254740991i64,
+                -9007199254740993i64,
+                u64::MAX,
+                i64::MIN,
+                0,
+                -0.0,
+                1.0,
+                100,
+                1e21,
+                1e-7,
+                "\u{7f}\u{1}"
+            ]),
         ];
         for v in cases {
             assert_eq!(

@@ -69,7 +69,11 @@ fn wall(t: &Timings) -> f64 {
 
 /// Seconds the agent waited for answers (model and tool).
 fn waited(t: &Timings) -> f64 {
-    t.model.iter().chain(&t.tool).sum::<Duration>().as_secs_f64()
+    t.model
+        .iter()
+        .chain(&t.tool)
+        .sum::<Duration>()
+        .as_secs_f64()
 }
 
 fn p50(mut v: Vec<Duration>) -> f64 {
