@@ -191,8 +191,18 @@ pub enum StepError {
 impl StepError {
     /// Whether the worker stopped because another took the run over (the
     /// `step` subcommand then exits with [`LEASE_LOST_EXIT_CODE`]).
+    ///
+    /// The heartbeat is not the only one to learn it: an append, a renewal
+    /// before a call or a revival refused for a stale epoch says the same,
+    /// whichever comes first.
     pub fn lease_lost(&self) -> bool {
-        matches!(self, StepError::LeaseLost(_))
+        match self {
+            StepError::LeaseLost(_) => true,
+            StepError::HoldLease(e) | StepError::ReviveLease(e) | StepError::Append(e) => {
+                matches!(e, StoreError::StaleEpoch { .. })
+            }
+            _ => false,
+        }
     }
 }
 

@@ -56,6 +56,9 @@ enum End {
     Controller(String),
     /// The agent exited with this code.
     Exited(i32),
+    /// Another worker took the run over: this one answers nothing more and
+    /// leaves as a fenced worker does ([`super::LEASE_LOST_EXIT_CODE`]).
+    LeaseLost,
 }
 
 /// Where the runner serves and the key that opens it (set by the controller
@@ -126,6 +129,7 @@ pub(super) async fn drive(mut runner: Runner, loopback: Loopback) -> Result<(), 
     match end {
         End::Exited(0) => Ok(()),
         End::Exited(code) => Err(StepError::AgentFailed { code }),
+        End::LeaseLost => Err(super::LeaseLost.into()),
         End::Controller(_) => {
             // The shim stops the agent and reports; the pod ends with both.
             let _ = tokio::time::timeout(STOP_GRACE, exit_rx.wait_for(Option::is_some)).await;
@@ -225,6 +229,7 @@ fn over(end: &End) -> Refused {
     let why = match end {
         End::Controller(why) => why.clone(),
         End::Exited(code) => format!("the agent exited with code {code}"),
+        End::LeaseLost => "another worker took the run over".into(),
     };
     Refused {
         status: 503,
@@ -261,7 +266,7 @@ impl Driver {
             }
             Err(Failure::Step(e)) => {
                 let refused = step_failed(&e);
-                self.finish(End::Controller(e.to_string()));
+                self.finish(step_end(&e));
                 Err(refused)
             }
             Err(Failure::Refused(refused)) => Err(refused),
@@ -289,7 +294,7 @@ impl Driver {
             }
             Err(Failure::Step(e)) => {
                 let refused = step_failed(&e);
-                self.finish(End::Controller(e.to_string()));
+                self.finish(step_end(&e));
                 failed(refused.message)
             }
             Err(Failure::Refused(refused)) => failed(refused.message),
@@ -312,7 +317,7 @@ impl Driver {
             Ok(()) => self.finish(End::Exited(0)),
             Err(e) => {
                 tracing::error!(error = %e, "recording the agent's end failed");
-                self.finish(End::Exited(1));
+                self.finish(step_end(&e));
             }
         }
     }
@@ -322,7 +327,19 @@ fn failed(observation: String) -> ToolOutcome {
     ToolOutcome::Failed { observation }
 }
 
+/// How the step ends when the runner failed: a lost lease as a fenced
+/// worker's, anything else for the controller to decide from the log.
+fn step_end(e: &StepError) -> End {
+    match e.lease_lost() {
+        true => End::LeaseLost,
+        false => End::Controller(e.to_string()),
+    }
+}
+
 fn step_failed(e: &StepError) -> Refused {
+    if e.lease_lost() {
+        return over(&End::LeaseLost);
+    }
     Refused {
         status: 503,
         message: format!("agentrun: the runner stopped: {e}"),

@@ -755,3 +755,31 @@ async fn a_yield_asked_during_a_tool_call_ends_the_step_before_the_next_model_ca
     assert_eq!(kinds(&log), kinds(&history[..first_turn]));
     assert_eq!(standins.counts().model_requests, 1);
 }
+
+/// A built-in agent's step taken over while its tool call is made: the
+/// result's append is refused for its stale epoch, which is a lost lease
+/// (the worker exits as fenced), whether or not the heartbeat saw it first.
+#[tokio::test]
+async fn a_step_fenced_during_a_call_leaves_as_lease_lost() {
+    let standins = Standins::start().await;
+    let history = history(&standins.base);
+    standins.script(&history);
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), &history[..1]).await;
+    let taker = store.clone();
+    standins.on_call(move || {
+        let store = taker.clone();
+        Box::pin(async move {
+            store.take_over(RUN, "new-pod", LEASE_TTL).await.unwrap();
+        })
+    });
+    let e = tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the step ends within 30 s")
+        .expect_err("the fenced step fails");
+    assert!(e.lease_lost(), "{e}");
+    let log = read_log(&*store).await;
+    assert!(matches!(log.last(), Some(Entry::ToolIntent(_))));
+    assert_eq!(standins.counts().posts.values().sum::<u32>(), 1);
+}

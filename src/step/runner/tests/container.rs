@@ -139,7 +139,14 @@ async fn agent(url: String, system: String) -> Seen {
                 serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
             let params = CallToolRequestParams::new(name)
                 .with_arguments(arguments.as_object().unwrap().clone());
-            let result = mcp.call_tool(params).await.unwrap();
+            let result = match mcp.call_tool(params).await {
+                Ok(result) => result,
+                // The runner is gone (a fenced runner leaves at once).
+                Err(e) => {
+                    seen.refused = Some((0, e.to_string()));
+                    return seen;
+                }
+            };
             let text = result
                 .content
                 .iter()
@@ -412,4 +419,45 @@ async fn an_agent_that_asks_otherwise_on_replay_diverges_and_nothing_is_asked() 
     );
     assert_eq!(standins.counts().model_requests, 0);
     assert!(standins.counts().posts.is_empty());
+}
+
+/// The run is taken over while the agent's first tool call is made (the
+/// controller replacing a pod it believes gone). The runner records
+/// nothing more, answers nothing more, and leaves as a fenced worker
+/// (`LeaseLost`, not a finished step the controller would read as one).
+#[tokio::test]
+async fn a_container_step_fenced_during_a_call_records_nothing_more_and_leaves_as_lease_lost() {
+    let standins = Standins::start().await;
+    let started = container_started(run_started(&standins.base));
+    standins.script(&history_of(started.clone(), container_turns()));
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
+    let taker = store.clone();
+    standins.on_call(move || {
+        let store = taker.clone();
+        Box::pin(async move {
+            store.take_over(RUN, "new-pod", LEASE_TTL).await.unwrap();
+        })
+    });
+    let (step, seen) = container_step(store.clone(), SYSTEM).await;
+    let e = step.expect_err("the fenced step fails");
+    assert!(e.lease_lost(), "{e}");
+    let log = read_log(&*store).await;
+    assert!(
+        matches!(log.last(), Some(Entry::ToolIntent(_))),
+        "nothing after the intent: {:?}",
+        log.iter().map(Entry::kind).collect::<Vec<_>>()
+    );
+    assert_eq!(standins.counts().posts.values().sum::<u32>(), 1);
+    // Told the step is over, not the tool's answer (or no answer at all,
+    // the runner gone).
+    let seen = seen.expect("the agent ended");
+    assert!(
+        seen.results
+            .iter()
+            .all(|r| r.contains("another worker took the run over")),
+        "{:?}",
+        seen.results
+    );
 }
