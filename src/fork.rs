@@ -32,6 +32,9 @@ pub struct ForkPoint {
     /// `Forked`, so the rest runs on it; `None` keeps the parent's agent in
     /// force at `seq`.
     pub agent: Option<VersionChanged>,
+    /// A replay test's recorded calls (`spec.testOf`): the fork calls no
+    /// tool and raises no approval (`crate::sandbox`).
+    pub test: Option<crate::runlog::records::Sandbox>,
 }
 
 /// Why a fork's prefix was not copied.
@@ -118,6 +121,7 @@ pub fn plan(
         seq: point.seq,
         parent_hash: at.hash.to_hex(),
         requester: point.requester.clone(),
+        test: point.test.clone(),
     });
     let changed = point.agent.clone().map(Entry::VersionChanged);
     for entry in std::iter::once(forked).chain(changed) {

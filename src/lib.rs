@@ -22,6 +22,7 @@ pub mod policy;
 pub mod refusal;
 pub mod replay;
 pub mod runlog;
+pub mod sandbox;
 pub mod step;
 pub mod store;
 pub mod telemetry;

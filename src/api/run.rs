@@ -25,13 +25,18 @@ use super::common::{DURATION_RULE, LocalRef, Usage};
     printcolumn = r#"{"name":"Step","type":"integer","jsonPath":".status.log.length"}"#,
     printcolumn = r#"{"name":"Waiting-On","type":"string","jsonPath":".status.waitingOn"}"#,
     printcolumn = r#"{"name":"Agent","type":"string","priority":1,"jsonPath":".spec.agentRef.name"}"#,
+    printcolumn = r#"{"name":"Test-Of","type":"string","jsonPath":".spec.testOf.run"}"#,
     printcolumn = r#"{"name":"Cost","type":"number","priority":1,"jsonPath":".status.usage.costUSD"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "has(self.forkOf) ? !has(self.agentRef) && !has(self.agent) : has(self.agentRef) != has(self.agent)",
-     "message": "exactly one of spec.agentRef and spec.agent must be set, or neither on a fork (spec.forkOf: its agent is the parent's or spec.forkOf.agent)"},
+    {"rule": "has(self.forkOf) || has(self.testOf) ? !has(self.agentRef) && !has(self.agent) : has(self.agentRef) != has(self.agent)",
+     "message": "exactly one of spec.agentRef and spec.agent must be set, or neither on a fork (spec.forkOf: its agent is the parent's or spec.forkOf.agent) or a replay test (spec.testOf.agent)"},
+    {"rule": "!(has(self.forkOf) && has(self.testOf))",
+     "message": "spec.forkOf and spec.testOf cannot both be set: a replay test is not a fork that goes on live"},
+    {"rule": "has(self.testOf) == has(oldSelf.testOf) && (!has(self.testOf) || self.testOf == oldSelf.testOf)",
+     "message": "spec.testOf is immutable"},
     {"rule": "has(self.forkOf) == has(oldSelf.forkOf) && (!has(self.forkOf) || self.forkOf == oldSelf.forkOf)",
      "message": "spec.forkOf is immutable: a fork never moves to another parent or seq"},
     {"rule": "self.input == oldSelf.input",
@@ -55,6 +60,11 @@ pub struct AgentRunSpec {
     /// instead of `agentRef` and `agent`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fork_of: Option<ForkOf>,
+    /// Run another agent version against a recorded run without touching
+    /// the world (DESIGN.md §11, `kubectl agentrun replay-test`): set
+    /// instead of `agentRef`, `agent` and `forkOf`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_of: Option<TestOf>,
     /// The task, given to the model as the first user message. A fork's
     /// task is its parent's (recorded in the copied log); any text is
     /// kept but unused.
@@ -107,6 +117,49 @@ pub struct ForkOf {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub agent: Option<String>,
+}
+
+/// A replay test: the recorded run, the Agent to try on it, and the
+/// test's own budget. The model is asked anew; no tool is called and no
+/// approval raised (each proposed call is answered from the recorded
+/// run's calls, and the first that matches none ends the test `Diverged`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TestOf {
+    /// The recorded AgentRun's name, in this namespace.
+    #[schemars(length(min = 1, max = 253), extend("x-kubernetes-validations" = [{
+        "rule": "!self.contains('/')",
+        "message": "spec.testOf.run names a run in the test's own namespace"
+    }]))]
+    pub run: String,
+    /// The Agent (same namespace) to try.
+    #[schemars(length(min = 1, max = 253))]
+    pub agent: String,
+    /// The test's spending limits, in place of the Agent's budgets (a test
+    /// asks nobody to raise them: used up, it ends `BudgetExceeded`). The
+    /// Agent's limits when omitted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budgets: Option<TestBudgets>,
+}
+
+/// A replay test's spending limits.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TestBudgets {
+    /// Maximum input plus output tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_tokens: Option<u64>,
+    /// Maximum cost in US dollars.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "maxCostUSD"
+    )]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self > 0.0", "message": "spec.testOf.budgets.maxCostUSD must be greater than 0"
+    }]))]
+    pub max_cost_usd: Option<f64>,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -760,6 +760,7 @@ mod tests {
             tool: "issue_refund".into(),
             arguments: json!({"amount": 300}),
             key: "0123456789abcdef".into(),
+            sandboxed: None,
         };
         let result = ToolResult {
             intent_seq: 4,

@@ -49,6 +49,7 @@ fn point(parent_uid: &str, seq: u64) -> ForkPoint {
         seq,
         requester: Some("alice".into()),
         agent: None,
+        test: None,
     }
 }
 
@@ -400,6 +401,7 @@ fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
         seq: 3,
         parent_hash: "ab".repeat(32),
         requester: Some("alice".into()),
+        test: None,
     }))
     .unwrap();
     assert_eq!(

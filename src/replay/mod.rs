@@ -540,6 +540,15 @@ impl RunState {
         self.budget_answer().unwrap_or(turn)
     }
 
+    /// A replay test's recorded calls (its `Forked` record's `test`): the
+    /// run calls no tool and raises no approval (`crate::sandbox`).
+    pub fn sandbox(&self) -> Option<&crate::runlog::records::Sandbox> {
+        self.records().find_map(|(_, e)| match e {
+            Entry::Forked(f) => f.test.as_ref(),
+            _ => None,
+        })
+    }
+
     /// Whether the agent in force is a container agent.
     pub fn runs_a_container(&self) -> bool {
         self.snapshot
@@ -973,7 +982,7 @@ pub(crate) mod tests {
     use crate::runlog::v1::{self, AgentTemplate, ModelResponse, OnExpiry, TokenUsage};
     use serde_json::json;
 
-    fn started() -> RunState {
+    pub(crate) fn started() -> RunState {
         RunState::replay(vec![Entry::RunStarted(RunStarted {
             container: None,
             run_name: "r".into(),
@@ -1009,7 +1018,7 @@ pub(crate) mod tests {
         }
     }
 
-    fn model_call(calls: &[(&str, serde_json::Value)]) -> Entry {
+    pub(crate) fn model_call(calls: &[(&str, serde_json::Value)]) -> Entry {
         Entry::ModelCall(ModelCall {
             request: None,
             response: ModelResponse {
@@ -1036,7 +1045,7 @@ pub(crate) mod tests {
         })
     }
 
-    fn request() -> Entry {
+    pub(crate) fn request() -> Entry {
         Entry::ApprovalRequested(ApprovalRequested {
             model_call_seq: 1,
             call_index: 0,
@@ -1068,7 +1077,7 @@ pub(crate) mod tests {
         })
     }
 
-    fn decided(
+    pub(crate) fn decided(
         verdict: Verdict,
         on_expiry: Option<OnExpiry>,
         args: Option<serde_json::Value>,
@@ -1128,6 +1137,7 @@ pub(crate) mod tests {
                     tool: tool.into(),
                     arguments: args,
                     key: format!("k{intent}"),
+                    sandboxed: None,
                 }));
                 v.push(Entry::ToolResult(ToolResult {
                     intent_seq: intent,
@@ -1248,6 +1258,7 @@ pub(crate) mod tests {
             tool: "lookup".into(),
             arguments: json!({"id": 1}),
             key: "k".into(),
+            sandboxed: None,
         }));
         assert!(matches!(s.next(), Next::ExecuteTool { intent_seq: 2, .. }));
         s.apply(Entry::ToolResult(ToolResult {
@@ -1312,6 +1323,7 @@ pub(crate) mod tests {
                 arguments: args,
                 key: "k".into(),
                 requested: None,
+                sandboxed: None,
             })
         };
         log.extend([
@@ -1467,6 +1479,7 @@ pub(crate) mod tests {
             tool: "x".into(),
             arguments: json!({}),
             key: "k".into(),
+            sandboxed: None,
         }));
         s.apply(Entry::ToolResult(ToolResult {
             intent_seq: 2,
@@ -1496,6 +1509,7 @@ pub(crate) mod tests {
             tool: "page".into(),
             arguments: json!({"why": "x"}),
             key: "k".into(),
+            sandboxed: None,
         }));
         let Entry::ApprovalRequested(mut r) = request() else {
             unreachable!()
@@ -1559,6 +1573,7 @@ pub(crate) mod tests {
                 tool: "lookup".into(),
                 arguments: json!({"id": index}),
                 key: format!("k{intent}"),
+                sandboxed: None,
             }));
             v.push(Entry::ToolResult(ToolResult {
                 intent_seq: intent,
@@ -1653,6 +1668,7 @@ pub(crate) mod tests {
                         tool: "lookup".into(),
                         arguments: json!({"id": index}),
                         key: format!("k{intent}"),
+                        sandboxed: None,
                     }));
                     log.push(Entry::ToolResult(ToolResult {
                         intent_seq: intent,

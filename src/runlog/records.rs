@@ -137,6 +137,20 @@ pub struct ToolIntent {
     /// Format 2; none for a built-in agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requested: Option<String>,
+    /// A replay test's call (`crate::sandbox`): never made, answered from
+    /// the recorded run's call this names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandboxed: Option<Sandboxed>,
+}
+
+/// Which recorded call answers a replay test's call, and whether the new
+/// version's policy would have asked a human about it.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandboxed {
+    /// Its index in the `Forked` record's `test.calls`.
+    pub recorded: usize,
+    pub gated: bool,
 }
 
 /// How an intent found without a result was settled.
@@ -390,4 +404,37 @@ pub struct Forked {
     /// Who forked (the fork's own requester, never the parent's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requester: Option<String>,
+    /// Set on a replay test (`spec.testOf`, DESIGN.md §11): the run calls
+    /// no tool and raises no approval; each call it proposes is answered
+    /// from these, the parent's calls, or ends the test as diverged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test: Option<Sandbox>,
+}
+
+/// What a replay test answers calls from: the recorded run's calls, in the
+/// order the model proposed them.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    pub calls: Vec<RecordedCall>,
+}
+
+/// One call the recorded run's model proposed, and how it was settled.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct RecordedCall {
+    /// The parent's ModelCall that proposed it, and the call's index there.
+    pub model_call_seq: u64,
+    pub call_index: usize,
+    pub tool: String,
+    /// As the model proposed them (what a new proposal is matched against).
+    pub arguments: serde_json::Value,
+    /// As made, when an approver edited them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub made_with: Option<serde_json::Value>,
+    /// What the model was told: the tool's result, or why it did not run.
+    pub outcome: v1::ToolOutcome,
+    /// Whether the recorded run's policy asked a human, and the verdict.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<Verdict>,
 }

@@ -246,7 +246,7 @@ pub(super) fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
 }
 
 /// Why a call that needed approval did not run, as the model is told.
-pub(super) fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
+pub(crate) fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
     match decided.verdict {
         Verdict::Reject => {
             let who: Vec<String> = decided

@@ -19,6 +19,7 @@ use crate::replay::DecodeError;
 use crate::replay::{Entry, Next, RunState, Snapshot};
 use crate::runlog::budget;
 use crate::runlog::records::*;
+use crate::sandbox;
 use crate::store::{self, AnchorError, Head, KeyError, Lease, StepStore, StoreError};
 use crate::telemetry::trace;
 use crate::tools::{CallContext, LookupOutcome, ToolError, ToolOutcome, Toolbox, idempotency_key};
@@ -521,6 +522,11 @@ impl Runner {
         call_index: usize,
         call: crate::model::ToolCall,
     ) -> Result<Flow, StepError> {
+        if let Some(sandbox) = self.state.sandbox().cloned() {
+            return self
+                .sandboxed_intent(model_call_seq, call_index, call, &sandbox)
+                .await;
+        }
         let snap = self.snapshot()?;
         let (arguments, alternative) = crate::policy::split_alternative(&call.arguments);
         let network = self.network(&snap, &call.name).await;
@@ -533,6 +539,7 @@ impl Runner {
                     &call.id,
                     &call.name,
                     arguments,
+                    None,
                     None,
                 )
                 .await?;
@@ -557,6 +564,88 @@ impl Runner {
         }
     }
 
+    /// A replay test's call: answered by the recorded call it matches (with
+    /// the arguments it was made with), never gated; or, matching none,
+    /// the test ends `Diverged` with both calls side by side.
+    async fn sandboxed_intent(
+        &mut self,
+        model_call_seq: u64,
+        call_index: usize,
+        call: crate::model::ToolCall,
+        sandbox: &Sandbox,
+    ) -> Result<Flow, StepError> {
+        let (index, made_with) =
+            match sandbox::answer(&self.state, sandbox, model_call_seq, call_index) {
+                Some(sandbox::Answer::Recorded { index, call: rec }) => {
+                    (index, rec.made_with.clone())
+                }
+                Some(sandbox::Answer::Diverged { position, instead }) => {
+                    let error = sandbox::divergence(&call.name, &call.arguments, position, instead);
+                    self.stop(RunFinished {
+                        outcome: Outcome::Diverged,
+                        result: self.state.last_text(),
+                        error: Some(error),
+                    })
+                    .await?;
+                    return Ok(Flow::Exit);
+                }
+                None => unreachable!("the call to intend is the log's own proposal"),
+            };
+        // Whether the new version's policy would have asked a human: the
+        // report counts it; nobody is asked.
+        let snap = self.snapshot()?;
+        let (arguments, _) = crate::policy::split_alternative(&call.arguments);
+        let network = self.network(&snap, &call.name).await;
+        let gated = matches!(
+            classification(&snap, &call, &arguments, &network),
+            Classification::RequireApproval(_)
+        );
+        let arguments = made_with.unwrap_or_else(|| call.arguments.clone());
+        let sandboxed = Sandboxed {
+            recorded: index,
+            gated,
+        };
+        self.intend(
+            model_call_seq,
+            call_index,
+            &call.id,
+            &call.name,
+            arguments,
+            None,
+            Some(sandboxed),
+        )
+        .await?;
+        Ok(Flow::Stepped)
+    }
+
+    /// A replay test's call is never made: its result is the recorded one.
+    /// An intent of a test that names no recorded call (none this runner
+    /// writes) gets an error, and nothing is called either.
+    async fn sandboxed_result(
+        &mut self,
+        intent_seq: u64,
+        intent: ToolIntent,
+        sandbox: &Sandbox,
+    ) -> Result<(), StepError> {
+        let recorded = intent.sandboxed.and_then(|s| sandbox.calls.get(s.recorded));
+        let outcome = match recorded {
+            Some(call) => call.outcome.clone(),
+            None => crate::runlog::v1::ToolOutcome::Failed {
+                observation: "replay test: this call names no recorded call; nothing was called"
+                    .into(),
+            },
+        };
+        let result = ToolResult {
+            intent_seq,
+            call_id: intent.call_id,
+            tool: intent.tool,
+            outcome,
+            recovery: None,
+        };
+        self.append(Entry::ToolResult(result), None).await?;
+        Ok(())
+    }
+
     /// A budget is used up and the agent asks: records the question for
     /// the budget's approvers and exits (the controller raises the Approval).
     async fn ask_budget(
@@ -564,6 +653,16 @@ impl Runner {
         reason: &str,
         arguments: serde_json::Value,
     ) -> Result<Flow, StepError> {
+        if self.state.sandbox().is_some() {
+            // A replay test asks nobody: its budget ends it.
+            let finished = RunFinished {
+                outcome: Outcome::BudgetExceeded,
+                result: self.state.last_text(),
+                error: Some(reason.to_string()),
+            };
+            self.stop(finished).await?;
+            return Ok(Flow::Exit);
+        }
         let snap = self.snapshot()?;
         let Some(gate) = crate::policy::budget_gate(&snap.agent) else {
             return Err(StepError::NoBudgetApprovers);
@@ -640,6 +739,7 @@ impl Runner {
             &request.tool,
             arguments,
             requested,
+            None,
         )
         .await?;
         Ok(Flow::Stepped)
@@ -654,6 +754,7 @@ impl Runner {
         tool: &str,
         arguments: serde_json::Value,
         requested: Option<String>,
+        sandboxed: Option<Sandboxed>,
     ) -> Result<u64, StepError> {
         let intent = ToolIntent {
             requested,
@@ -663,6 +764,7 @@ impl Runner {
             tool: tool.to_string(),
             arguments,
             key: idempotency_key(&self.args.run_uid, model_call_seq, call_index),
+            sandboxed,
         };
         let seq = self.append(Entry::ToolIntent(intent), None).await?;
         self.own_intents.insert(seq);
@@ -873,6 +975,9 @@ impl Runner {
 
     #[tracing::instrument(name = "tool_step", skip_all, fields(step = self.head.len, intent = intent_seq, tool = %intent.tool))]
     async fn tool_step(&mut self, intent_seq: u64, intent: ToolIntent) -> Result<(), StepError> {
+        if let Some(sandbox) = self.state.sandbox().cloned() {
+            return self.sandboxed_result(intent_seq, intent, &sandbox).await;
+        }
         let recovering = !self.own_intents.contains(&intent_seq);
         let ctx = CallContext::new(self.args.run_uid.clone(), intent_seq, intent.key.clone());
         let (stamp, tools) = self.take_toolbox()?;

@@ -141,6 +141,7 @@ mod tests {
             arguments,
             key: "k".into(),
             requested,
+            sandboxed: None,
         })
     }
 

@@ -562,6 +562,7 @@ mod tests {
             tool: "issue_refund".into(),
             arguments: json!({"amount": 500}),
             key: "k".into(),
+            sandboxed: None,
         })
     }
 

@@ -14,7 +14,7 @@ use super::Acting;
 use super::decide::{anchored_head, snapshot};
 use super::log_read::checked_page;
 use super::status::signature_rules;
-use crate::api::{AgentRun, AgentTemplate, ForkOf, REQUESTER_ANNOTATION};
+use crate::api::{AgentRun, AgentTemplate, ForkOf, REQUESTER_ANNOTATION, TestOf};
 use crate::controller::context::{Context, notice};
 use crate::controller::error::Error;
 use crate::controller::servers::log_api::authorize::{Answer, Authorizer, Question};
@@ -27,38 +27,91 @@ use crate::store::{Head, Pages, Record};
 /// Condition type: whether the fork's prefix was copied.
 pub const FORKED: &str = "Forked";
 
+/// What begins with a copy of another run's log: a fork, or a replay
+/// test (a fork at the parent's `RunStarted` onto the tested Agent, whose
+/// calls are answered from the parent's, `crate::sandbox`).
+#[derive(Clone, Copy)]
+pub(super) enum Start<'a> {
+    Fork(&'a ForkOf),
+    Test(&'a TestOf),
+}
+
+impl Start<'_> {
+    fn field(&self) -> &'static str {
+        match self {
+            Start::Fork(_) => "spec.forkOf",
+            Start::Test(_) => "spec.testOf",
+        }
+    }
+
+    fn parent(&self) -> &str {
+        match self {
+            Start::Fork(f) => &f.run,
+            Start::Test(t) => &t.run,
+        }
+    }
+
+    /// The parent's last record copied: a test starts from the task alone.
+    fn seq(&self) -> u64 {
+        match self {
+            Start::Fork(f) => f.seq,
+            Start::Test(_) => 0,
+        }
+    }
+
+    fn agent(&self) -> Option<&str> {
+        match self {
+            Start::Fork(f) => f.agent.as_deref(),
+            Start::Test(t) => Some(&t.agent),
+        }
+    }
+}
+
 /// Copies the parent's prefix into the fork's empty log, or ends the fork
 /// saying why it may not begin.
 pub(super) async fn start_fork(
     run: &AgentRun,
     ctx: &Context,
-    fork_of: &ForkOf,
+    start: Start<'_>,
     template: &AgentTemplate,
     agent_generation: Option<i64>,
     acting: &mut Acting,
 ) -> Result<Duration, Error> {
     let ns = run.namespace().unwrap_or_default();
-    let (parent, requester) = match allowed(run, ctx, &ns, fork_of).await? {
+    let field = start.field();
+    let (parent, requester) = match allowed(run, ctx, &ns, start).await? {
         Ok(found) => found,
         Err((reason, message)) => return Ok(refuse(run, acting, reason, message)),
     };
     let parent_uid = crate::api::RunUid::of(&parent).to_string();
-    let records = match read_prefix(ctx, &parent, &parent_uid, fork_of.seq).await? {
+    let mut records = match read_log(ctx, &parent, &parent_uid).await? {
         Ok(records) => records,
         Err(tampered) => {
             let message = format!(
-                "spec.forkOf.run: the parent {:?}'s log does not verify, so nothing of it is copied: {tampered}",
-                fork_of.run
+                "{field}.run: the parent {:?}'s log does not verify, so nothing of it is copied: {tampered}",
+                start.parent()
             );
             return Ok(refuse(run, acting, "ParentTampered", message));
         }
     };
-    let agent = match &fork_of.agent {
+    let test = match start {
+        Start::Fork(_) => None,
+        Start::Test(_) => match recorded_calls(&records) {
+            Ok(sandbox) => Some(sandbox),
+            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message)),
+        },
+    };
+    // Only the prefix is copied (the whole log was verified to trust it).
+    let keep = usize::try_from(start.seq())
+        .unwrap_or(usize::MAX)
+        .saturating_add(1);
+    records.truncate(keep);
+    let agent = match start.agent() {
         None => None,
         Some(name) => {
             // The versions in force at the fork point (the last record copied).
             let from = versions_at(&records);
-            match changed_to(run, ctx, template, agent_generation, name, from) {
+            match changed_to(run, ctx, template, agent_generation, name, from, field) {
                 Ok(Some(changed)) => Some(changed),
                 Ok(None) => return Ok(super::decide::DISCOVERY_RECHECK),
                 Err(message) => {
@@ -67,12 +120,20 @@ pub(super) async fn start_fork(
             }
         }
     };
+    let agent = match (start, agent) {
+        (Start::Test(test_of), Some(changed)) => match tested(changed, test_of) {
+            Ok(changed) => Some(changed),
+            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message)),
+        },
+        (_, agent) => agent,
+    };
     let point = ForkPoint {
         parent_uid,
-        parent_name: fork_of.run.clone(),
-        seq: fork_of.seq,
+        parent_name: start.parent().to_string(),
+        seq: start.seq(),
         requester: Some(requester),
         agent,
+        test,
     };
     let uid = crate::api::RunUid::of(run);
     let copied = copy_prefix(
@@ -87,10 +148,18 @@ pub(super) async fn start_fork(
     ctx.memory.mark_changed(&uid);
     match copied {
         Ok(_) => {
-            let message = format!(
-                "records 0..={} of {:?} copied; the fork goes on from there",
-                fork_of.seq, fork_of.run
-            );
+            let message = match start {
+                Start::Fork(_) => format!(
+                    "records 0..={} of {:?} copied; the fork goes on from there",
+                    point.seq,
+                    start.parent()
+                ),
+                Start::Test(_) => format!(
+                    "a replay test of {:?}: its task copied and its {} recorded calls to answer from; nothing is called",
+                    start.parent(),
+                    point.test.as_ref().map_or(0, |t| t.calls.len())
+                ),
+            };
             acting.fork = Some(condition(run, true, "Copied", &message));
             acting.notices.push(notice(false, "Forked", message));
             Ok(Duration::ZERO)
@@ -103,13 +172,47 @@ pub(super) async fn start_fork(
     }
 }
 
+/// The recorded run's settled calls, for a test to answer from. A
+/// container agent's run is refused: its test would need the agent's own
+/// requests matched (not built).
+fn recorded_calls(records: &[Record]) -> Result<crate::runlog::records::Sandbox, String> {
+    let state = state_of(records);
+    if state.runs_a_container() {
+        return Err(
+            "spec.testOf.run: the recorded run has a container agent; replay tests of container agents are not supported"
+                .into(),
+        );
+    }
+    Ok(crate::sandbox::recorded_calls(&state))
+}
+
+/// The tested version as the test runs it: a built-in agent, with the
+/// test's budgets (or the Agent's), which never ask anyone.
+fn tested(mut changed: VersionChanged, test_of: &TestOf) -> Result<VersionChanged, String> {
+    if changed.container.is_some() {
+        return Err(format!(
+            "spec.testOf.agent: Agent {} is a container agent; replay tests of container agents are not supported",
+            test_of.agent
+        ));
+    }
+    let mut budgets = changed.agent.budgets.take().unwrap_or_default();
+    if let Some(b) = &test_of.budgets {
+        budgets.max_tokens = b.max_tokens;
+        budgets.max_cost_usd = b.max_cost_usd;
+    }
+    budgets.on_exhausted = Some(crate::runlog::v1::OnExhausted::Fail);
+    budgets.approvers = None;
+    changed.agent.budgets = Some(budgets);
+    Ok(changed)
+}
+
 /// The parent, and the fork's requester, when the requester may read the
 /// parent's log; otherwise the refusal's reason and message.
 async fn allowed(
     run: &AgentRun,
     ctx: &Context,
     ns: &str,
-    fork_of: &ForkOf,
+    start: Start<'_>,
 ) -> Result<Result<(AgentRun, String), (&'static str, String)>, Error> {
     let Some(requester) = run.annotations().get(REQUESTER_ANNOTATION).cloned() else {
         let message = format!(
@@ -128,21 +231,23 @@ async fn allowed(
     let question = Question {
         verb: "get",
         namespace: ns.to_string(),
-        name: Some(fork_of.run.clone()),
+        name: Some(start.parent().to_string()),
     };
     let authorizer = Authorizer::new(ctx.client.clone(), Duration::ZERO);
     match authorizer.check(&user, &question).await {
         Ok(Answer::Allowed) => {}
         Ok(Answer::Denied(why)) => {
-            let message =
-                format!("spec.forkOf.run: {requester} may not read the parent's log: {why}");
+            let message = format!(
+                "{}.run: {requester} may not read the parent's log: {why}",
+                start.field()
+            );
             return Ok(Err(("Forbidden", message)));
         }
         Err(e) => return Err(Error::Review(e)),
     }
     let runs: Api<AgentRun> = Api::namespaced(ctx.client.clone(), ns);
     let parent = runs
-        .get_opt(&fork_of.run)
+        .get_opt(start.parent())
         .await
         .map_err(|source| Error::Read {
             what: "the fork's parent run",
@@ -151,27 +256,26 @@ async fn allowed(
     Ok(match parent {
         Some(parent) if parent.meta().uid == run.meta().uid => Err((
             "InvalidForkPoint",
-            "spec.forkOf.run: a run cannot fork itself".to_string(),
+            format!("{}.run: a run cannot fork or test itself", start.field()),
         )),
         Some(parent) => Ok((parent, requester)),
         None => Err((
             "ParentNotFound",
             format!(
-                "spec.forkOf.run: no AgentRun {:?} in namespace {ns:?}",
-                fork_of.run
+                "{}.run: no AgentRun {:?} in namespace {ns:?}",
+                start.field(),
+                start.parent()
             ),
         )),
     })
 }
 
-/// The parent's records `0..=seq`, its whole log verified page by page
-/// (chain, anchored head, signatures under its rules) and only the prefix
-/// kept. The inner error: the parent's log does not verify.
-async fn read_prefix(
+/// The parent's whole log, verified page by page (chain, anchored head,
+/// signatures under its rules). The inner error: it does not verify.
+async fn read_log(
     ctx: &Context,
     parent: &AgentRun,
     parent_uid: &str,
-    seq: u64,
 ) -> Result<Result<Vec<Record>, crate::store::StoreError>, Error> {
     let (anchor, rules) = (anchored_head(parent), signature_rules(parent));
     let mut pages = Pages::after(
@@ -180,18 +284,15 @@ async fn read_prefix(
         parent_uid,
         Head::EMPTY,
     );
-    let mut kept = Vec::new();
+    let mut all = Vec::new();
     loop {
         match checked_page(ctx, parent_uid, &mut pages, &anchor, &rules).await? {
-            Ok(Some((records, _ticket))) => {
-                let room = (seq as usize + 1).saturating_sub(kept.len());
-                kept.extend(records.into_iter().take(room));
-            }
+            Ok(Some((records, _ticket))) => all.extend(records),
             Ok(None) => break,
             Err(tampered) => return Ok(Err(tampered)),
         }
     }
-    Ok(crate::store::check_anchor_after(parent_uid, &pages.head(), &[], &anchor).map(|()| kept))
+    Ok(crate::store::check_anchor_after(parent_uid, &pages.head(), &[], &anchor).map(|()| all))
 }
 
 /// The `VersionChanged` to `spec.forkOf.agent` (resolved as the run's
@@ -203,15 +304,17 @@ fn changed_to(
     agent_generation: Option<i64>,
     name: &str,
     from: crate::runlog::records::Versions,
+    field: &str,
 ) -> Result<Option<VersionChanged>, crate::refusal::Refusal> {
-    let field = format!("spec.forkOf.agent: Agent {name}: spec.tools");
+    let start_field = field;
+    let field = format!("{start_field}.agent: Agent {name}: spec.tools");
     let mcp = match ctx.discovery.catalog(run, &template.tools, &field) {
         Discovered::Pending | Discovered::Failed { .. } => return Ok(None),
         Discovered::Ready(mcp) => mcp,
     };
     let started = mcp
         .and_then(|mcp| snapshot(run, template, agent_generation, mcp))
-        .map_err(|e| crate::refusal::Refusal::from(format!("spec.forkOf.agent: {e}")))?;
+        .map_err(|e| crate::refusal::Refusal::from(format!("{start_field}.agent: {e}")))?;
     Ok(Some(VersionChanged {
         agent: started.agent,
         tools: started.tools,
@@ -224,14 +327,18 @@ fn changed_to(
 
 /// The agent's versions in force at the end of `records` (the fork point).
 fn versions_at(records: &[Record]) -> crate::runlog::records::Versions {
+    state_of(records)
+        .snapshot
+        .map(|s| s.versions)
+        .unwrap_or_default()
+}
+
+fn state_of(records: &[Record]) -> crate::replay::RunState {
     let entries = records
         .iter()
         .filter_map(|r| crate::replay::Entry::decode(r.seq, r.kind.as_str(), &r.payload).ok())
         .collect();
     crate::replay::RunState::replay(entries)
-        .snapshot
-        .map(|s| s.versions)
-        .unwrap_or_default()
 }
 
 /// Ends the fork before anything is copied.

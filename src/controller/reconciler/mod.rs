@@ -233,12 +233,18 @@ async fn act_on(
         now,
     } = *seen;
     Ok(match act {
-        Act::StartRun => match &run.spec.fork_of {
-            Some(fork_of) => {
-                fork_start::start_fork(run, ctx, fork_of, template, agent_generation, acting)
-                    .await?
+        Act::StartRun => match (&run.spec.fork_of, &run.spec.test_of) {
+            (Some(fork_of), _) => {
+                let start = fork_start::Start::Fork(fork_of);
+                fork_start::start_fork(run, ctx, start, template, agent_generation, acting).await?
             }
-            None => start_run(run, ctx, replayed, template, agent_generation, acting).await?,
+            (None, Some(test_of)) => {
+                let start = fork_start::Start::Test(test_of);
+                fork_start::start_fork(run, ctx, start, template, agent_generation, acting).await?
+            }
+            (None, None) => {
+                start_run(run, ctx, replayed, template, agent_generation, acting).await?
+            }
         },
         Act::FollowAgent => {
             follow_agent(run, ctx, replayed, template, agent_generation, acting).await?
@@ -790,6 +796,13 @@ async fn agent_source(
     let mut spec = run.spec.clone();
     let runs: Api<AgentRun> = Api::namespaced(ctx.client.clone(), ns);
     // Bounded: a chain of forks naming each other in a cycle ends here.
+    // A replay test runs the Agent it names.
+    if let Some(test_of) = spec.test_of.take() {
+        spec.agent_ref = Some(crate::api::LocalRef {
+            name: test_of.agent,
+        });
+        return Ok(Some(spec));
+    }
     for _ in 0..16 {
         let Some(fork_of) = spec.fork_of.clone() else {
             return Ok(Some(spec));

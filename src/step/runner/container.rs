@@ -652,6 +652,7 @@ impl Inner {
                         &call.name,
                         call.arguments.clone(),
                         Some(digest),
+                        None,
                     )
                     .await?;
                 self.intended(intent_seq).await

@@ -6,6 +6,7 @@
 
 mod container;
 mod fork;
+mod sandbox;
 mod standins;
 
 use std::collections::HashMap;
@@ -165,6 +166,7 @@ fn history_of(started: Entry, turns: Vec<Turn>) -> Vec<Entry> {
                 tool: tool.into(),
                 arguments,
                 key: idempotency_key(RUN, model_call_seq, index),
+                sandboxed: None,
             }));
             log.push(Entry::ToolResult(ToolResult {
                 intent_seq,
@@ -663,6 +665,7 @@ fn intended(base: &str, tool: &str, decided: bool) -> Vec<Entry> {
         tool: tool.into(),
         arguments: args,
         key: idempotency_key(RUN, 1, 0),
+        sandboxed: None,
     }));
     log
 }

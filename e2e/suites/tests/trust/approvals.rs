@@ -892,6 +892,7 @@ async fn an_intent_for_a_gated_call_with_no_decision_is_never_made() {
             tool: "issue_refund".into(),
             arguments: honest.spec.arguments.clone(),
             key: "mallory".into(),
+            sandboxed: None,
         }),
     )
     .await;

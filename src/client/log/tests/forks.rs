@@ -36,6 +36,7 @@ fn fork_of(
         seq,
         requester: Some("alice".into()),
         agent: None,
+        test: None,
     };
     plan(&signer(), uid, parent, &point, "controller").unwrap()
 }

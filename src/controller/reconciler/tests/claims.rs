@@ -162,6 +162,7 @@ async fn a_forged_budget_question_with_budget_left_raises_no_approval() {
             tool: "lookup".into(),
             arguments: json!({"order": 1}),
             key: "k".into(),
+            sandboxed: None,
         }),
         Entry::ToolResult(crate::runlog::records::ToolResult {
             intent_seq: 2,
@@ -221,6 +222,7 @@ async fn an_intent_for_a_gated_call_without_its_approval_ends_the_run() {
         tool: "issue_refund".into(),
         arguments: args,
         key: "k".into(),
+        sandboxed: None,
     });
     step_pod(
         &ctx,

@@ -1,0 +1,192 @@
+use serde_json::json;
+
+use super::*;
+use crate::replay::tests::{decided, model_call, request, started};
+use crate::runlog::records::{Forked, RecordedDecision, ToolIntent, ToolResult};
+use crate::runlog::v1;
+
+fn intent(model_call_seq: u64, call_index: usize, tool: &str, arguments: Value) -> Entry {
+    Entry::ToolIntent(ToolIntent {
+        model_call_seq,
+        call_index,
+        call_id: format!("c{call_index}"),
+        tool: tool.into(),
+        arguments,
+        key: "k".into(),
+        requested: None,
+        sandboxed: None,
+    })
+}
+
+fn result(intent_seq: u64, tool: &str, value: Value) -> Entry {
+    Entry::ToolResult(ToolResult {
+        intent_seq,
+        call_id: "c".into(),
+        tool: tool.into(),
+        outcome: v1::ToolOutcome::Ok(value),
+        recovery: None,
+    })
+}
+
+/// A request for call `call_index` of the ModelCall at `model_call_seq`.
+fn asked(model_call_seq: u64, call_index: usize, arguments: Value) -> Entry {
+    let Entry::ApprovalRequested(mut r) = request() else {
+        unreachable!()
+    };
+    (r.model_call_seq, r.call_index, r.arguments) = (model_call_seq, call_index, arguments);
+    Entry::ApprovalRequested(r)
+}
+
+fn decided_at(request_seq: u64, verdict: Verdict, by: &str, args: Option<Value>) -> Entry {
+    let Entry::ApprovalDecided(mut d) = decided(verdict, None, args) else {
+        unreachable!()
+    };
+    d.request_seq = request_seq;
+    let v = match verdict {
+        Verdict::Reject => v1::Verdict::Reject,
+        Verdict::Edit => v1::Verdict::Edit,
+        _ => v1::Verdict::Approve,
+    };
+    d.decisions = vec![RecordedDecision {
+        approver: by.into(),
+        verdict: v,
+        arguments_hash: "h".into(),
+        arguments: None,
+        reason: Some("too much".into()),
+    }];
+    Entry::ApprovalDecided(d)
+}
+
+/// A recorded run: a lookup and a refund edited to 300 (seq 1), a refund
+/// of 70 rejected (seq 9), then a lookup the run never settled (seq 12).
+fn recorded() -> RunState {
+    let mut log: Vec<Entry> = started().records().map(|(_, e)| e.clone()).collect();
+    log.extend([
+        model_call(&[
+            ("lookup", json!({"id": 1})),
+            ("refund", json!({"amount": 500})),
+        ]),
+        intent(1, 0, "lookup", json!({"id": 1})),
+        result(2, "lookup", json!({"total": 500})),
+        asked(1, 1, json!({"amount": 500})),
+        decided_at(4, Verdict::Edit, "bob", Some(json!({"amount": 300}))),
+        intent(1, 1, "refund", json!({"amount": 300})),
+        result(6, "refund", json!({"refund": "R-1"})),
+        Entry::Observation(crate::runlog::records::Observation {
+            text: "go on".into(),
+            about_seq: None,
+            stop: None,
+            attempts: None,
+        }),
+        // seq 9
+        model_call(&[("refund", json!({"amount": 70}))]),
+        asked(9, 0, json!({"amount": 70})),
+        decided_at(10, Verdict::Reject, "carol", None),
+        model_call(&[("lookup", json!({"id": 1}))]),
+    ]);
+    RunState::replay(log)
+}
+
+#[test]
+fn the_recorded_calls_are_what_the_model_was_told_in_the_order_proposed() {
+    let calls = recorded_calls(&recorded()).calls;
+    assert_eq!(
+        calls.len(),
+        3,
+        "the unsettled lookup is left out: {calls:?}"
+    );
+    assert_eq!(
+        (calls[0].tool.as_str(), calls[0].decision),
+        ("lookup", None)
+    );
+    assert_eq!(calls[0].outcome, v1::ToolOutcome::Ok(json!({"total": 500})));
+    assert_eq!(calls[1].arguments, json!({"amount": 500}), "as proposed");
+    assert_eq!(calls[1].made_with, Some(json!({"amount": 300})));
+    assert_eq!(calls[1].decision, Some(Verdict::Edit));
+    assert_eq!(
+        calls[1].outcome,
+        v1::ToolOutcome::Ok(json!({"refund": "R-1"}))
+    );
+    assert_eq!(calls[2].decision, Some(Verdict::Reject));
+    let v1::ToolOutcome::Failed { observation } = &calls[2].outcome else {
+        panic!("a rejected call is an error to the model");
+    };
+    assert!(
+        observation.contains("rejected by carol: too much"),
+        "{observation}"
+    );
+    assert!(was_gated(&calls[1]) && !was_gated(&calls[0]));
+}
+
+/// The test's log: the task, `Forked` with the recorded calls, then the
+/// new version's replies (each answered call with its intent).
+fn test_run(sandbox: &Sandbox, replies: Vec<Entry>) -> RunState {
+    let mut log: Vec<Entry> = started().records().map(|(_, e)| e.clone()).collect();
+    log.push(Entry::Forked(Forked {
+        parent_uid: "p".into(),
+        parent_name: "p".into(),
+        seq: 0,
+        parent_hash: "00".repeat(32),
+        requester: None,
+        test: Some(sandbox.clone()),
+    }));
+    log.extend(replies);
+    RunState::replay(log)
+}
+
+#[test]
+fn a_proposal_gets_the_recorded_call_alike_in_any_order_and_each_once() {
+    let sandbox = recorded_calls(&recorded());
+    // The refund first, then the lookup: each finds its own.
+    let state = test_run(
+        &sandbox,
+        vec![model_call(&[
+            ("refund", json!({"amount": 500})),
+            ("lookup", json!({"id": 1})),
+        ])],
+    );
+    assert_eq!(state.sandbox(), Some(&sandbox));
+    let Some(Answer::Recorded { index: 1, call }) = answer(&state, &sandbox, 2, 0) else {
+        panic!("the refund matches the recorded refund");
+    };
+    assert_eq!(call.made_with, Some(json!({"amount": 300})));
+    assert!(matches!(
+        answer(&state, &sandbox, 2, 1),
+        Some(Answer::Recorded { index: 0, .. })
+    ));
+
+    // The same lookup twice: the recorded run made it once.
+    let state = test_run(
+        &sandbox,
+        vec![
+            model_call(&[("lookup", json!({"id": 1})), ("lookup", json!({"id": 1}))]),
+            intent(2, 0, "lookup", json!({"id": 1})),
+        ],
+    );
+    assert!(matches!(
+        answer(&state, &sandbox, 2, 0),
+        Some(Answer::Recorded { index: 0, .. })
+    ));
+    let Some(Answer::Diverged { position, instead }) = answer(&state, &sandbox, 2, 1) else {
+        panic!("a second lookup was never recorded");
+    };
+    assert_eq!(position, 1);
+    assert_eq!(instead.map(|c| c.tool.as_str()), Some("refund"));
+}
+
+#[test]
+fn other_arguments_diverge_and_the_reason_shows_both_calls() {
+    let sandbox = recorded_calls(&recorded());
+    let state = test_run(&sandbox, vec![model_call(&[("lookup", json!({"id": 2}))])]);
+    let Some(Answer::Diverged { position, instead }) = answer(&state, &sandbox, 2, 0) else {
+        panic!("another order's lookup was never recorded");
+    };
+    assert_eq!(position, 0);
+    let why = divergence("lookup", &json!({"id": 2}), position, instead);
+    assert!(
+        why.contains(r#"call 1 is lookup {"id":2}"#) && why.contains(r#"was lookup {"id":1}"#),
+        "{why}"
+    );
+    let past = divergence("lookup", &json!({"id": 2}), 3, None);
+    assert!(past.contains("made only 3 calls"), "{past}");
+}

@@ -1,0 +1,111 @@
+//! A replay test run by the step runner (DESIGN.md §11): the model is
+//! asked anew, no tool is called, each proposed call is answered from the
+//! recorded run's, and the first that matches none ends the test.
+
+use super::*;
+use crate::runlog::records::{Forked, Sandbox};
+
+/// The test's log as the controller starts it: the recorded run's task,
+/// then `Forked` with its calls.
+async fn test_log(dir: &std::path::Path, recorded: &[Entry]) -> (Arc<dyn StepStore>, Sandbox) {
+    let sandbox = crate::sandbox::recorded_calls(&RunState::replay(recorded.to_vec()));
+    let forked = Entry::Forked(Forked {
+        parent_uid: "recorded-uid".into(),
+        parent_name: "r1".into(),
+        seq: 0,
+        parent_hash: "00".repeat(32),
+        requester: Some("dave".into()),
+        test: Some(sandbox.clone()),
+    });
+    (log_with(dir, &[recorded[0].clone(), forked]).await, sandbox)
+}
+
+fn tool_results(log: &[Entry]) -> Vec<&v1::ToolOutcome> {
+    log.iter()
+        .filter_map(|e| match e {
+            Entry::ToolResult(r) => Some(&r.outcome),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_replay_test_answers_each_call_from_the_recorded_run_and_calls_no_tool() {
+    let standins = Standins::start().await;
+    let recorded = history(&standins.base);
+    standins.script(&recorded);
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let (store, sandbox) = test_log(dir.path(), &recorded).await;
+    assert_eq!(sandbox.calls.len(), 3);
+    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the test's step ends")
+        .unwrap();
+
+    let log = read_log(&*store).await;
+    let kinds = |l: &[Entry]| l.iter().map(Entry::kind).collect::<Vec<_>>();
+    assert_eq!(
+        kinds(&log[2..]),
+        kinds(&recorded[1..]),
+        "the same run, replayed"
+    );
+    assert_eq!(tool_results(&log), tool_results(&recorded));
+    let answered: Vec<_> = log
+        .iter()
+        .filter_map(|e| match e {
+            Entry::ToolIntent(i) => i.sandboxed,
+            _ => None,
+        })
+        .map(|s| (s.recorded, s.gated))
+        .collect();
+    assert_eq!(answered, [(0, false), (1, false), (2, false)]);
+    let counts = standins.counts();
+    assert_eq!(counts.model_requests, 3, "the model is asked anew");
+    assert!(
+        counts.posts.is_empty(),
+        "no tool was called: {:?}",
+        counts.posts
+    );
+    assert!(counts.lookups.is_empty());
+}
+
+#[tokio::test]
+async fn a_replay_test_ends_diverged_at_the_first_call_the_recorded_run_never_made() {
+    let standins = Standins::start().await;
+    let recorded = history(&standins.base);
+    let mut turns = turns();
+    turns[1].1[0].1 = json!({"refund": "R-9"});
+    standins.script(&history_of(run_started(&standins.base), turns));
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = test_log(dir.path(), &recorded).await;
+    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the test's step ends")
+        .unwrap();
+
+    let log = read_log(&*store).await;
+    let Some(Entry::Observation(Observation {
+        stop: Some(stop), ..
+    })) = log.last()
+    else {
+        panic!("the test stops: {:?}", log.last());
+    };
+    assert_eq!(stop.outcome, Outcome::Diverged);
+    let error = stop.error.clone().unwrap();
+    assert!(
+        error.contains(r#"call 3 is search {"refund":"R-9"}"#)
+            && error.contains(r#"was search {"refund":"R-1"}"#),
+        "{error}"
+    );
+    // The first reply's two calls were answered; the diverging one was not.
+    assert_eq!(tool_results(&log).len(), 2);
+    let counts = standins.counts();
+    assert_eq!(counts.model_requests, 2);
+    assert!(
+        counts.posts.is_empty(),
+        "no tool was called: {:?}",
+        counts.posts
+    );
+}
