@@ -10,6 +10,8 @@
 
 use serde_json::Value;
 
+pub mod report;
+
 use crate::replay::{Entry, RunState};
 use crate::runlog::records::{RecordedCall, Sandbox, Verdict};
 use crate::runlog::v1::{ApprovalKind, ToolOutcome};

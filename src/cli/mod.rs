@@ -14,6 +14,7 @@ use serde_json::json;
 use crate::api::{Approval, ApprovalState, Verdict};
 
 mod keys;
+mod replay_test;
 
 use crate::client::approvals::{
     abbreviate, approvers, decide, describe, edited_arguments, get, state, time_left, visible,
@@ -119,6 +120,12 @@ enum Command {
         #[arg(long)]
         name: Option<String>,
     },
+    /// Try an Agent on recorded runs without touching the world: one test
+    /// run per recorded run asks the model anew, calls no tool (each
+    /// proposed call gets the recorded run's result for the same call) and
+    /// raises no approval; the first call no recorded call matches ends
+    /// that test as diverged. Prints a report; fails when any diverged.
+    ReplayTest(replay_test::ReplayTestArgs),
     /// Serve the approver's web console on loopback, acting with your own
     /// kubeconfig identity: the inbox of approvals you may decide, each
     /// approval with its arguments and context, runs and their timelines.
@@ -213,6 +220,7 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             agent,
             name,
         } => fork(&k, &run, at, agent, name, &mut out).await,
+        Command::ReplayTest(args) => replay_test::replay_test(&k, args, &mut out).await,
         Command::Console(args) => {
             drop(out);
             crate::console::serve_loopback(k.client, k.ns, args)

@@ -190,3 +190,46 @@ fn other_arguments_diverge_and_the_reason_shows_both_calls() {
     let past = divergence("lookup", &json!({"id": 2}), 3, None);
     assert!(past.contains("made only 3 calls"), "{past}");
 }
+
+fn ended(outcome: crate::runlog::records::Outcome, result: Option<&str>) -> Entry {
+    Entry::RunFinished(crate::runlog::records::RunFinished {
+        outcome,
+        result: result.map(str::to_string),
+        error: None,
+    })
+}
+
+fn entries(state: &RunState) -> Vec<Entry> {
+    state.records().map(|(_, e)| e.clone()).collect()
+}
+
+#[test]
+fn the_report_says_where_a_test_diverged_and_what_each_side_spent() {
+    use crate::runlog::records::Outcome;
+    let mut recorded = entries(&recorded());
+    recorded.push(ended(Outcome::Succeeded, Some("done")));
+    let sandbox = recorded_calls(&RunState::replay(recorded.clone()));
+    let mut tested = entries(&test_run(
+        &sandbox,
+        vec![model_call(&[("lookup", json!({"id": 2}))])],
+    ));
+    tested.push(ended(Outcome::Diverged, None));
+
+    let r = report::report("r1", "r1-test-x", &recorded, &tested);
+    assert!(r.diverged() && !r.same_answer);
+    let d = r.diverged.clone().unwrap();
+    assert_eq!((d.seq, d.call), (2, 1));
+    assert_eq!(d.new.arguments, json!({"id": 2}));
+    assert_eq!(d.recorded.map(|c| c.arguments), Some(json!({"id": 1})));
+    // Three answers of 15 tokens ($0.50 each) against one; two calls were
+    // put to a human in the recorded run.
+    assert_eq!((r.recorded.tokens, r.new.tokens), (45, 15));
+    assert_eq!((r.recorded.cost_usd, r.new.cost_usd), (1.5, 0.5));
+    assert_eq!((r.recorded.gated_calls, r.new.gated_calls), (2, 0));
+    assert_eq!(r.recorded_answer.as_deref(), Some("done"));
+
+    let mut same = entries(&test_run(&sandbox, vec![]));
+    same.push(ended(Outcome::Succeeded, Some("done ")));
+    let r = report::report("r1", "r1-test-y", &recorded, &same);
+    assert!(r.same_answer && !r.diverged(), "{r:?}");
+}

@@ -180,7 +180,11 @@ impl Parents for Live<'_, '_> {
 }
 
 /// A run's log read and verified from the store or the log API.
-async fn read_verified(k: &Kube, run: &str, source: &Source<'_>) -> Result<Read, LogError> {
+pub(crate) async fn read_verified(
+    k: &Kube,
+    run: &str,
+    source: &Source<'_>,
+) -> Result<Read, LogError> {
     match source.store_url {
         Some(url) => verify_store(k, run, url, source.controller_namespace).await,
         None => read_api(k, run, source.controller_namespace).await,
