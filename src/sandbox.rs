@@ -42,18 +42,16 @@ fn settled(
     arguments: &Value,
 ) -> Option<RecordedCall> {
     let later = || parent.records_from(model_call_seq + 1);
-    let request = later()
-        .filter_map(|(seq, e)| match e {
-            Entry::ApprovalRequested(r)
-                if r.kind == ApprovalKind::Call
-                    && r.model_call_seq == model_call_seq
-                    && r.call_index == index =>
-            {
-                Some((seq, r))
-            }
-            _ => None,
-        })
-        .last();
+    let request = later().rev().find_map(|(seq, e)| match e {
+        Entry::ApprovalRequested(r)
+            if r.kind == ApprovalKind::Call
+                && r.model_call_seq == model_call_seq
+                && r.call_index == index =>
+        {
+            Some((seq, r))
+        }
+        _ => None,
+    });
     let decided = request.and_then(|(request_seq, r)| {
         later().find_map(|(_, e)| match e {
             Entry::ApprovalDecided(d) if d.request_seq == request_seq => Some((r, d)),

@@ -534,8 +534,7 @@ impl Runner {
             Classification::Allow => {
                 let arguments = call.arguments.clone();
                 self.intend(
-                    model_call_seq,
-                    call_index,
+                    (model_call_seq, call_index),
                     &call.id,
                     &call.name,
                     arguments,
@@ -606,8 +605,7 @@ impl Runner {
             gated,
         };
         self.intend(
-            model_call_seq,
-            call_index,
+            (model_call_seq, call_index),
             &call.id,
             &call.name,
             arguments,
@@ -733,8 +731,7 @@ impl Runner {
         }
         let requested = self.requested(request.model_call_seq, request.call_index);
         self.intend(
-            request.model_call_seq,
-            request.call_index,
+            (request.model_call_seq, request.call_index),
             &request.call_id,
             &request.tool,
             arguments,
@@ -746,16 +743,17 @@ impl Runner {
     }
 
     /// Records the intent to make a call, with its idempotency key.
+    /// `at`: the ModelCall that proposed it and the call's index there.
     async fn intend(
         &mut self,
-        model_call_seq: u64,
-        call_index: usize,
+        at: (u64, usize),
         call_id: &str,
         tool: &str,
         arguments: serde_json::Value,
         requested: Option<String>,
         sandboxed: Option<Sandboxed>,
     ) -> Result<u64, StepError> {
+        let (model_call_seq, call_index) = at;
         let intent = ToolIntent {
             requested,
             model_call_seq,

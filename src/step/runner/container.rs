@@ -646,8 +646,7 @@ impl Inner {
                 let intent_seq = self
                     .runner
                     .intend(
-                        model_call_seq,
-                        index,
+                        (model_call_seq, index),
                         &call.id,
                         &call.name,
                         call.arguments.clone(),
