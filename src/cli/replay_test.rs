@@ -51,16 +51,15 @@ enum Output {
     Json,
 }
 
-fn humantime_secs(s: &str) -> Result<Duration, String> {
+fn humantime_secs(s: &str) -> Result<Duration, crate::refusal::Refusal> {
     let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?}: a duration such as 90s or 10m"))?;
+    let wrong = || crate::refusal::Refusal::from(format!("{s:?}: a duration such as 90s or 10m"));
+    let n: u64 = n.parse().map_err(|_| wrong())?;
     let secs = match unit {
         "s" | "" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        _ => return Err(format!("{s:?}: a duration such as 90s or 10m")),
+        "m" => n.saturating_mul(60),
+        "h" => n.saturating_mul(3600),
+        _ => return Err(wrong()),
     };
     Ok(Duration::from_secs(secs))
 }
@@ -382,8 +381,8 @@ mod tests {
 
     #[test]
     fn durations_read_as_kubectl_writes_them() {
-        assert_eq!(humantime_secs("90s"), Ok(Duration::from_secs(90)));
-        assert_eq!(humantime_secs("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(humantime_secs("90s").unwrap(), Duration::from_secs(90));
+        assert_eq!(humantime_secs("2h").unwrap(), Duration::from_secs(7200));
         assert!(humantime_secs("soon").is_err());
     }
 }

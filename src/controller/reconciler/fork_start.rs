@@ -98,7 +98,7 @@ pub(super) async fn start_fork(
         Start::Fork(_) => None,
         Start::Test(_) => match recorded_calls(&records) {
             Ok(sandbox) => Some(sandbox),
-            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message)),
+            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message.to_string())),
         },
     };
     // Only the prefix is copied (the whole log was verified to trust it).
@@ -123,7 +123,7 @@ pub(super) async fn start_fork(
     let agent = match (start, agent) {
         (Start::Test(test_of), Some(changed)) => match tested(changed, test_of) {
             Ok(changed) => Some(changed),
-            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message)),
+            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message.to_string())),
         },
         (_, agent) => agent,
     };
@@ -175,7 +175,9 @@ pub(super) async fn start_fork(
 /// The recorded run's settled calls, for a test to answer from. A
 /// container agent's run is refused: its test would need the agent's own
 /// requests matched (not built).
-fn recorded_calls(records: &[Record]) -> Result<crate::runlog::records::Sandbox, String> {
+fn recorded_calls(
+    records: &[Record],
+) -> Result<crate::runlog::records::Sandbox, crate::refusal::Refusal> {
     let state = state_of(records);
     if state.runs_a_container() {
         return Err(
@@ -188,12 +190,16 @@ fn recorded_calls(records: &[Record]) -> Result<crate::runlog::records::Sandbox,
 
 /// The tested version as the test runs it: a built-in agent, with the
 /// test's budgets (or the Agent's), which never ask anyone.
-fn tested(mut changed: VersionChanged, test_of: &TestOf) -> Result<VersionChanged, String> {
+fn tested(
+    mut changed: VersionChanged,
+    test_of: &TestOf,
+) -> Result<VersionChanged, crate::refusal::Refusal> {
     if changed.container.is_some() {
         return Err(format!(
             "spec.testOf.agent: Agent {} is a container agent; replay tests of container agents are not supported",
             test_of.agent
-        ));
+        )
+        .into());
     }
     let mut budgets = changed.agent.budgets.take().unwrap_or_default();
     if let Some(b) = &test_of.budgets {
