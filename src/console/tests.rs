@@ -69,13 +69,23 @@ fn run() -> Value {
     })
 }
 
+/// A replay test of run `r`.
+fn test_run() -> Value {
+    json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "r-test-x7", "namespace": "shop"},
+        "spec": {"input": "x", "testOf": {"run": "r", "agent": "refunds-v2"}},
+        "status": {"phase": "Succeeded"}
+    })
+}
+
 /// What the stand-in API server answers (as alice, in group
 /// finance-approvers); a decision is refused the way an admission policy
 /// refuses one.
 fn api_server() -> Router {
     let list = |items: Vec<Value>, kind: &str| json!({"apiVersion": "agentrun.dev/v1alpha1", "kind": kind, "metadata": {}, "items": items});
     let approvals = list(vec![hostile_approval()], "ApprovalList");
-    let runs = list(vec![run()], "AgentRunList");
+    let runs = list(vec![run(), test_run()], "AgentRunList");
     Router::new()
         .route(
             "/apis/authentication.k8s.io/v1/selfsubjectreviews",
@@ -668,4 +678,18 @@ fn a_long_exit_message_is_cut_before_the_end_it_asks_for() {
         "{what}"
     );
     assert!(what.ends_with("…: the step asks to end Failed"), "{what}");
+}
+
+#[tokio::test]
+async fn a_replay_test_is_marked_as_one_where_runs_are_listed() {
+    let c = console();
+    let (s, b) = get_page(&c, "/runs").await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    let row = b
+        .split("<tr>")
+        .find(|row| row.contains("r-test-x7"))
+        .expect("the test is listed");
+    assert!(row.contains("replay test of r"), "{row}");
+    let plain = b.split("<tr>").find(|row| row.contains(">r</a>")).unwrap();
+    assert!(!plain.contains("replay test"), "{plain}");
 }

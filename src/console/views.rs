@@ -582,6 +582,16 @@ struct RunRow {
     cost: String,
     started: String,
     finished: String,
+    /// A replay test's recorded run and tested Agent (it calls no tool and
+    /// raises no approval): marked wherever the run is listed.
+    test_of: Option<TestMark>,
+}
+
+#[derive(Serialize)]
+struct TestMark {
+    run: String,
+    href: String,
+    agent: String,
 }
 
 fn run_row(r: &AgentRun) -> RunRow {
@@ -613,6 +623,11 @@ fn run_row(r: &AgentRun) -> RunRow {
             .as_ref()
             .map(|t| t.0.to_string())
             .unwrap_or_default(),
+        test_of: r.spec.test_of.as_ref().map(|t| TestMark {
+            run: t.run.clone(),
+            href: run_href(&ns, &t.run),
+            agent: t.agent.clone(),
+        }),
         namespace: ns,
         name,
     }
