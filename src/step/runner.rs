@@ -447,6 +447,22 @@ impl Runner {
 
     /// Does what the log says comes next, and says whether to go on.
     async fn take_step(&mut self, next: Next) -> Result<Flow, StepError> {
+        if self.state.sandbox().is_some()
+            && matches!(next, Next::Approved { .. } | Next::Reconciled { .. })
+        {
+            // A test writes no approval request; should its log hold a
+            // decided one, nothing is read or called for it either.
+            let finished = RunFinished {
+                outcome: Outcome::Failed,
+                result: self.state.last_text(),
+                error: Some(
+                    "replay test: its log holds a decided approval, which a test never asks for"
+                        .into(),
+                ),
+            };
+            self.stop(finished).await?;
+            return Ok(Flow::Exit);
+        }
         match next {
             // A container agent's runner is another driver; this one has
             // nothing to do for it.

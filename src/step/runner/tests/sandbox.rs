@@ -109,3 +109,67 @@ async fn a_replay_test_ends_diverged_at_the_first_call_the_recorded_run_never_ma
         counts.posts
     );
 }
+
+/// A test's log never holds an approval request; were one decided there
+/// (a log written by hand), the runner reads and calls nothing for it.
+#[tokio::test]
+async fn a_decided_approval_in_a_tests_log_makes_no_call() {
+    let standins = Standins::start().await;
+    let recorded = history(&standins.base);
+    standins.script(&recorded);
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let Entry::ModelCall(mut proposal) = recorded[1].clone() else {
+        unreachable!()
+    };
+    proposal.response.tool_calls.remove(0);
+    let Entry::ApprovalRequested(mut request) = crate::replay::tests::request() else {
+        unreachable!()
+    };
+    (request.model_call_seq, request.call_index, request.call_id) = (2, 0, "c0".into());
+    request.arguments = proposal.response.tool_calls[0].arguments.clone();
+    request.tool = "refund".into();
+    let approved = Some(request.arguments.clone());
+    let Entry::ApprovalDecided(mut decided) =
+        crate::replay::tests::decided(Verdict::Approve, None, approved)
+    else {
+        unreachable!()
+    };
+    decided.request_seq = 3;
+    let sandbox = crate::sandbox::recorded_calls(&RunState::replay(recorded.clone()));
+    let forked = Entry::Forked(Forked {
+        parent_uid: "recorded-uid".into(),
+        parent_name: "r1".into(),
+        seq: 0,
+        parent_hash: "00".repeat(32),
+        requester: None,
+        test: Some(sandbox),
+    });
+    let prefix = [
+        recorded[0].clone(),
+        forked,
+        Entry::ModelCall(proposal),
+        Entry::ApprovalRequested(request),
+        Entry::ApprovalDecided(decided),
+    ];
+    let store = log_with(dir.path(), &prefix).await;
+    assert!(matches!(
+        RunState::replay(prefix.to_vec()).next(),
+        Next::Approved { .. }
+    ));
+    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the test's step ends")
+        .unwrap();
+    let log = read_log(&*store).await;
+    let Some(Entry::Observation(Observation {
+        stop: Some(stop), ..
+    })) = log.last()
+    else {
+        panic!("the test stops: {:?}", log.last());
+    };
+    assert_eq!(stop.outcome, Outcome::Failed);
+    let counts = standins.counts();
+    assert!(counts.posts.is_empty() && counts.lookups.is_empty());
+    assert_eq!(counts.model_requests, 0);
+}
