@@ -210,6 +210,42 @@ async fn read_log(store: &dyn StepStore) -> Vec<Entry> {
     decoded.collect::<Result<_, _>>().unwrap()
 }
 
+/// The canned run scripted at `standins`, and a log holding only its start.
+async fn fresh_run(standins: &Standins, dir: &std::path::Path) -> (Vec<Entry>, Arc<dyn StepStore>) {
+    let history = history(&standins.base);
+    standins.script(&history);
+    standins.reset([]);
+    let store = log_with(dir, &history[..1]).await;
+    (history, store)
+}
+
+/// Another worker takes the run over at every tool call, after the call
+/// took effect (the controller replacing a pod it believes gone).
+fn take_over_at_each_call(standins: &Standins, store: &Arc<dyn StepStore>) {
+    let taker = store.clone();
+    standins.on_call(move || {
+        let store = taker.clone();
+        Box::pin(async move {
+            store.take_over(RUN, "new-pod", LEASE_TTL).await.unwrap();
+        })
+    });
+}
+
+/// The end the runner asked for, when the log ends with one.
+fn stop_of(log: &[Entry]) -> Option<RunFinished> {
+    match log.last() {
+        Some(Entry::Observation(Observation { stop, .. })) => stop.clone(),
+        _ => None,
+    }
+}
+
+/// Runs one step on `store` as worker `w`, within 30 s.
+async fn step_on(store: &Arc<dyn StepStore>) -> Result<(), StepError> {
+    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
+        .await
+        .expect("the step ends within 30 s")
+}
+
 /// A record without what depends on the worker that wrote it (its context
 /// estimate, the attempts it took, how it recovered a call): what any
 /// worker must record the same.
@@ -732,20 +768,14 @@ async fn an_intent_for_a_gated_call_with_no_approval_in_the_log_is_not_executed(
 #[tokio::test]
 async fn a_yield_asked_during_a_tool_call_ends_the_step_before_the_next_model_call() {
     let standins = Standins::start().await;
-    let history = history(&standins.base);
-    standins.script(&history);
-    standins.reset([]);
     let dir = tempfile::tempdir().unwrap();
-    let store = log_with(dir.path(), &history[..1]).await;
+    let (history, store) = fresh_run(&standins, dir.path()).await;
     let asker = store.clone();
     standins.on_call(move || {
         let store = asker.clone();
         Box::pin(async move { store.request_yield(RUN).await.unwrap() })
     });
-    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
-        .await
-        .expect("the step ends within 30 s")
-        .unwrap();
+    step_on(&store).await.unwrap();
 
     let log = read_log(&*store).await;
     let first_turn = history
@@ -765,22 +795,10 @@ async fn a_yield_asked_during_a_tool_call_ends_the_step_before_the_next_model_ca
 #[tokio::test]
 async fn a_step_fenced_during_a_call_leaves_as_lease_lost() {
     let standins = Standins::start().await;
-    let history = history(&standins.base);
-    standins.script(&history);
-    standins.reset([]);
     let dir = tempfile::tempdir().unwrap();
-    let store = log_with(dir.path(), &history[..1]).await;
-    let taker = store.clone();
-    standins.on_call(move || {
-        let store = taker.clone();
-        Box::pin(async move {
-            store.take_over(RUN, "new-pod", LEASE_TTL).await.unwrap();
-        })
-    });
-    let e = tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
-        .await
-        .expect("the step ends within 30 s")
-        .expect_err("the fenced step fails");
+    let (_, store) = fresh_run(&standins, dir.path()).await;
+    take_over_at_each_call(&standins, &store);
+    let e = step_on(&store).await.expect_err("the fenced step fails");
     assert!(e.lease_lost(), "{e}");
     let log = read_log(&*store).await;
     assert!(matches!(log.last(), Some(Entry::ToolIntent(_))));

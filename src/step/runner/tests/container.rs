@@ -210,13 +210,6 @@ async fn container_step(
     (step, seen)
 }
 
-fn stop_of(log: &[Entry]) -> Option<RunFinished> {
-    match log.last() {
-        Some(Entry::Observation(Observation { stop, .. })) => stop.clone(),
-        _ => None,
-    }
-}
-
 /// The run recorded once from its start, then resumed after each of its
 /// records: the same log, the agent's same results, every recorded answer
 /// asked once and every effect made once.
@@ -433,13 +426,7 @@ async fn a_container_step_fenced_during_a_call_records_nothing_more_and_leaves_a
     standins.reset([]);
     let dir = tempfile::tempdir().unwrap();
     let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
-    let taker = store.clone();
-    standins.on_call(move || {
-        let store = taker.clone();
-        Box::pin(async move {
-            store.take_over(RUN, "new-pod", LEASE_TTL).await.unwrap();
-        })
-    });
+    take_over_at_each_call(&standins, &store);
     let (step, seen) = container_step(store.clone(), SYSTEM).await;
     let e = step.expect_err("the fenced step fails");
     assert!(e.lease_lost(), "{e}");

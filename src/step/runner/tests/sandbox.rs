@@ -5,18 +5,31 @@
 use super::*;
 use crate::runlog::records::{Forked, Sandbox};
 
-/// The test's log as the controller starts it: the recorded run's task,
-/// then `Forked` with its calls.
-async fn test_log(dir: &std::path::Path, recorded: &[Entry]) -> (Arc<dyn StepStore>, Sandbox) {
+/// The `Forked` record the controller starts a test of `recorded` with.
+fn forked_for_test(recorded: &[Entry]) -> Entry {
     let sandbox = crate::sandbox::recorded_calls(&RunState::replay(recorded.to_vec()));
-    let forked = Entry::Forked(Forked {
+    Entry::Forked(Forked {
         parent_uid: "recorded-uid".into(),
         parent_name: "r1".into(),
         seq: 0,
         parent_hash: "00".repeat(32),
         requester: Some("dave".into()),
-        test: Some(sandbox.clone()),
-    });
+        test: Some(sandbox),
+    })
+}
+
+/// The test's log as the controller starts it: the recorded run's task,
+/// then `Forked` with its calls.
+async fn test_log(dir: &std::path::Path, recorded: &[Entry]) -> (Arc<dyn StepStore>, Sandbox) {
+    let forked = forked_for_test(recorded);
+    let Entry::Forked(Forked {
+        test: Some(sandbox),
+        ..
+    }) = &forked
+    else {
+        unreachable!()
+    };
+    let sandbox = sandbox.clone();
     (log_with(dir, &[recorded[0].clone(), forked]).await, sandbox)
 }
 
@@ -38,10 +51,7 @@ async fn a_replay_test_answers_each_call_from_the_recorded_run_and_calls_no_tool
     let dir = tempfile::tempdir().unwrap();
     let (store, sandbox) = test_log(dir.path(), &recorded).await;
     assert_eq!(sandbox.calls.len(), 3);
-    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
-        .await
-        .expect("the test's step ends")
-        .unwrap();
+    step_on(&store).await.unwrap();
 
     let log = read_log(&*store).await;
     let kinds = |l: &[Entry]| l.iter().map(Entry::kind).collect::<Vec<_>>();
@@ -80,18 +90,10 @@ async fn a_replay_test_ends_diverged_at_the_first_call_the_recorded_run_never_ma
     standins.reset([]);
     let dir = tempfile::tempdir().unwrap();
     let (store, _) = test_log(dir.path(), &recorded).await;
-    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
-        .await
-        .expect("the test's step ends")
-        .unwrap();
+    step_on(&store).await.unwrap();
 
     let log = read_log(&*store).await;
-    let Some(Entry::Observation(Observation {
-        stop: Some(stop), ..
-    })) = log.last()
-    else {
-        panic!("the test stops: {:?}", log.last());
-    };
+    let stop = stop_of(&log).expect("the test stops");
     assert_eq!(stop.outcome, Outcome::Diverged);
     let error = stop.error.clone().unwrap();
     assert!(
@@ -136,15 +138,7 @@ async fn a_decided_approval_in_a_tests_log_makes_no_call() {
         unreachable!()
     };
     decided.request_seq = 3;
-    let sandbox = crate::sandbox::recorded_calls(&RunState::replay(recorded.clone()));
-    let forked = Entry::Forked(Forked {
-        parent_uid: "recorded-uid".into(),
-        parent_name: "r1".into(),
-        seq: 0,
-        parent_hash: "00".repeat(32),
-        requester: None,
-        test: Some(sandbox),
-    });
+    let forked = forked_for_test(&recorded);
     let prefix = [
         recorded[0].clone(),
         forked,
@@ -157,17 +151,9 @@ async fn a_decided_approval_in_a_tests_log_makes_no_call() {
         RunState::replay(prefix.to_vec()).next(),
         Next::Approved { .. }
     ));
-    tokio::time::timeout(Duration::from_secs(30), run_on(step_args(), store.clone()))
-        .await
-        .expect("the test's step ends")
-        .unwrap();
+    step_on(&store).await.unwrap();
     let log = read_log(&*store).await;
-    let Some(Entry::Observation(Observation {
-        stop: Some(stop), ..
-    })) = log.last()
-    else {
-        panic!("the test stops: {:?}", log.last());
-    };
+    let stop = stop_of(&log).expect("the test stops");
     assert_eq!(stop.outcome, Outcome::Failed);
     let counts = standins.counts();
     assert!(counts.posts.is_empty() && counts.lookups.is_empty());
