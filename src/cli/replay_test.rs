@@ -261,10 +261,21 @@ fn print_json(reports: &[RunReport], out: &mut impl Write) -> anyhow::Result<()>
             "newCostUSD": total(|r| r.new.cost_usd),
             "recordedTokens": reports.iter().map(|r| r.recorded.tokens).sum::<u64>(),
             "newTokens": reports.iter().map(|r| r.new.tokens).sum::<u64>(),
+            "moreGated": gated_change(reports, std::cmp::Ordering::Greater),
+            "fewerGated": gated_change(reports, std::cmp::Ordering::Less),
         }
     });
     writeln!(out, "{}", serde_json::to_string_pretty(&body)?)?;
     Ok(())
+}
+
+/// The runs where the new version gated more (or fewer) calls than the recorded run.
+fn gated_change(reports: &[RunReport], way: std::cmp::Ordering) -> Vec<&str> {
+    reports
+        .iter()
+        .filter(|r| r.new.gated_calls.cmp(&r.recorded.gated_calls) == way)
+        .map(|r| r.run.as_str())
+        .collect()
 }
 
 fn print_table(reports: &[RunReport], out: &mut impl Write) -> anyhow::Result<()> {
@@ -329,6 +340,15 @@ fn print_table(reports: &[RunReport], out: &mut impl Write) -> anyhow::Result<()
         "\n{} runs: {same} reached the same answer, {diverged} diverged",
         reports.len()
     )?;
+    for (way, word) in [
+        (std::cmp::Ordering::Greater, "more"),
+        (std::cmp::Ordering::Less, "fewer"),
+    ] {
+        let runs = gated_change(reports, way);
+        if !runs.is_empty() {
+            writeln!(out, "{word} gated calls than recorded: {}", runs.join(", "))?;
+        }
+    }
     Ok(())
 }
 
