@@ -78,7 +78,7 @@ fn settled(
         (None, Some((r, d))) if d.settles_without_running() => (
             None,
             ToolOutcome::Failed {
-                observation: crate::step::prompt::not_run_note(r, d),
+                observation: crate::runlog::records::not_run_note(r, d),
             },
         ),
         _ => return None,

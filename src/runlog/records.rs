@@ -438,3 +438,38 @@ pub struct RecordedCall {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decision: Option<Verdict>,
 }
+
+/// Why a call that needed approval did not run, as the model is told.
+pub fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
+    match decided.verdict {
+        Verdict::Reject => {
+            let who: Vec<String> = decided
+                .decisions
+                .iter()
+                .filter(|d| d.verdict == v1::Verdict::Reject)
+                .map(|d| match &d.reason {
+                    Some(r) => format!("{}: {r}", d.approver),
+                    None => d.approver.clone(),
+                })
+                .collect();
+            format!(
+                "{} rejected by {}. The call did not run.",
+                request.tool,
+                who.join("; ")
+            )
+        }
+        _ if decided.on_expiry == Some(v1::OnExpiry::Alternative)
+            && request.alternative.is_some() =>
+        {
+            format!(
+                "{} was not approved in time (the approval expired). Neither the call nor its alternative ran: \
+                 the alternative needs approval too; propose it as a call of its own if it is still wanted.",
+                request.tool
+            )
+        }
+        _ => format!(
+            "{} was not approved in time (the approval expired). The call did not run; choose another way.",
+            request.tool
+        ),
+    }
+}

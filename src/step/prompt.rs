@@ -3,7 +3,7 @@
 
 use crate::model::{Message, ModelRequest, estimate_tokens};
 use crate::replay::{Entry, RunState, Snapshot};
-use crate::runlog::records::{ApprovalDecided, ApprovalRequested, ContextInfo, Summary, Verdict};
+use crate::runlog::records::{ContextInfo, Summary, Verdict, not_run_note};
 use crate::runlog::v1::{self, ToolOutcome};
 
 /// Steps sent verbatim after a summary when the Agent does not say.
@@ -243,41 +243,6 @@ pub(super) fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
         .map(|r| format!(": {r}"))
         .unwrap_or_default();
     Some(format!("{} changed {what}{why}", editor.approver))
-}
-
-/// Why a call that needed approval did not run, as the model is told.
-pub(crate) fn not_run_note(request: &ApprovalRequested, decided: &ApprovalDecided) -> String {
-    match decided.verdict {
-        Verdict::Reject => {
-            let who: Vec<String> = decided
-                .decisions
-                .iter()
-                .filter(|d| d.verdict == v1::Verdict::Reject)
-                .map(|d| match &d.reason {
-                    Some(r) => format!("{}: {r}", d.approver),
-                    None => d.approver.clone(),
-                })
-                .collect();
-            format!(
-                "{} rejected by {}. The call did not run.",
-                request.tool,
-                who.join("; ")
-            )
-        }
-        _ if decided.on_expiry == Some(v1::OnExpiry::Alternative)
-            && request.alternative.is_some() =>
-        {
-            format!(
-                "{} was not approved in time (the approval expired). Neither the call nor its alternative ran: \
-                 the alternative needs approval too; propose it as a call of its own if it is still wanted.",
-                request.tool
-            )
-        }
-        _ => format!(
-            "{} was not approved in time (the approval expired). The call did not run; choose another way.",
-            request.tool
-        ),
-    }
 }
 
 /// A tool outcome as the model reads it.
