@@ -166,6 +166,15 @@ async fn container_step(
     store: Arc<dyn StepStore>,
     system: &str,
 ) -> (Result<(), StepError>, Option<Seen>) {
+    container_step_of(RUN, store, system).await
+}
+
+/// [`container_step`] of run `run_uid`.
+async fn container_step_of(
+    run_uid: &str,
+    store: Arc<dyn StepStore>,
+    system: &str,
+) -> (Result<(), StepError>, Option<Seen>) {
     let addr = free_addr();
     let agent = tokio::spawn(agent(format!("http://{addr}"), system.to_string()));
     // As the shim does: once the runner says the step is over, the agent
@@ -198,7 +207,13 @@ async fn container_step(
     }));
     let step = tokio::time::timeout(
         Duration::from_secs(60),
-        run_on(container_args(&addr), store),
+        run_on(
+            StepArgs {
+                run_uid: run_uid.into(),
+                ..container_args(&addr)
+            },
+            store,
+        ),
     )
     .await
     .expect("the step ends within 60 s");
@@ -447,4 +462,82 @@ async fn a_container_step_fenced_during_a_call_records_nothing_more_and_leaves_a
         "{:?}",
         seen.results
     );
+}
+
+/// A container run forked after its lookup's result: the agent starts
+/// over and is served the copied answers from the fork's log, then goes on
+/// live: the model is asked only after the fork point, no call of the
+/// parent is made again, and the refund is made once, with the fork's key.
+#[tokio::test]
+async fn a_fork_of_a_container_run_replays_the_copied_prefix_and_goes_on_live() {
+    let standins = Standins::start().await;
+    let started = container_started(run_started(&standins.base));
+    standins.script(&history_of(started.clone(), container_turns()));
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
+    let (step, first) = container_step(store.clone(), SYSTEM).await;
+    step.unwrap();
+    let whole = read_log(&*store).await;
+    // The parent's log as the controller ends it (the agent's end is the
+    // runner's stop), forked after the first result.
+    let seq = whole
+        .iter()
+        .position(|e| matches!(e, Entry::ToolResult(_)))
+        .unwrap() as u64;
+    let parent_keys: Vec<String> = whole
+        .iter()
+        .filter_map(|e| match e {
+            Entry::ToolIntent(i) => Some(i.key.clone()),
+            _ => None,
+        })
+        .collect();
+    standins.reset(parent_keys.clone());
+    let fork_dir = tempfile::tempdir().unwrap();
+    let fork = super::fork::forked_log(fork_dir.path(), &whole, seq).await;
+    // The tools know the fork's calls by the fork's keys.
+    let copied = fork.read_verified(super::fork::FORK, None).await.unwrap();
+    let forked = &copied[seq as usize + 1];
+    let forked = Entry::decode(forked.seq, forked.kind.as_str(), &forked.payload).unwrap();
+    standins.script(&super::fork::fork_history(&whole, seq, forked));
+
+    let (step, seen) = container_step_of(super::fork::FORK, fork.clone(), SYSTEM).await;
+    step.unwrap_or_else(|e| panic!("the fork's step: {e:#}"));
+    let seen = seen.expect("the agent ended");
+    assert_eq!(
+        seen.results,
+        first.unwrap().results,
+        "the same results, replayed then live"
+    );
+    let records = fork.read_verified(super::fork::FORK, None).await.unwrap();
+    let log: Vec<Entry> = records
+        .iter()
+        .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+        .collect();
+    assert_eq!(stop_of(&log).map(|s| s.outcome), Some(Outcome::Succeeded));
+    let counts = standins.counts();
+    assert_eq!(
+        counts.model_requests,
+        model_calls(&whole) - model_calls(&whole[..=seq as usize]),
+        "only the answers after the fork point are asked"
+    );
+    for key in &parent_keys {
+        assert_eq!(
+            counts.posts.get(key),
+            None,
+            "a parent's call was made again"
+        );
+    }
+    let made: Vec<&ToolIntent> = log[seq as usize + 1..]
+        .iter()
+        .filter_map(|e| match e {
+            Entry::ToolIntent(i) => Some(i),
+            _ => None,
+        })
+        .collect();
+    assert!(!made.is_empty());
+    for intent in made {
+        assert!(!parent_keys.contains(&intent.key), "the fork's own key");
+        assert_eq!(counts.posts.get(&intent.key), Some(&1));
+    }
 }

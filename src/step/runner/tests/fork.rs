@@ -6,7 +6,7 @@ use super::*;
 use crate::fork::{ForkPoint, copy_prefix, read_parent};
 use crate::store::{RecordSigner, SignatureRules, SqliteStore};
 
-const FORK: &str = "fork-uid-1";
+pub(super) const FORK: &str = "fork-uid-1";
 
 fn signer() -> RecordSigner {
     RecordSigner::from_seed(&[3; 32])
@@ -14,7 +14,11 @@ fn signer() -> RecordSigner {
 
 /// The parent's whole canned run, written as the controller and a worker
 /// did, then forked after `seq` as the controller does.
-async fn forked_log(dir: &std::path::Path, history: &[Entry], seq: u64) -> Arc<dyn StepStore> {
+pub(super) async fn forked_log(
+    dir: &std::path::Path,
+    history: &[Entry],
+    seq: u64,
+) -> Arc<dyn StepStore> {
     crate::tools::ensure_crypto_provider();
     let url = format!("sqlite://{}", dir.join("log.db").display());
     let store = SqliteStore::open(&url, &Default::default()).await.unwrap();
@@ -55,7 +59,7 @@ async fn forked_log(dir: &std::path::Path, history: &[Entry], seq: u64) -> Arc<d
 /// The canned run as the fork records it when forked after `seq`: the
 /// parent's records to `seq`, `Forked`, then the rest one seq later, each
 /// call first intended after the fork point under the fork's key.
-fn fork_history(history: &[Entry], seq: u64, forked: Entry) -> Vec<Entry> {
+pub(super) fn fork_history(history: &[Entry], seq: u64, forked: Entry) -> Vec<Entry> {
     let later = |at: u64| if at > seq { at + 1 } else { at };
     let mut log = history[..=seq as usize].to_vec();
     log.push(forked);
