@@ -92,6 +92,9 @@ async fn a_new_prompt_replayed_on_three_runs_two_the_same_one_diverged_and_nothi
         .await
         .unwrap();
 
+    // The tester may read the recorded runs' logs (by name: the review
+    // asks for the stamped requester).
+    common::log_api::grant_verbs(&w.client, w.name(), "admin", &["get"]).await;
     let tools_before = w.standins.tool_requests(w.name()).await.len();
     let approvals: Api<Approval> = Api::namespaced(w.client.clone(), w.name());
     let approvals_before = approvals
