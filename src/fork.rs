@@ -94,7 +94,7 @@ pub fn plan(
     writer: &str,
 ) -> Result<Vec<Record>, ForkError> {
     let last = parent.len().saturating_sub(1) as u64;
-    let Some(at) = parent.get(point.seq as usize) else {
+    let Some((i, at)) = index(point.seq).and_then(|i| Some((i, parent.get(i)?))) else {
         return Err(ForkError::PastEnd {
             seq: point.seq,
             last,
@@ -103,9 +103,10 @@ pub fn plan(
     if at.kind == StepKind::RunFinished {
         return Err(ForkError::AtEnd { seq: point.seq });
     }
-    let mut out: Vec<Record> = Vec::with_capacity(point.seq as usize + 2);
+    let prefix = &parent[..=i];
+    let mut out: Vec<Record> = Vec::with_capacity(prefix.len() + 2);
     let mut head = Head::EMPTY;
-    for record in &parent[..=point.seq as usize] {
+    for record in prefix {
         let sealed = signer
             .seal(fork_uid, copied_draft(record), &head)
             .map_err(ForkError::Store)?;
@@ -133,6 +134,20 @@ pub fn plan(
         out.push(sealed);
     }
     Ok(out)
+}
+
+/// A seq (written by a user: `spec.forkOf.seq`, a `Forked` record's) as an
+/// index of a log held in memory; `None` when no log in memory is that long
+/// (a seq past `usize` on a 32-bit target is past every log's end, never
+/// a truncated index).
+pub fn index(seq: u64) -> Option<usize> {
+    usize::try_from(seq).ok()
+}
+
+/// How many records `0..=seq` are, saturating: a seq of `u64::MAX` keeps
+/// everything rather than overflowing.
+pub fn through(seq: u64) -> usize {
+    index(seq).map_or(usize::MAX, |i| i.saturating_add(1))
 }
 
 /// A parent's record as the fork's draft: everything hashed but the
@@ -274,7 +289,7 @@ pub fn check_prefix(
     parent: &[Record],
 ) -> Result<(), NotTheParents> {
     let seq = origin.forked.seq;
-    let Some(at) = parent.get(seq as usize) else {
+    let Some((i, at)) = index(seq).and_then(|i| Some((i, parent.get(i)?))) else {
         return Err(NotTheParents::ParentTooShort {
             seq,
             len: parent.len() as u64,
@@ -287,7 +302,7 @@ pub fn check_prefix(
             actual: at.hash.to_hex(),
         });
     }
-    for (mine, theirs) in fork.iter().zip(&parent[..=seq as usize]) {
+    for (mine, theirs) in fork.iter().zip(&parent[..=i]) {
         if copied_draft(mine) != copied_draft(theirs) || mine.seq != theirs.seq {
             return Err(NotTheParents::RecordDiffers {
                 seq: mine.seq,

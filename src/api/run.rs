@@ -100,7 +100,7 @@ pub struct ForkOf {
     }]))]
     pub run: String,
     /// The seq of the parent's last record copied (`kubectl agentrun log`).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_FORK_SEQ))]
     pub seq: u64,
     /// An Agent (same namespace) to go on with after the fork point,
     /// recorded as a `VersionChanged`; the parent's agent when omitted.
@@ -108,6 +108,12 @@ pub struct ForkOf {
     #[schemars(length(min = 1, max = 253))]
     pub agent: Option<String>,
 }
+
+/// The largest `spec.forkOf.seq`: the largest integer a JSON number carries
+/// exactly (a CRD's `maximum` is a float), far past any log's length (the
+/// store's seqs stop at `i64::MAX`). A user-written seq is never trusted to
+/// fit arithmetic all the same: the fork's code adds to it checked.
+pub const MAX_FORK_SEQ: u64 = (1 << 53) - 1;
 
 fn is_zero(n: &u32) -> bool {
     *n == 0

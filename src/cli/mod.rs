@@ -110,7 +110,8 @@ enum Command {
     Fork {
         run: String,
         /// The seq of the last record of RUN the fork keeps.
-        #[arg(long = "at", value_name = "SEQ")]
+        #[arg(long = "at", value_name = "SEQ",
+              value_parser = clap::value_parser!(u64).range(1..=crate::api::MAX_FORK_SEQ))]
         at: u64,
         /// Go on with this Agent (same namespace) after the fork point.
         #[arg(long)]
@@ -440,5 +441,26 @@ mod fork_tests {
         let named = fork_of(&parent, "refund-1", 3, None, Some("retry".into()));
         assert_eq!(named.metadata.name.as_deref(), Some("retry"));
         assert_eq!(named.metadata.generate_name, None);
+    }
+}
+
+#[cfg(test)]
+mod fork_seq_tests {
+    use super::*;
+
+    #[test]
+    fn a_fork_seq_past_the_api_maximum_is_refused_naming_at() {
+        for at in [
+            u64::MAX.to_string(),
+            (crate::api::MAX_FORK_SEQ + 1).to_string(),
+            "0".into(),
+        ] {
+            let err = Cli::try_parse_from(["kubectl-agentrun", "fork", "refund-1", "--at", &at])
+                .err()
+                .unwrap_or_else(|| panic!("--at {at} accepted"));
+            assert!(err.to_string().contains("--at"), "{err}");
+        }
+        let max = crate::api::MAX_FORK_SEQ.to_string();
+        Cli::try_parse_from(["kubectl-agentrun", "fork", "refund-1", "--at", &max]).unwrap();
     }
 }

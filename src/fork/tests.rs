@@ -463,3 +463,45 @@ async fn a_parent_begun_before_binding_gives_a_fork_whose_controller_records_are
     let origin = origin(&records).unwrap().unwrap();
     check_prefix(&records, &origin, &parent).unwrap();
 }
+
+#[tokio::test]
+async fn a_seq_of_u64_max_is_past_the_end_everywhere_and_overflows_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    let err = plan(
+        &signer(),
+        "fork",
+        &parent,
+        &point(PARENT, u64::MAX),
+        CONTROLLER,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, ForkError::PastEnd { seq: u64::MAX, .. }),
+        "{err}"
+    );
+    // A Forked record naming u64::MAX cannot sit after its prefix...
+    fork(&store, PARENT, "fork", 3).await.unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    let mut origin = origin(&records).unwrap().unwrap();
+    let mut lying = records.clone();
+    lying[4].payload["seq"] = serde_json::json!(u64::MAX);
+    assert!(matches!(
+        super::origin(&lying),
+        Err(NotTheParents::Misplaced {
+            names: u64::MAX,
+            ..
+        })
+    ));
+    // ...and checked against a parent, it names a parent too short.
+    origin.forked.seq = u64::MAX;
+    assert!(matches!(
+        check_prefix(&records, &origin, &parent),
+        Err(NotTheParents::ParentTooShort { seq: u64::MAX, .. })
+    ));
+    // The controller's paged read keeps everything, never wraps to nothing.
+    assert_eq!(through(u64::MAX), usize::MAX);
+    assert_eq!(through(3), 4);
+}

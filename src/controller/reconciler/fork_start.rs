@@ -184,7 +184,7 @@ async fn read_prefix(
     loop {
         match checked_page(ctx, parent_uid, &mut pages, &anchor, &rules).await? {
             Ok(Some((records, _ticket))) => {
-                let room = (seq as usize + 1).saturating_sub(kept.len());
+                let room = crate::fork::through(seq).saturating_sub(kept.len());
                 kept.extend(records.into_iter().take(room));
             }
             Ok(None) => break,
