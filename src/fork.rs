@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use crate::replay::Entry;
-use crate::runlog::records::{Forked, VersionChanged};
+use crate::runlog::records::{Forked, PrefixUsage, VersionChanged};
 use crate::store::{
     Head, Record, RecordDraft, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureRules,
     StepKind, StepStore, StoreError, check_anchor,
@@ -32,6 +32,8 @@ pub struct ForkPoint {
     /// `Forked`, so the rest runs on it; `None` keeps the parent's agent in
     /// force at `seq`.
     pub agent: Option<VersionChanged>,
+    /// `spec.forkOf.budget`: what the fork's budgets count.
+    pub budget: crate::api::ForkBudget,
 }
 
 /// Why a fork's prefix was not copied.
@@ -119,6 +121,9 @@ pub fn plan(
         seq: point.seq,
         parent_hash: at.hash.to_hex(),
         requester: point.requester.clone(),
+        budget: Some(point.budget),
+        prefix_usage: (point.budget == crate::api::ForkBudget::FromFork)
+            .then(|| prefix_usage(prefix)),
     });
     let changed = point.agent.clone().map(Entry::VersionChanged);
     for entry in std::iter::once(forked).chain(changed) {
@@ -150,6 +155,22 @@ pub fn through(seq: u64) -> usize {
     index(seq).map_or(usize::MAX, |i| i.saturating_add(1))
 }
 
+/// What the records of a fork's prefix spent, summed as replay sums them
+/// (in order, so the sum is the same to the last bit).
+pub fn prefix_usage(prefix: &[Record]) -> PrefixUsage {
+    let mut spent = crate::replay::Spent::default();
+    for r in prefix {
+        if let Ok(step) = Entry::decode(r.seq, r.kind.as_str(), &r.payload) {
+            spent.count(&step);
+        }
+    }
+    PrefixUsage {
+        input_tokens: spent.input_tokens,
+        output_tokens: spent.output_tokens,
+        cost_usd: spent.cost_usd,
+    }
+}
+
 /// A parent's record as the fork's draft: everything hashed but the
 /// controller's signature, which names the parent's uid.
 fn copied_draft(record: &Record) -> RecordDraft {
@@ -161,6 +182,17 @@ fn copied_draft(record: &Record) -> RecordDraft {
         usage: record.usage,
         worker: record.worker.clone(),
     }
+}
+
+/// Whether `mine` is a copy of `theirs`: all but the signature, payloads
+/// compared as hashed (canonical JSON: a cost of `0.0` held in memory and
+/// the `0` read back from the store are the same number).
+fn same_copy(mine: &Record, theirs: &Record) -> bool {
+    let (mut a, mut b) = (copied_draft(mine), copied_draft(theirs));
+    let payloads =
+        crate::store::canonical_json(&a.payload) == crate::store::canonical_json(&b.payload);
+    (a.payload, b.payload) = (serde_json::Value::Null, serde_json::Value::Null);
+    payloads && a == b && mine.seq == theirs.seq
 }
 
 fn unsigned_payload(payload: &serde_json::Value) -> serde_json::Value {
@@ -239,6 +271,14 @@ pub enum NotTheParents {
         named: String,
         actual: String,
     },
+    #[error(
+        "Forked says the copied prefix spent {named:?}, but the parent's records 0..={seq} spent {actual:?}"
+    )]
+    UsageDiffers {
+        seq: u64,
+        named: PrefixUsage,
+        actual: PrefixUsage,
+    },
     #[error("record {seq}: the fork's {kind} is not the parent's record {seq} ({parent_kind})")]
     RecordDiffers {
         seq: u64,
@@ -302,8 +342,18 @@ pub fn check_prefix(
             actual: at.hash.to_hex(),
         });
     }
+    if let Some(named) = &origin.forked.prefix_usage {
+        let actual = prefix_usage(&parent[..=i]);
+        if *named != actual {
+            return Err(NotTheParents::UsageDiffers {
+                seq,
+                named: named.clone(),
+                actual,
+            });
+        }
+    }
     for (mine, theirs) in fork.iter().zip(&parent[..=i]) {
-        if copied_draft(mine) != copied_draft(theirs) || mine.seq != theirs.seq {
+        if !same_copy(mine, theirs) {
             return Err(NotTheParents::RecordDiffers {
                 seq: mine.seq,
                 kind: mine.kind,

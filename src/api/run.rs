@@ -107,6 +107,23 @@ pub struct ForkOf {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub agent: Option<String>,
+    /// What the fork's budgets count: `FromFork` (the default) what the
+    /// fork spends after its fork point only, `Inherit` the copied
+    /// prefix's spending too, as the parent counted it.
+    #[serde(default)]
+    pub budget: ForkBudget,
+}
+
+/// What a fork's budgets count (DESIGN.md §11).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ForkBudget {
+    /// Steps, tokens and cost from the fork point on, against the agent's
+    /// budgets as they stand (raises granted to the parent do not carry).
+    #[default]
+    FromFork,
+    /// Go on counting where the parent stood at the fork point (its
+    /// spending and raises).
+    Inherit,
 }
 
 /// The largest `spec.forkOf.seq`: the largest integer a JSON number carries

@@ -400,6 +400,7 @@ fn fork_of(
             run: run.to_string(),
             seq: at,
             agent,
+            budget: Default::default(),
         }),
         input: parent.spec.input.clone(),
         deadline: parent.spec.deadline.clone(),

@@ -49,6 +49,7 @@ fn point(parent_uid: &str, seq: u64) -> ForkPoint {
         seq,
         requester: Some("alice".into()),
         agent: None,
+        budget: Default::default(),
     }
 }
 
@@ -400,6 +401,8 @@ fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
         seq: 3,
         parent_hash: "ab".repeat(32),
         requester: Some("alice".into()),
+        budget: None,
+        prefix_usage: None,
     }))
     .unwrap();
     assert_eq!(
@@ -504,4 +507,23 @@ async fn a_seq_of_u64_max_is_past_the_end_everywhere_and_overflows_nothing() {
     // The controller's paged read keeps everything, never wraps to nothing.
     assert_eq!(through(u64::MAX), usize::MAX);
     assert_eq!(through(3), 4);
+}
+
+#[tokio::test]
+async fn a_forked_record_that_misstates_the_prefixs_spending_fails_the_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let parent = write_log(&store, PARENT, &long_log(1)).await;
+    fork(&store, PARENT, "fork", 3).await.unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    let mut origin = origin(&records).unwrap().unwrap();
+    assert_eq!(origin.forked.budget, Some(crate::api::ForkBudget::FromFork));
+    check_prefix(&records, &origin, &parent).unwrap();
+    // A smaller sum would let the fork spend what its parent already did.
+    origin.forked.prefix_usage.as_mut().unwrap().input_tokens += 1;
+    let err = check_prefix(&records, &origin, &parent).unwrap_err();
+    assert!(
+        matches!(err, NotTheParents::UsageDiffers { seq: 3, .. }),
+        "{err}"
+    );
 }

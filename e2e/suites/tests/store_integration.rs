@@ -1023,6 +1023,7 @@ async fn forks(ctx: Ctx) {
                 seq: 3,
                 requester: Some("alice".into()),
                 agent: None,
+                budget: Default::default(),
             };
             copy_prefix(s.as_ref(), &signer, &fork, &records, &point, "controller").await
         }

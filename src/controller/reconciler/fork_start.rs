@@ -73,6 +73,7 @@ pub(super) async fn start_fork(
         seq: fork_of.seq,
         requester: Some(requester),
         agent,
+        budget: fork_of.budget,
     };
     let uid = crate::api::RunUid::of(run);
     let copied = copy_prefix(

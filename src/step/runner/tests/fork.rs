@@ -44,6 +44,7 @@ async fn forked_log(dir: &std::path::Path, history: &[Entry], seq: u64) -> Arc<d
         seq,
         requester: Some("alice".into()),
         agent: None,
+        budget: Default::default(),
     };
     copy_prefix(&store, &signer(), FORK, &parent, &point, "controller")
         .await
