@@ -280,8 +280,179 @@ async fn a_fork_by_someone_who_cannot_read_the_parents_log_is_refused_and_copies
     assert!(copied.is_empty(), "nothing copied: {copied:?}");
 }
 
+#[tokio::test]
+async fn a_user_granted_the_parents_log_through_a_group_may_fork_and_cannot_forge_groups() {
+    let w = World::new("forkgroup", &[]).await;
+    w.standins
+        .script("short", json!([finish("done")]), json!([]))
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("short")}),
+        json!({}),
+    )
+    .await;
+    w.wait_phase("parent", Phase::Succeeded).await;
+
+    // erin may create AgentRuns by name, and read runlogs only as a member
+    // of fork-readers.
+    grant_run_creation(&w.client, w.name(), "erin").await;
+    grant_runlogs_to_group(&w.client, w.name(), "fork-readers").await;
+    let erin = common::client_impersonating("erin", vec!["fork-readers".into()]).await;
+    let runs = Api::<AgentRun>::namespaced(erin, w.name());
+
+    // A groups stamp she writes herself is refused by the API server.
+    let mut forged: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "forged", "annotations": {
+            "agentrun.dev/requester-groups": "system:masters"
+        }},
+        "spec": fork_spec("parent", 1)
+    }))
+    .unwrap();
+    let refusal = common::approvals::refusal(runs.create(&PostParams::default(), &forged).await);
+    assert!(
+        refusal.contains("agentrun.dev/requester-groups"),
+        "{refusal}"
+    );
+
+    forged.metadata.name = Some("bygroup".into());
+    forged.metadata.annotations = None;
+    let created = runs
+        .create(&PostParams::default(), &forged)
+        .await
+        .expect("erin may create AgentRuns");
+    let stamped = created
+        .metadata
+        .annotations
+        .unwrap_or_default()
+        .get("agentrun.dev/requester-groups")
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        stamped.lines().any(|g| g == "fork-readers"),
+        "the stamp holds her groups: {stamped:?}"
+    );
+    let fork = w.wait_phase("bygroup", Phase::Succeeded).await;
+    let forked = fork
+        .status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .expect("a Forked condition");
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("True", "Copied"),
+        "{}",
+        forked.message
+    );
+}
+
+#[tokio::test]
+async fn a_fork_keeps_the_parents_pinned_agent_after_its_agent_is_deleted() {
+    use agentrun::api::Agent;
+    let w = World::new("forkpinned", &[]).await;
+    w.standins
+        .script(
+            "pinned",
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                finish("looked up"),
+                finish("looked up again")
+            ]),
+            json!([]),
+        )
+        .await;
+    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
+    let agent: Agent = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+        "metadata": {"name": "refunds"},
+        "spec": w.agent("pinned")
+    }))
+    .unwrap();
+    agents
+        .create(&PostParams::default(), &agent)
+        .await
+        .expect("creating the Agent");
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agentRef": {"name": "refunds"}}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let at = result_of(&w.log(&parent).await, "lookup_order");
+    agents
+        .delete("refunds", &Default::default())
+        .await
+        .expect("deleting the Agent");
+
+    let dave = forker(&w, "dave").await;
+    let manifest: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "orphan"},
+        "spec": fork_spec("parent", at)
+    }))
+    .unwrap();
+    Api::<AgentRun>::namespaced(dave, w.name())
+        .create(&PostParams::default(), &manifest)
+        .await
+        .expect("dave may fork");
+    let fork = w.wait_phase("orphan", Phase::Succeeded).await;
+    let status = fork.status.as_ref().unwrap();
+    assert_eq!(status.result.as_deref(), Some("looked up again"));
+    let resolved = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "AgentResolved")
+        .expect("an AgentResolved condition");
+    assert_eq!(
+        (resolved.status.as_str(), resolved.reason.as_str()),
+        ("True", "Pinned"),
+        "{}",
+        resolved.message
+    );
+    // The lookup was made once, by the parent.
+    let requests = w.standins.tool_requests(w.name()).await;
+    assert_eq!(
+        requests
+            .iter()
+            .filter(|r| r["tool"] == "lookup_order")
+            .count(),
+        1,
+        "{requests:?}"
+    );
+}
+
+/// A Role letting members of `group` read runlogs in `ns`.
+async fn grant_runlogs_to_group(client: &kube::Client, ns: &str, group: &str) {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let name = format!("{group}-runlogs");
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": [agentrun::api::runlog::LOG_GROUP], "resources": [agentrun::api::runlog::RUNLOGS], "verbs": ["get"]}]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("creating the Role");
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding the Role");
+}
+
 /// `user` may fork here: create AgentRuns and read runlogs (granted to
-/// the user by name: the requester stamp holds no groups).
+/// the user by name).
 async fn forker(w: &World, user: &str) -> kube::Client {
     grant_run_creation(&w.client, w.name(), user).await;
     common::log_api::grant_verbs(&w.client, w.name(), user, &["get"]).await;

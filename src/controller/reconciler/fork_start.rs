@@ -14,7 +14,9 @@ use super::Acting;
 use super::decide::{anchored_head, snapshot};
 use super::log_read::checked_page;
 use super::status::signature_rules;
-use crate::api::{AgentRun, AgentTemplate, ForkOf, REQUESTER_ANNOTATION};
+use crate::api::{
+    AgentRun, AgentTemplate, ForkOf, REQUESTER_ANNOTATION, REQUESTER_GROUPS_ANNOTATION,
+};
 use crate::controller::context::{Context, notice};
 use crate::controller::error::Error;
 use crate::controller::servers::log_api::authorize::{Answer, Authorizer, Question};
@@ -118,12 +120,18 @@ async fn allowed(
         );
         return Ok(Err(("NoRequester", message)));
     };
-    // The stamp holds the name only: the review asks for that user, so a
-    // grant through a group of theirs does not count here.
+    // The groups stamped at creation (the policies check them against the
+    // creator's own, as the name): a grant through a group counts. A run
+    // created before the groups were stamped is asked about by name only.
+    let groups = run
+        .annotations()
+        .get(REQUESTER_GROUPS_ANNOTATION)
+        .map(|g| crate::api::parse_requester_groups(g))
+        .unwrap_or_default();
     let user = User {
         name: requester.clone(),
         uid: None,
-        groups: vec![],
+        groups,
         extra: Default::default(),
     };
     let question = Question {
