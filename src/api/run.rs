@@ -32,6 +32,8 @@ use super::common::{DURATION_RULE, LocalRef, Usage};
 #[schemars(extend("x-kubernetes-validations" = [
     {"rule": "has(self.forkOf) ? !has(self.agentRef) && !has(self.agent) : has(self.agentRef) != has(self.agent)",
      "message": "exactly one of spec.agentRef and spec.agent must be set, or neither on a fork (spec.forkOf: its agent is the parent's or spec.forkOf.agent)"},
+    {"rule": "!has(self.forkOf) || !has(self.forkOf.replace) || self.forkOf.replace.seq <= self.forkOf.seq",
+     "message": "spec.forkOf.replace.seq must be at or before spec.forkOf.seq: only a copied record can be replaced"},
     {"rule": "has(self.forkOf) == has(oldSelf.forkOf) && (!has(self.forkOf) || self.forkOf == oldSelf.forkOf)",
      "message": "spec.forkOf is immutable: a fork never moves to another parent or seq"},
     {"rule": "self.input == oldSelf.input",
@@ -107,11 +109,33 @@ pub struct ForkOf {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub agent: Option<String>,
+    /// One recorded tool result or model answer at or before `seq` to
+    /// replace in the fork's copy ("what if the tool had said this"),
+    /// recorded in the fork's `Forked` record with who replaced it and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replace: Option<ForkReplace>,
     /// What the fork's budgets count: `FromFork` (the default) what the
     /// fork spends after its fork point only, `Inherit` the copied
     /// prefix's spending too, as the parent counted it.
     #[serde(default)]
     pub budget: ForkBudget,
+}
+
+/// A record of the fork's copy replaced (`kubectl agentrun fork --replace`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkReplace {
+    /// The seq of the parent's `ToolResult` or `ModelCall` to replace, at
+    /// or before `spec.forkOf.seq`.
+    #[schemars(range(min = 1, max = MAX_FORK_SEQ))]
+    pub seq: u64,
+    /// The replacement: a tool result's value (the tool's JSON answer), or
+    /// a model answer (`{"text": ..., "toolCalls": [...], "usage": {...}}`).
+    #[schemars(schema_with = "crate::api::common::any_json")]
+    pub with: serde_json::Value,
+    /// Why (recorded in the fork's log, shown by `verify`).
+    #[schemars(length(min = 1, max = 1024))]
+    pub reason: String,
 }
 
 /// What a fork's budgets count (DESIGN.md §11).

@@ -119,6 +119,13 @@ enum Command {
         /// The fork's name (RUN-fork-XXXXX when omitted).
         #[arg(long)]
         name: Option<String>,
+        /// Replace the fork's copy of the tool result or model answer at
+        /// SEQ (at or before --at) with the JSON in FILE: SEQ=@FILE.
+        #[arg(long, value_name = "SEQ=@FILE", requires = "reason")]
+        replace: Option<String>,
+        /// Why the record is replaced (recorded in the fork's log).
+        #[arg(long, requires = "replace")]
+        reason: Option<String>,
     },
     /// Serve the approver's web console on loopback, acting with your own
     /// kubeconfig identity: the inbox of approvals you may decide, each
@@ -213,7 +220,15 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             at,
             agent,
             name,
-        } => fork(&k, &run, at, agent, name, &mut out).await,
+            replace,
+            reason,
+        } => {
+            let replace = match (replace, reason) {
+                (Some(r), Some(why)) => Some(parse_replace(&r, why)?),
+                _ => None,
+            };
+            fork(&k, &run, at, (agent, replace), name, &mut out).await
+        }
         Command::Console(args) => {
             drop(out);
             crate::console::serve_loopback(k.client, k.ns, args)
@@ -361,7 +376,7 @@ async fn fork(
     k: &Kube,
     run: &str,
     at: u64,
-    agent: Option<String>,
+    (agent, replace): (Option<String>, Option<crate::api::ForkReplace>),
     name: Option<String>,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
@@ -370,7 +385,10 @@ async fn fork(
         .get(run)
         .await
         .with_context(|| format!("reading run {run:?} in namespace {:?}", k.ns))?;
-    let fork = fork_of(&parent, run, at, agent, name);
+    let mut fork = fork_of(&parent, run, at, agent, name);
+    if let Some(of) = fork.spec.fork_of.as_mut() {
+        of.replace = replace;
+    }
     let created = k
         .runs
         .create(&kube::api::PostParams::default(), &fork)
@@ -378,6 +396,27 @@ async fn fork(
         .with_context(|| format!("creating a fork of {run:?} in namespace {:?}", k.ns))?;
     writeln!(out, "{}", created.metadata.name.unwrap_or_default())?;
     Ok(())
+}
+
+/// `--replace SEQ=@FILE` with `--reason`: the seq, the JSON the file
+/// holds (an object: a tool's answer or a model answer), and why.
+fn parse_replace(spec: &str, reason: String) -> anyhow::Result<crate::api::ForkReplace> {
+    let Some((seq, file)) = spec.split_once("=@") else {
+        anyhow::bail!("--replace {spec:?}: expected SEQ=@FILE (a seq, then the JSON file)");
+    };
+    let seq: u64 = seq
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--replace {spec:?}: SEQ {seq:?} is not a seq: {e}"))?;
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("--replace {spec:?}: reading {file:?}"))?;
+    let with: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--replace {spec:?}: {file:?} is not JSON"))?;
+    if !with.is_object() {
+        anyhow::bail!(
+            "--replace {spec:?}: {file:?} must hold a JSON object (a tool's answer or a model answer)"
+        );
+    }
+    Ok(crate::api::ForkReplace { seq, with, reason })
 }
 
 /// The fork of `parent` as created: `spec.forkOf`, the parent's input
@@ -401,6 +440,7 @@ fn fork_of(
             seq: at,
             agent,
             budget: Default::default(),
+            replace: None,
         }),
         input: parent.spec.input.clone(),
         deadline: parent.spec.deadline.clone(),

@@ -50,6 +50,7 @@ fn point(parent_uid: &str, seq: u64) -> ForkPoint {
         requester: Some("alice".into()),
         agent: None,
         budget: Default::default(),
+        replace: None,
     }
 }
 
@@ -403,6 +404,7 @@ fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
         requester: Some("alice".into()),
         budget: None,
         prefix_usage: None,
+        replaced: None,
     }))
     .unwrap();
     assert_eq!(
@@ -524,6 +526,137 @@ async fn a_forked_record_that_misstates_the_prefixs_spending_fails_the_check() {
     let err = check_prefix(&records, &origin, &parent).unwrap_err();
     assert!(
         matches!(err, NotTheParents::UsageDiffers { seq: 3, .. }),
+        "{err}"
+    );
+}
+
+fn replace(seq: u64, with: serde_json::Value) -> crate::api::ForkReplace {
+    crate::api::ForkReplace {
+        seq,
+        with,
+        reason: "what if the order had shipped".into(),
+    }
+}
+
+#[tokio::test]
+async fn a_replaced_lookup_result_is_what_the_forks_next_model_call_sees_and_verify_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(2);
+    let parent = write_log(&store, PARENT, &log).await;
+    let lookup = parent
+        .iter()
+        .find(|r| r.kind == StepKind::ToolResult)
+        .unwrap()
+        .seq;
+    // The fork point: the record before the second model call.
+    let second = parent
+        .iter()
+        .filter(|r| r.kind == StepKind::ModelCall)
+        .nth(1)
+        .unwrap()
+        .seq;
+    let mut at = point(PARENT, second - 1);
+    at.replace = Some(replace(
+        lookup,
+        serde_json::json!({"status": "REPLACED-MARKER"}),
+    ));
+    let planned = plan(&signer(), "fork", &parent, &at, CONTROLLER).unwrap();
+    let entries = decode(&planned);
+    let state = RunState::replay(entries.clone());
+    assert!(
+        matches!(state.next(), crate::replay::Next::CallModel),
+        "{:?}",
+        state.next()
+    );
+    let (request, _) =
+        crate::step::prompt::request_for_step(&state, state.snapshot.as_ref().unwrap());
+    let sent = serde_json::to_string(&request).unwrap();
+    assert!(sent.contains("REPLACED-MARKER"), "{sent}");
+    // The parent's own run would have sent its recorded result.
+    let theirs = RunState::replay(log[..second as usize].to_vec());
+    let (request, _) =
+        crate::step::prompt::request_for_step(&theirs, theirs.snapshot.as_ref().unwrap());
+    assert!(
+        !serde_json::to_string(&request)
+            .unwrap()
+            .contains("REPLACED-MARKER")
+    );
+
+    // Forked names the replacement, who made it and why; the prefix still
+    // checks against the parent, every other record compared.
+    let origin = origin(&planned).unwrap().unwrap();
+    let replaced = origin.forked.replaced.clone().unwrap();
+    assert_eq!(replaced.seq, lookup);
+    assert_eq!(replaced.by.as_deref(), Some("alice"));
+    assert_eq!(replaced.parent_hash, parent[lookup as usize].hash.to_hex());
+    check_prefix(&planned, &origin, &parent).unwrap();
+    // Another record altered is still caught...
+    let mut altered = planned.clone();
+    altered[1].payload["context"] = serde_json::json!({"altered": true});
+    let err = check_prefix(&altered, &origin, &parent);
+    assert!(
+        matches!(err, Err(NotTheParents::RecordDiffers { seq: 1, .. })),
+        "{err:?}"
+    );
+    // ...and a replacement claimed of a record the parent does not have.
+    let mut lying = origin.clone();
+    lying.forked.replaced.as_mut().unwrap().parent_hash = "00".repeat(32);
+    assert!(matches!(
+        check_prefix(&planned, &lying, &parent),
+        Err(NotTheParents::ReplacedDiffers { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_replacement_of_anything_but_a_copied_result_or_answer_is_refused_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let parent = write_log(&store, PARENT, &long_log(1)).await;
+    let intent = parent
+        .iter()
+        .find(|r| r.kind == StepKind::ToolIntent)
+        .unwrap()
+        .seq;
+    let model = parent
+        .iter()
+        .find(|r| r.kind == StepKind::ModelCall)
+        .unwrap()
+        .seq;
+    let cases = [
+        (
+            replace(intent, serde_json::json!({})),
+            intent,
+            "spec.forkOf.replace.seq",
+        ),
+        (
+            replace(6, serde_json::json!({})),
+            3,
+            "spec.forkOf.replace.seq",
+        ),
+        (
+            replace(model, serde_json::json!({"nonsense": 1, "usage": "x"})),
+            3,
+            "spec.forkOf.replace.with",
+        ),
+    ];
+    for (r, seq, field) in cases {
+        let mut at = point(PARENT, seq);
+        at.replace = Some(r);
+        let err = plan(&signer(), "fork", &parent, &at, CONTROLLER).unwrap_err();
+        assert!(
+            matches!(err, ForkError::Replace(_)) && err.to_string().starts_with(field),
+            "{err}"
+        );
+    }
+    let mut at = point(PARENT, 3);
+    at.replace = Some(crate::api::ForkReplace {
+        reason: " ".into(),
+        ..replace(3, serde_json::json!({}))
+    });
+    let err = plan(&signer(), "fork", &parent, &at, CONTROLLER).unwrap_err();
+    assert!(
+        err.to_string().starts_with("spec.forkOf.replace.reason"),
         "{err}"
     );
 }

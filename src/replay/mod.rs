@@ -1530,6 +1530,7 @@ pub(crate) mod tests {
             requester: Some("alice".into()),
             budget,
             prefix_usage,
+            replaced: None,
         }));
         s.apply(model_call(&[]));
         s

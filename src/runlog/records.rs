@@ -402,6 +402,23 @@ pub struct Forked {
     /// the parent's records).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_usage: Option<PrefixUsage>,
+    /// The copied record replaced in the fork (`spec.forkOf.replace`):
+    /// every other copied record is the parent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced: Option<Replaced>,
+}
+
+/// Which copied record of a fork was replaced, by whom and why.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Replaced {
+    pub seq: u64,
+    /// The parent's record hash at `seq` (what was replaced).
+    pub parent_hash: String,
+    /// The fork's requester.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    pub reason: String,
 }
 
 /// Tokens and cost summed over a fork's copied prefix.

@@ -426,6 +426,114 @@ async fn a_fork_keeps_the_parents_pinned_agent_after_its_agent_is_deleted() {
     );
 }
 
+#[tokio::test]
+async fn a_fork_with_a_replaced_lookup_result_decides_the_refund_again_and_says_who_replaced_it() {
+    let w = World::new("forkreplace", &[]).await;
+    // The parent asks replies 0..=2; the fork, after the (replaced)
+    // lookup's result, asks from reply 3: a smaller refund.
+    w.standins
+        .script(
+            "refund",
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+                finish("refunded 40"),
+                call("issue_refund", json!({"orderId": "1042", "amount": 25})),
+                finish("refunded 25")
+            ]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("refund")}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let parent_log = w.log(&parent).await;
+    let at = result_of(&parent_log, "lookup_order");
+    let asked_by_parent = w.standins.model_requests("refund").await.len();
+
+    // dave forks through the plugin, the lookup's result replaced.
+    forker(&w, "dave").await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("lookup.json");
+    std::fs::write(
+        &file,
+        r#"{"orderId": "1042", "paid": 25, "note": "REPLACED-PAID-25"}"#,
+    )
+    .unwrap();
+    let replace = format!("{at}=@{}", file.display());
+    let (ok, out) = common::approvals::plugin(
+        &w,
+        "dave",
+        &[
+            "fork",
+            "parent",
+            "--at",
+            &at.to_string(),
+            "--name",
+            "whatif",
+            "--replace",
+            &replace,
+            "--reason",
+            "the customer paid 25, not 40",
+        ],
+    );
+    assert!(ok, "{out}");
+    let fork = w.wait_phase("whatif", Phase::Succeeded).await;
+    assert_eq!(
+        fork.status.as_ref().unwrap().result.as_deref(),
+        Some("refunded 25")
+    );
+
+    // The fork's one new model request saw the replaced result; the parent's
+    // recorded calls were never made again.
+    let requests = w.standins.model_requests("refund").await;
+    assert_eq!(requests.len(), asked_by_parent + 2, "{requests:?}");
+    let first_of_fork = requests[asked_by_parent].to_string();
+    assert!(
+        first_of_fork.contains("REPLACED-PAID-25"),
+        "{first_of_fork}"
+    );
+    let tools = w.standins.tool_requests(w.name()).await;
+    let keys = |tool: &str| -> Vec<Value> {
+        tools
+            .iter()
+            .filter(|r| r["tool"] == tool)
+            .map(|r| r["key"].clone())
+            .collect()
+    };
+    assert_eq!(keys("lookup_order").len(), 1, "{tools:?}");
+    let refunds = keys("issue_refund");
+    assert_eq!(refunds.len(), 2, "{tools:?}");
+    assert_ne!(
+        refunds[0], refunds[1],
+        "the fork's refund has the fork's key"
+    );
+
+    // verify: the prefix checks against the parent, and names the
+    // replaced record, who replaced it and why.
+    let store = common::store::e2e_store_url().await;
+    let args = [
+        "verify",
+        "whatif",
+        "--store-url",
+        &store,
+        "--controller-namespace",
+        w.name(),
+    ];
+    let (ok, text) = common::approvals::plugin(&w, "admin", &args);
+    assert!(ok && text.contains("chain intact"), "{text}");
+    let named = format!("replaced: whatif's record {at} is not the parent's");
+    assert!(text.contains(&named), "{text}");
+    assert!(
+        text.contains("replaced by dave, because the customer paid 25, not 40"),
+        "{text}"
+    );
+}
+
 /// A Role letting members of `group` read runlogs in `ns`.
 async fn grant_runlogs_to_group(client: &kube::Client, ns: &str, group: &str) {
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};

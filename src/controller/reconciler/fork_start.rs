@@ -76,6 +76,7 @@ pub(super) async fn start_fork(
         requester: Some(requester),
         agent,
         budget: fork_of.budget,
+        replace: fork_of.replace.clone(),
     };
     let uid = crate::api::RunUid::of(run);
     let copied = copy_prefix(
@@ -101,6 +102,9 @@ pub(super) async fn start_fork(
         Err(ForkError::Store(e)) => Err(Error::Store(e)),
         Err(e @ ForkError::ParentUnverified(_)) => {
             Ok(refuse(run, acting, "ParentTampered", e.to_string()))
+        }
+        Err(e @ ForkError::Replace(_)) => {
+            Ok(refuse(run, acting, "InvalidReplacement", e.to_string()))
         }
         Err(e) => Ok(refuse(run, acting, "InvalidForkPoint", e.to_string())),
     }

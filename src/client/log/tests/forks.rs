@@ -37,6 +37,7 @@ fn fork_of(
         requester: Some("alice".into()),
         agent: None,
         budget: Default::default(),
+        replace: None,
     };
     plan(&signer(), uid, parent, &point, "controller").unwrap()
 }

@@ -45,6 +45,7 @@ async fn forked_log(dir: &std::path::Path, history: &[Entry], seq: u64) -> Arc<d
         requester: Some("alice".into()),
         agent: None,
         budget: Default::default(),
+        replace: None,
     };
     copy_prefix(&store, &signer(), FORK, &parent, &point, "controller")
         .await
