@@ -534,6 +534,172 @@ async fn a_fork_with_a_replaced_lookup_result_decides_the_refund_again_and_says_
     );
 }
 
+/// A finished refund run (`parent`: lookup, refund 40, done) on `script`,
+/// with replies for a fork after the lookup; its log and the lookup's seq.
+async fn refund_parent(w: &World, script: &str) -> (AgentRun, u64) {
+    w.standins
+        .script(
+            script,
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+                finish("refunded 40"),
+                call("issue_refund", json!({"orderId": "1042", "amount": 30})),
+                finish("refunded 30")
+            ]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent(script)}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let at = result_of(&w.log(&parent).await, "lookup_order");
+    (parent, at)
+}
+
+#[tokio::test]
+async fn a_fork_of_a_parent_tampered_before_the_fork_point_refuses_to_start_and_copies_nothing() {
+    let w = World::new("forktamper", &[]).await;
+    let (parent, at) = refund_parent(&w, "refund").await;
+    // A database superuser rewrites the parent's first model answer (before
+    // the fork point), bypassing the append-only trigger.
+    let uid = parent.metadata.uid.clone().unwrap();
+    let touched = rewrite_body(
+        &uid,
+        "ModelCall",
+        "\"orderId\":\"1042\"",
+        "\"orderId\":\"9999\"",
+    )
+    .await;
+    assert!(touched >= 1, "the parent's ModelCall was rewritten");
+
+    let dave = forker(&w, "dave").await;
+    let manifest: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "fromtampered"},
+        "spec": fork_spec("parent", at)
+    }))
+    .unwrap();
+    Api::<AgentRun>::namespaced(dave, w.name())
+        .create(&PostParams::default(), &manifest)
+        .await
+        .expect("dave may create the fork");
+    let refused = w.wait_phase("fromtampered", Phase::Failed).await;
+    let status = refused.status.unwrap();
+    let forked = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .expect("a Forked condition");
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("False", "ParentTampered"),
+        "{}",
+        forked.message
+    );
+    let copied = w
+        .store()
+        .await
+        .read_all(refused.metadata.uid.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert!(copied.is_empty(), "nothing copied: {copied:?}");
+}
+
+#[tokio::test]
+async fn a_fork_with_another_agent_asks_the_model_with_its_prompt_after_the_fork_point() {
+    use agentrun::api::Agent;
+    let w = World::new("forkagent", &[]).await;
+    let (_, at) = refund_parent(&w, "refund").await;
+    let asked_by_parent = w.standins.model_requests("refund").await;
+    let mut v2 = w.agent("refund");
+    v2["prompt"] = json!({"version": "v2", "system": "You are a frugal refund agent (V2-PROMPT)."});
+    let agent: Agent = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+        "metadata": {"name": "refunds-v2"},
+        "spec": v2
+    }))
+    .unwrap();
+    Api::<Agent>::namespaced(w.client.clone(), w.name())
+        .create(&PostParams::default(), &agent)
+        .await
+        .expect("creating the v2 Agent");
+
+    forker(&w, "dave").await;
+    let (ok, out) = common::approvals::plugin(
+        &w,
+        "dave",
+        &[
+            "fork",
+            "parent",
+            "--at",
+            &at.to_string(),
+            "--agent",
+            "refunds-v2",
+            "--name",
+            "onv2",
+        ],
+    );
+    assert!(ok, "{out}");
+    let fork = w.wait_phase("onv2", Phase::Succeeded).await;
+    let log = w.log(&fork).await;
+    match &log[at as usize + 2].1 {
+        Entry::VersionChanged(v) => assert_eq!(v.agent.prompt.version, "v2"),
+        other => panic!("record {} is {other:?}, not VersionChanged", at + 2),
+    }
+    // The parent's requests carried the v1 prompt; every request of the
+    // fork (after its fork point) carries v2's.
+    let requests = w.standins.model_requests("refund").await;
+    assert!(
+        asked_by_parent
+            .iter()
+            .all(|r| !r.to_string().contains("V2-PROMPT"))
+    );
+    let of_fork = &requests[asked_by_parent.len()..];
+    assert_eq!(of_fork.len(), 2, "{requests:?}");
+    for r in of_fork {
+        assert!(r.to_string().contains("V2-PROMPT"), "{r}");
+    }
+}
+
+/// Rewrites `from` to `to` in the stored bodies of the run's `kind`
+/// records as the database superuser (the append-only trigger off, as an
+/// administrator could); returns the rows touched.
+async fn rewrite_body(uid: &str, kind: &str, from: &str, to: &str) -> u64 {
+    use sqlx::Connection as _;
+    let mut url = url::Url::parse(common::store::pg_admin_url()).unwrap();
+    url.set_path("/agentrun_e2e");
+    let mut conn = sqlx::PgConnection::connect(url.as_str())
+        .await
+        .expect("connecting as the superuser");
+    let update = format!(
+        "UPDATE agentrun_steps SET body = replace(body, '{from}', '{to}') WHERE run = $1 AND kind = '{kind}'"
+    );
+    let mut touched = 0;
+    for q in [
+        "SET session_replication_role = replica",
+        update.as_str(),
+        "SET session_replication_role = DEFAULT",
+    ] {
+        let query = sqlx::query(sqlx::AssertSqlSafe(q.to_string()));
+        let query = if q.contains("$1") {
+            query.bind(uid)
+        } else {
+            query
+        };
+        touched += query
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{q}: {e}"))
+            .rows_affected();
+    }
+    touched
+}
+
 /// A Role letting members of `group` read runlogs in `ns`.
 async fn grant_runlogs_to_group(client: &kube::Client, ns: &str, group: &str) {
     use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
