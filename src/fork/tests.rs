@@ -411,6 +411,26 @@ fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
         line,
         "forked from refund-1 (parent-uid) after its seq 3 (hash abababababab) by alice"
     );
+    let line = crate::client::approvals::describe_entry(&Entry::Forked(Forked {
+        parent_uid: PARENT.into(),
+        parent_name: "refund-1".into(),
+        seq: 3,
+        parent_hash: "ab".repeat(32),
+        requester: Some("alice".into()),
+        budget: None,
+        prefix_usage: None,
+        replaced: Some(crate::runlog::records::Replaced {
+            seq: 2,
+            parent_hash: "cd".repeat(32),
+            by: Some("alice".into()),
+            reason: "what if it had shipped".into(),
+        }),
+    }))
+    .unwrap();
+    assert!(
+        line.ends_with("by alice; record 2 replaced: what if it had shipped"),
+        "{line}"
+    );
 }
 
 #[tokio::test]
