@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use crate::replay::Entry;
-use crate::runlog::records::{Forked, VersionChanged};
+use crate::runlog::records::{Forked, PrefixUsage, Replaced, VersionChanged};
 use crate::store::{
     Head, Record, RecordDraft, RecordSigner, RecordVerifier, SIGNATURE_FIELD, SignatureRules,
     StepKind, StepStore, StoreError, check_anchor,
@@ -35,6 +35,10 @@ pub struct ForkPoint {
     /// A replay test's recorded calls (`spec.testOf`): the fork calls no
     /// tool and raises no approval (`crate::sandbox`).
     pub test: Option<crate::runlog::records::Sandbox>,
+    /// `spec.forkOf.budget`: what the fork's budgets count.
+    pub budget: crate::api::ForkBudget,
+    /// `spec.forkOf.replace`: a copied record replaced.
+    pub replace: Option<crate::api::ForkReplace>,
 }
 
 /// Why a fork's prefix was not copied.
@@ -52,6 +56,10 @@ pub enum ForkError {
     /// The fork's log holds records that are not this fork's copy.
     #[error("the fork's log already holds another record at seq {seq}: it is not this fork's copy")]
     Occupied { seq: u64 },
+    /// `spec.forkOf.replace` names no record that may be replaced, or its
+    /// replacement is not one (the message names the field).
+    #[error("{0}")]
+    Replace(String),
     #[error(transparent)]
     Store(StoreError),
 }
@@ -97,7 +105,7 @@ pub fn plan(
     writer: &str,
 ) -> Result<Vec<Record>, ForkError> {
     let last = parent.len().saturating_sub(1) as u64;
-    let Some(at) = parent.get(point.seq as usize) else {
+    let Some((i, at)) = index(point.seq).and_then(|i| Some((i, parent.get(i)?))) else {
         return Err(ForkError::PastEnd {
             seq: point.seq,
             last,
@@ -106,11 +114,20 @@ pub fn plan(
     if at.kind == StepKind::RunFinished {
         return Err(ForkError::AtEnd { seq: point.seq });
     }
-    let mut out: Vec<Record> = Vec::with_capacity(point.seq as usize + 2);
+    let prefix = &parent[..=i];
+    let replaced = match &point.replace {
+        Some(r) => Some(replacement(prefix, r, point.requester.clone())?),
+        None => None,
+    };
+    let mut out: Vec<Record> = Vec::with_capacity(prefix.len() + 2);
     let mut head = Head::EMPTY;
-    for record in &parent[..=point.seq as usize] {
+    for record in prefix {
+        let draft = match &replaced {
+            Some((seq, draft, _)) if *seq == record.seq => draft.clone(),
+            _ => copied_draft(record),
+        };
         let sealed = signer
-            .seal(fork_uid, copied_draft(record), &head)
+            .seal(fork_uid, draft, &head)
             .map_err(ForkError::Store)?;
         head = sealed.head();
         out.push(sealed);
@@ -122,6 +139,10 @@ pub fn plan(
         parent_hash: at.hash.to_hex(),
         requester: point.requester.clone(),
         test: point.test.clone(),
+        budget: Some(point.budget),
+        prefix_usage: (point.budget == crate::api::ForkBudget::FromFork)
+            .then(|| prefix_usage(&out)),
+        replaced: replaced.map(|(_, _, r)| r),
     });
     let changed = point.agent.clone().map(Entry::VersionChanged);
     for entry in std::iter::once(forked).chain(changed) {
@@ -139,6 +160,89 @@ pub fn plan(
     Ok(out)
 }
 
+/// A seq (written by a user: `spec.forkOf.seq`, a `Forked` record's) as an
+/// index of a log held in memory; `None` when no log in memory is that long
+/// (a seq past `usize` on a 32-bit target is past every log's end, never
+/// a truncated index).
+pub fn index(seq: u64) -> Option<usize> {
+    usize::try_from(seq).ok()
+}
+
+/// How many records `0..=seq` are, saturating: a seq of `u64::MAX` keeps
+/// everything rather than overflowing.
+pub fn through(seq: u64) -> usize {
+    index(seq).map_or(usize::MAX, |i| i.saturating_add(1))
+}
+
+/// The fork's draft of the record `replace.seq` names, and what `Forked`
+/// says of it: only a `ToolResult` (its outcome becomes `Ok(with)`) or a
+/// `ModelCall` (its response becomes `with`) may be replaced.
+fn replacement(
+    prefix: &[Record],
+    replace: &crate::api::ForkReplace,
+    by: Option<String>,
+) -> Result<(u64, RecordDraft, Replaced), ForkError> {
+    let refuse = |m: String| ForkError::Replace(m);
+    let Some(record) = index(replace.seq).and_then(|i| prefix.get(i)) else {
+        return Err(refuse(format!(
+            "spec.forkOf.replace.seq: {} is not a copied record (the fork keeps 0..={})",
+            replace.seq,
+            prefix.len().saturating_sub(1)
+        )));
+    };
+    if replace.reason.trim().is_empty() {
+        return Err(refuse(
+            "spec.forkOf.replace.reason: required (recorded with the replacement)".into(),
+        ));
+    }
+    let mut draft = copied_draft(record);
+    match record.kind {
+        StepKind::ToolResult => {
+            draft.payload["outcome"] = serde_json::json!({"Ok": replace.with});
+        }
+        StepKind::ModelCall => {
+            let response: crate::runlog::v1::ModelResponse =
+                serde_json::from_value(replace.with.clone()).map_err(|e| {
+                    refuse(format!(
+                        "spec.forkOf.replace.with: record {} is a ModelCall, and this is no model answer: {e}",
+                        replace.seq
+                    ))
+                })?;
+            draft.payload["response"] =
+                serde_json::to_value(response).expect("a model answer serializes");
+        }
+        other => {
+            return Err(refuse(format!(
+                "spec.forkOf.replace.seq: record {} is a {other}; only a ToolResult or a ModelCall may be replaced",
+                replace.seq
+            )));
+        }
+    }
+    let replaced = Replaced {
+        seq: record.seq,
+        parent_hash: record.hash.to_hex(),
+        by,
+        reason: replace.reason.clone(),
+    };
+    Ok((record.seq, draft, replaced))
+}
+
+/// What the records of a fork's prefix spent, summed as replay sums them
+/// (in order, so the sum is the same to the last bit).
+pub fn prefix_usage(prefix: &[Record]) -> PrefixUsage {
+    let mut spent = crate::replay::Spent::default();
+    for r in prefix {
+        if let Ok(step) = Entry::decode(r.seq, r.kind.as_str(), &r.payload) {
+            spent.count(&step);
+        }
+    }
+    PrefixUsage {
+        input_tokens: spent.input_tokens,
+        output_tokens: spent.output_tokens,
+        cost_usd: spent.cost_usd,
+    }
+}
+
 /// A parent's record as the fork's draft: everything hashed but the
 /// controller's signature, which names the parent's uid.
 fn copied_draft(record: &Record) -> RecordDraft {
@@ -150,6 +254,17 @@ fn copied_draft(record: &Record) -> RecordDraft {
         usage: record.usage,
         worker: record.worker.clone(),
     }
+}
+
+/// Whether `mine` is a copy of `theirs`: all but the signature, payloads
+/// compared as hashed (canonical JSON: a cost of `0.0` held in memory and
+/// the `0` read back from the store are the same number).
+fn same_copy(mine: &Record, theirs: &Record) -> bool {
+    let (mut a, mut b) = (copied_draft(mine), copied_draft(theirs));
+    let payloads =
+        crate::store::canonical_json(&a.payload) == crate::store::canonical_json(&b.payload);
+    (a.payload, b.payload) = (serde_json::Value::Null, serde_json::Value::Null);
+    payloads && a == b && mine.seq == theirs.seq
 }
 
 fn unsigned_payload(payload: &serde_json::Value) -> serde_json::Value {
@@ -228,6 +343,18 @@ pub enum NotTheParents {
         named: String,
         actual: String,
     },
+    #[error(
+        "Forked says the copied prefix spent {named:?}, but the parent's records 0..={seq} spent {actual:?}"
+    )]
+    UsageDiffers {
+        seq: u64,
+        named: PrefixUsage,
+        actual: PrefixUsage,
+    },
+    #[error(
+        "Forked says record {seq} replaced the parent's record hashing to {named}, but the parent's record {seq} is not that one"
+    )]
+    ReplacedDiffers { seq: u64, named: String },
     #[error("record {seq}: the fork's {kind} is not the parent's record {seq} ({parent_kind})")]
     RecordDiffers {
         seq: u64,
@@ -278,7 +405,7 @@ pub fn check_prefix(
     parent: &[Record],
 ) -> Result<(), NotTheParents> {
     let seq = origin.forked.seq;
-    let Some(at) = parent.get(seq as usize) else {
+    let Some((i, at)) = index(seq).and_then(|i| Some((i, parent.get(i)?))) else {
         return Err(NotTheParents::ParentTooShort {
             seq,
             len: parent.len() as u64,
@@ -291,12 +418,49 @@ pub fn check_prefix(
             actual: at.hash.to_hex(),
         });
     }
-    for (mine, theirs) in fork.iter().zip(&parent[..=seq as usize]) {
-        if copied_draft(mine) != copied_draft(theirs) || mine.seq != theirs.seq {
+    let replaced = origin.forked.replaced.as_ref();
+    if let Some(r) = replaced {
+        let theirs = index(r.seq).and_then(|j| parent[..=i].get(j));
+        match theirs {
+            Some(theirs) if theirs.hash.to_hex() == r.parent_hash => {}
+            _ => {
+                return Err(NotTheParents::ReplacedDiffers {
+                    seq: r.seq,
+                    named: r.parent_hash.clone(),
+                });
+            }
+        }
+    }
+    for (mine, theirs) in fork.iter().zip(&parent[..=i]) {
+        if replaced.is_some_and(|r| r.seq == mine.seq) {
+            // Replaced: the same kind at the same seq; its content is the
+            // replacement `Forked` names.
+            if mine.kind != theirs.kind || mine.seq != theirs.seq {
+                return Err(NotTheParents::RecordDiffers {
+                    seq: mine.seq,
+                    kind: mine.kind,
+                    parent_kind: theirs.kind,
+                });
+            }
+            continue;
+        }
+        if !same_copy(mine, theirs) {
             return Err(NotTheParents::RecordDiffers {
                 seq: mine.seq,
                 kind: mine.kind,
                 parent_kind: theirs.kind,
+            });
+        }
+    }
+    if let Some(named) = &origin.forked.prefix_usage {
+        // The fork's own copy, checked record by record above (a replaced
+        // model answer spends what its replacement says).
+        let actual = prefix_usage(&fork[..fork.len().min(i + 1)]);
+        if *named != actual {
+            return Err(NotTheParents::UsageDiffers {
+                seq,
+                named: named.clone(),
+                actual,
             });
         }
     }

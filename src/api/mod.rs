@@ -72,3 +72,25 @@ pub fn crds_yaml() -> Result<String, serde_yaml::Error> {
 
 /// Annotation naming the user who created a run, checked by the API server.
 pub const REQUESTER_ANNOTATION: &str = "agentrun.dev/requester";
+
+/// Annotation holding the groups of the user who created a run, one a line
+/// (`request.userInfo.groups` joined with `\n`), stamped and checked
+/// like [`REQUESTER_ANNOTATION`]: a review asking whether the requester
+/// may do something (a fork's read of its parent's log) asks with them, so
+/// a grant through a group counts.
+pub const REQUESTER_GROUPS_ANNOTATION: &str = "agentrun.dev/requester-groups";
+
+/// The groups annotation's value for `groups` (as the policies' CEL
+/// `request.userInfo.groups.join('\n')` spells it).
+pub fn requester_groups(groups: &[String]) -> String {
+    groups.join("\n")
+}
+
+/// The groups a groups annotation names (none for an empty value).
+pub fn parse_requester_groups(value: &str) -> Vec<String> {
+    value
+        .split('\n')
+        .filter(|g| !g.is_empty())
+        .map(str::to_string)
+        .collect()
+}

@@ -37,6 +37,8 @@ use super::common::{DURATION_RULE, LocalRef, Usage};
      "message": "spec.forkOf and spec.testOf cannot both be set: a replay test is not a fork that goes on live"},
     {"rule": "has(self.testOf) == has(oldSelf.testOf) && (!has(self.testOf) || self.testOf == oldSelf.testOf)",
      "message": "spec.testOf is immutable"},
+    {"rule": "!has(self.forkOf) || !has(self.forkOf.replace) || self.forkOf.replace.seq <= self.forkOf.seq",
+     "message": "spec.forkOf.replace.seq must be at or before spec.forkOf.seq: only a copied record can be replaced"},
     {"rule": "has(self.forkOf) == has(oldSelf.forkOf) && (!has(self.forkOf) || self.forkOf == oldSelf.forkOf)",
      "message": "spec.forkOf is immutable: a fork never moves to another parent or seq"},
     {"rule": "self.input == oldSelf.input",
@@ -110,13 +112,23 @@ pub struct ForkOf {
     }]))]
     pub run: String,
     /// The seq of the parent's last record copied (`kubectl agentrun log`).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_FORK_SEQ))]
     pub seq: u64,
     /// An Agent (same namespace) to go on with after the fork point,
     /// recorded as a `VersionChanged`; the parent's agent when omitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub agent: Option<String>,
+    /// One recorded tool result or model answer at or before `seq` to
+    /// replace in the fork's copy ("what if the tool had said this"),
+    /// recorded in the fork's `Forked` record with who replaced it and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replace: Option<ForkReplace>,
+    /// What the fork's budgets count: `FromFork` (the default) what the
+    /// fork spends after its fork point only, `Inherit` the copied
+    /// prefix's spending too, as the parent counted it.
+    #[serde(default)]
+    pub budget: ForkBudget,
 }
 
 /// A replay test: the recorded run, the Agent to try on it, and the
@@ -161,6 +173,41 @@ pub struct TestBudgets {
     }]))]
     pub max_cost_usd: Option<f64>,
 }
+
+/// A record of the fork's copy replaced (`kubectl agentrun fork --replace`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkReplace {
+    /// The seq of the parent's `ToolResult` or `ModelCall` to replace, at
+    /// or before `spec.forkOf.seq`.
+    #[schemars(range(min = 1, max = MAX_FORK_SEQ))]
+    pub seq: u64,
+    /// The replacement: a tool result's value (the tool's JSON answer), or
+    /// a model answer (`{"text": ..., "toolCalls": [...], "usage": {...}}`).
+    #[schemars(schema_with = "crate::api::common::any_json")]
+    pub with: serde_json::Value,
+    /// Why (recorded in the fork's log, shown by `verify`).
+    #[schemars(length(min = 1, max = 1024))]
+    pub reason: String,
+}
+
+/// What a fork's budgets count (DESIGN.md §11).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ForkBudget {
+    /// Steps, tokens and cost from the fork point on, against the agent's
+    /// budgets as they stand (raises granted to the parent do not carry).
+    #[default]
+    FromFork,
+    /// Go on counting where the parent stood at the fork point (its
+    /// spending and raises).
+    Inherit,
+}
+
+/// The largest `spec.forkOf.seq`: the largest integer a JSON number carries
+/// exactly (a CRD's `maximum` is a float), far past any log's length (the
+/// store's seqs stop at `i64::MAX`). A user-written seq is never trusted to
+/// fit arithmetic all the same: the fork's code adds to it checked.
+pub const MAX_FORK_SEQ: u64 = (1 << 53) - 1;
 
 fn is_zero(n: &u32) -> bool {
     *n == 0

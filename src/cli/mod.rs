@@ -111,7 +111,8 @@ enum Command {
     Fork {
         run: String,
         /// The seq of the last record of RUN the fork keeps.
-        #[arg(long = "at", value_name = "SEQ")]
+        #[arg(long = "at", value_name = "SEQ",
+              value_parser = clap::value_parser!(u64).range(1..=crate::api::MAX_FORK_SEQ))]
         at: u64,
         /// Go on with this Agent (same namespace) after the fork point.
         #[arg(long)]
@@ -119,6 +120,13 @@ enum Command {
         /// The fork's name (RUN-fork-XXXXX when omitted).
         #[arg(long)]
         name: Option<String>,
+        /// Replace the fork's copy of the tool result or model answer at
+        /// SEQ (at or before --at) with the JSON in FILE: SEQ=@FILE.
+        #[arg(long, value_name = "SEQ=@FILE", requires = "reason")]
+        replace: Option<String>,
+        /// Why the record is replaced (recorded in the fork's log).
+        #[arg(long, requires = "replace")]
+        reason: Option<String>,
     },
     /// Try an Agent on recorded runs without touching the world: one test
     /// run per recorded run asks the model anew, calls no tool (each
@@ -219,7 +227,15 @@ pub async fn main(cli: Cli) -> anyhow::Result<()> {
             at,
             agent,
             name,
-        } => fork(&k, &run, at, agent, name, &mut out).await,
+            replace,
+            reason,
+        } => {
+            let replace = match (replace, reason) {
+                (Some(r), Some(why)) => Some(parse_replace(&r, why)?),
+                _ => None,
+            };
+            fork(&k, &run, at, (agent, replace), name, &mut out).await
+        }
         Command::ReplayTest(args) => replay_test::replay_test(&k, args, &mut out).await,
         Command::Console(args) => {
             drop(out);
@@ -368,7 +384,7 @@ async fn fork(
     k: &Kube,
     run: &str,
     at: u64,
-    agent: Option<String>,
+    (agent, replace): (Option<String>, Option<crate::api::ForkReplace>),
     name: Option<String>,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
@@ -377,7 +393,10 @@ async fn fork(
         .get(run)
         .await
         .with_context(|| format!("reading run {run:?} in namespace {:?}", k.ns))?;
-    let fork = fork_of(&parent, run, at, agent, name);
+    let mut fork = fork_of(&parent, run, at, agent, name);
+    if let Some(of) = fork.spec.fork_of.as_mut() {
+        of.replace = replace;
+    }
     let created = k
         .runs
         .create(&kube::api::PostParams::default(), &fork)
@@ -385,6 +404,27 @@ async fn fork(
         .with_context(|| format!("creating a fork of {run:?} in namespace {:?}", k.ns))?;
     writeln!(out, "{}", created.metadata.name.unwrap_or_default())?;
     Ok(())
+}
+
+/// `--replace SEQ=@FILE` with `--reason`: the seq, the JSON the file
+/// holds (an object: a tool's answer or a model answer), and why.
+fn parse_replace(spec: &str, reason: String) -> anyhow::Result<crate::api::ForkReplace> {
+    let Some((seq, file)) = spec.split_once("=@") else {
+        anyhow::bail!("--replace {spec:?}: expected SEQ=@FILE (a seq, then the JSON file)");
+    };
+    let seq: u64 = seq
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--replace {spec:?}: SEQ {seq:?} is not a seq: {e}"))?;
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("--replace {spec:?}: reading {file:?}"))?;
+    let with: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--replace {spec:?}: {file:?} is not JSON"))?;
+    if !with.is_object() {
+        anyhow::bail!(
+            "--replace {spec:?}: {file:?} must hold a JSON object (a tool's answer or a model answer)"
+        );
+    }
+    Ok(crate::api::ForkReplace { seq, with, reason })
 }
 
 /// The fork of `parent` as created: `spec.forkOf`, the parent's input
@@ -407,6 +447,8 @@ fn fork_of(
             run: run.to_string(),
             seq: at,
             agent,
+            budget: Default::default(),
+            replace: None,
         }),
         input: parent.spec.input.clone(),
         deadline: parent.spec.deadline.clone(),
@@ -448,5 +490,26 @@ mod fork_tests {
         let named = fork_of(&parent, "refund-1", 3, None, Some("retry".into()));
         assert_eq!(named.metadata.name.as_deref(), Some("retry"));
         assert_eq!(named.metadata.generate_name, None);
+    }
+}
+
+#[cfg(test)]
+mod fork_seq_tests {
+    use super::*;
+
+    #[test]
+    fn a_fork_seq_past_the_api_maximum_is_refused_naming_at() {
+        for at in [
+            u64::MAX.to_string(),
+            (crate::api::MAX_FORK_SEQ + 1).to_string(),
+            "0".into(),
+        ] {
+            let err = Cli::try_parse_from(["kubectl-agentrun", "fork", "refund-1", "--at", &at])
+                .err()
+                .unwrap_or_else(|| panic!("--at {at} accepted"));
+            assert!(err.to_string().contains("--at"), "{err}");
+        }
+        let max = crate::api::MAX_FORK_SEQ.to_string();
+        Cli::try_parse_from(["kubectl-agentrun", "fork", "refund-1", "--at", &max]).unwrap();
     }
 }

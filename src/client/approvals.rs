@@ -483,12 +483,16 @@ pub(crate) fn describe_entry(step: &Entry) -> Option<String> {
         Entry::ApprovalDecided(d) => decided_text(d),
         Entry::ApprovalVoided(v) => format!("approval voided: {}", v.reason),
         Entry::Forked(f) => format!(
-            "forked from {} ({}) after its seq {} (hash {}) by {}",
+            "forked from {} ({}) after its seq {} (hash {}) by {}{}",
             f.parent_name,
             f.parent_uid,
             f.seq,
             f.parent_hash.chars().take(12).collect::<String>(),
-            f.requester.as_deref().unwrap_or("(unknown)")
+            f.requester.as_deref().unwrap_or("(unknown)"),
+            f.replaced
+                .as_ref()
+                .map(|r| format!("; record {} replaced: {}", r.seq, r.reason))
+                .unwrap_or_default()
         ),
         Entry::RunFinished(f) => format!(
             "{}: {}",

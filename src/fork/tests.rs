@@ -50,6 +50,8 @@ fn point(parent_uid: &str, seq: u64) -> ForkPoint {
         requester: Some("alice".into()),
         agent: None,
         test: None,
+        budget: Default::default(),
+        replace: None,
     }
 }
 
@@ -402,11 +404,35 @@ fn the_audit_trail_says_where_a_fork_begins_and_who_forked() {
         parent_hash: "ab".repeat(32),
         requester: Some("alice".into()),
         test: None,
+        budget: None,
+        prefix_usage: None,
+        replaced: None,
     }))
     .unwrap();
     assert_eq!(
         line,
         "forked from refund-1 (parent-uid) after its seq 3 (hash abababababab) by alice"
+    );
+    let line = crate::client::approvals::describe_entry(&Entry::Forked(Forked {
+        parent_uid: PARENT.into(),
+        parent_name: "refund-1".into(),
+        seq: 3,
+        parent_hash: "ab".repeat(32),
+        requester: Some("alice".into()),
+        budget: None,
+        prefix_usage: None,
+        replaced: Some(crate::runlog::records::Replaced {
+            seq: 2,
+            parent_hash: "cd".repeat(32),
+            by: Some("alice".into()),
+            reason: "what if it had shipped".into(),
+        }),
+        test: None,
+    }))
+    .unwrap();
+    assert!(
+        line.ends_with("by alice; record 2 replaced: what if it had shipped"),
+        "{line}"
     );
 }
 
@@ -464,4 +490,196 @@ async fn a_parent_begun_before_binding_gives_a_fork_whose_controller_records_are
         .unwrap();
     let origin = origin(&records).unwrap().unwrap();
     check_prefix(&records, &origin, &parent).unwrap();
+}
+
+#[tokio::test]
+async fn a_seq_of_u64_max_is_past_the_end_everywhere_and_overflows_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    let err = plan(
+        &signer(),
+        "fork",
+        &parent,
+        &point(PARENT, u64::MAX),
+        CONTROLLER,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, ForkError::PastEnd { seq: u64::MAX, .. }),
+        "{err}"
+    );
+    // A Forked record naming u64::MAX cannot sit after its prefix...
+    fork(&store, PARENT, "fork", 3).await.unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    let mut origin = origin(&records).unwrap().unwrap();
+    let mut lying = records.clone();
+    lying[4].payload["seq"] = serde_json::json!(u64::MAX);
+    assert!(matches!(
+        super::origin(&lying),
+        Err(NotTheParents::Misplaced {
+            names: u64::MAX,
+            ..
+        })
+    ));
+    // ...and checked against a parent, it names a parent too short.
+    origin.forked.seq = u64::MAX;
+    assert!(matches!(
+        check_prefix(&records, &origin, &parent),
+        Err(NotTheParents::ParentTooShort { seq: u64::MAX, .. })
+    ));
+    // The controller's paged read keeps everything, never wraps to nothing.
+    assert_eq!(through(u64::MAX), usize::MAX);
+    assert_eq!(through(3), 4);
+}
+
+#[tokio::test]
+async fn a_forked_record_that_misstates_the_prefixs_spending_fails_the_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let parent = write_log(&store, PARENT, &long_log(1)).await;
+    fork(&store, PARENT, "fork", 3).await.unwrap();
+    let records = store.read_verified("fork", None).await.unwrap();
+    let mut origin = origin(&records).unwrap().unwrap();
+    assert_eq!(origin.forked.budget, Some(crate::api::ForkBudget::FromFork));
+    check_prefix(&records, &origin, &parent).unwrap();
+    // A smaller sum would let the fork spend what its parent already did.
+    origin.forked.prefix_usage.as_mut().unwrap().input_tokens += 1;
+    let err = check_prefix(&records, &origin, &parent).unwrap_err();
+    assert!(
+        matches!(err, NotTheParents::UsageDiffers { seq: 3, .. }),
+        "{err}"
+    );
+}
+
+fn replace(seq: u64, with: serde_json::Value) -> crate::api::ForkReplace {
+    crate::api::ForkReplace {
+        seq,
+        with,
+        reason: "what if the order had shipped".into(),
+    }
+}
+
+#[tokio::test]
+async fn a_replaced_lookup_result_is_what_the_forks_next_model_call_sees_and_verify_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(2);
+    let parent = write_log(&store, PARENT, &log).await;
+    let lookup = parent
+        .iter()
+        .find(|r| r.kind == StepKind::ToolResult)
+        .unwrap()
+        .seq;
+    // The fork point: the record before the second model call.
+    let second = parent
+        .iter()
+        .filter(|r| r.kind == StepKind::ModelCall)
+        .nth(1)
+        .unwrap()
+        .seq;
+    let mut at = point(PARENT, second - 1);
+    at.replace = Some(replace(
+        lookup,
+        serde_json::json!({"status": "REPLACED-MARKER"}),
+    ));
+    let planned = plan(&signer(), "fork", &parent, &at, CONTROLLER).unwrap();
+    let entries = decode(&planned);
+    let state = RunState::replay(entries.clone());
+    assert!(
+        matches!(state.next(), crate::replay::Next::CallModel),
+        "{:?}",
+        state.next()
+    );
+    let (request, _) =
+        crate::step::prompt::request_for_step(&state, state.snapshot.as_ref().unwrap());
+    let sent = serde_json::to_string(&request).unwrap();
+    assert!(sent.contains("REPLACED-MARKER"), "{sent}");
+    // The parent's own run would have sent its recorded result.
+    let theirs = RunState::replay(log[..second as usize].to_vec());
+    let (request, _) =
+        crate::step::prompt::request_for_step(&theirs, theirs.snapshot.as_ref().unwrap());
+    assert!(
+        !serde_json::to_string(&request)
+            .unwrap()
+            .contains("REPLACED-MARKER")
+    );
+
+    // Forked names the replacement, who made it and why; the prefix still
+    // checks against the parent, every other record compared.
+    let origin = origin(&planned).unwrap().unwrap();
+    let replaced = origin.forked.replaced.clone().unwrap();
+    assert_eq!(replaced.seq, lookup);
+    assert_eq!(replaced.by.as_deref(), Some("alice"));
+    assert_eq!(replaced.parent_hash, parent[lookup as usize].hash.to_hex());
+    check_prefix(&planned, &origin, &parent).unwrap();
+    // Another record altered is still caught...
+    let mut altered = planned.clone();
+    altered[1].payload["context"] = serde_json::json!({"altered": true});
+    let err = check_prefix(&altered, &origin, &parent);
+    assert!(
+        matches!(err, Err(NotTheParents::RecordDiffers { seq: 1, .. })),
+        "{err:?}"
+    );
+    // ...and a replacement claimed of a record the parent does not have.
+    let mut lying = origin.clone();
+    lying.forked.replaced.as_mut().unwrap().parent_hash = "00".repeat(32);
+    assert!(matches!(
+        check_prefix(&planned, &lying, &parent),
+        Err(NotTheParents::ReplacedDiffers { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_replacement_of_anything_but_a_copied_result_or_answer_is_refused_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let parent = write_log(&store, PARENT, &long_log(1)).await;
+    let intent = parent
+        .iter()
+        .find(|r| r.kind == StepKind::ToolIntent)
+        .unwrap()
+        .seq;
+    let model = parent
+        .iter()
+        .find(|r| r.kind == StepKind::ModelCall)
+        .unwrap()
+        .seq;
+    let cases = [
+        (
+            replace(intent, serde_json::json!({})),
+            intent,
+            "spec.forkOf.replace.seq",
+        ),
+        (
+            replace(6, serde_json::json!({})),
+            3,
+            "spec.forkOf.replace.seq",
+        ),
+        (
+            replace(model, serde_json::json!({"nonsense": 1, "usage": "x"})),
+            3,
+            "spec.forkOf.replace.with",
+        ),
+    ];
+    for (r, seq, field) in cases {
+        let mut at = point(PARENT, seq);
+        at.replace = Some(r);
+        let err = plan(&signer(), "fork", &parent, &at, CONTROLLER).unwrap_err();
+        assert!(
+            matches!(err, ForkError::Replace(_)) && err.to_string().starts_with(field),
+            "{err}"
+        );
+    }
+    let mut at = point(PARENT, 3);
+    at.replace = Some(crate::api::ForkReplace {
+        reason: " ".into(),
+        ..replace(3, serde_json::json!({}))
+    });
+    let err = plan(&signer(), "fork", &parent, &at, CONTROLLER).unwrap_err();
+    assert!(
+        err.to_string().starts_with("spec.forkOf.replace.reason"),
+        "{err}"
+    );
 }

@@ -161,6 +161,24 @@ pub struct Spent {
 }
 
 impl Spent {
+    /// Counts one record's spending (a `ModelCall`'s or a `Summary`'s).
+    pub fn count(&mut self, step: &Entry) {
+        match step {
+            Entry::ModelCall(m) => self.add(&m.response.usage, m.cost_usd),
+            Entry::Summary(s) => self.add(&s.response.usage, s.cost_usd),
+            _ => {}
+        }
+    }
+
+    /// What was spent since `before` was (a sum that went on from it).
+    fn since(&self, before: &Spent) -> Spent {
+        Spent {
+            input_tokens: self.input_tokens.saturating_sub(before.input_tokens),
+            output_tokens: self.output_tokens.saturating_sub(before.output_tokens),
+            cost_usd: (self.cost_usd - before.cost_usd).max(0.0),
+        }
+    }
+
     /// Counts one model call. Its numbers come from the step pod's record
     /// (a model's own report): sums saturate rather than overflow, and a
     /// negative cost counts as none, so the total never goes down (nor
@@ -209,6 +227,17 @@ pub struct RunState {
     spent_before: Spent,
     /// The budget questions asked and the raises granted.
     budget: BudgetQuestions,
+    /// Where a fork's budgets start counting: one per `Forked` record with
+    /// `budget: FromFork` (a fork of a fork holds its parent's, copied).
+    counted_from: Vec<CountFrom>,
+}
+
+/// A fork's budgets count from the record after its `Forked` record (at
+/// `forked`), and not what the records before it spent.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct CountFrom {
+    forked: u64,
+    spent: Spent,
 }
 
 /// Where one proposed tool call stands.
@@ -345,6 +374,19 @@ impl RunState {
                 self.summary = Some((seq, s.clone()));
             }
             Entry::RunFinished(f) => self.finished = Some(f.clone()),
+            Entry::Forked(f) if f.budget == Some(crate::api::ForkBudget::FromFork) => {
+                // The recorded sum: a state resumed from a checkpoint past
+                // this record holds no prefix to sum (verify checks it).
+                let spent = f.prefix_usage.as_ref().map_or_else(
+                    || self.spent.clone(),
+                    |u| Spent {
+                        input_tokens: u.input_tokens,
+                        output_tokens: u.output_tokens,
+                        cost_usd: u.cost_usd,
+                    },
+                );
+                self.counted_from.push(CountFrom { forked: seq, spent });
+            }
             Entry::ApprovalRequested(r) => self.budget.requested(seq, r),
             Entry::ApprovalDecided(d) => self.budget.decided(seq, d),
             _ => {}
@@ -454,6 +496,7 @@ impl RunState {
             seqs.push(seq);
         }
         seqs.extend(self.budget.pinned_before(start));
+        seqs.extend(self.counted_from.iter().map(|c| c.forked));
         seqs.retain(|s| *s < start);
         seqs.sort_unstable();
         seqs.dedup();
@@ -782,7 +825,27 @@ impl RunState {
     /// The budgets in force: the agent's, with every raise granted so far.
     pub fn budgets(&self) -> Option<Budgets> {
         let agent = self.snapshot.as_ref()?.agent.budgets.as_ref();
-        self.budget.effective(agent)
+        self.budget
+            .effective_between(agent, self.counts_from(self.len()), u64::MAX)
+    }
+
+    /// The first seq a budget counts at record `at`: after the latest
+    /// `Forked` with `FromFork` before it, else 0.
+    fn counts_from(&self, at: u64) -> u64 {
+        self.fork_count(at).map_or(0, |c| c.forked + 1)
+    }
+
+    fn fork_count(&self, at: u64) -> Option<&CountFrom> {
+        self.counted_from.iter().rev().find(|c| c.forked < at)
+    }
+
+    /// What a budget counts as used by the `at` records before `at`, which
+    /// spent `spent`: all of it, or a fork's (`FromFork`) since its fork.
+    fn counted(&self, at: u64, spent: &Spent) -> budget::Used {
+        match self.fork_count(at) {
+            None => used(at, spent),
+            Some(c) => used(at - (c.forked + 1).min(at), &spent.since(&c.spent)),
+        }
     }
 
     /// The limits a budget question proposes, for `budgets` in force now.
@@ -791,12 +854,12 @@ impl RunState {
             .snapshot
             .as_ref()
             .and_then(|s| s.agent.budgets.as_ref());
-        budget::proposal(agent, budgets, used(self.len(), &self.spent))
+        budget::proposal(agent, budgets, self.counted(self.len(), &self.spent))
     }
 
     /// Why the budget forbids another model call, if it does.
     pub fn budget_exceeded(&self, budgets: Option<&Budgets>) -> Option<String> {
-        budget::exhausted(budgets?, used(self.len(), &self.spent))
+        budget::exhausted(budgets?, self.counted(self.len(), &self.spent))
     }
 
     /// What the records before `seq` spent, summed in the order the log
@@ -831,12 +894,12 @@ impl RunState {
             .as_ref();
         let budgets = self
             .budget
-            .effective_before(pinned, seq)
+            .effective_between(pinned, self.counts_from(seq), seq)
             .ok_or("the pinned agent has no budgets")?;
         let spent = self
             .spent_before(seq)
             .ok_or_else(|| Refusal::new(format!("the records before {seq} are not held")))?;
-        let used = used(seq, &spent);
+        let used = self.counted(seq, &spent);
         match budget::exhausted(&budgets, used) {
             Some(why) => Ok((why, budgets, used)),
             None => Err(Refusal::new(format!(
@@ -1457,6 +1520,102 @@ pub(crate) mod tests {
         assert_eq!(s.budget_exceeded(Some(&b)), None);
         s.apply(model_call(&[]));
         assert!(s.budget_exceeded(Some(&b)).unwrap().contains("cost"));
+    }
+
+    /// A fork of a run that spent 30 tokens and 1.0 in two model calls,
+    /// its `Forked` record saying `budget`, then one model call of its own.
+    fn forked_after_two_calls(budget: Option<crate::api::ForkBudget>) -> RunState {
+        let mut s = started();
+        s.apply(model_call(&[]));
+        s.apply(model_call(&[]));
+        let prefix_usage =
+            (budget == Some(crate::api::ForkBudget::FromFork)).then_some(PrefixUsage {
+                input_tokens: s.spent.input_tokens,
+                output_tokens: s.spent.output_tokens,
+                cost_usd: s.spent.cost_usd,
+            });
+        s.apply(Entry::Forked(Forked {
+            parent_uid: "p".into(),
+            parent_name: "parent".into(),
+            seq: 2,
+            parent_hash: "00".repeat(32),
+            requester: Some("alice".into()),
+            budget,
+            prefix_usage,
+            replaced: None,
+            test: None,
+        }));
+        s.apply(model_call(&[]));
+        s
+    }
+
+    #[test]
+    fn a_forks_budgets_count_from_its_start_unless_it_inherits_or_predates_the_setting() {
+        use crate::api::ForkBudget;
+        let tokens = crate::api::Budgets {
+            max_tokens: Some(20),
+            ..Default::default()
+        };
+        let steps = crate::api::Budgets {
+            max_steps: Some(2),
+            ..Default::default()
+        };
+        let cost = crate::api::Budgets {
+            max_cost_usd: Some(0.75),
+            ..Default::default()
+        };
+        let from_fork = forked_after_two_calls(Some(ForkBudget::FromFork));
+        // 15 tokens, 0.5 and one step since the fork: under every limit.
+        for b in [&tokens, &steps, &cost] {
+            assert_eq!(from_fork.budget_exceeded(Some(b)), None, "{b:?}");
+        }
+        // The whole log spent 45 tokens, 1.5 and 5 steps: an inheriting fork,
+        // and one whose Forked record predates the setting, count it all.
+        for old in [Some(ForkBudget::Inherit), None] {
+            let s = forked_after_two_calls(old);
+            for b in [&tokens, &steps, &cost] {
+                assert!(s.budget_exceeded(Some(b)).is_some(), "{old:?} {b:?}");
+            }
+        }
+        // Spending is still the whole log's (the status shows it all).
+        assert_eq!(
+            from_fork.spent.input_tokens + from_fork.spent.output_tokens,
+            45
+        );
+    }
+
+    #[test]
+    fn a_fork_resumed_from_a_checkpoint_past_its_start_counts_as_replayed_whole() {
+        let whole = forked_after_two_calls(Some(crate::api::ForkBudget::FromFork));
+        let start = whole.len();
+        let pinned: Vec<(u64, Entry)> = whole
+            .pinned_before(start)
+            .into_iter()
+            .map(|seq| (seq, whole.entries()[seq as usize].clone()))
+            .collect();
+        assert!(pinned.iter().any(|(_, e)| matches!(e, Entry::Forked(_))));
+        let mut resumed = RunState::resume_at(start, pinned, whole.spent.clone());
+        resumed.apply(model_call(&[]));
+        let mut whole = whole;
+        whole.apply(model_call(&[]));
+        let b = crate::api::Budgets {
+            max_tokens: Some(31),
+            ..Default::default()
+        };
+        assert_eq!(resumed.budget_exceeded(Some(&b)), None);
+        assert_eq!(
+            resumed.budget_exceeded(Some(&b)),
+            whole.budget_exceeded(Some(&b))
+        );
+        let b = crate::api::Budgets {
+            max_tokens: Some(30),
+            ..Default::default()
+        };
+        assert!(resumed.budget_exceeded(Some(&b)).is_some());
+        assert_eq!(
+            resumed.budget_exceeded(Some(&b)),
+            whole.budget_exceeded(Some(&b))
+        );
     }
 
     #[test]

@@ -141,8 +141,24 @@ impl BudgetQuestions {
     /// The budgets in force at record `seq`: the agent's, with the raises
     /// decided before it.
     pub fn effective_before(&self, budgets: Option<&Budgets>, seq: u64) -> Option<Budgets> {
+        self.effective_between(budgets, 0, seq)
+    }
+
+    /// The budgets in force at record `seq` with only the raises decided
+    /// at or after `from` (a fork counting from its start: the parent's
+    /// raises were for the parent's spending, which the fork does not count).
+    pub fn effective_between(
+        &self,
+        budgets: Option<&Budgets>,
+        from: u64,
+        seq: u64,
+    ) -> Option<Budgets> {
         let mut raised = Limits::default();
-        for grant in self.granted.iter().filter(|g| g.decision < seq) {
+        for grant in self
+            .granted
+            .iter()
+            .filter(|g| g.decision >= from && g.decision < seq)
+        {
             raised.merge(grant.limits.clone());
         }
         let mut b = budgets?.clone();

@@ -404,11 +404,50 @@ pub struct Forked {
     /// Who forked (the fork's own requester, never the parent's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requester: Option<String>,
+    /// What the fork's budgets count (`spec.forkOf.budget`). Absent in
+    /// logs written before it existed: those count the copied prefix too
+    /// (`Inherit`), so they replay as they did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::api::ForkBudget>,
+    /// What the copied prefix spent (with `FromFork`: what the fork's
+    /// budgets do not count). Replay of the whole log sums it itself; a
+    /// controller resuming from a checkpoint past this record holds no
+    /// prefix to sum, so it is recorded (and `verify` checks it against
+    /// the parent's records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_usage: Option<PrefixUsage>,
+    /// The copied record replaced in the fork (`spec.forkOf.replace`):
+    /// every other copied record is the parent's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced: Option<Replaced>,
     /// Set on a replay test (`spec.testOf`, DESIGN.md §11): the run calls
     /// no tool and raises no approval; each call it proposes is answered
     /// from these, the parent's calls, or ends the test as diverged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test: Option<Sandbox>,
+}
+
+/// Which copied record of a fork was replaced, by whom and why.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Replaced {
+    pub seq: u64,
+    /// The parent's record hash at `seq` (what was replaced).
+    pub parent_hash: String,
+    /// The fork's requester.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    pub reason: String,
+}
+
+/// Tokens and cost summed over a fork's copied prefix.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PrefixUsage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    #[serde(rename = "costUSD")]
+    pub cost_usd: f64,
 }
 
 /// What a replay test answers calls from: the recorded run's calls, in the

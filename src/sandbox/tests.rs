@@ -129,6 +129,9 @@ fn test_run(sandbox: &Sandbox, replies: Vec<Entry>) -> RunState {
         parent_hash: "00".repeat(32),
         requester: None,
         test: Some(sandbox.clone()),
+        budget: None,
+        prefix_usage: None,
+        replaced: None,
     }));
     log.extend(replies);
     RunState::replay(log)

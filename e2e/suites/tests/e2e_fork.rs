@@ -280,8 +280,453 @@ async fn a_fork_by_someone_who_cannot_read_the_parents_log_is_refused_and_copies
     assert!(copied.is_empty(), "nothing copied: {copied:?}");
 }
 
+#[tokio::test]
+async fn a_user_granted_the_parents_log_through_a_group_may_fork_and_cannot_forge_groups() {
+    let w = World::new("forkgroup", &[]).await;
+    w.standins
+        .script("short", json!([finish("done")]), json!([]))
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("short")}),
+        json!({}),
+    )
+    .await;
+    w.wait_phase("parent", Phase::Succeeded).await;
+
+    // erin may create AgentRuns by name, and read runlogs only as a member
+    // of fork-readers.
+    grant_run_creation(&w.client, w.name(), "erin").await;
+    grant_runlogs_to_group(&w.client, w.name(), "fork-readers").await;
+    let erin = common::client_impersonating("erin", vec!["fork-readers".into()]).await;
+    let runs = Api::<AgentRun>::namespaced(erin, w.name());
+
+    // A groups stamp she writes herself is refused by the API server.
+    let mut forged: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "forged", "annotations": {
+            "agentrun.dev/requester-groups": "system:masters"
+        }},
+        "spec": fork_spec("parent", 1)
+    }))
+    .unwrap();
+    let refusal = common::approvals::refusal(runs.create(&PostParams::default(), &forged).await);
+    assert!(
+        refusal.contains("agentrun.dev/requester-groups"),
+        "{refusal}"
+    );
+
+    forged.metadata.name = Some("bygroup".into());
+    forged.metadata.annotations = None;
+    let created = runs
+        .create(&PostParams::default(), &forged)
+        .await
+        .expect("erin may create AgentRuns");
+    let stamped = created
+        .metadata
+        .annotations
+        .unwrap_or_default()
+        .get("agentrun.dev/requester-groups")
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        stamped.lines().any(|g| g == "fork-readers"),
+        "the stamp holds her groups: {stamped:?}"
+    );
+    let fork = w.wait_phase("bygroup", Phase::Succeeded).await;
+    let forked = fork
+        .status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .expect("a Forked condition");
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("True", "Copied"),
+        "{}",
+        forked.message
+    );
+}
+
+#[tokio::test]
+async fn a_fork_keeps_the_parents_pinned_agent_after_its_agent_is_deleted() {
+    use agentrun::api::Agent;
+    let w = World::new("forkpinned", &[]).await;
+    w.standins
+        .script(
+            "pinned",
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                finish("looked up"),
+                finish("looked up again")
+            ]),
+            json!([]),
+        )
+        .await;
+    let agents: Api<Agent> = Api::namespaced(w.client.clone(), w.name());
+    let agent: Agent = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+        "metadata": {"name": "refunds"},
+        "spec": w.agent("pinned")
+    }))
+    .unwrap();
+    agents
+        .create(&PostParams::default(), &agent)
+        .await
+        .expect("creating the Agent");
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agentRef": {"name": "refunds"}}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let at = result_of(&w.log(&parent).await, "lookup_order");
+    agents
+        .delete("refunds", &Default::default())
+        .await
+        .expect("deleting the Agent");
+
+    let dave = forker(&w, "dave").await;
+    let manifest: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "orphan"},
+        "spec": fork_spec("parent", at)
+    }))
+    .unwrap();
+    Api::<AgentRun>::namespaced(dave, w.name())
+        .create(&PostParams::default(), &manifest)
+        .await
+        .expect("dave may fork");
+    let fork = w.wait_phase("orphan", Phase::Succeeded).await;
+    let status = fork.status.as_ref().unwrap();
+    assert_eq!(status.result.as_deref(), Some("looked up again"));
+    let resolved = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "AgentResolved")
+        .expect("an AgentResolved condition");
+    assert_eq!(
+        (resolved.status.as_str(), resolved.reason.as_str()),
+        ("True", "Pinned"),
+        "{}",
+        resolved.message
+    );
+    // The lookup was made once, by the parent.
+    let requests = w.standins.tool_requests(w.name()).await;
+    assert_eq!(
+        requests
+            .iter()
+            .filter(|r| r["tool"] == "lookup_order")
+            .count(),
+        1,
+        "{requests:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_fork_with_a_replaced_lookup_result_decides_the_refund_again_and_says_who_replaced_it() {
+    let w = World::new("forkreplace", &[]).await;
+    // The parent asks replies 0..=2; the fork, after the (replaced)
+    // lookup's result, asks from reply 3: a smaller refund.
+    w.standins
+        .script(
+            "refund",
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+                finish("refunded 40"),
+                call("issue_refund", json!({"orderId": "1042", "amount": 25})),
+                finish("refunded 25")
+            ]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("refund")}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let parent_log = w.log(&parent).await;
+    let at = result_of(&parent_log, "lookup_order");
+    let asked_by_parent = w.standins.model_requests("refund").await.len();
+
+    // dave forks through the plugin, the lookup's result replaced.
+    forker(&w, "dave").await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("lookup.json");
+    std::fs::write(
+        &file,
+        r#"{"orderId": "1042", "paid": 25, "note": "REPLACED-PAID-25"}"#,
+    )
+    .unwrap();
+    let replace = format!("{at}=@{}", file.display());
+    let (ok, out) = common::approvals::plugin(
+        &w,
+        "dave",
+        &[
+            "fork",
+            "parent",
+            "--at",
+            &at.to_string(),
+            "--name",
+            "whatif",
+            "--replace",
+            &replace,
+            "--reason",
+            "the customer paid 25, not 40",
+        ],
+    );
+    assert!(ok, "{out}");
+    let fork = w.wait_phase("whatif", Phase::Succeeded).await;
+    assert_eq!(
+        fork.status.as_ref().unwrap().result.as_deref(),
+        Some("refunded 25")
+    );
+
+    // The fork's one new model request saw the replaced result; the parent's
+    // recorded calls were never made again.
+    let requests = w.standins.model_requests("refund").await;
+    assert_eq!(requests.len(), asked_by_parent + 2, "{requests:?}");
+    let first_of_fork = requests[asked_by_parent].to_string();
+    assert!(
+        first_of_fork.contains("REPLACED-PAID-25"),
+        "{first_of_fork}"
+    );
+    let tools = w.standins.tool_requests(w.name()).await;
+    let keys = |tool: &str| -> Vec<Value> {
+        tools
+            .iter()
+            .filter(|r| r["tool"] == tool)
+            .map(|r| r["key"].clone())
+            .collect()
+    };
+    assert_eq!(keys("lookup_order").len(), 1, "{tools:?}");
+    let refunds = keys("issue_refund");
+    assert_eq!(refunds.len(), 2, "{tools:?}");
+    assert_ne!(
+        refunds[0], refunds[1],
+        "the fork's refund has the fork's key"
+    );
+
+    // verify: the prefix checks against the parent, and names the
+    // replaced record, who replaced it and why.
+    let store = common::store::e2e_store_url().await;
+    let args = [
+        "verify",
+        "whatif",
+        "--store-url",
+        &store,
+        "--controller-namespace",
+        w.name(),
+    ];
+    let (ok, text) = common::approvals::plugin(&w, "admin", &args);
+    assert!(ok && text.contains("chain intact"), "{text}");
+    let named = format!("replaced: whatif's record {at} is not the parent's");
+    assert!(text.contains(&named), "{text}");
+    assert!(
+        text.contains("replaced by dave, because the customer paid 25, not 40"),
+        "{text}"
+    );
+}
+
+/// A finished refund run (`parent`: lookup, refund 40, done) on `script`,
+/// with replies for a fork after the lookup; its log and the lookup's seq.
+async fn refund_parent(w: &World, script: &str) -> (AgentRun, u64) {
+    w.standins
+        .script(
+            script,
+            json!([
+                call("lookup_order", json!({"orderId": "1042"})),
+                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+                finish("refunded 40"),
+                call("issue_refund", json!({"orderId": "1042", "amount": 30})),
+                finish("refunded 30")
+            ]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent(script)}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let at = result_of(&w.log(&parent).await, "lookup_order");
+    (parent, at)
+}
+
+#[tokio::test]
+async fn a_fork_of_a_parent_tampered_before_the_fork_point_refuses_to_start_and_copies_nothing() {
+    let w = World::new("forktamper", &[]).await;
+    let (parent, at) = refund_parent(&w, "refund").await;
+    // A database superuser rewrites the parent's first model answer (before
+    // the fork point), bypassing the append-only trigger.
+    let uid = parent.metadata.uid.clone().unwrap();
+    let touched = rewrite_body(
+        &uid,
+        "ModelCall",
+        "\"orderId\":\"1042\"",
+        "\"orderId\":\"9999\"",
+    )
+    .await;
+    assert!(touched >= 1, "the parent's ModelCall was rewritten");
+
+    let dave = forker(&w, "dave").await;
+    let manifest: AgentRun = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+        "metadata": {"name": "fromtampered"},
+        "spec": fork_spec("parent", at)
+    }))
+    .unwrap();
+    Api::<AgentRun>::namespaced(dave, w.name())
+        .create(&PostParams::default(), &manifest)
+        .await
+        .expect("dave may create the fork");
+    let refused = w.wait_phase("fromtampered", Phase::Failed).await;
+    let status = refused.status.unwrap();
+    let forked = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .expect("a Forked condition");
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("False", "ParentTampered"),
+        "{}",
+        forked.message
+    );
+    let copied = w
+        .store()
+        .await
+        .read_all(refused.metadata.uid.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert!(copied.is_empty(), "nothing copied: {copied:?}");
+}
+
+#[tokio::test]
+async fn a_fork_with_another_agent_asks_the_model_with_its_prompt_after_the_fork_point() {
+    use agentrun::api::Agent;
+    let w = World::new("forkagent", &[]).await;
+    let (_, at) = refund_parent(&w, "refund").await;
+    let asked_by_parent = w.standins.model_requests("refund").await;
+    let mut v2 = w.agent("refund");
+    v2["prompt"] = json!({"version": "v2", "system": "You are a frugal refund agent (V2-PROMPT)."});
+    let agent: Agent = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "Agent",
+        "metadata": {"name": "refunds-v2"},
+        "spec": v2
+    }))
+    .unwrap();
+    Api::<Agent>::namespaced(w.client.clone(), w.name())
+        .create(&PostParams::default(), &agent)
+        .await
+        .expect("creating the v2 Agent");
+
+    forker(&w, "dave").await;
+    let (ok, out) = common::approvals::plugin(
+        &w,
+        "dave",
+        &[
+            "fork",
+            "parent",
+            "--at",
+            &at.to_string(),
+            "--agent",
+            "refunds-v2",
+            "--name",
+            "onv2",
+        ],
+    );
+    assert!(ok, "{out}");
+    let fork = w.wait_phase("onv2", Phase::Succeeded).await;
+    let log = w.log(&fork).await;
+    match &log[at as usize + 2].1 {
+        Entry::VersionChanged(v) => assert_eq!(v.agent.prompt.version, "v2"),
+        other => panic!("record {} is {other:?}, not VersionChanged", at + 2),
+    }
+    // The parent's requests carried the v1 prompt; every request of the
+    // fork (after its fork point) carries v2's.
+    let requests = w.standins.model_requests("refund").await;
+    assert!(
+        asked_by_parent
+            .iter()
+            .all(|r| !r.to_string().contains("V2-PROMPT"))
+    );
+    let of_fork = &requests[asked_by_parent.len()..];
+    assert_eq!(of_fork.len(), 2, "{requests:?}");
+    for r in of_fork {
+        assert!(r.to_string().contains("V2-PROMPT"), "{r}");
+    }
+}
+
+/// Rewrites `from` to `to` in the stored bodies of the run's `kind`
+/// records as the database superuser (the append-only trigger off, as an
+/// administrator could); returns the rows touched.
+async fn rewrite_body(uid: &str, kind: &str, from: &str, to: &str) -> u64 {
+    use sqlx::Connection as _;
+    let mut url = url::Url::parse(common::store::pg_admin_url()).unwrap();
+    url.set_path("/agentrun_e2e");
+    let mut conn = sqlx::PgConnection::connect(url.as_str())
+        .await
+        .expect("connecting as the superuser");
+    let update = format!(
+        "UPDATE agentrun_steps SET body = replace(body, '{from}', '{to}') WHERE run = $1 AND kind = '{kind}'"
+    );
+    let mut touched = 0;
+    for q in [
+        "SET session_replication_role = replica",
+        update.as_str(),
+        "SET session_replication_role = DEFAULT",
+    ] {
+        let query = sqlx::query(sqlx::AssertSqlSafe(q.to_string()));
+        let query = if q.contains("$1") {
+            query.bind(uid)
+        } else {
+            query
+        };
+        touched += query
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{q}: {e}"))
+            .rows_affected();
+    }
+    touched
+}
+
+/// A Role letting members of `group` read runlogs in `ns`.
+async fn grant_runlogs_to_group(client: &kube::Client, ns: &str, group: &str) {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let name = format!("{group}-runlogs");
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": [agentrun::api::runlog::LOG_GROUP], "resources": [agentrun::api::runlog::RUNLOGS], "verbs": ["get"]}]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("creating the Role");
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding the Role");
+}
+
 /// `user` may fork here: create AgentRuns and read runlogs (granted to
-/// the user by name: the requester stamp holds no groups).
+/// the user by name).
 async fn forker(w: &World, user: &str) -> kube::Client {
     grant_run_creation(&w.client, w.name(), user).await;
     common::log_api::grant_verbs(&w.client, w.name(), user, &["get"]).await;

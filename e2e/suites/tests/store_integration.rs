@@ -1024,6 +1024,8 @@ async fn forks(ctx: Ctx) {
                 requester: Some("alice".into()),
                 agent: None,
                 test: None,
+                budget: Default::default(),
+                replace: None,
             };
             copy_prefix(s.as_ref(), &signer, &fork, &records, &point, "controller").await
         }

@@ -225,6 +225,16 @@ pub(crate) async fn verify_parents(
             f.seq,
             visible(f.requester.as_deref().unwrap_or("(unknown)"))
         )?;
+        if let Some(r) = &f.replaced {
+            writeln!(
+                out,
+                "replaced: {child}'s record {} is not the parent's (hash {}): replaced by {}, because {}",
+                r.seq,
+                visible(&r.parent_hash),
+                visible(r.by.as_deref().unwrap_or("(unknown)")),
+                visible(&r.reason)
+            )?;
+        }
         let (uid, read) = parents.read(&f.parent_name).await?;
         if uid != f.parent_uid {
             return failed(

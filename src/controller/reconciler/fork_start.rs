@@ -14,7 +14,9 @@ use super::Acting;
 use super::decide::{anchored_head, snapshot};
 use super::log_read::checked_page;
 use super::status::signature_rules;
-use crate::api::{AgentRun, AgentTemplate, ForkOf, REQUESTER_ANNOTATION, TestOf};
+use crate::api::{
+    AgentRun, AgentTemplate, ForkOf, REQUESTER_ANNOTATION, REQUESTER_GROUPS_ANNOTATION, TestOf,
+};
 use crate::controller::context::{Context, notice};
 use crate::controller::error::Error;
 use crate::controller::servers::log_api::authorize::{Answer, Authorizer, Question};
@@ -56,6 +58,21 @@ impl Start<'_> {
         match self {
             Start::Fork(f) => f.seq,
             Start::Test(_) => 0,
+        }
+    }
+
+    /// What the fork's budgets count: a test's are its own from its start.
+    fn budget(&self) -> crate::api::ForkBudget {
+        match self {
+            Start::Fork(f) => f.budget,
+            Start::Test(_) => crate::api::ForkBudget::FromFork,
+        }
+    }
+
+    fn replace(&self) -> Option<crate::api::ForkReplace> {
+        match self {
+            Start::Fork(f) => f.replace.clone(),
+            Start::Test(_) => None,
         }
     }
 
@@ -102,10 +119,7 @@ pub(super) async fn start_fork(
         },
     };
     // Only the prefix is copied (the whole log was verified to trust it).
-    let keep = usize::try_from(start.seq())
-        .unwrap_or(usize::MAX)
-        .saturating_add(1);
-    records.truncate(keep);
+    records.truncate(crate::fork::through(start.seq()));
     let agent = match start.agent() {
         None => None,
         Some(name) => {
@@ -134,6 +148,8 @@ pub(super) async fn start_fork(
         requester: Some(requester),
         agent,
         test,
+        budget: start.budget(),
+        replace: start.replace(),
     };
     let uid = crate::api::RunUid::of(run);
     let copied = copy_prefix(
@@ -167,6 +183,9 @@ pub(super) async fn start_fork(
         Err(ForkError::Store(e)) => Err(Error::Store(e)),
         Err(e @ ForkError::ParentUnverified(_)) => {
             Ok(refuse(run, acting, "ParentTampered", e.to_string()))
+        }
+        Err(e @ ForkError::Replace(_)) => {
+            Ok(refuse(run, acting, "InvalidReplacement", e.to_string()))
         }
         Err(e) => Ok(refuse(run, acting, "InvalidForkPoint", e.to_string())),
     }
@@ -226,12 +245,18 @@ async fn allowed(
         );
         return Ok(Err(("NoRequester", message)));
     };
-    // The stamp holds the name only: the review asks for that user, so a
-    // grant through a group of theirs does not count here.
+    // The groups stamped at creation (the policies check them against the
+    // creator's own, as the name): a grant through a group counts. A run
+    // created before the groups were stamped is asked about by name only.
+    let groups = run
+        .annotations()
+        .get(REQUESTER_GROUPS_ANNOTATION)
+        .map(|g| crate::api::parse_requester_groups(g))
+        .unwrap_or_default();
     let user = User {
         name: requester.clone(),
         uid: None,
-        groups: vec![],
+        groups,
         extra: Default::default(),
     };
     let question = Question {

@@ -112,11 +112,15 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     let uid = crate::api::RunUid::of(run);
 
     // Read: the agent.
-    let resolved = resolve_agent(run, ctx, &ns).await?;
+    let resolved = keep_pinned(run, resolve_agent(run, ctx, &ns).await?);
     let mut plan = plan(run, &resolved.lookup, Timestamp::now());
-    let Some(template) = resolved.template else {
-        write_status(run, ctx, &plan.status, plan.notices).await?;
-        return Ok(Action::requeue(Duration::from_secs(300)));
+    let template = match resolved.template {
+        Some(template) => Some(template),
+        None if resolved.lookup == AgentLookup::Pinned => None,
+        None => {
+            write_status(run, ctx, &plan.status, plan.notices).await?;
+            return Ok(Action::requeue(Duration::from_secs(300)));
+        }
     };
     let agent_generation = resolved.lookup.generation();
 
@@ -137,6 +141,17 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
     };
     tracing::Span::current().record("step", replayed.head.len);
+    // A fork keeping its pinned agent runs on what its log pins; before
+    // its copy nothing reads the template (the fork's start needs none
+    // without `forkOf.agent`).
+    let template = template.unwrap_or_else(|| {
+        replayed
+            .state
+            .snapshot
+            .as_ref()
+            .map(|s| s.agent.clone())
+            .unwrap_or_default()
+    });
     let job = read_job(run, ctx, &ns).await?;
     let lease = read_lease(ctx, &uid, job.as_ref(), &replayed).await?;
 
@@ -765,6 +780,22 @@ where
         return Ok(Some((*found).clone()));
     }
     api.get_opt(name).await
+}
+
+/// A fork without `forkOf.agent` whose parent's Agent (or parent) is gone
+/// still goes on: it keeps the agent its log pins (the parent's at the
+/// fork point, copied in `RunStarted` and any `VersionChanged`), so no
+/// Agent needs to exist. The lookup says so instead of `AgentNotFound`.
+fn keep_pinned(run: &AgentRun, resolved: Resolved) -> Resolved {
+    let keeps = run.spec.fork_of.as_ref().is_some_and(|f| f.agent.is_none())
+        && run.spec.version_policy == crate::api::VersionPolicy::Pinned;
+    match resolved {
+        Resolved { template: None, .. } if keeps => Resolved {
+            lookup: AgentLookup::Pinned,
+            template: None,
+        },
+        resolved => resolved,
+    }
 }
 
 /// A fork's agent is `spec.forkOf.agent`, else its parent's (followed up

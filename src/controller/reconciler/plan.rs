@@ -20,6 +20,9 @@ pub enum AgentLookup {
     Found { generation: Option<i64> },
     /// `spec.agentRef` names an Agent that does not exist.
     NotFound { name: String },
+    /// A fork without `forkOf.agent` whose parent's Agent is gone: it runs
+    /// on the agent its log pins, and reads no Agent.
+    Pinned,
 }
 
 impl AgentLookup {
@@ -71,6 +74,14 @@ pub fn plan(run: &AgentRun, agent: &AgentLookup, now: Timestamp) -> Plan {
                 now,
             )
         }
+        AgentLookup::Pinned => condition(
+            AGENT_RESOLVED,
+            true,
+            "Pinned",
+            "the fork goes on with the agent its log pins (its parent's at the fork point); its parent's Agent is not needed",
+            generation,
+            now,
+        ),
         AgentLookup::NotFound { name } => condition(
             AGENT_RESOLVED,
             false,

@@ -8,7 +8,10 @@
 //!
 //! - an AgentRun CREATE without `metadata.annotations[agentrun.dev/requester]`
 //!   gets it stamped with `request.userInfo.username` (a JSONPatch);
-//! - a CREATE naming somebody else is refused (403), in the words of the
+//! - the same for `agentrun.dev/requester-groups`, the creator's groups
+//!   (`request.userInfo.groups`, one a line): what the controller's
+//!   reviews for the requester ask with (a fork's read of its parent);
+//! - a CREATE naming somebody else, or other groups, is refused (403), in the words of the
 //!   ValidatingAdmissionPolicy `agentrun-run-requester`, which still checks
 //!   every run whichever stamp is installed;
 //! - an UPDATE that would drop the requester (a server-side apply whose
@@ -31,7 +34,7 @@ use base64::Engine as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::api::REQUESTER_ANNOTATION;
+use crate::api::{REQUESTER_ANNOTATION, REQUESTER_GROUPS_ANNOTATION, requester_groups};
 
 /// Where the webhook configuration points the API server.
 pub const PATH: &str = "/stamp-requester";
@@ -84,6 +87,8 @@ struct GroupVersionKind {
 struct UserInfo {
     #[serde(default)]
     username: String,
+    #[serde(default)]
+    groups: Vec<String>,
 }
 
 /// What the webhook answers one request with.
@@ -163,60 +168,82 @@ fn decide_create(request: &Request) -> Decision {
             ),
         );
     }
-    match requester(object) {
-        None => Decision::Patch(add_requester(object, user)),
-        Some(named) if named == user => Decision::Allow,
-        Some(named) => Decision::Deny(
-            403,
-            format!(
-                "metadata.annotations[{REQUESTER_ANNOTATION}] must be your own user name ({user}), not {named}"
-            ),
+    let groups = requester_groups(&request.user_info.groups);
+    let mut missing = Vec::new();
+    for (key, value, what) in [
+        (REQUESTER_ANNOTATION, user, "your own user name"),
+        (
+            REQUESTER_GROUPS_ANNOTATION,
+            groups.as_str(),
+            "your own groups",
         ),
+    ] {
+        match annotation(object, key) {
+            None => missing.push((key, value)),
+            Some(named) if named == value => {}
+            Some(named) => {
+                return Decision::Deny(
+                    403,
+                    format!("metadata.annotations[{key}] must be {what} ({value}), not {named}"),
+                );
+            }
+        }
+    }
+    match missing.is_empty() {
+        true => Decision::Allow,
+        false => Decision::Patch(add_annotations(object, &missing)),
     }
 }
 
-/// An UPDATE that drops the requester gets the old value back (what the
+/// An UPDATE that drops a stamp gets the old value back (what the
 /// MutatingAdmissionPolicy does). A changed value is left to the validating
 /// policy, which refuses it.
 fn keep_on_update(request: &Request) -> Decision {
     let (Some(object), Some(old)) = (&request.object, &request.old_object) else {
         return Decision::Allow;
     };
-    match (requester(object), requester(old)) {
-        (None, Some(kept)) => Decision::Patch(add_requester(object, kept)),
-        _ => Decision::Allow,
+    let dropped: Vec<(&str, &str)> = [REQUESTER_ANNOTATION, REQUESTER_GROUPS_ANNOTATION]
+        .into_iter()
+        .filter(|key| annotation(object, key).is_none())
+        .filter_map(|key| Some((key, annotation(old, key)?)))
+        .collect();
+    match dropped.is_empty() {
+        true => Decision::Allow,
+        false => Decision::Patch(add_annotations(object, &dropped)),
     }
 }
 
-/// The object's requester annotation, when it has one (a string).
-fn requester(object: &Value) -> Option<&str> {
-    object
-        .pointer("/metadata/annotations")?
-        .get(REQUESTER_ANNOTATION)?
-        .as_str()
+/// The object's annotation `key`, when it has one (a string).
+fn annotation<'a>(object: &'a Value, key: &str) -> Option<&'a str> {
+    object.pointer("/metadata/annotations")?.get(key)?.as_str()
 }
 
-/// The JSONPatch adding the requester to `object`: into its annotations,
-/// or as a new annotations map when it has none (JSON Patch cannot add a
-/// member to a missing object).
-fn add_requester(object: &Value, user: &str) -> json_patch::Patch {
+/// The JSONPatch adding `stamps` to `object`'s annotations, or as a new
+/// annotations map when it has none (JSON Patch cannot add a member to a
+/// missing object).
+fn add_annotations(object: &Value, stamps: &[(&str, &str)]) -> json_patch::Patch {
     let has_map = object
         .pointer("/metadata/annotations")
         .is_some_and(Value::is_object);
-    let op = if has_map {
-        json!({
-            "op": "add",
-            "path": format!("/metadata/annotations/{}", escape_pointer(REQUESTER_ANNOTATION)),
-            "value": user,
-        })
+    let ops: Vec<Value> = if has_map {
+        stamps
+            .iter()
+            .map(|(key, value)| {
+                json!({
+                    "op": "add",
+                    "path": format!("/metadata/annotations/{}", escape_pointer(key)),
+                    "value": value,
+                })
+            })
+            .collect()
     } else {
-        json!({
-            "op": "add",
-            "path": "/metadata/annotations",
-            "value": {REQUESTER_ANNOTATION: user},
-        })
+        let map: serde_json::Map<String, Value> = stamps
+            .iter()
+            .map(|(key, value)| (key.to_string(), json!(value)))
+            .collect();
+        vec![json!({"op": "add", "path": "/metadata/annotations", "value": map})]
     };
-    serde_json::from_value(json!([op])).expect("a well-formed JSON Patch")
+    serde_json::from_value(Value::Array(ops)).expect("a well-formed JSON Patch")
 }
 
 /// A JSON Pointer reference token (RFC 6901): `~` is `~0`, `/` is `~1`.
@@ -384,7 +411,7 @@ mod tests {
         let patched = apply_patch(response, &object);
         assert_eq!(
             patched["metadata"]["annotations"],
-            json!({"agentrun.dev/requester": "alice"})
+            json!({"agentrun.dev/requester": "alice", "agentrun.dev/requester-groups": "system:authenticated\nmy-admin-group"})
         );
         assert_eq!(
             patched["spec"], object["spec"],
@@ -413,13 +440,15 @@ mod tests {
         let patched = apply_patch(&review["response"], &object);
         assert_eq!(
             patched["metadata"]["annotations"],
-            json!({"team": "finance", "a~b/c": "x", "agentrun.dev/requester": user})
+            json!({"team": "finance", "a~b/c": "x", "agentrun.dev/requester": user, "agentrun.dev/requester-groups": "system:authenticated\nmy-admin-group"})
         );
     }
 
     #[tokio::test]
     async fn a_run_naming_its_creator_is_allowed_as_is() {
-        let object = run(Some(json!({"agentrun.dev/requester": "alice"})));
+        let object = run(Some(
+            json!({"agentrun.dev/requester": "alice", "agentrun.dev/requester-groups": "system:authenticated\nmy-admin-group"}),
+        ));
         let (_, review) =
             post_review(agentrun_create("alice", object).to_string().into_bytes()).await;
         assert_eq!(
@@ -446,6 +475,48 @@ mod tests {
         assert_eq!(
             response["status"]["message"],
             "metadata.annotations[agentrun.dev/requester] must be your own user name (alice), not bob"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_run_naming_groups_other_than_its_creators_is_refused_naming_the_field() {
+        for forged in [
+            "system:masters",
+            "system:authenticated\nmy-admin-group\nsystem:masters",
+            "",
+        ] {
+            let object = run(Some(json!({"agentrun.dev/requester-groups": forged})));
+            let (_, review) =
+                post_review(agentrun_create("alice", object).to_string().into_bytes()).await;
+            let response = &review["response"];
+            assert_eq!(response["allowed"], false, "{forged:?}");
+            assert_eq!(response["status"]["code"], 403);
+            let message = response["status"]["message"].as_str().unwrap();
+            assert!(
+                message.starts_with(
+                    "metadata.annotations[agentrun.dev/requester-groups] must be your own groups"
+                ),
+                "{message}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn an_update_that_drops_the_groups_gets_them_back() {
+        let old = run(Some(
+            json!({"agentrun.dev/requester": "alice", "agentrun.dev/requester-groups": "system:authenticated\nmy-admin-group"}),
+        ));
+        let mut review = agentrun_create(
+            "flux",
+            run(Some(json!({"agentrun.dev/requester": "alice"}))),
+        );
+        review["request"]["operation"] = json!("UPDATE");
+        review["request"]["oldObject"] = old.clone();
+        let (_, answer) = post_review(review.to_string().into_bytes()).await;
+        let patched = apply_patch(&answer["response"], &review["request"]["object"]);
+        assert_eq!(
+            patched["metadata"]["annotations"],
+            old["metadata"]["annotations"]
         );
     }
 

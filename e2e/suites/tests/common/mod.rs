@@ -404,10 +404,11 @@ async fn wait_requester_stamped(client: &Client) {
         "the requester stamp to take effect",
         Duration::from_secs(30),
         || async {
-            runs.create(&params, &probe)
-                .await
-                .ok()
-                .filter(|r| r.annotations().contains_key("agentrun.dev/requester"))
+            runs.create(&params, &probe).await.ok().filter(|r| {
+                let a = r.annotations();
+                a.contains_key("agentrun.dev/requester")
+                    && a.contains_key("agentrun.dev/requester-groups")
+            })
         },
     )
     .await;

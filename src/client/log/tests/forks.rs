@@ -37,6 +37,8 @@ fn fork_of(
         requester: Some("alice".into()),
         agent: None,
         test: None,
+        budget: Default::default(),
+        replace: None,
     };
     plan(&signer(), uid, parent, &point, "controller").unwrap()
 }
@@ -73,7 +75,7 @@ async fn a_fork_of_a_fork_verifies_back_to_the_root_and_says_where_each_begins()
     let (p, f, g) = family();
     let parents = known(&[("p", UID, &p), ("f", "uid-f", &f)]);
     let (result, out) = verify(&parents, "g", g).await;
-    result.unwrap();
+    result.map_err(|e| format!("{e}: {out}")).unwrap();
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines,

@@ -49,6 +49,8 @@ pub(super) async fn forked_log(
         requester: Some("alice".into()),
         agent: None,
         test: None,
+        budget: Default::default(),
+        replace: None,
     };
     copy_prefix(&store, &signer(), FORK, &parent, &point, "controller")
         .await

@@ -15,6 +15,9 @@ fn forked_for_test(recorded: &[Entry]) -> Entry {
         parent_hash: "00".repeat(32),
         requester: Some("dave".into()),
         test: Some(sandbox),
+        budget: None,
+        prefix_usage: None,
+        replaced: None,
     })
 }
 
