@@ -620,7 +620,7 @@ async fn the_runner_refuses_a_record_the_retired_key_signed_after_the_switch() {
 /// `refund` declared idempotent: both `search` (read-only) and `refund`
 /// would be made again, with their key, when found intended without a
 /// result.
-fn gated_run_started(base: &str, tool: &str) -> Entry {
+pub(super) fn gated_run_started(base: &str, tool: &str) -> Entry {
     let Entry::RunStarted(mut started) = run_started(base) else {
         unreachable!()
     };

@@ -162,3 +162,36 @@ async fn a_decided_approval_in_a_tests_log_makes_no_call() {
     assert!(counts.posts.is_empty() && counts.lookups.is_empty());
     assert_eq!(counts.model_requests, 0);
 }
+
+/// The tested version gates the refund: nobody is asked, the recorded
+/// result answers it, and the report's count says it would have been gated.
+#[tokio::test]
+async fn a_call_the_tested_policy_gates_is_answered_from_the_record_and_nobody_is_asked() {
+    let standins = Standins::start().await;
+    let recorded = history_of(super::gated_run_started(&standins.base, "refund"), turns());
+    standins.script(&recorded);
+    standins.reset([]);
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = test_log(dir.path(), &recorded).await;
+    step_on(&store).await.unwrap();
+
+    let log = read_log(&*store).await;
+    let kinds = |l: &[Entry]| l.iter().map(Entry::kind).collect::<Vec<_>>();
+    assert_eq!(kinds(&log[2..]), kinds(&recorded[1..]), "no approval asked");
+    let gated: Vec<bool> = log
+        .iter()
+        .filter_map(|e| match e {
+            Entry::ToolIntent(i) => i.sandboxed.map(|s| s.gated),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(gated, [false, true, false], "the refund would be gated");
+    assert!(matches!(
+        RunState::replay(log).next(),
+        Next::Finish {
+            outcome: Outcome::Succeeded,
+            ..
+        }
+    ));
+    assert!(standins.counts().posts.is_empty());
+}
