@@ -104,6 +104,10 @@ async fn a_replay_test_ends_diverged_at_the_first_call_the_recorded_run_never_ma
             && error.contains(r#"was search {"refund":"R-1"}"#),
         "{error}"
     );
+    // The controller ends the test as the runner asked.
+    assert!(
+        matches!(RunState::replay(log.clone()).next(), Next::Stop(f) if f.outcome == Outcome::Diverged)
+    );
     // The first reply's two calls were answered; the diverging one was not.
     assert_eq!(tool_results(&log).len(), 2);
     let counts = standins.counts();
