@@ -230,6 +230,9 @@ pub struct RunState {
     /// Where a fork's budgets start counting: one per `Forked` record with
     /// `budget: FromFork` (a fork of a fork holds its parent's, copied).
     counted_from: Vec<CountFrom>,
+    /// A replay test's recorded calls, and the seq of the `Forked` record
+    /// holding them (kept in force past a compaction or a checkpoint).
+    test: Option<(u64, std::sync::Arc<crate::runlog::records::Sandbox>)>,
 }
 
 /// A fork's budgets count from the record after its `Forked` record (at
@@ -374,7 +377,20 @@ impl RunState {
                 self.summary = Some((seq, s.clone()));
             }
             Entry::RunFinished(f) => self.finished = Some(f.clone()),
-            Entry::Forked(f) if f.budget == Some(crate::api::ForkBudget::FromFork) => {
+            Entry::Forked(f) => self.forked(seq, f),
+            Entry::ApprovalRequested(r) => self.budget.requested(seq, r),
+            Entry::ApprovalDecided(d) => self.budget.decided(seq, d),
+            _ => {}
+        }
+    }
+
+    /// A fork's start: where its budgets count from, and whether it is a
+    /// replay test (the last `Forked` of a log is its own: a fork of a test
+    /// is no test).
+    fn forked(&mut self, seq: u64, f: &Forked) {
+        self.test = f.test.clone().map(|t| (seq, std::sync::Arc::new(t)));
+        match f.budget {
+            Some(crate::api::ForkBudget::FromFork) => {
                 // The recorded sum: a state resumed from a checkpoint past
                 // this record holds no prefix to sum (verify checks it).
                 let spent = f.prefix_usage.as_ref().map_or_else(
@@ -387,8 +403,6 @@ impl RunState {
                 );
                 self.counted_from.push(CountFrom { forked: seq, spent });
             }
-            Entry::ApprovalRequested(r) => self.budget.requested(seq, r),
-            Entry::ApprovalDecided(d) => self.budget.decided(seq, d),
             _ => {}
         }
     }
@@ -497,6 +511,7 @@ impl RunState {
         }
         seqs.extend(self.budget.pinned_before(start));
         seqs.extend(self.counted_from.iter().map(|c| c.forked));
+        seqs.extend(self.test.as_ref().map(|(seq, _)| *seq));
         seqs.retain(|s| *s < start);
         seqs.sort_unstable();
         seqs.dedup();
@@ -586,10 +601,7 @@ impl RunState {
     /// A replay test's recorded calls (its `Forked` record's `test`): the
     /// run calls no tool and raises no approval (`crate::sandbox`).
     pub fn sandbox(&self) -> Option<&crate::runlog::records::Sandbox> {
-        self.records().find_map(|(_, e)| match e {
-            Entry::Forked(f) => f.test.as_ref(),
-            _ => None,
-        })
+        self.test.as_ref().map(|(_, t)| t.as_ref())
     }
 
     /// Whether the agent in force is a container agent.

@@ -236,3 +236,33 @@ fn the_report_says_where_a_test_diverged_and_what_each_side_spent() {
     let r = report::report("r1", "r1-test-y", &recorded, &same);
     assert!(r.same_answer && !r.diverged(), "{r:?}");
 }
+
+/// A controller holds a long run's state from a checkpoint: the test's
+/// `Forked` record stays in force, so the test stays a test.
+#[test]
+fn a_test_stays_a_test_past_a_checkpoint_and_a_fork_of_it_is_none() {
+    let sandbox = recorded_calls(&recorded());
+    let state = test_run(&sandbox, vec![model_call(&[("lookup", json!({"id": 1}))])]);
+    let start = state.len();
+    let pinned: Vec<(u64, Entry)> = state
+        .pinned_before(start)
+        .into_iter()
+        .map(|seq| (seq, state.entry(seq).unwrap().clone()))
+        .collect();
+    let resumed = RunState::resume_at(start, pinned, state.spent.clone());
+    assert_eq!(resumed.sandbox(), Some(&sandbox));
+
+    let mut fork = entries(&state);
+    fork.push(Entry::Forked(Forked {
+        parent_uid: "t".into(),
+        parent_name: "t".into(),
+        seq: 2,
+        parent_hash: "00".repeat(32),
+        requester: None,
+        budget: None,
+        prefix_usage: None,
+        replaced: None,
+        test: None,
+    }));
+    assert_eq!(RunState::replay(fork).sandbox(), None);
+}
