@@ -393,7 +393,7 @@ async fn fork(
         .get(run)
         .await
         .with_context(|| format!("reading run {run:?} in namespace {:?}", k.ns))?;
-    let mut fork = fork_of(&parent, run, at, agent, name);
+    let mut fork = crate::client::fork_of(&parent, run, at, agent, name);
     if let Some(of) = fork.spec.fork_of.as_mut() {
         of.replace = replace;
     }
@@ -427,45 +427,10 @@ fn parse_replace(spec: &str, reason: String) -> anyhow::Result<crate::api::ForkR
     Ok(crate::api::ForkReplace { seq, with, reason })
 }
 
-/// The fork of `parent` as created: `spec.forkOf`, the parent's input
-/// (the task is the copied log's; the field is required) and the run's
-/// own settings left to their defaults.
-fn fork_of(
-    parent: &crate::api::AgentRun,
-    run: &str,
-    at: u64,
-    agent: Option<String>,
-    name: Option<String>,
-) -> crate::api::AgentRun {
-    let metadata = kube::api::ObjectMeta {
-        generate_name: name.is_none().then(|| format!("{run}-fork-")),
-        name,
-        ..Default::default()
-    };
-    let spec = crate::api::AgentRunSpec {
-        fork_of: Some(crate::api::ForkOf {
-            run: run.to_string(),
-            seq: at,
-            agent,
-            budget: Default::default(),
-            replace: None,
-        }),
-        input: parent.spec.input.clone(),
-        deadline: parent.spec.deadline.clone(),
-        step_timeout: parent.spec.step_timeout.clone(),
-        store: parent.spec.store.clone(),
-        ..Default::default()
-    };
-    crate::api::AgentRun {
-        metadata,
-        spec,
-        status: None,
-    }
-}
-
 #[cfg(test)]
 mod fork_tests {
     use super::*;
+    use crate::client::fork_of;
 
     #[test]
     fn a_fork_names_its_parent_and_seq_and_keeps_neither_agent_field() {

@@ -79,3 +79,39 @@ pub(crate) async fn whoami_with_groups(
     let name = user.username.ok_or(ClientError::Unknown)?;
     Ok((name, user.groups.unwrap_or_default()))
 }
+
+/// The fork of `parent` as created: `spec.forkOf`, the parent's input
+/// (the task is the copied log's; the field is required) and the run's
+/// own settings left to their defaults.
+pub fn fork_of(
+    parent: &crate::api::AgentRun,
+    run: &str,
+    at: u64,
+    agent: Option<String>,
+    name: Option<String>,
+) -> crate::api::AgentRun {
+    let metadata = kube::api::ObjectMeta {
+        generate_name: name.is_none().then(|| format!("{run}-fork-")),
+        name,
+        ..Default::default()
+    };
+    let spec = crate::api::AgentRunSpec {
+        fork_of: Some(crate::api::ForkOf {
+            run: run.to_string(),
+            seq: at,
+            agent,
+            budget: Default::default(),
+            replace: None,
+        }),
+        input: parent.spec.input.clone(),
+        deadline: parent.spec.deadline.clone(),
+        step_timeout: parent.spec.step_timeout.clone(),
+        store: parent.spec.store.clone(),
+        ..Default::default()
+    };
+    crate::api::AgentRun {
+        metadata,
+        spec,
+        status: None,
+    }
+}

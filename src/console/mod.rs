@@ -342,6 +342,7 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/runs", get(views::runs))
         .route("/runs/{ns}/{name}", get(views::run))
         .route("/runs/{ns}/{name}/records", get(views::records))
+        .route("/runs/{ns}/{name}/fork", post(views::fork))
         .route("/static/console.css", get(views::stylesheet))
         .route("/static/console.js", get(views::script))
         .route("/healthz", get(|| async { "ok" }))

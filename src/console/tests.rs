@@ -115,6 +115,17 @@ fn api_server() -> Router {
             "/apis/agentrun.dev/v1alpha1/namespaces/shop/agentruns/r",
             get(|| async { axum::Json(run()) }),
         )
+        // A created run comes back named (as `generateName` asks), and
+        // says what it was created with.
+        .route(
+            "/apis/agentrun.dev/v1alpha1/namespaces/shop/agentruns",
+            post(|axum::Json(mut created): axum::Json<Value>| async move {
+                let from = created["spec"]["forkOf"]["seq"].clone();
+                created["metadata"]["name"] = json!(format!("r-fork-at-{from}"));
+                created["metadata"]["namespace"] = json!("shop");
+                (StatusCode::CREATED, axum::Json(created))
+            }),
+        )
         .route("/never", patch(|| async { "" }))
 }
 
@@ -692,4 +703,32 @@ async fn a_replay_test_is_marked_as_one_where_runs_are_listed() {
     assert!(row.contains("replay test of r"), "{row}");
     let plain = b.split("<tr>").find(|row| row.contains(">r</a>")).unwrap();
     assert!(!plain.contains("replay test"), "{plain}");
+}
+
+#[tokio::test]
+async fn fork_from_here_creates_the_fork_as_the_person_and_goes_to_its_page() {
+    let c = console();
+    let token = csrf_token(&c.key, SESSION);
+    let req = request("POST", "/runs/shop/r/fork")
+        .header(header::ORIGIN, format!("http://{HOST}"))
+        .body(form(&[("seq", "3"), ("csrf", &token)]))
+        .unwrap();
+    let (s, h, b) = send(&c, req).await;
+    assert_eq!(s, StatusCode::SEE_OTHER, "{b}");
+    assert_eq!(
+        h.get(header::LOCATION).unwrap(),
+        "/runs/shop/r%2Dfork%2Dat%2D3",
+        "the fork's page (its name as a path segment)"
+    );
+    // Without the token, or at the run's start, nothing is created.
+    let req = request("POST", "/runs/shop/r/fork")
+        .body(form(&[("seq", "3")]))
+        .unwrap();
+    assert_eq!(send(&c, req).await.0, StatusCode::FORBIDDEN);
+    let req = request("POST", "/runs/shop/r/fork")
+        .body(form(&[("seq", "0"), ("csrf", &token)]))
+        .unwrap();
+    let (s, _, b) = send(&c, req).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert!(b.contains("seq"), "{b}");
 }

@@ -657,6 +657,8 @@ pub(crate) struct Entry {
     what: String,
     detail: String,
     marked: bool,
+    /// A fork may begin after it (not the run's start, not its end).
+    forkable: bool,
 }
 
 pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
@@ -684,6 +686,7 @@ pub(crate) fn entry(r: &crate::store::Record, marked: bool) -> Entry {
         what: crate::text::excerpt(&what, 400),
         detail: serde_json::to_string_pretty(&r.payload).unwrap_or_default(),
         marked,
+        forkable: r.seq >= 1 && r.kind != crate::store::StepKind::RunFinished,
     }
 }
 
@@ -871,6 +874,7 @@ pub async fn run(
         "approvals": related,
         "live": live,
         "follow": format!("{}/records", run_href(&ns, &name)),
+        "fork_action": format!("{}/fork", run_href(&ns, &name)),
         "log_error": log_error,
         "entries": tl.as_ref().map(|t| &t.entries),
         "verified": tl.as_ref().map(|t| t.verified),
@@ -879,6 +883,57 @@ pub async fn run(
         "next": tl.as_ref().map_or(0, |t| t.next),
     });
     html(StatusCode::OK, c.render("run.html", ctx))
+}
+
+/// `POST /runs/{ns}/{name}/fork` (`seq`): "fork from here" on a record of
+/// the timeline, as `kubectl agentrun fork NAME --at SEQ` with the
+/// person's own identity: the API server and the controller judge it (may
+/// they create runs here, read this run's log). On to the fork's page.
+pub async fn fork(
+    State(c): State<Arc<Console>>,
+    Extension(caller): Extension<Caller>,
+    Path((ns, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    let pairs: Vec<(String, String)> = url::form_urlencoded::parse(&body).into_owned().collect();
+    let seq = pairs
+        .iter()
+        .find(|(k, _)| k == "seq")
+        .and_then(|(_, v)| v.parse::<u64>().ok());
+    let Some(seq) = seq.filter(|s| *s >= 1) else {
+        return failed(
+            &c,
+            StatusCode::BAD_REQUEST,
+            "seq: the record to fork from is a seq of 1 or more",
+        );
+    };
+    let runs: Api<AgentRun> = Api::namespaced(caller.client.clone(), &ns);
+    let parent = match runs.get(&name).await {
+        Ok(r) => r,
+        Err(e) => {
+            return failed(
+                &c,
+                kube_status(&e),
+                &kube_words(&format!("reading run {ns}/{name}"), &e),
+            );
+        }
+    };
+    let fork = crate::client::fork_of(&parent, &name, seq, None, None);
+    match runs.create(&kube::api::PostParams::default(), &fork).await {
+        Ok(created) => {
+            let to = run_href(&ns, created.metadata.name.as_deref().unwrap_or_default());
+            let mut res = StatusCode::SEE_OTHER.into_response();
+            if let Ok(l) = HeaderValue::from_str(&to) {
+                res.headers_mut().insert(header::LOCATION, l);
+            }
+            res
+        }
+        Err(e) => failed(
+            &c,
+            kube_status(&e),
+            &kube_words(&format!("forking run {ns}/{name} at {seq}"), &e),
+        ),
+    }
 }
 
 /// `/runs/{ns}/{name}/records?fromSeq=N`: the records from N on, as JSON
