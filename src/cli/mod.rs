@@ -429,7 +429,6 @@ fn parse_replace(spec: &str, reason: String) -> anyhow::Result<crate::api::ForkR
 
 #[cfg(test)]
 mod fork_tests {
-    use super::*;
     use crate::client::fork_of;
 
     #[test]

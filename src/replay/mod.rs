@@ -389,21 +389,18 @@ impl RunState {
     /// is no test).
     fn forked(&mut self, seq: u64, f: &Forked) {
         self.test = f.test.clone().map(|t| (seq, std::sync::Arc::new(t)));
-        match f.budget {
-            Some(crate::api::ForkBudget::FromFork) => {
-                // The recorded sum: a state resumed from a checkpoint past
-                // this record holds no prefix to sum (verify checks it).
-                let spent = f.prefix_usage.as_ref().map_or_else(
-                    || self.spent.clone(),
-                    |u| Spent {
-                        input_tokens: u.input_tokens,
-                        output_tokens: u.output_tokens,
-                        cost_usd: u.cost_usd,
-                    },
-                );
-                self.counted_from.push(CountFrom { forked: seq, spent });
-            }
-            _ => {}
+        if f.budget == Some(crate::api::ForkBudget::FromFork) {
+            // The recorded sum: a state resumed from a checkpoint past
+            // this record holds no prefix to sum (verify checks it).
+            let spent = f.prefix_usage.as_ref().map_or_else(
+                || self.spent.clone(),
+                |u| Spent {
+                    input_tokens: u.input_tokens,
+                    output_tokens: u.output_tokens,
+                    cost_usd: u.cost_usd,
+                },
+            );
+            self.counted_from.push(CountFrom { forked: seq, spent });
         }
     }
 

@@ -1028,3 +1028,131 @@ async fn the_consoles_session_cookie_reaches_no_other_server_on_loopback() {
         );
     }
 }
+
+/// alice, who may create runs here and read their logs, forks a finished
+/// refund run from its timeline: "fork from here" on the lookup's result
+/// creates the fork as her and opens its page; the fork goes on live from
+/// there (the refund decided again) and the parent is unchanged.
+#[tokio::test]
+async fn alice_forks_a_run_from_a_record_of_its_timeline() {
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let api = LogApiWorld::start("console-fork").await;
+    let w = &api.world;
+    let ns = w.name().to_string();
+    log_api::grant_reader(&w.client, &ns, "alice").await;
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "alice-runs"},
+        "rules": [{"apiGroups": ["agentrun.dev"], "resources": ["agentruns"],
+                   "verbs": ["create", "get", "list", "watch"]}]
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(w.client.clone(), &ns)
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "alice-runs"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "alice-runs"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "alice"}]
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(w.client.clone(), &ns)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    // The parent asks replies 0..=2; the fork, after the lookup's result,
+    // from reply 3 on.
+    w.standins
+        .script(
+            "forkme",
+            json!([
+                common::world::call("lookup_order", json!({"orderId": "1042"})),
+                refund(40),
+                finish("refunded 40"),
+                refund(30),
+                finish("refunded 30")
+            ]),
+            json!([]),
+        )
+        .await;
+    w.create_run(
+        "parent",
+        json!({"input": "Refund order 1042.", "agent": w.agent("forkme")}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase("parent", Phase::Succeeded).await;
+    let parent_log = w.log(&parent).await;
+    let at = parent_log
+        .iter()
+        .find_map(|(r, e)| matches!(e, agentrun::replay::Entry::ToolResult(_)).then_some(r.seq))
+        .expect("the lookup's result");
+
+    let console = ConsoleProcess::loopback("alice", &ns);
+    let chrome = Chrome::start().await;
+    let b = &chrome.browser;
+    b.goto(&console.session_url).await.unwrap();
+    chrome.wait_text("Approvals", PAGE).await;
+    b.goto(&format!("{}/runs/{ns}/parent", console.base))
+        .await
+        .unwrap();
+    let page = chrome.wait_text("Timeline", PAGE).await;
+    assert!(page.contains("fork from here"), "{page}");
+    chrome.screenshot("fork-from-here").await;
+    // The button on the lookup result's row, as a person clicks it.
+    b.find(fantoccini::Locator::XPath(&format!(
+        "//tr[td[1][normalize-space()='{at}']]//button[normalize-space()='fork from here']"
+    )))
+    .await
+    .unwrap_or_else(|e| panic!("no fork button on record {at}: {e}"))
+    .click()
+    .await
+    .unwrap();
+    let forked = chrome.wait_text("Run parent-fork-", PAGE).await;
+    let url = b.current_url().await.unwrap();
+    let name = url
+        .path_segments()
+        .and_then(|mut s| s.next_back())
+        .map(percent_decode)
+        .expect("the fork's page");
+    assert!(name.starts_with("parent-fork-"), "{name}: {forked}");
+
+    let fork = w.wait_phase(&name, Phase::Succeeded).await;
+    let of = fork.spec.fork_of.clone().expect("spec.forkOf");
+    assert_eq!((of.run.as_str(), of.seq), ("parent", at));
+    assert_eq!(
+        fork.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(agentrun::api::REQUESTER_ANNOTATION))
+            .map(String::as_str),
+        Some("alice"),
+        "the fork is alice's"
+    );
+    assert_eq!(
+        fork.status.as_ref().unwrap().result.as_deref(),
+        Some("refunded 30")
+    );
+    b.goto(&format!("{}/runs/{ns}/{name}", console.base))
+        .await
+        .unwrap();
+    let done = chrome.wait_text("Forked", PAGE).await;
+    assert!(
+        done.contains("Succeeded") && done.contains("verified:"),
+        "{done}"
+    );
+    chrome.screenshot("forked").await;
+    assert_eq!(
+        w.log(&parent).await.len(),
+        parent_log.len(),
+        "the parent is unchanged"
+    );
+}
+
+/// A path segment as the console writes it (`%2D` for `-`), read back.
+fn percent_decode(s: &str) -> String {
+    url::form_urlencoded::parse(format!("x={s}").as_bytes())
+        .next()
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default()
+}
