@@ -585,6 +585,15 @@ struct RunRow {
     /// A replay test's recorded run and tested Agent (it calls no tool and
     /// raises no approval): marked wherever the run is listed.
     test_of: Option<TestMark>,
+    /// A fork's parent, linked, and the parent's last record it copied.
+    fork_of: Option<ForkMark>,
+}
+
+#[derive(Serialize)]
+struct ForkMark {
+    run: String,
+    href: String,
+    seq: u64,
 }
 
 #[derive(Serialize)]
@@ -627,6 +636,11 @@ fn run_row(r: &AgentRun) -> RunRow {
             run: t.run.clone(),
             href: run_href(&ns, &t.run),
             agent: t.agent.clone(),
+        }),
+        fork_of: r.spec.fork_of.as_ref().map(|f| ForkMark {
+            run: f.run.clone(),
+            href: run_href(&ns, &f.run),
+            seq: f.seq,
         }),
         namespace: ns,
         name,

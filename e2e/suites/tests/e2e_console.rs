@@ -1141,6 +1141,10 @@ async fn alice_forks_a_run_from_a_record_of_its_timeline() {
         done.contains("Succeeded") && done.contains("verified:"),
         "{done}"
     );
+    assert!(
+        done.contains(&format!("parent, after its record {at}")),
+        "the page says what it forked: {done}"
+    );
     chrome.screenshot("forked").await;
     assert_eq!(
         w.log(&parent).await.len(),
