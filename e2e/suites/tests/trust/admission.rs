@@ -126,11 +126,21 @@ async fn a_runs_requester_is_its_authenticated_creator_and_never_changes() {
     } else {
         let msg = refusal(created);
         assert!(msg.contains("is required"), "{msg}");
+        // Her own name and groups (one a line), as the API server sees them.
+        use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+        let review = Api::<SelfSubjectReview>::all(client_as("carol").await)
+            .create(&PostParams::default(), &SelfSubjectReview::default())
+            .await
+            .expect("carol asks who she is");
+        let groups = review
+            .status
+            .and_then(|s| s.user_info)
+            .and_then(|u| u.groups)
+            .unwrap_or_default()
+            .join("\n");
+        let own = json!({REQUESTER: "carol", agentrun::api::REQUESTER_GROUPS_ANNOTATION: groups});
         as_carol
-            .create(
-                &PostParams::default(),
-                &run("plain", agent.clone(), json!({REQUESTER: "carol"})),
-            )
+            .create(&PostParams::default(), &run("plain", agent.clone(), own))
             .await
             .expect("carol's own run");
     }
