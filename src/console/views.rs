@@ -551,11 +551,7 @@ pub async fn decide(
                 approval_href(&ns, &name),
                 name_of(&verdict)
             );
-            let mut res = StatusCode::SEE_OTHER.into_response();
-            if let Ok(l) = HeaderValue::from_str(&to) {
-                res.headers_mut().insert(header::LOCATION, l);
-            }
-            res
+            see_other(&to)
         }
         Err(e) => {
             // The API server's admission refused it: the person may not decide.
@@ -899,6 +895,15 @@ pub async fn run(
     html(StatusCode::OK, c.render("run.html", ctx))
 }
 
+/// On to `to` (a page of the console) after a write.
+fn see_other(to: &str) -> Response {
+    let mut res = StatusCode::SEE_OTHER.into_response();
+    if let Ok(l) = HeaderValue::from_str(to) {
+        res.headers_mut().insert(header::LOCATION, l);
+    }
+    res
+}
+
 /// `POST /runs/{ns}/{name}/fork` (`seq`): "fork from here" on a record of
 /// the timeline, as `kubectl agentrun fork NAME --at SEQ` with the
 /// person's own identity: the API server and the controller judge it (may
@@ -936,11 +941,7 @@ pub async fn fork(
     match runs.create(&kube::api::PostParams::default(), &fork).await {
         Ok(created) => {
             let to = run_href(&ns, created.metadata.name.as_deref().unwrap_or_default());
-            let mut res = StatusCode::SEE_OTHER.into_response();
-            if let Ok(l) = HeaderValue::from_str(&to) {
-                res.headers_mut().insert(header::LOCATION, l);
-            }
-            res
+            see_other(&to)
         }
         Err(e) => failed(
             &c,

@@ -1060,33 +1060,9 @@ async fn alice_forks_a_run_from_a_record_of_its_timeline() {
         .create(&PostParams::default(), &binding)
         .await
         .unwrap();
-    // The parent asks replies 0..=2; the fork, after the lookup's result,
-    // from reply 3 on.
-    w.standins
-        .script(
-            "forkme",
-            json!([
-                common::world::call("lookup_order", json!({"orderId": "1042"})),
-                refund(40),
-                finish("refunded 40"),
-                refund(30),
-                finish("refunded 30")
-            ]),
-            json!([]),
-        )
-        .await;
-    w.create_run(
-        "parent",
-        json!({"input": "Refund order 1042.", "agent": w.agent("forkme")}),
-        json!({}),
-    )
-    .await;
-    let parent = w.wait_phase("parent", Phase::Succeeded).await;
-    let parent_log = w.log(&parent).await;
-    let at = parent_log
-        .iter()
-        .find_map(|(r, e)| matches!(e, agentrun::replay::Entry::ToolResult(_)).then_some(r.seq))
-        .expect("the lookup's result");
+    // The fork, after the lookup's result, is answered from reply 3 on.
+    let then = [refund(30), finish("refunded 30")];
+    let (parent, parent_log, at) = common::world::refunded_run(w, "forkme", "parent", &then).await;
 
     let console = ConsoleProcess::loopback("alice", &ns);
     let chrome = Chrome::start().await;

@@ -7,7 +7,7 @@ mod common;
 
 use agentrun::api::{AgentRun, Phase};
 use agentrun::replay::Entry;
-use common::world::{World, call, finish};
+use common::world::{World, call, finish, refunded_run};
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
@@ -31,28 +31,11 @@ async fn a_fork_before_the_refund_makes_it_again_with_its_own_key_and_nothing_re
     let w = World::new("fork", &[]).await;
     // The parent asks replies 0..=2; the fork, going on after the lookup's
     // result, asks the model only from reply 3.
-    w.standins
-        .script(
-            "refund",
-            json!([
-                call("lookup_order", json!({"orderId": "1042"})),
-                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
-                finish("refunded 40"),
-                call("issue_refund", json!({"orderId": "1042", "amount": 30})),
-                finish("refunded 30")
-            ]),
-            json!([]),
-        )
-        .await;
-    w.create_run(
-        "parent",
-        json!({"input": "Refund order 1042.", "agent": w.agent("refund")}),
-        json!({}),
-    )
-    .await;
-    let parent = w.wait_phase("parent", Phase::Succeeded).await;
-    let parent_log = w.log(&parent).await;
-    let at = result_of(&parent_log, "lookup_order");
+    let then = [
+        call("issue_refund", json!({"orderId": "1042", "amount": 30})),
+        finish("refunded 30"),
+    ];
+    let (parent, parent_log, at) = refunded_run(&w, "refund", "parent", &then).await;
 
     // dave forks: he may create AgentRuns and read runlogs here.
     let dave = forker(&w, "dave").await;
@@ -431,28 +414,11 @@ async fn a_fork_with_a_replaced_lookup_result_decides_the_refund_again_and_says_
     let w = World::new("forkreplace", &[]).await;
     // The parent asks replies 0..=2; the fork, after the (replaced)
     // lookup's result, asks from reply 3: a smaller refund.
-    w.standins
-        .script(
-            "refund",
-            json!([
-                call("lookup_order", json!({"orderId": "1042"})),
-                call("issue_refund", json!({"orderId": "1042", "amount": 40})),
-                finish("refunded 40"),
-                call("issue_refund", json!({"orderId": "1042", "amount": 25})),
-                finish("refunded 25")
-            ]),
-            json!([]),
-        )
-        .await;
-    w.create_run(
-        "parent",
-        json!({"input": "Refund order 1042.", "agent": w.agent("refund")}),
-        json!({}),
-    )
-    .await;
-    let parent = w.wait_phase("parent", Phase::Succeeded).await;
-    let parent_log = w.log(&parent).await;
-    let at = result_of(&parent_log, "lookup_order");
+    let then = [
+        call("issue_refund", json!({"orderId": "1042", "amount": 25})),
+        finish("refunded 25"),
+    ];
+    let (_, _, at) = refunded_run(&w, "refund", "parent", &then).await;
     let asked_by_parent = w.standins.model_requests("refund").await.len();
 
     // dave forks through the plugin, the lookup's result replaced.

@@ -312,6 +312,41 @@ pub fn finish(result: &str) -> Value {
     call("finish", json!({"result": result}))
 }
 
+/// A refund run `run` that finished (model script `script`): a lookup of
+/// order 1042, a refund of 40, "refunded 40"; the script's later replies
+/// are `then` (what a fork after the lookup's result is answered). The
+/// run, its log and the seq of the lookup's result.
+#[allow(dead_code)]
+pub async fn refunded_run(
+    w: &World,
+    script: &str,
+    run: &str,
+    then: &[Value],
+) -> (AgentRun, Vec<(agentrun::store::Record, Entry)>, u64) {
+    let mut replies = vec![
+        call("lookup_order", json!({"orderId": "1042"})),
+        call("issue_refund", json!({"orderId": "1042", "amount": 40})),
+        finish("refunded 40"),
+    ];
+    replies.extend_from_slice(then);
+    w.standins.script(script, json!(replies), json!([])).await;
+    w.create_run(
+        run,
+        json!({"input": "Refund order 1042.", "agent": w.agent(script)}),
+        json!({}),
+    )
+    .await;
+    let parent = w.wait_phase(run, Phase::Succeeded).await;
+    let log = w.log(&parent).await;
+    let at = log
+        .iter()
+        .find_map(|(r, e)| {
+            matches!(e, Entry::ToolResult(t) if t.tool == "lookup_order").then_some(r.seq)
+        })
+        .expect("the lookup's result");
+    (parent, log, at)
+}
+
 /// The agent of the real-model tests (Gemma 3 270M behind `endpoint`, in
 /// `provider`'s wire format): one read-only, idempotent lookup tool, at most
 /// `max_steps` records (a base model may call its tool over and over).
