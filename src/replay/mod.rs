@@ -601,6 +601,12 @@ impl RunState {
         self.test.as_ref().map(|(_, t)| t.as_ref())
     }
 
+    /// [`RunState::sandbox`], shared: the runner holds it across an await
+    /// without copying every recorded result per call.
+    pub fn sandbox_shared(&self) -> Option<std::sync::Arc<crate::runlog::records::Sandbox>> {
+        self.test.as_ref().map(|(_, t)| t.clone())
+    }
+
     /// Whether the agent in force is a container agent.
     pub fn runs_a_container(&self) -> bool {
         self.snapshot

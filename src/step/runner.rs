@@ -538,7 +538,7 @@ impl Runner {
         call_index: usize,
         call: crate::model::ToolCall,
     ) -> Result<Flow, StepError> {
-        if let Some(sandbox) = self.state.sandbox().cloned() {
+        if let Some(sandbox) = self.state.sandbox_shared() {
             return self
                 .sandboxed_intent(model_call_seq, call_index, call, &sandbox)
                 .await;
@@ -989,7 +989,7 @@ impl Runner {
 
     #[tracing::instrument(name = "tool_step", skip_all, fields(step = self.head.len, intent = intent_seq, tool = %intent.tool))]
     async fn tool_step(&mut self, intent_seq: u64, intent: ToolIntent) -> Result<(), StepError> {
-        if let Some(sandbox) = self.state.sandbox().cloned() {
+        if let Some(sandbox) = self.state.sandbox_shared() {
             return self.sandboxed_result(intent_seq, intent, &sandbox).await;
         }
         let recovering = !self.own_intents.contains(&intent_seq);
