@@ -36,7 +36,7 @@ pub struct ReplayTestArgs {
     #[arg(long)]
     max_tokens: Option<u64>,
     /// How long to wait for the tests to end.
-    #[arg(long, default_value = "10m", value_parser = humantime_secs)]
+    #[arg(long, default_value = "10m", value_parser = crate::api::parse_duration)]
     timeout: Duration,
     /// `table` (default) or `json`.
     #[arg(short = 'o', long, default_value = "table")]
@@ -49,19 +49,6 @@ pub struct ReplayTestArgs {
 enum Output {
     Table,
     Json,
-}
-
-fn humantime_secs(s: &str) -> Result<Duration, crate::refusal::Refusal> {
-    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
-    let wrong = || crate::refusal::Refusal::from(format!("{s:?}: a duration such as 90s or 10m"));
-    let n: u64 = n.parse().map_err(|_| wrong())?;
-    let secs = match unit {
-        "s" | "" => n,
-        "m" => n.saturating_mul(60),
-        "h" => n.saturating_mul(3600),
-        _ => return Err(wrong()),
-    };
-    Ok(Duration::from_secs(secs))
 }
 
 /// Creates the tests, waits for them, prints the report; fails when any
@@ -370,6 +357,8 @@ mod tests {
     fn a_test_run_names_the_recorded_run_the_agent_and_its_budget_and_is_labelled() {
         let a = args(&["refund-1", "--agent", "refunds-v2", "--max-tokens", "5000"]);
         assert_eq!(a.timeout, Duration::from_secs(600));
+        let longer = args(&["refund-1", "--agent", "refunds-v2", "--timeout", "1h30m"]);
+        assert_eq!(longer.timeout, Duration::from_secs(5400));
         let mut recorded = AgentRun::new("refund-1", Default::default());
         recorded.spec.input = "Refund order 1042.".into();
         let test = test_of(&recorded, &a, "b1");
@@ -397,12 +386,5 @@ mod tests {
                 .map(String::as_str),
             Some("b1")
         );
-    }
-
-    #[test]
-    fn durations_read_as_kubectl_writes_them() {
-        assert_eq!(humantime_secs("90s").unwrap(), Duration::from_secs(90));
-        assert_eq!(humantime_secs("2h").unwrap(), Duration::from_secs(7200));
-        assert!(humantime_secs("soon").is_err());
     }
 }

@@ -101,7 +101,12 @@ pub(super) async fn start_fork(
         Err((reason, message)) => return Ok(refuse(run, acting, reason, message)),
     };
     let parent_uid = crate::api::RunUid::of(&parent).to_string();
-    let mut records = match read_log(ctx, &parent, &parent_uid).await? {
+    // A fork keeps only its prefix; a test needs every recorded call.
+    let keep = match start {
+        Start::Fork(f) => crate::fork::through(f.seq),
+        Start::Test(_) => usize::MAX,
+    };
+    let mut records = match read_log(ctx, &parent, &parent_uid, keep).await? {
         Ok(records) => records,
         Err(tampered) => {
             let message = format!(
@@ -301,12 +306,14 @@ async fn allowed(
     })
 }
 
-/// The parent's whole log, verified page by page (chain, anchored head,
-/// signatures under its rules). The inner error: it does not verify.
+/// The parent's whole log verified page by page (chain, anchored head,
+/// signatures under its rules), its first `keep` records kept. The inner
+/// error: it does not verify.
 async fn read_log(
     ctx: &Context,
     parent: &AgentRun,
     parent_uid: &str,
+    keep: usize,
 ) -> Result<Result<Vec<Record>, crate::store::StoreError>, Error> {
     let (anchor, rules) = (anchored_head(parent), signature_rules(parent));
     let mut pages = Pages::after(
@@ -318,7 +325,10 @@ async fn read_log(
     let mut all = Vec::new();
     loop {
         match checked_page(ctx, parent_uid, &mut pages, &anchor, &rules).await? {
-            Ok(Some((records, _ticket))) => all.extend(records),
+            Ok(Some((records, _ticket))) => {
+                let room = keep.saturating_sub(all.len());
+                all.extend(records.into_iter().take(room));
+            }
             Ok(None) => break,
             Err(tampered) => return Ok(Err(tampered)),
         }
