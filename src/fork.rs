@@ -275,9 +275,14 @@ fn unsigned_payload(payload: &serde_json::Value) -> serde_json::Value {
     payload
 }
 
+/// How long the copy's lease lasts between renewals: renewed at a third of
+/// it, so a copy of many records (or one paused longer than this) keeps it
+/// while nobody else took it.
+const COPY_LEASE: Duration = Duration::from_secs(10);
+
 /// Copies the parent's verified prefix and `Forked` into the fork's log,
-/// under the fork's lease, going on from what an interrupted copy wrote.
-/// Returns the fork's head after `Forked`.
+/// under the fork's lease (renewed while it copies), going on from what an
+/// interrupted copy wrote. Returns the fork's head after its start.
 pub async fn copy_prefix(
     store: &dyn StepStore,
     signer: &RecordSigner,
@@ -287,41 +292,97 @@ pub async fn copy_prefix(
     writer: &str,
 ) -> Result<Head, ForkError> {
     let planned = plan(signer, fork_uid, parent, point, writer)?;
+    let end = planned.last().map(Record::head).unwrap_or(Head::EMPTY);
     let written = store
         .read_verified(fork_uid, None)
         .await
         .map_err(ForkError::Store)?;
-    for (have, want) in written.iter().zip(&planned) {
-        if have.hash != want.hash {
-            return Err(ForkError::Occupied { seq: have.seq });
-        }
-    }
     if written.len() >= planned.len() {
         // The copy is complete (and the fork may have gone on).
-        return Ok(planned.last().map(Record::head).unwrap_or(Head::EMPTY));
+        return Ok(end);
     }
-    let lease = store
-        .acquire(fork_uid, writer, Duration::from_secs(10))
+    let rest = rest_of_copy(signer, fork_uid, &planned, &written, parent_len(point))?;
+    let mut lease = store
+        .acquire(fork_uid, writer, COPY_LEASE)
         .await
         .map_err(ForkError::Store)?;
+    let mut renewed = std::time::Instant::now();
     let mut result = Ok(());
-    for record in &planned[written.len()..] {
-        result = store
-            .append(fork_uid, lease.epoch, record)
-            .await
-            .map(|_| ());
-        if result.is_err() {
-            break;
+    let mut head = end;
+    for record in &rest {
+        if renewed.elapsed() >= COPY_LEASE / 3 {
+            // A lapsed lease nobody took is revived; one taken over is
+            // refused (StaleEpoch): the next reconcile goes on from there.
+            match store.renew(&lease, COPY_LEASE).await {
+                Ok(l) => (lease, renewed) = (l, std::time::Instant::now()),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        match store.append(fork_uid, lease.epoch, record).await {
+            Ok(stored) => head = stored.head(),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
         }
     }
     let _ = store.release(&lease).await;
-    result.map_err(|e| match e {
-        StoreError::Conflict { .. } => ForkError::Occupied {
-            seq: written.len() as u64,
-        },
-        e => ForkError::Store(e),
-    })?;
-    Ok(planned.last().map(Record::head).unwrap_or(Head::EMPTY))
+    // Anything refused mid-copy (another writer, a lease taken over) is
+    // looked at again by the next attempt, which compares what stands.
+    result.map_err(ForkError::Store)?;
+    Ok(head)
+}
+
+/// How many of a fork's planned records are the parent's (`0..=seq`); the
+/// rest are the start's own (`Forked`, the `VersionChanged`).
+fn parent_len(point: &ForkPoint) -> usize {
+    through(point.seq)
+}
+
+/// The planned records still to write after `written`, chained from its
+/// head. What stands must be the plan: the parent's records exactly; the
+/// start's own in everything but the writer (another controller replica
+/// may have begun the copy, so they are written again after it).
+fn rest_of_copy(
+    signer: &RecordSigner,
+    fork_uid: &str,
+    planned: &[Record],
+    written: &[Record],
+    parent_len: usize,
+) -> Result<Vec<Record>, ForkError> {
+    for (i, (have, want)) in written.iter().zip(planned).enumerate() {
+        let same = have.hash == want.hash
+            || (i >= parent_len && same_but_writer(have, want));
+        if !same {
+            return Err(ForkError::Occupied { seq: have.seq });
+        }
+    }
+    let Some(last) = written.last() else {
+        return Ok(planned.to_vec());
+    };
+    if last.hash == planned[written.len() - 1].hash {
+        return Ok(planned[written.len()..].to_vec());
+    }
+    let mut head = last.head();
+    let mut rest = Vec::with_capacity(planned.len() - written.len());
+    for want in &planned[written.len()..] {
+        let sealed = signer
+            .seal(fork_uid, copied_draft(want), &head)
+            .map_err(ForkError::Store)?;
+        head = sealed.head();
+        rest.push(sealed);
+    }
+    Ok(rest)
+}
+
+/// [`same_copy`], whoever wrote each.
+fn same_but_writer(have: &Record, want: &Record) -> bool {
+    let mut have = have.clone();
+    have.worker = want.worker.clone();
+    same_copy(&have, want)
 }
 
 /// Why a fork's log is not what its `Forked` record says it is.

@@ -409,3 +409,57 @@ fn the_plugin_looks_for_the_keys_where_the_chart_lets_everyone_read_them() {
         "{binding}"
     );
 }
+
+#[test]
+fn the_cluster_env_puts_the_plugin_where_a_second_shells_kubectl_finds_it() {
+    let target = tempfile::tempdir().expect("temp dir");
+    let plugin = target.path().join("debug/kubectl-agentrun");
+    std::fs::create_dir_all(plugin.parent().unwrap()).expect("debug/");
+    std::fs::write(&plugin, "#!/bin/sh\n").expect("a plugin");
+    std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("executable");
+    // A shell with only the system's PATH, as a person's second terminal.
+    let out = with_cluster_functions(
+        "link_plugin\n\
+         PATH=/usr/bin:/bin\n\
+         eval \"$(cmd_env)\"\n\
+         readlink -f \"$(command -v kubectl-agentrun)\"",
+        &[("CARGO_TARGET_DIR", target.path().to_str().expect("utf-8"))],
+    );
+    assert_eq!(
+        out.trim(),
+        plugin.canonicalize().expect("plugin path").to_str().unwrap(),
+        "after eval \"$(e2e/cluster env)\", kubectl-agentrun is the one e2e/build-binaries built"
+    );
+}
+
+#[test]
+fn the_tour_ci_runs_is_the_readmes_tour_section() {
+    let out = std::process::Command::new("bash")
+        .args(["e2e/tour", "--print"])
+        .current_dir(root())
+        .output()
+        .expect("running e2e/tour --print");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tour = String::from_utf8(out.stdout).expect("utf-8");
+    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+    let section = readme
+        .split("## A five-minute tour")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("README.md has a section '## A five-minute tour'");
+    let commands: Vec<&str> = tour.lines().filter(|l| !l.is_empty()).collect();
+    assert!(
+        commands.len() >= 5 && commands[0].starts_with("eval \"$(e2e/cluster env)\""),
+        "the tour starts with the cluster's env and has its commands: {commands:?}"
+    );
+    for command in &commands {
+        assert!(section.contains(command), "{command:?} is not the README's");
+    }
+    assert!(
+        commands.iter().any(|c| c.contains("approve")) && commands.iter().any(|c| c.contains("verify")),
+        "the tour approves and verifies: {commands:?}"
+    );
+    let ci = std::fs::read_to_string(root().join(".ci/run")).expect(".ci/run");
+    assert!(ci.contains("e2e/tour"), "CI runs the tour");
+}

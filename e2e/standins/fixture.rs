@@ -4,9 +4,11 @@
 //! ([`binaries`]). The in-process tests (tests/) and the cluster suites
 //! (e2e/suites) share this one copy.
 
+#[cfg(feature = "built-binaries")]
 pub mod binaries;
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, ChildStdout, Command, Stdio};
 
 use serde_json::{Value, json};
@@ -20,15 +22,30 @@ pub struct Standins {
 }
 
 impl Standins {
+    /// The binary `e2e/build-binaries` built (the suites, which belong to
+    /// another package).
+    #[cfg(feature = "built-binaries")]
     pub fn start() -> Standins {
         Self::start_on("127.0.0.1:0")
     }
 
+    /// The binary cargo built for this package's own tests
+    /// (`env!("CARGO_BIN_EXE_agentrun-standins")`): a bare `cargo test` on a
+    /// fresh clone needs nothing a script built.
+    pub fn start_exe(exe: &Path) -> Standins {
+        Self::spawn(exe, "127.0.0.1:0")
+    }
+
     /// Listening on `addr` (`IP:0` takes a free port): on the real node's
     /// address, pods reach it.
+    #[cfg(feature = "built-binaries")]
     pub fn start_on(addr: &str) -> Standins {
+        Self::spawn(&binaries::built("agentrun-standins"), addr)
+    }
+
+    fn spawn(exe: &Path, addr: &str) -> Standins {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut child = Command::new(binaries::built("agentrun-standins"))
+        let mut child = Command::new(exe)
             .args(["--addr", addr])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())

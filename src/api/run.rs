@@ -99,6 +99,19 @@ pub struct AgentRunSpec {
     pub cancel: bool,
 }
 
+impl AgentRunSpec {
+    /// Whether the run names Agent `name` (same namespace): as `agentRef`,
+    /// or as the agent a fork or a replay test goes on with. A change to
+    /// that Agent is the run's to see at once.
+    pub fn names_agent(&self, name: &str) -> bool {
+        let fork = self.fork_of.as_ref().and_then(|f| f.agent.as_deref());
+        let test = self.test_of.as_ref().map(|t| t.agent.as_str());
+        self.agent_ref.as_ref().map(|r| r.name.as_str()) == Some(name)
+            || fork == Some(name)
+            || test == Some(name)
+    }
+}
+
 /// Where a fork begins: its parent (by name, in the fork's namespace: a
 /// fork into another namespace cannot be named) and the seq of the
 /// parent's last record it keeps.

@@ -311,6 +311,74 @@ async fn an_interrupted_copy_goes_on_and_a_foreign_log_is_not_overwritten() {
 }
 
 #[tokio::test]
+async fn a_copy_cut_at_every_record_is_finished_by_another_replica_into_a_fork_that_verifies() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    let seq = 4;
+    let mut at = point(PARENT, seq);
+    let resumed = RunState::replay(log[..=seq as usize].to_vec());
+    at.agent = Some(VersionChanged {
+        agent: crate::runlog::v1::AgentTemplate::default(),
+        tools: vec![],
+        mcp: Default::default(),
+        from: Default::default(),
+        to: Default::default(),
+        container: None,
+    });
+    // Begun by replica 0, which died after `cut` records (its own
+    // `Forked` among them from cut 6 on); replica 1 finishes it.
+    let planned = plan(&signer(), "x", &parent, &at, "controller/replica-0").unwrap();
+    for cut in 0..=planned.len() {
+        let uid = format!("fork-cut-{cut}");
+        let planned = plan(&signer(), &uid, &parent, &at, "controller/replica-0").unwrap();
+        let lease = store.acquire(&uid, "w", Duration::from_secs(60)).await.unwrap();
+        for record in &planned[..cut] {
+            store.append(&uid, lease.epoch, record).await.unwrap();
+        }
+        store.release(&lease).await.unwrap();
+        let head = copy_prefix(&store, &signer(), &uid, &parent, &at, "controller/replica-1")
+            .await
+            .unwrap_or_else(|e| panic!("cut after {cut}: {e}"));
+        let records = store.read_verified(&uid, None).await.unwrap();
+        assert_eq!(head, records.last().unwrap().head(), "cut after {cut}");
+        assert_eq!(records.len(), planned.len(), "cut after {cut}: the whole start, once");
+        signer()
+            .verifier()
+            .check(&uid, &records, &SignatureRules::STRICT)
+            .unwrap();
+        let origin = origin(&records).unwrap().unwrap();
+        check_prefix(&records, &origin, &parent).unwrap();
+        assert_eq!(records[seq as usize + 2].kind, StepKind::VersionChanged);
+        let forked = RunState::replay(decode(&records));
+        assert_eq!(forked.next(), resumed.next(), "cut after {cut}");
+    }
+}
+
+#[tokio::test]
+async fn a_copy_while_another_holds_the_forks_lease_writes_nothing_and_is_retried_not_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let log = long_log(1);
+    let parent = write_log(&store, PARENT, &log).await;
+    let planned = plan(&signer(), "fork", &parent, &point(PARENT, 4), CONTROLLER).unwrap();
+    // Someone else holds the fork's lease (a step pod it never should
+    // have): the copy does not write under it, and says so as a store
+    // error (retried), never as a refusal of the fork.
+    let other = store
+        .acquire("fork", "intruder", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let err = fork(&store, PARENT, "fork", 4).await.unwrap_err();
+    assert!(matches!(err, ForkError::Store(_)), "{err}");
+    assert!(store.read_all("fork").await.unwrap().is_empty());
+    store.release(&other).await.unwrap();
+    fork(&store, PARENT, "fork", 4).await.unwrap();
+    assert_eq!(store.read_all("fork").await.unwrap().len(), planned.len());
+}
+
+#[tokio::test]
 async fn a_seq_past_the_parents_log_or_at_its_end_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(dir.path()).await;

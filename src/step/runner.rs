@@ -268,6 +268,18 @@ async fn attempt(
     let work = async {
         let mut runner = Runner::load(store.clone(), &args, lease.clone(), started).await?;
         let replayed = runner.head.len;
+        if runner.state.runs_a_container() && runner.state.sandbox().is_some() {
+            // A replay test answers calls only where this runner proposes
+            // them; a container agent's would reach its tools' servers.
+            let finished = RunFinished {
+                outcome: Outcome::Failed,
+                result: None,
+                error: Some(
+                    "replay test: the agent in force is a container agent, whose calls a test cannot answer from the recorded run: nothing is run".into(),
+                ),
+            };
+            return runner.stop(finished).await;
+        }
         if runner.state.runs_a_container() {
             // No time slice: a new pod would start the agent over.
             let loopback = match (&args.loopback_addr, listener, &args.runner_key) {
@@ -607,10 +619,11 @@ impl Runner {
                 None => unreachable!("the call to intend is the log's own proposal"),
             };
         // Whether the new version's policy would have asked a human: the
-        // report counts it; nobody is asked.
+        // report counts it; nobody is asked. A test resolves no name (it
+        // reads nothing of the world): the policy's network is unpinned.
         let snap = self.snapshot()?;
         let (arguments, _) = crate::policy::split_alternative(&call.arguments);
-        let network = self.network(&snap, &call.name).await;
+        let network = crate::policy::Network::of(&snap.namespace);
         let gated = matches!(
             classification(&snap, &call, &arguments, &network),
             Classification::RequireApproval(_)

@@ -802,7 +802,8 @@ async fn run_controllers(
     );
 }
 
-/// When an Agent appears or changes, the runs naming it are reconciled at once.
+/// When an Agent appears or changes, the runs naming it (as `agentRef`,
+/// `forkOf.agent` or `testOf.agent`) are reconciled at once.
 fn runs_of_agent(
     runs: reflector::Store<AgentRun>,
 ) -> impl Fn(Agent) -> Vec<ObjectRef<AgentRun>> + Send + Sync + 'static {
@@ -810,14 +811,7 @@ fn runs_of_agent(
         let ns = agent.namespace();
         runs.state()
             .into_iter()
-            .filter(|run| {
-                run.namespace() == ns
-                    && run
-                        .spec
-                        .agent_ref
-                        .as_ref()
-                        .is_some_and(|r| r.name == agent.name_any())
-            })
+            .filter(|run| run.namespace() == ns && run.spec.names_agent(&agent.name_any()))
             .map(|run| ObjectRef::from_obj(&*run))
             .collect()
     }
@@ -987,5 +981,38 @@ mod tests {
             ["agentrun.dev/requester"]
         );
         assert!(run.metadata.managed_fields.is_none());
+    }
+
+    #[test]
+    fn a_change_to_an_agent_reaches_the_runs_forks_and_tests_that_name_it() {
+        use kube::runtime::reflector::{self, store::Writer};
+        use kube::runtime::watcher::Event;
+        let run = |name: &str, ns: &str, spec: serde_json::Value| -> super::AgentRun {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": spec,
+            }))
+            .unwrap()
+        };
+        let (store, mut writer): (_, Writer<super::AgentRun>) = reflector::store();
+        for r in [
+            run("by-ref", "a", serde_json::json!({"input": "x", "agentRef": {"name": "refund"}})),
+            run("fork-onto", "a", serde_json::json!({"input": "x", "forkOf": {"run": "p", "seq": 3, "agent": "refund"}})),
+            run("test-of", "a", serde_json::json!({"input": "x", "testOf": {"run": "p", "agent": "refund"}})),
+            run("fork-keeps", "a", serde_json::json!({"input": "x", "forkOf": {"run": "p", "seq": 3}})),
+            run("other-agent", "a", serde_json::json!({"input": "x", "agentRef": {"name": "incident"}})),
+            run("other-ns", "b", serde_json::json!({"input": "x", "agentRef": {"name": "refund"}})),
+        ] {
+            writer.apply_watcher_event(&Event::Apply(r));
+        }
+        let mut agent = super::Agent::new("refund", crate::api::AgentTemplate::default());
+        agent.metadata.namespace = Some("a".into());
+        let mut names: Vec<String> = super::runs_of_agent(store)(agent)
+            .into_iter()
+            .map(|r| r.name)
+            .collect();
+        names.sort();
+        assert_eq!(names, ["by-ref", "fork-onto", "test-of"]);
     }
 }

@@ -201,8 +201,13 @@ fn to_stop(o: &Observed) -> Option<Act> {
 /// What the log alone decides: start the run, handle its approval, or
 /// record its end.
 fn from_log(o: &Observed) -> Option<Act> {
-    if o.log.is_empty() {
+    // A start cut short (a fork's or test's copy, the controller gone or
+    // paused mid-way) is resumed by the start, never run by a Job.
+    if !started(o) {
         return Some(Act::StartRun);
+    }
+    if let Some(act) = outside_the_test(o) {
+        return Some(act);
     }
     // A run waiting for a human holds no Job: its worker exits after asking.
     if let Some((request_seq, _)) = o.log.pending_approval() {
@@ -227,6 +232,43 @@ fn from_log(o: &Observed) -> Option<Act> {
         }
         Next::Stop(finished) => Some(Act::Finish(finished)),
         _ => None,
+    }
+}
+
+/// A replay test acts on nothing (DESIGN.md §11), whatever its log holds:
+/// an approval request (which no test's runner writes) is never raised
+/// for a person, and a container agent (whose runner answers no call from
+/// the recorded run) gets no Job. Either ends the test `Failed`, saying why.
+fn outside_the_test(o: &Observed) -> Option<Act> {
+    o.log.sandbox()?;
+    let why = if o.log.pending_approval().is_some() {
+        "replay test: its log asks for an approval, which a test never raises: nobody is asked and nothing is called"
+    } else if o.log.runs_a_container() && o.log.finished.is_none() {
+        "replay test: the agent in force is a container agent, whose calls a test cannot answer from the recorded run: nothing is run"
+    } else {
+        return None;
+    };
+    Some(Act::Finish(RunFinished {
+        outcome: Outcome::Failed,
+        result: o.log.last_text(),
+        error: Some(why.into()),
+    }))
+}
+
+/// Whether the run's start is written whole: `RunStarted`; for a fork the
+/// parent's records `0..=seq`, `Forked` and the `VersionChanged` to
+/// `forkOf.agent`; for a test the recorded `RunStarted`, `Forked` and the
+/// tested Agent's `VersionChanged` (`fork::plan`).
+fn started(o: &Observed) -> bool {
+    o.log.len() >= start_len(&o.run.spec)
+}
+
+/// How many records a run's start writes.
+pub fn start_len(spec: &crate::api::AgentRunSpec) -> u64 {
+    match (&spec.fork_of, &spec.test_of) {
+        (Some(f), _) => f.seq.saturating_add(2 + u64::from(f.agent.is_some())),
+        (None, Some(_)) => 3,
+        (None, None) => 1,
     }
 }
 
@@ -362,8 +404,8 @@ fn stop(o: &Observed, outcome: Outcome, result: Option<String>, error: String) -
             name: job.name.clone(),
         };
     }
-    if o.log.is_empty() {
-        // Nothing was ever recorded: there is no log to close.
+    if !started(o) {
+        // Nothing of the run's own was recorded: there is no log to close.
         return Act::Conclude(RunFinished {
             outcome,
             result,
@@ -397,7 +439,11 @@ fn backoff_left(o: &Observed, job: &JobView) -> Option<Duration> {
 }
 
 fn follow_agent(o: &Observed) -> Option<Act> {
-    if o.run.spec.version_policy != crate::api::VersionPolicy::FollowLatest {
+    // A replay test runs the version its start pinned, whatever its spec
+    // says: the test fixes it (its folded log says it is a test).
+    if o.run.spec.version_policy != crate::api::VersionPolicy::FollowLatest
+        || o.log.sandbox().is_some()
+    {
         return None;
     }
     let pinned = o.log.snapshot.as_ref()?.versions.agent_generation;
@@ -506,6 +552,170 @@ mod tests {
             decide_at(&run(), &RunState::default(), None, None, 1),
             Act::StartRun
         );
+    }
+
+    /// A fork at `seq` onto another agent (or a test, `seq` 0 onto its
+    /// tested agent), its log cut after `len` records of its start: the
+    /// parent's records, then `Forked`, then the `VersionChanged`.
+    fn cut_start(seq: u64, len: usize) -> RunState {
+        let forked = Entry::Forked(crate::runlog::records::Forked {
+            parent_uid: "p".into(),
+            parent_name: "parent".into(),
+            seq,
+            parent_hash: "00".into(),
+            requester: Some("carol".into()),
+            budget: None,
+            prefix_usage: None,
+            replaced: None,
+            test: None,
+        });
+        let changed = Entry::VersionChanged(crate::runlog::records::VersionChanged {
+            agent: Default::default(),
+            tools: vec![],
+            mcp: Default::default(),
+            from: Versions::default(),
+            to: Versions::default(),
+            container: None,
+        });
+        let parent = crate::replay::tests::long_log(3);
+        let start = parent[..=seq as usize].iter().cloned().chain([forked, changed]);
+        RunState::replay(start.take(len).collect())
+    }
+
+    #[test]
+    fn a_fork_or_test_whose_start_was_cut_short_resumes_the_start_and_never_gets_a_job() {
+        let fork = |seq: u64| {
+            let mut r = run();
+            r.spec.fork_of = Some(crate::api::ForkOf {
+                run: "parent".into(),
+                seq,
+                agent: Some("stricter".into()),
+                ..Default::default()
+            });
+            r
+        };
+        let mut test = run();
+        test.spec.test_of = Some(crate::api::TestOf {
+            run: "parent".into(),
+            agent: "stricter".into(),
+            ..Default::default()
+        });
+        let mut cases = vec![(test, 0)];
+        cases.extend((0..6).map(|seq| (fork(seq), seq)));
+        for (run, seq) in cases {
+            let whole = seq as usize + 3;
+            for len in 0..whole {
+                let log = cut_start(seq, len);
+                assert_eq!(
+                    decide_at(&run, &log, None, None, 1),
+                    Act::StartRun,
+                    "a start of {whole} records cut after {len}: the copy goes on, no Job"
+                );
+                // Stopped mid-start: concluded, nothing appended after the copy.
+                let mut cancelled = run.clone();
+                cancelled.spec.cancel = true;
+                assert!(matches!(
+                    decide_at(&cancelled, &log, None, None, 1),
+                    Act::Conclude(_)
+                ));
+            }
+            let log = cut_start(seq, whole);
+            assert_ne!(
+                decide_at(&run, &log, None, None, 1),
+                Act::StartRun,
+                "once whole, the run goes on from its log"
+            );
+        }
+    }
+
+    /// A replay test's log: the recorded `RunStarted`, its `Forked` with
+    /// the recorded calls, the `VersionChanged` to the tested agent (a
+    /// container agent with `container`), then `more`.
+    fn a_test(container: bool, more: Vec<Entry>) -> RunState {
+        let mut log = crate::replay::tests::started().entries().to_vec();
+        log.push(Entry::Forked(crate::runlog::records::Forked {
+            parent_uid: "p".into(),
+            parent_name: "parent".into(),
+            seq: 0,
+            parent_hash: "00".into(),
+            requester: Some("carol".into()),
+            budget: None,
+            prefix_usage: None,
+            replaced: None,
+            test: Some(crate::runlog::records::Sandbox { calls: vec![] }),
+        }));
+        log.push(Entry::VersionChanged(crate::runlog::records::VersionChanged {
+            agent: Default::default(),
+            tools: vec![],
+            mcp: Default::default(),
+            from: Versions::default(),
+            to: Versions::default(),
+            container: container.then(|| crate::runlog::v2::Container {
+                image: "agents:1".into(),
+                command: vec!["agent".into()],
+                args: vec![],
+                env: vec![],
+                resources: None,
+                matching: None,
+            }),
+        }));
+        log.extend(more);
+        RunState::replay(log)
+    }
+
+    fn test_run() -> AgentRun {
+        let mut r = run();
+        r.spec.test_of = Some(crate::api::TestOf {
+            run: "parent".into(),
+            agent: "stricter".into(),
+            ..Default::default()
+        });
+        r
+    }
+
+    #[test]
+    fn a_replay_test_never_follows_its_agent_whatever_its_version_policy() {
+        let mut r = test_run();
+        r.spec.version_policy = VersionPolicy::FollowLatest;
+        // The Agent is at generation 1 and the log pins none: a run would follow.
+        let mut plain = run();
+        plain.spec.version_policy = VersionPolicy::FollowLatest;
+        assert_eq!(
+            decide_at(&plain, &started(None), None, None, 1),
+            Act::FollowAgent
+        );
+        assert_eq!(
+            decide_at(&r, &a_test(false, vec![]), None, None, 1),
+            Act::CreateJob { seq: 3, attempt: 1 }
+        );
+    }
+
+    #[test]
+    fn a_replay_tests_log_that_asks_for_an_approval_ends_the_test_and_raises_none() {
+        let Entry::ApprovalRequested(mut asked) = crate::replay::tests::request() else {
+            unreachable!()
+        };
+        asked.model_call_seq = 3;
+        let call =
+            crate::replay::tests::model_call(&[("refund", serde_json::json!({"amount": 500}))]);
+        let log = a_test(false, vec![call, Entry::ApprovalRequested(asked)]);
+        assert!(log.pending_approval().is_some());
+        let act = decide_at(&test_run(), &log, None, None, 1);
+        let Act::Finish(finished) = act else {
+            panic!("a test's approval request is never raised: {act:?}")
+        };
+        assert_eq!(finished.outcome, Outcome::Failed);
+        assert!(finished.error.unwrap().contains("never raises"));
+    }
+
+    #[test]
+    fn a_replay_test_whose_agent_is_a_container_gets_no_job_and_ends() {
+        let act = decide_at(&test_run(), &a_test(true, vec![]), None, None, 1);
+        let Act::Finish(finished) = act else {
+            panic!("no Job for a container agent in a test: {act:?}")
+        };
+        assert_eq!(finished.outcome, Outcome::Failed);
+        assert!(finished.error.unwrap().contains("container agent"));
     }
 
     #[test]

@@ -225,6 +225,39 @@ async fn container_step_of(
     (step, seen)
 }
 
+/// A replay test's log whose agent in force is a container agent (a test
+/// that followed its Agent into one, or a forged start): the runner ends it
+/// before the agent starts; the model is never asked, no tool reached.
+#[tokio::test]
+async fn a_container_agent_on_a_replay_tests_log_is_never_run_and_nothing_is_asked_or_called() {
+    let standins = Standins::start().await;
+    let started = container_started(run_started(&standins.base));
+    standins.script(&history_of(started.clone(), container_turns()));
+    standins.reset([]);
+    let forked = Entry::Forked(crate::runlog::records::Forked {
+        parent_uid: "recorded".into(),
+        parent_name: "refund-1".into(),
+        seq: 0,
+        parent_hash: "00".into(),
+        requester: Some("carol".into()),
+        budget: None,
+        prefix_usage: None,
+        replaced: None,
+        test: Some(crate::runlog::records::Sandbox { calls: vec![] }),
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), &[started, forked]).await;
+    let (step, _) = container_step(store.clone(), SYSTEM).await;
+    step.unwrap();
+    let log = read_log(&*store).await;
+    let stop = stop_of(&log).expect("the runner ends the test");
+    assert_eq!(stop.outcome, Outcome::Failed);
+    assert!(stop.error.unwrap().contains("container agent"));
+    let counts = standins.counts();
+    assert_eq!(counts.model_requests, 0, "the model is never asked");
+    assert!(counts.posts.is_empty(), "no tool is reached: {:?}", counts.posts);
+}
+
 /// The run recorded once from its start, then resumed after each of its
 /// records: the same log, the agent's same results, every recorded answer
 /// asked once and every effect made once.
