@@ -292,14 +292,13 @@ pub async fn copy_prefix(
     writer: &str,
 ) -> Result<Head, ForkError> {
     let planned = plan(signer, fork_uid, parent, point, writer)?;
-    let end = planned.last().map(Record::head).unwrap_or(Head::EMPTY);
     let written = store
         .read_verified(fork_uid, None)
         .await
         .map_err(ForkError::Store)?;
-    if written.len() >= planned.len() {
+    if let Some(last) = written.get(planned.len().wrapping_sub(1)) {
         // The copy is complete (and the fork may have gone on).
-        return Ok(end);
+        return Ok(last.head());
     }
     let rest = rest_of_copy(signer, fork_uid, &planned, &written, parent_len(point))?;
     let mut lease = store
@@ -308,7 +307,7 @@ pub async fn copy_prefix(
         .map_err(ForkError::Store)?;
     let mut renewed = std::time::Instant::now();
     let mut result = Ok(());
-    let mut head = end;
+    let mut head = Head::EMPTY;
     for record in &rest {
         if renewed.elapsed() >= COPY_LEASE / 3 {
             // A lapsed lease nobody took is revived; one taken over is
