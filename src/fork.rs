@@ -353,8 +353,7 @@ fn rest_of_copy(
     parent_len: usize,
 ) -> Result<Vec<Record>, ForkError> {
     for (i, (have, want)) in written.iter().zip(planned).enumerate() {
-        let same = have.hash == want.hash
-            || (i >= parent_len && same_but_writer(have, want));
+        let same = have.hash == want.hash || (i >= parent_len && same_but_writer(have, want));
         if !same {
             return Err(ForkError::Occupied { seq: have.seq });
         }

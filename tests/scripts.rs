@@ -428,7 +428,11 @@ fn the_cluster_env_puts_the_plugin_where_a_second_shells_kubectl_finds_it() {
     );
     assert_eq!(
         out.trim(),
-        plugin.canonicalize().expect("plugin path").to_str().unwrap(),
+        plugin
+            .canonicalize()
+            .expect("plugin path")
+            .to_str()
+            .unwrap(),
         "after eval \"$(e2e/cluster env)\", kubectl-agentrun is the one e2e/build-binaries built"
     );
 }
@@ -440,7 +444,11 @@ fn the_tour_ci_runs_is_the_readmes_tour_section() {
         .current_dir(root())
         .output()
         .expect("running e2e/tour --print");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let tour = String::from_utf8(out.stdout).expect("utf-8");
     let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
     let section = readme
@@ -457,7 +465,8 @@ fn the_tour_ci_runs_is_the_readmes_tour_section() {
         assert!(section.contains(command), "{command:?} is not the README's");
     }
     assert!(
-        commands.iter().any(|c| c.contains("approve")) && commands.iter().any(|c| c.contains("verify")),
+        commands.iter().any(|c| c.contains("approve"))
+            && commands.iter().any(|c| c.contains("verify")),
         "the tour approves and verifies: {commands:?}"
     );
     let ci = std::fs::read_to_string(root().join(".ci/run")).expect(".ci/run");

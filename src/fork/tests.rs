@@ -333,17 +333,31 @@ async fn a_copy_cut_at_every_record_is_finished_by_another_replica_into_a_fork_t
     for cut in 0..=planned.len() {
         let uid = format!("fork-cut-{cut}");
         let planned = plan(&signer(), &uid, &parent, &at, "controller/replica-0").unwrap();
-        let lease = store.acquire(&uid, "w", Duration::from_secs(60)).await.unwrap();
+        let lease = store
+            .acquire(&uid, "w", Duration::from_secs(60))
+            .await
+            .unwrap();
         for record in &planned[..cut] {
             store.append(&uid, lease.epoch, record).await.unwrap();
         }
         store.release(&lease).await.unwrap();
-        let head = copy_prefix(&store, &signer(), &uid, &parent, &at, "controller/replica-1")
-            .await
-            .unwrap_or_else(|e| panic!("cut after {cut}: {e}"));
+        let head = copy_prefix(
+            &store,
+            &signer(),
+            &uid,
+            &parent,
+            &at,
+            "controller/replica-1",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("cut after {cut}: {e}"));
         let records = store.read_verified(&uid, None).await.unwrap();
         assert_eq!(head, records.last().unwrap().head(), "cut after {cut}");
-        assert_eq!(records.len(), planned.len(), "cut after {cut}: the whole start, once");
+        assert_eq!(
+            records.len(),
+            planned.len(),
+            "cut after {cut}: the whole start, once"
+        );
         signer()
             .verifier()
             .check(&uid, &records, &SignatureRules::STRICT)

@@ -23,9 +23,9 @@ impl std::ops::Deref for Standin {
 
 impl Standin {
     fn start() -> Self {
-        Standin(agentrun_standins::Standins::start_exe(std::path::Path::new(env!(
-        "CARGO_BIN_EXE_agentrun-standins"
-    ))))
+        Standin(agentrun_standins::Standins::start_exe(
+            std::path::Path::new(env!("CARGO_BIN_EXE_agentrun-standins")),
+        ))
     }
 
     async fn script(&self, id: &str, replies: Value) {

@@ -21,9 +21,9 @@ impl std::ops::Deref for Standins {
 }
 
 fn standins() -> Standins {
-    Standins(agentrun_standins::Standins::start_exe(std::path::Path::new(env!(
-        "CARGO_BIN_EXE_agentrun-standins"
-    ))))
+    Standins(agentrun_standins::Standins::start_exe(
+        std::path::Path::new(env!("CARGO_BIN_EXE_agentrun-standins")),
+    ))
 }
 
 impl Standins {

@@ -997,12 +997,36 @@ mod tests {
         };
         let (store, mut writer): (_, Writer<super::AgentRun>) = reflector::store();
         for r in [
-            run("by-ref", "a", serde_json::json!({"input": "x", "agentRef": {"name": "refund"}})),
-            run("fork-onto", "a", serde_json::json!({"input": "x", "forkOf": {"run": "p", "seq": 3, "agent": "refund"}})),
-            run("test-of", "a", serde_json::json!({"input": "x", "testOf": {"run": "p", "agent": "refund"}})),
-            run("fork-keeps", "a", serde_json::json!({"input": "x", "forkOf": {"run": "p", "seq": 3}})),
-            run("other-agent", "a", serde_json::json!({"input": "x", "agentRef": {"name": "incident"}})),
-            run("other-ns", "b", serde_json::json!({"input": "x", "agentRef": {"name": "refund"}})),
+            run(
+                "by-ref",
+                "a",
+                serde_json::json!({"input": "x", "agentRef": {"name": "refund"}}),
+            ),
+            run(
+                "fork-onto",
+                "a",
+                serde_json::json!({"input": "x", "forkOf": {"run": "p", "seq": 3, "agent": "refund"}}),
+            ),
+            run(
+                "test-of",
+                "a",
+                serde_json::json!({"input": "x", "testOf": {"run": "p", "agent": "refund"}}),
+            ),
+            run(
+                "fork-keeps",
+                "a",
+                serde_json::json!({"input": "x", "forkOf": {"run": "p", "seq": 3}}),
+            ),
+            run(
+                "other-agent",
+                "a",
+                serde_json::json!({"input": "x", "agentRef": {"name": "incident"}}),
+            ),
+            run(
+                "other-ns",
+                "b",
+                serde_json::json!({"input": "x", "agentRef": {"name": "refund"}}),
+            ),
         ] {
             writer.apply_watcher_event(&Event::Apply(r));
         }

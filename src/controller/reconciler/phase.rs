@@ -578,7 +578,10 @@ mod tests {
             container: None,
         });
         let parent = crate::replay::tests::long_log(3);
-        let start = parent[..=seq as usize].iter().cloned().chain([forked, changed]);
+        let start = parent[..=seq as usize]
+            .iter()
+            .cloned()
+            .chain([forked, changed]);
         RunState::replay(start.take(len).collect())
     }
 
@@ -644,21 +647,23 @@ mod tests {
             replaced: None,
             test: Some(crate::runlog::records::Sandbox { calls: vec![] }),
         }));
-        log.push(Entry::VersionChanged(crate::runlog::records::VersionChanged {
-            agent: Default::default(),
-            tools: vec![],
-            mcp: Default::default(),
-            from: Versions::default(),
-            to: Versions::default(),
-            container: container.then(|| crate::runlog::v2::Container {
-                image: "agents:1".into(),
-                command: vec!["agent".into()],
-                args: vec![],
-                env: vec![],
-                resources: None,
-                matching: None,
-            }),
-        }));
+        log.push(Entry::VersionChanged(
+            crate::runlog::records::VersionChanged {
+                agent: Default::default(),
+                tools: vec![],
+                mcp: Default::default(),
+                from: Versions::default(),
+                to: Versions::default(),
+                container: container.then(|| crate::runlog::v2::Container {
+                    image: "agents:1".into(),
+                    command: vec!["agent".into()],
+                    args: vec![],
+                    env: vec![],
+                    resources: None,
+                    matching: None,
+                }),
+            },
+        ));
         log.extend(more);
         RunState::replay(log)
     }

@@ -255,7 +255,11 @@ async fn a_container_agent_on_a_replay_tests_log_is_never_run_and_nothing_is_ask
     assert!(stop.error.unwrap().contains("container agent"));
     let counts = standins.counts();
     assert_eq!(counts.model_requests, 0, "the model is never asked");
-    assert!(counts.posts.is_empty(), "no tool is reached: {:?}", counts.posts);
+    assert!(
+        counts.posts.is_empty(),
+        "no tool is reached: {:?}",
+        counts.posts
+    );
 }
 
 /// The run recorded once from its start, then resumed after each of its
