@@ -1,7 +1,6 @@
 //! Reconcile one AgentRun: read (run, agent, log, Job, lease) → decide (pure,
 //! in `decide` and `phase`) → act → write status.
 
-mod agent_pod;
 pub mod checkpoint;
 mod decide;
 pub mod fork_start;
@@ -10,6 +9,7 @@ mod job_io;
 mod log_read;
 pub mod phase;
 pub mod plan;
+mod pod;
 pub mod status;
 #[cfg(test)]
 mod tests;
