@@ -3,6 +3,7 @@
 //! person's forwarded bearer token in the cluster, the anti-forgery token
 //! on every write, and the headers every answer carries.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -114,8 +115,8 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
         Mode::InCluster(cluster) => cluster_caller(&console, cluster, req.headers()),
     };
     let (caller, credential) = match found {
-        Ok(found) => found,
-        Err(answer) => return answer,
+        ControlFlow::Continue(found) => found,
+        ControlFlow::Break(answer) => return answer,
     };
     let mut req = match req.method() == Method::POST {
         true => match with_checked_form(&console, req, &credential).await {
@@ -168,16 +169,16 @@ fn screen(
 }
 
 /// On loopback: the one person whose session cookie the request carries,
-/// with their kubeconfig's client; or the answer instead (the URL's ticket
-/// opening the session, or a refusal).
+/// with their kubeconfig's client, and their credential; or the answer
+/// instead (`Break`: the URL's ticket opening the session, or a refusal).
 fn loopback_caller(
     console: &Console,
     client: &kube::Client,
     session: &super::LoopbackSession,
     req: &Request,
-) -> Result<(Caller, String), Response> {
+) -> ControlFlow<Response, (Caller, String)> {
     if let Some(sent) = query_param(req.uri().query(), "session") {
-        return Err(open_session(console, session, &sent, req.uri().path()));
+        return ControlFlow::Break(open_session(console, session, &sent, req.uri().path()));
     }
     let secret = match (
         cookie(req.headers(), &cookie_name(console)),
@@ -185,7 +186,7 @@ fn loopback_caller(
     ) {
         (Some(c), Some(secret)) if same(c.as_bytes(), secret.as_bytes()) => secret,
         _ => {
-            return Err(refuse(
+            return ControlFlow::Break(refuse(
                 console,
                 StatusCode::FORBIDDEN,
                 "no console session: open the URL that `kubectl agentrun console` printed",
@@ -196,39 +197,42 @@ fn loopback_caller(
         client: client.clone(),
         csrf: csrf_token(&console.key, secret),
     };
-    Ok((caller, secret.to_string()))
+    ControlFlow::Continue((caller, secret.to_string()))
 }
 
 /// In the cluster: the person whose token the login proxy forwarded, with a
-/// client acting as them; or the refusal.
+/// client acting as them, and the token; or the refusal (`Break`).
 fn cluster_caller(
     console: &Console,
     cluster: &super::ClusterAccess,
     headers: &HeaderMap,
-) -> Result<(Caller, String), Response> {
+) -> ControlFlow<Response, (Caller, String)> {
     let Some(token) = bearer(headers) else {
-        return Err(refuse(
+        return ControlFlow::Break(refuse(
             console,
             StatusCode::UNAUTHORIZED,
             "no forwarded credential: this console acts only with the token of the person \
              its login proxy authenticated (X-Forwarded-Access-Token or Authorization: Bearer)",
         ));
     };
-    let client = cluster.client_for(&token).map_err(|e| {
-        refuse(
-            console,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            &format!(
-                "building a client for the API server: {}",
-                crate::text::chain(&e)
-            ),
-        )
-    })?;
+    let client = match cluster.client_for(&token) {
+        Ok(client) => client,
+        Err(e) => {
+            return ControlFlow::Break(refuse(
+                console,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!(
+                    "building a client for the API server: {}",
+                    crate::text::chain(&e)
+                ),
+            ));
+        }
+    };
     let caller = Caller {
         client,
         csrf: csrf_token(&console.key, &token),
     };
-    Ok((caller, token))
+    ControlFlow::Continue((caller, token))
 }
 
 /// A write, read whole (up to [`MAX_FORM`]) and passed on only with the
