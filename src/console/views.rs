@@ -462,19 +462,12 @@ pub async fn decide(
     body: Bytes,
 ) -> Response {
     let pairs: Vec<(String, String)> = url::form_urlencoded::parse(&body).into_owned().collect();
-    let refuse = |status: StatusCode, error: String, problems: Vec<String>| {
-        let c = c.clone();
-        let caller = caller.clone();
-        let (ns, name) = (ns.clone(), name.clone());
-        let pairs = pairs.clone();
-        async move {
-            let notice = Notice {
-                error: Some(error),
-                problems,
-                ..Notice::default()
-            };
-            approval_page(&c, &caller, &ns, &name, notice, status, Some(&pairs)).await
-        }
+    let form = SentForm {
+        c: &c,
+        caller: &caller,
+        ns: &ns,
+        name: &name,
+        pairs: &pairs,
     };
     let (verdict, reason) = match verdict_of(&pairs) {
         Ok(asked) => asked,
@@ -487,7 +480,9 @@ pub async fn decide(
         }
         Err(Unasked::Reason) => {
             let error = "A rejection needs a reason: it goes back to the agent.";
-            return refuse(StatusCode::UNPROCESSABLE_ENTITY, error.into(), vec![]).await;
+            return form
+                .refuse(StatusCode::UNPROCESSABLE_ENTITY, error.into(), vec![])
+                .await;
         }
     };
     let api: Api<Approval> = Api::namespaced(caller.client.clone(), &ns);
@@ -502,7 +497,7 @@ pub async fn decide(
         }
     };
     if form_field(&pairs, "hash").as_deref() != Some(a.spec.arguments_hash.as_str()) {
-        return refuse(
+        return form.refuse(
             StatusCode::CONFLICT,
             "This approval is not the one the form was made for (its arguments hash differs): look again before deciding.".into(),
             vec![],
@@ -515,7 +510,9 @@ pub async fn decide(
             match edited(schema.as_ref(), &a.spec.arguments, &pairs) {
                 Ok(args) => Some(args),
                 Err((error, problems)) => {
-                    return refuse(StatusCode::UNPROCESSABLE_ENTITY, error.into(), problems).await;
+                    return form
+                        .refuse(StatusCode::UNPROCESSABLE_ENTITY, error.into(), problems)
+                        .await;
                 }
             }
         }
@@ -531,7 +528,41 @@ pub async fn decide(
             );
             see_other(&to)
         }
-        Err(e) => refuse(refused_status(&e), crate::text::chain(&e), vec![]).await,
+        Err(e) => {
+            form.refuse(refused_status(&e), crate::text::chain(&e), vec![])
+                .await
+        }
+    }
+}
+
+/// A decision form as it was sent, for the page that refuses it.
+struct SentForm<'a> {
+    c: &'a Console,
+    caller: &'a Caller,
+    ns: &'a str,
+    name: &'a str,
+    pairs: &'a [(String, String)],
+}
+
+impl SentForm<'_> {
+    /// The approval's page again, saying why, with the form as it was sent.
+    async fn refuse(&self, status: StatusCode, error: String, problems: Vec<String>) -> Response {
+        let notice = Notice {
+            error: Some(error),
+            problems,
+            ..Notice::default()
+        };
+        let sent = Some(self.pairs);
+        approval_page(
+            self.c,
+            self.caller,
+            self.ns,
+            self.name,
+            notice,
+            status,
+            sent,
+        )
+        .await
     }
 }
 
