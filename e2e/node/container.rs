@@ -79,16 +79,8 @@ pub async fn supervise(spec: Spec, events: mpsc::UnboundedSender<Event>, mut sto
                 }
             }
         };
-        let launch = match command_line(&spec, &env) {
-            Ok((program, args)) => Launch {
-                program,
-                args,
-                env,
-                cwd: spec.cwd.clone(),
-                uid: spec.uid,
-                gid: spec.gid,
-                log: spec.log.clone(),
-            },
+        let launch = match launch_of(&spec, env) {
+            Ok(launch) => launch,
             Err(message) => {
                 let t = start_failure(127, message);
                 send(Event::Exited(slot, t, false));
@@ -97,37 +89,70 @@ pub async fn supervise(spec: Spec, events: mpsc::UnboundedSender<Event>, mut sto
         };
 
         let started = Instant::now();
-        let in_process = spec
-            .ctx
-            .in_process_steps
-            .as_ref()
-            .and_then(|steps| Some((steps, in_process::step_args(&spec, &launch)?)));
-        let term = match in_process {
-            Some((steps, args)) => in_process::run(&spec, steps, args, &mut stop, &send).await,
-            None => match process::spawn(&launch) {
-                Err(e) => {
-                    warn!(container = %spec.container.name, error = %e.message, "container failed to start");
-                    start_failure(e.exit_code, e.message)
-                }
-                Ok(child) => run(&spec, child, &mut stop, &send).await,
-            },
-        };
+        let term = start_and_wait(&spec, &launch, &mut stop, &send).await;
         let restarting = spec.restart.wants(term.exit_code) && !is_stopping(&stop);
         send(Event::Exited(slot, term, restarting));
         if !restarting {
             break;
         }
-        // Crash-loop backoff, shorter than the kubelet's: tests wait on it.
-        if started.elapsed() > Duration::from_secs(10) {
-            backoff = Duration::from_secs(1);
-        }
+        let wait = crash_wait(backoff, started.elapsed());
         tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = next_stop(&mut stop) => break,
         }
-        backoff = (backoff * 2).min(Duration::from_secs(10));
+        backoff = (wait * 2).min(Duration::from_secs(10));
     }
     send(Event::Done(slot));
+}
+
+/// How long a crashed container waits before it runs again: `backoff`,
+/// doubled after each crash up to 10 s, but 1 s again after a run of more
+/// than 10 s. Shorter than the kubelet's: tests wait on it.
+fn crash_wait(backoff: Duration, ran: Duration) -> Duration {
+    if ran > Duration::from_secs(10) {
+        Duration::from_secs(1)
+    } else {
+        backoff
+    }
+}
+
+/// The process the container runs, in its resolved environment `env`.
+fn launch_of(spec: &Spec, env: Env) -> Result<Launch, String> {
+    let (program, args) = command_line(spec, &env)?;
+    Ok(Launch {
+        program,
+        args,
+        env,
+        cwd: spec.cwd.clone(),
+        uid: spec.uid,
+        gid: spec.gid,
+        log: spec.log.clone(),
+    })
+}
+
+/// Starts the container (a process, or a step pod's task in this one,
+/// `in_process.rs`) and waits until it ends.
+async fn start_and_wait(
+    spec: &Spec,
+    launch: &Launch,
+    stop: &mut StopRx,
+    send: &impl Fn(Event),
+) -> Terminated {
+    let in_process = spec
+        .ctx
+        .in_process_steps
+        .as_ref()
+        .and_then(|steps| Some((steps, in_process::step_args(spec, launch)?)));
+    match in_process {
+        Some((steps, args)) => in_process::run(spec, steps, args, stop, send).await,
+        None => match process::spawn(launch) {
+            Err(e) => {
+                warn!(container = %spec.container.name, error = %e.message, "container failed to start");
+                start_failure(e.exit_code, e.message)
+            }
+            Ok(child) => run(spec, child, stop, send).await,
+        },
+    }
 }
 
 fn start_failure(exit_code: i32, message: String) -> Terminated {
@@ -209,4 +234,18 @@ fn fallback_message(spec: &Spec, code: i32) -> Option<String> {
         start += 1;
     }
     Some(tail[start..].to_string()).filter(|t| !t.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crash_wait;
+    use std::time::Duration;
+
+    #[test]
+    fn a_crash_loop_waits_longer_each_time_but_not_after_a_long_run() {
+        let s = Duration::from_secs;
+        assert_eq!(crash_wait(s(4), s(3)), s(4));
+        assert_eq!(crash_wait(s(10), s(10)), s(10));
+        assert_eq!(crash_wait(s(8), s(11)), s(1));
+    }
 }

@@ -82,6 +82,32 @@ fn stage_binary(state_dir: &Path, dir: &Path, name: &str) -> PathBuf {
     }
 }
 
+/// The phase of a pod whose containers all ended (`phase`, from their
+/// states) as `stopped` leaves it, and why when the stop decided it: past
+/// its deadline it failed; a failed pod on a stopping node was cut off.
+fn final_phase(
+    phase: Phase,
+    stopped: Option<StopReason>,
+) -> (Phase, Option<(&'static str, &'static str)>) {
+    match stopped {
+        Some(StopReason::DeadlineExceeded) => (
+            Phase::Failed,
+            Some((
+                "DeadlineExceeded",
+                "Pod was active on the node longer than the specified deadline",
+            )),
+        ),
+        Some(StopReason::NodeShutdown) if phase == Phase::Failed => (
+            phase,
+            Some((
+                "NodeShutdown",
+                "Pod was terminated because the process node stopped",
+            )),
+        ),
+        _ => (phase, None),
+    }
+}
+
 struct PodRun {
     ctx: Arc<NodeCtx>,
     pod: Arc<Pod>,
@@ -189,22 +215,10 @@ pub async fn run(ctx: Arc<NodeCtx>, pod: Pod, stop: StopRx) {
 }
 
 impl PodRun {
-    async fn lifecycle(&mut self, mut events: mpsc::UnboundedReceiver<Event>, mut stop: StopRx) {
+    async fn lifecycle(&mut self, events: mpsc::UnboundedReceiver<Event>, mut stop: StopRx) {
         let namespace = self.pod.metadata.namespace.as_deref().unwrap_or("");
         info!(pod = %self.name, namespace, "starting pod");
-        // Processes share the host filesystem: the token volume and
-        // emptyDirs (`volumes.rs`) are all that mean something.
-        for v in self
-            .pod
-            .spec
-            .iter()
-            .flat_map(|s| s.volumes.iter().flatten())
-        {
-            let token = self.token.as_ref().is_some_and(|t| t.volume == v.name);
-            if !token && v.empty_dir.is_none() {
-                warn!(pod = %self.name, volume = %v.name, "volume ignored by the process node");
-            }
-        }
+        self.warn_of_ignored_volumes();
         self.report().await;
 
         let setup_failed = match self.prepare(&mut stop).await {
@@ -216,6 +230,61 @@ impl PodRun {
                 true
             }
         };
+        self.run_containers(events, &mut stop, setup_failed).await;
+
+        let reason = self.stop_tx.borrow().as_ref().map(|s| s.reason);
+        let (phase, why) = final_phase(self.status.final_phase(), reason);
+        self.status.phase = phase;
+        if let Some((reason, message)) = why {
+            self.status.reason = Some(reason.into());
+            self.status.message = Some(message.into());
+        }
+        info!(pod = %self.name, phase = self.status.phase.as_str(), "pod finished");
+        self.report().await;
+        self.identity = None; // stop renewing the token
+
+        // A completed pod stays until it is deleted; then confirm the deletion.
+        let reason = match reason {
+            Some(r) => r,
+            None => next_stop(&mut stop).await.reason,
+        };
+        if reason == StopReason::Deleted && !self.gone {
+            self.confirm_deletion().await;
+        }
+        // Logs stay in the logs dir; the pod's own dir goes with the pod.
+        if matches!(reason, StopReason::Deleted | StopReason::Gone)
+            && let Err(e) = std::fs::remove_dir_all(&self.dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(pod = %self.name, error = %e, "removing the pod dir failed");
+        }
+    }
+
+    /// Processes share the host filesystem: the token volume and emptyDirs
+    /// (`volumes.rs`) are all that mean something.
+    fn warn_of_ignored_volumes(&self) {
+        for v in self
+            .pod
+            .spec
+            .iter()
+            .flat_map(|s| s.volumes.iter().flatten())
+        {
+            let token = self.token.as_ref().is_some_and(|t| t.volume == v.name);
+            if !token && v.empty_dir.is_none() {
+                warn!(pod = %self.name, volume = %v.name, "volume ignored by the process node");
+            }
+        }
+    }
+
+    /// Runs the containers until every one has ended: init containers one
+    /// after another, then app containers together; stopped when the pod
+    /// is, or at its deadline.
+    async fn run_containers(
+        &mut self,
+        mut events: mpsc::UnboundedReceiver<Event>,
+        stop: &mut StopRx,
+        setup_failed: bool,
+    ) {
         let deadline = self
             .pod
             .spec
@@ -223,8 +292,6 @@ impl PodRun {
             .and_then(|s| s.active_deadline_seconds)
             .and_then(|s| u64::try_from(s).ok())
             .map(|s| Instant::now() + Duration::from_secs(s));
-
-        // Init containers one after another, then app containers together.
         let init_count = self.status.init.len();
         let mut next_init = 0;
         let mut active = 0;
@@ -240,7 +307,7 @@ impl PodRun {
             }
         }
         // What was started reports itself (a container's first event); a
-        // pod that started nothing ends at once and reports below.
+        // pod that started nothing ends at once and reports after.
 
         while active > 0 {
             tokio::select! {
@@ -266,12 +333,12 @@ impl PodRun {
                             }
                         }
                     }
-                    // The pod's last change is reported once, with its final phase, below.
+                    // The pod's last change is reported once, with its final phase, after.
                     if active > 0 {
                         self.report().await;
                     }
                 }
-                s = next_stop(&mut stop), if !self.is_stopping() => self.stop(s),
+                s = next_stop(stop), if !self.is_stopping() => self.stop(s),
                 () = sleep_until(deadline), if !self.is_stopping() => {
                     let deadline = Instant::now() + grace(&self.pod);
                     self.stop(Stop { reason: StopReason::DeadlineExceeded, deadline });
@@ -279,42 +346,6 @@ impl PodRun {
             }
         }
         while self.tasks.join_next().await.is_some() {}
-
-        let reason = self.stop_tx.borrow().as_ref().map(|s| s.reason);
-        self.status.phase = self.status.final_phase();
-        match reason {
-            Some(StopReason::DeadlineExceeded) => {
-                self.status.phase = Phase::Failed;
-                self.status.reason = Some("DeadlineExceeded".into());
-                self.status.message =
-                    Some("Pod was active on the node longer than the specified deadline".into());
-            }
-            Some(StopReason::NodeShutdown) if self.status.phase == Phase::Failed => {
-                self.status.reason = Some("NodeShutdown".into());
-                self.status.message =
-                    Some("Pod was terminated because the process node stopped".into());
-            }
-            _ => {}
-        }
-        info!(pod = %self.name, phase = self.status.phase.as_str(), "pod finished");
-        self.report().await;
-        self.identity = None; // stop renewing the token
-
-        // A completed pod stays until it is deleted; then confirm the deletion.
-        let reason = match reason {
-            Some(r) => r,
-            None => next_stop(&mut stop).await.reason,
-        };
-        if reason == StopReason::Deleted && !self.gone {
-            self.confirm_deletion().await;
-        }
-        // Logs stay in the logs dir; the pod's own dir goes with the pod.
-        if matches!(reason, StopReason::Deleted | StopReason::Gone)
-            && let Err(e) = std::fs::remove_dir_all(&self.dir)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            warn!(pod = %self.name, error = %e, "removing the pod dir failed");
-        }
     }
 
     fn is_stopping(&self) -> bool {
@@ -554,7 +585,33 @@ async fn sleep_until(deadline: Option<Instant>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{image_bin_dir, image_name};
+    use super::{Phase, StopReason, final_phase, image_bin_dir, image_name};
+
+    #[test]
+    fn a_stop_decides_the_phase_only_past_the_deadline_or_on_a_stopping_node() {
+        let past = final_phase(Phase::Succeeded, Some(StopReason::DeadlineExceeded));
+        assert_eq!(past.0, Phase::Failed);
+        assert_eq!(past.1.map(|(reason, _)| reason), Some("DeadlineExceeded"));
+        let cut = final_phase(Phase::Failed, Some(StopReason::NodeShutdown));
+        assert_eq!(cut.0, Phase::Failed);
+        assert_eq!(cut.1.map(|(reason, _)| reason), Some("NodeShutdown"));
+        // A pod that succeeded before the node stopped, or was deleted, or
+        // was not stopped at all, keeps what its containers say.
+        for stopped in [
+            Some(StopReason::NodeShutdown),
+            Some(StopReason::Deleted),
+            None,
+        ] {
+            assert_eq!(
+                final_phase(Phase::Succeeded, stopped),
+                (Phase::Succeeded, None)
+            );
+        }
+        assert_eq!(
+            final_phase(Phase::Failed, Some(StopReason::Gone)),
+            (Phase::Failed, None)
+        );
+    }
 
     #[test]
     fn image_names_ignore_registry_and_tag() {

@@ -119,65 +119,8 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-
-    let config = kube::Config::infer()
-        .await
-        .context("loading the admin kubeconfig (KUBECONFIG)")?;
-    let ca_data = match &args.ca_file {
-        Some(path) => {
-            let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            Some(base64::engine::general_purpose::STANDARD.encode(pem))
-        }
-        // Fall back to the CA the admin kubeconfig trusts, re-encoded as PEM.
-        None => config.root_cert.as_ref().map(|ders| {
-            let b64 = base64::engine::general_purpose::STANDARD;
-            let pem: String = ders
-                .iter()
-                .map(|der| {
-                    let body = b64.encode(der);
-                    let lines: Vec<&str> = body
-                        .as_bytes()
-                        .chunks(64)
-                        .filter_map(|c| std::str::from_utf8(c).ok())
-                        .collect();
-                    format!(
-                        "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
-                        lines.join("\n")
-                    )
-                })
-                .collect();
-            b64.encode(pem)
-        }),
-    };
-    let server_url = config
-        .cluster_url
-        .to_string()
-        .trim_end_matches('/')
-        .to_string();
-    let client = kube::Client::try_from(config).context("building the API client")?;
-
-    for dir in ["logs", "pods"] {
-        std::fs::create_dir_all(args.state_dir.join(dir))
-            .with_context(|| format!("creating {}/{dir}", args.state_dir.display()))?;
-    }
-    // Absolute, so that process working dirs can be compared against it.
-    let state_dir = std::fs::canonicalize(&args.state_dir)?;
-    let ctx = Arc::new(NodeCtx {
-        client,
-        node_name: args.node_name,
-        state_dir,
-        image_bins: args.image_bins.into_iter().collect(),
-        server_url,
-        ca_data,
-        host_path: std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
-        in_process_steps: match args.in_process_steps {
-            true => Some(in_process::runtime().context("starting the step pods' runtime")?),
-            false => None,
-        },
-        max_pods: args.max_pods,
-        loopbacks: Arc::default(),
-        pod_loopback_ports: Arc::new(args.pod_loopback_ports.into_iter().collect()),
-    });
+    let bind_unscheduled = args.bind_unscheduled;
+    let ctx = Arc::new(node_ctx(args).await?);
     if ctx.in_process_steps.is_some() {
         info!("step pods run in process (the library's runner), not as processes");
     }
@@ -191,9 +134,7 @@ async fn main() -> anyhow::Result<()> {
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let heartbeat = tokio::spawn(node::heartbeat(ctx.clone()));
-    let binder = args
-        .bind_unscheduled
-        .then(|| tokio::spawn(pods::bind_unscheduled(ctx.clone())));
+    let binder = bind_unscheduled.then(|| tokio::spawn(pods::bind_unscheduled(ctx.clone())));
     let mut manager = tokio::spawn(pods::run(ctx.clone(), shutdown_rx));
 
     let outcome = tokio::select! {
@@ -222,6 +163,73 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// The node's context, from its flags and the admin kubeconfig; its state
+/// dirs made.
+async fn node_ctx(args: Args) -> anyhow::Result<NodeCtx> {
+    let config = kube::Config::infer()
+        .await
+        .context("loading the admin kubeconfig (KUBECONFIG)")?;
+    let ca_data = match &args.ca_file {
+        Some(path) => {
+            let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            Some(base64::engine::general_purpose::STANDARD.encode(pem))
+        }
+        // Fall back to the CA the admin kubeconfig trusts, re-encoded as PEM.
+        None => config.root_cert.as_deref().map(pem_bundle),
+    };
+    let server_url = config
+        .cluster_url
+        .to_string()
+        .trim_end_matches('/')
+        .to_string();
+    let client = kube::Client::try_from(config).context("building the API client")?;
+
+    for dir in ["logs", "pods"] {
+        std::fs::create_dir_all(args.state_dir.join(dir))
+            .with_context(|| format!("creating {}/{dir}", args.state_dir.display()))?;
+    }
+    // Absolute, so that process working dirs can be compared against it.
+    let state_dir = std::fs::canonicalize(&args.state_dir)?;
+    Ok(NodeCtx {
+        client,
+        node_name: args.node_name,
+        state_dir,
+        image_bins: args.image_bins.into_iter().collect(),
+        server_url,
+        ca_data,
+        host_path: std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+        in_process_steps: match args.in_process_steps {
+            true => Some(in_process::runtime().context("starting the step pods' runtime")?),
+            false => None,
+        },
+        max_pods: args.max_pods,
+        loopbacks: Arc::default(),
+        pod_loopback_ports: Arc::new(args.pod_loopback_ports.into_iter().collect()),
+    })
+}
+
+/// DER certificates as one PEM bundle, base64-encoded (a kubeconfig's
+/// `certificate-authority-data`).
+fn pem_bundle(ders: &[Vec<u8>]) -> String {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let pem: String = ders
+        .iter()
+        .map(|der| {
+            let body = b64.encode(der);
+            let lines: Vec<&str> = body
+                .as_bytes()
+                .chunks(64)
+                .filter_map(|c| std::str::from_utf8(c).ok())
+                .collect();
+            format!(
+                "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+                lines.join("\n")
+            )
+        })
+        .collect();
+    b64.encode(pem)
+}
+
 async fn wait_for_signal() -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
@@ -231,4 +239,26 @@ async fn wait_for_signal() -> anyhow::Result<()> {
         _ = int.recv() => {},
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use base64::Engine as _;
+
+    #[test]
+    fn a_bundle_is_each_certificate_in_pem_lines_of_64() {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let bundle = super::pem_bundle(&[vec![7; 100], vec![8; 3]]);
+        let pem = String::from_utf8(b64.decode(bundle).unwrap()).unwrap();
+        let blocks: Vec<&str> = pem.split_inclusive("-----END CERTIFICATE-----\n").collect();
+        assert_eq!(blocks.len(), 2, "{pem}");
+        let first: Vec<&str> = blocks[0].lines().collect();
+        assert_eq!(first[0], "-----BEGIN CERTIFICATE-----");
+        assert_eq!(first[1].len(), 64);
+        assert_eq!(
+            b64.decode(first[1..first.len() - 1].concat()).unwrap(),
+            vec![7; 100]
+        );
+        assert!(blocks[1].contains(&b64.encode([8, 8, 8])));
+    }
 }

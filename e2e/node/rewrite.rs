@@ -87,7 +87,7 @@ mod tests {
     }
 
     /// The step pod of a container agent, as the controller builds it
-    /// (src/controller/reconciler/agent_pod.rs): what each container runs.
+    /// (src/controller/reconciler/pod.rs): what each container runs.
     #[test]
     fn a_container_agents_pod_finds_its_shim_runner_and_result_file() {
         let pod: PodSpec = serde_json::from_value(serde_json::json!({

@@ -299,55 +299,17 @@ async fn answer(
         Err(_) => Value::String(String::from_utf8_lossy(&body).into_owned()),
     };
     // Count and record the call, and take its reply, in one step.
-    let (index, n, reply) = {
-        let mut scripts = scripts.lock().unwrap();
-        let Some(script) = scripts.get_mut(&id) else {
-            return error(
-                api,
-                StatusCode::NOT_FOUND,
-                &format!("no script {id:?}: PUT /scripts/{id} first"),
-            );
-        };
-        let toolless = !script.summaries.is_empty() && offers_no_tools(&recorded);
-        script
-            .received_at
-            .push(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
-        let turn = script.by_turn.then(|| highest_turn(&recorded.to_string()));
-        script.requests.push(recorded);
-        script.service_micros.push(0);
-        let index = script.requests.len() - 1;
-        let (n, reply) = if let Some(turn) = turn {
-            let n = script.requests.len() - 1;
-            let reply = if toolless {
-                let mut r = script.summaries.first().cloned().unwrap_or_default();
-                let text = r
-                    .text
-                    .take()
-                    .unwrap_or_else(|| "Summary of the work so far.".into());
-                r.text = Some(format!("{text} [[turn {}]]", turn.unwrap_or(0)));
-                Some(r)
-            } else {
-                let k = turn.map_or(0, |t| t + 1);
-                script.replies.get(k).cloned().map(|mut r| {
-                    r.text = Some(match r.text.take() {
-                        Some(t) => format!("[[turn {k}]] {t}"),
-                        None => format!("[[turn {k}]]"),
-                    });
-                    r
-                })
-            };
-            (n, reply)
-        } else if toolless {
-            script.toolless += 1;
-            (
-                script.requests.len() - 1,
-                script.summaries.get(script.toolless - 1).cloned(),
-            )
-        } else {
-            let n = script.requests.len() - 1 - script.toolless;
-            (n, script.replies.get(n).cloned())
-        };
-        (index, n, reply)
+    let taken = scripts
+        .lock()
+        .unwrap()
+        .get_mut(&id)
+        .map(|script| script.take(recorded));
+    let Some((index, n, reply)) = taken else {
+        return error(
+            api,
+            StatusCode::NOT_FOUND,
+            &format!("no script {id:?}: PUT /scripts/{id} first"),
+        );
     };
     let _timer = ServiceTimer {
         scripts: scripts.clone(),
@@ -385,40 +347,143 @@ async fn answer(
     if let Some(ms) = reply.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
+    if let Some(scripted) = scripted_failure(api, &reply) {
+        return scripted;
+    }
+    let answer = Answered::of(api, &id, n, &reply, body.len());
+    let body = match api {
+        Api::OpenAI => openai_body(&answer),
+        Api::Anthropic => anthropic_body(&answer),
+    };
+    Json(body).into_response()
+}
+
+impl Script {
+    /// Records a request and takes its reply: by the request's turn marker
+    /// (`byTurn`), else the next summary for a toolless request, else the
+    /// next reply. Returns the request's index, its call number in the
+    /// script, and the reply (`None`: the script is exhausted).
+    fn take(&mut self, recorded: Value) -> (usize, usize, Option<Reply>) {
+        let toolless = !self.summaries.is_empty() && offers_no_tools(&recorded);
+        self.received_at
+            .push(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true));
+        let turn = self.by_turn.then(|| highest_turn(&recorded.to_string()));
+        self.requests.push(recorded);
+        self.service_micros.push(0);
+        let index = self.requests.len() - 1;
+        match turn {
+            Some(turn) => (index, index, self.by_turn(turn, toolless)),
+            None if toolless => {
+                self.toolless += 1;
+                (index, index, self.summaries.get(self.toolless - 1).cloned())
+            }
+            None => {
+                let n = index - self.toolless;
+                (index, n, self.replies.get(n).cloned())
+            }
+        }
+    }
+
+    /// The reply to a conversation whose highest marker is `turn`, marked
+    /// with the turn it answers (a summary keeps the turn it summarizes).
+    fn by_turn(&self, turn: Option<usize>, toolless: bool) -> Option<Reply> {
+        if toolless {
+            let mut r = self.summaries.first().cloned().unwrap_or_default();
+            let text = r
+                .text
+                .take()
+                .unwrap_or_else(|| "Summary of the work so far.".into());
+            r.text = Some(format!("{text} [[turn {}]]", turn.unwrap_or(0)));
+            return Some(r);
+        }
+        let k = turn.map_or(0, |t| t + 1);
+        self.replies.get(k).cloned().map(|mut r| {
+            r.text = Some(match r.text.take() {
+                Some(t) => format!("[[turn {k}]] {t}"),
+                None => format!("[[turn {k}]]"),
+            });
+            r
+        })
+    }
+}
+
+/// A reply scripted to fail: its raw body, or its HTTP error in the
+/// provider's format.
+fn scripted_failure(api: Api, reply: &Reply) -> Option<Response> {
     if let Some(raw) = &reply.raw_body {
         let status = reply
             .status
             .and_then(|s| StatusCode::from_u16(s).ok())
             .unwrap_or(StatusCode::OK);
-        return (
-            status,
-            [(header::CONTENT_TYPE, "application/json")],
-            raw.clone(),
-        )
-            .into_response();
+        let raw = raw.clone();
+        return Some((status, [(header::CONTENT_TYPE, "application/json")], raw).into_response());
     }
-    if let Some(status) = reply.status {
-        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let message = reply
-            .message
-            .clone()
-            .unwrap_or_else(|| format!("scripted error {}", status.as_u16()));
-        let mut resp = error(api, status, &message);
-        if let Some(secs) = reply.retry_after {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-        return resp;
+    let status = reply.status?;
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let message = reply
+        .message
+        .clone()
+        .unwrap_or_else(|| format!("scripted error {}", status.as_u16()));
+    let mut resp = error(api, status, &message);
+    if let Some(secs) = reply.retry_after {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
     }
+    Some(resp)
+}
 
-    let model = format!("scripted-{id}-2026-11");
-    let tag: String = id
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric())
-        .take(24)
-        .collect();
-    let input_tokens = reply.input_tokens.unwrap_or((body.len() as u64 / 4).max(1));
-    let calls: Vec<(String, String, Value)> = reply
+/// What an answer says, in either format.
+struct Answered {
+    /// The script's id, kept to what ids may carry.
+    tag: String,
+    /// The call's number in the script.
+    n: usize,
+    model: String,
+    text: Option<String>,
+    /// Each tool call: its id, name and arguments (a string: raw).
+    calls: Vec<(String, String, Value)>,
+    input_tokens: u64,
+    output_tokens: u64,
+    stop_reason: Option<String>,
+}
+
+impl Answered {
+    /// Call `n` of script `id` answered with `reply`, to a request of
+    /// `request_bytes`.
+    fn of(api: Api, id: &str, n: usize, reply: &Reply, request_bytes: usize) -> Answered {
+        let tag: String = id
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric())
+            .take(24)
+            .collect();
+        let calls = scripted_calls(api, &tag, n, reply);
+        let output_tokens = reply.output_tokens.unwrap_or_else(|| {
+            let len = reply.text.as_deref().map_or(0, str::len)
+                + calls
+                    .iter()
+                    .map(|(_, name, a)| name.len() + a.to_string().len())
+                    .sum::<usize>();
+            len as u64 / 4 + 1
+        });
+        Answered {
+            model: format!("scripted-{id}-2026-11"),
+            text: reply.text.clone().filter(|t| !t.is_empty()),
+            input_tokens: reply
+                .input_tokens
+                .unwrap_or((request_bytes as u64 / 4).max(1)),
+            output_tokens,
+            stop_reason: reply.stop_reason.clone(),
+            tag,
+            n,
+            calls,
+        }
+    }
+}
+
+/// The reply's tool calls with their ids (scripted, or unique per call)
+/// and arguments (raw where the script says so).
+fn scripted_calls(api: Api, tag: &str, n: usize, reply: &Reply) -> Vec<(String, String, Value)> {
+    reply
         .tool_calls
         .iter()
         .enumerate()
@@ -437,81 +502,74 @@ async fn answer(
             };
             (id, c.name.clone(), args)
         })
-        .collect();
-    let output_tokens = reply.output_tokens.unwrap_or_else(|| {
-        let len = reply.text.as_deref().map_or(0, str::len)
-            + calls
-                .iter()
-                .map(|(_, name, a)| name.len() + a.to_string().len())
-                .sum::<usize>();
-        len as u64 / 4 + 1
+        .collect()
+}
+
+/// The answer as a chat completion.
+fn openai_body(a: &Answered) -> Value {
+    let mut message = json!({"role": "assistant", "content": a.text});
+    if !a.calls.is_empty() {
+        message["tool_calls"] = a
+            .calls
+            .iter()
+            .map(|(id, name, args)| {
+                let arguments = match args {
+                    Value::String(raw) => raw.clone(),
+                    other => other.to_string(),
+                };
+                json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+    }
+    let finish = a.stop_reason.clone().unwrap_or_else(|| {
+        if a.calls.is_empty() {
+            "stop"
+        } else {
+            "tool_calls"
+        }
+        .into()
     });
-    let text = reply.text.clone().filter(|t| !t.is_empty());
-    let body = match api {
-        Api::OpenAI => {
-            let mut message = json!({"role": "assistant", "content": text});
-            if !calls.is_empty() {
-                message["tool_calls"] = calls
-                    .iter()
-                    .map(|(id, name, args)| {
-                        let arguments = match args {
-                            Value::String(raw) => raw.clone(),
-                            other => other.to_string(),
-                        };
-                        json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
-                    })
-                    .collect();
-            }
-            let finish = reply.stop_reason.clone().unwrap_or_else(|| {
-                if calls.is_empty() {
-                    "stop"
-                } else {
-                    "tool_calls"
-                }
-                .into()
-            });
-            json!({
-                "id": format!("chatcmpl-{tag}-{n}"),
-                "object": "chat.completion",
-                "created": unix_now(),
-                "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
-                "usage": {
-                    "prompt_tokens": input_tokens,
-                    "completion_tokens": output_tokens,
-                    "total_tokens": input_tokens + output_tokens
-                },
-            })
+    json!({
+        "id": format!("chatcmpl-{}-{}", a.tag, a.n),
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": a.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": null}],
+        "usage": {
+            "prompt_tokens": a.input_tokens,
+            "completion_tokens": a.output_tokens,
+            "total_tokens": a.input_tokens + a.output_tokens
+        },
+    })
+}
+
+/// The answer as a Messages response.
+fn anthropic_body(a: &Answered) -> Value {
+    let mut content = Vec::new();
+    if let Some(t) = &a.text {
+        content.push(json!({"type": "text", "text": t}));
+    }
+    for (id, name, args) in &a.calls {
+        content.push(json!({"type": "tool_use", "id": id, "name": name, "input": args}));
+    }
+    let stop = a.stop_reason.clone().unwrap_or_else(|| {
+        if a.calls.is_empty() {
+            "end_turn"
+        } else {
+            "tool_use"
         }
-        Api::Anthropic => {
-            let mut content = Vec::new();
-            if let Some(t) = &text {
-                content.push(json!({"type": "text", "text": t}));
-            }
-            for (id, name, args) in &calls {
-                content.push(json!({"type": "tool_use", "id": id, "name": name, "input": args}));
-            }
-            let stop = reply.stop_reason.clone().unwrap_or_else(|| {
-                if calls.is_empty() {
-                    "end_turn"
-                } else {
-                    "tool_use"
-                }
-                .into()
-            });
-            json!({
-                "id": format!("msg_{tag}_{n}"),
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": content,
-                "stop_reason": stop,
-                "stop_sequence": null,
-                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
-            })
-        }
-    };
-    Json(body).into_response()
+        .into()
+    });
+    json!({
+        "id": format!("msg_{}_{}", a.tag, a.n),
+        "type": "message",
+        "role": "assistant",
+        "model": a.model,
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": null,
+        "usage": {"input_tokens": a.input_tokens, "output_tokens": a.output_tokens},
+    })
 }
 
 fn unix_now() -> u64 {
@@ -622,77 +680,7 @@ fn check_openai(req: &Value) -> Result<(), String> {
     // Ids of the last assistant turn's tool calls still waiting for a tool message.
     let mut pending: Vec<String> = Vec::new();
     for (i, m) in messages.iter().enumerate() {
-        let at = format!("messages[{i}]");
-        let role = str_field(m, "role", &at)?;
-        if role != "tool" && !pending.is_empty() {
-            return Err(format!(
-                "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}",
-                pending.join(", ")
-            ));
-        }
-        match role {
-            "system" | "developer" | "user" => {
-                if !m
-                    .get("content")
-                    .is_some_and(|c| c.is_string() || c.is_array())
-                {
-                    return Err(format!("{at}.content: required for role {role}"));
-                }
-            }
-            "assistant" => {
-                let content = m.get("content");
-                let calls = m.get("tool_calls");
-                if !content.is_some_and(|c| c.is_null() || c.is_string() || c.is_array()) {
-                    return Err(format!("{at}.content: must be present (text or null)"));
-                }
-                match calls {
-                    None => {
-                        if !content.is_some_and(|c| c.is_string()) {
-                            return Err(format!(
-                                "{at}: content is required when there are no tool_calls"
-                            ));
-                        }
-                    }
-                    Some(Value::Array(calls)) if !calls.is_empty() => {
-                        for (j, c) in calls.iter().enumerate() {
-                            let at = format!("{at}.tool_calls[{j}]");
-                            let id = str_field(c, "id", &at)?;
-                            if str_field(c, "type", &at)? != "function" {
-                                return Err(format!("{at}.type: must be 'function'"));
-                            }
-                            let f = c
-                                .get("function")
-                                .ok_or_else(|| format!("{at}.function: required"))?;
-                            str_field(f, "name", &format!("{at}.function"))?;
-                            // The format carries arguments as a JSON string.
-                            str_field(f, "arguments", &format!("{at}.function"))?;
-                            pending.push(id.to_string());
-                        }
-                    }
-                    Some(_) => return Err(format!("{at}.tool_calls: must be a non-empty list")),
-                }
-            }
-            "tool" => {
-                let id = str_field(m, "tool_call_id", &at)?;
-                if !m
-                    .get("content")
-                    .is_some_and(|c| c.is_string() || c.is_array())
-                {
-                    return Err(format!("{at}.content: required"));
-                }
-                match pending.iter().position(|p| p == id) {
-                    Some(k) => {
-                        pending.remove(k);
-                    }
-                    None => {
-                        return Err(format!(
-                            "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls' ({at}: unknown tool_call_id {id:?})"
-                        ));
-                    }
-                }
-            }
-            other => return Err(format!("{at}.role: unknown role {other:?}")),
-        }
+        check_openai_message(m, &format!("messages[{i}]"), &mut pending)?;
     }
     if !pending.is_empty() {
         return Err(format!(
@@ -717,6 +705,85 @@ fn check_openai(req: &Value) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// One chat message `at`, in its place: `pending` holds the tool calls
+/// still to be answered, each by a tool message right after them.
+fn check_openai_message(m: &Value, at: &str, pending: &mut Vec<String>) -> Result<(), String> {
+    let role = str_field(m, "role", at)?;
+    if role != "tool" && !pending.is_empty() {
+        return Err(format!(
+            "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}",
+            pending.join(", ")
+        ));
+    }
+    match role {
+        "system" | "developer" | "user" => {
+            if !m
+                .get("content")
+                .is_some_and(|c| c.is_string() || c.is_array())
+            {
+                return Err(format!("{at}.content: required for role {role}"));
+            }
+        }
+        "assistant" => pending.extend(check_openai_assistant(m, at)?),
+        "tool" => {
+            let id = str_field(m, "tool_call_id", at)?;
+            if !m
+                .get("content")
+                .is_some_and(|c| c.is_string() || c.is_array())
+            {
+                return Err(format!("{at}.content: required"));
+            }
+            match pending.iter().position(|p| p == id) {
+                Some(k) => {
+                    pending.remove(k);
+                }
+                None => {
+                    return Err(format!(
+                        "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls' ({at}: unknown tool_call_id {id:?})"
+                    ));
+                }
+            }
+        }
+        other => return Err(format!("{at}.role: unknown role {other:?}")),
+    }
+    Ok(())
+}
+
+/// An assistant message `at`: its text, or its tool calls, whose ids it
+/// returns (each to be answered).
+fn check_openai_assistant(m: &Value, at: &str) -> Result<Vec<String>, String> {
+    let content = m.get("content");
+    if !content.is_some_and(|c| c.is_null() || c.is_string() || c.is_array()) {
+        return Err(format!("{at}.content: must be present (text or null)"));
+    }
+    let calls = match m.get("tool_calls") {
+        None if content.is_some_and(|c| c.is_string()) => return Ok(Vec::new()),
+        None => {
+            return Err(format!(
+                "{at}: content is required when there are no tool_calls"
+            ));
+        }
+        Some(Value::Array(calls)) if !calls.is_empty() => calls,
+        Some(_) => return Err(format!("{at}.tool_calls: must be a non-empty list")),
+    };
+    let mut ids = Vec::new();
+    for (j, c) in calls.iter().enumerate() {
+        let at = format!("{at}.tool_calls[{j}]");
+        let id = str_field(c, "id", &at)?;
+        if str_field(c, "type", &at)? != "function" {
+            return Err(format!("{at}.type: must be 'function'"));
+        }
+        let f = c
+            .get("function")
+            .ok_or_else(|| format!("{at}.function: required"))?;
+        str_field(f, "name", &format!("{at}.function"))?;
+        // The format carries arguments as a JSON string.
+        str_field(f, "arguments", &format!("{at}.function"))?;
+        ids.push(id.to_string());
+    }
+    Ok(ids)
 }
 
 /// Checks a Messages request like the provider would.
@@ -756,78 +823,7 @@ fn check_anthropic(req: &Value) -> Result<(), String> {
                 "messages: roles must alternate between user and assistant ({at} repeats {role})"
             ));
         }
-        let blocks: Vec<Value> = match m.get("content") {
-            Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
-            Some(Value::Array(b)) if !b.is_empty() => b.clone(),
-            _ => {
-                return Err(format!(
-                    "{at}.content: a string or a non-empty list of blocks is required"
-                ));
-            }
-        };
-        let mut answered: Vec<String> = Vec::new();
-        let mut seen_other = false;
-        let mut uses: Vec<String> = Vec::new();
-        for (j, b) in blocks.iter().enumerate() {
-            let bat = format!("{at}.content[{j}]");
-            match str_field(b, "type", &bat)? {
-                "text" => {
-                    let t = str_field(b, "text", &bat)?;
-                    if t.trim().is_empty() {
-                        return Err(format!(
-                            "{bat}: text content blocks must contain non-whitespace text"
-                        ));
-                    }
-                    seen_other = true;
-                }
-                "image" | "document" => seen_other = true,
-                "tool_use" => {
-                    if role != "assistant" {
-                        return Err(format!(
-                            "{bat}: tool_use blocks are only allowed in assistant messages"
-                        ));
-                    }
-                    let id = str_field(b, "id", &bat)?;
-                    str_field(b, "name", &bat)?;
-                    if !b.get("input").is_some_and(Value::is_object) {
-                        return Err(format!("{bat}.input: Input should be a valid dictionary"));
-                    }
-                    uses.push(id.to_string());
-                }
-                "tool_result" => {
-                    if role != "user" {
-                        return Err(format!(
-                            "{bat}: tool_result blocks are only allowed in user messages"
-                        ));
-                    }
-                    if seen_other {
-                        return Err(format!(
-                            "{bat}: tool_result blocks must come first in the content, before any other block"
-                        ));
-                    }
-                    let id = str_field(b, "tool_use_id", &bat)?;
-                    if !pending.iter().any(|p| p == id) {
-                        return Err(format!(
-                            "{bat}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
-                        ));
-                    }
-                    if let Some(c) = b.get("content")
-                        && !(c.is_string() || c.is_array())
-                    {
-                        return Err(format!(
-                            "{bat}.content: must be a string or a list of blocks"
-                        ));
-                    }
-                    if let Some(e) = b.get("is_error")
-                        && !e.is_boolean()
-                    {
-                        return Err(format!("{bat}.is_error: must be a boolean"));
-                    }
-                    answered.push(id.to_string());
-                }
-                other => return Err(format!("{bat}.type: unknown block type {other:?}")),
-            }
-        }
+        let (answered, uses) = check_anthropic_blocks(m, role, &at, &pending)?;
         if role == "user" {
             let missing: Vec<&String> = pending.iter().filter(|p| !answered.contains(p)).collect();
             if !missing.is_empty() {
@@ -863,4 +859,97 @@ fn check_anthropic(req: &Value) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The content blocks of message `at` (of `role`): returns the tool uses
+/// it answers (of those `pending`) and the tool uses it makes.
+fn check_anthropic_blocks(
+    m: &Value,
+    role: &str,
+    at: &str,
+    pending: &[String],
+) -> Result<(Vec<String>, Vec<String>), String> {
+    let blocks: Vec<Value> = match m.get("content") {
+        Some(Value::String(s)) => vec![json!({"type": "text", "text": s})],
+        Some(Value::Array(b)) if !b.is_empty() => b.clone(),
+        _ => {
+            return Err(format!(
+                "{at}.content: a string or a non-empty list of blocks is required"
+            ));
+        }
+    };
+    let mut answered: Vec<String> = Vec::new();
+    let mut seen_other = false;
+    let mut uses: Vec<String> = Vec::new();
+    for (j, b) in blocks.iter().enumerate() {
+        let bat = format!("{at}.content[{j}]");
+        match str_field(b, "type", &bat)? {
+            "text" => {
+                let t = str_field(b, "text", &bat)?;
+                if t.trim().is_empty() {
+                    return Err(format!(
+                        "{bat}: text content blocks must contain non-whitespace text"
+                    ));
+                }
+                seen_other = true;
+            }
+            "image" | "document" => seen_other = true,
+            "tool_use" => {
+                if role != "assistant" {
+                    return Err(format!(
+                        "{bat}: tool_use blocks are only allowed in assistant messages"
+                    ));
+                }
+                let id = str_field(b, "id", &bat)?;
+                str_field(b, "name", &bat)?;
+                if !b.get("input").is_some_and(Value::is_object) {
+                    return Err(format!("{bat}.input: Input should be a valid dictionary"));
+                }
+                uses.push(id.to_string());
+            }
+            "tool_result" => answered.push(check_tool_result(b, role, &bat, seen_other, pending)?),
+            other => return Err(format!("{bat}.type: unknown block type {other:?}")),
+        }
+    }
+    Ok((answered, uses))
+}
+
+/// A `tool_result` block `bat`: first in a user message, answering a
+/// pending tool use, whose id it returns.
+fn check_tool_result(
+    b: &Value,
+    role: &str,
+    bat: &str,
+    seen_other: bool,
+    pending: &[String],
+) -> Result<String, String> {
+    if role != "user" {
+        return Err(format!(
+            "{bat}: tool_result blocks are only allowed in user messages"
+        ));
+    }
+    if seen_other {
+        return Err(format!(
+            "{bat}: tool_result blocks must come first in the content, before any other block"
+        ));
+    }
+    let id = str_field(b, "tool_use_id", bat)?;
+    if !pending.iter().any(|p| p == id) {
+        return Err(format!(
+            "{bat}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+        ));
+    }
+    if let Some(c) = b.get("content")
+        && !(c.is_string() || c.is_array())
+    {
+        return Err(format!(
+            "{bat}.content: must be a string or a list of blocks"
+        ));
+    }
+    if let Some(e) = b.get("is_error")
+        && !e.is_boolean()
+    {
+        return Err(format!("{bat}.is_error: must be a boolean"));
+    }
+    Ok(id.to_string())
 }

@@ -238,21 +238,22 @@ async fn run_tool(
         }
     };
     let started = std::time::Instant::now();
+    let seen = RequestSeen {
+        tool: tool.to_string(),
+        path: if idempotent {
+            tool.to_string()
+        } else {
+            format!("nokey/{tool}")
+        },
+        key: key.clone(),
+        run: header(headers, "x-agentrun-run"),
+        step: header(headers, "x-agentrun-step"),
+        args: args.clone(),
+        received_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        service_micros: 0,
+    };
     let (index, delay) = with_tenant(tenants, tenant, |t| {
-        t.requests.push(RequestSeen {
-            tool: tool.to_string(),
-            path: if idempotent {
-                tool.to_string()
-            } else {
-                format!("nokey/{tool}")
-            },
-            key: key.clone(),
-            run: header(headers, "x-agentrun-run"),
-            step: header(headers, "x-agentrun-step"),
-            args: args.clone(),
-            received_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            service_micros: 0,
-        });
+        t.requests.push(seen);
         (t.requests.len() - 1, t.config.delay_ms.get(tool).copied())
     });
     let _timer = ServiceTimer {
@@ -264,55 +265,80 @@ async fn run_tool(
     if let Some(ms) = delay {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    let (status, result, non_json) = with_tenant(tenants, tenant, |t| {
-        if let Some(status) = take_failure(&mut t.config.fail_next, tool) {
+    let (status, result, non_json) =
+        with_tenant(tenants, tenant, |t| t.call(tool, &key, &args, idempotent));
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    if non_json {
+        return (status, "OK, done (this is not JSON)").into_response();
+    }
+    (status, Json(result)).into_response()
+}
+
+impl Tenant {
+    /// A call as the tool answers it: a failure injected before, the result
+    /// its key already got (keyed calls), or a new effect; then perhaps a
+    /// failure injected after the effect. The status, the result, and
+    /// whether the answer is to be no JSON.
+    fn call(
+        &mut self,
+        tool: &str,
+        key: &Option<String>,
+        args: &Value,
+        idempotent: bool,
+    ) -> (u16, Value, bool) {
+        if let Some(status) = take_failure(&mut self.config.fail_next, tool) {
             return (status, json!({"error": "injected failure"}), false);
         }
         let replay = if idempotent {
             key.as_ref()
-                .and_then(|k| t.keyed.get(&(tool.to_string(), k.clone())).cloned())
+                .and_then(|k| self.keyed.get(&(tool.to_string(), k.clone())).cloned())
         } else {
             None
         };
         let result = match replay {
             Some(result) => result,
-            None => {
-                let count = t.counts.entry(tool.to_string()).or_default();
-                *count += 1;
-                let n = *count;
-                let result = json!({"ok": true, "tool": tool, "echo": args, "effect": n});
-                t.effects.push(Effect {
-                    tool: tool.to_string(),
-                    args: args.clone(),
-                    key: key.clone(),
-                    effect: n,
-                    idempotent,
-                });
-                if let Some(k) = &key {
-                    let map = if idempotent {
-                        &mut t.keyed
-                    } else {
-                        &mut t.nokey
-                    };
-                    map.insert((tool.to_string(), k.clone()), result.clone());
-                }
-                result
-            }
+            None => self.effect(tool, key, args, idempotent),
         };
-        if let Some(status) = take_failure(&mut t.config.fail_after_effect, tool) {
+        if let Some(status) = take_failure(&mut self.config.fail_after_effect, tool) {
             return (
                 status,
                 json!({"error": "injected failure after the effect"}),
                 false,
             );
         }
-        (200, result, t.config.non_json.iter().any(|n| n == tool))
-    });
-    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    if non_json {
-        return (status, "OK, done (this is not JSON)").into_response();
+        (200, result, self.config.non_json.iter().any(|n| n == tool))
     }
-    (status, Json(result)).into_response()
+
+    /// The tool's effect, once more: counted, recorded, its result kept
+    /// under the call's key.
+    fn effect(
+        &mut self,
+        tool: &str,
+        key: &Option<String>,
+        args: &Value,
+        idempotent: bool,
+    ) -> Value {
+        let count = self.counts.entry(tool.to_string()).or_default();
+        *count += 1;
+        let n = *count;
+        let result = json!({"ok": true, "tool": tool, "echo": args, "effect": n});
+        self.effects.push(Effect {
+            tool: tool.to_string(),
+            args: args.clone(),
+            key: key.clone(),
+            effect: n,
+            idempotent,
+        });
+        if let Some(k) = key {
+            let map = if idempotent {
+                &mut self.keyed
+            } else {
+                &mut self.nokey
+            };
+            map.insert((tool.to_string(), k.clone()), result.clone());
+        }
+        result
+    }
 }
 
 /// Records how long the server spent on request `index` of `tenant` when

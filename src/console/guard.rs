@@ -3,6 +3,7 @@
 //! person's forwarded bearer token in the cluster, the anti-forgery token
 //! on every write, and the headers every answer carries.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
@@ -102,131 +103,171 @@ pub async fn gate(State(console): State<Arc<Console>>, req: Request, next: Next)
     if path == "/healthz" {
         return next.run(req).await;
     }
-    let host = req
-        .headers()
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .unwrap_or("");
-    if !host.eq_ignore_ascii_case(&console.host) {
-        return refuse(
-            &console,
-            StatusCode::FORBIDDEN,
-            &format!(
-                "this console answers only requests for {} (the request named another host)",
-                console.host
-            ),
-        );
-    }
-    if let Some(origin) = req.headers().get(header::ORIGIN)
-        && !own_origin(&console, origin.as_bytes(), req.headers())
+    if let Err((status, why)) = screen(&console.host, &console.origin, req.method(), req.headers())
     {
-        return refuse(
-            &console,
-            StatusCode::FORBIDDEN,
-            "this console answers only its own pages (the request came from another origin)",
-        );
-    }
-    if req.method() != Method::GET && req.method() != Method::HEAD && req.method() != Method::POST {
-        return refuse(
-            &console,
-            StatusCode::METHOD_NOT_ALLOWED,
-            "only GET and POST are served",
-        );
+        return refuse(&console, status, &why);
     }
     if path.starts_with("/static/") {
         return next.run(req).await;
     }
-    let (caller, credential) = match &console.mode {
-        Mode::Loopback { client, session } => {
-            if let Some(sent) = query_param(req.uri().query(), "session") {
-                return open_session(&console, session, &sent, &path);
-            }
-            let secret = match (
-                cookie(req.headers(), &cookie_name(&console)),
-                session.secret(),
-            ) {
-                (Some(c), Some(secret)) if same(c.as_bytes(), secret.as_bytes()) => secret,
-                _ => {
-                    return refuse(
-                        &console,
-                        StatusCode::FORBIDDEN,
-                        "no console session: open the URL that `kubectl agentrun console` printed",
-                    );
-                }
-            };
-            (
-                Caller {
-                    client: client.clone(),
-                    csrf: csrf_token(&console.key, secret),
-                },
-                secret.to_string(),
-            )
-        }
-        Mode::InCluster(cluster) => {
-            let Some(token) = bearer(req.headers()) else {
-                return refuse(
-                    &console,
-                    StatusCode::UNAUTHORIZED,
-                    "no forwarded credential: this console acts only with the token of the person \
-                     its login proxy authenticated (X-Forwarded-Access-Token or Authorization: Bearer)",
-                );
-            };
-            let client = match cluster.client_for(&token) {
-                Ok(c) => c,
-                Err(e) => {
-                    return refuse(
-                        &console,
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        &format!(
-                            "building a client for the API server: {}",
-                            crate::text::chain(&e)
-                        ),
-                    );
-                }
-            };
-            (
-                Caller {
-                    client,
-                    csrf: csrf_token(&console.key, &token),
-                },
-                token,
-            )
-        }
+    let found = match &console.mode {
+        Mode::Loopback { client, session } => loopback_caller(&console, client, session, &req),
+        Mode::InCluster(cluster) => cluster_caller(&console, cluster, req.headers()),
     };
-    let mut req = req;
-    if req.method() == Method::POST {
-        let (parts, body) = req.into_parts();
-        let bytes = match axum::body::to_bytes(body, MAX_FORM).await {
-            Ok(b) => b,
-            Err(_) => {
-                return refuse(
-                    &console,
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "the form is too large",
-                );
-            }
-        };
-        let sent = form_value(&bytes, CSRF_FIELD).unwrap_or_default();
-        if !csrf_ok(&console.key, &credential, &sent) {
-            return refuse(
-                &console,
-                StatusCode::FORBIDDEN,
-                "the form lacks this session's anti-forgery token: reload the page and try again",
-            );
-        }
-        req = Request::from_parts(parts, Body::from(bytes));
-    }
+    let (caller, credential) = match found {
+        ControlFlow::Continue(found) => found,
+        ControlFlow::Break(answer) => return answer,
+    };
+    let mut req = match req.method() == Method::POST {
+        true => match with_checked_form(&console, req, &credential).await {
+            Ok(req) => req,
+            Err(refused) => return refused,
+        },
+        false => req,
+    };
     req.extensions_mut().insert(caller);
     next.run(req).await
 }
 
-/// Whether a request's `Origin` is the console's own. Under
+/// What every request but the health check must be, before any credential
+/// is read: for the console's host (`host`), from its own pages if from a
+/// page at all (`origin`), a GET, HEAD or POST. Otherwise the refusal's
+/// status and words.
+fn screen(
+    host: &str,
+    origin: &str,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<(), (StatusCode, String)> {
+    let named = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if !named.eq_ignore_ascii_case(host) {
+        return Err((
+            StatusCode::FORBIDDEN,
+            format!(
+                "this console answers only requests for {host} (the request named another host)"
+            ),
+        ));
+    }
+    if let Some(sent) = headers.get(header::ORIGIN)
+        && !own_origin(origin, sent.as_bytes(), headers)
+    {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "this console answers only its own pages (the request came from another origin)".into(),
+        ));
+    }
+    if method != Method::GET && method != Method::HEAD && method != Method::POST {
+        return Err((
+            StatusCode::METHOD_NOT_ALLOWED,
+            "only GET and POST are served".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// On loopback: the one person whose session cookie the request carries,
+/// with their kubeconfig's client, and their credential; or the answer
+/// instead (`Break`: the URL's ticket opening the session, or a refusal).
+fn loopback_caller(
+    console: &Console,
+    client: &kube::Client,
+    session: &super::LoopbackSession,
+    req: &Request,
+) -> ControlFlow<Response, (Caller, String)> {
+    if let Some(sent) = query_param(req.uri().query(), "session") {
+        return ControlFlow::Break(open_session(console, session, &sent, req.uri().path()));
+    }
+    let secret = match (
+        cookie(req.headers(), &cookie_name(console)),
+        session.secret(),
+    ) {
+        (Some(c), Some(secret)) if same(c.as_bytes(), secret.as_bytes()) => secret,
+        _ => {
+            return ControlFlow::Break(refuse(
+                console,
+                StatusCode::FORBIDDEN,
+                "no console session: open the URL that `kubectl agentrun console` printed",
+            ));
+        }
+    };
+    let caller = Caller {
+        client: client.clone(),
+        csrf: csrf_token(&console.key, secret),
+    };
+    ControlFlow::Continue((caller, secret.to_string()))
+}
+
+/// In the cluster: the person whose token the login proxy forwarded, with a
+/// client acting as them, and the token; or the refusal (`Break`).
+fn cluster_caller(
+    console: &Console,
+    cluster: &super::ClusterAccess,
+    headers: &HeaderMap,
+) -> ControlFlow<Response, (Caller, String)> {
+    let Some(token) = bearer(headers) else {
+        return ControlFlow::Break(refuse(
+            console,
+            StatusCode::UNAUTHORIZED,
+            "no forwarded credential: this console acts only with the token of the person \
+             its login proxy authenticated (X-Forwarded-Access-Token or Authorization: Bearer)",
+        ));
+    };
+    let client = match cluster.client_for(&token) {
+        Ok(client) => client,
+        Err(e) => {
+            return ControlFlow::Break(refuse(
+                console,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &format!(
+                    "building a client for the API server: {}",
+                    crate::text::chain(&e)
+                ),
+            ));
+        }
+    };
+    let caller = Caller {
+        client,
+        csrf: csrf_token(&console.key, &token),
+    };
+    ControlFlow::Continue((caller, token))
+}
+
+/// A write, read whole (up to [`MAX_FORM`]) and passed on only with the
+/// anti-forgery token of `credential`; or the refusal.
+async fn with_checked_form(
+    console: &Console,
+    req: Request,
+    credential: &str,
+) -> Result<Request, Response> {
+    let (parts, body) = req.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_FORM).await else {
+        return Err(refuse(
+            console,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "the form is too large",
+        ));
+    };
+    let sent = form_value(&bytes, CSRF_FIELD).unwrap_or_default();
+    if !csrf_ok(&console.key, credential, &sent) {
+        return Err(refuse(
+            console,
+            StatusCode::FORBIDDEN,
+            "the form lacks this session's anti-forgery token: reload the page and try again",
+        ));
+    }
+    Ok(Request::from_parts(parts, Body::from(bytes)))
+}
+
+/// Whether a request's `Origin` is the console's own (`own`). Under
 /// `Referrer-Policy: no-referrer` a browser sends `Origin: null` on the
 /// console's own form posts; that counts only with the browser's own word
 /// that the request came from this origin (`Sec-Fetch-Site: same-origin`,
 /// a header no page can set).
-fn own_origin(console: &Console, origin: &[u8], headers: &HeaderMap) -> bool {
-    origin == console.origin.as_bytes()
+fn own_origin(own: &str, origin: &[u8], headers: &HeaderMap) -> bool {
+    origin == own.as_bytes()
         || (origin == b"null"
             && headers
                 .get("sec-fetch-site")
@@ -334,4 +375,71 @@ pub fn form_value(body: &Bytes, name: &str) -> Option<String> {
     url::form_urlencoded::parse(body)
         .find(|(k, _)| k == name)
         .map(|(_, v)| v.into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOST: &str = "127.0.0.1:4567";
+    const ORIGIN: &str = "http://127.0.0.1:4567";
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    header::HeaderName::from_static(k),
+                    HeaderValue::from_static(v),
+                )
+            })
+            .collect()
+    }
+
+    fn screened(method: Method, pairs: &[(&'static str, &'static str)]) -> Option<StatusCode> {
+        screen(HOST, ORIGIN, &method, &headers(pairs))
+            .err()
+            .map(|(status, _)| status)
+    }
+
+    #[test]
+    fn only_the_consoles_host_and_own_pages_pass_the_screen() {
+        assert_eq!(screened(Method::GET, &[("host", HOST)]), None);
+        assert_eq!(screened(Method::POST, &[("host", "127.0.0.1:4567")]), None);
+        // DNS rebinding: the browser names the attacker's host.
+        let (status, why) = screen(
+            HOST,
+            ORIGIN,
+            &Method::GET,
+            &headers(&[("host", "evil.example:4567")]),
+        )
+        .unwrap_err();
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        assert!(why.contains(HOST), "{why}");
+        assert_eq!(screened(Method::GET, &[]), Some(StatusCode::FORBIDDEN));
+        // A cross-site request.
+        let foreign = [("host", HOST), ("origin", "https://evil.example")];
+        assert_eq!(
+            screened(Method::POST, &foreign),
+            Some(StatusCode::FORBIDDEN)
+        );
+        let own = [("host", HOST), ("origin", ORIGIN)];
+        assert_eq!(screened(Method::POST, &own), None);
+        // Only the methods the console serves.
+        assert_eq!(
+            screened(Method::PUT, &[("host", HOST)]),
+            Some(StatusCode::METHOD_NOT_ALLOWED)
+        );
+        assert_eq!(screened(Method::HEAD, &[("host", HOST)]), None);
+    }
+
+    #[test]
+    fn a_null_origin_is_own_only_on_the_browsers_word() {
+        let same_origin = headers(&[("sec-fetch-site", "same-origin")]);
+        assert!(own_origin(ORIGIN, b"null", &same_origin));
+        assert!(!own_origin(ORIGIN, b"null", &HeaderMap::new()));
+        let cross_site = headers(&[("sec-fetch-site", "cross-site")]);
+        assert!(!own_origin(ORIGIN, b"null", &cross_site));
+        assert!(own_origin(ORIGIN, ORIGIN.as_bytes(), &HeaderMap::new()));
+    }
 }

@@ -462,44 +462,29 @@ pub async fn decide(
     body: Bytes,
 ) -> Response {
     let pairs: Vec<(String, String)> = url::form_urlencoded::parse(&body).into_owned().collect();
-    let field = |k: &str| pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-    let reason = field("reason")
-        .map(|r| r.trim().to_string())
-        .filter(|r| !r.is_empty());
-    let verdict = match field("verdict").as_deref() {
-        Some("Approve") => Verdict::Approve,
-        Some("Reject") => Verdict::Reject,
-        Some("Edit") => Verdict::Edit,
-        _ => {
+    let form = SentForm {
+        c: &c,
+        caller: &caller,
+        ns: &ns,
+        name: &name,
+        pairs: &pairs,
+    };
+    let (verdict, reason) = match verdict_of(&pairs) {
+        Ok(asked) => asked,
+        Err(Unasked::Verdict) => {
             return failed(
                 &c,
                 StatusCode::BAD_REQUEST,
                 "the form names no verdict (Approve, Reject or Edit)",
             );
         }
-    };
-    let refuse = |status: StatusCode, error: String, problems: Vec<String>| {
-        let c = c.clone();
-        let caller = caller.clone();
-        let (ns, name) = (ns.clone(), name.clone());
-        let pairs = pairs.clone();
-        async move {
-            let notice = Notice {
-                error: Some(error),
-                problems,
-                ..Notice::default()
-            };
-            approval_page(&c, &caller, &ns, &name, notice, status, Some(&pairs)).await
+        Err(Unasked::Reason) => {
+            let error = "A rejection needs a reason: it goes back to the agent.";
+            return form
+                .refuse(StatusCode::UNPROCESSABLE_ENTITY, error.into(), vec![])
+                .await;
         }
     };
-    if verdict == Verdict::Reject && reason.is_none() {
-        return refuse(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "A rejection needs a reason: it goes back to the agent.".into(),
-            vec![],
-        )
-        .await;
-    }
     let api: Api<Approval> = Api::namespaced(caller.client.clone(), &ns);
     let a = match api.get(&name).await {
         Ok(a) => a,
@@ -511,37 +496,27 @@ pub async fn decide(
             );
         }
     };
-    if field("hash").as_deref() != Some(a.spec.arguments_hash.as_str()) {
-        return refuse(
+    if form_field(&pairs, "hash").as_deref() != Some(a.spec.arguments_hash.as_str()) {
+        return form.refuse(
             StatusCode::CONFLICT,
             "This approval is not the one the form was made for (its arguments hash differs): look again before deciding.".into(),
             vec![],
         )
         .await;
     }
-    let arguments = if verdict == Verdict::Edit {
-        let schema = tool_schema(&caller.client, &ns, &a).await.ok().flatten();
-        match form::parse(schema.as_ref(), &a.spec.arguments, &pairs) {
-            Ok(args) if args == a.spec.arguments => {
-                return refuse(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "The edited arguments are the proposed ones: approve instead.".into(),
-                    vec![],
-                )
-                .await;
-            }
-            Ok(args) => Some(args),
-            Err(problems) => {
-                return refuse(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "The edited arguments do not fit the tool's schema:".into(),
-                    problems.into_iter().map(String::from).collect(),
-                )
-                .await;
+    let arguments = match verdict {
+        Verdict::Edit => {
+            let schema = tool_schema(&caller.client, &ns, &a).await.ok().flatten();
+            match edited(schema.as_ref(), &a.spec.arguments, &pairs) {
+                Ok(args) => Some(args),
+                Err((error, problems)) => {
+                    return form
+                        .refuse(StatusCode::UNPROCESSABLE_ENTITY, error.into(), problems)
+                        .await;
+                }
             }
         }
-    } else {
-        None
+        _ => None,
     };
     let k = Kube::new(caller.client.clone(), &ns);
     match shown::decide(&k, &name, verdict, arguments, reason).await {
@@ -554,14 +529,100 @@ pub async fn decide(
             see_other(&to)
         }
         Err(e) => {
-            // The API server's admission refused it: the person may not decide.
-            let status = if matches!(e, shown::DecideError::Refused(_)) {
-                StatusCode::FORBIDDEN
-            } else {
-                StatusCode::CONFLICT
-            };
-            refuse(status, crate::text::chain(&e), vec![]).await
+            form.refuse(refused_status(&e), crate::text::chain(&e), vec![])
+                .await
         }
+    }
+}
+
+/// A decision form as it was sent, for the page that refuses it.
+struct SentForm<'a> {
+    c: &'a Console,
+    caller: &'a Caller,
+    ns: &'a str,
+    name: &'a str,
+    pairs: &'a [(String, String)],
+}
+
+impl SentForm<'_> {
+    /// The approval's page again, saying why, with the form as it was sent.
+    async fn refuse(&self, status: StatusCode, error: String, problems: Vec<String>) -> Response {
+        let notice = Notice {
+            error: Some(error),
+            problems,
+            ..Notice::default()
+        };
+        let sent = Some(self.pairs);
+        approval_page(
+            self.c,
+            self.caller,
+            self.ns,
+            self.name,
+            notice,
+            status,
+            sent,
+        )
+        .await
+    }
+}
+
+/// The value of a form's field `k`.
+fn form_field(pairs: &[(String, String)], k: &str) -> Option<String> {
+    pairs.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+}
+
+/// What a decision form lacks.
+#[derive(Debug, PartialEq)]
+enum Unasked {
+    Verdict,
+    /// A rejection's reason: it goes back to the agent.
+    Reason,
+}
+
+/// The verdict a decision form asks for, and its reason (trimmed, if any).
+fn verdict_of(pairs: &[(String, String)]) -> Result<(Verdict, Option<String>), Unasked> {
+    let reason = form_field(pairs, "reason")
+        .map(|r| r.trim().to_string())
+        .filter(|r| !r.is_empty());
+    let verdict = match form_field(pairs, "verdict").as_deref() {
+        Some("Approve") => Verdict::Approve,
+        Some("Reject") => Verdict::Reject,
+        Some("Edit") => Verdict::Edit,
+        _ => return Err(Unasked::Verdict),
+    };
+    if verdict == Verdict::Reject && reason.is_none() {
+        return Err(Unasked::Reason);
+    }
+    Ok((verdict, reason))
+}
+
+/// The arguments an edit gives in place of the `proposed` ones; otherwise
+/// why not, in words, with the schema's problems.
+fn edited(
+    schema: Option<&Value>,
+    proposed: &Value,
+    pairs: &[(String, String)],
+) -> Result<Value, (&'static str, Vec<String>)> {
+    match form::parse(schema, proposed, pairs) {
+        Ok(args) if args == *proposed => Err((
+            "The edited arguments are the proposed ones: approve instead.",
+            vec![],
+        )),
+        Ok(args) => Ok(args),
+        Err(problems) => Err((
+            "The edited arguments do not fit the tool's schema:",
+            problems.into_iter().map(String::from).collect(),
+        )),
+    }
+}
+
+/// How a decision the plugin's path refused is answered: the API server's
+/// admission refused it (the person may not decide), or it came too late.
+fn refused_status(e: &shown::DecideError) -> StatusCode {
+    if matches!(e, shown::DecideError::Refused(_)) {
+        StatusCode::FORBIDDEN
+    } else {
+        StatusCode::CONFLICT
     }
 }
 
@@ -1013,4 +1074,73 @@ pub async fn script() -> Response {
 
 pub async fn not_found(State(c): State<Arc<Console>>) -> Response {
     failed(&c, StatusCode::NOT_FOUND, "no such page")
+}
+
+#[cfg(test)]
+mod decide_tests {
+    use super::*;
+
+    fn form(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_decision_form_names_its_verdict_and_a_rejection_its_reason() {
+        assert_eq!(
+            verdict_of(&form(&[("verdict", "Approve")])),
+            Ok((Verdict::Approve, None))
+        );
+        assert_eq!(
+            verdict_of(&form(&[("verdict", "Edit"), ("reason", "  too much  ")])),
+            Ok((Verdict::Edit, Some("too much".into())))
+        );
+        assert_eq!(
+            verdict_of(&form(&[("verdict", "Reject"), ("reason", "no")])),
+            Ok((Verdict::Reject, Some("no".into())))
+        );
+        assert_eq!(
+            verdict_of(&form(&[("verdict", "Reject"), ("reason", "   ")])),
+            Err(Unasked::Reason)
+        );
+        assert_eq!(verdict_of(&form(&[])), Err(Unasked::Verdict));
+        assert_eq!(
+            verdict_of(&form(&[("verdict", "Expired")])),
+            Err(Unasked::Verdict)
+        );
+    }
+
+    #[test]
+    fn an_edit_gives_other_arguments_that_fit_the_tools_schema() {
+        let schema = json!({"type": "object", "required": ["amount"],
+            "properties": {"amount": {"type": "number", "minimum": 0}}});
+        let proposed = json!({"amount": 500});
+        let pairs = form(&[("arg.amount", "300")]);
+        assert_eq!(
+            edited(Some(&schema), &proposed, &pairs),
+            Ok(json!({"amount": 300}))
+        );
+        let same = form(&[("arg.amount", "500")]);
+        let (error, problems) = edited(Some(&schema), &proposed, &same).unwrap_err();
+        assert!(error.contains("approve instead") && problems.is_empty());
+        let negative = form(&[("arg.amount", "-1")]);
+        let (error, problems) = edited(Some(&schema), &proposed, &negative).unwrap_err();
+        assert!(
+            error.contains("do not fit") && !problems.is_empty(),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn a_decision_the_api_server_refuses_is_forbidden_and_a_late_one_a_conflict() {
+        let refused = shown::DecideError::Refused("not an approver".into());
+        assert_eq!(refused_status(&refused), StatusCode::FORBIDDEN);
+        let late = shown::DecideError::AlreadyDecided {
+            me: "alice".into(),
+            name: "a".into(),
+        };
+        assert_eq!(refused_status(&late), StatusCode::CONFLICT);
+    }
 }

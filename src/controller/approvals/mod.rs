@@ -94,14 +94,11 @@ pub(super) async fn pending(
         .iter()
         .any(|o| Some(&o.uid) == run.metadata.uid.as_ref());
     let shown = found.status.as_ref().and_then(|s| s.state) == Some(ApprovalState::Pending);
-    Ok(match evaluate(&found.spec, now) {
-        Evaluation::Pending { expires_at, .. } if owned && shown => Some(Waiting {
-            name: name.to_string(),
-            expires_at,
-            generation: found.metadata.generation,
-        }),
-        _ => None,
-    })
+    let evaluation = evaluate(&found.spec, now);
+    Ok(
+        waiting(&evaluation, name.to_string(), found.metadata.generation)
+            .filter(|_| owned && shown),
+    )
 }
 
 /// Raises the Approval for the request at `request_seq`, or acts on its
@@ -128,8 +125,7 @@ pub(super) async fn handle(
         Ok(vouched) => vouched,
         Err(reason) => {
             let finished = refused(recorded, request_seq, &reason, log, notices);
-            append(ctx, &uid, head, Entry::RunFinished(finished)).await?;
-            return Ok(None);
+            return settle(ctx, &uid, head, Entry::RunFinished(finished)).await;
         }
     };
     let approvals: Api<Approval> = Api::namespaced(ctx.client.clone(), &ns);
@@ -141,8 +137,7 @@ pub(super) async fn handle(
     // Expired already: what the policy says follows is recorded.
     if let Some(expired) = decided(log, request_seq) {
         let next = after_expiry(run, ctx, &request, &expired, &name, log, notices);
-        append(ctx, &uid, head, next).await?;
-        return Ok(None);
+        return settle(ctx, &uid, head, next).await;
     }
 
     // Read (raising it when missing), judge, then act: the log first, the
@@ -158,8 +153,7 @@ pub(super) async fn handle(
     {
         // Creating it would be refused every time: the run ends instead.
         let finished = refused(&request, request_seq, &reason, log, notices);
-        append(ctx, &uid, head, Entry::RunFinished(finished)).await?;
-        return Ok(None);
+        return settle(ctx, &uid, head, Entry::RunFinished(finished)).await;
     }
     let found = match existing {
         Some(found) => found,
@@ -183,14 +177,31 @@ pub(super) async fn handle(
     if judged.status_behind {
         write_approval_status(&approvals, &name, &judged.evaluation, judged.state, now).await?;
     }
-    Ok(match judged.evaluation {
+    Ok(waiting(&judged.evaluation, name, found.metadata.generation))
+}
+
+/// Appends what settles the request without an Approval to wait for: the
+/// run's end, or the escalated request after an expiry.
+async fn settle(
+    ctx: &Context,
+    uid: &str,
+    head: &Head,
+    entry: Entry,
+) -> Result<Option<Waiting>, Error> {
+    append(ctx, uid, head, entry).await?;
+    Ok(None)
+}
+
+/// The Approval `name` still waited for, if its decisions leave it pending.
+fn waiting(evaluation: &Evaluation, name: String, generation: Option<i64>) -> Option<Waiting> {
+    match evaluation {
         Evaluation::Pending { expires_at, .. } => Some(Waiting {
             name,
-            expires_at,
-            generation: found.metadata.generation,
+            expires_at: *expires_at,
+            generation,
         }),
         _ => None,
-    })
+    }
 }
 
 /// Records a decision (or the expiry) in the log, then tells the webhook.
@@ -613,6 +624,26 @@ mod tests {
             state_of(&Evaluation::Expired, OnExpiry::Fail),
             ApprovalState::Expired
         );
+    }
+
+    #[test]
+    fn only_a_pending_approval_is_waited_for_until_it_expires() {
+        let pending = evaluate(&spec(2, vec![]), t(1));
+        let expires_at = match pending {
+            Evaluation::Pending { expires_at, .. } => expires_at,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            waiting(&pending, "a".into(), Some(3)),
+            Some(Waiting {
+                name: "a".into(),
+                expires_at,
+                generation: Some(3),
+            })
+        );
+        assert_eq!(waiting(&Evaluation::Expired, "a".into(), Some(3)), None);
+        let approved = spec(1, vec![d("alice", ApiVerdict::Approve, HASH, None)]);
+        assert_eq!(waiting(&evaluate(&approved, t(1)), "a".into(), None), None);
     }
 
     /// An Approval whose `spec.decisions` the API server last recorded at `at`.

@@ -153,14 +153,7 @@ pub fn notify(
     let Some(url) = request.gate.notify_webhook.clone() else {
         return;
     };
-    let counted = ctx.metrics.approval_webhooks.clone();
-    let count = move |outcome: &str| {
-        counted
-            .get_or_create(&OutcomeLabel {
-                outcome: outcome.into(),
-            })
-            .inc();
-    };
+    let count = counter(ctx);
     let failed = FailedEvent {
         recorder: ctx.recorder(),
         run: run.object_ref(&()),
@@ -206,24 +199,59 @@ pub fn notify(
         count("dropped");
         return;
     };
-    let http = ctx.outbound.http.clone();
-    tokio::spawn(async move {
+    let delivery = Delivery {
+        http: ctx.outbound.http.clone(),
+        url,
+        body,
+        failed,
+    };
+    tokio::spawn(delivery.run(permit, count));
+}
+
+/// Counts a notification by its outcome.
+fn counter(ctx: &Context) -> impl Fn(&str) + Send + 'static {
+    let counted = ctx.metrics.approval_webhooks.clone();
+    move |outcome: &str| {
+        counted
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+}
+
+/// One notification on its way, and the Warning Event if it never arrives.
+struct Delivery {
+    http: reqwest::Client,
+    url: String,
+    body: Value,
+    failed: FailedEvent,
+}
+
+impl Delivery {
+    /// Delivers with [`RETRY`], holding its slots until it is done.
+    async fn run(self, permit: WebhookPermit, count: impl Fn(&str)) {
         let _permit = permit;
-        match deliver(&http, &url, &body, RETRY).await {
+        match deliver(&self.http, &self.url, &self.body, RETRY).await {
             Ok(_) => count("sent"),
             Err((failure, attempts)) => {
+                let failed = self.failed;
                 tracing::warn!(approval = %failed.approval, event = %failed.event, %failure, attempts,
                     "approval webhook failed");
                 count("failed");
-                let why = if attempts > 1 {
-                    format!("{failure} after {attempts} attempts")
-                } else {
-                    failure.to_string()
-                };
-                failed.publish(why).await;
+                failed.publish(undelivered(&failure, attempts)).await;
             }
         }
-    });
+    }
+}
+
+/// Why a notification did not arrive, as its Warning Event says it.
+fn undelivered(failure: &Failure, attempts: u32) -> String {
+    if attempts > 1 {
+        format!("{failure} after {attempts} attempts")
+    } else {
+        failure.to_string()
+    }
 }
 
 /// The message in the policy's `notifyFormat`.
@@ -442,93 +470,7 @@ impl Message {
         console_url: Option<&str>,
     ) -> Message {
         let namespace = run.namespace().unwrap_or_default();
-        let name = run.name_any();
-        let tool = request.tool.clone();
-        let who = approvers(&request.gate.approvers);
-        let (title, summary) = match event {
-            NoticeKind::Raised => (
-                format!("Approval needed: {tool}"),
-                match request.kind {
-                    ApprovalKind::Reconcile => format!(
-                        "Run {name} in {namespace} was cut off around a call to {tool}: \
-                         someone must confirm whether it happened."
-                    ),
-                    ApprovalKind::Budget => format!(
-                        "Run {name} in {namespace} used up a budget and asks to go on \
-                         with the limits shown."
-                    ),
-                    ApprovalKind::Call => {
-                        format!("Run {name} in {namespace} waits for approval to call {tool}.")
-                    }
-                },
-            ),
-            NoticeKind::Escalated => (
-                format!("Approval escalated: {tool}"),
-                format!(
-                    "Nobody decided {approval} in time: escalated to {who} (escalation {} of {}). \
-                     Run {name} in {namespace} still waits.",
-                    detail["escalation"]
-                        .as_u64()
-                        .unwrap_or(request.escalation.into()),
-                    request.gate.max_escalations
-                ),
-            ),
-            NoticeKind::Decided => {
-                let verdict = match detail["verdict"].as_str() {
-                    Some("Approve") => "approved",
-                    Some("Reject") => "rejected",
-                    Some("Edit") => "approved with edited arguments",
-                    _ => "decided",
-                };
-                (
-                    format!("Approval {verdict}: {tool}"),
-                    format!("{approval} of run {name} in {namespace} was {verdict}."),
-                )
-            }
-            NoticeKind::Expired => (
-                format!("Approval expired: {tool}"),
-                format!(
-                    "Nobody decided {approval} of run {name} in {namespace} in time; \
-                     the call was not made."
-                ),
-            ),
-        };
-        let rule = if request.gate.because.is_empty() {
-            request.gate.rule.clone()
-        } else {
-            format!("{} ({})", request.gate.rule, request.gate.because)
-        };
-        let quorum = format!(
-            "{} of {who}{}",
-            request.gate.required_approvals.max(1),
-            if request.gate.separation_of_duties {
-                ", not the requester"
-            } else {
-                ""
-            }
-        );
-        let arguments = match &request.arguments {
-            Value::Object(map) => map
-                .iter()
-                .map(|(k, v)| (k.clone(), v.to_string()))
-                .collect(),
-            Value::Null => Vec::new(),
-            other => vec![("arguments".to_string(), other.to_string())],
-        };
-        let decisions = detail["decisions"]
-            .as_array()
-            .map(|ds| {
-                ds.iter()
-                    .map(|d| {
-                        (
-                            d["approver"].as_str().unwrap_or_default().to_string(),
-                            d["verdict"].as_str().unwrap_or_default().to_string(),
-                            d["reason"].as_str().map(str::to_string),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let (title, summary) = headline(run, approval, request, event, detail);
         Message {
             event,
             title,
@@ -545,15 +487,15 @@ impl Message {
                 .get(crate::api::REQUESTER_ANNOTATION)
                 .cloned(),
             namespace,
-            run: name,
+            run: run.name_any(),
             approval: approval.to_string(),
-            tool,
-            rule,
+            tool: request.tool.clone(),
+            rule: rule(&request.gate),
             expires_at: detail["expiresAt"].as_str().map(str::to_string),
-            quorum,
-            arguments,
+            quorum: quorum(&request.gate),
+            arguments: arguments(&request.arguments),
             reason: request.reason.clone().filter(|r| !r.trim().is_empty()),
-            decisions,
+            decisions: decisions(detail),
         }
     }
 
@@ -575,6 +517,121 @@ impl Message {
         facts.push(("Quorum", self.quorum.clone()));
         facts
     }
+}
+
+/// A message's title and what happened, by event (no model-written text).
+fn headline(
+    run: &AgentRun,
+    approval: &str,
+    request: &ApprovalRequested,
+    event: NoticeKind,
+    detail: &Value,
+) -> (String, String) {
+    let namespace = run.namespace().unwrap_or_default();
+    let name = run.name_any();
+    let tool = &request.tool;
+    match event {
+        NoticeKind::Raised => (
+            format!("Approval needed: {tool}"),
+            match request.kind {
+                ApprovalKind::Reconcile => format!(
+                    "Run {name} in {namespace} was cut off around a call to {tool}: \
+                     someone must confirm whether it happened."
+                ),
+                ApprovalKind::Budget => format!(
+                    "Run {name} in {namespace} used up a budget and asks to go on \
+                     with the limits shown."
+                ),
+                ApprovalKind::Call => {
+                    format!("Run {name} in {namespace} waits for approval to call {tool}.")
+                }
+            },
+        ),
+        NoticeKind::Escalated => (
+            format!("Approval escalated: {tool}"),
+            format!(
+                "Nobody decided {approval} in time: escalated to {} (escalation {} of {}). \
+                 Run {name} in {namespace} still waits.",
+                approvers(&request.gate.approvers),
+                detail["escalation"]
+                    .as_u64()
+                    .unwrap_or(request.escalation.into()),
+                request.gate.max_escalations
+            ),
+        ),
+        NoticeKind::Decided => {
+            let verdict = match detail["verdict"].as_str() {
+                Some("Approve") => "approved",
+                Some("Reject") => "rejected",
+                Some("Edit") => "approved with edited arguments",
+                _ => "decided",
+            };
+            (
+                format!("Approval {verdict}: {tool}"),
+                format!("{approval} of run {name} in {namespace} was {verdict}."),
+            )
+        }
+        NoticeKind::Expired => (
+            format!("Approval expired: {tool}"),
+            format!(
+                "Nobody decided {approval} of run {name} in {namespace} in time; \
+                 the call was not made."
+            ),
+        ),
+    }
+}
+
+/// The rule that matched, and why.
+fn rule(gate: &crate::runlog::records::Gate) -> String {
+    if gate.because.is_empty() {
+        gate.rule.clone()
+    } else {
+        format!("{} ({})", gate.rule, gate.because)
+    }
+}
+
+/// How many decide, and who may: "1 of groups finance, not the requester".
+fn quorum(gate: &crate::runlog::records::Gate) -> String {
+    format!(
+        "{} of {}{}",
+        gate.required_approvals.max(1),
+        approvers(&gate.approvers),
+        if gate.separation_of_duties {
+            ", not the requester"
+        } else {
+            ""
+        }
+    )
+}
+
+/// The call's arguments, top-level keys each with its JSON value.
+fn arguments(arguments: &Value) -> Vec<(String, String)> {
+    match arguments {
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_string()))
+            .collect(),
+        Value::Null => Vec::new(),
+        other => vec![("arguments".to_string(), other.to_string())],
+    }
+}
+
+/// The decisions a `decided` event's detail lists: approver, verdict, reason.
+fn decisions(detail: &Value) -> Vec<(String, String, Option<String>)> {
+    detail["decisions"]
+        .as_array()
+        .map(|ds| {
+            ds.iter()
+                .map(|d| {
+                    (
+                        d["approver"].as_str().unwrap_or_default().to_string(),
+                        d["verdict"].as_str().unwrap_or_default().to_string(),
+                        d["reason"].as_str().map(str::to_string),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// "users alice, bob; groups finance".

@@ -10,11 +10,15 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
+use kube::runtime::controller::Action;
+
+use super::Acting;
 use super::phase::{JobState, JobView};
-use super::{checkpoint, phase};
-use crate::api::{AgentRun, AgentTemplate};
+use super::{checkpoint, phase, status};
+use crate::api::{AgentRun, AgentRunStatus, AgentTemplate, Phase};
 use crate::controller::approvals::Waiting;
-use crate::controller::context::{Context, notice};
+use crate::controller::conditions::set_condition;
+use crate::controller::context::{Context, Notice, notice};
 use crate::controller::memory::{Asleep, Replayed};
 use crate::runlog::records::{RunStarted, Versions};
 use crate::store::{Head, sha256_hex};
@@ -86,6 +90,99 @@ pub(super) fn end_notice(
     let warn = outcome != crate::api::Phase::Succeeded;
     let msg = new.error.clone().or(new.result.clone()).unwrap_or_default();
     notice(warn, phase_reason(outcome), truncate(&msg, 900))
+}
+
+/// Whether the status is written from the log read again: only if this
+/// reconcile appended or the head may have moved meanwhile (a waiting run
+/// woken by a Job's deletion reads nothing).
+pub(super) fn reads_again(acting: &Acting, requeue: Duration) -> bool {
+    acting.concluded.is_none() && (requeue.is_zero() || acting.awaiting.is_some())
+}
+
+/// The status a reconcile writes, with the Events to publish with it.
+pub(super) struct ToWrite {
+    pub(super) status: AgentRunStatus,
+    pub(super) notices: Vec<Notice>,
+    /// The end the run reaches with this status, if it was not there.
+    pub(super) ends_now: Option<Phase>,
+}
+
+/// The status composed from the log as it is after acting, with what
+/// acting found (a fork's start, a policy awaited, a discovery failing),
+/// and the Events of what changed and of the run's end. Its checkpoint is
+/// the caller's to sign.
+pub(super) fn to_write(
+    run: &AgentRun,
+    planned: AgentRunStatus,
+    replayed: &Replayed,
+    job: Option<&JobView>,
+    acting: &Acting,
+    store: &str,
+    key_id: &str,
+) -> ToWrite {
+    let now = acting.now;
+    let awaiting = acting
+        .awaiting
+        .as_ref()
+        .map(|w| (w.name.clone(), w.expires_at));
+    let mut status = status::compose(
+        run,
+        planned,
+        &replayed.state,
+        &replayed.head,
+        store,
+        acting.step.clone(),
+        acting.concluded.as_ref(),
+        job,
+        awaiting.as_ref(),
+        key_id,
+        now,
+    );
+    if let Some(forked) = acting.fork.clone() {
+        set_condition(&mut status.conditions, forked);
+    }
+    let generation = run.metadata.generation;
+    let awaited = acting
+        .policy
+        .as_ref()
+        .map(|(w, m)| (w.as_str(), m.as_str()));
+    let allowed = status::set_allowed(&mut status, awaited, generation, now);
+    let failed = acting.discovery.as_deref();
+    let discovered = status::set_discovered(&mut status, failed, generation, now);
+    let mut notices = acting.notices.clone();
+    notices.extend(
+        allowed
+            .into_iter()
+            .chain(discovered)
+            .map(|(warn, reason, message)| notice(warn, reason, message)),
+    );
+    let ends_now = ends_now(run, &status);
+    notices.extend(ends_now.map(|outcome| end_notice(outcome, &status)));
+    ToWrite {
+        status,
+        notices,
+        ends_now,
+    }
+}
+
+/// When to look at the run again, as the reconcile answers it: `requeue`
+/// (`MAX`: on a change only; zero: at once), but never past the deadline
+/// of a run not finished.
+pub(super) fn next_action(
+    run: &AgentRun,
+    requeue: Duration,
+    finished: bool,
+    now: Timestamp,
+) -> Action {
+    let requeue = match finished {
+        true => requeue,
+        false => requeue.min(until_deadline(run, now)),
+    };
+    match requeue {
+        Duration::MAX => Action::await_change(),
+        d if d.is_zero() => Action::requeue(AT_ONCE),
+        d => Action::requeue(d),
+    }
 }
 
 /// How often a running step's progress (log length and head, usage) is
@@ -383,5 +480,160 @@ mod snapshot_tests {
         assert_eq!(started.versions.prompt_version, "v3");
         assert_eq!(started.container, None);
         assert_eq!(started.agent_template(), builtin);
+    }
+}
+
+#[cfg(test)]
+mod record_tests {
+    use std::time::Duration;
+
+    use jiff::Timestamp;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use kube::runtime::controller::Action;
+
+    use super::{AT_ONCE, next_action, reads_again, to_write};
+    use crate::api::{AgentRun, AgentRunStatus, Phase};
+    use crate::controller::approvals::Waiting;
+    use crate::controller::conditions::condition;
+    use crate::controller::memory::Replayed;
+    use crate::controller::reconciler::Acting;
+    use crate::runlog::records::{Outcome, RunFinished};
+
+    fn now() -> Timestamp {
+        Timestamp::from_second(1_800_000_000).unwrap()
+    }
+
+    fn run(deadline: Option<&str>) -> AgentRun {
+        let mut run: AgentRun = serde_json::from_value(serde_json::json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": "r", "namespace": "n", "uid": "u"},
+            "spec": {"input": "x", "agentRef": {"name": "a"}, "deadline": deadline}
+        }))
+        .unwrap();
+        run.metadata.creation_timestamp = Some(Time(now()));
+        run
+    }
+
+    fn acting(run: &AgentRun) -> Acting {
+        Acting::new(run, Vec::new(), chrono::Utc::now(), now())
+    }
+
+    fn failed(error: &str) -> RunFinished {
+        RunFinished {
+            outcome: Outcome::Failed,
+            result: None,
+            error: Some(error.into()),
+        }
+    }
+
+    #[test]
+    fn a_reconcile_looks_again_at_once_on_a_change_or_by_the_deadline() {
+        let open = run(None);
+        let secs = Duration::from_secs;
+        assert_eq!(
+            next_action(&open, Duration::MAX, false, now()),
+            Action::await_change()
+        );
+        assert_eq!(
+            next_action(&open, Duration::ZERO, false, now()),
+            Action::requeue(AT_ONCE)
+        );
+        assert_eq!(
+            next_action(&open, secs(7), false, now()),
+            Action::requeue(secs(7))
+        );
+        // A deadline in a minute cuts a longer wait, unless the run is over.
+        let due = run(Some("60s"));
+        assert_eq!(
+            next_action(&due, Duration::MAX, false, now()),
+            Action::requeue(secs(60))
+        );
+        assert_eq!(
+            next_action(&due, secs(7), false, now()),
+            Action::requeue(secs(7))
+        );
+        assert_eq!(
+            next_action(&due, Duration::MAX, true, now()),
+            Action::await_change()
+        );
+    }
+
+    #[test]
+    fn the_log_is_read_again_only_after_an_append_or_while_waiting() {
+        let r = run(None);
+        let mut acting = acting(&r);
+        assert!(reads_again(&acting, Duration::ZERO));
+        assert!(!reads_again(&acting, Duration::from_secs(5)));
+        acting.awaiting = Some(Waiting {
+            name: "r-approval".into(),
+            expires_at: now(),
+            generation: None,
+        });
+        assert!(reads_again(&acting, Duration::from_secs(5)));
+        // A run concluded without its log has nothing new in it.
+        acting.concluded = Some(failed("spec.tools: bad"));
+        assert!(!reads_again(&acting, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_concluded_run_ends_with_its_event_once() {
+        let r = run(None);
+        let mut acting = acting(&r);
+        acting.concluded = Some(failed("spec.tools: bad"));
+        let empty = Replayed::empty();
+        let written = to_write(
+            &r,
+            AgentRunStatus::default(),
+            &empty,
+            None,
+            &acting,
+            "s",
+            "k",
+        );
+        assert_eq!(written.ends_now, Some(Phase::Failed));
+        assert_eq!(written.status.phase, Some(Phase::Failed));
+        let end = written.notices.last().unwrap();
+        assert_eq!(
+            (end.warning, end.reason, end.message.as_str()),
+            (true, "RunFailed", "spec.tools: bad")
+        );
+        // Its status says so already: no second end, no second Event.
+        let mut ended = r.clone();
+        ended.status = Some(written.status.clone());
+        let again = to_write(&ended, written.status, &empty, None, &acting, "s", "k");
+        assert_eq!(again.ends_now, None);
+        assert!(again.notices.is_empty(), "{:?}", again.notices);
+    }
+
+    #[test]
+    fn a_wait_for_a_policy_is_told_once_and_a_forks_start_kept() {
+        let r = run(None);
+        let mut acting = acting(&r);
+        acting.policy = Some(("policy/egress".into(), "no policy allows it yet".into()));
+        acting.fork = Some(condition("Forked", true, "Copied", "copied", None, now()));
+        let empty = Replayed::empty();
+        let written = to_write(
+            &r,
+            AgentRunStatus::default(),
+            &empty,
+            None,
+            &acting,
+            "s",
+            "k",
+        );
+        assert_eq!(written.status.waiting_on.as_deref(), Some("policy/egress"));
+        assert!(
+            written
+                .status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Forked")
+        );
+        let reasons: Vec<_> = written.notices.iter().map(|n| n.reason).collect();
+        assert_eq!(reasons, ["WaitingForPolicy"]);
+        assert_eq!(written.ends_now, None);
+        // The same wait, already in the status, is no news.
+        let again = to_write(&r, written.status, &empty, None, &acting, "s", "k");
+        assert!(again.notices.is_empty(), "{:?}", again.notices);
     }
 }

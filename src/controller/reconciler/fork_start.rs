@@ -76,6 +76,15 @@ impl Start<'_> {
         }
     }
 
+    /// How many of the parent's records its read keeps: a fork only its
+    /// prefix, a test every recorded call.
+    fn keep(&self) -> usize {
+        match self {
+            Start::Fork(f) => crate::fork::through(f.seq),
+            Start::Test(_) => usize::MAX,
+        }
+    }
+
     fn agent(&self) -> Option<&str> {
         match self {
             Start::Fork(f) => f.agent.as_deref(),
@@ -101,12 +110,7 @@ pub(super) async fn start_fork(
         Err((reason, message)) => return Ok(refuse(run, acting, reason, message)),
     };
     let parent_uid = crate::api::RunUid::of(&parent).to_string();
-    // A fork keeps only its prefix; a test needs every recorded call.
-    let keep = match start {
-        Start::Fork(f) => crate::fork::through(f.seq),
-        Start::Test(_) => usize::MAX,
-    };
-    let mut records = match read_log(ctx, &parent, &parent_uid, keep).await? {
+    let mut records = match read_log(ctx, &parent, &parent_uid, start.keep()).await? {
         Ok(records) => records,
         Err(tampered) => {
             let message = format!(
@@ -139,14 +143,26 @@ pub(super) async fn start_fork(
             }
         }
     };
+    match fork_point(start, parent_uid, requester, agent, test) {
+        Ok(point) => copy(run, ctx, start, &records, &point, acting).await,
+        Err(message) => Ok(refuse(run, acting, "InvalidAgent", message.to_string())),
+    }
+}
+
+/// What the fork records at its start: the parent and the point, who asked,
+/// the agent it goes on with (a test's as [`tested`]) and a test's calls.
+fn fork_point(
+    start: Start<'_>,
+    parent_uid: String,
+    requester: String,
+    agent: Option<VersionChanged>,
+    test: Option<crate::runlog::records::Sandbox>,
+) -> Result<ForkPoint, crate::refusal::Refusal> {
     let agent = match (start, agent) {
-        (Start::Test(test_of), Some(changed)) => match tested(changed, test_of) {
-            Ok(changed) => Some(changed),
-            Err(message) => return Ok(refuse(run, acting, "InvalidAgent", message.to_string())),
-        },
+        (Start::Test(test_of), Some(changed)) => Some(tested(changed, test_of)?),
         (_, agent) => agent,
     };
-    let point = ForkPoint {
+    Ok(ForkPoint {
         parent_uid,
         parent_name: start.parent().to_string(),
         seq: start.seq(),
@@ -155,44 +171,73 @@ pub(super) async fn start_fork(
         test,
         budget: start.budget(),
         replace: start.replace(),
-    };
+    })
+}
+
+/// Copies `records` into the fork's log at `point`, and tells how that went.
+async fn copy(
+    run: &AgentRun,
+    ctx: &Context,
+    start: Start<'_>,
+    records: &[Record],
+    point: &ForkPoint,
+    acting: &mut Acting,
+) -> Result<Duration, Error> {
     let uid = crate::api::RunUid::of(run);
     let copied = copy_prefix(
         ctx.log.store.as_ref(),
         &ctx.log.signer,
         &uid,
-        &records,
-        &point,
+        records,
+        point,
         &ctx.log.identity,
     )
     .await;
     ctx.memory.mark_changed(&uid);
-    match copied {
-        Ok(_) => {
-            let message = match start {
-                Start::Fork(_) => format!(
-                    "records 0..={} of {:?} copied; the fork goes on from there",
-                    point.seq,
-                    start.parent()
-                ),
-                Start::Test(_) => format!(
-                    "a replay test of {:?}: its task copied and its {} recorded calls to answer from; nothing is called",
-                    start.parent(),
-                    point.test.as_ref().map_or(0, |t| t.calls.len())
-                ),
-            };
+    match copied
+        .map(|_| copied_message(start, point))
+        .map_err(refusal)
+    {
+        Ok(message) => {
             acting.fork = Some(condition(run, true, "Copied", &message));
             acting.notices.push(notice(false, "Forked", message));
             Ok(Duration::ZERO)
         }
-        Err(ForkError::Store(e)) => Err(Error::Store(e)),
-        Err(e @ ForkError::ParentUnverified(_)) => {
-            Ok(refuse(run, acting, "ParentTampered", e.to_string()))
-        }
-        Err(e @ ForkError::Replace(_)) => {
-            Ok(refuse(run, acting, "InvalidReplacement", e.to_string()))
-        }
-        Err(e) => Ok(refuse(run, acting, "InvalidForkPoint", e.to_string())),
+        Err(Refused::Store(e)) => Err(Error::Store(e)),
+        Err(Refused::Because(reason, message)) => Ok(refuse(run, acting, reason, message)),
+    }
+}
+
+/// What the fork's condition and Event say of a start that copied.
+fn copied_message(start: Start<'_>, point: &ForkPoint) -> String {
+    match start {
+        Start::Fork(_) => format!(
+            "records 0..={} of {:?} copied; the fork goes on from there",
+            point.seq,
+            start.parent()
+        ),
+        Start::Test(_) => format!(
+            "a replay test of {:?}: its task copied and its {} recorded calls to answer from; nothing is called",
+            start.parent(),
+            point.test.as_ref().map_or(0, |t| t.calls.len())
+        ),
+    }
+}
+
+/// Why a copy failed: the fork's refusal (reason, message), or the store's
+/// failure, which the reconcile retries.
+#[derive(Debug)]
+enum Refused {
+    Because(&'static str, String),
+    Store(crate::store::StoreError),
+}
+
+fn refusal(e: ForkError) -> Refused {
+    match e {
+        ForkError::Store(e) => Refused::Store(e),
+        e @ ForkError::ParentUnverified(_) => Refused::Because("ParentTampered", e.to_string()),
+        e @ ForkError::Replace(_) => Refused::Because("InvalidReplacement", e.to_string()),
+        e => Refused::Because("InvalidForkPoint", e.to_string()),
     }
 }
 
@@ -403,4 +448,155 @@ fn condition(run: &AgentRun, ok: bool, reason: &str, message: &str) -> Condition
         run.metadata.generation,
         jiff::Timestamp::now(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::{ForkBudget, TestBudgets};
+    use crate::runlog::records::Sandbox;
+
+    fn fork_of(seq: u64) -> ForkOf {
+        ForkOf {
+            run: "parent".into(),
+            seq,
+            agent: None,
+            replace: None,
+            budget: ForkBudget::Inherit,
+        }
+    }
+
+    fn test_of(budgets: Option<TestBudgets>) -> TestOf {
+        TestOf {
+            run: "parent".into(),
+            agent: "candidate".into(),
+            budgets,
+        }
+    }
+
+    /// The Agent a fork or test goes on with, as `changed_to` makes it:
+    /// its budgets ask bob.
+    fn changed(container: bool) -> VersionChanged {
+        let mut agent = serde_json::json!({
+            "model": {"provider": "OpenAI", "name": "m"},
+            "budgets": {"maxTokens": 1000, "onExhausted": "Ask", "approvers": {"users": ["bob"]}}
+        });
+        if container {
+            agent["container"] = serde_json::json!({"image": "team/agent:1", "command": ["agent"]});
+        }
+        let template: AgentTemplate = serde_json::from_value(agent).unwrap();
+        VersionChanged {
+            agent: template.clone().into(),
+            tools: Vec::new(),
+            mcp: Default::default(),
+            from: Default::default(),
+            to: Default::default(),
+            container: template.container.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn a_fork_keeps_its_prefix_and_a_test_every_recorded_call() {
+        let fork = fork_of(4);
+        assert_eq!(Start::Fork(&fork).keep(), crate::fork::through(4));
+        assert_eq!(Start::Test(&test_of(None)).keep(), usize::MAX);
+        assert_eq!(Start::Test(&test_of(None)).seq(), 0);
+    }
+
+    #[test]
+    fn a_forks_point_is_its_parent_at_its_seq_with_its_budget() {
+        let fork = fork_of(4);
+        let point = fork_point(
+            Start::Fork(&fork),
+            "uid-p".into(),
+            "alice".into(),
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                point.parent_name.as_str(),
+                point.parent_uid.as_str(),
+                point.seq
+            ),
+            ("parent", "uid-p", 4)
+        );
+        assert_eq!(point.requester.as_deref(), Some("alice"));
+        assert_eq!(point.budget, ForkBudget::Inherit);
+        assert!(point.agent.is_none() && point.test.is_none());
+        // A fork's Agent is taken as it is: its budgets may still ask.
+        let agent = Some(changed(false));
+        let point = fork_point(Start::Fork(&fork), "u".into(), "a".into(), agent, None).unwrap();
+        let budgets = point.agent.unwrap().agent.budgets.unwrap();
+        assert!(budgets.approvers.is_some());
+    }
+
+    #[test]
+    fn a_test_runs_its_agent_on_its_own_budgets_asking_no_one() {
+        let test = test_of(Some(TestBudgets {
+            max_tokens: Some(50),
+            max_cost_usd: None,
+        }));
+        let calls = Some(Sandbox::default());
+        let agent = Some(changed(false));
+        let point = fork_point(Start::Test(&test), "u".into(), "a".into(), agent, calls).unwrap();
+        assert_eq!(point.seq, 0);
+        assert_eq!(point.budget, ForkBudget::FromFork);
+        assert!(point.test.is_some());
+        let budgets = point.agent.unwrap().agent.budgets.unwrap();
+        assert_eq!(budgets.max_tokens, Some(50));
+        assert_eq!(
+            budgets.on_exhausted,
+            Some(crate::runlog::v1::OnExhausted::Fail)
+        );
+        assert_eq!(budgets.approvers, None);
+        // A container agent cannot be tested.
+        let agent = Some(changed(true));
+        let refused = fork_point(Start::Test(&test), "u".into(), "a".into(), agent, None);
+        assert!(refused.unwrap_err().to_string().contains("container agent"));
+    }
+
+    #[test]
+    fn a_failed_copy_is_refused_by_its_reason_but_a_stores_failure_retried() {
+        let reason = |e: ForkError| match refusal(e) {
+            Refused::Because(reason, _) => reason,
+            Refused::Store(e) => panic!("retried: {e}"),
+        };
+        assert_eq!(
+            reason(ForkError::PastEnd { seq: 9, last: 3 }),
+            "InvalidForkPoint"
+        );
+        assert_eq!(reason(ForkError::AtEnd { seq: 3 }), "InvalidForkPoint");
+        assert_eq!(reason(ForkError::Occupied { seq: 1 }), "InvalidForkPoint");
+        assert_eq!(
+            reason(ForkError::Replace("no".into())),
+            "InvalidReplacement"
+        );
+        let unverified = crate::store::StoreError::InvalidRecord {
+            reason: "seq 2".into(),
+        };
+        assert_eq!(
+            reason(ForkError::ParentUnverified(unverified)),
+            "ParentTampered"
+        );
+        let down = crate::store::StoreError::Unavailable {
+            url: "s".into(),
+            reason: "down".into(),
+        };
+        assert!(matches!(refusal(ForkError::Store(down)), Refused::Store(_)));
+    }
+
+    #[test]
+    fn a_copy_says_what_it_copied() {
+        let fork = fork_of(4);
+        let point = fork_point(Start::Fork(&fork), "u".into(), "a".into(), None, None).unwrap();
+        assert_eq!(
+            copied_message(Start::Fork(&fork), &point),
+            "records 0..=4 of \"parent\" copied; the fork goes on from there"
+        );
+        let test = test_of(None);
+        let point = fork_point(Start::Test(&test), "u".into(), "a".into(), None, None).unwrap();
+        assert!(copied_message(Start::Test(&test), &point).contains("its 0 recorded calls"));
+    }
 }

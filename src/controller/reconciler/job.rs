@@ -1,5 +1,7 @@
 //! The Job that runs one step of a run (DESIGN.md section 4). Pure: built
 //! from the run and the controller's settings, applied by the reconciler.
+//! The pod's shape is `pod`'s; the Job adds what the runner is told of its
+//! run (its environment), and how a failed pod counts.
 
 use crate::controller::context::JobSettings;
 use std::collections::BTreeMap;
@@ -9,15 +11,13 @@ use k8s_openapi::api::batch::v1::{
     PodFailurePolicyOnPodConditionsPattern, PodFailurePolicyRule,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, EnvVarSource, ObjectFieldSelector, PodSecurityContext,
-    PodSpec, PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector,
-    SecurityContext,
+    EnvVar, EnvVarSource, ObjectFieldSelector, PodTemplateSpec, SecretKeySelector,
 };
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Resource, ResourceExt};
 use sha2::{Digest, Sha256};
 
+use super::pod::{self, plain};
 use crate::api::{AgentRun, AgentTemplate};
 use crate::store::Head;
 
@@ -99,12 +99,12 @@ pub fn build(
     let mut env = run_env(run, attempt, step_timeout_seconds, anchor, settings);
     env.extend(agent_env(agent, settings));
     env.extend(failpoint_env(run, failed_jobs, settings));
-    let mut pod = pod_spec(settings, env);
+    let mut pod = pod::step_pod(settings, env);
     if let Some(container) = &agent.container {
         let servers = crate::wire::servers::tool_servers(&agent.tools);
-        let key = super::agent_pod::loopback_key(&job_name(run, seq, attempt));
+        let key = pod::loopback_key(&job_name(run, seq, attempt));
         let input = &run.spec.input;
-        super::agent_pod::add_agent(&mut pod, container, &servers, &settings.image, &key, input);
+        pod::add_agent(&mut pod, container, &servers, &settings.image, &key, input);
     }
     Job {
         metadata: ObjectMeta {
@@ -277,84 +277,6 @@ fn failure_policy() -> PodFailurePolicy {
     }
 }
 
-/// The step pod: runs once (the controller retries, not the kubelet), as
-/// a non-root user under the runtime's seccomp profile.
-fn pod_spec(settings: &JobSettings, env: Vec<EnvVar>) -> PodSpec {
-    PodSpec {
-        restart_policy: Some("Never".into()),
-        service_account_name: Some(settings.service_account.clone()),
-        // Step pods never talk to the Kubernetes API.
-        automount_service_account_token: Some(false),
-        enable_service_links: Some(false),
-        security_context: Some(PodSecurityContext {
-            run_as_non_root: Some(true),
-            run_as_user: Some(65532),
-            run_as_group: Some(65532),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".into(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        containers: vec![step_container(settings, env)],
-        ..Default::default()
-    }
-}
-
-/// The `step` container (the failure policy names it): `agentrun step` on a
-/// read-only root, with no privileges to gain and small fixed resources.
-fn step_container(settings: &JobSettings, env: Vec<EnvVar>) -> Container {
-    Container {
-        name: "step".into(),
-        image: Some(settings.image.clone()),
-        command: Some(vec!["agentrun".into(), "step".into()]),
-        env: Some(env),
-        // The runner writes its last error there; a crash
-        // that could not is told by the log's last lines.
-        termination_message_policy: Some("FallbackToLogsOnError".into()),
-        security_context: Some(container_security_context()),
-        resources: Some(step_resources()),
-        ..Default::default()
-    }
-}
-
-/// The container may write nowhere but its volumes, and holds no capability.
-pub(super) fn container_security_context() -> SecurityContext {
-    SecurityContext {
-        read_only_root_filesystem: Some(true),
-        allow_privilege_escalation: Some(false),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".into()]),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// A step mostly waits on its model: little CPU, and a memory limit that
-/// keeps a runaway step from starving its node.
-fn step_resources() -> ResourceRequirements {
-    ResourceRequirements {
-        requests: Some(BTreeMap::from([
-            ("cpu".into(), Quantity("50m".into())),
-            ("memory".into(), Quantity("64Mi".into())),
-        ])),
-        limits: Some(BTreeMap::from([(
-            "memory".into(),
-            Quantity("256Mi".into()),
-        )])),
-        ..Default::default()
-    }
-}
-
-pub(super) fn plain(name: &str, value: impl Into<String>) -> EnvVar {
-    EnvVar {
-        name: name.into(),
-        value: Some(value.into()),
-        ..Default::default()
-    }
-}
-
 fn secret(name: &str, secret: &str, key: &str) -> EnvVar {
     EnvVar {
         name: name.into(),
@@ -374,6 +296,7 @@ fn secret(name: &str, secret: &str, key: &str) -> EnvVar {
 mod tests {
     use super::*;
     use crate::api::{AgentRunSpec, SecretKeyRef};
+    use k8s_openapi::api::core::v1::Container;
 
     fn run(name: &str) -> AgentRun {
         let mut r = AgentRun::new(
@@ -454,7 +377,7 @@ mod tests {
                 .map(|e| (e.name, e.value))
                 .collect()
         };
-        let key = super::super::agent_pod::loopback_key(&job.metadata.name.clone().unwrap());
+        let key = pod::loopback_key(&job.metadata.name.clone().unwrap());
         let agent_env = env(agent_c);
         let value = |name: &str| {
             agent_env

@@ -1,7 +1,6 @@
 //! Reconcile one AgentRun: read (run, agent, log, Job, lease) → decide (pure,
 //! in `decide` and `phase`) → act → write status.
 
-mod agent_pod;
 pub mod checkpoint;
 mod decide;
 pub mod fork_start;
@@ -10,10 +9,12 @@ mod job_io;
 mod log_read;
 pub mod phase;
 pub mod plan;
+mod pod;
 pub mod status;
 #[cfg(test)]
 mod tests;
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,14 +39,14 @@ use crate::replay::{Entry, RunState};
 use crate::runlog::records::{RunFinished, VersionChanged};
 use crate::store::StoreError;
 use decide::{
-    AT_ONCE, DISCOVERY_RECHECK, POLICY_RECHECK, PROGRESS_EVERY, asleep, end_notice, ends_now,
-    error_backoff, idle_requeue, lets_go_later, next_checkpoint, only_progress, snapshot, truncate,
-    until_deadline,
+    DISCOVERY_RECHECK, POLICY_RECHECK, PROGRESS_EVERY, ToWrite, asleep, error_backoff,
+    idle_requeue, lets_go_later, next_action, next_checkpoint, only_progress, reads_again,
+    snapshot, to_write, truncate,
 };
 use job_io::{create_job, delete_job, fence_worker, let_go_of_job, probe_lease, read_job};
 use log_read::{keep_replayed, replay, still_asleep, stop_tampered, verify_whole};
 use phase::{Act, JobState, JobView, LeaseView, Observed};
-use plan::{AgentLookup, plan};
+use plan::{AgentLookup, Plan, plan};
 
 /// What the controller read about a run's agent.
 struct Resolved {
@@ -111,49 +112,18 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
     let ns = run.namespace().unwrap_or_default();
     let uid = crate::api::RunUid::of(run);
 
-    // Read: the agent.
-    let resolved = keep_pinned(run, resolve_agent(run, ctx, &ns).await?);
-    let mut plan = plan(run, &resolved.lookup, Timestamp::now());
-    let template = match resolved.template {
-        Some(template) => Some(template),
-        None if resolved.lookup == AgentLookup::Pinned => None,
-        None => {
-            write_status(run, ctx, &plan.status, plan.notices).await?;
-            return Ok(Action::requeue(Duration::from_secs(300)));
-        }
+    // Read.
+    let Read {
+        mut plan,
+        template,
+        agent_generation,
+        replayed,
+        job,
+        lease,
+    } = match read(run, ctx, &ns, &uid).await? {
+        ControlFlow::Continue(read) => read,
+        ControlFlow::Break(action) => return Ok(action),
     };
-    let agent_generation = resolved.lookup.generation();
-
-    // A waiting run with nothing to decide is not read (see `still_asleep`).
-    let cached = ctx.memory.take(&uid);
-    if cached.is_none()
-        && plan.notices.is_empty()
-        && let Some(wait) = still_asleep(run, ctx, &uid).await?
-    {
-        return Ok(Action::requeue(wait));
-    }
-
-    // Read: the log (the run's truth, verified against the anchored head;
-    // only records past the replayed head are read), the step Job and, if
-    // needed, the lease.
-    let replayed = match replay(ctx, run, cached).await? {
-        Ok(replayed) => replayed,
-        Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
-    };
-    tracing::Span::current().record("step", replayed.head.len);
-    // A fork keeping its pinned agent runs on what its log pins; before
-    // its copy nothing reads the template (the fork's start needs none
-    // without `forkOf.agent`).
-    let template = template.unwrap_or_else(|| {
-        replayed
-            .state
-            .snapshot
-            .as_ref()
-            .map(|s| s.agent.clone())
-            .unwrap_or_default()
-    });
-    let job = read_job(run, ctx, &ns).await?;
-    let lease = read_lease(ctx, &uid, job.as_ref(), &replayed).await?;
 
     // Decide.
     let now = Timestamp::now();
@@ -194,6 +164,85 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
         requeue,
     )
     .await
+}
+
+/// What a reconcile read for its decision.
+struct Read {
+    /// The status and Events the run and its agent alone decide.
+    plan: Plan,
+    template: AgentTemplate,
+    agent_generation: Option<i64>,
+    replayed: Replayed,
+    job: Option<JobView>,
+    lease: Option<LeaseView>,
+}
+
+/// Reads the run's agent, log, step Job and lease; or ends the reconcile
+/// early (`Break`): a run without its agent (its status says so), a waiting
+/// run with nothing to decide, a tampered log.
+async fn read(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+    uid: &str,
+) -> Result<ControlFlow<Action, Read>, Error> {
+    // The agent.
+    let resolved = keep_pinned(run, resolve_agent(run, ctx, ns).await?);
+    let plan = plan(run, &resolved.lookup, Timestamp::now());
+    let template = match resolved.template {
+        Some(template) => Some(template),
+        None if resolved.lookup == AgentLookup::Pinned => None,
+        None => {
+            write_status(run, ctx, &plan.status, plan.notices).await?;
+            return Ok(ControlFlow::Break(Action::requeue(Duration::from_secs(
+                300,
+            ))));
+        }
+    };
+    let agent_generation = resolved.lookup.generation();
+
+    // A waiting run with nothing to decide is not read (see `still_asleep`).
+    let cached = ctx.memory.take(uid);
+    if cached.is_none()
+        && plan.notices.is_empty()
+        && let Some(wait) = still_asleep(run, ctx, uid).await?
+    {
+        return Ok(ControlFlow::Break(Action::requeue(wait)));
+    }
+
+    // The log (the run's truth, verified against the anchored head; only
+    // records past the replayed head are read), the step Job and, if
+    // needed, the lease.
+    let replayed = match replay(ctx, run, cached).await? {
+        Ok(replayed) => replayed,
+        Err(tampered) => {
+            return stop_tampered(run, ctx, ns, tampered)
+                .await
+                .map(ControlFlow::Break);
+        }
+    };
+    tracing::Span::current().record("step", replayed.head.len);
+    // A fork keeping its pinned agent runs on what its log pins; before
+    // its copy nothing reads the template (the fork's start needs none
+    // without `forkOf.agent`).
+    let template = template.unwrap_or_else(|| {
+        replayed
+            .state
+            .snapshot
+            .as_ref()
+            .map(|s| s.agent.clone())
+            .unwrap_or_default()
+    });
+    let job = read_job(run, ctx, ns).await?;
+    let lease = read_lease(ctx, uid, job.as_ref(), &replayed).await?;
+    Ok(ControlFlow::Continue(Read {
+        plan,
+        template,
+        agent_generation,
+        replayed,
+        job,
+        lease,
+    }))
 }
 
 /// The lease, read when a live step Job may hold it (a Job whose worker
@@ -357,10 +406,8 @@ async fn handle_approval(
     })
 }
 
-/// Writes the status from the log as it is after acting (read again only
-/// if this reconcile appended or the head moved meanwhile: a waiting run
-/// woken by a Job's deletion reads nothing), keeps the replayed log for the
-/// next reconcile and says when that is.
+/// Writes the status from the log as it is after acting, keeps the
+/// replayed log for the next reconcile and says when that is.
 async fn record(
     run: &AgentRun,
     ctx: &Context,
@@ -370,107 +417,98 @@ async fn record(
     acting: Acting,
     requeue: Duration,
 ) -> Result<Action, Error> {
-    let (idle, now) = (acting.idle, acting.now);
     let uid = crate::api::RunUid::of(run);
-    let ns = run.namespace().unwrap_or_default();
-    let reread = acting.concluded.is_none() && (requeue.is_zero() || acting.awaiting.is_some());
-    let mut replayed = if reread {
-        match replay(ctx, run, Some(replayed)).await? {
-            Ok(replayed) => replayed,
-            Err(tampered) => return stop_tampered(run, ctx, &ns, tampered).await,
-        }
-    } else {
-        replayed
-    };
-    // Not while the run has more to do at once (its next Job follows an
-    // appended decision): the reconcile that hands it over to a Job, a
-    // human or its end does it.
-    if replayed.resumed && !requeue.is_zero() {
-        if let Err(tampered) = verify_whole(ctx, run, &uid).await? {
+    let reread = reads_again(&acting, requeue);
+    let replayed = match settle_log(run, ctx, &uid, replayed, reread, requeue).await? {
+        Ok(replayed) => replayed,
+        Err(tampered) => {
+            let ns = run.namespace().unwrap_or_default();
             return stop_tampered(run, ctx, &ns, tampered).await;
         }
-        replayed.resumed = false;
-    }
-    if !replayed.resumed {
-        ctx.memory.set_verified(&uid, replayed.head);
-    }
-    replayed.compact();
-    let mut new_status = status::compose(
-        run,
-        planned,
-        &replayed.state,
-        &replayed.head,
-        &ctx.log.store_name,
-        acting.step,
-        acting.concluded.as_ref(),
-        job,
-        acting
-            .awaiting
-            .as_ref()
-            .map(|w| (w.name.clone(), w.expires_at))
-            .as_ref(),
-        ctx.log.signer.key_id(),
-        now,
-    );
-    if let Some(log) = new_status.log.as_mut() {
+    };
+    let (store, key_id) = (&ctx.log.store_name, ctx.log.signer.key_id());
+    let ToWrite {
+        mut status,
+        notices,
+        ends_now,
+    } = to_write(run, planned, &replayed, job, &acting, store, key_id);
+    if let Some(log) = status.log.as_mut() {
         log.checkpoint = next_checkpoint(run, ctx, &uid, &replayed);
     }
-    if let Some(forked) = acting.fork {
-        crate::controller::conditions::set_condition(&mut new_status.conditions, forked);
-    }
-    let mut notices = acting.notices;
-    let awaited = acting
-        .policy
-        .as_ref()
-        .map(|(w, m)| (w.as_str(), m.as_str()));
-    if let Some((warn, reason, message)) =
-        status::set_allowed(&mut new_status, awaited, run.metadata.generation, now)
-    {
-        notices.push(notice(warn, reason, message));
-    }
-    let failed = acting.discovery.as_deref();
-    if let Some((warn, reason, message)) =
-        status::set_discovered(&mut new_status, failed, run.metadata.generation, now)
-    {
-        notices.push(notice(warn, reason, message));
-    }
-    let ends_now = ends_now(run, &new_status);
-    if let Some(outcome) = ends_now {
-        notices.push(end_notice(outcome, &new_status));
-    }
-    let finished = new_status.phase.is_some_and(|p| p.is_terminal());
-    // While a step runs, its log grows record by record: that progress
-    // reaches the status at most every PROGRESS_EVERY (a write per record
-    // would be most of the controller's API traffic at scale).
-    let (requeue, version) = match idle && notices.is_empty() && only_progress(run, &new_status) {
-        true => match progress_due(ctx, &uid) {
-            None => (requeue, write_status(run, ctx, &new_status, notices).await?),
-            Some(wait) => (requeue.min(wait), run.resource_version()),
-        },
-        false => (requeue, write_status(run, ctx, &new_status, notices).await?),
-    };
+    let finished = status.phase.is_some_and(|p| p.is_terminal());
+    let (requeue, version) =
+        write_progress(run, ctx, &uid, &status, notices, acting.idle, requeue).await?;
     if ends_now.is_some() && ctx.memory.first_end(&uid) {
-        report_run_span(run, &new_status);
+        report_run_span(run, &status);
     }
     // A waiting run whose step Job is not let go yet (its worker still
     // holds the run) keeps its replayed log: the Job's end wakes it to let
     // go, and that reconcile must not read the whole log again.
-    let holds_job = new_status.step.as_ref().is_some_and(|s| s.job.is_some()) && lets_go_later(job);
+    let holds_job = status.step.as_ref().is_some_and(|s| s.job.is_some()) && lets_go_later(job);
     let asleep = acting
         .awaiting
         .as_ref()
         .filter(|_| !holds_job)
         .map(|w| asleep(run, replayed.head, replayed.generation(), w, version));
     keep_replayed(ctx, run, &uid, replayed, finished, asleep);
-    let requeue = match finished {
-        true => requeue,
-        false => requeue.min(until_deadline(run, now)),
+    Ok(next_action(run, requeue, finished, acting.now))
+}
+
+/// The log as it is after acting: read again if `reread` (see
+/// [`reads_again`]), verified whole once a resumed run does not go straight
+/// on (`Err`: tampered), compacted for keeping.
+async fn settle_log(
+    run: &AgentRun,
+    ctx: &Context,
+    uid: &str,
+    replayed: Replayed,
+    reread: bool,
+    requeue: Duration,
+) -> Result<Result<Replayed, StoreError>, Error> {
+    let mut replayed = match reread {
+        true => match replay(ctx, run, Some(replayed)).await? {
+            Ok(replayed) => replayed,
+            Err(tampered) => return Ok(Err(tampered)),
+        },
+        false => replayed,
     };
-    Ok(match requeue {
-        Duration::MAX => Action::await_change(),
-        d if d.is_zero() => Action::requeue(AT_ONCE),
-        d => Action::requeue(d),
-    })
+    // Not while the run has more to do at once (its next Job follows an
+    // appended decision): the reconcile that hands it over to a Job, a
+    // human or its end does it.
+    if replayed.resumed && !requeue.is_zero() {
+        if let Err(tampered) = verify_whole(ctx, run, uid).await? {
+            return Ok(Err(tampered));
+        }
+        replayed.resumed = false;
+    }
+    if !replayed.resumed {
+        ctx.memory.set_verified(uid, replayed.head);
+    }
+    replayed.compact();
+    Ok(Ok(replayed))
+}
+
+/// Writes the status and publishes its Events; returns when to look again
+/// and the run's version. While a step runs, its log grows record by record:
+/// that progress reaches the status at most every PROGRESS_EVERY (a write
+/// per record would be most of the controller's API traffic at scale).
+async fn write_progress(
+    run: &AgentRun,
+    ctx: &Context,
+    uid: &str,
+    status: &crate::api::AgentRunStatus,
+    notices: Vec<crate::controller::context::Notice>,
+    idle: bool,
+    requeue: Duration,
+) -> Result<(Duration, Option<String>), Error> {
+    if idle
+        && notices.is_empty()
+        && only_progress(run, status)
+        && let Some(wait) = progress_due(ctx, uid)
+    {
+        return Ok((requeue.min(wait), run.resource_version()));
+    }
+    Ok((requeue, write_status(run, ctx, status, notices).await?))
 }
 
 /// `None` when the run's progress may be written now (and notes it was);

@@ -605,31 +605,8 @@ impl Inner {
         digest: String,
         arguments: Value,
     ) -> Result<ToolOutcome, Failure> {
-        loop {
-            match self.runner.state.call_state(model_call_seq, index) {
-                CallState::Open => break,
-                CallState::Settled => return Ok(failed(self.not_run(model_call_seq, index))),
-                CallState::Approved(request_seq, approved) => {
-                    let Some(Entry::ApprovalRequested(request)) =
-                        self.runner.state.entry(request_seq).cloned()
-                    else {
-                        unreachable!("an approval's state names its request");
-                    };
-                    // Voided (what the approver saw changed): decided again.
-                    if let Flow::Again =
-                        self.runner.approved(request_seq, request, approved).await?
-                    {
-                        continue;
-                    }
-                    let intent_seq = self.runner.head.len - 1;
-                    return self.intended(intent_seq).await;
-                }
-                state => {
-                    let why =
-                        format!("call {index} of record {model_call_seq} stands at {state:?}");
-                    return Err(self.ends_for_controller(&why));
-                }
-            }
+        if let Some(outcome) = self.decided_before(model_call_seq, index).await? {
+            return Ok(outcome);
         }
         if let Some(end) = self.controllers_turn() {
             return Err(end);
@@ -658,30 +635,82 @@ impl Inner {
                 self.intended(intent_seq).await
             }
             Classification::RequireApproval(gate) => {
-                let request = crate::step::approval_request::request(
-                    &self.runner.state,
-                    model_call_seq,
-                    index,
-                    &call,
-                    checked,
-                    alternative,
-                    *gate,
-                    &self.runner.http,
-                )
-                .await;
-                tracing::info!(tool = %call.name, rule = %request.gate.rule, "call needs approval; stopping the agent");
-                self.runner
-                    .append(Entry::ApprovalRequested(request), None)
-                    .await?;
-                Err(Failure::Ends(
-                    End::Controller(format!("{} waits for approval", call.name)),
-                    Refused {
-                        status: 202,
-                        message: format!("agentrun: {} waits for approval", call.name),
-                    },
-                ))
+                let proposed = (model_call_seq, index);
+                Err(self
+                    .request_approval(proposed, &call, checked, alternative, *gate)
+                    .await?)
             }
         }
+    }
+
+    /// What the log already decided of call `index` of the answer at
+    /// `model_call_seq`: its outcome if it was settled, or approved (made
+    /// now if not yet); `None` while it is open for the agent to make.
+    async fn decided_before(
+        &mut self,
+        model_call_seq: u64,
+        index: usize,
+    ) -> Result<Option<ToolOutcome>, Failure> {
+        loop {
+            match self.runner.state.call_state(model_call_seq, index) {
+                CallState::Open => return Ok(None),
+                CallState::Settled => return Ok(Some(failed(self.not_run(model_call_seq, index)))),
+                CallState::Approved(request_seq, approved) => {
+                    let Some(Entry::ApprovalRequested(request)) =
+                        self.runner.state.entry(request_seq).cloned()
+                    else {
+                        unreachable!("an approval's state names its request");
+                    };
+                    // Voided (what the approver saw changed): decided again.
+                    if let Flow::Again =
+                        self.runner.approved(request_seq, request, approved).await?
+                    {
+                        continue;
+                    }
+                    let intent_seq = self.runner.head.len - 1;
+                    return self.intended(intent_seq).await.map(Some);
+                }
+                state => {
+                    let why =
+                        format!("call {index} of record {model_call_seq} stands at {state:?}");
+                    return Err(self.ends_for_controller(&why));
+                }
+            }
+        }
+    }
+
+    /// Records the request for a gated call; the agent's turn ends there,
+    /// waiting for the decision.
+    async fn request_approval(
+        &mut self,
+        (model_call_seq, index): (u64, usize),
+        call: &crate::model::ToolCall,
+        checked: Value,
+        alternative: Option<Value>,
+        gate: crate::runlog::records::Gate,
+    ) -> Result<Failure, StepError> {
+        let request = crate::step::approval_request::request(
+            &self.runner.state,
+            model_call_seq,
+            index,
+            call,
+            checked,
+            alternative,
+            gate,
+            &self.runner.http,
+        )
+        .await;
+        tracing::info!(tool = %call.name, rule = %request.gate.rule, "call needs approval; stopping the agent");
+        self.runner
+            .append(Entry::ApprovalRequested(request), None)
+            .await?;
+        Ok(Failure::Ends(
+            End::Controller(format!("{} waits for approval", call.name)),
+            Refused {
+                status: 202,
+                message: format!("agentrun: {} waits for approval", call.name),
+            },
+        ))
     }
 
     /// Why call `index` of the answer at `model_call_seq` did not run.

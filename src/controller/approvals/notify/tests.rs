@@ -153,6 +153,52 @@ fn every_event_says_what_happened() {
     assert!(summary.contains("the call was not made"), "{summary}");
 }
 
+#[test]
+fn the_rule_quorum_and_arguments_are_plain_facts() {
+    let r = refund();
+    assert_eq!(rule(&r.gate), "large-refund (args.amount > 100)");
+    assert_eq!(
+        quorum(&r.gate),
+        "1 of group finance-approvers, not the requester"
+    );
+    let mut gate = r.gate.clone();
+    gate.because = String::new();
+    gate.separation_of_duties = false;
+    gate.required_approvals = 2;
+    gate.approvers.users = vec!["alice".into(), "bob".into()];
+    assert_eq!(rule(&gate), "large-refund");
+    assert_eq!(
+        quorum(&gate),
+        "2 of users alice, bob; group finance-approvers"
+    );
+    let pair = |k: &str, v: &str| (k.to_string(), v.to_string());
+    assert_eq!(
+        arguments(&json!({"amount": 500, "note": "x"})),
+        [pair("amount", "500"), pair("note", "\"x\"")]
+    );
+    assert!(arguments(&Value::Null).is_empty());
+    assert_eq!(arguments(&json!([1])), [pair("arguments", "[1]")]);
+    let detail = json!({"decisions": [{"approver": "alice", "verdict": "Approve"}]});
+    assert_eq!(
+        decisions(&detail),
+        [("alice".to_string(), "Approve".to_string(), None)]
+    );
+    assert!(decisions(&json!({})).is_empty());
+}
+
+#[test]
+fn an_undelivered_notification_says_how_often_it_was_tried() {
+    assert_eq!(
+        undelivered(&Failure::Status(500), 4),
+        "HTTP 500 after 4 attempts"
+    );
+    assert_eq!(undelivered(&Failure::Status(404), 1), "HTTP 404");
+    assert_eq!(
+        undelivered(&Failure::Error("timeout"), 2),
+        "timeout after 2 attempts"
+    );
+}
+
 /// A model's text never becomes markup: no link of its naming, no
 /// `<!channel>`, no mention, in Slack or in Teams.
 #[test]

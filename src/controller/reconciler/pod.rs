@@ -1,6 +1,9 @@
-//! A container agent's step pod (docs/container-agents.md): the `step`
-//! container runs the runner as for a built-in agent, and beside it the
-//! `agent` container runs the team's image, its command wrapped by the
+//! The step pod a step Job runs (DESIGN.md section 4): its shape only, so
+//! the Job's builder (`job`) uses it and it uses nothing of the Job's.
+//!
+//! A built-in agent's pod is the `step` container alone, running the
+//! runner. A container agent's (docs/container-agents.md) has beside it the
+//! `agent` container running the team's image, its command wrapped by the
 //! agent shim that an init container copies from the operator's image.
 //! Plain app containers, no native sidecars: every kubelet runs it alike.
 //!
@@ -12,13 +15,17 @@
 //! service-account token (the pod mounts none), non-root on a read-only
 //! root with a writable `/tmp`.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, EnvVar, PodSpec, Volume, VolumeMount,
+    Capabilities, Container, EmptyDirVolumeSource, EnvVar, PodSecurityContext, PodSpec,
+    ResourceRequirements, SeccompProfile, SecurityContext, Volume, VolumeMount,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use sha2::{Digest, Sha256};
 
-use super::job::{container_security_context, plain};
 use crate::api::AgentContainer;
+use crate::controller::context::JobSettings;
 use crate::wire::servers::ToolServer;
 
 /// The runner's port on the pod's loopback.
@@ -30,6 +37,85 @@ const OUT_DIR: &str = "/agentrun/out";
 const SHIM_VOLUME: &str = "agentrun-shim";
 const OUT_VOLUME: &str = "agentrun-out";
 const TMP_VOLUME: &str = "agentrun-tmp";
+
+/// The step pod: runs once (the controller retries, not the kubelet), as
+/// a non-root user under the runtime's seccomp profile.
+pub(super) fn step_pod(settings: &JobSettings, env: Vec<EnvVar>) -> PodSpec {
+    PodSpec {
+        restart_policy: Some("Never".into()),
+        service_account_name: Some(settings.service_account.clone()),
+        // Step pods never talk to the Kubernetes API.
+        automount_service_account_token: Some(false),
+        enable_service_links: Some(false),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(65532),
+            run_as_group: Some(65532),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        containers: vec![step_container(settings, env)],
+        ..Default::default()
+    }
+}
+
+/// The `step` container (the failure policy names it): `agentrun step` on a
+/// read-only root, with no privileges to gain and small fixed resources.
+fn step_container(settings: &JobSettings, env: Vec<EnvVar>) -> Container {
+    Container {
+        name: "step".into(),
+        image: Some(settings.image.clone()),
+        command: Some(vec!["agentrun".into(), "step".into()]),
+        env: Some(env),
+        // The runner writes its last error there; a crash
+        // that could not is told by the log's last lines.
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        security_context: Some(container_security_context()),
+        resources: Some(step_resources()),
+        ..Default::default()
+    }
+}
+
+/// The container may write nowhere but its volumes, and holds no capability.
+fn container_security_context() -> SecurityContext {
+    SecurityContext {
+        read_only_root_filesystem: Some(true),
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A step mostly waits on its model: little CPU, and a memory limit that
+/// keeps a runaway step from starving its node.
+fn step_resources() -> ResourceRequirements {
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".into(), Quantity("50m".into())),
+            ("memory".into(), Quantity("64Mi".into())),
+        ])),
+        limits: Some(BTreeMap::from([(
+            "memory".into(),
+            Quantity("256Mi".into()),
+        )])),
+        ..Default::default()
+    }
+}
+
+/// An environment variable with its value in the pod spec.
+pub(super) fn plain(name: &str, value: impl Into<String>) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..Default::default()
+    }
+}
 
 /// The pod's loopback key: derived from the Job's name, so the Job is
 /// built the same every time. It opens only this pod's loopback, which
