@@ -105,10 +105,32 @@ impl Log {
     }
 
     fn decide(&mut self, request_seq: u64, verdict: Verdict, args: Option<Value>) -> u64 {
-        let Entry::ApprovalDecided(mut d) = decided(verdict, None, args) else {
+        self.decide_as("alice", request_seq, verdict, args)
+    }
+
+    /// `approver`'s decision, with the reason an edit gives.
+    fn decide_as(
+        &mut self,
+        approver: &str,
+        request_seq: u64,
+        verdict: Verdict,
+        args: Option<Value>,
+    ) -> u64 {
+        let Entry::ApprovalDecided(mut d) = decided(verdict, None, args.clone()) else {
             unreachable!()
         };
         d.request_seq = request_seq;
+        d.decisions = vec![crate::runlog::records::RecordedDecision {
+            approver: approver.into(),
+            verdict: match verdict {
+                Verdict::Edit => v1::Verdict::Edit,
+                Verdict::Reject => v1::Verdict::Reject,
+                _ => v1::Verdict::Approve,
+            },
+            arguments_hash: String::new(),
+            reason: (verdict == Verdict::Edit).then(|| "partial refund".into()),
+            arguments: args,
+        }];
         self.push(Entry::ApprovalDecided(d))
     }
 }
@@ -163,7 +185,7 @@ fn gated(verdict: Verdict) -> Vec<Entry> {
         Verdict::Edit => Some(json!({"amount": 300})),
         _ => None,
     };
-    log.decide(request, verdict, made_with.clone());
+    log.decide_as("bob", request, verdict, made_with.clone());
     if let Some(args) = made_with {
         log.call(mc, 1, "refund", args);
     }
@@ -444,6 +466,61 @@ fn every_fork_of_an_edited_refund_asks_its_own_approvers_before_the_refund() {
     match RunState::replay(fork).next() {
         Next::RecordIntent { call, .. } => assert_eq!(call.arguments, json!({"amount": 500})),
         other => panic!("{other:?}"),
+    }
+}
+
+/// What the model is told of a call the fork decided again is the fork's
+/// decision: never the parent's edit, which did not make it.
+#[test]
+fn the_model_of_a_fork_is_told_the_forks_decision_not_the_parents_edit() {
+    let log = gated(Verdict::Edit);
+    let decided_at = log
+        .iter()
+        .position(|e| matches!(e, Entry::ApprovalDecided(_)))
+        .unwrap() as u64;
+    let told = |entries: &[Entry]| {
+        let state = RunState::replay(entries.to_vec());
+        assert_eq!(state.next(), Next::CallModel);
+        let (request, _) =
+            crate::step::prompt::request_for_step(&state, state.snapshot.as_ref().unwrap());
+        serde_json::to_string(&request).unwrap()
+    };
+    // The parent's model is told bob's edit.
+    let parent = told(&log[..decided_at as usize + 3]);
+    assert!(
+        parent.contains("bob changed amount from 500 to 300: partial refund"),
+        "{parent}"
+    );
+    let copy = forked_at(
+        PARENT,
+        &sealed(PARENT, &log),
+        decided_at,
+        ForkBudget::FromFork,
+    );
+    // The fork's approver decides (carol approves the call as proposed,
+    // or edits it herself); the fork makes it and asks its model.
+    for (verdict, made_with, note) in [
+        (Verdict::Approve, json!({"amount": 500}), None),
+        (
+            Verdict::Edit,
+            json!({"amount": 120}),
+            Some("carol changed amount from 500 to 120: partial refund"),
+        ),
+    ] {
+        let mut fork = Log {
+            run: FORK,
+            entries: copy.clone(),
+        };
+        let state = RunState::replay(fork.entries.clone());
+        let own = fork.ask(asked(&state, 1, 1, "refund", json!({"amount": 500})));
+        fork.decide_as("carol", own, verdict, Some(made_with.clone()));
+        fork.call(1, 1, "refund", made_with);
+        let sent = told(&fork.entries);
+        assert!(!sent.contains("bob changed"), "{verdict:?}: {sent}");
+        match note {
+            Some(note) => assert!(sent.contains(note), "{verdict:?}: {sent}"),
+            None => assert!(!sent.contains(" changed "), "{verdict:?}: {sent}"),
+        }
     }
 }
 
