@@ -68,7 +68,7 @@ pub(super) fn fork_history(history: &[Entry], seq: u64, forked: Entry) -> Vec<En
 /// `history` with `inserted` after its record `seq`, as run `run` would
 /// have recorded it: the records after it that many seqs later (and the
 /// seqs they name), each call intended after `seq` under `run`'s key.
-fn shifted(history: &[Entry], seq: u64, inserted: Vec<Entry>, run: &str) -> Vec<Entry> {
+pub(super) fn shifted(history: &[Entry], seq: u64, inserted: Vec<Entry>, run: &str) -> Vec<Entry> {
     let n = inserted.len() as u64;
     let later = |at: u64| if at > seq { at + n } else { at };
     let mut log = history[..=seq as usize].to_vec();
