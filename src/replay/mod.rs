@@ -783,9 +783,9 @@ impl RunState {
 
     /// The first seq whose decisions may authorize an effect made at `at`:
     /// the one after the latest `Forked` record before `at` (a replay
-    /// test's aside), else 0. A decision recorded before a fork's own
-    /// `Forked` was given to the run it was copied from: in the fork it
-    /// authorizes no effect that is new (DESIGN.md §11).
+    /// test's `Forked` cuts nothing off), else 0. A decision recorded
+    /// before a fork's own `Forked` was given to the run it was copied
+    /// from: in the fork it authorizes no effect that is new (DESIGN.md §11).
     pub fn authority_from(&self, at: u64) -> u64 {
         self.forks
             .iter()
