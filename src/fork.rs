@@ -10,6 +10,9 @@
 //! asked or called again, an intent copied without its result is recovered
 //! with its recorded key, and a call proposed in the prefix but first
 //! intended in the fork gets the fork's key (keys derive from the run uid).
+//! A decision copied in the prefix was given to the parent: it authorizes
+//! no effect that is new in the fork (the fork asks its own approvers;
+//! `crate::replay::RunState::authority_from`).
 
 use std::time::Duration;
 

@@ -212,7 +212,8 @@ pub enum ForkBudget {
     #[default]
     FromFork,
     /// Go on counting where the parent stood at the fork point (its
-    /// spending and raises).
+    /// spending; the raises granted to the parent do not carry either: a
+    /// fork that runs out asks its own approvers).
     Inherit,
 }
 

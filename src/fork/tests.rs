@@ -2,6 +2,8 @@
 //! `Next` at every seq of a canned run, and is refused when the parent's
 //! log does not verify.
 
+mod authority;
+
 use std::time::Duration;
 
 use super::*;
@@ -117,7 +119,23 @@ async fn a_fork_replays_to_the_parents_next_at_every_seq() {
 
         let forked = RunState::replay(decode(&records));
         let resumed = RunState::replay(log[..=seq as usize].to_vec());
-        assert_eq!(forked.next(), resumed.next(), "at seq {seq}");
+        // But for a call the parent was approved to make and had not
+        // intended: the approval is the parent's, and the fork's gate
+        // asks again (`authority::*`).
+        let expected = match resumed.next() {
+            crate::replay::Next::Approved { request, .. } => {
+                let Some(Entry::ModelCall(m)) = resumed.entry(request.model_call_seq) else {
+                    unreachable!()
+                };
+                crate::replay::Next::RecordIntent {
+                    model_call_seq: request.model_call_seq,
+                    call_index: request.call_index,
+                    call: m.response.tool_calls[request.call_index].clone().into(),
+                }
+            }
+            theirs => theirs,
+        };
+        assert_eq!(forked.next(), expected, "at seq {seq}");
         assert_eq!(forked.spent, resumed.spent, "at seq {seq}");
         assert_eq!(forked.snapshot, resumed.snapshot, "at seq {seq}");
         assert_eq!(
@@ -131,7 +149,7 @@ async fn a_fork_replays_to_the_parents_next_at_every_seq() {
             compacted.apply(entry);
             compacted.compact();
         }
-        assert_eq!(compacted.next(), resumed.next(), "compacted, at seq {seq}");
+        assert_eq!(compacted.next(), expected, "compacted, at seq {seq}");
     }
 }
 

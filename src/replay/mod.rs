@@ -230,6 +230,10 @@ pub struct RunState {
     /// Where a fork's budgets start counting: one per `Forked` record with
     /// `budget: FromFork` (a fork of a fork holds its parent's, copied).
     counted_from: Vec<CountFrom>,
+    /// Every `Forked` record (a fork of a fork holds its parent's, copied,
+    /// before its own): where the authority given before it stops
+    /// ([`RunState::authority_from`]).
+    forks: Vec<ForkMark>,
     /// A replay test's recorded calls, and the seq of the `Forked` record
     /// holding them (kept in force past a compaction or a checkpoint).
     test: Option<(u64, std::sync::Arc<crate::runlog::records::Sandbox>)>,
@@ -241,6 +245,20 @@ pub struct RunState {
 struct CountFrom {
     forked: u64,
     spent: Spent,
+}
+
+/// A `Forked` record, as far as authority goes: what was decided before it
+/// was decided for another run (the parent), and authorizes no effect that
+/// is new after it (DESIGN.md §11, "Authority stays with its run").
+#[derive(Clone, Debug, PartialEq)]
+struct ForkMark {
+    seq: u64,
+    /// A replay test's (`Forked.test`): its calls get the recorded decision
+    /// by design and make none, so it cuts no decision off.
+    test: bool,
+    /// Whether it says what its budgets count (`Forked.budget`; a record
+    /// written before the field carries its parent's raises, as it did).
+    budget: bool,
 }
 
 /// Where one proposed tool call stands.
@@ -389,6 +407,11 @@ impl RunState {
     /// is no test).
     fn forked(&mut self, seq: u64, f: &Forked) {
         self.test = f.test.clone().map(|t| (seq, std::sync::Arc::new(t)));
+        self.forks.push(ForkMark {
+            seq,
+            test: f.test.is_some(),
+            budget: f.budget.is_some(),
+        });
         if f.budget == Some(crate::api::ForkBudget::FromFork) {
             // The recorded sum: a state resumed from a checkpoint past
             // this record holds no prefix to sum (verify checks it).
@@ -508,6 +531,7 @@ impl RunState {
         }
         seqs.extend(self.budget.pinned_before(start));
         seqs.extend(self.counted_from.iter().map(|c| c.forked));
+        seqs.extend(self.forks.iter().map(|f| f.seq));
         seqs.extend(self.test.as_ref().map(|(seq, _)| *seq));
         seqs.retain(|s| *s < start);
         seqs.sort_unstable();
@@ -741,10 +765,46 @@ impl RunState {
                         (None, false) => CallState::Pending(d.request_seq),
                     };
                 }
+                // A fork's start: an approval (or edit) given to the parent
+                // lets the parent make the call, not the fork. The call is
+                // decided again, by the fork's own approvers, when the fork
+                // proposes it to its gate. A rejection stands: it makes nothing;
+                // a request still undecided is the fork's to decide.
+                Entry::Forked(f) if f.test.is_none() => {
+                    if let CallState::Approved(..) = state {
+                        state = CallState::Open;
+                    }
+                }
                 _ => {}
             }
         }
         state
+    }
+
+    /// The first seq whose decisions may authorize an effect made at `at`:
+    /// the one after the latest `Forked` record before `at` (a replay
+    /// test's `Forked` cuts nothing off), else 0. A decision recorded
+    /// before a fork's own `Forked` was given to the run it was copied
+    /// from: in the fork it authorizes no effect that is new (DESIGN.md §11).
+    pub fn authority_from(&self, at: u64) -> u64 {
+        self.forks
+            .iter()
+            .rev()
+            .find(|f| !f.test && f.seq < at)
+            .map_or(0, |f| f.seq + 1)
+    }
+
+    /// The first seq whose budget raises count at record `at`: the one after
+    /// the latest `Forked` record before `at` that says what its budgets
+    /// count (with `FromFork` or `Inherit` alike: a raise was granted for
+    /// the parent's spending), else 0 (a `Forked` written before the
+    /// setting carries its parent's raises, as it did).
+    fn raises_from(&self, at: u64) -> u64 {
+        self.forks
+            .iter()
+            .rev()
+            .find(|f| f.budget && f.seq < at)
+            .map_or(0, |f| f.seq + 1)
     }
 
     /// Where the call that the request at `request_seq` is about stands.
@@ -770,6 +830,7 @@ impl RunState {
     /// human said the call happened (`None` while undecided).
     fn reconcile_for(&self, intent_seq: u64) -> Option<(u64, Option<bool>)> {
         let mut found = None;
+        let mut decided_at = 0;
         for (seq, step) in self.records_from(intent_seq + 1) {
             match step {
                 Entry::ApprovalRequested(r) if r.intent_seq == Some(intent_seq) => {
@@ -785,9 +846,21 @@ impl RunState {
                         Verdict::Expired => None,
                     };
                     found = Some((d.request_seq, happened));
+                    decided_at = seq;
                 }
                 _ => {}
             }
+        }
+        // "It did not happen", copied into a fork, was said of the parent's
+        // call before the parent went on and made it (with this very key):
+        // acting on it in the fork would make the call a second time on a
+        // word given to the parent. The fork recovers the intent as a fork
+        // at the intent does: its lookup, or its own question. "It
+        // happened" stands: it makes nothing.
+        if let Some((_, Some(false))) = found
+            && decided_at < self.authority_from(u64::MAX)
+        {
+            return None;
         }
         found
     }
@@ -837,17 +910,12 @@ impl RunState {
         })
     }
 
-    /// The budgets in force: the agent's, with every raise granted so far.
+    /// The budgets in force: the agent's, with every raise granted so far
+    /// (in a fork, so far in the fork: [`RunState::raises_from`]).
     pub fn budgets(&self) -> Option<Budgets> {
         let agent = self.snapshot.as_ref()?.agent.budgets.as_ref();
         self.budget
-            .effective_between(agent, self.counts_from(self.len()), u64::MAX)
-    }
-
-    /// The first seq a budget counts at record `at`: after the latest
-    /// `Forked` with `FromFork` before it, else 0.
-    fn counts_from(&self, at: u64) -> u64 {
-        self.fork_count(at).map_or(0, |c| c.forked + 1)
+            .effective_between(agent, self.raises_from(self.len()), u64::MAX)
     }
 
     fn fork_count(&self, at: u64) -> Option<&CountFrom> {
@@ -909,7 +977,7 @@ impl RunState {
             .as_ref();
         let budgets = self
             .budget
-            .effective_between(pinned, self.counts_from(seq), seq)
+            .effective_between(pinned, self.raises_from(seq), seq)
             .ok_or("the pinned agent has no budgets")?;
         let spent = self
             .spent_before(seq)
@@ -1000,8 +1068,10 @@ impl RunState {
     /// Why the intent recorded at `intent_seq` may not be executed, if it
     /// may not: the agent pinned there gates its call, and no approval of
     /// exactly that call (its request about this very call, decided by the
-    /// controller, with these arguments, not voided) precedes it. An intent
-    /// is the step pod's word; the gate is the pinned policy's.
+    /// controller, with these arguments, not voided, and given to this run:
+    /// in a fork, decided after its own `Forked` unless the intent was
+    /// copied too) precedes it. An intent is the step pod's word; the gate
+    /// is the pinned policy's.
     pub fn unapproved_intent(&self, intent_seq: u64, intent: &ToolIntent) -> Option<String> {
         // A replay test (its controller-signed `Forked` says so) makes no
         // call: each intent is answered from a recorded call, gated or not.

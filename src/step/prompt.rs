@@ -195,9 +195,23 @@ pub(super) fn edit_note(state: &RunState, intent_seq: u64) -> Option<String> {
     let Some(Entry::ToolIntent(intent)) = state.entry(intent_seq) else {
         return None;
     };
+    // A fork that decided the call again (its own request after its
+    // `Forked`): an edit copied from the parent is not what it ran with.
+    let from = state.authority_from(intent_seq);
+    let asked_again = from > 0
+        && state
+            .records_from(from)
+            .take_while(|(seq, _)| *seq < intent_seq)
+            .any(|(_, s)| {
+                matches!(s, Entry::ApprovalRequested(r)
+                    if r.kind == v1::ApprovalKind::Call
+                        && r.model_call_seq == intent.model_call_seq
+                        && r.call_index == intent.call_index)
+            });
     let (request, decided) = state
         .records()
         .take_while(|(seq, _)| *seq < intent_seq)
+        .filter(|(seq, _)| !asked_again || *seq >= from)
         .collect::<Vec<_>>()
         .into_iter()
         .rev()

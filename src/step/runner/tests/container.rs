@@ -578,3 +578,179 @@ async fn a_fork_of_a_container_run_replays_the_copied_prefix_and_goes_on_live() 
         assert_eq!(counts.posts.get(&intent.key), Some(&1));
     }
 }
+
+/// Issue 50 for a container agent: its run forked at alice's edit of the
+/// refund, before the refund's intent. The agent of the fork replays to
+/// the refund and gets no answer: the fork asks its own approvers (the
+/// parent's edit authorizes nothing in the fork), and no refund is made.
+/// Once carol approves it as proposed, the refund is made once, with the
+/// fork's key and the amount carol approved, and the agent is not told of
+/// alice's edit.
+#[tokio::test]
+async fn a_fork_of_a_container_run_at_the_parents_edit_waits_for_its_own_approval() {
+    let standins = Standins::start().await;
+    let started = container_started(gated_run_started(&standins.base, "refund"));
+    let amount = |n: u64| json!({"order": "A-7", "amount": n});
+    let mut edited = history_of(started.clone(), container_turns());
+    for entry in &mut edited {
+        if let Entry::ToolIntent(i) = entry
+            && i.tool == "refund"
+        {
+            i.arguments = amount(20);
+        }
+    }
+    standins.script(&edited);
+    standins.reset([]);
+    // The parent: asked, edited by alice, made, ended.
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), std::slice::from_ref(&started)).await;
+    container_step(store.clone(), SYSTEM).await.0.unwrap();
+    let mut log = read_log(&*store).await;
+    let request_seq = log.len() as u64 - 1;
+    log.push(Entry::ApprovalDecided(
+        crate::runlog::records::ApprovalDecided {
+            request_seq,
+            approval: "a".into(),
+            verdict: crate::runlog::records::Verdict::Edit,
+            decisions: vec![crate::runlog::records::RecordedDecision {
+                approver: "alice".into(),
+                verdict: v1::Verdict::Edit,
+                arguments_hash: crate::policy::arguments_hash("refund", &amount(20)),
+                arguments: Some(amount(20)),
+                reason: Some("partial refund".into()),
+            }],
+            arguments: Some(amount(20)),
+            observations_hash: "o".into(),
+            on_expiry: None,
+        },
+    ));
+    // The tools know the parent's later calls by the seqs after the decision.
+    let asked = log[request_seq as usize..].to_vec();
+    standins.script(&super::fork::shifted(&edited, request_seq - 1, asked, RUN));
+    let dir = tempfile::tempdir().unwrap();
+    let store = log_with(dir.path(), &log).await;
+    container_step(store.clone(), SYSTEM).await.0.unwrap();
+    let whole = read_log(&*store).await;
+    assert_eq!(stop_of(&whole).unwrap().outcome, Outcome::Succeeded);
+    let parent_keys: Vec<String> = whole
+        .iter()
+        .filter_map(|e| match e {
+            Entry::ToolIntent(i) => Some(i.key.clone()),
+            _ => None,
+        })
+        .collect();
+
+    // Forked at alice's edit.
+    let seq = request_seq + 1;
+    standins.reset(parent_keys.clone());
+    let fork_dir = tempfile::tempdir().unwrap();
+    let fork = super::fork::forked_log(fork_dir.path(), &whole, seq).await;
+    let (step, seen) = container_step_of(super::fork::FORK, fork.clone(), SYSTEM).await;
+    step.unwrap_or_else(|e| panic!("the fork's step: {e:#}"));
+    assert!(
+        seen.is_none(),
+        "the fork's agent gets no answer for the refund"
+    );
+    let records = fork.read_verified(super::fork::FORK, None).await.unwrap();
+    let forked: Vec<Entry> = records
+        .iter()
+        .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+        .collect();
+    assert_eq!(
+        forked.len() as u64,
+        seq + 3,
+        "the copy, Forked, the request"
+    );
+    let Some(Entry::ApprovalRequested(own)) = forked.last() else {
+        panic!(
+            "the fork did not ask its own approvers: {:?}",
+            forked.last()
+        )
+    };
+    assert_eq!(own.arguments, amount(25), "the call as the agent made it");
+    let own_seq = seq + 2;
+    assert!(standins.counts().posts.is_empty(), "a call was made");
+
+    // Carol, the fork's approver, approves it as proposed.
+    let decided = Entry::ApprovalDecided(crate::runlog::records::ApprovalDecided {
+        request_seq: own_seq,
+        approval: "fork-a".into(),
+        verdict: crate::runlog::records::Verdict::Approve,
+        decisions: vec![crate::runlog::records::RecordedDecision {
+            approver: "carol".into(),
+            verdict: v1::Verdict::Approve,
+            arguments_hash: own.arguments_hash.clone(),
+            arguments: None,
+            reason: None,
+        }],
+        arguments: Some(amount(25)),
+        observations_hash: "o".into(),
+        on_expiry: None,
+    });
+    let lease = fork
+        .acquire(super::fork::FORK, "controller", LEASE_TTL)
+        .await
+        .unwrap();
+    let record = crate::store::RecordSigner::from_seed(&[3; 32])
+        .seal(
+            super::fork::FORK,
+            decided.draft(),
+            &records.last().unwrap().head(),
+        )
+        .unwrap();
+    fork.append(super::fork::FORK, lease.epoch, &record)
+        .await
+        .unwrap();
+    fork.release(&lease).await.unwrap();
+    // The tools know the fork's calls by the fork's keys (the refund as
+    // carol approved it).
+    let mut expected = super::fork::shifted(
+        &whole,
+        seq,
+        vec![
+            forked[seq as usize + 1].clone(),
+            Entry::ApprovalRequested(own.clone()),
+            decided,
+        ],
+        super::fork::FORK,
+    );
+    for entry in &mut expected {
+        if let Entry::ToolIntent(i) = entry
+            && i.tool == "refund"
+        {
+            i.arguments = amount(25);
+        }
+    }
+    standins.script(&expected);
+
+    let (step, seen) = container_step_of(super::fork::FORK, fork.clone(), SYSTEM).await;
+    step.unwrap_or_else(|e| panic!("the fork's second step: {e:#}"));
+    let seen = seen.expect("the agent ended");
+    assert!(!seen.results[1].contains("changed"), "{}", seen.results[1]);
+    let log: Vec<Entry> = fork
+        .read_verified(super::fork::FORK, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| Entry::decode(r.seq, r.kind.as_str(), &r.payload).unwrap())
+        .collect();
+    assert_eq!(stop_of(&log).map(|s| s.outcome), Some(Outcome::Succeeded));
+    let counts = standins.counts();
+    let refund = log[seq as usize + 1..]
+        .iter()
+        .find_map(|e| match e {
+            Entry::ToolIntent(i) if i.tool == "refund" => Some(i.clone()),
+            _ => None,
+        })
+        .expect("the fork's refund");
+    assert_eq!(refund.key, idempotency_key(super::fork::FORK, 1, 1));
+    assert_eq!(refund.arguments, amount(25));
+    assert_eq!(counts.effects.get(&refund.key), Some(&1));
+    for key in &parent_keys {
+        assert_eq!(
+            counts.posts.get(key),
+            None,
+            "a parent's call was made again"
+        );
+    }
+}
