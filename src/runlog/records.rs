@@ -427,6 +427,25 @@ pub struct Forked {
     pub test: Option<Sandbox>,
 }
 
+#[cfg(test)]
+impl Forked {
+    /// A fork's start after the parent's record `seq`, forked by carol; a
+    /// replay test's with `test` (its recorded calls).
+    pub(crate) fn after(seq: u64, test: Option<Sandbox>) -> Forked {
+        Forked {
+            parent_uid: "recorded".into(),
+            parent_name: "refund-1".into(),
+            seq,
+            parent_hash: "00".into(),
+            requester: Some("carol".into()),
+            budget: None,
+            prefix_usage: None,
+            replaced: None,
+            test,
+        }
+    }
+}
+
 /// Which copied record of a fork was replaced, by whom and why.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]

@@ -558,17 +558,7 @@ mod tests {
     /// tested agent), its log cut after `len` records of its start: the
     /// parent's records, then `Forked`, then the `VersionChanged`.
     fn cut_start(seq: u64, len: usize) -> RunState {
-        let forked = Entry::Forked(crate::runlog::records::Forked {
-            parent_uid: "p".into(),
-            parent_name: "parent".into(),
-            seq,
-            parent_hash: "00".into(),
-            requester: Some("carol".into()),
-            budget: None,
-            prefix_usage: None,
-            replaced: None,
-            test: None,
-        });
+        let forked = Entry::Forked(crate::runlog::records::Forked::after(seq, None));
         let changed = Entry::VersionChanged(crate::runlog::records::VersionChanged {
             agent: Default::default(),
             tools: vec![],
@@ -636,17 +626,10 @@ mod tests {
     /// container agent with `container`), then `more`.
     fn a_test(container: bool, more: Vec<Entry>) -> RunState {
         let mut log = crate::replay::tests::started().entries().to_vec();
-        log.push(Entry::Forked(crate::runlog::records::Forked {
-            parent_uid: "p".into(),
-            parent_name: "parent".into(),
-            seq: 0,
-            parent_hash: "00".into(),
-            requester: Some("carol".into()),
-            budget: None,
-            prefix_usage: None,
-            replaced: None,
-            test: Some(crate::runlog::records::Sandbox { calls: vec![] }),
-        }));
+        log.push(Entry::Forked(crate::runlog::records::Forked::after(
+            0,
+            Some(crate::runlog::records::Sandbox { calls: vec![] }),
+        )));
         log.push(Entry::VersionChanged(
             crate::runlog::records::VersionChanged {
                 agent: Default::default(),

@@ -234,17 +234,10 @@ async fn a_container_agent_on_a_replay_tests_log_is_never_run_and_nothing_is_ask
     let started = container_started(run_started(&standins.base));
     standins.script(&history_of(started.clone(), container_turns()));
     standins.reset([]);
-    let forked = Entry::Forked(crate::runlog::records::Forked {
-        parent_uid: "recorded".into(),
-        parent_name: "refund-1".into(),
-        seq: 0,
-        parent_hash: "00".into(),
-        requester: Some("carol".into()),
-        budget: None,
-        prefix_usage: None,
-        replaced: None,
-        test: Some(crate::runlog::records::Sandbox { calls: vec![] }),
-    });
+    let forked = Entry::Forked(crate::runlog::records::Forked::after(
+        0,
+        Some(crate::runlog::records::Sandbox { calls: vec![] }),
+    ));
     let dir = tempfile::tempdir().unwrap();
     let store = log_with(dir.path(), &[started, forked]).await;
     let (step, _) = container_step(store.clone(), SYSTEM).await;
