@@ -299,11 +299,11 @@ pub async fn copy_prefix(
         .read_verified(fork_uid, None)
         .await
         .map_err(ForkError::Store)?;
-    if let Some(last) = written.get(planned.len().wrapping_sub(1)) {
+    if written.len() >= planned.len() {
         // The copy is complete (and the fork may have gone on).
-        return Ok(last.head());
+        return Ok(written[planned.len() - 1].head());
     }
-    let rest = rest_of_copy(signer, fork_uid, &planned, &written, parent_len(point))?;
+    let rest = rest_of_copy(signer, fork_uid, &planned, &written, through(point.seq))?;
     let mut lease = store
         .acquire(fork_uid, writer, COPY_LEASE)
         .await
@@ -338,15 +338,9 @@ pub async fn copy_prefix(
     Ok(head)
 }
 
-/// How many of a fork's planned records are the parent's (`0..=seq`); the
-/// rest are the start's own (`Forked`, the `VersionChanged`).
-fn parent_len(point: &ForkPoint) -> usize {
-    through(point.seq)
-}
-
 /// The planned records still to write after `written`, chained from its
-/// head. What stands must be the plan: the parent's records exactly; the
-/// start's own in everything but the writer (another controller replica
+/// head. What stands must be the plan: the parent's records (the first
+/// `parent_len`) exactly; the start's own in everything but the writer (another controller replica
 /// may have begun the copy, so they are written again after it).
 fn rest_of_copy(
     signer: &RecordSigner,

@@ -16,6 +16,10 @@ use crate::replay::{Entry, RunState};
 use crate::runlog::records::{RecordedCall, Sandbox, Verdict};
 use crate::runlog::v1::{ApprovalKind, ToolOutcome};
 
+/// Why a replay test whose agent in force is a container agent ends
+/// without running it (the controller and the runner both say it).
+pub const CONTAINER_AGENT: &str = "replay test: the agent in force is a container agent, whose calls a test cannot answer from the recorded run: nothing is run";
+
 /// The calls the recorded run's model proposed and that were settled (a
 /// result, or a decision that it never runs), in the order proposed. A
 /// call the run never settled (it ended or waits there) is left out: a

@@ -274,9 +274,7 @@ async fn attempt(
             let finished = RunFinished {
                 outcome: Outcome::Failed,
                 result: None,
-                error: Some(
-                    "replay test: the agent in force is a container agent, whose calls a test cannot answer from the recorded run: nothing is run".into(),
-                ),
+                error: Some(sandbox::CONTAINER_AGENT.into()),
             };
             return runner.stop(finished).await;
         }
