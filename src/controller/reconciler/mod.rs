@@ -139,19 +139,25 @@ async fn reconcile_inner(run: &AgentRun, ctx: &Context) -> Result<Action, Error>
 
     // Act.
     let mut acting = Acting::new(run, std::mem::take(&mut plan.notices), began, now);
-    let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
-    acting.idle = act == Act::Idle;
-    let observed = Seen {
-        ns: &ns,
-        uid: &uid,
-        replayed: &replayed,
-        template: &template,
-        agent_generation,
-        job: job.as_ref(),
-        lease: lease.as_ref(),
-        now,
+    let acted = async {
+        let (act, template) = govern(run, ctx, &ns, act, template, &replayed.state).await?;
+        acting.idle = act == Act::Idle;
+        let observed = Seen {
+            ns: &ns,
+            uid: &uid,
+            replayed: &replayed,
+            template: &template,
+            agent_generation,
+            job: job.as_ref(),
+            lease: lease.as_ref(),
+            now,
+        };
+        act_on(run, ctx, act, &observed, &mut acting).await
     };
-    let requeue = act_on(run, ctx, act, &observed, &mut acting).await?;
+    let requeue = match acted.await {
+        Ok(requeue) => requeue,
+        Err(e) => return Err(keep_read(ctx, &uid, replayed, e)),
+    };
 
     // Record: the status, from the log as it is now.
     record(
@@ -233,8 +239,15 @@ async fn read(
             .map(|s| s.agent.clone())
             .unwrap_or_default()
     });
-    let job = read_job(run, ctx, ns).await?;
-    let lease = read_lease(ctx, uid, job.as_ref(), &replayed).await?;
+    let job_and_lease = async {
+        let job = read_job(run, ctx, ns).await?;
+        let lease = read_lease(ctx, uid, job.as_ref(), &replayed).await?;
+        Ok((job, lease))
+    };
+    let (job, lease) = match job_and_lease.await {
+        Ok(read) => read,
+        Err(e) => return Err(keep_read(ctx, uid, replayed, e)),
+    };
     Ok(ControlFlow::Continue(Read {
         plan,
         template,
@@ -406,6 +419,15 @@ async fn handle_approval(
     })
 }
 
+/// A failed reconcile keeps the log it read: a log only grows, so what was
+/// read stays a verified prefix of it, and the retry reads only past it
+/// (dropping it would make the retry resume from the checkpoint and verify
+/// the whole log again). Returns `error`.
+fn keep_read(ctx: &Context, uid: &str, replayed: Replayed, error: Error) -> Error {
+    ctx.memory.keep(uid, replayed);
+    error
+}
+
 /// Writes the status from the log as it is after acting, keeps the
 /// replayed log for the next reconcile and says when that is.
 async fn record(
@@ -436,8 +458,11 @@ async fn record(
         log.checkpoint = next_checkpoint(run, ctx, &uid, &replayed);
     }
     let finished = status.phase.is_some_and(|p| p.is_terminal());
-    let (requeue, version) =
-        write_progress(run, ctx, &uid, &status, notices, acting.idle, requeue).await?;
+    let written = write_progress(run, ctx, &uid, &status, notices, acting.idle, requeue).await;
+    let (requeue, version) = match written {
+        Ok(written) => written,
+        Err(e) => return Err(keep_read(ctx, &uid, replayed, e)),
+    };
     if ends_now.is_some() && ctx.memory.first_end(&uid) {
         report_run_span(run, &status);
     }

@@ -13,7 +13,8 @@ use kube::client::Body;
 use serde_json::{Value, json};
 
 use super::{
-    Handle, expect, expect_events, expect_nothing_more, expect_policies, list, receive, respond,
+    Handle, answer_everything, expect, expect_events, expect_nothing_more, expect_policies, list,
+    receive, respond,
 };
 use crate::api::AgentRun;
 use crate::controller::context::Context;
@@ -833,6 +834,53 @@ async fn a_running_steps_progress_is_written_at_most_every_few_seconds() {
         kinds(&ctx).await.len(),
         4,
         "the controller appended nothing"
+    );
+}
+
+/// A reconcile that fails (here its status write) keeps the log it read:
+/// the retry reads only the records appended since, not the whole log from
+/// its checkpoint again (the scale check's reads per record stay 1).
+#[tokio::test]
+async fn a_failed_reconcile_keeps_the_log_it_read_so_its_retry_reads_only_whats_new() {
+    use kube::runtime::watcher::Event;
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle, mut jobs) = mocked_with_job_cache(dir.path()).await;
+    let (ctx, mut handle, run) = start(ctx, handle, super::run()).await;
+    let running = serde_json::from_value(job(STEP_1, running())).unwrap();
+    jobs.apply_watcher_event(&Event::Apply(running));
+    let pod = Duration::from_secs(30);
+    let steps = (0..5).map(|i| observation(&format!("{i}"))).collect();
+    step_pod(&ctx, steps, pod, false).await;
+
+    // The status write fails: the reconcile fails (and says so).
+    let read_before = ctx.metrics.store_read_records.get();
+    let server = tokio::spawn(async move {
+        let (_, send) = receive(&mut handle, "PATCH", STATUS).await;
+        let gone = json!({"apiVersion": "v1", "kind": "Status", "metadata": {},
+            "status": "Failure", "reason": "InternalError", "code": 500, "message": "etcd timeout"});
+        respond(send, 500, &gone);
+        answer_everything(&mut handle).await;
+        handle
+    });
+    let failed = crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone()).await;
+    assert!(failed.is_err(), "the reconcile failed: {failed:?}");
+    let mut handle = server.await.unwrap();
+    assert_eq!(ctx.metrics.store_read_records.get() - read_before, 5);
+
+    // Two records more; the retry reads those two only.
+    step_pod(&ctx, vec![observation("5"), observation("6")], pod, false).await;
+    let read_before = ctx.metrics.store_read_records.get();
+    let server = tokio::spawn(async move {
+        answer_everything(&mut handle).await;
+    });
+    crate::controller::reconciler::reconcile(Arc::new(run.clone()), ctx.clone())
+        .await
+        .unwrap();
+    server.await.unwrap();
+    assert_eq!(
+        ctx.metrics.store_read_records.get() - read_before,
+        2,
+        "the retry read the new records only"
     );
 }
 
