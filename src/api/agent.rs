@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::common::{
     Approvers, DURATION_RULE, DefaultAction, Dependency, NotifyFormat, OnExpiry, SecretKeyRef,
 };
-use super::policy::{CallMatch, PlatformDefault};
+use super::policy::{CallMatch, PlatformAdded, PlatformDefault};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
 /// An Agent is a reusable template an AgentRun names in `spec.agentRef`:
@@ -344,6 +344,11 @@ pub struct ApprovalPolicy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(skip)]
     pub platform_default: Option<PlatformDefault>,
+    /// What the platform added when the controller pinned the run (not
+    /// part of the Agent's schema either).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
+    pub platform_added: Option<PlatformAdded>,
 }
 
 /// A rule making matching tool calls wait for a human decision.

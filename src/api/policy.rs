@@ -250,6 +250,22 @@ pub struct PlatformDefault {
     pub by: Vec<PlatformReadOnly>,
 }
 
+/// What the platform added to an agent's approval policy when the controller
+/// pinned it (set by the controller only, never part of an Agent): a fork,
+/// judged by the platform of its own day, takes exactly this off again
+/// before today's platform is put on (DESIGN.md §11).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlatformAdded {
+    /// How many of the pinned rules, first, are the platform's.
+    pub rules: u32,
+    /// The agent's own `separationOfDuties`.
+    pub separation_of_duties: bool,
+    /// The agent's own `defaultApprovers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_approvers: Option<Approvers>,
+}
+
 /// One platform policy's default and the calls it lets through as read-only.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

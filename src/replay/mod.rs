@@ -768,10 +768,12 @@ impl RunState {
                 // A fork's start: an approval (or edit) given to the parent
                 // lets the parent make the call, not the fork. The call is
                 // decided again, by the fork's own approvers, when the fork
-                // proposes it to its gate. A rejection stands: it makes nothing;
-                // a request still undecided is the fork's to decide.
+                // proposes it to its gate, under the fork's own policy (the
+                // platform of its day). So is a request still undecided: it
+                // was raised under the parent's. A rejection stands: it
+                // makes nothing.
                 Entry::Forked(f) if f.test.is_none() => {
-                    if let CallState::Approved(..) = state {
+                    if let CallState::Approved(..) | CallState::Pending(_) = state {
                         state = CallState::Open;
                     }
                 }

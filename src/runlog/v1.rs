@@ -174,6 +174,9 @@ pub struct ApprovalPolicy {
     // Added within format 1, omitted when absent (see `McpTool::idempotent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub notify_format: Option<NotifyFormat>,
+    // Added within format 1, omitted when absent (see `McpTool::idempotent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform_added: Option<PlatformAdded>,
 }
 
 /// The message an approval webhook receives (added within format 1).
@@ -191,6 +194,16 @@ pub enum NotifyFormat {
 pub struct PlatformDefault {
     pub agent_action: DefaultAction,
     pub by: Vec<PlatformReadOnly>,
+}
+
+/// What the platform added to the pinned policy (added within format 1).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PlatformAdded {
+    pub rules: u32,
+    pub separation_of_duties: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_approvers: Option<Approvers>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

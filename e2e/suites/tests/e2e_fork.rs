@@ -500,6 +500,111 @@ async fn a_fork_with_a_replaced_lookup_result_decides_the_refund_again_and_says_
     );
 }
 
+/// A fork is judged by the platform of today, as a new run of its agent
+/// would be (issue 50): after the parent ran ungated, the platform gated
+/// refunds for finance with separation of duties; a fork before the refund
+/// waits for finance, the Approval saying so, and makes no refund. Once the
+/// platform forbids inline agents, a fork of the parent (whose agent is
+/// inline) is refused and copies nothing.
+#[tokio::test]
+async fn a_fork_is_judged_by_the_platform_of_today_not_by_its_parents_pin() {
+    use agentrun::api::AgentPolicy;
+    let w = World::new("forkgov", &[]).await;
+    let then = [
+        call("issue_refund", json!({"orderId": "1042", "amount": 900})),
+        finish("refunded 900"),
+    ];
+    let (_, _, at) = refunded_run(&w, "refund", "parent", &then).await;
+    let (base, t) = (&w.standins.base, w.name());
+    let policy: AgentPolicy = serde_json::from_value(json!({
+        "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentPolicy",
+        "metadata": {"name": "finance"},
+        "spec": {"approval": {
+            "rules": [{"name": "refunds",
+                "match": {"endpoints": [{"url": format!("{base}/tools/{t}/issue_refund")}]},
+                "approvers": {"groups": ["finance-approvers"]}, "expiresAfter": "10m"}],
+            "separationOfDuties": true
+        }}
+    }))
+    .unwrap();
+    let policies = Api::<AgentPolicy>::namespaced(w.client.clone(), w.name());
+    policies
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap();
+
+    let dave = Api::<AgentRun>::namespaced(forker(&w, "dave").await, w.name());
+    let fork = |name: &str| -> AgentRun {
+        serde_json::from_value(json!({
+            "apiVersion": "agentrun.dev/v1alpha1", "kind": "AgentRun",
+            "metadata": {"name": name}, "spec": fork_spec("parent", at)
+        }))
+        .unwrap()
+    };
+    dave.create(&PostParams::default(), &fork("again"))
+        .await
+        .unwrap();
+    let approval = common::approvals::pending_approval(&w, "again").await;
+    assert_eq!(
+        approval.spec.rule.as_deref(),
+        Some("AgentPolicy/finance/refunds")
+    );
+    assert!(
+        approval.spec.separation_of_duties,
+        "today's separation of duties"
+    );
+    assert_eq!(approval.spec.requester.as_deref(), Some("dave"));
+    let refunds = w.standins.effects(w.name()).await;
+    let made = refunds
+        .iter()
+        .filter(|e| e["tool"] == "issue_refund")
+        .count();
+    assert_eq!(made, 1, "the parent's refund only: {refunds:?}");
+    // The fork's start records the parent's agent as today's platform
+    // governs it, right after `Forked`, its versions unchanged.
+    let again = w.wait_phase("again", Phase::AwaitingApproval).await;
+    let log = w.log(&again).await;
+    let Entry::VersionChanged(changed) = &log[at as usize + 2].1 else {
+        panic!("record {} is {:?}", at + 2, log[at as usize + 2].1)
+    };
+    assert_eq!(changed.from, changed.to);
+    let governed = changed.agent.approval.as_ref().expect("a policy");
+    assert_eq!(governed.rules[0].name, "AgentPolicy/finance/refunds");
+    assert!(governed.separation_of_duties);
+
+    // The platform now forbids inline agents: a fork of the inline parent is refused.
+    let patch = json!({"spec": {"forbidInlineAgents": true}});
+    let merge = kube::api::Patch::Merge(&patch);
+    policies
+        .patch("finance", &kube::api::PatchParams::default(), &merge)
+        .await
+        .unwrap();
+    dave.create(&PostParams::default(), &fork("inline"))
+        .await
+        .unwrap();
+    let refused = w.wait_phase("inline", Phase::Failed).await;
+    let status = refused.status.as_ref().unwrap();
+    let forked = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Forked")
+        .unwrap();
+    assert_eq!(
+        (forked.status.as_str(), forked.reason.as_str()),
+        ("False", "PolicyRefused")
+    );
+    assert!(
+        forked
+            .message
+            .contains("forbidden here by AgentPolicy/finance"),
+        "{}",
+        forked.message
+    );
+    let uid = refused.metadata.uid.clone().unwrap();
+    let copied = w.store().await.read_all(&uid).await.unwrap();
+    assert!(copied.is_empty(), "nothing copied: {copied:?}");
+}
+
 /// A finished refund run (`parent`: lookup, refund 40, done) on `script`,
 /// with replies for a fork after the lookup; its log and the lookup's seq.
 async fn refund_parent(w: &World, script: &str) -> (AgentRun, u64) {

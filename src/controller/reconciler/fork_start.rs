@@ -130,7 +130,16 @@ pub(super) async fn start_fork(
     // Only the prefix is copied (the whole log was verified to trust it).
     records.truncate(crate::fork::through(start.seq()));
     let agent = match start.agent() {
-        None => None,
+        None => match governed_again(run, ctx, &ns, &records).await? {
+            Governed::Changed(changed) => Some(*changed),
+            Governed::Refused(message) => {
+                return Ok(refuse(run, acting, "PolicyRefused", message));
+            }
+            Governed::Awaits(awaited) => {
+                acting.policy = Some((awaited.waiting_on, awaited.message));
+                return Ok(super::decide::POLICY_RECHECK);
+            }
+        },
         Some(name) => {
             // The versions in force at the fork point (the last record copied).
             let from = versions_at(&records);
@@ -409,6 +418,66 @@ fn changed_to(
         to: started.versions,
         container: started.container,
     }))
+}
+
+/// The parent's agent, as the platform of today governs it, or why it
+/// may not go on.
+enum Governed {
+    Changed(Box<VersionChanged>),
+    Refused(String),
+    Awaits(crate::controller::watchers::platform::Awaited),
+}
+
+/// A fork that keeps its parent's agent is judged by the platform of
+/// today, as a new run of that agent would be (DESIGN.md §11): the parent's
+/// pin at the fork point, with what the platform of its day added taken off
+/// and today's put on, is recorded in a `VersionChanged` after `Forked`
+/// (its versions unchanged); refused wherever a new run would be.
+async fn governed_again(
+    run: &AgentRun,
+    ctx: &Context,
+    ns: &str,
+    records: &[Record],
+) -> Result<Governed, Error> {
+    let Some(pinned) = state_of(records).snapshot else {
+        let message = "spec.forkOf.seq: the parent's log pins no agent at that point";
+        return Ok(Governed::Refused(message.into()));
+    };
+    // Only an inline agent is pinned without an Agent's generation.
+    let inline = pinned.versions.agent_generation.is_none();
+    let (governed, refused, awaited) = super::platform_judges(ctx, ns, |platform| {
+        let governed = platform.govern_again(&pinned.agent);
+        let (refused, awaited) = platform.judge(run, &governed);
+        let inline = platform.forbids_inline().filter(|_| inline).map(|by| {
+            format!(
+                "spec.forkOf: the parent's agent is written inline in the parent run, and inline agents \
+                 are forbidden here by {by}; fork onto an Agent with spec.forkOf.agent"
+            )
+        });
+        (governed, inline.or(refused), awaited)
+    })
+    .await?;
+    if let Some(message) = refused {
+        return Ok(Governed::Refused(message));
+    }
+    if let Some(awaited) = awaited {
+        return Ok(Governed::Awaits(awaited));
+    }
+    let generation = pinned.versions.agent_generation;
+    let mcp = pinned.mcp.clone();
+    let started = snapshot(run, &governed, generation, mcp)
+        .map_err(|e| format!("spec.forkOf: the parent's agent: {e}"));
+    Ok(match started {
+        Ok(started) => Governed::Changed(Box::new(VersionChanged {
+            agent: started.agent,
+            tools: started.tools,
+            mcp: started.mcp,
+            from: pinned.versions,
+            to: started.versions,
+            container: started.container,
+        })),
+        Err(message) => Governed::Refused(message),
+    })
 }
 
 /// The agent's versions in force at the end of `records` (the fork point).

@@ -600,31 +600,12 @@ async fn govern(
     ) {
         return Ok((act, template));
     }
-    use crate::controller::watchers::platform::{self, Platform};
-    // What a later object can still give is waited for; only what none can
-    // fix ends the run.
-    let judge = |platform: &Platform| {
+    let (template, refused, awaited) = platform_judges(ctx, ns, |platform| {
         let governed = platform.govern(&template);
-        let awaited = platform.awaited(&template);
-        let refused = platform
-            .forbidden_inline(run)
-            .or_else(|| {
-                awaited
-                    .is_none()
-                    .then(|| platform.refusal(run, &template))?
-            })
-            .or_else(|| Platform::unjudgeable(run, &governed));
+        let (refused, awaited) = platform.judge(run, &governed);
         (governed, refused, awaited)
-    };
-    let cached = platform::read(&ctx.client, ctx.caches.policies.as_ref(), ns).await?;
-    let (mut governed, mut refused, mut awaited) = judge(&cached);
-    if (refused.is_some() || awaited.is_some()) && ctx.caches.policies.is_some() {
-        // The watch cache may not have seen a policy created together with
-        // the run yet: the API server's own policies decide it.
-        let platform = platform::read(&ctx.client, None, ns).await?;
-        (governed, refused, awaited) = judge(&platform);
-    }
-    let template = governed;
+    })
+    .await?;
     let failed = |result, reason| RunFinished {
         outcome: crate::runlog::records::Outcome::Failed,
         result,
@@ -643,6 +624,31 @@ async fn govern(
     };
     Ok((act, template))
 }
+
+/// What `judge` says under the platform's policies of now: from the watch
+/// cache, or from the API server when the cache's answer is a refusal or a
+/// wait (the cache may not have seen a policy created with the run yet).
+pub(super) async fn platform_judges<T>(
+    ctx: &Context,
+    ns: &str,
+    judge: impl Fn(&crate::controller::watchers::platform::Platform) -> Judged<T>,
+) -> Result<Judged<T>, Error> {
+    use crate::controller::watchers::platform;
+    let cached = platform::read(&ctx.client, ctx.caches.policies.as_ref(), ns).await?;
+    let judged = judge(&cached);
+    if (judged.1.is_none() && judged.2.is_none()) || ctx.caches.policies.is_none() {
+        return Ok(judged);
+    }
+    Ok(judge(&platform::read(&ctx.client, None, ns).await?))
+}
+
+/// What the platform made of an agent: the agent governed, why it is
+/// refused, what it waits for.
+pub(super) type Judged<T> = (
+    T,
+    Option<String>,
+    Option<crate::controller::watchers::platform::Awaited>,
+);
 
 /// Appends `RunStarted` with the resolved agent, or concludes the run when
 /// the agent cannot be resolved.

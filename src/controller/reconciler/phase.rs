@@ -266,7 +266,7 @@ fn started(o: &Observed) -> bool {
 /// How many records a run's start writes.
 fn start_len(spec: &crate::api::AgentRunSpec) -> u64 {
     match (&spec.fork_of, &spec.test_of) {
-        (Some(f), _) => f.seq.saturating_add(2 + u64::from(f.agent.is_some())),
+        (Some(f), _) => f.seq.saturating_add(3),
         (None, Some(_)) => 3,
         (None, None) => 1,
     }

@@ -10,7 +10,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use crate::api::REQUESTER_ANNOTATION as REQUESTER;
 use crate::api::{
     AgentPolicy, AgentRun, AgentTemplate, ApprovalPolicy, ApprovalRule, ClusterAgentPolicy,
-    DefaultAction, PlatformApproval, PlatformDefault, PlatformReadOnly, PlatformRule,
+    DefaultAction, PlatformAdded, PlatformApproval, PlatformDefault, PlatformReadOnly,
+    PlatformRule,
 };
 use crate::controller::error::Error;
 
@@ -240,6 +241,28 @@ impl Platform {
         ))
     }
 
+    /// The policy forbidding inline agents, if one does.
+    pub fn forbids_inline(&self) -> Option<&str> {
+        self.forbids_inline.as_deref()
+    }
+
+    /// Why these policies refuse `governed` (as [`Platform::govern`] made
+    /// it) for `run`, and what the run waits for instead, if anything: what a
+    /// later object can still give is waited for; only what none can fix is
+    /// refused.
+    pub fn judge(
+        &self,
+        run: &AgentRun,
+        governed: &AgentTemplate,
+    ) -> (Option<String>, Option<Awaited>) {
+        let awaited = self.awaited(governed);
+        let refused = self
+            .forbidden_inline(run)
+            .or_else(|| awaited.is_none().then(|| self.refusal(run, governed))?)
+            .or_else(|| Platform::unjudgeable(run, governed));
+        (refused, awaited)
+    }
+
     /// Why the governed agent cannot judge this run: separation of duties
     /// without a known requester (a run created where the admission policies
     /// were not installed) would let anyone approve.
@@ -268,6 +291,15 @@ impl Platform {
         governed.approval = effective_policy(template.approval.as_ref(), &self.approval);
         governed
     }
+
+    /// An agent a log pinned (governed by the platform of its day), governed
+    /// by these policies instead: what a fork that keeps its parent's agent
+    /// goes on with.
+    pub fn govern_again(&self, pinned: &AgentTemplate) -> AgentTemplate {
+        let mut own = pinned.clone();
+        own.approval = agents_own(pinned.approval.as_ref());
+        self.govern(&own)
+    }
 }
 
 /// Platform rules first (named after their policy), then the agent's; the
@@ -284,6 +316,11 @@ fn effective_policy(
     }
     let mut policy = agent.cloned().unwrap_or_default();
     let agent_action = policy.default_action;
+    let mut added = PlatformAdded {
+        rules: 0,
+        separation_of_duties: policy.separation_of_duties,
+        default_approvers: policy.default_approvers.clone(),
+    };
     let mut by = Vec::new();
     let mut rules: Vec<ApprovalRule> = Vec::new();
     for (source, p) in platform {
@@ -303,9 +340,30 @@ fn effective_policy(
         }
     }
     policy.platform_default = (!by.is_empty()).then_some(PlatformDefault { agent_action, by });
+    added.rules = u32::try_from(rules.len()).unwrap_or(u32::MAX);
+    policy.platform_added = Some(added);
     rules.append(&mut policy.rules);
     policy.rules = rules;
     Some(policy)
+}
+
+/// The agent's own policy under a pinned one: what [`effective_policy`]
+/// added taken off (`platformAdded` says what). A policy pinned before
+/// that record was kept is returned whole: its platform parts cannot be
+/// told from the agent's, so they stay (stricter, never weaker).
+fn agents_own(pinned: Option<&ApprovalPolicy>) -> Option<ApprovalPolicy> {
+    let mut policy = pinned?.clone();
+    let Some(added) = policy.platform_added.take() else {
+        return Some(policy);
+    };
+    let platform_rules = usize::try_from(added.rules).unwrap_or(usize::MAX);
+    policy.rules.drain(..platform_rules.min(policy.rules.len()));
+    policy.separation_of_duties = added.separation_of_duties;
+    policy.default_approvers = added.default_approvers;
+    if let Some(default) = policy.platform_default.take() {
+        policy.default_action = default.agent_action;
+    }
+    Some(policy).filter(|p| *p != ApprovalPolicy::default())
 }
 
 /// A platform rule as the run pins it. A rule written before `tool` was
@@ -435,6 +493,84 @@ mod tests {
         ]))
         .expect("tools");
         t
+    }
+
+    /// A fork keeps its parent's agent but not the platform of its
+    /// parent's day: what that platform added comes off, today's goes on,
+    /// exactly as a new run of the agent would pin it (issue 50).
+    #[test]
+    fn a_pinned_agent_governed_again_is_the_agent_as_todays_platform_governs_it() {
+        let mut agent = renaming_agent();
+        agent.approval = Some(ApprovalPolicy {
+            rules: vec![rule("agents-own", "open_case", None)],
+            default_approvers: Some(Approvers {
+                users: vec!["bob".into()],
+                groups: vec![],
+            }),
+            ..Default::default()
+        });
+        let then = finance(PlatformApproval {
+            rules: vec![platform_rule(
+                "refunds",
+                Some(endpoints(&["https://pay.example/v1/refunds"])),
+            )],
+            separation_of_duties: true,
+            default_action: Some(DefaultAction::RequireApprovalForMutating),
+            default_approvers: Some(Approvers {
+                users: vec!["carol".into()],
+                groups: vec![],
+            }),
+            ..Default::default()
+        });
+        let pinned = then.govern(&agent);
+        assert_eq!(pinned.approval.as_ref().unwrap().rules.len(), 2);
+        let today = Platform {
+            approval: vec![(
+                "AgentPolicy/payments".into(),
+                PlatformApproval {
+                    rules: vec![platform_rule(
+                        "all",
+                        Some(endpoints(&["https://pay.example/v1/orders"])),
+                    )],
+                    ..Default::default()
+                },
+            )],
+            ..Default::default()
+        };
+        for now in [today.clone(), Platform::default(), then.clone()] {
+            assert_eq!(now.govern_again(&pinned), now.govern(&agent));
+        }
+        // Governed again and again, it stays what today's platform makes of it.
+        let twice = then.govern_again(&then.govern_again(&pinned));
+        assert_eq!(twice, pinned);
+        // Today's rule catches the orders endpoint; the separation of
+        // duties of the parent's day is gone with that day's platform.
+        let fork = today.govern_again(&pinned);
+        assert!(matches!(
+            classify(&fork, "lookup_order"),
+            Classification::RequireApproval(_)
+        ));
+        assert!(!fork.approval.as_ref().unwrap().separation_of_duties);
+        // A pin from before `platformAdded` cannot be taken apart: it keeps
+        // every rule it had, under today's.
+        let mut old = pinned.clone();
+        old.approval.as_mut().unwrap().platform_added = None;
+        let kept = today.govern_again(&old);
+        let names: Vec<_> = kept
+            .approval
+            .unwrap()
+            .rules
+            .into_iter()
+            .map(|r| r.name)
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "AgentPolicy/payments/all",
+                "ClusterAgentPolicy/finance/refunds",
+                "agents-own"
+            ]
+        );
     }
 
     #[test]

@@ -362,6 +362,24 @@ fn check_every_fork(uid: &str, log: &[Entry]) -> Vec<u64> {
                     "at seq {seq}"
                 );
             }
+            // A request the parent waited on was raised under the
+            // parent's policy: the fork's gate asks again under its own.
+            Next::AwaitApproval { request_seq } => match parent.entry(request_seq) {
+                Some(Entry::ApprovalRequested(request)) if request.kind == ApprovalKind::Call => {
+                    let (mc, index) = (request.model_call_seq, request.call_index);
+                    let Next::RecordIntent {
+                        model_call_seq,
+                        call_index,
+                        call,
+                    } = next
+                    else {
+                        panic!("at seq {seq}: the parent's request was taken: {next:?}")
+                    };
+                    assert_eq!((model_call_seq, call_index), (mc, index), "at seq {seq}");
+                    the_forks_own_approval_decides(&state, seq, mc, index, &call, request);
+                }
+                _ => assert_eq!(next, parent.next(), "at seq {seq}"),
+            },
             theirs => assert_eq!(next, theirs, "at seq {seq}"),
         }
     }

@@ -383,6 +383,7 @@ impl From<api::ApprovalPolicy> for ApprovalPolicy {
             notify_webhook,
             platform_default,
             notify_format,
+            platform_added,
         } = p;
         ApprovalPolicy {
             rules: rules.into_iter().map(Into::into).collect(),
@@ -392,6 +393,7 @@ impl From<api::ApprovalPolicy> for ApprovalPolicy {
             notify_webhook,
             platform_default: platform_default.map(Into::into),
             notify_format: notify_format.map(Into::into),
+            platform_added: platform_added.map(Into::into),
         }
     }
 }
@@ -406,6 +408,7 @@ impl From<ApprovalPolicy> for api::ApprovalPolicy {
             notify_webhook,
             platform_default,
             notify_format,
+            platform_added,
         } = p;
         api::ApprovalPolicy {
             rules: rules.into_iter().map(Into::into).collect(),
@@ -415,6 +418,7 @@ impl From<ApprovalPolicy> for api::ApprovalPolicy {
             notify_webhook,
             platform_default: platform_default.map(Into::into),
             notify_format: notify_format.map(Into::into),
+            platform_added: platform_added.map(Into::into),
         }
     }
 }
@@ -487,6 +491,36 @@ impl From<api::PlatformDefault> for PlatformDefault {
         PlatformDefault {
             agent_action: agent_action.into(),
             by: by.into_iter().map(Into::into).collect(),
+        }
+    }
+}
+
+impl From<api::PlatformAdded> for PlatformAdded {
+    fn from(a: api::PlatformAdded) -> Self {
+        let api::PlatformAdded {
+            rules,
+            separation_of_duties,
+            default_approvers,
+        } = a;
+        PlatformAdded {
+            rules,
+            separation_of_duties,
+            default_approvers: default_approvers.map(Into::into),
+        }
+    }
+}
+
+impl From<PlatformAdded> for api::PlatformAdded {
+    fn from(a: PlatformAdded) -> Self {
+        let PlatformAdded {
+            rules,
+            separation_of_duties,
+            default_approvers,
+        } = a;
+        api::PlatformAdded {
+            rules,
+            separation_of_duties,
+            default_approvers: default_approvers.map(Into::into),
         }
     }
 }
