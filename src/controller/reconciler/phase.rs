@@ -256,8 +256,9 @@ fn outside_the_test(o: &Observed) -> Option<Act> {
 }
 
 /// Whether the run's start is written whole: `RunStarted`; for a fork the
-/// parent's records `0..=seq`, `Forked` and the `VersionChanged` to
-/// `forkOf.agent`; for a test the recorded `RunStarted`, `Forked` and the
+/// parent's records `0..=seq`, `Forked` and the `VersionChanged` (to
+/// `forkOf.agent`, or the parent's agent as the platform of today governs
+/// it); for a test the recorded `RunStarted`, `Forked` and the
 /// tested Agent's `VersionChanged` (`fork::plan`).
 fn started(o: &Observed) -> bool {
     o.log.len() >= start_len(&o.run.spec)
