@@ -8,12 +8,16 @@
 //! recorded run's model was told, and the first that matches none ends
 //! the test `Diverged` there.
 
+use std::collections::HashMap;
+
 use serde_json::Value;
 
 pub mod report;
 
 use crate::replay::{Entry, RunState};
-use crate::runlog::records::{RecordedCall, Sandbox, Verdict};
+use crate::runlog::records::{
+    ApprovalDecided, ApprovalRequested, RecordedCall, Sandbox, ToolIntent, Verdict,
+};
 use crate::runlog::v1::{ApprovalKind, ToolOutcome};
 
 /// Why a replay test whose agent in force is a container agent ends
@@ -24,12 +28,15 @@ pub const CONTAINER_AGENT: &str = "replay test: the agent in force is a containe
 /// result, or a decision that it never runs), in the order proposed. A
 /// call the run never settled (it ended or waits there) is left out: a
 /// test reaching it diverges, as nothing says what it would have returned.
+/// Linear in the log: its settlements are indexed in one pass first.
 pub fn recorded_calls(parent: &RunState) -> Sandbox {
+    let settlements = Settlements::of(parent);
     let mut calls = Vec::new();
     for (seq, entry) in parent.records() {
         let Entry::ModelCall(m) = entry else { continue };
         for (index, proposed) in m.response.tool_calls.iter().enumerate() {
-            if let Some(call) = settled(parent, seq, index, &proposed.name, &proposed.arguments) {
+            let (tool, arguments) = (&proposed.name, &proposed.arguments);
+            if let Some(call) = settlements.settled(seq, index, tool, arguments) {
                 calls.push(call);
             }
         }
@@ -37,65 +44,86 @@ pub fn recorded_calls(parent: &RunState) -> Sandbox {
     Sandbox { calls }
 }
 
-/// How call `index` of the ModelCall at `model_call_seq` was settled.
-fn settled(
-    parent: &RunState,
-    model_call_seq: u64,
-    index: usize,
-    tool: &str,
-    arguments: &Value,
-) -> Option<RecordedCall> {
-    let later = || parent.records_from(model_call_seq + 1);
-    let request = later().rev().find_map(|(seq, e)| match e {
-        Entry::ApprovalRequested(r)
-            if r.kind == ApprovalKind::Call
-                && r.model_call_seq == model_call_seq
-                && r.call_index == index =>
-        {
-            Some((seq, r))
+/// A call: the seq of the ModelCall that proposed it, and its index there.
+type CallAt = (u64, usize);
+
+/// How the calls of a log were settled, by the call (or request, intent)
+/// each record names; only records after the one they name count.
+#[derive(Default)]
+struct Settlements<'a> {
+    /// The last approval request of each call (a voided one is asked again).
+    requests: HashMap<CallAt, (u64, &'a ApprovalRequested)>,
+    /// The first decision on each request.
+    decisions: HashMap<u64, &'a ApprovalDecided>,
+    /// The first intent of each call.
+    intents: HashMap<CallAt, (u64, &'a ToolIntent)>,
+    /// The first result of each intent.
+    results: HashMap<u64, &'a ToolOutcome>,
+}
+
+impl<'a> Settlements<'a> {
+    fn of(log: &'a RunState) -> Settlements<'a> {
+        let mut s = Settlements::default();
+        for (seq, entry) in log.records() {
+            match entry {
+                Entry::ApprovalRequested(r)
+                    if r.kind == ApprovalKind::Call && seq > r.model_call_seq =>
+                {
+                    s.requests
+                        .insert((r.model_call_seq, r.call_index), (seq, r));
+                }
+                Entry::ApprovalDecided(d) if seq > d.request_seq => {
+                    s.decisions.entry(d.request_seq).or_insert(d);
+                }
+                Entry::ToolIntent(i) if seq > i.model_call_seq => {
+                    let call = (i.model_call_seq, i.call_index);
+                    s.intents.entry(call).or_insert((seq, i));
+                }
+                Entry::ToolResult(r) if seq > r.intent_seq => {
+                    s.results.entry(r.intent_seq).or_insert(&r.outcome);
+                }
+                _ => {}
+            }
         }
-        _ => None,
-    });
-    let decided = request.and_then(|(request_seq, r)| {
-        later().find_map(|(_, e)| match e {
-            Entry::ApprovalDecided(d) if d.request_seq == request_seq => Some((r, d)),
-            _ => None,
-        })
-    });
-    let intent = later().find_map(|(seq, e)| match e {
-        Entry::ToolIntent(i) if i.model_call_seq == model_call_seq && i.call_index == index => {
-            Some((seq, i))
-        }
-        _ => None,
-    });
-    let (made_with, outcome) = match (intent, decided) {
-        (Some((intent_seq, i)), _) => {
-            let outcome = later().find_map(|(_, e)| match e {
-                Entry::ToolResult(r) if r.intent_seq == intent_seq => Some(r.outcome.clone()),
-                _ => None,
-            })?;
-            (
+        s
+    }
+
+    /// How call `index` of the ModelCall at `model_call_seq` was settled.
+    fn settled(
+        &self,
+        model_call_seq: u64,
+        index: usize,
+        tool: &str,
+        arguments: &Value,
+    ) -> Option<RecordedCall> {
+        let call = (model_call_seq, index);
+        let decided = self.requests.get(&call).and_then(|(request_seq, r)| {
+            let d = self.decisions.get(request_seq)?;
+            Some((*r, *d))
+        });
+        let (made_with, outcome) = match (self.intents.get(&call), decided) {
+            (Some((intent_seq, i)), _) => (
                 (i.arguments != *arguments).then(|| i.arguments.clone()),
-                outcome,
-            )
-        }
-        (None, Some((r, d))) if d.settles_without_running() => (
-            None,
-            ToolOutcome::Failed {
-                observation: crate::runlog::records::not_run_note(r, d),
-            },
-        ),
-        _ => return None,
-    };
-    Some(RecordedCall {
-        model_call_seq,
-        call_index: index,
-        tool: tool.to_string(),
-        arguments: arguments.clone(),
-        made_with,
-        outcome,
-        decision: decided.map(|(_, d)| d.verdict),
-    })
+                (*self.results.get(intent_seq)?).clone(),
+            ),
+            (None, Some((r, d))) if d.settles_without_running() => (
+                None,
+                ToolOutcome::Failed {
+                    observation: crate::runlog::records::not_run_note(r, d),
+                },
+            ),
+            _ => return None,
+        };
+        Some(RecordedCall {
+            model_call_seq,
+            call_index: index,
+            tool: tool.to_string(),
+            arguments: arguments.clone(),
+            made_with,
+            outcome,
+            decision: decided.map(|(_, d)| d.verdict),
+        })
+    }
 }
 
 /// What a replay test does with a call its model proposes.

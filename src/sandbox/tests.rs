@@ -266,3 +266,84 @@ fn a_test_stays_a_test_past_a_checkpoint_and_a_fork_of_it_is_none() {
     }));
     assert_eq!(RunState::replay(fork).sandbox(), None);
 }
+
+/// How a call was settled, found by searching the log after its ModelCall
+/// for each record in turn (the matching before the index): the oracle
+/// the one-pass index must agree with.
+fn settled_by_search(log: &RunState, model_call_seq: u64, index: usize) -> Option<RecordedCall> {
+    let later = || log.records_from(model_call_seq + 1);
+    let request = later().rev().find_map(|(seq, e)| match e {
+        Entry::ApprovalRequested(r)
+            if r.kind == v1::ApprovalKind::Call
+                && (r.model_call_seq, r.call_index) == (model_call_seq, index) =>
+        {
+            Some((seq, r))
+        }
+        _ => None,
+    });
+    let decided = request.and_then(|(request_seq, r)| {
+        later().find_map(|(_, e)| match e {
+            Entry::ApprovalDecided(d) if d.request_seq == request_seq => Some((r, d)),
+            _ => None,
+        })
+    });
+    let intent = later().find_map(|(seq, e)| match e {
+        Entry::ToolIntent(i) if (i.model_call_seq, i.call_index) == (model_call_seq, index) => {
+            Some((seq, i))
+        }
+        _ => None,
+    });
+    let Some(Entry::ModelCall(m)) = log.entry(model_call_seq) else {
+        return None;
+    };
+    let proposed = &m.response.tool_calls[index];
+    let (made_with, outcome) = match (intent, decided) {
+        (Some((intent_seq, i)), _) => (
+            (i.arguments != proposed.arguments).then(|| i.arguments.clone()),
+            later().find_map(|(_, e)| match e {
+                Entry::ToolResult(r) if r.intent_seq == intent_seq => Some(r.outcome.clone()),
+                _ => None,
+            })?,
+        ),
+        (None, Some((r, d))) if d.settles_without_running() => (
+            None,
+            v1::ToolOutcome::Failed {
+                observation: crate::runlog::records::not_run_note(r, d),
+            },
+        ),
+        _ => return None,
+    };
+    Some(RecordedCall {
+        model_call_seq,
+        call_index: index,
+        tool: proposed.name.clone(),
+        arguments: proposed.arguments.clone(),
+        made_with,
+        outcome,
+        decision: decided.map(|(_, d)| d.verdict),
+    })
+}
+
+/// The one-pass index settles every call of a canned run as a search of
+/// the log does, at every prefix of the run (a call settled later, or
+/// never, included).
+#[test]
+fn the_recorded_calls_are_the_searched_ones_at_every_prefix() {
+    let whole: Vec<Entry> = recorded().records().map(|(_, e)| e.clone()).collect();
+    let mut compared = 0;
+    for len in 1..=whole.len() {
+        let log = RunState::replay(whole[..len].to_vec());
+        let searched: Vec<RecordedCall> = log
+            .records()
+            .filter_map(|(seq, e)| match e {
+                Entry::ModelCall(m) => Some((seq, m.response.tool_calls.len())),
+                _ => None,
+            })
+            .flat_map(|(seq, n)| (0..n).map(move |i| (seq, i)))
+            .filter_map(|(seq, i)| settled_by_search(&log, seq, i))
+            .collect();
+        compared += searched.len();
+        assert_eq!(recorded_calls(&log).calls, searched, "after {len} records");
+    }
+    assert!(compared > 10, "the prefixes settle calls: {compared}");
+}
