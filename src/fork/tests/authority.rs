@@ -337,17 +337,7 @@ fn check_every_fork(uid: &str, log: &[Entry]) -> Vec<u64> {
         match parent.next() {
             Next::Approved { request, .. } => {
                 asked_again.push(seq);
-                let (mc, index) = (request.model_call_seq, request.call_index);
-                let Next::RecordIntent {
-                    model_call_seq,
-                    call_index,
-                    call,
-                } = next
-                else {
-                    panic!("at seq {seq}: the copied approval was taken: {next:?}")
-                };
-                assert_eq!((model_call_seq, call_index), (mc, index), "at seq {seq}");
-                the_forks_own_approval_decides(&state, seq, mc, index, &call, &request);
+                the_forks_gate_asks_again(&state, seq, next, &request);
             }
             Next::Reconciled {
                 intent_seq,
@@ -366,17 +356,7 @@ fn check_every_fork(uid: &str, log: &[Entry]) -> Vec<u64> {
             // parent's policy: the fork's gate asks again under its own.
             Next::AwaitApproval { request_seq } => match parent.entry(request_seq) {
                 Some(Entry::ApprovalRequested(request)) if request.kind == ApprovalKind::Call => {
-                    let (mc, index) = (request.model_call_seq, request.call_index);
-                    let Next::RecordIntent {
-                        model_call_seq,
-                        call_index,
-                        call,
-                    } = next
-                    else {
-                        panic!("at seq {seq}: the parent's request was taken: {next:?}")
-                    };
-                    assert_eq!((model_call_seq, call_index), (mc, index), "at seq {seq}");
-                    the_forks_own_approval_decides(&state, seq, mc, index, &call, request);
+                    the_forks_gate_asks_again(&state, seq, next, request);
                 }
                 _ => assert_eq!(next, parent.next(), "at seq {seq}"),
             },
@@ -384,6 +364,23 @@ fn check_every_fork(uid: &str, log: &[Entry]) -> Vec<u64> {
         }
     }
     asked_again
+}
+
+/// A fork at `seq` of a parent whose approval (or request) covered the
+/// call `request` is about: the fork's next step takes that call to its
+/// own gate, and its own approval decides it.
+fn the_forks_gate_asks_again(state: &RunState, seq: u64, next: Next, request: &ApprovalRequested) {
+    let (mc, index) = (request.model_call_seq, request.call_index);
+    let Next::RecordIntent {
+        model_call_seq,
+        call_index,
+        call,
+    } = next
+    else {
+        panic!("at seq {seq}: the parent's approval or request was taken: {next:?}")
+    };
+    assert_eq!((model_call_seq, call_index), (mc, index), "at seq {seq}");
+    the_forks_own_approval_decides(state, seq, mc, index, &call, request);
 }
 
 /// The fork's gate asks its own approvers about the call the parent's
