@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 use kube::runtime::reflector::ObjectRef;
 
 pub use asks::{Ask, AskState};
-pub use replayed::Replayed;
+pub use replayed::{Replayed, record_bytes};
 
 use crate::api::AgentRun;
 use crate::controller::metrics::Counted;

@@ -133,7 +133,7 @@ impl Replayed {
 
 /// A record's estimated size in memory: its payload's strings and numbers,
 /// plus a fixed cost per record and per JSON node.
-fn record_bytes(record: &Record) -> usize {
+pub fn record_bytes(record: &Record) -> usize {
     fn walk(v: &serde_json::Value) -> usize {
         use serde_json::Value::*;
         16 + match v {

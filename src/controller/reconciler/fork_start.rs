@@ -110,14 +110,14 @@ pub(super) async fn start_fork(
         Err((reason, message)) => return Ok(refuse(run, acting, reason, message)),
     };
     let parent_uid = crate::api::RunUid::of(&parent).to_string();
-    let mut records = match read_log(ctx, &parent, &parent_uid, start.keep()).await? {
+    // One start at a time holds a parent's records, until its copy is written.
+    let _one = STARTS.acquire().await.expect("never closed");
+    let read = read_log(ctx, &parent, &parent_uid, start.keep(), START_MAX_BYTES).await?;
+    let mut records = match read {
         Ok(records) => records,
-        Err(tampered) => {
-            let message = format!(
-                "{field}.run: the parent {:?}'s log does not verify, so nothing of it is copied: {tampered}",
-                start.parent()
-            );
-            return Ok(refuse(run, acting, "ParentTampered", message));
+        Err(unread) => {
+            let (reason, message) = unread.refusal(start);
+            return Ok(refuse(run, acting, reason, message));
         }
     };
     let test = match start {
@@ -360,15 +360,67 @@ async fn allowed(
     })
 }
 
+/// The most of a parent's log a fork's or test's start holds: the records
+/// it keeps (a fork's prefix; every record of a test's recorded run, whose
+/// calls it answers from), estimated as the log cache does. A larger start
+/// is refused, naming the bound. One start at a time holds them
+/// ([`STARTS`]), so starts add at most this, and its sealed copy, to the
+/// controller's bound (docs/memory.md).
+pub const START_MAX_BYTES: usize = 16 << 20;
+
+/// The starts holding a parent's records: one at a time.
+static STARTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+
+/// Why a parent's log was not read for a start.
+#[derive(Debug)]
+pub(crate) enum Unread {
+    /// It does not verify.
+    Tampered(crate::store::StoreError),
+    /// What the start would keep of it is over `bound` bytes.
+    TooLarge { bound: usize },
+}
+
+impl Unread {
+    /// The fork's refusal: its reason and message.
+    fn refusal(&self, start: Start<'_>) -> (&'static str, String) {
+        let (field, parent) = (start.field(), start.parent());
+        match self {
+            Unread::Tampered(tampered) => (
+                "ParentTampered",
+                format!(
+                    "{field}.run: the parent {parent:?}'s log does not verify, so nothing of it is copied: {tampered}"
+                ),
+            ),
+            Unread::TooLarge { bound } => {
+                let what = match start {
+                    Start::Fork(f) => format!("its records 0..={}", f.seq),
+                    Start::Test(_) => {
+                        "the whole log (a test answers from every recorded call)".into()
+                    }
+                };
+                let mib = bound >> 20;
+                (
+                    "TooLarge",
+                    format!(
+                        "{field}: the parent {parent:?}'s log is too large to start from: {what} come to more than \
+                         {mib} MiB, the most a start holds (docs/memory.md); nothing is copied"
+                    ),
+                )
+            }
+        }
+    }
+}
+
 /// The parent's whole log verified page by page (chain, anchored head,
-/// signatures under its rules), its first `keep` records kept. The inner
-/// error: it does not verify.
-async fn read_log(
+/// signatures under its rules), its first `keep` records kept while they
+/// come to at most `bound` bytes.
+pub(crate) async fn read_log(
     ctx: &Context,
     parent: &AgentRun,
     parent_uid: &str,
     keep: usize,
-) -> Result<Result<Vec<Record>, crate::store::StoreError>, Error> {
+    bound: usize,
+) -> Result<Result<Vec<Record>, Unread>, Error> {
     let (anchor, rules) = (anchored_head(parent), signature_rules(parent));
     let mut pages = Pages::after(
         ctx.log.store.as_ref(),
@@ -376,18 +428,25 @@ async fn read_log(
         parent_uid,
         Head::EMPTY,
     );
-    let mut all = Vec::new();
+    let (mut all, mut held) = (Vec::new(), 0usize);
     loop {
         match checked_page(ctx, parent_uid, &mut pages, &anchor, &rules).await? {
             Ok(Some((records, _ticket))) => {
                 let room = keep.saturating_sub(all.len());
-                all.extend(records.into_iter().take(room));
+                for record in records.into_iter().take(room) {
+                    held = held.saturating_add(crate::controller::memory::record_bytes(&record));
+                    if held > bound {
+                        return Ok(Err(Unread::TooLarge { bound }));
+                    }
+                    all.push(record);
+                }
             }
             Ok(None) => break,
-            Err(tampered) => return Ok(Err(tampered)),
+            Err(tampered) => return Ok(Err(Unread::Tampered(tampered))),
         }
     }
-    Ok(crate::store::check_anchor_after(parent_uid, &pages.head(), &[], &anchor).map(|()| all))
+    let anchored = crate::store::check_anchor_after(parent_uid, &pages.head(), &[], &anchor);
+    Ok(anchored.map(|()| all).map_err(Unread::Tampered))
 }
 
 /// The `VersionChanged` to `spec.forkOf.agent` (resolved as the run's
@@ -570,6 +629,31 @@ mod tests {
         assert_eq!(Start::Fork(&fork).keep(), crate::fork::through(4));
         assert_eq!(Start::Test(&test_of(None)).keep(), usize::MAX);
         assert_eq!(Start::Test(&test_of(None)).seq(), 0);
+    }
+
+    #[test]
+    fn a_start_too_large_is_refused_naming_what_it_would_hold_and_the_bound() {
+        let too_large = Unread::TooLarge {
+            bound: START_MAX_BYTES,
+        };
+        let fork = fork_of(5);
+        let (reason, message) = too_large.refusal(Start::Fork(&fork));
+        assert_eq!(reason, "TooLarge");
+        for part in [
+            "spec.forkOf",
+            "\"parent\"",
+            "records 0..=5",
+            "16 MiB",
+            "nothing is copied",
+        ] {
+            assert!(message.contains(part), "{part}: {message}");
+        }
+        let test = test_of(None);
+        let (_, message) = too_large.refusal(Start::Test(&test));
+        assert!(
+            message.starts_with("spec.testOf") && message.contains("whole log"),
+            "{message}"
+        );
     }
 
     #[test]

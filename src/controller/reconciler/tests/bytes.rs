@@ -82,3 +82,35 @@ async fn a_log_too_large_to_hold_is_resumed_at_its_checkpoint_not_read_whole_at_
     }
     assert_eq!(ctx.log.store.head(UID).await.unwrap().len, 6);
 }
+
+/// A fork's or test's start holds at most its bound of the parent's log
+/// (issue 50): what it reads past its prefix is let go page by page; a
+/// prefix (or, for a test, a whole log) over the bound is refused, naming
+/// what and the bound, before more is held.
+#[tokio::test]
+async fn a_start_keeps_only_what_it_copies_and_refuses_a_prefix_over_its_bound() {
+    use crate::controller::reconciler::fork_start::{Unread, read_log};
+    let dir = tempfile::tempdir().unwrap();
+    let (ctx, handle) = super::mocked(dir.path()).await;
+    let (ctx, _handle, parent) = start(ctx, handle, super::run()).await;
+    // Records 1..=6: an observation of 1 MiB each, after `RunStarted`.
+    let big = |c: char| observation(&c.to_string().repeat(MIB));
+    let steps = ['a', 'b', 'c', 'd', 'e', 'f'].map(big).to_vec();
+    step_pod(&ctx, steps, Duration::from_secs(60), true).await;
+    let bound = 4 * MIB;
+
+    // A fork at seq 2 keeps records 0..=2 and reads the rest only to verify.
+    let kept = read_log(&ctx, &parent, UID, 3, bound)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(kept.iter().map(|r| r.seq).collect::<Vec<_>>(), [0, 1, 2]);
+    // A fork at seq 5, and a test (which answers from the whole log): refused.
+    for keep in [6, usize::MAX] {
+        let read = read_log(&ctx, &parent, UID, keep, bound).await.unwrap();
+        assert!(
+            matches!(read, Err(Unread::TooLarge { bound: b }) if b == bound),
+            "keeping {keep}: {read:?}"
+        );
+    }
+}
