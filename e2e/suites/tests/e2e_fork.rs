@@ -206,6 +206,76 @@ async fn a_fork_of_a_waiting_run_waits_on_its_own_approval_and_deciding_it_leave
     );
 }
 
+/// A copied decision authorizes nothing new (issue 50): dave, who may read
+/// the parent's log but approves nothing, forks it right after alice's
+/// approval of the refund, before its intent. The fork makes no refund on
+/// alice's word: it waits on its own Approval, and only that decision
+/// lets it refund, with its own key.
+#[tokio::test]
+async fn a_fork_after_the_parents_approval_makes_no_refund_until_its_own_approver_decides() {
+    use common::approvals::{entry, gated_refund_approval, grant_approver_role, pending_approval};
+    let w = World::new("forkauth", &[]).await;
+    grant_approver_role(&w).await;
+    let replies = json!([
+        common::approvals::refund(500),
+        finish("refunded 500"),
+        finish("the fork refunded 500")
+    ]);
+    let theirs = gated_refund_approval(&w, "approved", replies).await;
+    let hash = theirs.spec.arguments_hash.clone();
+    let name = theirs.metadata.name.clone().unwrap();
+    common::approvals::decide(&w, "alice", &name, entry("alice", "Approve", &hash, "ok"))
+        .await
+        .expect("alice approves the parent's refund");
+    let parent = w.wait_phase("approved", Phase::Succeeded).await;
+    let decided = w
+        .log(&parent)
+        .await
+        .iter()
+        .find_map(|(r, e)| matches!(e, Entry::ApprovalDecided(_)).then_some(r.seq))
+        .expect("the decision is recorded");
+    let refunds = |effects: Vec<Value>| -> Vec<Value> {
+        let made = effects.into_iter().filter(|e| e["tool"] == "issue_refund");
+        made.map(|e| e["key"].clone()).collect()
+    };
+    assert_eq!(refunds(w.standins.effects(w.name()).await).len(), 1);
+
+    forker(&w, "dave").await;
+    let (ok, out) = common::approvals::plugin(
+        &w,
+        "dave",
+        &[
+            "fork",
+            "approved",
+            "--at",
+            &decided.to_string(),
+            "--name",
+            "again",
+        ],
+    );
+    assert!(ok, "{out}");
+    let mine = pending_approval(&w, "again").await;
+    assert_ne!(mine.metadata.name, theirs.metadata.name);
+    assert_eq!(mine.spec.arguments, theirs.spec.arguments);
+    assert_eq!(mine.spec.requester.as_deref(), Some("dave"));
+    let made = refunds(w.standins.effects(w.name()).await);
+    assert_eq!(
+        made.len(),
+        1,
+        "no refund on the parent's approval: {made:?}"
+    );
+
+    let name = mine.metadata.name.clone().unwrap();
+    let hash = mine.spec.arguments_hash.clone();
+    common::approvals::decide(&w, "alice", &name, entry("alice", "Approve", &hash, "fork"))
+        .await
+        .expect("alice approves the fork's own refund");
+    w.wait_phase("again", Phase::Succeeded).await;
+    let made = refunds(w.standins.effects(w.name()).await);
+    assert_eq!(made.len(), 2, "{made:?}");
+    assert_ne!(made[0], made[1], "the fork's refund has the fork's key");
+}
+
 #[tokio::test]
 async fn a_fork_by_someone_who_cannot_read_the_parents_log_is_refused_and_copies_nothing() {
     let w = World::new("forkdeny", &[]).await;
