@@ -108,11 +108,15 @@ fn step_resources() -> ResourceRequirements {
     }
 }
 
-/// An environment variable with its value in the pod spec.
+/// An environment variable with its value in the pod spec, as written:
+/// the kubelet expands `$(NAME)` in a value to another variable's (the
+/// pod's key, say) and reads `$$` as `$`, so every `$` is doubled. A run's
+/// task and an agent's settings are user text; no value here refers to
+/// another variable.
 pub(super) fn plain(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.into(),
-        value: Some(value.into()),
+        value: Some(value.into().replace('$', "$$")),
         ..Default::default()
     }
 }
@@ -234,4 +238,76 @@ fn wire_env(servers: &[ToolServer], key: &str) -> Vec<EnvVar> {
             .map(|s| plain(&s.env_name(), s.local_url(LOOPBACK_PORT))),
     );
     env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plain;
+
+    /// The kubelet's expansion of an env value (Kubernetes, "Define
+    /// dependent environment variables"; its `expansion` package): `$$` is
+    /// `$`; `$(NAME)` of a variable defined before it is that variable's
+    /// value, of any other name itself; any other `$` stays.
+    fn kubelet_expands(value: &str, env: &[(&str, &str)]) -> String {
+        let mut out = String::new();
+        let mut rest = value;
+        while let Some(at) = rest.find('$') {
+            out.push_str(&rest[..at]);
+            let after = &rest[at + 1..];
+            if let Some(tail) = after.strip_prefix('$') {
+                out.push('$');
+                rest = tail;
+            } else if let Some(close) = after.strip_prefix('(').and_then(|t| t.find(')')) {
+                let name = &after[1..=close];
+                match env.iter().find(|(n, _)| *n == name) {
+                    Some((_, v)) => out.push_str(v),
+                    None => out.push_str(&format!("$({name})")),
+                }
+                rest = &after[close + 2..];
+            } else {
+                out.push('$');
+                rest = after;
+            }
+        }
+        out.push_str(rest);
+        out
+    }
+
+    #[test]
+    fn the_reference_expansion_is_the_kubelets() {
+        // Cases of the Kubernetes expansion package's own tests.
+        let env = [("VAR_A", "A"), ("VAR_B", "B")];
+        for (value, expanded) in [
+            ("$(VAR_A)", "A"),
+            ("___$(VAR_B)___", "___B___"),
+            ("$(VAR_A)-$(VAR_A)", "A-A"),
+            ("$$(VAR_B)", "$(VAR_B)"),
+            ("$$$$$$(VAR_A)", "$$$(VAR_A)"),
+            ("$(VAR_DNE)", "$(VAR_DNE)"),
+            ("$(VAR_A", "$(VAR_A"),
+            ("f000-$$VAR_A", "f000-$VAR_A"),
+            ("$", "$"),
+            ("foo$", "foo$"),
+        ] {
+            assert_eq!(kubelet_expands(value, &env), expanded, "{value}");
+        }
+    }
+
+    /// A run's task (or an agent's setting) reaches the agent as written:
+    /// never the pod's key spliced in, never `$$` halved (issue 51).
+    #[test]
+    fn user_text_reaches_the_agent_as_written_never_expanded_by_the_kubelet() {
+        let env = [("AGENTRUN_RUNNER_KEY", "the-pods-key"), ("HOME", "/root")];
+        for text in [
+            "refund $(AGENTRUN_RUNNER_KEY) now",
+            "$$(HOME)",
+            "$(HOME",
+            "cost: $5, $$ or $",
+            "$$$(HOME)$",
+        ] {
+            let var = plain("AGENTRUN_INPUT", text);
+            let value = var.value.as_deref().unwrap();
+            assert_eq!(kubelet_expands(value, &env), text);
+        }
+    }
 }
