@@ -434,8 +434,14 @@ impl ModelClient {
     }
 
     /// The JSON body this client sends for `req` (the provider's wire format).
+    /// Its output tokens are the fewer of what the request asks (a container
+    /// agent's) and the Agent's `maxOutputTokens`: a request never raises
+    /// the Agent's bound.
     pub fn request_body(&self, req: &ModelRequest) -> serde_json::Value {
-        let max = req.max_output_tokens.or(self.max_output_tokens);
+        let max = match (req.max_output_tokens, self.max_output_tokens) {
+            (Some(asked), Some(bound)) => Some(asked.min(bound)),
+            (asked, bound) => asked.or(bound),
+        };
         match self.provider {
             Provider::OpenAI => openai::request_body(&self.model, req, max, self.openai_official),
             Provider::Anthropic => anthropic::request_body(&self.model, req, max),
@@ -1139,6 +1145,38 @@ mod tests {
         assert!(b1 >= Duration::from_millis(100) && b1 <= Duration::from_millis(120));
         assert!(b3 >= Duration::from_millis(400) && b3 <= Duration::from_millis(480));
         assert!(b9 >= Duration::from_millis(500) && b9 <= Duration::from_millis(600));
+    }
+
+    /// A container agent asks for a million output tokens; the Agent says
+    /// 64: the provider is asked for 64, in either wire format (issue 51).
+    #[test]
+    fn a_request_never_raises_the_agents_output_token_bound() {
+        let max_tokens = |provider: Provider, bound: Option<u32>, asked: Option<u32>| {
+            let spec = ModelSpec {
+                provider,
+                name: "m".into(),
+                max_output_tokens: bound,
+                ..Default::default()
+            };
+            let c = ModelClient::new(&spec, None).unwrap();
+            let req = ModelRequest {
+                system: "s".into(),
+                messages: vec![Message::User { text: "t".into() }],
+                tools: vec![],
+                max_output_tokens: asked,
+            };
+            let body = c.request_body(&req);
+            let field = ["max_tokens", "max_completion_tokens", "max_output_tokens"]
+                .into_iter()
+                .find_map(|f| body[f].as_u64());
+            field.map(|n| n as u32)
+        };
+        for provider in [Provider::OpenAI, Provider::Anthropic] {
+            assert_eq!(max_tokens(provider, Some(64), Some(1_000_000)), Some(64));
+            assert_eq!(max_tokens(provider, Some(64), Some(10)), Some(10));
+            assert_eq!(max_tokens(provider, Some(64), None), Some(64));
+        }
+        assert_eq!(max_tokens(Provider::OpenAI, None, Some(500)), Some(500));
     }
 
     #[test]
