@@ -111,12 +111,23 @@ fn step_resources() -> ResourceRequirements {
 /// An environment variable with its value in the pod spec, as written:
 /// the kubelet expands `$(NAME)` in a value to another variable's (the
 /// pod's key, say) and reads `$$` as `$`, so every `$` is doubled. A run's
-/// task and an agent's settings are user text; no value here refers to
-/// another variable.
+/// task is the run creator's text; no value the controller writes refers
+/// to another variable.
 pub(super) fn plain(name: &str, value: impl Into<String>) -> EnvVar {
     EnvVar {
         name: name.into(),
         value: Some(value.into().replace('$', "$$")),
+        ..Default::default()
+    }
+}
+
+/// One of the Agent's own variables, as its author wrote it: it may refer
+/// to the ones agentrun sets (`$(AGENTRUN_MCP_SHOP_URL)`), as documented
+/// (docs/container-agents.md); the author's agent runs with them anyway.
+fn authored(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
         ..Default::default()
     }
 }
@@ -201,7 +212,7 @@ fn agent_container(
     command.extend(agent.command.iter().cloned());
     let mut env = wire_env(servers, key);
     env.push(plain("AGENTRUN_INPUT", input));
-    env.extend(agent.env.iter().map(|v| plain(&v.name, v.value.clone())));
+    env.extend(agent.env.iter().map(|v| authored(&v.name, &v.value)));
     Container {
         name: "agent".into(),
         image: Some(agent.image.clone()),
@@ -293,8 +304,9 @@ mod tests {
         }
     }
 
-    /// A run's task (or an agent's setting) reaches the agent as written:
-    /// never the pod's key spliced in, never `$$` halved (issue 51).
+    /// A run's task reaches the agent as written: never the pod's key
+    /// spliced in, never `$$` halved (issue 51). The Agent's own variables
+    /// keep their documented references to agentrun's.
     #[test]
     fn user_text_reaches_the_agent_as_written_never_expanded_by_the_kubelet() {
         let env = [("AGENTRUN_RUNNER_KEY", "the-pods-key"), ("HOME", "/root")];
@@ -309,5 +321,39 @@ mod tests {
             let value = var.value.as_deref().unwrap();
             assert_eq!(kubelet_expands(value, &env), text);
         }
+        // Through the agent's container: each value expanded as the kubelet
+        // does, with the variables defined before it.
+        let agent: crate::api::AgentContainer = serde_json::from_value(serde_json::json!({
+            "image": "agent:1", "command": ["agent"],
+            "env": [{"name": "SHOP", "value": "$(AGENTRUN_MCP_SHOP_URL)"}]
+        }))
+        .unwrap();
+        let shop = crate::wire::servers::ToolServer {
+            name: "shop".into(),
+            url: Some("http://shop/mcp".into()),
+            tools: vec!["lookup".into()],
+        };
+        let task = "refund $(AGENTRUN_RUNNER_KEY) and $$(HOME)";
+        let container = super::agent_container(&agent, &[shop], "the-pods-key", task);
+        let mut seen: Vec<(String, String)> = Vec::new();
+        for var in container.env.unwrap() {
+            let defined: Vec<(&str, &str)> =
+                seen.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+            let value = kubelet_expands(var.value.as_deref().unwrap_or(""), &defined);
+            seen.push((var.name, value));
+        }
+        let of = |name: &str| seen.iter().find(|(n, _)| n == name).unwrap().1.clone();
+        assert_eq!(of("AGENTRUN_INPUT"), task);
+        assert_eq!(of("AGENTRUN_RUNNER_KEY"), "the-pods-key");
+        assert_eq!(
+            of("SHOP"),
+            of("AGENTRUN_MCP_SHOP_URL"),
+            "the author's reference"
+        );
+        assert!(
+            of("SHOP").starts_with("http://127.0.0.1:"),
+            "{}",
+            of("SHOP")
+        );
     }
 }
