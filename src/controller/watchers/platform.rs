@@ -311,10 +311,17 @@ fn effective_policy(
     agent: Option<&ApprovalPolicy>,
     platform: &[(String, PlatformApproval)],
 ) -> Option<ApprovalPolicy> {
+    // `platformAdded` is the controller's to write: whatever an agent's
+    // policy says of it (the API server prunes it) is never pinned, or a
+    // fork would take the agent's own rules off.
+    let own = agent.cloned().map(|mut p| {
+        p.platform_added = None;
+        p
+    });
     if platform.is_empty() {
-        return agent.cloned();
+        return own;
     }
-    let mut policy = agent.cloned().unwrap_or_default();
+    let mut policy = own.unwrap_or_default();
     let agent_action = policy.default_action;
     let mut added = PlatformAdded {
         rules: 0,
@@ -551,6 +558,18 @@ mod tests {
             Classification::RequireApproval(_)
         ));
         assert!(!fork.approval.as_ref().unwrap().separation_of_duties);
+        // An agent cannot pin `platformAdded` itself (it would take its
+        // own rules off in a fork).
+        let mut forged = agent.clone();
+        forged.approval.as_mut().unwrap().platform_added = Some(PlatformAdded {
+            rules: 1,
+            ..Default::default()
+        });
+        assert_eq!(
+            Platform::default().govern(&forged),
+            Platform::default().govern(&agent)
+        );
+        assert_eq!(today.govern(&forged), today.govern(&agent));
         // A pin from before `platformAdded` cannot be taken apart: it keeps
         // every rule it had, under today's.
         let mut old = pinned.clone();
